@@ -1,0 +1,1 @@
+"""Extractive question answering (MRC) on top of the hflight facade."""
