@@ -1,0 +1,167 @@
+"""HF callback events on Lightning hooks, and ``TrainerControl`` applied back to Lightning.
+
+``HFEventBridge`` is a Lightning ``Callback`` for the hooks Lightning has (train/epoch begin and end) and the
+step-level events the LightningModule reports to it (step begin, substep end, pre/post optimizer step, step
+end), so each HF event fires once, in HF's order, with HF's arguments (through transformers' own
+``CallbackHandler``). After every step and epoch it does what HF's ``_maybe_log_save_evaluate`` does: log the
+running loss, evaluate, update the best metric, save a checkpoint, as the control flags ask.
+
+| HF event | fired from |
+|---|---|
+| on_train_begin / on_train_end | ``on_train_start`` / the facade after ``fit`` returns (after the train metrics) |
+| on_epoch_begin / on_epoch_end | ``on_train_epoch_start`` / ``on_train_epoch_end`` |
+| on_step_begin | the first micro-batch of an accumulation cycle |
+| on_substep_end | every other micro-batch |
+| on_pre_optimizer_step | ``on_before_optimizer_step`` after clipping (gradients already unscaled) |
+| on_optimizer_step | right after ``optimizer.step()`` |
+| on_step_end | after ``global_step`` moved, then log/evaluate/save |
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import lightning as L
+import torch
+from transformers.trainer_utils import SaveStrategy
+from typing_extensions import override
+
+from hflight import checkpoint
+
+if TYPE_CHECKING:
+    from hflight.trainer import Trainer
+
+
+class HFEventBridge(L.Callback):
+    """Owns the running-loss bookkeeping of one ``train()`` call and fires the HF events."""
+
+    def __init__(self, facade: Trainer, trial: Any = None, ignore_keys_for_eval: list[str] | None = None) -> None:
+        self.facade = facade
+        self.trial = trial
+        self.ignore_keys_for_eval = ignore_keys_for_eval
+        self.tr_loss = torch.tensor(0.0)
+        self.total_loss_scalar = 0.0
+        self.globalstep_last_logged = 0
+        self.initial_global_step = 0
+        self.start_time = time.time()
+        self.grad_norm: torch.Tensor | float | None = None
+        self.learning_rate: float | None = None
+        self.micro_steps_this_epoch = 0
+
+    # -- helpers -----------------------------------------------------------------------------------------------
+    def _fire(self, event: str, **kwargs: Any) -> None:
+        facade = self.facade
+        facade.control = getattr(facade.callback_handler, event)(facade.args, facade.state, facade.control, **kwargs)
+
+    def _epoch_index(self) -> int:
+        return self.facade._epochs_offset + self.facade._lightning_trainer.current_epoch
+
+    # -- Lightning hooks ---------------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self.facade._begin_fit(trainer.datamodule.train_loader)
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        facade = self.facade
+        handler = facade.callback_handler
+        handler.model, handler.optimizer, handler.lr_scheduler = facade.model, facade.optimizer, facade.lr_scheduler
+        handler.train_dataloader = trainer.datamodule.train_loader
+        checkpoint.restore_optimizer(facade)
+        self.tr_loss = torch.tensor(0.0, device=pl_module.device)
+        self.start_time = time.time()
+        self.initial_global_step = self.globalstep_last_logged = facade.state.global_step
+        facade._train_start_time = self.start_time
+        pl_module.model.zero_grad(set_to_none=True)
+        self._fire("on_train_begin")
+        if facade.args.eval_on_start:
+            facade._evaluate(self.trial, self.ignore_keys_for_eval, skip_scheduler=True)
+
+    @override
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.micro_steps_this_epoch = 0
+        self._fire("on_epoch_begin")
+
+    @override
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.micro_steps_this_epoch == 0 and trainer.datamodule.cycles is not None:
+            # HF: an epoch that yields no batch (an exhausted iterable dataset) ends training.
+            self.facade.control.should_training_stop = True
+        self._fire("on_epoch_end")
+        self.maybe_log_save_evaluate()
+        if self.facade.control.should_training_stop:
+            trainer.should_stop = True
+
+    # -- step-level events, reported by the LightningModule ----------------------------------------------------
+    def step_begin(self) -> None:
+        self._fire("on_step_begin")
+
+    def substep_end(self) -> None:
+        self._fire("on_substep_end")
+
+    def add_loss(self, loss: torch.Tensor, inputs: Any) -> None:
+        facade = self.facade
+        self.micro_steps_this_epoch += 1
+        if facade.args.logging_nan_inf_filter and not torch.isfinite(loss):
+            # HF: a non-finite loss is replaced by the average of the losses logged since the last log.
+            self.tr_loss += self.tr_loss / (1 + facade.state.global_step - self.globalstep_last_logged)
+        else:
+            self.tr_loss += loss.to(self.tr_loss.device)
+        facade.current_flos += float(facade.floating_point_ops(inputs))
+
+    def clip_and_pre_step(self, model: torch.nn.Module) -> None:
+        facade = self.facade
+        max_norm = facade.args.max_grad_norm
+        clip = getattr(model, "clip_grad_norm_", None)  # FSDP-wrapped modules clip their own shards
+        norm_limit = max_norm if max_norm and max_norm > 0 else float("inf")
+        if clip is not None:
+            self.grad_norm = clip(norm_limit)
+        else:
+            self.grad_norm = torch.nn.utils.clip_grad_norm_(facade.model.parameters(), norm_limit)
+        self._fire("on_pre_optimizer_step")
+
+    def optimizer_stepped(self) -> None:
+        self._fire("on_optimizer_step")
+
+    def step_end(self, step_in_epoch: int, learning_rate: float) -> None:
+        facade = self.facade
+        self.learning_rate = learning_rate
+        facade.state.global_step += 1
+        facade.state.epoch = self._epoch_index() + (step_in_epoch + 1) / facade._plan.steps_in_epoch
+        self._fire("on_step_end")
+        self.maybe_log_save_evaluate()
+
+    # -- HF's _maybe_log_save_evaluate -------------------------------------------------------------------------
+    def maybe_log_save_evaluate(self) -> None:
+        facade = self.facade
+        control, state = facade.control, facade.state
+        if control.should_log and state.global_step > self.globalstep_last_logged:
+            tr_loss_scalar = facade._reduce_mean(self.tr_loss).item()
+            self.tr_loss -= self.tr_loss
+            logs: dict[str, float] = {"loss": tr_loss_scalar / (state.global_step - self.globalstep_last_logged)}
+            if self.grad_norm is not None:
+                logs["grad_norm"] = self.grad_norm.item() if torch.is_tensor(self.grad_norm) else self.grad_norm
+            logs["learning_rate"] = self.learning_rate if self.learning_rate is not None else facade._get_learning_rate()
+            self.total_loss_scalar += tr_loss_scalar
+            self.globalstep_last_logged = state.global_step
+            facade.store_flos()
+            facade.log(logs, self.start_time)
+
+        if facade.control.should_evaluate:
+            metrics = facade._evaluate(self.trial, self.ignore_keys_for_eval)
+            is_new_best = facade._determine_best_metric(metrics, self.trial)
+            if facade.args.save_strategy == SaveStrategy.BEST:
+                facade.control.should_save = is_new_best
+
+        if facade.control.should_save:
+            facade._save_checkpoint(self.trial)
+            self._fire("on_save")
+
+    def train_loss(self) -> float:
+        """Mean loss over the optimizer steps of this ``train()`` call (HF's ``train_loss``)."""
+        self.total_loss_scalar += self.facade._reduce_mean(self.tr_loss).item()
+        self.tr_loss -= self.tr_loss
+        steps = self.facade.state.global_step - self.initial_global_step
+        return self.total_loss_scalar / max(steps, 0.001)

@@ -1,0 +1,189 @@
+"""Data side of a run: samplers, accumulation cycles and the LightningDataModule around the facade's loaders.
+
+Three pieces:
+
+- ``EpochSeededRandomSampler`` and ``ShardedBatchSampler``: the training order is a permutation drawn from
+  ``seed + epoch``, so every run, and every resume, sees the same order without restoring RNG state; under
+  several processes each rank takes every ``world_size``-th batch (as accelerate shards), so gathering batch by
+  batch restores the dataset order.
+- ``AccumulationCycles``: wraps the training loader and reads ``gradient_accumulation_steps`` batches ahead,
+  as transformers' ``get_batch_samples`` does, so every micro-batch knows the size of its cycle and the number of
+  label items in it (the loss normaliser). Lightning still sees one batch per micro-batch, so DDP gets exactly
+  one backward per forward.
+- ``HFDataModule``: asks the facade for its loaders (``get_train_dataloader`` and friends, so subclass overrides
+  are used) once Lightning has launched the processes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sized
+from dataclasses import dataclass
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import BatchSampler, Sampler
+
+
+class EpochSeededRandomSampler(Sampler[int]):
+    """A random permutation of ``range(length)`` drawn from a generator seeded with ``seed + epoch``.
+
+    Example:
+        >>> sampler = EpochSeededRandomSampler(4, seed=0)
+        >>> sampler.set_epoch(1)
+        >>> sorted(sampler)
+        [0, 1, 2, 3]
+    """
+
+    def __init__(self, length: int, seed: int) -> None:
+        self.length = length
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        yield from torch.randperm(self.length, generator=generator).tolist()
+
+    def __len__(self) -> int:
+        return self.length
+
+
+class ShardedBatchSampler(Sampler[list[int]]):
+    """Batches of ``sampler`` dealt round-robin to ``num_replicas`` ranks; ranks that would get fewer batches
+    repeat batches from the start so every rank steps the same number of times (gathered results are cut back
+    to the dataset length by the evaluation loop)."""
+
+    def __init__(self, sampler: Sampler[int], batch_size: int, drop_last: bool, num_replicas: int, rank: int):
+        self.batch_sampler = BatchSampler(sampler, batch_size, drop_last)
+        self.sampler = sampler
+        self.num_replicas = num_replicas
+        self.rank = rank
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        batches = list(self.batch_sampler)
+        if not batches:
+            return
+        per_rank = math.ceil(len(batches) / self.num_replicas)
+        padded = batches + [batches[i % len(batches)] for i in range(per_rank * self.num_replicas - len(batches))]
+        yield from padded[self.rank :: self.num_replicas]
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.batch_sampler) / self.num_replicas)
+
+
+def set_loader_epoch(loader: Any, epoch: int) -> None:
+    """Tell whichever sampler the loader uses which epoch it is (no-op for samplers without ``set_epoch``)."""
+    for holder in (loader, getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None)):
+        if holder is not None and hasattr(holder, "set_epoch"):
+            holder.set_epoch(epoch)
+            return
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch and its place in the accumulation cycle (what HF's loop knows from prefetching)."""
+
+    inputs: Any
+    index: int  # position in the cycle, 0-based
+    cycle_size: int  # micro-batches in this cycle (the remainder for an epoch's last cycle)
+    num_items_in_batch: torch.Tensor | int | None
+    step_in_epoch: int  # micro-batch index within the epoch, 0-based
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.cycle_size - 1
+
+
+class AccumulationCycles:
+    """Iterates a training loader as HF's loop does: ``accumulation`` batches at a time, each tagged as a
+    ``MicroBatch``. ``skip_batches`` drops the first batches of the next pass (used to resume mid-epoch)."""
+
+    def __init__(
+        self,
+        loader: Any,
+        accumulation: int,
+        count_items: Callable[[list[Any]], torch.Tensor | int | None],
+        epoch_fn: Callable[[], int],
+    ) -> None:
+        self.loader = loader
+        self.accumulation = accumulation
+        self.count_items = count_items
+        self.epoch_fn = epoch_fn
+        self.skip_batches = 0
+        self.restore_rng: Callable[[], None] | None = None
+
+    def __len__(self) -> int:
+        return len(self.loader) - self.skip_batches
+
+    def __iter__(self) -> Iterator[MicroBatch]:
+        set_loader_epoch(self.loader, self.epoch_fn())
+        skip, self.skip_batches = self.skip_batches, 0
+        restore, self.restore_rng = self.restore_rng, None
+        # A resumed run gets its RNG streams back where the uninterrupted run had them: before the epoch's
+        # iterator is created at an epoch boundary, after the skipped batches mid-epoch (as HF does).
+        if restore is not None and skip == 0:
+            restore()
+        iterator = iter(self.loader)
+        for _ in range(skip):
+            next(iterator, None)
+        if restore is not None and skip > 0:
+            restore()
+        step = skip - 1
+        while True:
+            cycle = []
+            for _ in range(self.accumulation):
+                try:
+                    cycle.append(next(iterator))
+                except StopIteration:
+                    break
+            if not cycle:
+                return
+            num_items = self.count_items(cycle)
+            for index, inputs in enumerate(cycle):
+                step += 1
+                yield MicroBatch(inputs, index, len(cycle), num_items, step)
+
+
+class HFDataModule(L.LightningDataModule):
+    """Builds the loaders through the facade after Lightning has launched the processes, so a loader knows the
+    world size and rank it runs under. Only the training side is needed by ``fit``; evaluation loaders are built
+    on demand by ``Trainer.get_eval_dataloader``."""
+
+    def __init__(self, facade: Any) -> None:
+        super().__init__()
+        self.facade = facade
+        self.train_loader: Any = None
+        self.cycles: AccumulationCycles | None = None
+
+    def setup(self, stage: str) -> None:
+        if stage != "fit" or self.cycles is not None:
+            return
+        self.train_loader = self.facade.get_train_dataloader()
+        self.cycles = AccumulationCycles(
+            self.train_loader,
+            self.facade.args.gradient_accumulation_steps,
+            self.facade._count_items_in_cycle,
+            epoch_fn=lambda: self.facade._epochs_offset + self.trainer.current_epoch,
+        )
+
+    def train_dataloader(self) -> AccumulationCycles:
+        if self.cycles is None:
+            raise RuntimeError("HFDataModule.setup('fit') must run before train_dataloader()")
+        return self.cycles
+
+
+def loader_length(loader: Any) -> int | None:
+    """``len(loader)`` when the loader has one, else None (iterable datasets)."""
+    try:
+        return len(loader) if isinstance(loader, Sized) or hasattr(loader, "__len__") else None
+    except TypeError:
+        return None

@@ -1,0 +1,175 @@
+"""Evaluation and prediction: HF's ``evaluation_loop`` semantics with Lightning doing the running.
+
+Outside of ``fit``, the loop runs as Lightning's ``validate`` (devices, precision, strategy, Lightning callbacks).
+Inside ``fit`` Lightning has no public way to validate *now* (HF's ``should_evaluate`` can fire at any step),
+so the same per-batch code is driven directly under the fit's precision context: that is the one contained
+mechanism for mid-training evaluation.
+
+Every batch's outputs move to the CPU as numpy at once, so device memory stays bounded by one batch; the
+arrays are concatenated once at the end, padded with -100 like HF.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from transformers.trainer_pt_utils import find_batch_size, nested_numpify
+from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify_detensorize
+
+from hflight.lightning_kwargs import quiet_lightning
+
+if TYPE_CHECKING:
+    from hflight.trainer import Trainer
+
+
+def _pad_concat(arrays: list[np.ndarray], padding_index: int) -> np.ndarray:
+    arrays = [np.atleast_1d(a) for a in arrays]
+    if all(a.shape[1:] == arrays[0].shape[1:] for a in arrays):
+        return np.concatenate(arrays, axis=0)
+    trailing = tuple(max(a.shape[d] for a in arrays) for d in range(1, arrays[0].ndim))
+    out = np.full((sum(a.shape[0] for a in arrays), *trailing), padding_index, dtype=arrays[0].dtype)
+    row = 0
+    for a in arrays:
+        out[(slice(row, row + a.shape[0]), *(slice(0, s) for s in a.shape[1:]))] = a
+        row += a.shape[0]
+    return out
+
+
+def nested_concat(items: list[Any], padding_index: int = -100) -> Any:
+    """Concatenate same-structured batches (arrays, tuples/lists or dicts of them) along the first axis."""
+    first = items[0]
+    if isinstance(first, (list, tuple)):
+        return type(first)(nested_concat([it[i] for it in items], padding_index) for i in range(len(first)))
+    if isinstance(first, Mapping):
+        return type(first)({k: nested_concat([it[k] for it in items], padding_index) for k in first})
+    return _pad_concat(list(items), padding_index)
+
+
+def nested_truncate(value: Any, limit: int) -> Any:
+    """Keep the first ``limit`` rows (drops the samples that distributed padding repeated)."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(nested_truncate(v, limit) for v in value)
+    if isinstance(value, Mapping):
+        return type(value)({k: nested_truncate(v, limit) for k, v in value.items()})
+    return value[:limit]
+
+
+class Accumulator:
+    """Per-batch numpy pieces, concatenated once when asked."""
+
+    def __init__(self, padding_index: int = -100) -> None:
+        self.padding_index = padding_index
+        self.pieces: list[Any] = []
+
+    def add(self, value: Any) -> None:
+        self.pieces.append(nested_numpify(value))
+
+    def result(self, limit: int | None = None) -> Any:
+        if not self.pieces:
+            return None
+        value = nested_concat(self.pieces, self.padding_index)
+        return nested_truncate(value, limit) if limit is not None else value
+
+
+class Evaluator:
+    """Runs ``prediction_step`` batch by batch and turns the pieces into an ``EvalLoopOutput``."""
+
+    def __init__(self, facade: Trainer, description: str, prediction_loss_only: bool, ignore_keys: list[str] | None):
+        self.facade = facade
+        self.description = description
+        self.prediction_loss_only = prediction_loss_only
+        self.ignore_keys = ignore_keys
+        self.losses, self.preds, self.labels, self.inputs = (Accumulator() for _ in range(4))
+        self.observed = 0
+
+    def step(self, inputs: dict[str, Any]) -> None:
+        facade = self.facade
+        batch_size = find_batch_size(inputs)
+        if batch_size is not None:
+            self.observed += batch_size
+        loss, logits, labels = facade.prediction_step(
+            facade._lightning_module.model, inputs, self.prediction_loss_only, ignore_keys=self.ignore_keys
+        )
+        gather = facade._gather
+        if loss is not None:
+            self.losses.add(gather(loss.repeat(batch_size or 1)))
+        if "inputs" in facade.args.include_for_metrics:
+            main_input = getattr(facade.model, "main_input_name", "input_ids")
+            self.inputs.add(gather(inputs[main_input], pad_dim=1))
+        if labels is not None:
+            labels = facade._pad_across_processes(labels)
+        if logits is not None:
+            logits = facade._pad_across_processes(logits)
+            if facade.preprocess_logits_for_metrics is not None:
+                logits = facade.preprocess_logits_for_metrics(logits, labels)
+            self.preds.add(gather(logits))
+        if labels is not None:
+            self.labels.add(gather(labels))
+        facade.control = facade.callback_handler.on_prediction_step(facade.args, facade.state, facade.control)
+
+    def finish(self, num_samples: int | None, metric_key_prefix: str) -> EvalLoopOutput:
+        facade = self.facade
+        if not num_samples:
+            num_samples = self.observed
+        losses = self.losses.result(num_samples)
+        preds = self.preds.result(num_samples)
+        labels = self.labels.result(num_samples)
+        inputs = self.inputs.result(num_samples)
+
+        if facade.compute_metrics is not None and preds is not None and labels is not None:
+            extra = {
+                "losses": losses if "loss" in facade.args.include_for_metrics else None,
+                "inputs": inputs if "inputs" in facade.args.include_for_metrics else None,
+            }
+            metrics = facade.compute_metrics(EvalPrediction(predictions=preds, label_ids=labels, **extra))
+        else:
+            metrics = {}
+        metrics = denumpify_detensorize(metrics or {})
+        if isinstance(losses, np.ndarray) and losses.size:
+            finite = np.isfinite(losses)
+            if facade.args.logging_nan_inf_filter and finite.any():
+                losses = losses[finite]
+            metrics[f"{metric_key_prefix}_loss"] = losses.mean().item()
+        for key in list(metrics):
+            if not key.startswith(f"{metric_key_prefix}_"):
+                metrics[f"{metric_key_prefix}_{key}"] = metrics.pop(key)
+        return EvalLoopOutput(predictions=preds, label_ids=labels, metrics=metrics, num_samples=num_samples)
+
+
+def run_evaluation_loop(
+    facade: Trainer,
+    dataloader: Any,
+    description: str,
+    prediction_loss_only: bool,
+    ignore_keys: list[str] | None,
+    metric_key_prefix: str,
+) -> EvalLoopOutput:
+    """HF's ``evaluation_loop``: inside a running ``fit`` directly, otherwise as Lightning's ``validate``."""
+    evaluator = Evaluator(facade, description, prediction_loss_only, ignore_keys)
+    facade._evaluator = evaluator
+    facade.callback_handler.eval_dataloader = dataloader
+    fit_trainer = facade._lightning_trainer if facade.is_in_train else None
+    try:
+        if fit_trainer is not None:
+            model = facade._lightning_module.model
+            was_training = model.training
+            model.eval()
+            with torch.no_grad(), fit_trainer.precision_plugin.val_step_context():
+                for batch in dataloader:
+                    evaluator.step(batch)
+            model.train(was_training)
+        else:
+            with quiet_lightning():
+                facade._validation_trainer().validate(facade._ensure_module(), dataloaders=dataloader, verbose=False)
+    finally:
+        facade._evaluator = None
+    dataset = getattr(dataloader, "dataset", None)
+    try:
+        num_samples = len(dataset) if dataset is not None else None
+    except TypeError:
+        num_samples = None
+    return evaluator.finish(num_samples, metric_key_prefix)
+

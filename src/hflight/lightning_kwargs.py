@@ -1,0 +1,158 @@
+"""The one mapping from ``TrainingArguments`` to ``lightning.Trainer`` keyword arguments.
+
+Training semantics (epochs, learning rate, accumulation, clipping, cadence) stay with the facade and its
+LightningModule; Lightning receives hardware, strategy, precision, loggers and callbacks. Everything Lightning
+would otherwise do on its own and that HF does differently is switched off here, in one visible place:
+checkpointing (HF's ``checkpoint-N`` folders are written by the facade), the progress bar (HF's
+``ProgressCallback`` draws it), sanity validation and distributed sampler injection (the facade's samplers
+shard the data the way accelerate does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import lightning as L
+from transformers.trainer_callback import TrainerCallback
+
+# (fp16, bf16) -> Lightning precision
+PRECISION: dict[tuple[bool, bool], str] = {
+    (False, False): "32-true",
+    (True, False): "16-mixed",
+    (False, True): "bf16-mixed",
+}
+
+
+def _csv(save_dir: str, name: str) -> Any:
+    from lightning.pytorch.loggers import CSVLogger
+
+    return CSVLogger(save_dir=save_dir, name=name)
+
+
+def _tensorboard(save_dir: str, name: str) -> Any:
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    return TensorBoardLogger(save_dir=save_dir, name=name)
+
+
+def _mlflow(save_dir: str, name: str) -> Any:
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    return MLFlowLogger(experiment_name=name, save_dir=os.path.join(save_dir, "mlruns"))
+
+
+def _wandb(save_dir: str, name: str) -> Any:
+    from lightning.pytorch.loggers import WandbLogger
+
+    return WandbLogger(name=name, save_dir=save_dir)
+
+
+LOGGERS: dict[str, Callable[[str, str], Any]] = {
+    "csv": _csv,
+    "tensorboard": _tensorboard,
+    "mlflow": _mlflow,
+    "wandb": _wandb,
+}
+
+
+def report_to_names(report_to: Any) -> list[str]:
+    """Normalise ``report_to`` (None, "none", "all", a name, a comma list or a list) to logger names."""
+    if report_to is None:
+        return []
+    names = report_to.split(",") if isinstance(report_to, str) else list(report_to)
+    names = [n.strip() for n in names if n and n.strip()]
+    if names in (["none"], []):
+        return []
+    if names == ["all"]:
+        return ["csv", "tensorboard"]
+    unknown = [n for n in names if n not in LOGGERS]
+    if unknown:
+        raise ValueError(f"report_to: unknown logger(s) {unknown}; hflight supports {', '.join(LOGGERS)} or 'none'.")
+    return names
+
+
+def build_loggers(args: Any) -> list[Any]:
+    save_dir = getattr(args, "logging_dir", None) or args.output_dir
+    name = args.run_name or "hflight"
+    loggers = []
+    for logger_name in report_to_names(args.report_to):
+        try:
+            loggers.append(LOGGERS[logger_name](save_dir, name))
+        except (ImportError, ModuleNotFoundError) as exc:
+            raise ImportError(f"report_to={logger_name!r} needs an extra package: {exc}") from exc
+    return loggers
+
+
+def split_callbacks(callbacks: list[Any]) -> tuple[list[Any], list[L.Callback]]:
+    """HF callbacks (instances or classes) for the CallbackHandler, Lightning callbacks for Lightning."""
+    hf, lightning = [], []
+    for cb in callbacks:
+        if isinstance(cb, L.Callback):
+            lightning.append(cb)
+        elif isinstance(cb, TrainerCallback) or (isinstance(cb, type) and issubclass(cb, TrainerCallback)):
+            hf.append(cb)
+        elif isinstance(cb, type) and issubclass(cb, L.Callback):
+            raise TypeError(f"callbacks: pass an instance of the Lightning callback {cb.__name__}, not the class.")
+        else:
+            raise TypeError(
+                f"callbacks: {cb!r} is neither a transformers TrainerCallback (class or instance) nor a Lightning "
+                "Callback instance."
+            )
+    return hf, lightning
+
+
+def precision_for(args: Any) -> str:
+    return PRECISION[(bool(args.fp16), bool(args.bf16))]
+
+
+def _devices(value: Any) -> Any:
+    if isinstance(value, str) and value.lstrip("-").isdigit():
+        return int(value)
+    return value
+
+
+def lightning_trainer_kwargs(args: Any, callbacks: list[L.Callback], fitting: bool) -> dict[str, Any]:
+    """Keyword arguments for ``lightning.Trainer`` for a ``fit`` (``fitting``) or an evaluation."""
+    return {
+        "accelerator": args.accelerator,
+        "devices": _devices(args.devices),
+        "strategy": args.strategy,
+        "num_nodes": args.num_nodes,
+        "precision": precision_for(args),
+        "max_epochs": -1,  # the facade sets the real bound once the loader length is known
+        "max_steps": -1,  # HF's TrainerControl stops the run (DefaultFlowCallback at max_steps)
+        "logger": build_loggers(args) if fitting else False,
+        "callbacks": callbacks,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+        "use_distributed_sampler": False,
+        "deterministic": True if args.full_determinism else None,
+        "default_root_dir": args.output_dir,
+        "log_every_n_steps": 1,
+    }
+
+
+@contextlib.contextmanager
+def quiet_lightning() -> Iterator[None]:
+    """Hide Lightning's informational banners (devices found, tips, "fit stopped") while the facade drives it:
+    an HF user sees HF's output, once per run, not Lightning's once per ``evaluate()``. Warnings still show."""
+    rank_zero_logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    previous = rank_zero_logger.level
+    if previous <= logging.INFO:
+        rank_zero_logger.setLevel(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            # The module has a validation_step for evaluate(); fit deliberately has no val loader (HF's control
+            # decides when to evaluate), so Lightning's "no val_dataloader" notice is noise here.
+            warnings.filterwarnings("ignore", message=".*no `val_dataloader`.*")
+            warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\)` is deprecated.*")
+            yield
+    finally:
+        rank_zero_logger.setLevel(previous)

@@ -1,0 +1,76 @@
+"""How long a run is: transformers' ``set_initial_training_values`` as a pure, table-tested function."""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class TrainingPlan:
+    """The numbers HF derives before its first step; ``steps_in_epoch`` is micro-batches per epoch."""
+
+    num_train_epochs: int
+    num_update_steps_per_epoch: int
+    num_examples: int
+    num_train_samples: float
+    total_train_batch_size: int
+    steps_in_epoch: int
+    max_steps: int
+
+    def resume_position(self, global_step: int, accumulation: int, ignore_data_skip: bool = False) -> tuple[int, int]:
+        """(epochs already trained, micro-batches to skip in the current epoch) for a run resumed at
+        ``global_step``, as HF computes them."""
+        epochs_trained = global_step // self.num_update_steps_per_epoch
+        if ignore_data_skip:
+            return epochs_trained, 0
+        return epochs_trained, (global_step % self.num_update_steps_per_epoch) * accumulation
+
+
+def plan_training(args: Any, len_dataloader: int | None, num_examples: int | None, world_size: int = 1) -> TrainingPlan:
+    """Epochs, steps and sample counts for ``args`` over a loader of ``len_dataloader`` micro-batches.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> a = SimpleNamespace(max_steps=-1, num_train_epochs=2.0, gradient_accumulation_steps=2,
+        ...                     per_device_train_batch_size=4)
+        >>> plan_training(a, len_dataloader=5, num_examples=20).max_steps
+        6
+    """
+    accumulation = args.gradient_accumulation_steps
+    total_train_batch_size = args.per_device_train_batch_size * accumulation * world_size
+    if len_dataloader == 0:
+        raise ValueError(
+            "The training dataloader is empty: the train_dataset has no examples (or fewer than one batch with "
+            "dataloader_drop_last=True). Pass a non-empty train_dataset."
+        )
+    if len_dataloader is not None:
+        steps_per_epoch = max(len_dataloader // accumulation + int(len_dataloader % accumulation > 0), 1)
+        if args.max_steps > 0:
+            max_steps = args.max_steps
+            num_train_epochs = max_steps // steps_per_epoch + int(max_steps % steps_per_epoch > 0)
+            num_train_samples: float = max_steps * total_train_batch_size
+        else:
+            max_steps = math.ceil(args.num_train_epochs * steps_per_epoch)
+            num_train_epochs = math.ceil(args.num_train_epochs)
+            num_train_samples = num_examples * args.num_train_epochs
+        return TrainingPlan(
+            num_train_epochs, steps_per_epoch, num_examples, num_train_samples, total_train_batch_size,
+            len_dataloader, max_steps,
+        )
+    if args.max_steps > 0:
+        return TrainingPlan(
+            num_train_epochs=sys.maxsize,
+            num_update_steps_per_epoch=args.max_steps,
+            num_examples=total_train_batch_size * args.max_steps,
+            num_train_samples=args.max_steps * total_train_batch_size,
+            total_train_batch_size=total_train_batch_size,
+            steps_in_epoch=args.max_steps * accumulation,
+            max_steps=args.max_steps,
+        )
+    raise ValueError(
+        "args.max_steps must be set to a positive value if the training dataloader does not have a length "
+        f"(an IterableDataset), was {args.max_steps}"
+    )

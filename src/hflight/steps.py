@@ -1,0 +1,150 @@
+"""The per-batch work of transformers' Trainer, with its semantics: loss, training step, prediction step.
+
+These are the bodies behind ``Trainer.compute_loss``, ``Trainer.training_step`` and ``Trainer.prediction_step``.
+They stay on the facade as methods (subclasses such as PrimeQA's and HF's QA trainers override them); the
+LightningModule calls those methods, never these functions directly.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.trainer_pt_utils import nested_detach
+
+if TYPE_CHECKING:
+    from hflight.trainer import Trainer
+
+
+def compute_loss(
+    trainer: Trainer,
+    model: nn.Module,
+    inputs: dict[str, Any],
+    return_outputs: bool = False,
+    num_items_in_batch: torch.Tensor | int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, Any]:
+    """The model's own loss, or ``compute_loss_func``/label smoothing when configured (HF's rules)."""
+    inputs = dict(inputs)
+    labels = None
+    if (trainer.label_smoother is not None or trainer.compute_loss_func is not None) and "labels" in inputs:
+        labels = inputs.pop("labels")
+    if trainer.model_accepts_loss_kwargs and num_items_in_batch is not None:
+        inputs["num_items_in_batch"] = num_items_in_batch
+    outputs = model(**inputs)
+
+    if trainer.compute_loss_func is not None:
+        loss = trainer.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
+    elif labels is not None:
+        shift = type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+        loss = trainer.label_smoother(outputs, labels, shift_labels=shift)
+    else:
+        if isinstance(outputs, dict) and "loss" not in outputs:
+            raise ValueError(
+                "The model did not return a loss from the inputs, only the following keys: "
+                f"{','.join(outputs.keys())}. For reference, the inputs it received are {','.join(inputs.keys())}. "
+                f"Make sure the batches carry the label columns the model needs ({', '.join(trainer.label_names)}) "
+                "or pass a compute_loss_func."
+            )
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
+        if loss is None:
+            raise ValueError(
+                f"{type(model).__name__} returned loss=None: the batch has no labels "
+                f"(expected {', '.join(trainer.label_names) or 'labels'}). Check label_names and the dataset columns."
+            )
+
+    if (
+        trainer.args.average_tokens_across_devices
+        and (trainer.model_accepts_loss_kwargs or trainer.compute_loss_func is not None)
+        and num_items_in_batch is not None
+    ):
+        # num_items_in_batch was summed over all ranks; DDP averages gradients, so scale back up.
+        loss = loss * trainer._world()[0]
+    return (loss, outputs) if return_outputs else loss
+
+
+def training_step(
+    trainer: Trainer, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
+) -> torch.Tensor:
+    """Forward, loss scaled for gradient accumulation as HF scales it, backward through Lightning."""
+    model.train()
+    if hasattr(trainer.optimizer, "train") and callable(trainer.optimizer.train):
+        trainer.optimizer.train()
+    loss = trainer.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+    if trainer.loss_is_scaled_for_ga is not None:
+        already_scaled = trainer.loss_is_scaled_for_ga
+    else:
+        already_scaled = (
+            trainer.model_accepts_loss_kwargs and num_items_in_batch is not None
+        ) or trainer.compute_loss_func is not None
+    if not already_scaled:
+        loss = loss / trainer.current_gradient_accumulation_steps
+    trainer._lightning_module.manual_backward(loss)
+    return loss.detach()
+
+
+def prediction_step(
+    trainer: Trainer,
+    model: nn.Module,
+    inputs: dict[str, Any],
+    prediction_loss_only: bool,
+    ignore_keys: list[str] | None = None,
+) -> tuple[torch.Tensor | None, Any, Any]:
+    """(loss, logits, labels) of one evaluation batch, each optional, as HF returns them."""
+    label_names = trainer.label_names
+    has_labels = bool(label_names) and all(inputs.get(k) is not None for k in label_names)
+    return_loss = inputs.get("return_loss")
+    if return_loss is None:
+        return_loss = trainer.can_return_loss
+    loss_without_labels = not label_names and return_loss
+
+    inputs = trainer._prepare_inputs(inputs)
+    if ignore_keys is None:
+        config = getattr(trainer.model, "config", None)
+        ignore_keys = getattr(config, "keys_to_ignore_at_inference", ["past_key_values"]) if config else []
+
+    labels = None
+    if has_labels or loss_without_labels:
+        labels = nested_detach(tuple(inputs.get(name) for name in label_names))
+        labels = labels[0] if len(labels) == 1 else labels
+
+    with torch.no_grad():
+        if has_labels or loss_without_labels:
+            num_items = trainer._count_items_in_cycle([inputs])
+            loss, outputs = trainer.compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items)
+            loss = loss.detach().mean()
+            if isinstance(outputs, dict):
+                logits = tuple(v for k, v in outputs.items() if k not in [*ignore_keys, "loss"])
+            else:
+                logits = outputs[1:]
+        else:
+            loss = None
+            outputs = model(**inputs)
+            if isinstance(outputs, dict):
+                logits = tuple(v for k, v in outputs.items() if k not in ignore_keys)
+            else:
+                logits = outputs
+
+    if prediction_loss_only:
+        return loss, None, None
+    logits = nested_detach(logits)
+    if len(logits) == 1:
+        logits = logits[0]
+    return loss, logits, labels
+
+
+def count_items_in_cycle(trainer: Trainer, batches: list[Any]) -> torch.Tensor | None:
+    """Label items (``labels != -100``) over an accumulation cycle, when the loss normalises by them (HF)."""
+    if not batches or "labels" not in batches[0]:
+        return None
+    if not (trainer.model_accepts_loss_kwargs or trainer.compute_loss_func is not None):
+        return None
+    try:
+        count = sum(batch["labels"].ne(-100).sum() for batch in batches)
+    except (TypeError, AttributeError):
+        return None
+    world_size = trainer._world()[0]
+    if trainer.args.average_tokens_across_devices and world_size > 1:
+        count = trainer._lightning_trainer.strategy.reduce(count.float(), reduce_op="sum")
+    return count

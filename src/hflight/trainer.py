@@ -1,0 +1,538 @@
+"""``hflight.Trainer``: the transformers ``Trainer`` surface, wired to a ``lightning.Trainer``.
+
+The facade keeps HF's constructor, methods, override points, ``TrainerState``/``TrainerControl`` and files; the
+work runs elsewhere: ``module.HFModule`` (optimizer steps), ``datamodule`` (loaders, accumulation cycles),
+``callbacks.bridge`` (HF events, log/evaluate/save), ``evaluation`` (evaluation loop), ``checkpoint`` (files),
+``steps`` (loss and prediction step), ``optim`` (optimizers, schedulers) and ``lightning_kwargs`` (the one mapping
+from ``TrainingArguments`` to ``lightning.Trainer``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, IterableDataset, SequentialSampler
+from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase, default_data_collator
+from transformers.feature_extraction_sequence_utils import SequenceFeatureExtractor
+from transformers.trainer_callback import (
+    CallbackHandler,
+    DefaultFlowCallback,
+    ExportableState,
+    PrinterCallback,
+    ProgressCallback,
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+)
+from transformers.trainer_pt_utils import LabelSmoother, LengthGroupedSampler, log_metrics, metrics_format
+from transformers.trainer_pt_utils import save_metrics, save_state
+from transformers.trainer_utils import EvalLoopOutput, PredictionOutput, TrainOutput, enable_full_determinism
+from transformers.trainer_utils import set_seed, speed_metrics
+from transformers.utils import can_return_loss, find_labels
+
+from hflight import checkpoint, evaluation, optim, steps
+from hflight.callbacks.bridge import HFEventBridge
+from hflight.datamodule import EpochSeededRandomSampler, HFDataModule, ShardedBatchSampler, loader_length
+from hflight.lightning_kwargs import lightning_trainer_kwargs, quiet_lightning, split_callbacks
+from hflight.module import HFModule
+from hflight.plan import TrainingPlan, plan_training
+from hflight.training_args import TrainingArguments, coerce_training_args
+
+DEFAULT_CALLBACKS = [DefaultFlowCallback]
+
+
+def _require(value: Any, name: str, kinds: tuple[type, ...] | type, hint: str) -> None:
+    if value is not None and not isinstance(value, kinds):
+        raise TypeError(f"Trainer: `{name}` must be {hint}, got {type(value).__name__}.")
+
+
+class Trainer:
+    """The transformers ``Trainer`` API, running on PyTorch Lightning.
+
+    Same constructor (parameter names, order and defaults as transformers 5.x), same methods and return types;
+    ``tokenizer=`` is accepted as the older name of ``processing_class``. Callbacks may be HF ``TrainerCallback``s
+    (classes or instances) or Lightning ``Callback``s (handed to the ``lightning.Trainer``).
+
+    Example:
+        >>> from hflight import Trainer, TrainingArguments  # doctest: +SKIP
+        >>> Trainer(model, TrainingArguments("out"), train_dataset=ds).train()  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        args: TrainingArguments | None = None,
+        data_collator: Callable | None = None,
+        train_dataset: Dataset | IterableDataset | None = None,
+        eval_dataset: Dataset | dict[str, Dataset] | None = None,
+        processing_class: Any = None,
+        model_init: Callable[..., nn.Module] | None = None,
+        compute_loss_func: Callable | None = None,
+        compute_metrics: Callable[[Any], dict] | None = None,
+        callbacks: list[Any] | None = None,
+        optimizers: tuple[torch.optim.Optimizer | None, Any] = (None, None),
+        optimizer_cls_and_kwargs: tuple[type[torch.optim.Optimizer], dict[str, Any]] | None = None,
+        preprocess_logits_for_metrics: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        *,
+        tokenizer: Any = None,
+    ) -> None:
+        self.args = coerce_training_args(args)
+        self._lightning_trainer: L.Trainer | None = None
+        self._lightning_module: HFModule | None = None
+        self._evaluator: evaluation.Evaluator | None = None
+        self._loop: HFEventBridge | None = None
+        self._plan: TrainingPlan | None = None
+        self._resume: str | None = None
+        self._epochs_offset = 0
+        self._signature_columns: list[str] | None = None
+        if tokenizer is not None:
+            if processing_class is not None and processing_class is not tokenizer:
+                raise ValueError("Trainer: pass either `processing_class` or its older name `tokenizer`, not both.")
+            processing_class = tokenizer
+        enable_full_determinism(self.args.seed) if self.args.full_determinism else set_seed(self.args.seed)
+        self._validate_inputs(model, model_init, train_dataset, eval_dataset, callbacks, optimizers, compute_metrics)
+
+        self.model_init = model_init
+        if model is None:
+            model = self.call_model_init()
+        self.model = model
+        self.processing_class = processing_class
+        self._inspect_model(model)
+        self.data_collator = data_collator if data_collator is not None else self._default_collator(processing_class)
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        self.compute_loss_func, self.compute_metrics = compute_loss_func, compute_metrics
+        self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
+        self.optimizer, self.lr_scheduler = optimizers
+        self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
+        self._user_scheduler = self.lr_scheduler is not None
+        self.loss_is_scaled_for_ga: bool | None = None
+        self.current_gradient_accumulation_steps = 1
+        self.current_flos = 0
+        self.is_in_train = False
+        self.hp_name, self.hp_search_backend, self._trial = None, None, None
+
+        hf_callbacks, self._lightning_callbacks = split_callbacks(callbacks or [])
+        self.callback_handler = CallbackHandler(
+            DEFAULT_CALLBACKS + hf_callbacks, self.model, processing_class, self.optimizer, self.lr_scheduler
+        )
+        self.add_callback(PrinterCallback if self.args.disable_tqdm else ProgressCallback)
+        if self.args.should_save:
+            os.makedirs(self.args.output_dir, exist_ok=True)
+        self.control = TrainerControl()
+        self.state = self._fresh_state()
+        self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
+
+    # ---- construction helpers ----------------------------------------------------------------------------------
+    @staticmethod
+    def _validate_inputs(model, model_init, train_dataset, eval_dataset, callbacks, optimizers, compute_metrics):
+        if model is None and model_init is None:
+            raise RuntimeError("`Trainer` requires either a `model` or `model_init` argument")
+        if model is not None and model_init is not None:
+            raise ValueError("`Trainer` requires either a `model` or `model_init` argument, but not both.")
+        _require(model, "model", nn.Module, "a torch.nn.Module (e.g. a transformers PreTrainedModel)")
+        for name, ds in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+            if ds is not None and not isinstance(ds, dict) and not hasattr(ds, "__getitem__") and not hasattr(ds, "__iter__"):
+                raise TypeError(f"Trainer: `{name}` must be a Dataset (map-style or iterable), got {type(ds).__name__}.")
+        _require(callbacks, "callbacks", (list, tuple), "a list of TrainerCallback or lightning Callback objects")
+        if not (isinstance(optimizers, tuple) and len(optimizers) == 2):
+            raise TypeError("Trainer: `optimizers` must be a tuple (optimizer, lr_scheduler); use (None, None) for the defaults.")
+        if compute_metrics is not None and not callable(compute_metrics):
+            raise TypeError(f"Trainer: `compute_metrics` must be callable, got {type(compute_metrics).__name__}.")
+
+    def _inspect_model(self, model: nn.Module) -> None:
+        if hasattr(model, "accepts_loss_kwargs"):
+            self.model_accepts_loss_kwargs = model.accepts_loss_kwargs
+        else:
+            params = inspect.signature(model.forward).parameters.values()
+            self.model_accepts_loss_kwargs = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
+        self.label_names = find_labels(type(model)) if self.args.label_names is None else list(self.args.label_names)
+        self.can_return_loss = can_return_loss(type(model))
+        eps = self.args.label_smoothing_factor
+        self.label_smoother = LabelSmoother(epsilon=eps) if eps != 0 else None
+        self._num_params = model.num_parameters(exclude_embeddings=True) if hasattr(model, "num_parameters") else 0
+
+    @staticmethod
+    def _default_collator(processing_class: Any) -> Callable:
+        if isinstance(processing_class, (PreTrainedTokenizerBase, SequenceFeatureExtractor)):
+            return DataCollatorWithPadding(processing_class)
+        return default_data_collator
+
+    def _fresh_state(self) -> TrainerState:
+        stateful = [cb for cb in self.callback_handler.callbacks + [self.control] if isinstance(cb, ExportableState)]
+        return TrainerState(
+            is_local_process_zero=self.is_local_process_zero(),
+            is_world_process_zero=self.is_world_process_zero(),
+            stateful_callbacks=stateful,
+        )
+
+    def call_model_init(self, trial: Any = None) -> nn.Module:
+        n_args = len(inspect.signature(self.model_init).parameters)
+        model = self.model_init() if n_args == 0 else self.model_init(trial)
+        if model is None:
+            raise RuntimeError("model_init should not return None.")
+        return model
+
+    # ---- callbacks ---------------------------------------------------------------------------------------------
+    def add_callback(self, callback: type[TrainerCallback] | TrainerCallback) -> None:
+        self.callback_handler.add_callback(callback)
+
+    def pop_callback(self, callback: type[TrainerCallback] | TrainerCallback) -> TrainerCallback | None:
+        return self.callback_handler.pop_callback(callback)
+
+    def remove_callback(self, callback: type[TrainerCallback] | TrainerCallback) -> None:
+        self.callback_handler.remove_callback(callback)
+
+    # ---- data --------------------------------------------------------------------------------------------------
+    def _set_signature_columns_if_needed(self) -> None:
+        if self._signature_columns is None:
+            columns = list(inspect.signature(self.model.forward).parameters)
+            self._signature_columns = columns + list({"label", "label_ids", *self.label_names})
+
+    def _remove_unused_columns(self, dataset: Any, description: str | None = None) -> Any:
+        import datasets
+
+        if not self.args.remove_unused_columns or not isinstance(dataset, datasets.Dataset):
+            return dataset
+        self._set_signature_columns_if_needed()
+        ignored = [c for c in dataset.column_names if c not in self._signature_columns]
+        if len(ignored) == len(dataset.column_names):
+            raise ValueError(
+                f"No columns in the {description or ''} dataset match the model's forward method signature: "
+                f"({', '.join(self._signature_columns)}). The following columns have been ignored: [{', '.join(ignored)}]. "
+                "Please check the dataset and model. You may need to set `remove_unused_columns=False` in `TrainingArguments`."
+            )
+        return dataset.remove_columns(ignored) if ignored else dataset
+
+    def _world(self) -> tuple[int, int]:
+        trainer = self._lightning_trainer
+        if trainer is not None:
+            return trainer.world_size, trainer.global_rank
+        return self.args.world_size, self.args.process_index
+
+    def _get_dataloader(self, dataset: Any, description: str, batch_size: int, training: bool) -> DataLoader:
+        if dataset is None:
+            raise ValueError(f"Trainer: {description.lower()} requires a dataset.")
+        dataset = self._remove_unused_columns(dataset, description)
+        params: dict[str, Any] = {
+            "collate_fn": self.data_collator,
+            "num_workers": self.args.dataloader_num_workers,
+            "pin_memory": self.args.dataloader_pin_memory and torch.cuda.is_available(),
+            "persistent_workers": self.args.dataloader_persistent_workers and self.args.dataloader_num_workers > 0,
+            "prefetch_factor": self.args.dataloader_prefetch_factor,
+        }
+        if isinstance(dataset, IterableDataset):
+            return DataLoader(dataset, batch_size=batch_size, **params)
+        sampler = self._get_train_sampler(dataset) if training else self._get_eval_sampler(dataset)
+        world_size, rank = self._world()
+        if world_size > 1:
+            batches = ShardedBatchSampler(sampler, batch_size, self.args.dataloader_drop_last, world_size, rank)
+            return DataLoader(dataset, batch_sampler=batches, **params)
+        return DataLoader(
+            dataset, batch_size=batch_size, sampler=sampler, drop_last=self.args.dataloader_drop_last, **params
+        )
+
+    def _get_train_sampler(self, train_dataset: Any = None) -> torch.utils.data.Sampler:
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        strategy = str(getattr(self.args.train_sampling_strategy, "value", self.args.train_sampling_strategy))
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        if strategy == "group_by_length":
+            import datasets
+
+            lengths = None
+            if isinstance(dataset, datasets.Dataset) and self.args.length_column_name in dataset.column_names:
+                lengths = dataset[self.args.length_column_name]
+            input_name = self.processing_class.model_input_names[0] if self.processing_class is not None else None
+            return LengthGroupedSampler(
+                self.args.train_batch_size * self.args.gradient_accumulation_steps, dataset=dataset, lengths=lengths,
+                model_input_name=input_name, generator=torch.Generator().manual_seed(seed),
+            )
+        if strategy == "sequential":
+            return SequentialSampler(dataset)
+        return EpochSeededRandomSampler(len(dataset), seed)
+
+    def _get_eval_sampler(self, eval_dataset: Any) -> torch.utils.data.Sampler:
+        return SequentialSampler(eval_dataset)
+
+    def get_train_dataloader(self) -> DataLoader:
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        return self._get_dataloader(self.train_dataset, "Training", self.args.train_batch_size, training=True)
+
+    def get_eval_dataloader(self, eval_dataset: str | Dataset | None = None) -> DataLoader:
+        if eval_dataset is None and self.eval_dataset is None:
+            raise ValueError(
+                "Trainer: evaluation requires an eval_dataset. Pass `eval_dataset=` to the Trainer or to evaluate()."
+            )
+        if isinstance(eval_dataset, str):
+            eval_dataset = self.eval_dataset[eval_dataset]
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        return self._get_dataloader(dataset, "Evaluation", self.args.eval_batch_size, training=False)
+
+    def get_test_dataloader(self, test_dataset: Dataset) -> DataLoader:
+        return self._get_dataloader(test_dataset, "test", self.args.eval_batch_size, training=False)
+
+    def num_examples(self, dataloader: DataLoader) -> int:
+        try:
+            return len(dataloader.dataset)
+        except (NameError, AttributeError, TypeError):
+            return len(dataloader) * self.args.per_device_train_batch_size
+
+    def _count_items_in_cycle(self, batches: list[Any]) -> torch.Tensor | None:
+        return steps.count_items_in_cycle(self, batches)
+
+    def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        if len(inputs) == 0:
+            self._set_signature_columns_if_needed()
+            raise ValueError(
+                "The batch received was empty, your model won't be able to train on it. Double-check that your "
+                f"training dataset contains keys expected by the model: {','.join(self._signature_columns)}."
+            )
+        device = self._lightning_module.device if self._lightning_module is not None else None
+        return move_data_to_device(inputs, device) if device is not None else inputs
+
+    # ---- optimizer and scheduler -------------------------------------------------------------------------------
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            opt_model = self.model if model is None else model
+            self.optimizer = optim.build_optimizer(self.args, opt_model, self.optimizer_cls_and_kwargs)
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
+        if self.lr_scheduler is None:
+            self.lr_scheduler = optim.build_scheduler(self.args, optimizer or self.optimizer, num_training_steps)
+        return self.lr_scheduler
+
+    def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
+        self.create_optimizer()
+        self.create_scheduler(num_training_steps=num_training_steps, optimizer=self.optimizer)
+
+    def _get_learning_rate(self) -> float:
+        return optim.current_learning_rate(self.lr_scheduler, self.optimizer)
+
+    # ---- per-batch override points -----------------------------------------------------------------------------
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return steps.compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
+
+    def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
+        return steps.training_step(self, model, inputs, num_items_in_batch)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        return steps.prediction_step(self, model, inputs, prediction_loss_only, ignore_keys)
+
+    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
+        main_input = getattr(self.model, "main_input_name", "input_ids")
+        if main_input in inputs and self._num_params:
+            return 6 * inputs[main_input].numel() * self._num_params
+        return 0
+
+    def store_flos(self) -> None:
+        self.state.total_flos += self.current_flos
+        self.current_flos = 0
+
+    # ---- Lightning wiring --------------------------------------------------------------------------------------
+    def _ensure_module(self) -> HFModule:
+        if self._lightning_module is None or self._lightning_module.model is not self.model:
+            self._lightning_module = HFModule(self, self.model)
+        return self._lightning_module
+
+    def _new_lightning_trainer(self, extra_callbacks: list[L.Callback], fitting: bool) -> L.Trainer:
+        kwargs = lightning_trainer_kwargs(self.args, self._lightning_callbacks + extra_callbacks, fitting=fitting)
+        with quiet_lightning():
+            trainer = L.Trainer(**kwargs)
+        self._lightning_trainer = trainer
+        return trainer
+
+    def _validation_trainer(self) -> L.Trainer:
+        return self._new_lightning_trainer([], fitting=False)
+
+    def _gather(self, value: Any, pad_dim: int | None = None) -> Any:
+        if self._world()[0] <= 1:
+            return value
+        if pad_dim is not None:
+            value = self._pad_across_processes(value)
+        gathered = self._lightning_trainer.strategy.all_gather(value)
+        return torch.utils._pytree.tree_map(lambda t: t.flatten(0, 1) if torch.is_tensor(t) else t, gathered)
+
+    def _pad_across_processes(self, value: Any) -> Any:
+        if self._world()[0] <= 1:
+            return value
+        from accelerate.utils import pad_across_processes  # only needed when several processes run
+
+        return pad_across_processes(value, dim=1, pad_index=-100)
+
+    def _barrier(self) -> None:
+        if self._world()[0] > 1:
+            self._lightning_trainer.strategy.barrier("hflight")
+
+    def _reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
+        if self._world()[0] <= 1:
+            return value
+        return self._lightning_trainer.strategy.reduce(value, reduce_op="mean")
+
+    # ---- training ----------------------------------------------------------------------------------------------
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
+              ignore_keys_for_eval: list[str] | None = None, **kwargs: Any) -> TrainOutput:
+        if kwargs:
+            raise TypeError(f"train() got unexpected keyword arguments: {', '.join(kwargs)}.")
+        if resume_from_checkpoint is False:
+            resume_from_checkpoint = None
+        if resume_from_checkpoint is None and self.args.resume_from_checkpoint:
+            resume_from_checkpoint = self.args.resume_from_checkpoint
+        self.is_in_train = True
+        self._trial = trial
+        if self.model_init is not None:
+            enable_full_determinism(self.args.seed) if self.args.full_determinism else set_seed(self.args.seed)
+            self.model = self.call_model_init(trial)
+            self._inspect_model(self.model)
+            self.optimizer, self.lr_scheduler = None, None
+        elif not self._user_scheduler:
+            self.lr_scheduler = None  # HF rebuilds its own scheduler for every train() call
+        if self.args.gradient_checkpointing and hasattr(self.model, "gradient_checkpointing_enable"):
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs)
+        self._resume = checkpoint.resolve_resume(self, resume_from_checkpoint)
+        module = self._ensure_module()
+        self._loop = HFEventBridge(self, trial, ignore_keys_for_eval)
+        trainer = self._new_lightning_trainer([self._loop], fitting=True)
+        try:
+            with quiet_lightning():
+                trainer.fit(module, datamodule=HFDataModule(self))
+        finally:
+            self.is_in_train = False
+        return self._finish_training()
+
+    def _begin_fit(self, train_loader: Any) -> None:
+        """Called by the bridge once Lightning launched the processes: plan the run, set up the state."""
+        world_size, _ = self._world()
+        length = loader_length(train_loader)
+        num_examples = self.num_examples(train_loader) if length else None
+        self._plan = plan = plan_training(self.args, length, num_examples, world_size)
+        self.state = self._fresh_state()
+        self.state.train_batch_size = self.args.train_batch_size
+        self.state.compute_steps(self.args, plan.max_steps)
+        epochs_trained, skip = checkpoint.restore_state(self, plan)
+        self.state.init_training_references(self, plan.max_steps, plan.num_train_epochs, self._trial)
+        self._epochs_offset = epochs_trained
+        cycles = self._lightning_trainer.datamodule.cycles
+        cycles.skip_batches = skip
+        if self._resume is not None:
+            cycles.restore_rng = lambda: checkpoint.load_rng_state(self)
+        remaining = plan.num_train_epochs - epochs_trained
+        self._lightning_trainer.fit_loop.max_epochs = remaining if plan.num_train_epochs < 10**9 else -1
+
+    def _finish_training(self) -> TrainOutput:
+        loop = self._loop
+        train_loss = loop.train_loss()
+        steps_run = self.state.global_step - loop.initial_global_step
+        metrics = speed_metrics(
+            "train",
+            loop.start_time,
+            num_samples=self._plan.num_train_samples * steps_run / max(self.state.max_steps, 1),
+            num_steps=steps_run,
+        )
+        self.store_flos()
+        metrics["total_flos"] = self.state.total_flos
+        metrics["train_loss"] = train_loss
+        self.log(metrics)
+        if self.args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
+            checkpoint.load_best_model(self)
+        checkpoint.finalize_rotation(self)
+        self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
+        return TrainOutput(self.state.global_step, train_loss, metrics)
+
+    # ---- evaluation --------------------------------------------------------------------------------------------
+    def _evaluate(self, trial: Any, ignore_keys_for_eval: list[str] | None, skip_scheduler: bool = False) -> dict:
+        metrics = self.evaluate(ignore_keys=ignore_keys_for_eval)
+        if isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) and not skip_scheduler:
+            key = self.args.metric_for_best_model
+            key = key if key.startswith("eval_") else f"eval_{key}"
+            self.lr_scheduler.step(metrics[checkpoint.metric_key(key, metrics)])
+        return metrics
+
+    def _determine_best_metric(self, metrics: dict[str, float], trial: Any = None) -> bool:
+        return checkpoint.update_best_metric(self, metrics)
+
+    def evaluate(self, eval_dataset: Dataset | dict[str, Dataset] | None = None, ignore_keys: list[str] | None = None,
+                 metric_key_prefix: str = "eval") -> dict[str, float]:
+        override = eval_dataset is not None
+        eval_dataset = eval_dataset if override else self.eval_dataset
+        if isinstance(eval_dataset, dict):
+            metrics: dict[str, float] = {}
+            for name, dataset in eval_dataset.items():
+                metrics.update(self.evaluate(dataset if override else name, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
+        dataloader = self.get_eval_dataloader(eval_dataset)
+        start_time = time.time()
+        output = self.evaluation_loop(
+            dataloader, description="Evaluation", prediction_loss_only=True if self.compute_metrics is None else None,
+            ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix,
+        )
+        total_batch_size = self.args.eval_batch_size * self._world()[0]
+        output.metrics.update(speed_metrics(
+            metric_key_prefix, start_time, num_samples=output.num_samples,
+            num_steps=math.ceil(output.num_samples / total_batch_size),
+        ))
+        self.log(output.metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, output.metrics)
+        return output.metrics
+
+    def predict(self, test_dataset: Dataset, ignore_keys: list[str] | None = None,
+                metric_key_prefix: str = "test") -> PredictionOutput:
+        dataloader = self.get_test_dataloader(test_dataset)
+        start_time = time.time()
+        output = self.evaluation_loop(
+            dataloader, description="Prediction", ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix
+        )
+        total_batch_size = self.args.eval_batch_size * self._world()[0]
+        output.metrics.update(speed_metrics(
+            metric_key_prefix, start_time, num_samples=output.num_samples,
+            num_steps=math.ceil(output.num_samples / total_batch_size),
+        ))
+        self.control = self.callback_handler.on_predict(self.args, self.state, self.control, output.metrics)
+        return PredictionOutput(predictions=output.predictions, label_ids=output.label_ids, metrics=output.metrics)
+
+    def evaluation_loop(self, dataloader: DataLoader, description: str, prediction_loss_only: bool | None = None,
+                        ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> EvalLoopOutput:
+        if prediction_loss_only is None:
+            prediction_loss_only = self.args.prediction_loss_only
+        return evaluation.run_evaluation_loop(
+            self, dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
+        )
+
+    # ---- logging, saving ---------------------------------------------------------------------------------------
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self.state.epoch is not None:
+            logs["epoch"] = self.state.epoch
+        output = {**logs, "step": self.state.global_step}
+        self.state.log_history.append(output)
+        if self._lightning_trainer is not None and self.is_world_process_zero():
+            for logger in self._lightning_trainer.loggers:
+                logger.log_metrics({k: v for k, v in logs.items() if isinstance(v, (int, float))}, self.state.global_step)
+        self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
+
+    log_metrics = log_metrics
+    metrics_format = metrics_format
+    save_metrics = save_metrics
+    save_state = save_state
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if self.is_world_process_zero():
+            checkpoint.save_model_files(self.model, self.processing_class, output_dir, self.args)
+
+    def _save_checkpoint(self, trial: Any = None) -> None:
+        checkpoint.save_checkpoint(self)
+
+    def is_local_process_zero(self) -> bool:
+        return self.args.local_process_index == 0
+
+    def is_world_process_zero(self) -> bool:
+        return self._world()[1] == 0 if self._lightning_trainer is not None else self.args.process_index == 0
