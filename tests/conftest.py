@@ -21,3 +21,74 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"real QA data not found at {SHARED_DATA} (only present beside the team's checkouts)")
     return SHARED_DATA
+
+
+# ---- tiny models and data built locally (no downloads) --------------------------------------------------------
+class Factory:
+    """Builds tiny BERT models from configs and small random datasets, deterministically."""
+
+    VOCAB = 100
+
+    @staticmethod
+    def config(dropout: float = 0.0, **overrides):
+        from transformers import BertConfig
+
+        values = dict(
+            vocab_size=Factory.VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+            intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=dropout,
+            attention_probs_dropout_prob=dropout,
+        )
+        values.update(overrides)
+        return BertConfig(**values)
+
+    @staticmethod
+    def qa_model(seed: int = 0, dropout: float = 0.0):
+        import torch
+        from transformers import BertForQuestionAnswering
+
+        torch.manual_seed(seed)
+        return BertForQuestionAnswering(Factory.config(dropout))
+
+    @staticmethod
+    def cls_model(seed: int = 0, num_labels: int = 3, dropout: float = 0.0):
+        import torch
+        from transformers import BertForSequenceClassification
+
+        torch.manual_seed(seed)
+        return BertForSequenceClassification(Factory.config(dropout, num_labels=num_labels))
+
+    @staticmethod
+    def qa_dataset(n: int = 40, length: int = 24, seed: int = 0, extra_columns: bool = False):
+        import datasets
+        import numpy as np
+
+        rng = np.random.default_rng(seed)
+        ids = rng.integers(5, Factory.VOCAB, size=(n, length))
+        start = rng.integers(1, length - 4, size=n)
+        end = start + rng.integers(0, 3, size=n)
+        columns = {
+            "input_ids": ids.tolist(),
+            "attention_mask": np.ones((n, length), dtype=int).tolist(),
+            "start_positions": start.tolist(),
+            "end_positions": end.tolist(),
+        }
+        if extra_columns:
+            columns["example_id"] = [f"q{i}" for i in range(n)]
+        return datasets.Dataset.from_dict(columns)
+
+    @staticmethod
+    def cls_dataset(n: int = 48, length: int = 16, seed: int = 0, num_labels: int = 3):
+        import datasets
+        import numpy as np
+
+        rng = np.random.default_rng(seed)
+        ids = rng.integers(5, Factory.VOCAB, size=(n, length))
+        labels = (ids[:, 0] % num_labels).tolist()  # learnable: the label is a function of the first token
+        return datasets.Dataset.from_dict(
+            {"input_ids": ids.tolist(), "attention_mask": np.ones((n, length), dtype=int).tolist(), "labels": labels}
+        )
+
+
+@pytest.fixture
+def factory() -> type[Factory]:
+    return Factory
