@@ -1,0 +1,117 @@
+"""HF callback events fire in HF's order with HF's state, and TrainerControl set by callbacks is honoured."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import transformers
+from transformers import TrainerCallback
+
+import hflight
+
+EVENTS = [
+    "on_init_end", "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_step_begin",
+    "on_pre_optimizer_step", "on_optimizer_step", "on_substep_end", "on_step_end", "on_log", "on_prediction_step",
+    "on_evaluate", "on_save", "on_predict",
+]
+
+
+class Recorder(TrainerCallback):
+    """Records (event, global_step, epoch rounded to 4 places) for every HF event."""
+
+    def __init__(self):
+        self.events: list[tuple[str, int, float]] = []
+        self.kwargs: dict[str, set[str]] = {}
+
+    def __getattribute__(self, name):
+        if name in EVENTS:
+            def record(args, state, control, **kwargs):
+                self.events.append((name, state.global_step, round(state.epoch or 0.0, 4)))
+                self.kwargs.setdefault(name, set()).update(k for k, v in kwargs.items() if v is not None)
+            return record
+        return super().__getattribute__(name)
+
+
+BASE = dict(per_device_train_batch_size=4, per_device_eval_batch_size=4, learning_rate=1e-3,
+            train_sampling_strategy="sequential", report_to="none", disable_tqdm=True, seed=0)
+
+
+def _record(tmp_path, factory, name, trainer_cls, args_cls, extra_callbacks=(), n_train=20, **kwargs):
+    recorder = Recorder()
+    args = args_cls(output_dir=str(tmp_path / name), **{**BASE, **kwargs})
+    trainer = trainer_cls(factory.qa_model(), args, train_dataset=factory.qa_dataset(n_train),
+                          eval_dataset=factory.qa_dataset(6, seed=1), callbacks=[recorder, *extra_callbacks])
+    trainer.train()
+    trainer.predict(factory.qa_dataset(6, seed=2))
+    return recorder, trainer
+
+
+def _both(tmp_path, factory, make_extra=lambda: (), **kwargs):
+    hf = _record(tmp_path, factory, "hf", transformers.Trainer, transformers.TrainingArguments, make_extra(), **kwargs)
+    hl = _record(tmp_path, factory, "hl", hflight.Trainer, hflight.TrainingArguments, make_extra(), **kwargs)
+    return hf, hl
+
+
+SCENARIOS = {
+    "a_steps": dict(gradient_accumulation_steps=1, logging_steps=2, eval_strategy="steps", eval_steps=3,
+                    save_steps=4, num_train_epochs=2),
+    "b_accumulation_epoch": dict(gradient_accumulation_steps=2, logging_strategy="epoch", eval_strategy="epoch",
+                                 save_strategy="epoch", num_train_epochs=2),
+    "c_max_steps_mid_epoch": dict(max_steps=7, logging_steps=3, eval_strategy="steps", eval_steps=5,
+                                  save_strategy="no", gradient_accumulation_steps=1),
+    "d_first_step_and_eval_on_start": dict(logging_first_step=True, eval_on_start=True, logging_steps=4,
+                                           eval_strategy="steps", eval_steps=4, save_strategy="no",
+                                           num_train_epochs=1),
+}
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_event_sequence_matches_transformers(tmp_path, factory, scenario):
+    (hf, hf_trainer), (hl, hl_trainer) = _both(tmp_path, factory, **SCENARIOS[scenario])
+    assert hl.events == hf.events
+    assert hl_trainer.state.global_step == hf_trainer.state.global_step
+    hf_ckpts = sorted(p for p in os.listdir(hf_trainer.args.output_dir) if p.startswith("checkpoint-"))
+    hl_ckpts = sorted(p for p in os.listdir(hl_trainer.args.output_dir) if p.startswith("checkpoint-"))
+    assert hl_ckpts == hf_ckpts
+
+
+def test_events_receive_hf_keyword_arguments(tmp_path, factory):
+    (hf, _), (hl, _) = _both(tmp_path, factory, **SCENARIOS["a_steps"])
+    for event in ("on_train_begin", "on_step_end", "on_log", "on_evaluate", "on_save", "on_prediction_step"):
+        assert hf.kwargs[event] <= hl.kwargs[event], event
+    assert {"model", "optimizer", "lr_scheduler", "train_dataloader"} <= hl.kwargs["on_step_end"]
+    assert "metrics" in hl.kwargs["on_evaluate"] and "logs" in hl.kwargs["on_log"]
+
+
+class SetControlAt(TrainerCallback):
+    def __init__(self, flag: str, step: int):
+        self.flag, self.step = flag, step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            setattr(control, self.flag, True)
+        return control
+
+
+@pytest.mark.parametrize("flag, step", [("should_training_stop", 5), ("should_evaluate", 2), ("should_save", 3),
+                                        ("should_log", 3), ("should_epoch_stop", 2)])
+def test_control_set_by_a_callback_has_the_same_effect(tmp_path, factory, flag, step):
+    kwargs = dict(num_train_epochs=2, logging_steps=100, save_strategy="no", eval_strategy="no")
+    (hf, hf_trainer), (hl, hl_trainer) = _both(tmp_path, factory, lambda: (SetControlAt(flag, step),), **kwargs)
+    assert hl.events == hf.events
+    assert [sorted(e) for e in hl_trainer.state.log_history] == [sorted(e) for e in hf_trainer.state.log_history]
+    saved = lambda t: sorted(p for p in os.listdir(t.args.output_dir) if p.startswith("checkpoint-"))  # noqa: E731
+    assert saved(hl_trainer) == saved(hf_trainer)
+    if flag == "should_training_stop":
+        assert hl_trainer.state.global_step == 5
+    if flag == "should_save":
+        assert saved(hl_trainer) == ["checkpoint-3"]
+    if flag == "should_evaluate":
+        assert any("eval_loss" in e and e["step"] == 2 for e in hl_trainer.state.log_history)
+
+
+def test_callback_class_is_instantiated_like_hf(tmp_path, factory):
+    trainer = hflight.Trainer(factory.qa_model(), hflight.TrainingArguments(str(tmp_path), report_to="none"),
+                              callbacks=[Recorder])
+    assert any(type(cb) is Recorder for cb in trainer.callback_handler.callbacks)
