@@ -115,3 +115,53 @@ def test_callback_class_is_instantiated_like_hf(tmp_path, factory):
     trainer = hflight.Trainer(factory.qa_model(), hflight.TrainingArguments(str(tmp_path), report_to="none"),
                               callbacks=[Recorder])
     assert any(type(cb) is Recorder for cb in trainer.callback_handler.callbacks)
+
+
+def _early_stopping_run(tmp_path, factory, name, trainer_cls, args_cls, **kwargs):
+    args = args_cls(output_dir=str(tmp_path / name), **{**BASE, **dict(
+        num_train_epochs=6, eval_strategy="steps", eval_steps=1, save_steps=1, logging_steps=1,
+        load_best_model_at_end=True, metric_for_best_model="eval_loss", learning_rate=0.05), **kwargs})
+    trainer = trainer_cls(factory.qa_model(), args, train_dataset=factory.qa_dataset(16),
+                          eval_dataset=factory.qa_dataset(8, seed=1),
+                          callbacks=[transformers.EarlyStoppingCallback(early_stopping_patience=2)])
+    trainer.train()
+    return trainer
+
+
+def test_early_stopping_stops_at_the_same_step_as_transformers(tmp_path, factory):
+    hf = _early_stopping_run(tmp_path, factory, "hf", transformers.Trainer, transformers.TrainingArguments)
+    hl = _early_stopping_run(tmp_path, factory, "hl", hflight.Trainer, hflight.TrainingArguments)
+    assert hf.state.global_step < hf.state.max_steps  # it did stop early
+    assert hl.state.global_step == hf.state.global_step
+    assert hl.state.best_global_step == hf.state.best_global_step
+    assert hl.state.best_metric == pytest.approx(hf.state.best_metric, rel=1e-5)
+
+
+@pytest.mark.subprocess
+def test_early_stopping_patience_survives_resume(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    job = Path(__file__).parent / "jobs" / "resume_job.py"
+
+    def run(out, *extra):
+        result = subprocess.run([sys.executable, str(job), str(out), "--early-stopping", "2", "--save-steps", "1",
+                                 "--max-steps", "30", *extra], capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-2000:]
+        return result
+
+    full = tmp_path / "full"
+    run(full)
+    full_logs = __import__("json").loads((full / "log_history.json").read_text())
+    stop_step = max(e["step"] for e in full_logs)
+    assert stop_step < 30
+    assert len([e for e in full_logs if "eval_loss" in e]) >= 3
+    # interrupt one step before the stop, while the patience counter is non-zero, then resume
+    interrupted = tmp_path / "interrupted"
+    run(interrupted, "--stop-at", str(stop_step - 1))
+    state = transformers.TrainerState.load_from_json(str(interrupted / f"checkpoint-{stop_step - 1}" / "trainer_state.json"))
+    assert state.stateful_callbacks["EarlyStoppingCallback"]["attributes"]["early_stopping_patience_counter"] > 0
+    run(interrupted, "--resume", "last")
+    resumed_logs = __import__("json").loads((interrupted / "log_history.json").read_text())
+    assert max(e["step"] for e in resumed_logs) == stop_step

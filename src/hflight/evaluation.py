@@ -77,8 +77,10 @@ class Accumulator:
 class Evaluator:
     """Runs ``prediction_step`` batch by batch and turns the pieces into an ``EvalLoopOutput``."""
 
-    def __init__(self, facade: Trainer, description: str, prediction_loss_only: bool, ignore_keys: list[str] | None):
+    def __init__(self, facade: Trainer, description: str, prediction_loss_only: bool, ignore_keys: list[str] | None,
+                 compute_metrics: Any = None):
         self.facade = facade
+        self.compute_metrics = compute_metrics
         self.description = description
         self.prediction_loss_only = prediction_loss_only
         self.ignore_keys = ignore_keys
@@ -119,12 +121,12 @@ class Evaluator:
         labels = self.labels.result(num_samples)
         inputs = self.inputs.result(num_samples)
 
-        if facade.compute_metrics is not None and preds is not None and labels is not None:
+        if self.compute_metrics is not None and preds is not None and labels is not None:
             extra = {
                 "losses": losses if "loss" in facade.args.include_for_metrics else None,
                 "inputs": inputs if "inputs" in facade.args.include_for_metrics else None,
             }
-            metrics = facade.compute_metrics(EvalPrediction(predictions=preds, label_ids=labels, **extra))
+            metrics = self.compute_metrics(EvalPrediction(predictions=preds, label_ids=labels, **extra))
         else:
             metrics = {}
         metrics = denumpify_detensorize(metrics or {})
@@ -146,9 +148,14 @@ def run_evaluation_loop(
     prediction_loss_only: bool,
     ignore_keys: list[str] | None,
     metric_key_prefix: str,
+    compute_metrics: Any = ...,
 ) -> EvalLoopOutput:
-    """HF's ``evaluation_loop``: inside a running ``fit`` directly, otherwise as Lightning's ``validate``."""
-    evaluator = Evaluator(facade, description, prediction_loss_only, ignore_keys)
+    """HF's ``evaluation_loop``: inside a running ``fit`` directly, otherwise as Lightning's ``validate``.
+
+    ``compute_metrics`` defaults to the facade's; pass ``None`` to collect predictions without scoring them (the
+    QA trainer scores after post-processing)."""
+    metrics_fn = facade.compute_metrics if compute_metrics is ... else compute_metrics
+    evaluator = Evaluator(facade, description, prediction_loss_only, ignore_keys, metrics_fn)
     facade._evaluator = evaluator
     facade.callback_handler.eval_dataloader = dataloader
     fit_trainer = facade._lightning_trainer if facade.is_in_train else None

@@ -35,7 +35,7 @@ from transformers.trainer_callback import (
 )
 from transformers.trainer_pt_utils import LabelSmoother, LengthGroupedSampler, log_metrics, metrics_format
 from transformers.trainer_pt_utils import save_metrics, save_state
-from transformers.trainer_utils import EvalLoopOutput, PredictionOutput, TrainOutput, enable_full_determinism
+from transformers.trainer_utils import EvalLoopOutput, PredictionOutput, SaveStrategy, TrainOutput, enable_full_determinism
 from transformers.trainer_utils import set_seed, speed_metrics
 from transformers.utils import can_return_loss, find_labels
 
@@ -100,6 +100,8 @@ class Trainer:
             processing_class = tokenizer
         enable_full_determinism(self.args.seed) if self.args.full_determinism else set_seed(self.args.seed)
         self._validate_inputs(model, model_init, train_dataset, eval_dataset, callbacks, optimizers, compute_metrics)
+        if self.args.save_strategy == SaveStrategy.BEST and self.args.metric_for_best_model is None:
+            raise ValueError("`args.metric_for_best_model` must be provided when using 'best' save_strategy.")
 
         self.model_init = model_init
         if model is None:

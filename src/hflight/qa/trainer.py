@@ -1,0 +1,205 @@
+"""``MRCTrainer`` (alias ``QuestionAnsweringTrainer``): evaluation that ends in answers and SQuAD scores.
+
+Evaluation windows are run sorted by length and padded per batch (no compute spent on padding to
+``max_seq_length``), logits move to the CPU per batch, the feature order is restored, then
+``post_process_function`` turns logits into answers and ``compute_metrics`` scores them. Because the facade's
+mid-training evaluation calls ``evaluate()``, QA metrics are available during training, so
+``metric_for_best_model="f1"`` with ``load_best_model_at_end`` works.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+from torch.utils.data import DataLoader, Sampler
+from transformers.trainer_utils import EvalPrediction, PredictionOutput, speed_metrics
+
+from hflight.qa.metrics import squad_metrics
+from hflight.qa.postprocess import postprocess_qa_predictions_with_scores
+from hflight.trainer import Trainer
+
+# Columns post-processing needs that the model must never see.
+POSTPROCESS_COLUMNS = ("example_id", "offset_mapping")
+
+
+class LengthSortedSampler(Sampler[int]):
+    """Indices from the longest window to the shortest (stable), so each batch pads to its own longest window.
+
+    ``order`` is the permutation used: row ``k`` of the collected outputs belongs to feature ``order[k]``.
+    """
+
+    def __init__(self, lengths: list[int]) -> None:
+        self.order = np.argsort(-np.asarray(lengths, dtype=np.int64), kind="stable")
+
+    def __iter__(self) -> Iterator[int]:
+        yield from self.order.tolist()
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+
+def _restore_order(value: Any, order: np.ndarray) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, (tuple, list)):
+        return type(value)(_restore_order(v, order) for v in value)
+    restored = np.empty_like(value)
+    restored[order] = value[: len(order)]
+    return restored
+
+
+def squad_post_process_function(
+    version_2_with_negative: bool = False,
+    n_best_size: int = 20,
+    max_answer_length: int = 30,
+    null_score_diff_threshold: float = 0.0,
+    output_dir: str | None = None,
+    answer_column: str = "answers",
+) -> Callable[..., EvalPrediction]:
+    """The default ``post_process_function(examples, features, predictions, stage)``: answers (with a real
+    no-answer probability for SQuAD 2.0) and references in ``squad_metrics``' format, as an ``EvalPrediction``;
+    with ``output_dir``, also ``{stage}_predictions.json``, ``{stage}_nbest_predictions.json`` (and
+    ``{stage}_null_odds.json``) as HF's run_qa writes them."""
+
+    def post_process(examples: Any, features: Any, predictions: Any, stage: str = "eval") -> EvalPrediction:
+        result = postprocess_qa_predictions_with_scores(
+            examples, features, predictions, version_2_with_negative=version_2_with_negative,
+            n_best_size=n_best_size, max_answer_length=max_answer_length,
+            null_score_diff_threshold=null_score_diff_threshold, output_dir=output_dir, prefix=stage,
+        )
+        references = None
+        columns = getattr(examples, "column_names", None) or []
+        if answer_column in columns:
+            references = [{"id": i, "answers": a} for i, a in zip(examples["id"], examples[answer_column])]
+        return EvalPrediction(predictions=result.to_squad_predictions(), label_ids=references)
+
+    return post_process
+
+
+def squad_compute_metrics(version_2_with_negative: bool = False) -> Callable[[EvalPrediction], dict]:
+    """``compute_metrics`` for the default post-processing: SQuAD v1.1 or v2.0 scores."""
+
+    def compute(prediction: EvalPrediction) -> dict:
+        return squad_metrics(prediction.predictions, prediction.label_ids, version_2_with_negative)
+
+    return compute
+
+
+class MRCTrainer(Trainer):
+    """The facade with HF's QuestionAnsweringTrainer / PrimeQA MRCTrainer evaluation.
+
+    Args:
+        eval_examples: the questions (``id``, ``context``, ``answers``) behind ``eval_dataset``'s windows.
+        eval_dataset: the windows from ``prepare_validation_features`` (with ``example_id``, ``offset_mapping``).
+        post_process_function: ``(examples, features, predictions, stage) -> EvalPrediction``; default:
+            ``squad_post_process_function(version_2_with_negative, ...)`` writing into ``args.output_dir``.
+        version_2_with_negative, n_best_size, max_answer_length, null_score_diff_threshold: settings of the
+            default post-processing (and of the default SQuAD ``compute_metrics``).
+        All other arguments are ``hflight.Trainer``'s.
+    """
+
+    def __init__(self, *args: Any, eval_examples: Any = None, eval_dataset: Any = None,
+                 post_process_function: Callable[..., EvalPrediction] | None = None,
+                 version_2_with_negative: bool = False, n_best_size: int = 20, max_answer_length: int = 30,
+                 null_score_diff_threshold: float = 0.0, **kwargs: Any) -> None:
+        super().__init__(*args, eval_dataset=eval_dataset, **kwargs)
+        self.eval_examples = eval_examples
+        if post_process_function is None:
+            post_process_function = squad_post_process_function(
+                version_2_with_negative, n_best_size, max_answer_length, null_score_diff_threshold,
+                output_dir=self.args.output_dir if self.is_world_process_zero() else None,
+            )
+            if self.compute_metrics is None:
+                self.compute_metrics = squad_compute_metrics(version_2_with_negative)
+        self.post_process_function = post_process_function
+
+    # ---- loaders: windows sorted by length, post-processing columns never reach the model ----------------------
+    def _model_inputs(self, dataset: Any) -> Any:
+        present = [c for c in POSTPROCESS_COLUMNS if c in getattr(dataset, "column_names", [])]
+        return dataset.remove_columns(present) if present else dataset
+
+    def _get_eval_sampler(self, eval_dataset: Any) -> Sampler[int]:
+        input_name = getattr(self.model, "main_input_name", "input_ids")
+        try:
+            lengths = [len(ids) for ids in eval_dataset[input_name]]
+        except (KeyError, TypeError):
+            return super()._get_eval_sampler(eval_dataset)
+        return LengthSortedSampler(lengths)
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("MRCTrainer: evaluation requires an eval_dataset (the validation windows).")
+        return super().get_eval_dataloader(self._model_inputs(dataset))
+
+    def get_test_dataloader(self, test_dataset: Any) -> DataLoader:
+        return super().get_test_dataloader(self._model_inputs(test_dataset))
+
+    # ---- evaluation ------------------------------------------------------------------------------------------------
+    def _run(self, dataloader: DataLoader, description: str, ignore_keys: list[str] | None, prefix: str):
+        output = self.evaluation_loop(dataloader, description, prediction_loss_only=False, ignore_keys=ignore_keys,
+                                      metric_key_prefix=prefix, compute_metrics=None)
+        sampler = getattr(dataloader, "sampler", None)
+        sampler = getattr(getattr(dataloader, "batch_sampler", None), "sampler", sampler)
+        if isinstance(sampler, LengthSortedSampler):
+            output = output._replace(predictions=_restore_order(output.predictions, sampler.order),
+                                     label_ids=_restore_order(output.label_ids, sampler.order))
+        return output
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix="eval", compute_metrics: Any = ...):
+        from hflight import evaluation
+
+        if prediction_loss_only is None:
+            prediction_loss_only = self.args.prediction_loss_only
+        return evaluation.run_evaluation_loop(self, dataloader, description, prediction_loss_only, ignore_keys,
+                                              metric_key_prefix, compute_metrics)
+
+    def _scored(self, output: Any, examples: Any, features: Any, stage: str, prefix: str, start: float):
+        if examples is None:
+            raise ValueError(f"MRCTrainer: {stage} needs the examples behind the windows (eval_examples / "
+                             "predict_examples) to turn logits into answers.")
+        predictions = self.post_process_function(examples, features, output.predictions, stage)
+        metrics: dict[str, float] = {}
+        if self.compute_metrics is not None and predictions.label_ids is not None:
+            metrics = dict(self.compute_metrics(predictions))
+        for key in list(metrics):
+            if not key.startswith(f"{prefix}_"):
+                metrics[f"{prefix}_{key}"] = metrics.pop(key)
+        metrics.update(output.metrics)  # eval_loss when the windows carry labels
+        total_batch_size = self.args.eval_batch_size * self._world()[0]
+        metrics.update(speed_metrics(prefix, start, num_samples=output.num_samples,
+                                     num_steps=math.ceil(output.num_samples / total_batch_size)))
+        return predictions, metrics
+
+    def evaluate(self, eval_dataset: Any = None, eval_examples: Any = None, ignore_keys: list[str] | None = None,
+                 metric_key_prefix: str = "eval") -> dict[str, float]:
+        features = eval_dataset if eval_dataset is not None else self.eval_dataset
+        examples = eval_examples if eval_examples is not None else self.eval_examples
+        start = time.time()
+        output = self._run(self.get_eval_dataloader(features), "Evaluation", ignore_keys, metric_key_prefix)
+        _, metrics = self._scored(output, examples, features, "eval", metric_key_prefix, start)
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    def predict(self, predict_dataset: Any, predict_examples: Any = None, ignore_keys: list[str] | None = None,
+                metric_key_prefix: str = "test") -> PredictionOutput:
+        start = time.time()
+        output = self._run(self.get_test_dataloader(predict_dataset), "Prediction", ignore_keys, metric_key_prefix)
+        predictions, metrics = self._scored(output, predict_examples, predict_dataset, "predict",
+                                            metric_key_prefix, start)
+        self.control = self.callback_handler.on_predict(self.args, self.state, self.control, metrics)
+        return PredictionOutput(predictions=predictions.predictions, label_ids=predictions.label_ids,
+                                metrics=metrics)
+
+
+QuestionAnsweringTrainer = MRCTrainer
+
+__all__ = ["LengthSortedSampler", "MRCTrainer", "QuestionAnsweringTrainer", "squad_compute_metrics",
+           "squad_post_process_function"]
+
