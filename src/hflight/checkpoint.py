@@ -89,7 +89,10 @@ def save_checkpoint(facade: Trainer) -> str:
     is_main = facade.is_world_process_zero()
     if is_main:
         shutil.rmtree(tmp_dir, ignore_errors=True)
-        save_model_files(facade.model, facade.processing_class, tmp_dir, args)
+        with facade._evaluation_weights():
+            save_model_files(facade.model, facade.processing_class, tmp_dir, args)
+        for callback in facade._weight_hooks("save_checkpoint_state"):
+            callback.save_checkpoint_state(tmp_dir, facade.model)
     facade._barrier()
     os.makedirs(tmp_dir, exist_ok=True)
     if not args.save_only_model:
@@ -242,6 +245,8 @@ def resolve_resume(facade: Trainer, resume: str | bool | None) -> str | None:
             "Trainer checkpoint."
         )
     load_model_weights(facade.model, str(folder))
+    for callback in facade._weight_hooks("load_checkpoint_state"):
+        callback.load_checkpoint_state(str(folder), facade.model)
     return str(folder)
 
 

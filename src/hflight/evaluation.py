@@ -160,17 +160,19 @@ def run_evaluation_loop(
     facade.callback_handler.eval_dataloader = dataloader
     fit_trainer = facade._lightning_trainer if facade.is_in_train else None
     try:
-        if fit_trainer is not None:
-            model = facade._lightning_module.model
-            was_training = model.training
-            model.eval()
-            with torch.no_grad(), fit_trainer.precision_plugin.val_step_context():
-                for batch in dataloader:
-                    evaluator.step(batch)
-            model.train(was_training)
-        else:
-            with quiet_lightning():
-                facade._validation_trainer().validate(facade._ensure_module(), dataloaders=dataloader, verbose=False)
+        with facade._evaluation_weights():
+            if fit_trainer is not None:
+                model = facade._lightning_module.model
+                was_training = model.training
+                model.eval()
+                with torch.no_grad(), fit_trainer.precision_plugin.val_step_context():
+                    for batch in dataloader:
+                        evaluator.step(batch)
+                model.train(was_training)
+            else:
+                with quiet_lightning():
+                    trainer = facade._validation_trainer()
+                    trainer.validate(facade._ensure_module(), dataloaders=dataloader, verbose=False)
     finally:
         facade._evaluator = None
     dataset = getattr(dataloader, "dataset", None)

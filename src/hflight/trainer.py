@@ -9,6 +9,7 @@ from ``TrainingArguments`` to ``lightning.Trainer``).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import os
@@ -379,6 +380,17 @@ class Trainer:
         if self._world()[0] <= 1:
             return value
         return self._lightning_trainer.strategy.reduce(value, reduce_op="mean")
+
+    def _weight_hooks(self, method: str) -> list[Any]:
+        """Callbacks that take part in the weights protocol (e.g. ``EMACallback``): those defining ``method``."""
+        return [cb for cb in self.callback_handler.callbacks if callable(getattr(cb, method, None))]
+
+    def _evaluation_weights(self) -> contextlib.ExitStack:
+        """The weights evaluation and saved models use (moving averages when an EMA callback is attached)."""
+        stack = contextlib.ExitStack()
+        for callback in self._weight_hooks("averaged_weights"):
+            stack.enter_context(callback.averaged_weights(self.model))
+        return stack
 
     # ---- training ----------------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,

@@ -1,0 +1,120 @@
+"""A moving average of the weights, in the spirit of AllenNLP's ``ExponentialMovingAverage``.
+
+Training updates the raw weights; after every optimizer step the average moves towards them. Evaluation (also
+mid-training) and every saved model see the averaged weights; training then continues on the raw ones, bit for
+bit. A checkpoint's ``model.safetensors`` holds the averaged weights (so ``from_pretrained`` gives the averaged
+model) and ``ema_state.pt`` the raw weights and the update count, so a resumed run continues exactly. When
+training ends the model keeps the averaged weights, so ``evaluate()`` and ``save_model()`` afterwards use them.
+
+Example:
+    >>> from hflight.callbacks.ema import EMACallback
+    >>> trainer = Trainer(model, args, train_dataset=ds, callbacks=[EMACallback(decay=0.999)])  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import torch
+from transformers.trainer_callback import TrainerCallback
+
+STATE_FILE = "ema_state.pt"
+
+
+class EMACallback(TrainerCallback):
+    """Exponential moving average of the trainable parameters.
+
+    Args:
+        decay: the average keeps ``decay`` of itself per step (``shadow = decay * shadow + (1 - decay) * raw``).
+        use_num_updates: AllenNLP's warm start: the effective decay is ``min(decay, (1 + n) / (10 + n))`` after
+            ``n`` updates, so early averages are not dominated by the initial weights.
+    """
+
+    def __init__(self, decay: float = 0.9999, use_num_updates: bool = True) -> None:
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"EMACallback: decay must be in [0, 1), got {decay}")
+        self.decay = decay
+        self.use_num_updates = use_num_updates
+        self.num_updates = 0
+        self.shadow: dict[str, torch.Tensor] | None = None
+
+    # ---- averaging ---------------------------------------------------------------------------------------------
+    @staticmethod
+    def _params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+        return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+    def _ensure_shadow(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        params = self._params(model)
+        if self.shadow is None:
+            self.shadow = {name: p.detach().clone() for name, p in params.items()}
+        elif params and (first := next(iter(params))) and self.shadow[first].device != params[first].device:
+            # the model moved (Lightning places it on the accelerator at fit start): follow it
+            self.shadow = {name: t.to(params[name].device) for name, t in self.shadow.items()}
+        return self.shadow
+
+    def current_decay(self) -> float:
+        if self.use_num_updates:
+            return min(self.decay, (1 + self.num_updates) / (10 + self.num_updates))
+        return self.decay
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self._ensure_shadow(model)
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        shadow = self._ensure_shadow(model)
+        decay = self.current_decay()
+        params = self._params(model)
+        averages = [shadow[name] for name in params]
+        raw = [p.detach() for p in params.values()]
+        torch._foreach_mul_(averages, decay)
+        torch._foreach_add_(averages, raw, alpha=1.0 - decay)
+        self.num_updates += 1
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        if self.shadow is not None:
+            self._copy_in(model, self.shadow)
+
+    # ---- the facade's weights protocol --------------------------------------------------------------------------
+    def _copy_in(self, model: torch.nn.Module, values: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, p in self._params(model).items():
+                p.copy_(values[name])
+
+    @contextlib.contextmanager
+    def averaged_weights(self, model: torch.nn.Module) -> Iterator[None]:
+        """The averaged weights in ``model`` for the duration (evaluation, saving); the raw ones restored after."""
+        if self.shadow is None:
+            yield
+            return
+        raw = {name: p.detach().clone() for name, p in self._params(model).items()}
+        self._copy_in(model, self.shadow)
+        try:
+            yield
+        finally:
+            self._copy_in(model, raw)
+
+    def save_checkpoint_state(self, folder: str, model: torch.nn.Module) -> None:
+        """Raw weights and update count next to the (averaged) model files."""
+        raw = {name: p.detach().cpu().clone() for name, p in self._params(model).items()}
+        torch.save({"raw": raw, "num_updates": self.num_updates, "decay": self.decay}, os.path.join(folder, STATE_FILE))
+
+    def load_checkpoint_state(self, folder: str, model: torch.nn.Module) -> None:
+        """After the facade loaded ``model.safetensors`` (the averages): averages -> shadow, raw -> model."""
+        path = os.path.join(folder, STATE_FILE)
+        if not os.path.isfile(path):
+            return  # a checkpoint written without EMA: start averaging from its weights
+        try:
+            saved = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:
+            raise ValueError(f"Cannot read the moving-average state {path}: {exc}") from exc
+        self.shadow = {name: p.detach().clone() for name, p in self._params(model).items()}
+        params = self._params(model)
+        missing = sorted(set(params) - set(saved["raw"]))
+        if missing:
+            raise ValueError(f"{path} lacks raw weights for {missing[:5]}: written for another model?")
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(saved["raw"][name].to(p.device))
+        self.num_updates = int(saved["num_updates"])
