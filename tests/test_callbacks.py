@@ -165,3 +165,13 @@ def test_early_stopping_patience_survives_resume(tmp_path):
     run(interrupted, "--resume", "last")
     resumed_logs = __import__("json").loads((interrupted / "log_history.json").read_text())
     assert max(e["step"] for e in resumed_logs) == stop_step
+
+
+def test_unknown_metric_for_best_model_names_the_available_metrics(tmp_path, factory):
+    args = hflight.TrainingArguments(output_dir=str(tmp_path), eval_strategy="steps", eval_steps=1, save_steps=1,
+                                     max_steps=2, metric_for_best_model="f1", load_best_model_at_end=True,
+                                     report_to="none", disable_tqdm=True, per_device_train_batch_size=4)
+    trainer = hflight.Trainer(factory.qa_model(), args, train_dataset=factory.qa_dataset(8),
+                              eval_dataset=factory.qa_dataset(4))
+    with pytest.raises(KeyError, match="'eval_f1', which is not found.*eval_loss"):
+        trainer.train()

@@ -40,7 +40,7 @@ from transformers.trainer_utils import EvalLoopOutput, PredictionOutput, SaveStr
 from transformers.trainer_utils import set_seed, speed_metrics
 from transformers.utils import can_return_loss, find_labels
 
-from hflight import checkpoint, evaluation, optim, steps
+from hflight import checkpoint, evaluation, hpsearch, optim, steps
 from hflight.callbacks.bridge import HFEventBridge
 from hflight.datamodule import EpochSeededRandomSampler, HFDataModule, ShardedBatchSampler, loader_length
 from hflight.lightning_kwargs import lightning_trainer_kwargs, quiet_lightning, split_callbacks
@@ -122,6 +122,7 @@ class Trainer:
         self.current_flos = 0
         self.is_in_train = False
         self.hp_name, self.hp_search_backend, self._trial = None, None, None
+        self.objective: Any = None
 
         hf_callbacks, self._lightning_callbacks = split_callbacks(callbacks or [])
         self.callback_handler = CallbackHandler(
@@ -403,6 +404,8 @@ class Trainer:
             resume_from_checkpoint = self.args.resume_from_checkpoint
         self.is_in_train = True
         self._trial = trial
+        if trial is not None and self.hp_search_backend is not None:
+            self.args = hpsearch.apply_trial(self, self._hp_base_args, trial)
         if self.model_init is not None:
             enable_full_determinism(self.args.seed) if self.args.full_determinism else set_seed(self.args.seed)
             self.model = self.call_model_init(trial)
@@ -462,9 +465,20 @@ class Trainer:
         self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
         return TrainOutput(self.state.global_step, train_loss, metrics)
 
+    def hyperparameter_search(self, hp_space: Callable[[Any], dict[str, Any]] | None = None,
+                              compute_objective: Callable[[dict[str, float]], float] | None = None,
+                              n_trials: int = 20, direction: str | list[str] = "minimize", backend: str | None = None,
+                              hp_name: Callable[[Any], str] | None = None, **kwargs: Any):
+        """Search hyperparameters with optuna (HF's semantics; needs ``model_init``). Returns a ``BestRun``
+        (a list of them for several ``direction``s). See ``hflight.hpsearch``."""
+        self._hp_base_args = self.args
+        return hpsearch.hyperparameter_search(self, hp_space, compute_objective, n_trials, direction, backend,
+                                              hp_name, **kwargs)
+
     # ---- evaluation --------------------------------------------------------------------------------------------
     def _evaluate(self, trial: Any, ignore_keys_for_eval: list[str] | None, skip_scheduler: bool = False) -> dict:
         metrics = self.evaluate(ignore_keys=ignore_keys_for_eval)
+        hpsearch.report(self, trial, self.state.global_step, metrics)
         if isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) and not skip_scheduler:
             key = self.args.metric_for_best_model
             key = key if key.startswith("eval_") else f"eval_{key}"
