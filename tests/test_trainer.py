@@ -311,3 +311,25 @@ def test_transformers_training_arguments_are_accepted(tmp_path, factory):
     bad = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), neftune_noise_alpha=5.0, report_to="none")
     with pytest.raises(ValueError, match="neftune_noise_alpha"):
         Trainer(factory.qa_model(), bad)
+
+
+def test_report_to_csv_writes_a_lightning_csv_log(tmp_path, factory):
+    import csv
+
+    trainer = Trainer(factory.qa_model(), _args(tmp_path, report_to="csv", max_steps=2), train_dataset=factory.qa_dataset(8))
+    trainer.train()
+    files = list((tmp_path / "out").rglob("metrics.csv"))
+    assert len(files) == 1
+    rows = list(csv.DictReader(files[0].open()))
+    assert [r["step"] for r in rows if r["loss"]] == ["1", "2"]
+    assert any(r.get("train_loss") for r in rows)
+
+
+def test_report_to_maps_names_to_lightning_loggers(monkeypatch):
+    from hflight import lightning_kwargs
+
+    assert lightning_kwargs.report_to_names("none") == []
+    assert lightning_kwargs.report_to_names(["csv", "tensorboard"]) == ["csv", "tensorboard"]
+    with pytest.raises(ValueError, match="unknown logger"):
+        lightning_kwargs.report_to_names(["comet"])
+    assert set(lightning_kwargs.LOGGERS) == {"csv", "tensorboard", "mlflow", "wandb"}

@@ -459,6 +459,8 @@ class Trainer:
         metrics["total_flos"] = self.state.total_flos
         metrics["train_loss"] = train_loss
         self.log(metrics)
+        for logger in self._lightning_trainer.loggers:  # fit has ended: flush what came after it
+            logger.save()
         if self.args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
             checkpoint.load_best_model(self)
         checkpoint.finalize_rotation(self)
