@@ -110,3 +110,16 @@ def test_missing_examples_is_a_clear_error(tmp_path, mrc_data):
                          eval_dataset=mrc_data["dynamic"])
     with pytest.raises(ValueError, match="needs the examples behind the windows"):
         trainer.evaluate()
+
+
+def test_padding_positions_never_reach_post_processing():
+    import datasets
+
+    from hflight.qa.trainer import PAD_LOGIT, mask_padding_logits
+
+    features = datasets.Dataset.from_dict({"attention_mask": [[1, 1, 1, 0], [1, 1]]})
+    start = np.array([[1.0, 2.0, 3.0, 9.0], [4.0, 5.0, 7.0, 8.0]], dtype=np.float32)
+    masked_start, masked_end = mask_padding_logits((start, start.copy()), features)
+    assert masked_start[0].tolist() == [1.0, 2.0, 3.0, PAD_LOGIT]
+    assert masked_start[1].tolist() == [4.0, 5.0, PAD_LOGIT, PAD_LOGIT]
+    assert start[0, 3] == 9.0  # the inputs are not modified

@@ -52,6 +52,30 @@ def _restore_order(value: Any, order: np.ndarray) -> Any:
     return restored
 
 
+# Logit given to positions outside a window (padding): far below any real score, finite so sums stay finite.
+PAD_LOGIT = -1.0e4
+
+
+def mask_padding_logits(predictions: Any, features: Any) -> Any:
+    """Set the start/end logits of padding positions (``attention_mask == 0``, or beyond the window) to
+    ``PAD_LOGIT``. Padding is never an answer; without this, padding positions can take n-best slots, and the
+    answers would depend on how far windows were padded (to 384, or to their batch's longest window)."""
+    columns = getattr(features, "column_names", None) or []
+    if "attention_mask" not in columns or not isinstance(predictions, (tuple, list)):
+        return predictions
+    masks = features["attention_mask"]
+    width = max(np.shape(p)[1] for p in predictions)
+    valid = np.zeros((len(masks), width), dtype=bool)
+    for row, mask in enumerate(masks):
+        valid[row, : len(mask)] = np.asarray(mask[:width], dtype=bool)
+    masked = []
+    for logits in predictions:
+        logits = np.array(logits, copy=True)
+        logits[~valid[:, : logits.shape[1]]] = PAD_LOGIT
+        masked.append(logits)
+    return type(predictions)(masked)
+
+
 def squad_post_process_function(
     version_2_with_negative: bool = False,
     n_best_size: int = 20,
@@ -163,7 +187,8 @@ class MRCTrainer(Trainer):
         if examples is None:
             raise ValueError(f"MRCTrainer: {stage} needs the examples behind the windows (eval_examples / "
                              "predict_examples) to turn logits into answers.")
-        predictions = self.post_process_function(examples, features, output.predictions, stage)
+        logits = mask_padding_logits(output.predictions, features)
+        predictions = self.post_process_function(examples, features, logits, stage)
         metrics: dict[str, float] = {}
         if self.compute_metrics is not None and predictions.label_ids is not None:
             metrics = dict(self.compute_metrics(predictions))
@@ -200,6 +225,6 @@ class MRCTrainer(Trainer):
 
 QuestionAnsweringTrainer = MRCTrainer
 
-__all__ = ["LengthSortedSampler", "MRCTrainer", "QuestionAnsweringTrainer", "squad_compute_metrics",
-           "squad_post_process_function"]
+__all__ = ["LengthSortedSampler", "MRCTrainer", "QuestionAnsweringTrainer", "mask_padding_logits",
+           "squad_compute_metrics", "squad_post_process_function"]
 
