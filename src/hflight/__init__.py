@@ -1,35 +1,51 @@
 """hflight: the Hugging Face ``Trainer`` API, running on PyTorch Lightning.
 
 Callbacks, state and control objects are transformers' own classes, re-exported, so a ``TrainerCallback``
-written for ``transformers.Trainer`` works unchanged.
+written for ``transformers.Trainer`` works unchanged. Names are imported on first use (PEP 562), so
+``import hflight.qa.metrics`` does not pay for Lightning.
 """
 
-from transformers.trainer_callback import (
-    EarlyStoppingCallback,
-    TrainerCallback,
-    TrainerControl,
-    TrainerState,
-)
-from transformers.trainer_utils import set_seed
+from __future__ import annotations
 
-from hflight.checkpoint import get_last_checkpoint
-from hflight.outputs import EvalLoopOutput, EvalPrediction, PredictionOutput, TrainOutput
-from hflight.trainer import Trainer
-from hflight.training_args import TrainingArguments
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "EarlyStoppingCallback",
-    "EvalLoopOutput",
-    "EvalPrediction",
-    "PredictionOutput",
-    "TrainOutput",
-    "Trainer",
-    "TrainerCallback",
-    "TrainerControl",
-    "TrainerState",
-    "TrainingArguments",
-    "get_last_checkpoint",
-    "set_seed",
-]
+_EXPORTS = {
+    "Trainer": "hflight.trainer",
+    "TrainingArguments": "hflight.training_args",
+    "TrainerCallback": "transformers.trainer_callback",
+    "TrainerState": "transformers.trainer_callback",
+    "TrainerControl": "transformers.trainer_callback",
+    "EarlyStoppingCallback": "transformers.trainer_callback",
+    "EvalPrediction": "hflight.outputs",
+    "TrainOutput": "hflight.outputs",
+    "EvalLoopOutput": "hflight.outputs",
+    "PredictionOutput": "hflight.outputs",
+    "get_last_checkpoint": "hflight.checkpoint",
+    "set_seed": "transformers.trainer_utils",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from transformers.trainer_callback import EarlyStoppingCallback, TrainerCallback, TrainerControl, TrainerState
+    from transformers.trainer_utils import set_seed
+
+    from hflight.checkpoint import get_last_checkpoint
+    from hflight.outputs import EvalLoopOutput, EvalPrediction, PredictionOutput, TrainOutput
+    from hflight.trainer import Trainer
+    from hflight.training_args import TrainingArguments
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'hflight' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])
