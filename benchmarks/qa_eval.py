@@ -85,21 +85,35 @@ def main() -> None:
         examples = load_squad_json(subset(opts.data, opts.questions, Path(tmp) / "subset.json"))
         windows = {
             pad: examples.map(
-                functools.partial(prepare_validation_features, tokenizer=tokenizer, max_seq_length=opts.max_seq_length,
-                                  doc_stride=opts.doc_stride, pad_to_max_length=pad),
-                batched=True, remove_columns=examples.column_names,
+                functools.partial(
+                    prepare_validation_features,
+                    tokenizer=tokenizer,
+                    max_seq_length=opts.max_seq_length,
+                    doc_stride=opts.doc_stride,
+                    pad_to_max_length=pad,
+                ),
+                batched=True,
+                remove_columns=examples.column_names,
             )
             for pad in (True, False)
         }
-        args = TrainingArguments(output_dir=tmp, per_device_eval_batch_size=opts.batch_size, report_to="none",
-                                 disable_tqdm=True, save_strategy="no")
+        args = TrainingArguments(
+            output_dir=tmp,
+            per_device_eval_batch_size=opts.batch_size,
+            report_to="none",
+            disable_tqdm=True,
+            save_strategy="no",
+        )
         trainer = MRCTrainer(model, args, processing_class=tokenizer, eval_examples=examples)
         tokens = {pad: sum(len(ids) for ids in w["input_ids"]) for pad, w in windows.items()}
         print(f"torch {torch.__version__}, threads {torch.get_num_threads()}; encoder {model_dir.parent.name}")
-        print(f"{len(examples)} questions, {len(windows[True])} windows; tokens fed to the model: "
-              f"{tokens[True]:,} padded to {opts.max_seq_length} vs {tokens[False]:,} dynamic")
-        trainer.predict(windows[False].select(range(min(8, len(windows[False])))),
-                        examples)  # warm-up (thread pools, allocator)
+        print(
+            f"{len(examples)} questions, {len(windows[True])} windows; tokens fed to the model: "
+            f"{tokens[True]:,} padded to {opts.max_seq_length} vs {tokens[False]:,} dynamic"
+        )
+        trainer.predict(
+            windows[False].select(range(min(8, len(windows[False])))), examples
+        )  # warm-up (thread pools, allocator)
         results, times = {}, {}
         for pad in (True, False, True, False):  # alternate, keep the better time of each
             start = time.perf_counter()
@@ -107,8 +121,10 @@ def main() -> None:
             elapsed = time.perf_counter() - start
             times[pad] = min(times.get(pad, float("inf")), elapsed)
     assert results[True].predictions == results[False].predictions, "dynamic padding changed the answers"
-    print(f"padding to {opts.max_seq_length}: {times[True]:.2f} s   dynamic padding: {times[False]:.2f} s   "
-          f"speed-up: {times[True] / times[False]:.2f}x   (answers identical: {len(results[True].predictions)})")
+    print(
+        f"padding to {opts.max_seq_length}: {times[True]:.2f} s   dynamic padding: {times[False]:.2f} s   "
+        f"speed-up: {times[True] / times[False]:.2f}x   (answers identical: {len(results[True].predictions)})"
+    )
     print(f"F1 of the untrained QA head (sanity only): {results[False].metrics['test_f1']:.2f}")
 
 

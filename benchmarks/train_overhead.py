@@ -34,8 +34,12 @@ from hflight.optim import grouped_parameters  # noqa: E402
 def build_model(opts) -> BertForQuestionAnswering:
     torch.manual_seed(0)
     config = BertConfig(
-        vocab_size=2000, hidden_size=opts.hidden, num_hidden_layers=opts.layers, num_attention_heads=4,
-        intermediate_size=opts.hidden * 4, max_position_embeddings=opts.seq_len,
+        vocab_size=2000,
+        hidden_size=opts.hidden,
+        num_hidden_layers=opts.layers,
+        num_attention_heads=4,
+        intermediate_size=opts.hidden * 4,
+        max_position_embeddings=opts.seq_len,
     )
     return BertForQuestionAnswering(config)
 
@@ -45,12 +49,14 @@ def build_data(opts) -> datasets.Dataset:
     n = opts.batch_size * (opts.steps + opts.warmup)
     ids = rng.integers(5, 2000, size=(n, opts.seq_len))
     start = rng.integers(1, opts.seq_len - 8, size=n)
-    return datasets.Dataset.from_dict({
-        "input_ids": ids.tolist(),
-        "attention_mask": np.ones_like(ids).tolist(),
-        "start_positions": start.tolist(),
-        "end_positions": (start + 3).tolist(),
-    })
+    return datasets.Dataset.from_dict(
+        {
+            "input_ids": ids.tolist(),
+            "attention_mask": np.ones_like(ids).tolist(),
+            "start_positions": start.tolist(),
+            "end_positions": (start + 3).tolist(),
+        }
+    )
 
 
 class StepClock(transformers.TrainerCallback):
@@ -70,9 +76,18 @@ def per_step(stamps: list[float], warmup: int) -> float:
 
 def train_args(opts, cls, out):
     return cls(
-        output_dir=out, per_device_train_batch_size=opts.batch_size, max_steps=opts.steps + opts.warmup,
-        learning_rate=5e-4, warmup_steps=0.1, weight_decay=0.01, max_grad_norm=1.0, logging_steps=50,
-        train_sampling_strategy="sequential", save_strategy="no", report_to="none", disable_tqdm=True,
+        output_dir=out,
+        per_device_train_batch_size=opts.batch_size,
+        max_steps=opts.steps + opts.warmup,
+        learning_rate=5e-4,
+        warmup_steps=0.1,
+        weight_decay=0.01,
+        max_grad_norm=1.0,
+        logging_steps=50,
+        train_sampling_strategy="sequential",
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
         dataloader_pin_memory=False,
     )
 
@@ -123,8 +138,10 @@ def main() -> None:
     }
     times: dict[str, list[float]] = {name: [] for name in runners}
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, threads {torch.get_num_threads()}")
-    print(f"model: BERT-QA hidden={opts.hidden} layers={opts.layers}, batch {opts.batch_size} x {opts.seq_len} tokens; "
-          f"{opts.rounds} rounds x {opts.steps} timed steps (+{opts.warmup} warm-up)")
+    print(
+        f"model: BERT-QA hidden={opts.hidden} layers={opts.layers}, batch {opts.batch_size} x {opts.seq_len} tokens; "
+        f"{opts.rounds} rounds x {opts.steps} timed steps (+{opts.warmup} warm-up)"
+    )
     for round_index in range(opts.rounds):
         order = list(runners) if round_index % 2 == 0 else list(reversed(runners))
         for name in order:

@@ -22,8 +22,9 @@ def make_split(n: int, seed: int) -> datasets.Dataset:
     rng = np.random.default_rng(seed)
     ids = rng.integers(5, 200, size=(n, 32))
     labels = (ids[:, 0] % 3).tolist()  # the label is carried by the first token
-    return datasets.Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": np.ones_like(ids).tolist(),
-                                       "labels": labels})
+    return datasets.Dataset.from_dict(
+        {"input_ids": ids.tolist(), "attention_mask": np.ones_like(ids).tolist(), "labels": labels}
+    )
 
 
 def accuracy(prediction):
@@ -31,15 +32,35 @@ def accuracy(prediction):
 
 
 def main() -> None:
-    config = BertConfig(vocab_size=200, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=128, max_position_embeddings=64, num_labels=3)
-    args = TrainingArguments(
-        output_dir="outputs/quickstart", per_device_train_batch_size=32, num_train_epochs=6, learning_rate=2e-3,
-        warmup_steps=0.1, weight_decay=0.01, eval_strategy="epoch", logging_steps=20, save_strategy="no",
-        report_to="none", seed=0,
+    config = BertConfig(
+        vocab_size=200,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=64,
+        num_labels=3,
     )
-    trainer = Trainer(BertForSequenceClassification(config), args, train_dataset=make_split(1200, 0),
-                      eval_dataset=make_split(500, 1), compute_metrics=accuracy)
+    args = TrainingArguments(
+        output_dir="outputs/quickstart",
+        per_device_train_batch_size=32,
+        num_train_epochs=6,
+        learning_rate=2e-3,
+        warmup_steps=0.1,
+        weight_decay=0.01,
+        eval_strategy="epoch",
+        logging_steps=20,
+        save_strategy="no",
+        report_to="none",
+        seed=0,
+    )
+    trainer = Trainer(
+        BertForSequenceClassification(config),
+        args,
+        train_dataset=make_split(1200, 0),
+        eval_dataset=make_split(500, 1),
+        compute_metrics=accuracy,
+    )
     before = trainer.evaluate()["eval_accuracy"]
     train = trainer.train()
     metrics = trainer.evaluate()

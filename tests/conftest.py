@@ -34,8 +34,13 @@ class Factory:
         from transformers import BertConfig
 
         values = dict(
-            vocab_size=Factory.VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-            intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=dropout,
+            vocab_size=Factory.VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=64,
+            hidden_dropout_prob=dropout,
             attention_probs_dropout_prob=dropout,
         )
         values.update(overrides)

@@ -11,9 +11,21 @@ from transformers import TrainerCallback
 import hflight
 
 EVENTS = [
-    "on_init_end", "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_step_begin",
-    "on_pre_optimizer_step", "on_optimizer_step", "on_substep_end", "on_step_end", "on_log", "on_prediction_step",
-    "on_evaluate", "on_save", "on_predict",
+    "on_init_end",
+    "on_train_begin",
+    "on_train_end",
+    "on_epoch_begin",
+    "on_epoch_end",
+    "on_step_begin",
+    "on_pre_optimizer_step",
+    "on_optimizer_step",
+    "on_substep_end",
+    "on_step_end",
+    "on_log",
+    "on_prediction_step",
+    "on_evaluate",
+    "on_save",
+    "on_predict",
 ]
 
 
@@ -26,22 +38,36 @@ class Recorder(TrainerCallback):
 
     def __getattribute__(self, name):
         if name in EVENTS:
+
             def record(args, state, control, **kwargs):
                 self.events.append((name, state.global_step, round(state.epoch or 0.0, 4)))
                 self.kwargs.setdefault(name, set()).update(k for k, v in kwargs.items() if v is not None)
+
             return record
         return super().__getattribute__(name)
 
 
-BASE = dict(per_device_train_batch_size=4, per_device_eval_batch_size=4, learning_rate=1e-3,
-            train_sampling_strategy="sequential", report_to="none", disable_tqdm=True, seed=0)
+BASE = dict(
+    per_device_train_batch_size=4,
+    per_device_eval_batch_size=4,
+    learning_rate=1e-3,
+    train_sampling_strategy="sequential",
+    report_to="none",
+    disable_tqdm=True,
+    seed=0,
+)
 
 
 def _record(tmp_path, factory, name, trainer_cls, args_cls, extra_callbacks=(), n_train=20, **kwargs):
     recorder = Recorder()
     args = args_cls(output_dir=str(tmp_path / name), **{**BASE, **kwargs})
-    trainer = trainer_cls(factory.qa_model(), args, train_dataset=factory.qa_dataset(n_train),
-                          eval_dataset=factory.qa_dataset(6, seed=1), callbacks=[recorder, *extra_callbacks])
+    trainer = trainer_cls(
+        factory.qa_model(),
+        args,
+        train_dataset=factory.qa_dataset(n_train),
+        eval_dataset=factory.qa_dataset(6, seed=1),
+        callbacks=[recorder, *extra_callbacks],
+    )
     trainer.train()
     trainer.predict(factory.qa_dataset(6, seed=2))
     return recorder, trainer
@@ -54,15 +80,38 @@ def _both(tmp_path, factory, make_extra=lambda: (), **kwargs):
 
 
 SCENARIOS = {
-    "a_steps": dict(gradient_accumulation_steps=1, logging_steps=2, eval_strategy="steps", eval_steps=3,
-                    save_steps=4, num_train_epochs=2),
-    "b_accumulation_epoch": dict(gradient_accumulation_steps=2, logging_strategy="epoch", eval_strategy="epoch",
-                                 save_strategy="epoch", num_train_epochs=2),
-    "c_max_steps_mid_epoch": dict(max_steps=7, logging_steps=3, eval_strategy="steps", eval_steps=5,
-                                  save_strategy="no", gradient_accumulation_steps=1),
-    "d_first_step_and_eval_on_start": dict(logging_first_step=True, eval_on_start=True, logging_steps=4,
-                                           eval_strategy="steps", eval_steps=4, save_strategy="no",
-                                           num_train_epochs=1),
+    "a_steps": dict(
+        gradient_accumulation_steps=1,
+        logging_steps=2,
+        eval_strategy="steps",
+        eval_steps=3,
+        save_steps=4,
+        num_train_epochs=2,
+    ),
+    "b_accumulation_epoch": dict(
+        gradient_accumulation_steps=2,
+        logging_strategy="epoch",
+        eval_strategy="epoch",
+        save_strategy="epoch",
+        num_train_epochs=2,
+    ),
+    "c_max_steps_mid_epoch": dict(
+        max_steps=7,
+        logging_steps=3,
+        eval_strategy="steps",
+        eval_steps=5,
+        save_strategy="no",
+        gradient_accumulation_steps=1,
+    ),
+    "d_first_step_and_eval_on_start": dict(
+        logging_first_step=True,
+        eval_on_start=True,
+        logging_steps=4,
+        eval_strategy="steps",
+        eval_steps=4,
+        save_strategy="no",
+        num_train_epochs=1,
+    ),
 }
 
 
@@ -94,8 +143,16 @@ class SetControlAt(TrainerCallback):
         return control
 
 
-@pytest.mark.parametrize("flag, step", [("should_training_stop", 5), ("should_evaluate", 2), ("should_save", 3),
-                                        ("should_log", 3), ("should_epoch_stop", 2)])
+@pytest.mark.parametrize(
+    "flag, step",
+    [
+        ("should_training_stop", 5),
+        ("should_evaluate", 2),
+        ("should_save", 3),
+        ("should_log", 3),
+        ("should_epoch_stop", 2),
+    ],
+)
 def test_control_set_by_a_callback_has_the_same_effect(tmp_path, factory, flag, step):
     kwargs = dict(num_train_epochs=2, logging_steps=100, save_strategy="no", eval_strategy="no")
     (hf, hf_trainer), (hl, hl_trainer) = _both(tmp_path, factory, lambda: (SetControlAt(flag, step),), **kwargs)
@@ -112,18 +169,37 @@ def test_control_set_by_a_callback_has_the_same_effect(tmp_path, factory, flag, 
 
 
 def test_callback_class_is_instantiated_like_hf(tmp_path, factory):
-    trainer = hflight.Trainer(factory.qa_model(), hflight.TrainingArguments(str(tmp_path), report_to="none"),
-                              callbacks=[Recorder])
+    trainer = hflight.Trainer(
+        factory.qa_model(), hflight.TrainingArguments(str(tmp_path), report_to="none"), callbacks=[Recorder]
+    )
     assert any(type(cb) is Recorder for cb in trainer.callback_handler.callbacks)
 
 
 def _early_stopping_run(tmp_path, factory, name, trainer_cls, args_cls, **kwargs):
-    args = args_cls(output_dir=str(tmp_path / name), **{**BASE, **dict(
-        num_train_epochs=6, eval_strategy="steps", eval_steps=1, save_steps=1, logging_steps=1,
-        load_best_model_at_end=True, metric_for_best_model="eval_loss", learning_rate=0.05), **kwargs})
-    trainer = trainer_cls(factory.qa_model(), args, train_dataset=factory.qa_dataset(16),
-                          eval_dataset=factory.qa_dataset(8, seed=1),
-                          callbacks=[transformers.EarlyStoppingCallback(early_stopping_patience=2)])
+    args = args_cls(
+        output_dir=str(tmp_path / name),
+        **{
+            **BASE,
+            **dict(
+                num_train_epochs=6,
+                eval_strategy="steps",
+                eval_steps=1,
+                save_steps=1,
+                logging_steps=1,
+                load_best_model_at_end=True,
+                metric_for_best_model="eval_loss",
+                learning_rate=0.05,
+            ),
+            **kwargs,
+        },
+    )
+    trainer = trainer_cls(
+        factory.qa_model(),
+        args,
+        train_dataset=factory.qa_dataset(16),
+        eval_dataset=factory.qa_dataset(8, seed=1),
+        callbacks=[transformers.EarlyStoppingCallback(early_stopping_patience=2)],
+    )
     trainer.train()
     return trainer
 
@@ -146,8 +222,23 @@ def test_early_stopping_patience_survives_resume(tmp_path):
     job = Path(__file__).parent / "jobs" / "resume_job.py"
 
     def run(out, *extra):
-        result = subprocess.run([sys.executable, str(job), str(out), "--early-stopping", "2", "--save-steps", "1",
-                                 "--max-steps", "30", *extra], capture_output=True, text=True, timeout=300)
+        result = subprocess.run(
+            [
+                sys.executable,
+                str(job),
+                str(out),
+                "--early-stopping",
+                "2",
+                "--save-steps",
+                "1",
+                "--max-steps",
+                "30",
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert result.returncode == 0, result.stderr[-2000:]
         return result
 
@@ -160,7 +251,9 @@ def test_early_stopping_patience_survives_resume(tmp_path):
     # interrupt one step before the stop, while the patience counter is non-zero, then resume
     interrupted = tmp_path / "interrupted"
     run(interrupted, "--stop-at", str(stop_step - 1))
-    state = transformers.TrainerState.load_from_json(str(interrupted / f"checkpoint-{stop_step - 1}" / "trainer_state.json"))
+    state = transformers.TrainerState.load_from_json(
+        str(interrupted / f"checkpoint-{stop_step - 1}" / "trainer_state.json")
+    )
     assert state.stateful_callbacks["EarlyStoppingCallback"]["attributes"]["early_stopping_patience_counter"] > 0
     run(interrupted, "--resume", "last")
     resumed_logs = __import__("json").loads((interrupted / "log_history.json").read_text())
@@ -168,10 +261,20 @@ def test_early_stopping_patience_survives_resume(tmp_path):
 
 
 def test_unknown_metric_for_best_model_names_the_available_metrics(tmp_path, factory):
-    args = hflight.TrainingArguments(output_dir=str(tmp_path), eval_strategy="steps", eval_steps=1, save_steps=1,
-                                     max_steps=2, metric_for_best_model="f1", load_best_model_at_end=True,
-                                     report_to="none", disable_tqdm=True, per_device_train_batch_size=4)
-    trainer = hflight.Trainer(factory.qa_model(), args, train_dataset=factory.qa_dataset(8),
-                              eval_dataset=factory.qa_dataset(4))
+    args = hflight.TrainingArguments(
+        output_dir=str(tmp_path),
+        eval_strategy="steps",
+        eval_steps=1,
+        save_steps=1,
+        max_steps=2,
+        metric_for_best_model="f1",
+        load_best_model_at_end=True,
+        report_to="none",
+        disable_tqdm=True,
+        per_device_train_batch_size=4,
+    )
+    trainer = hflight.Trainer(
+        factory.qa_model(), args, train_dataset=factory.qa_dataset(8), eval_dataset=factory.qa_dataset(4)
+    )
     with pytest.raises(KeyError, match="'eval_f1', which is not found.*eval_loss"):
         trainer.train()

@@ -25,15 +25,29 @@ class Snapshots(transformers.TrainerCallback):
 
 
 def _args(tmp_path, **kwargs):
-    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, learning_rate=1e-2, max_steps=8,
-                logging_steps=1, report_to="none", disable_tqdm=True, save_strategy="no", seed=0)
+    base = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        max_steps=8,
+        logging_steps=1,
+        report_to="none",
+        disable_tqdm=True,
+        save_strategy="no",
+        seed=0,
+    )
     base.update(kwargs)
     return TrainingArguments(**base)
 
 
 def _trainer(tmp_path, factory, callbacks, **kwargs):
-    return Trainer(factory.qa_model(dropout=0.1), _args(tmp_path, **kwargs), train_dataset=factory.qa_dataset(40),
-                   eval_dataset=factory.qa_dataset(8, seed=1), callbacks=callbacks)
+    return Trainer(
+        factory.qa_model(dropout=0.1),
+        _args(tmp_path, **kwargs),
+        train_dataset=factory.qa_dataset(40),
+        eval_dataset=factory.qa_dataset(8, seed=1),
+        callbacks=callbacks,
+    )
 
 
 def test_average_follows_the_formula(tmp_path, factory):
@@ -67,8 +81,15 @@ def test_evaluation_and_checkpoints_use_the_average_training_the_raw_weights(tmp
 
     ema = EMACallback(decay=0.8)
     snaps = Snapshots(ema)
-    trainer = _trainer(tmp_path / "ema", factory, [ema, snaps], eval_strategy="steps", eval_steps=4,
-                       save_strategy="steps", save_steps=4)
+    trainer = _trainer(
+        tmp_path / "ema",
+        factory,
+        [ema, snaps],
+        eval_strategy="steps",
+        eval_steps=4,
+        save_strategy="steps",
+        save_steps=4,
+    )
     trainer.train()
     # swapping the average in for evaluation and saving did not disturb training: same raw weights as without EMA
     for name, value in plain.raw[8].items():
@@ -93,8 +114,14 @@ def test_average_survives_resume(tmp_path, factory):
         def on_step_end(self, args, state, control, **kwargs):
             control.should_training_stop = state.global_step == 6
 
-    first = _trainer(tmp_path / "part", factory, [EMACallback(decay=0.8), StopAt6()], max_steps=12,
-                     save_strategy="steps", save_steps=6)
+    first = _trainer(
+        tmp_path / "part",
+        factory,
+        [EMACallback(decay=0.8), StopAt6()],
+        max_steps=12,
+        save_strategy="steps",
+        save_steps=6,
+    )
     first.train()
     resumed_ema = EMACallback(decay=0.8)
     resumed = _trainer(tmp_path / "part", factory, [resumed_ema], max_steps=12)

@@ -14,10 +14,22 @@ optuna = pytest.importorskip("optuna")
 
 
 def _trainer(tmp_path, factory, **kwargs):
-    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=3, report_to="none",
-                             disable_tqdm=True, save_strategy="no", logging_steps=1, **kwargs)
-    return Trainer(model_init=lambda: factory.qa_model(), args=args, train_dataset=factory.qa_dataset(16),
-                   eval_dataset=factory.qa_dataset(8, seed=1))
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        max_steps=3,
+        report_to="none",
+        disable_tqdm=True,
+        save_strategy="no",
+        logging_steps=1,
+        **kwargs,
+    )
+    return Trainer(
+        model_init=lambda: factory.qa_model(),
+        args=args,
+        train_dataset=factory.qa_dataset(16),
+        eval_dataset=factory.qa_dataset(8, seed=1),
+    )
 
 
 def test_signature_matches_transformers():
@@ -36,8 +48,9 @@ def test_search_returns_the_best_run_and_trains_each_trial_in_its_folder(tmp_pat
         seen.append(lr)
         return {"learning_rate": lr}
 
-    best = trainer.hyperparameter_search(hp_space=space, n_trials=3, direction="minimize",
-                                         sampler=optuna.samplers.RandomSampler(seed=0))
+    best = trainer.hyperparameter_search(
+        hp_space=space, n_trials=3, direction="minimize", sampler=optuna.samplers.RandomSampler(seed=0)
+    )
     assert isinstance(best, transformers.trainer_utils.BestRun)
     assert set(best.hyperparameters) == {"learning_rate"} and best.hyperparameters["learning_rate"] in seen
     assert sorted(d for d in os.listdir(tmp_path) if d.startswith("run-")) == []  # save_strategy="no": no files

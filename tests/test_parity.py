@@ -68,8 +68,16 @@ def test_question_answering_parity(tmp_path, factory, accumulation):
     # 42 examples / batch 4 = 11 batches: with accumulation 2 the last cycle of each epoch is a single batch.
     train, evaluation = factory.qa_dataset(42), factory.qa_dataset(20, seed=1)
     runs = [
-        _run(cls, args_cls, tmp_path, name, factory.qa_model(), train, evaluation,
-             args={"gradient_accumulation_steps": accumulation})
+        _run(
+            cls,
+            args_cls,
+            tmp_path,
+            name,
+            factory.qa_model(),
+            train,
+            evaluation,
+            args={"gradient_accumulation_steps": accumulation},
+        )
         for name, cls, args_cls in (
             ("hf", transformers.Trainer, transformers.TrainingArguments),
             ("hl", hflight.Trainer, hflight.TrainingArguments),
@@ -88,8 +96,17 @@ def test_sequence_classification_parity_with_compute_metrics(tmp_path, factory, 
 
     train, evaluation = factory.cls_dataset(48), factory.cls_dataset(24, seed=1)
     runs = [
-        _run(cls, args_cls, tmp_path, name, factory.cls_model(), train, evaluation, compute_metrics=accuracy,
-             args={"gradient_accumulation_steps": accumulation})
+        _run(
+            cls,
+            args_cls,
+            tmp_path,
+            name,
+            factory.cls_model(),
+            train,
+            evaluation,
+            compute_metrics=accuracy,
+            args={"gradient_accumulation_steps": accumulation},
+        )
         for name, cls, args_cls in (
             ("hf", transformers.Trainer, transformers.TrainingArguments),
             ("hl", hflight.Trainer, hflight.TrainingArguments),

@@ -13,12 +13,25 @@ from hflight.plan import plan_training
 
 @pytest.mark.parametrize(
     "n, batch, accumulation, epochs, max_steps",
-    [(40, 4, 1, 2.0, -1), (42, 4, 2, 2.0, -1), (42, 4, 3, 1.5, -1), (10, 4, 4, 3.0, -1), (40, 4, 2, 2.0, 7),
-     (40, 8, 1, 1.0, 12), (5, 8, 1, 1.0, -1)],
+    [
+        (40, 4, 1, 2.0, -1),
+        (42, 4, 2, 2.0, -1),
+        (42, 4, 3, 1.5, -1),
+        (10, 4, 4, 3.0, -1),
+        (40, 4, 2, 2.0, 7),
+        (40, 8, 1, 1.0, 12),
+        (5, 8, 1, 1.0, -1),
+    ],
 )
 def test_plan_equals_transformers(tmp_path, factory, n, batch, accumulation, epochs, max_steps):
-    common = dict(output_dir=str(tmp_path), per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation,
-                  num_train_epochs=epochs, max_steps=max_steps, report_to="none")
+    common = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=accumulation,
+        num_train_epochs=epochs,
+        max_steps=max_steps,
+        report_to="none",
+    )
     data = factory.qa_dataset(n)
     hf = transformers.Trainer(factory.qa_model(), transformers.TrainingArguments(**common), train_dataset=data)
     loader = hf.get_train_dataloader()
@@ -26,8 +39,15 @@ def test_plan_equals_transformers(tmp_path, factory, n, batch, accumulation, epo
     ours = Trainer(factory.qa_model(), TrainingArguments(**common), train_dataset=data)
     our_loader = ours.get_train_dataloader()
     plan = plan_training(ours.args, len(our_loader), ours.num_examples(our_loader))
-    assert (plan.num_train_epochs, plan.num_update_steps_per_epoch, plan.num_examples, plan.num_train_samples,
-            plan.total_train_batch_size, plan.steps_in_epoch, plan.max_steps) == tuple(expected)
+    assert (
+        plan.num_train_epochs,
+        plan.num_update_steps_per_epoch,
+        plan.num_examples,
+        plan.num_train_samples,
+        plan.total_train_batch_size,
+        plan.steps_in_epoch,
+        plan.max_steps,
+    ) == tuple(expected)
 
 
 def test_plan_for_iterable_data_needs_max_steps(tmp_path):
@@ -74,8 +94,16 @@ def test_split_callbacks():
 
 
 def test_bf16_mixed_precision_trains_on_cpu(tmp_path, factory):
-    args = TrainingArguments(output_dir=str(tmp_path), bf16=True, max_steps=2, per_device_train_batch_size=4,
-                             report_to="none", disable_tqdm=True, save_strategy="no", logging_steps=1)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        bf16=True,
+        max_steps=2,
+        per_device_train_batch_size=4,
+        report_to="none",
+        disable_tqdm=True,
+        save_strategy="no",
+        logging_steps=1,
+    )
     trainer = Trainer(factory.qa_model(), args, train_dataset=factory.qa_dataset(8))
     trainer.train()
     assert trainer._lightning_trainer.precision == "bf16-mixed"

@@ -24,8 +24,9 @@ JOB = Path(__file__).parent / "jobs" / "resume_job.py"
 
 def run_job(out: Path, *extra: str, timeout: float = 240) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    result = subprocess.run([sys.executable, str(JOB), str(out), *extra], capture_output=True, text=True,
-                            timeout=timeout, env=env)
+    result = subprocess.run(
+        [sys.executable, str(JOB), str(out), *extra], capture_output=True, text=True, timeout=timeout, env=env
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
@@ -58,8 +59,15 @@ def test_resume_in_a_new_process_is_exact(tmp_path, uninterrupted):
     first = tmp_path / "run"
     run_job(first, "--stop-at", "6")
     checkpoint = first / "checkpoint-6"
-    expected = {"model.safetensors", "config.json", "trainer_state.json", "training_args.bin", "optimizer.pt",
-                "scheduler.pt", "rng_state.pth"}
+    expected = {
+        "model.safetensors",
+        "config.json",
+        "trainer_state.json",
+        "training_args.bin",
+        "optimizer.pt",
+        "scheduler.pt",
+        "rng_state.pth",
+    }
     assert expected <= set(os.listdir(checkpoint))
     state = transformers.TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
     assert state.global_step == 6 and 1.0 < state.epoch < 2.0  # mid-epoch: 5 optimizer steps per epoch
@@ -74,8 +82,13 @@ def test_resume_in_a_new_process_is_exact(tmp_path, uninterrupted):
 def test_resume_after_sigkill_is_exact(tmp_path, uninterrupted):
     out = tmp_path / "killed"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen([sys.executable, str(JOB), str(out), "--save-steps", "1", "--step-sleep", "0.15"],
-                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    process = subprocess.Popen(
+        [sys.executable, str(JOB), str(out), "--save-steps", "1", "--step-sleep", "0.15"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
     rng = random.Random()
     kill_after_step = rng.randint(2, 9)
     extra_delay = rng.uniform(0.0, 0.15)  # anywhere within the step, the save included
@@ -102,23 +115,40 @@ def test_partial_checkpoint_is_never_picked(tmp_path):
 
 
 def _args(tmp_path, **kwargs):
-    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, report_to="none", disable_tqdm=True,
-                train_sampling_strategy="sequential", logging_steps=1, learning_rate=1e-3, seed=0)
+    base = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        report_to="none",
+        disable_tqdm=True,
+        train_sampling_strategy="sequential",
+        logging_steps=1,
+        learning_rate=1e-3,
+        seed=0,
+    )
     base.update(kwargs)
     return base
 
 
 def test_resume_from_a_transformers_checkpoint(tmp_path, factory):
     train = factory.qa_dataset(40)
-    hf_full = transformers.Trainer(factory.qa_model(), transformers.TrainingArguments(
-        **_args(tmp_path / "full", max_steps=12, save_strategy="no")), train_dataset=train)
+    hf_full = transformers.Trainer(
+        factory.qa_model(),
+        transformers.TrainingArguments(**_args(tmp_path / "full", max_steps=12, save_strategy="no")),
+        train_dataset=train,
+    )
     hf_full.train()
-    hf_half = transformers.Trainer(factory.qa_model(), transformers.TrainingArguments(
-        **_args(tmp_path / "half", max_steps=12, save_steps=6)), train_dataset=train,
-        callbacks=[StopAt(6)])
+    hf_half = transformers.Trainer(
+        factory.qa_model(),
+        transformers.TrainingArguments(**_args(tmp_path / "half", max_steps=12, save_steps=6)),
+        train_dataset=train,
+        callbacks=[StopAt(6)],
+    )
     hf_half.train()
-    ours = hflight.Trainer(factory.qa_model(seed=99), hflight.TrainingArguments(
-        **_args(tmp_path / "ours", max_steps=12, save_strategy="no")), train_dataset=train)
+    ours = hflight.Trainer(
+        factory.qa_model(seed=99),
+        hflight.TrainingArguments(**_args(tmp_path / "ours", max_steps=12, save_strategy="no")),
+        train_dataset=train,
+    )
     ours.train(resume_from_checkpoint=str(tmp_path / "half" / "checkpoint-6"))
     assert ours.state.global_step == 12
     for a, b in zip(hf_full.model.state_dict().values(), ours.model.state_dict().values()):
@@ -140,15 +170,21 @@ class StopAt(transformers.TrainerCallback):
 
 
 def test_resume_true_without_checkpoint_is_a_clear_error(tmp_path, factory):
-    trainer = hflight.Trainer(factory.qa_model(), hflight.TrainingArguments(**_args(tmp_path, max_steps=2)),
-                              train_dataset=factory.qa_dataset(8))
+    trainer = hflight.Trainer(
+        factory.qa_model(),
+        hflight.TrainingArguments(**_args(tmp_path, max_steps=2)),
+        train_dataset=factory.qa_dataset(8),
+    )
     with pytest.raises(ValueError, match="No valid checkpoint found in output directory"):
         trainer.train(resume_from_checkpoint=True)
 
 
 def test_corrupt_and_foreign_checkpoints_name_the_problem(tmp_path, factory):
-    trainer = hflight.Trainer(factory.qa_model(), hflight.TrainingArguments(
-        **_args(tmp_path / "run", max_steps=2, save_steps=2)), train_dataset=factory.qa_dataset(8))
+    trainer = hflight.Trainer(
+        factory.qa_model(),
+        hflight.TrainingArguments(**_args(tmp_path / "run", max_steps=2, save_steps=2)),
+        train_dataset=factory.qa_dataset(8),
+    )
     trainer.train()
     good = tmp_path / "run" / "checkpoint-2"
 
@@ -164,18 +200,32 @@ def test_corrupt_and_foreign_checkpoints_name_the_problem(tmp_path, factory):
     with pytest.raises(ValueError, match="no trainer_state.json"):
         trainer.train(resume_from_checkpoint=str(partial))
 
-    other = hflight.Trainer(factory.cls_model(), hflight.TrainingArguments(**_args(tmp_path / "other", max_steps=2)),
-                            train_dataset=factory.cls_dataset(8))
+    other = hflight.Trainer(
+        factory.cls_model(),
+        hflight.TrainingArguments(**_args(tmp_path / "other", max_steps=2)),
+        train_dataset=factory.cls_dataset(8),
+    )
     with pytest.raises(ValueError, match="BertForQuestionAnswering.*not for BertForSequenceClassification"):
         other.train(resume_from_checkpoint=str(good))
 
 
 def test_save_total_limit_rotation_keeps_the_best(tmp_path, factory):
-    args = hflight.TrainingArguments(**_args(
-        tmp_path, num_train_epochs=3, save_steps=2, eval_strategy="steps", eval_steps=2, save_total_limit=2,
-        load_best_model_at_end=True, metric_for_best_model="eval_loss", learning_rate=0.3))
-    trainer = hflight.Trainer(factory.qa_model(), args, train_dataset=factory.qa_dataset(16),
-                              eval_dataset=factory.qa_dataset(8, seed=1))
+    args = hflight.TrainingArguments(
+        **_args(
+            tmp_path,
+            num_train_epochs=3,
+            save_steps=2,
+            eval_strategy="steps",
+            eval_steps=2,
+            save_total_limit=2,
+            load_best_model_at_end=True,
+            metric_for_best_model="eval_loss",
+            learning_rate=0.3,
+        )
+    )
+    trainer = hflight.Trainer(
+        factory.qa_model(), args, train_dataset=factory.qa_dataset(16), eval_dataset=factory.qa_dataset(8, seed=1)
+    )
     trainer.train()
     kept = sorted(p.name for p in tmp_path.glob("checkpoint-*"))
     best = Path(trainer.state.best_model_checkpoint).name

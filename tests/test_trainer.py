@@ -16,17 +16,36 @@ from hflight import Trainer, TrainingArguments
 
 
 def _args(tmp_path, **kwargs):
-    defaults = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, per_device_eval_batch_size=8,
-                    num_train_epochs=1, report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=1)
+    defaults = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=8,
+        num_train_epochs=1,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        logging_steps=1,
+    )
     defaults.update(kwargs)
     return TrainingArguments(**defaults)
 
 
 # ---- surface ---------------------------------------------------------------------------------------------------
 def test_public_api_is_exported():
-    expected = {"Trainer", "TrainingArguments", "TrainerCallback", "TrainerState", "TrainerControl",
-                "EarlyStoppingCallback", "EvalPrediction", "TrainOutput", "EvalLoopOutput", "PredictionOutput",
-                "get_last_checkpoint", "set_seed"}
+    expected = {
+        "Trainer",
+        "TrainingArguments",
+        "TrainerCallback",
+        "TrainerState",
+        "TrainerControl",
+        "EarlyStoppingCallback",
+        "EvalPrediction",
+        "TrainOutput",
+        "EvalLoopOutput",
+        "PredictionOutput",
+        "get_last_checkpoint",
+        "set_seed",
+    }
     assert expected <= set(hflight.__all__)
     # HF's own classes, so callbacks written for transformers work unchanged
     assert hflight.TrainerCallback is transformers.TrainerCallback
@@ -47,10 +66,28 @@ def test_constructor_matches_transformers():
 
 
 @pytest.mark.parametrize(
-    "method", ["train", "evaluate", "predict", "evaluation_loop", "prediction_step", "compute_loss", "training_step",
-               "create_optimizer", "create_scheduler", "create_optimizer_and_scheduler", "get_train_dataloader",
-               "get_eval_dataloader", "get_test_dataloader", "num_examples", "log", "save_model", "add_callback",
-               "pop_callback", "remove_callback"],
+    "method",
+    [
+        "train",
+        "evaluate",
+        "predict",
+        "evaluation_loop",
+        "prediction_step",
+        "compute_loss",
+        "training_step",
+        "create_optimizer",
+        "create_scheduler",
+        "create_optimizer_and_scheduler",
+        "get_train_dataloader",
+        "get_eval_dataloader",
+        "get_test_dataloader",
+        "num_examples",
+        "log",
+        "save_model",
+        "add_callback",
+        "pop_callback",
+        "remove_callback",
+    ],
 )
 def test_method_signatures_match_transformers(method):
     ours = inspect.signature(getattr(Trainer, method)).parameters
@@ -64,8 +101,11 @@ def test_method_signatures_match_transformers(method):
 # ---- behaviours ------------------------------------------------------------------------------------------------
 def test_tokenizer_alias_and_default_collator(tmp_path, factory):
     tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=__import__("tokenizers").Tokenizer(__import__("tokenizers").models.WordLevel(
-            {"[PAD]": 0, "[UNK]": 1}, unk_token="[UNK]")), pad_token="[PAD]", unk_token="[UNK]",
+        tokenizer_object=__import__("tokenizers").Tokenizer(
+            __import__("tokenizers").models.WordLevel({"[PAD]": 0, "[UNK]": 1}, unk_token="[UNK]")
+        ),
+        pad_token="[PAD]",
+        unk_token="[UNK]",
     )
     trainer = Trainer(factory.qa_model(), _args(tmp_path), tokenizer=tokenizer)
     assert trainer.processing_class is tokenizer
@@ -115,8 +155,12 @@ def test_optimizers_tuple_and_optimizer_cls_and_kwargs_are_honoured(tmp_path, fa
     assert trainer.optimizer is opt and trainer.lr_scheduler is sched
     assert trainer.state.log_history[0]["learning_rate"] == pytest.approx(0.25)
 
-    other = Trainer(factory.qa_model(), _args(tmp_path), train_dataset=factory.qa_dataset(8),
-                    optimizer_cls_and_kwargs=(torch.optim.Adagrad, {"lr": 0.01}))
+    other = Trainer(
+        factory.qa_model(),
+        _args(tmp_path),
+        train_dataset=factory.qa_dataset(8),
+        optimizer_cls_and_kwargs=(torch.optim.Adagrad, {"lr": 0.01}),
+    )
     other.train()
     assert isinstance(other.optimizer, torch.optim.Adagrad)
 
@@ -168,16 +212,28 @@ def test_subclass_overrides_are_used(tmp_path, factory):
     trainer.evaluate()
     trainer.predict(data)
     assert isinstance(trainer.optimizer, torch.optim.SGD)
-    assert seen == {"compute_loss", "prediction_step", "create_optimizer", "get_train_dataloader",
-                    "get_eval_dataloader", "get_test_dataloader"}
+    assert seen == {
+        "compute_loss",
+        "prediction_step",
+        "create_optimizer",
+        "get_train_dataloader",
+        "get_eval_dataloader",
+        "get_test_dataloader",
+    }
 
 
 def test_metric_keys_log_history_and_files(tmp_path, factory):
     data = factory.qa_dataset(16)
-    trainer = Trainer(factory.qa_model(), _args(tmp_path, num_train_epochs=2), train_dataset=data,
-                      eval_dataset={"a": data, "b": factory.qa_dataset(8, seed=3)})
+    trainer = Trainer(
+        factory.qa_model(),
+        _args(tmp_path, num_train_epochs=2),
+        train_dataset=data,
+        eval_dataset={"a": data, "b": factory.qa_dataset(8, seed=3)},
+    )
     output = trainer.train()
-    assert {"train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss", "epoch"} <= set(output.metrics)
+    assert {"train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss", "epoch"} <= set(
+        output.metrics
+    )
     step_log = trainer.state.log_history[0]
     assert set(step_log) == {"loss", "grad_norm", "learning_rate", "epoch", "step"}
     metrics = trainer.evaluate()
@@ -218,8 +274,12 @@ def test_callbacks_api_and_lightning_callbacks_reach_lightning(tmp_path, factory
         def on_train_batch_end(self, *args, **kwargs):
             Counter.batches += 1
 
-    trainer = Trainer(factory.qa_model(), _args(tmp_path), train_dataset=factory.qa_dataset(8),
-                      callbacks=[Counter(), transformers.EarlyStoppingCallback])
+    trainer = Trainer(
+        factory.qa_model(),
+        _args(tmp_path),
+        train_dataset=factory.qa_dataset(8),
+        callbacks=[Counter(), transformers.EarlyStoppingCallback],
+    )
     assert any(isinstance(cb, transformers.EarlyStoppingCallback) for cb in trainer.callback_handler.callbacks)
     popped = trainer.pop_callback(transformers.EarlyStoppingCallback)
     assert isinstance(popped, transformers.EarlyStoppingCallback)
@@ -316,7 +376,9 @@ def test_transformers_training_arguments_are_accepted(tmp_path, factory):
 def test_report_to_csv_writes_a_lightning_csv_log(tmp_path, factory):
     import csv
 
-    trainer = Trainer(factory.qa_model(), _args(tmp_path, report_to="csv", max_steps=2), train_dataset=factory.qa_dataset(8))
+    trainer = Trainer(
+        factory.qa_model(), _args(tmp_path, report_to="csv", max_steps=2), train_dataset=factory.qa_dataset(8)
+    )
     trainer.train()
     files = list((tmp_path / "out").rglob("metrics.csv"))
     assert len(files) == 1

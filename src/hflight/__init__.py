@@ -27,7 +27,20 @@ _EXPORTS = {
     "set_seed": "transformers.trainer_utils",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "EarlyStoppingCallback",
+    "EvalLoopOutput",
+    "EvalPrediction",
+    "PredictionOutput",
+    "TrainOutput",
+    "Trainer",
+    "TrainerCallback",
+    "TrainerControl",
+    "TrainerState",
+    "TrainingArguments",
+    "get_last_checkpoint",
+    "set_seed",
+]
 
 if TYPE_CHECKING:
     from transformers.trainer_callback import EarlyStoppingCallback, TrainerCallback, TrainerControl, TrainerState

@@ -31,7 +31,12 @@ if TYPE_CHECKING:
 PREFIX = "checkpoint"
 TRAINER_STATE_NAME = "trainer_state.json"
 _CHECKPOINT_RE = re.compile(rf"^{PREFIX}-(\d+)$")
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 def get_last_checkpoint(folder: str | os.PathLike) -> str | None:
@@ -264,7 +269,9 @@ def restore_state(facade: Trainer, plan: TrainingPlan) -> tuple[int, int]:
     if state.best_model_checkpoint is not None and not os.path.isdir(state.best_model_checkpoint):
         state.best_model_checkpoint = None
     _restore_callback_states(facade)
-    return plan.resume_position(state.global_step, facade.args.gradient_accumulation_steps, facade.args.ignore_data_skip)
+    return plan.resume_position(
+        state.global_step, facade.args.gradient_accumulation_steps, facade.args.ignore_data_skip
+    )
 
 
 def _restore_callback_states(facade: Trainer) -> None:
@@ -314,4 +321,6 @@ def load_rng_state(facade: Trainer) -> None:
     torch.random.set_rng_state(states["cpu"])
     if "cuda" in states and torch.cuda.is_available():
         cuda = states["cuda"]
-        torch.cuda.random.set_rng_state_all(cuda) if isinstance(cuda, (list, tuple)) else torch.cuda.random.set_rng_state(cuda)
+        torch.cuda.random.set_rng_state_all(cuda) if isinstance(
+            cuda, (list, tuple)
+        ) else torch.cuda.random.set_rng_state(cuda)

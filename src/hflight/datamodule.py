@@ -23,7 +23,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from torch.utils.data import BatchSampler, Sampler
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler, SequentialSampler
 
 
 class EpochSeededRandomSampler(Sampler[int]):
@@ -187,3 +187,77 @@ def loader_length(loader: Any) -> int | None:
         return len(loader) if isinstance(loader, Sized) or hasattr(loader, "__len__") else None
     except TypeError:
         return None
+
+
+# ---- loaders the facade's getters build ----------------------------------------------------------------------
+def remove_unused_columns(dataset: Any, signature_columns: list[str], description: str | None = None) -> Any:
+    """Drop the columns of a ``datasets.Dataset`` that the model's ``forward`` does not take (HF's rule)."""
+    import datasets
+
+    if not isinstance(dataset, datasets.Dataset):
+        return dataset
+    ignored = [c for c in dataset.column_names if c not in signature_columns]
+    if len(ignored) == len(dataset.column_names):
+        raise ValueError(
+            f"No columns in the {description or ''} dataset match the model's forward method signature: "
+            f"({', '.join(signature_columns)}). The following columns have been ignored: [{', '.join(ignored)}]. "
+            "Please check the dataset and model. "
+            "You may need to set `remove_unused_columns=False` in `TrainingArguments`."
+        )
+    return dataset.remove_columns(ignored) if ignored else dataset
+
+
+def _group_by_length(dataset: Any, args: Any, processing_class: Any, seed: int) -> Sampler[int]:
+    import datasets
+    from transformers.trainer_pt_utils import LengthGroupedSampler
+
+    lengths = None
+    if isinstance(dataset, datasets.Dataset) and args.length_column_name in dataset.column_names:
+        lengths = dataset[args.length_column_name]
+    input_name = processing_class.model_input_names[0] if processing_class is not None else None
+    return LengthGroupedSampler(
+        args.train_batch_size * args.gradient_accumulation_steps,
+        dataset=dataset,
+        lengths=lengths,
+        model_input_name=input_name,
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+
+TRAIN_SAMPLERS: dict[str, Callable[[Any, Any, Any, int], Sampler[int]]] = {
+    "random": lambda dataset, args, processing_class, seed: EpochSeededRandomSampler(len(dataset), seed),
+    "sequential": lambda dataset, args, processing_class, seed: SequentialSampler(dataset),
+    "group_by_length": _group_by_length,
+}
+
+
+def train_sampler(dataset: Any, args: Any, processing_class: Any) -> Sampler[int]:
+    """The sampler ``args.train_sampling_strategy`` names, seeded with ``data_seed`` (else ``seed``)."""
+    strategy = str(getattr(args.train_sampling_strategy, "value", args.train_sampling_strategy))
+    seed = args.data_seed if args.data_seed is not None else args.seed
+    return TRAIN_SAMPLERS[strategy](dataset, args, processing_class, seed)
+
+
+def make_dataloader(
+    dataset: Any,
+    args: Any,
+    collator: Callable,
+    batch_size: int,
+    sampler: Sampler[int] | None,
+    world_size: int,
+    rank: int,
+) -> DataLoader:
+    """A DataLoader with ``args``' worker settings; under several processes, batches dealt round-robin."""
+    params: dict[str, Any] = {
+        "collate_fn": collator,
+        "num_workers": args.dataloader_num_workers,
+        "pin_memory": args.dataloader_pin_memory and torch.cuda.is_available(),
+        "persistent_workers": args.dataloader_persistent_workers and args.dataloader_num_workers > 0,
+        "prefetch_factor": args.dataloader_prefetch_factor,
+    }
+    if isinstance(dataset, IterableDataset) or sampler is None:
+        return DataLoader(dataset, batch_size=batch_size, **params)
+    if world_size > 1:
+        batches = ShardedBatchSampler(sampler, batch_size, args.dataloader_drop_last, world_size, rank)
+        return DataLoader(dataset, batch_sampler=batches, **params)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=args.dataloader_drop_last, **params)

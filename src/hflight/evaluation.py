@@ -77,8 +77,14 @@ class Accumulator:
 class Evaluator:
     """Runs ``prediction_step`` batch by batch and turns the pieces into an ``EvalLoopOutput``."""
 
-    def __init__(self, facade: Trainer, description: str, prediction_loss_only: bool, ignore_keys: list[str] | None,
-                 compute_metrics: Any = None):
+    def __init__(
+        self,
+        facade: Trainer,
+        description: str,
+        prediction_loss_only: bool,
+        ignore_keys: list[str] | None,
+        compute_metrics: Any = None,
+    ):
         self.facade = facade
         self.compute_metrics = compute_metrics
         self.description = description
@@ -181,4 +187,3 @@ def run_evaluation_loop(
     except TypeError:
         num_samples = None
     return evaluator.finish(num_samples, metric_key_prefix)
-

@@ -38,7 +38,9 @@ def _parse_optim_args(optim_args: str | None) -> dict[str, str]:
     return parsed
 
 
-def _with_optim_args(base: dict[str, Any], optim_args: str | None, floats: tuple[str, ...], flags: tuple[str, ...] = ()):
+def _with_optim_args(
+    base: dict[str, Any], optim_args: str | None, floats: tuple[str, ...], flags: tuple[str, ...] = ()
+):
     extra = _parse_optim_args(optim_args)
     kwargs = dict(base)
     kwargs.update({k: float(v) for k, v in extra.items() if k in floats})

@@ -57,8 +57,13 @@ def plan_training(args: Any, len_dataloader: int | None, num_examples: int | Non
             num_train_epochs = math.ceil(args.num_train_epochs)
             num_train_samples = num_examples * args.num_train_epochs
         return TrainingPlan(
-            num_train_epochs, steps_per_epoch, num_examples, num_train_samples, total_train_batch_size,
-            len_dataloader, max_steps,
+            num_train_epochs,
+            steps_per_epoch,
+            num_examples,
+            num_train_samples,
+            total_train_batch_size,
+            len_dataloader,
+            max_steps,
         )
     if args.max_steps > 0:
         return TrainingPlan(

@@ -34,18 +34,30 @@ from transformers.trainer_callback import (
     TrainerControl,
     TrainerState,
 )
-from transformers.trainer_pt_utils import LabelSmoother, LengthGroupedSampler, log_metrics, metrics_format
-from transformers.trainer_pt_utils import save_metrics, save_state
-from transformers.trainer_utils import EvalLoopOutput, PredictionOutput, SaveStrategy, TrainOutput, enable_full_determinism
-from transformers.trainer_utils import set_seed, speed_metrics
+from transformers.trainer_pt_utils import (
+    LabelSmoother,
+    log_metrics,
+    metrics_format,
+    save_metrics,
+    save_state,
+)
+from transformers.trainer_utils import (
+    EvalLoopOutput,
+    PredictionOutput,
+    SaveStrategy,
+    TrainOutput,
+    enable_full_determinism,
+    set_seed,
+    speed_metrics,
+)
 from transformers.utils import can_return_loss, find_labels
 
 from hflight import checkpoint, evaluation, hpsearch, optim, steps
 from hflight.callbacks.bridge import HFEventBridge
-from hflight.datamodule import EpochSeededRandomSampler, HFDataModule, ShardedBatchSampler, loader_length
+from hflight.datamodule import HFDataModule, make_dataloader, remove_unused_columns, train_sampler
 from hflight.lightning_kwargs import lightning_trainer_kwargs, quiet_lightning, split_callbacks
 from hflight.module import HFModule
-from hflight.plan import TrainingPlan, plan_training
+from hflight.plan import TrainingPlan
 from hflight.training_args import TrainingArguments, coerce_training_args
 
 DEFAULT_CALLBACKS = [DefaultFlowCallback]
@@ -144,11 +156,20 @@ class Trainer:
             raise ValueError("`Trainer` requires either a `model` or `model_init` argument, but not both.")
         _require(model, "model", nn.Module, "a torch.nn.Module (e.g. a transformers PreTrainedModel)")
         for name, ds in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
-            if ds is not None and not isinstance(ds, dict) and not hasattr(ds, "__getitem__") and not hasattr(ds, "__iter__"):
-                raise TypeError(f"Trainer: `{name}` must be a Dataset (map-style or iterable), got {type(ds).__name__}.")
+            if (
+                ds is not None
+                and not isinstance(ds, dict)
+                and not hasattr(ds, "__getitem__")
+                and not hasattr(ds, "__iter__")
+            ):
+                raise TypeError(
+                    f"Trainer: `{name}` must be a Dataset (map-style or iterable), got {type(ds).__name__}."
+                )
         _require(callbacks, "callbacks", (list, tuple), "a list of TrainerCallback or lightning Callback objects")
         if not (isinstance(optimizers, tuple) and len(optimizers) == 2):
-            raise TypeError("Trainer: `optimizers` must be a tuple (optimizer, lr_scheduler); use (None, None) for the defaults.")
+            raise TypeError(
+                "Trainer: `optimizers` must be a tuple (optimizer, lr_scheduler); use (None, None) for the defaults."
+            )
         if compute_metrics is not None and not callable(compute_metrics):
             raise TypeError(f"Trainer: `compute_metrics` must be callable, got {type(compute_metrics).__name__}.")
 
@@ -202,19 +223,10 @@ class Trainer:
             self._signature_columns = columns + list({"label", "label_ids", *self.label_names})
 
     def _remove_unused_columns(self, dataset: Any, description: str | None = None) -> Any:
-        import datasets
-
-        if not self.args.remove_unused_columns or not isinstance(dataset, datasets.Dataset):
+        if not self.args.remove_unused_columns:
             return dataset
         self._set_signature_columns_if_needed()
-        ignored = [c for c in dataset.column_names if c not in self._signature_columns]
-        if len(ignored) == len(dataset.column_names):
-            raise ValueError(
-                f"No columns in the {description or ''} dataset match the model's forward method signature: "
-                f"({', '.join(self._signature_columns)}). The following columns have been ignored: [{', '.join(ignored)}]. "
-                "Please check the dataset and model. You may need to set `remove_unused_columns=False` in `TrainingArguments`."
-            )
-        return dataset.remove_columns(ignored) if ignored else dataset
+        return remove_unused_columns(dataset, self._signature_columns, description)
 
     def _world(self) -> tuple[int, int]:
         trainer = self._lightning_trainer
@@ -226,42 +238,14 @@ class Trainer:
         if dataset is None:
             raise ValueError(f"Trainer: {description.lower()} requires a dataset.")
         dataset = self._remove_unused_columns(dataset, description)
-        params: dict[str, Any] = {
-            "collate_fn": self.data_collator,
-            "num_workers": self.args.dataloader_num_workers,
-            "pin_memory": self.args.dataloader_pin_memory and torch.cuda.is_available(),
-            "persistent_workers": self.args.dataloader_persistent_workers and self.args.dataloader_num_workers > 0,
-            "prefetch_factor": self.args.dataloader_prefetch_factor,
-        }
-        if isinstance(dataset, IterableDataset):
-            return DataLoader(dataset, batch_size=batch_size, **params)
-        sampler = self._get_train_sampler(dataset) if training else self._get_eval_sampler(dataset)
-        world_size, rank = self._world()
-        if world_size > 1:
-            batches = ShardedBatchSampler(sampler, batch_size, self.args.dataloader_drop_last, world_size, rank)
-            return DataLoader(dataset, batch_sampler=batches, **params)
-        return DataLoader(
-            dataset, batch_size=batch_size, sampler=sampler, drop_last=self.args.dataloader_drop_last, **params
-        )
+        sampler = None
+        if not isinstance(dataset, IterableDataset):
+            sampler = self._get_train_sampler(dataset) if training else self._get_eval_sampler(dataset)
+        return make_dataloader(dataset, self.args, self.data_collator, batch_size, sampler, *self._world())
 
     def _get_train_sampler(self, train_dataset: Any = None) -> torch.utils.data.Sampler:
         dataset = train_dataset if train_dataset is not None else self.train_dataset
-        strategy = str(getattr(self.args.train_sampling_strategy, "value", self.args.train_sampling_strategy))
-        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
-        if strategy == "group_by_length":
-            import datasets
-
-            lengths = None
-            if isinstance(dataset, datasets.Dataset) and self.args.length_column_name in dataset.column_names:
-                lengths = dataset[self.args.length_column_name]
-            input_name = self.processing_class.model_input_names[0] if self.processing_class is not None else None
-            return LengthGroupedSampler(
-                self.args.train_batch_size * self.args.gradient_accumulation_steps, dataset=dataset, lengths=lengths,
-                model_input_name=input_name, generator=torch.Generator().manual_seed(seed),
-            )
-        if strategy == "sequential":
-            return SequentialSampler(dataset)
-        return EpochSeededRandomSampler(len(dataset), seed)
+        return train_sampler(dataset, self.args, self.processing_class)
 
     def _get_eval_sampler(self, eval_dataset: Any) -> torch.utils.data.Sampler:
         return SequentialSampler(eval_dataset)
@@ -394,8 +378,13 @@ class Trainer:
         return stack
 
     # ---- training ----------------------------------------------------------------------------------------------
-    def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
-              ignore_keys_for_eval: list[str] | None = None, **kwargs: Any) -> TrainOutput:
+    def train(
+        self,
+        resume_from_checkpoint: str | bool | None = None,
+        trial: Any = None,
+        ignore_keys_for_eval: list[str] | None = None,
+        **kwargs: Any,
+    ) -> TrainOutput:
         if kwargs:
             raise TypeError(f"train() got unexpected keyword arguments: {', '.join(kwargs)}.")
         if resume_from_checkpoint is False:
@@ -414,7 +403,9 @@ class Trainer:
         elif not self._user_scheduler:
             self.lr_scheduler = None  # HF rebuilds its own scheduler for every train() call
         if self.args.gradient_checkpointing and hasattr(self.model, "gradient_checkpointing_enable"):
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs)
+            self.model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs
+            )
         self._resume = checkpoint.resolve_resume(self, resume_from_checkpoint)
         module = self._ensure_module()
         self._loop = HFEventBridge(self, trial, ignore_keys_for_eval)
@@ -424,58 +415,24 @@ class Trainer:
                 trainer.fit(module, datamodule=HFDataModule(self))
         finally:
             self.is_in_train = False
-        return self._finish_training()
+        return self._loop.finish_training()
 
-    def _begin_fit(self, train_loader: Any) -> None:
-        """Called by the bridge once Lightning launched the processes: plan the run, set up the state."""
-        world_size, _ = self._world()
-        length = loader_length(train_loader)
-        num_examples = self.num_examples(train_loader) if length else None
-        self._plan = plan = plan_training(self.args, length, num_examples, world_size)
-        self.state = self._fresh_state()
-        self.state.train_batch_size = self.args.train_batch_size
-        self.state.compute_steps(self.args, plan.max_steps)
-        epochs_trained, skip = checkpoint.restore_state(self, plan)
-        self.state.init_training_references(self, plan.max_steps, plan.num_train_epochs, self._trial)
-        self._epochs_offset = epochs_trained
-        cycles = self._lightning_trainer.datamodule.cycles
-        cycles.skip_batches = skip
-        if self._resume is not None:
-            cycles.restore_rng = lambda: checkpoint.load_rng_state(self)
-        remaining = plan.num_train_epochs - epochs_trained
-        self._lightning_trainer.fit_loop.max_epochs = remaining if plan.num_train_epochs < 10**9 else -1
-
-    def _finish_training(self) -> TrainOutput:
-        loop = self._loop
-        train_loss = loop.train_loss()
-        steps_run = self.state.global_step - loop.initial_global_step
-        metrics = speed_metrics(
-            "train",
-            loop.start_time,
-            num_samples=self._plan.num_train_samples * steps_run / max(self.state.max_steps, 1),
-            num_steps=steps_run,
-        )
-        self.store_flos()
-        metrics["total_flos"] = self.state.total_flos
-        metrics["train_loss"] = train_loss
-        self.log(metrics)
-        for logger in self._lightning_trainer.loggers:  # fit has ended: flush what came after it
-            logger.save()
-        if self.args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
-            checkpoint.load_best_model(self)
-        checkpoint.finalize_rotation(self)
-        self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
-        return TrainOutput(self.state.global_step, train_loss, metrics)
-
-    def hyperparameter_search(self, hp_space: Callable[[Any], dict[str, Any]] | None = None,
-                              compute_objective: Callable[[dict[str, float]], float] | None = None,
-                              n_trials: int = 20, direction: str | list[str] = "minimize", backend: str | None = None,
-                              hp_name: Callable[[Any], str] | None = None, **kwargs: Any):
+    def hyperparameter_search(
+        self,
+        hp_space: Callable[[Any], dict[str, Any]] | None = None,
+        compute_objective: Callable[[dict[str, float]], float] | None = None,
+        n_trials: int = 20,
+        direction: str | list[str] = "minimize",
+        backend: str | None = None,
+        hp_name: Callable[[Any], str] | None = None,
+        **kwargs: Any,
+    ):
         """Search hyperparameters with optuna (HF's semantics; needs ``model_init``). Returns a ``BestRun``
         (a list of them for several ``direction``s). See ``hflight.hpsearch``."""
         self._hp_base_args = self.args
-        return hpsearch.hyperparameter_search(self, hp_space, compute_objective, n_trials, direction, backend,
-                                              hp_name, **kwargs)
+        return hpsearch.hyperparameter_search(
+            self, hp_space, compute_objective, n_trials, direction, backend, hp_name, **kwargs
+        )
 
     # ---- evaluation --------------------------------------------------------------------------------------------
     def _evaluate(self, trial: Any, ignore_keys_for_eval: list[str] | None, skip_scheduler: bool = False) -> dict:
@@ -490,8 +447,12 @@ class Trainer:
     def _determine_best_metric(self, metrics: dict[str, float], trial: Any = None) -> bool:
         return checkpoint.update_best_metric(self, metrics)
 
-    def evaluate(self, eval_dataset: Dataset | dict[str, Dataset] | None = None, ignore_keys: list[str] | None = None,
-                 metric_key_prefix: str = "eval") -> dict[str, float]:
+    def evaluate(
+        self,
+        eval_dataset: Dataset | dict[str, Dataset] | None = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ) -> dict[str, float]:
         override = eval_dataset is not None
         eval_dataset = eval_dataset if override else self.eval_dataset
         if isinstance(eval_dataset, dict):
@@ -502,35 +463,42 @@ class Trainer:
         dataloader = self.get_eval_dataloader(eval_dataset)
         start_time = time.time()
         output = self.evaluation_loop(
-            dataloader, description="Evaluation", prediction_loss_only=True if self.compute_metrics is None else None,
-            ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix,
+            dataloader,
+            description="Evaluation",
+            prediction_loss_only=True if self.compute_metrics is None else None,
+            ignore_keys=ignore_keys,
+            metric_key_prefix=metric_key_prefix,
         )
-        total_batch_size = self.args.eval_batch_size * self._world()[0]
-        output.metrics.update(speed_metrics(
-            metric_key_prefix, start_time, num_samples=output.num_samples,
-            num_steps=math.ceil(output.num_samples / total_batch_size),
-        ))
+        output.metrics.update(self._speed_metrics(metric_key_prefix, start_time, output.num_samples))
         self.log(output.metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, output.metrics)
         return output.metrics
 
-    def predict(self, test_dataset: Dataset, ignore_keys: list[str] | None = None,
-                metric_key_prefix: str = "test") -> PredictionOutput:
+    def predict(
+        self, test_dataset: Dataset, ignore_keys: list[str] | None = None, metric_key_prefix: str = "test"
+    ) -> PredictionOutput:
         dataloader = self.get_test_dataloader(test_dataset)
         start_time = time.time()
         output = self.evaluation_loop(
             dataloader, description="Prediction", ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix
         )
-        total_batch_size = self.args.eval_batch_size * self._world()[0]
-        output.metrics.update(speed_metrics(
-            metric_key_prefix, start_time, num_samples=output.num_samples,
-            num_steps=math.ceil(output.num_samples / total_batch_size),
-        ))
+        output.metrics.update(self._speed_metrics(metric_key_prefix, start_time, output.num_samples))
         self.control = self.callback_handler.on_predict(self.args, self.state, self.control, output.metrics)
         return PredictionOutput(predictions=output.predictions, label_ids=output.label_ids, metrics=output.metrics)
 
-    def evaluation_loop(self, dataloader: DataLoader, description: str, prediction_loss_only: bool | None = None,
-                        ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> EvalLoopOutput:
+    def _speed_metrics(self, prefix: str, start_time: float, num_samples: int) -> dict[str, float]:
+        total_batch_size = self.args.eval_batch_size * self._world()[0]
+        num_steps = math.ceil(num_samples / total_batch_size)
+        return speed_metrics(prefix, start_time, num_samples=num_samples, num_steps=num_steps)
+
+    def evaluation_loop(
+        self,
+        dataloader: DataLoader,
+        description: str,
+        prediction_loss_only: bool | None = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ) -> EvalLoopOutput:
         if prediction_loss_only is None:
             prediction_loss_only = self.args.prediction_loss_only
         return evaluation.run_evaluation_loop(
@@ -545,7 +513,9 @@ class Trainer:
         self.state.log_history.append(output)
         if self._lightning_trainer is not None and self.is_world_process_zero():
             for logger in self._lightning_trainer.loggers:
-                logger.log_metrics({k: v for k, v in logs.items() if isinstance(v, (int, float))}, self.state.global_step)
+                logger.log_metrics(
+                    {k: v for k, v in logs.items() if isinstance(v, (int, float))}, self.state.global_step
+                )
         self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
 
     log_metrics = log_metrics

@@ -27,8 +27,14 @@ def dataset(n, seed):
     rng = np.random.default_rng(seed)
     ids = rng.integers(5, 100, size=(n, 24))
     start = rng.integers(1, 20, size=n)
-    return datasets.Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": np.ones_like(ids).tolist(),
-                                       "start_positions": start.tolist(), "end_positions": (start + 2).tolist()})
+    return datasets.Dataset.from_dict(
+        {
+            "input_ids": ids.tolist(),
+            "attention_mask": np.ones_like(ids).tolist(),
+            "start_positions": start.tolist(),
+            "end_positions": (start + 2).tolist(),
+        }
+    )
 
 
 class StopAt(TrainerCallback):
@@ -62,9 +68,16 @@ def main():
     opts = parser.parse_args()
 
     torch.manual_seed(opts.model_seed)
-    config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.1,
-                        attention_probs_dropout_prob=0.1)
+    config = BertConfig(
+        vocab_size=100,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1,
+    )
     callbacks = []
     extra = {}
     if opts.stop_at:
@@ -73,16 +86,37 @@ def main():
         callbacks.append(Sleep(opts.step_sleep))
     if opts.early_stopping:
         callbacks.append(EarlyStoppingCallback(early_stopping_patience=opts.early_stopping))
-        extra = dict(eval_strategy="steps", eval_steps=1, save_strategy="steps", load_best_model_at_end=True,
-                     metric_for_best_model="eval_loss", learning_rate=5e-2)
+        extra = dict(
+            eval_strategy="steps",
+            eval_steps=1,
+            save_strategy="steps",
+            load_best_model_at_end=True,
+            metric_for_best_model="eval_loss",
+            learning_rate=5e-2,
+        )
     args = TrainingArguments(
-        output_dir=opts.out, per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=opts.max_steps,
-        learning_rate=extra.pop("learning_rate", 1e-3), warmup_steps=2, weight_decay=0.01, logging_steps=1,
-        save_steps=opts.save_steps, train_sampling_strategy="random", seed=7, report_to="none", disable_tqdm=True,
+        output_dir=opts.out,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        max_steps=opts.max_steps,
+        learning_rate=extra.pop("learning_rate", 1e-3),
+        warmup_steps=2,
+        weight_decay=0.01,
+        logging_steps=1,
+        save_steps=opts.save_steps,
+        train_sampling_strategy="random",
+        seed=7,
+        report_to="none",
+        disable_tqdm=True,
         **extra,
     )
-    trainer = Trainer(BertForQuestionAnswering(config), args, train_dataset=dataset(40, 0),
-                      eval_dataset=dataset(12, 1), callbacks=callbacks)
+    trainer = Trainer(
+        BertForQuestionAnswering(config),
+        args,
+        train_dataset=dataset(40, 0),
+        eval_dataset=dataset(12, 1),
+        callbacks=callbacks,
+    )
     resume = True if opts.resume == "last" else opts.resume
     trainer.train(resume_from_checkpoint=resume)
     out = Path(opts.out)

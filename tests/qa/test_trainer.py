@@ -26,27 +26,45 @@ def mrc_data(tmp_path_factory):
     tokenizer = train_wordpiece_tokenizer(squad_texts(train_file, val_file), folder / "tok", vocab_size=1200)
     train_ex, val_ex = load_squad_json(train_file), load_squad_json(val_file)
     kwargs = dict(tokenizer=tokenizer, max_seq_length=96, doc_stride=32)
-    train = train_ex.map(functools.partial(prepare_train_features, **kwargs), batched=True,
-                         remove_columns=train_ex.column_names)
+    train = train_ex.map(
+        functools.partial(prepare_train_features, **kwargs), batched=True, remove_columns=train_ex.column_names
+    )
 
     def windows(pad):
-        return val_ex.map(functools.partial(prepare_validation_features, pad_to_max_length=pad, **kwargs),
-                          batched=True, remove_columns=val_ex.column_names)
+        return val_ex.map(
+            functools.partial(prepare_validation_features, pad_to_max_length=pad, **kwargs),
+            batched=True,
+            remove_columns=val_ex.column_names,
+        )
 
     return dict(tokenizer=tokenizer, train=train, val_examples=val_ex, padded=windows(True), dynamic=windows(False))
 
 
 def _model(tokenizer, seed=0):
     torch.manual_seed(seed)
-    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=96)
+    config = BertConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=96,
+    )
     return BertForQuestionAnswering(config)
 
 
 def _args(tmp_path, **kwargs):
-    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=16, per_device_eval_batch_size=16,
-                num_train_epochs=2, learning_rate=2e-3, report_to="none", disable_tqdm=True, logging_steps=5,
-                save_strategy="no")
+    base = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=16,
+        per_device_eval_batch_size=16,
+        num_train_epochs=2,
+        learning_rate=2e-3,
+        report_to="none",
+        disable_tqdm=True,
+        logging_steps=5,
+        save_strategy="no",
+    )
     base.update(kwargs)
     return TrainingArguments(**base)
 
@@ -56,11 +74,17 @@ def test_alias():
 
 
 def test_qa_metrics_during_training_and_best_model_on_f1(tmp_path, mrc_data):
-    args = _args(tmp_path, eval_strategy="epoch", save_strategy="epoch", load_best_model_at_end=True,
-                 metric_for_best_model="f1")
-    trainer = MRCTrainer(_model(mrc_data["tokenizer"]), args, train_dataset=mrc_data["train"],
-                         eval_dataset=mrc_data["dynamic"], eval_examples=mrc_data["val_examples"],
-                         processing_class=mrc_data["tokenizer"])
+    args = _args(
+        tmp_path, eval_strategy="epoch", save_strategy="epoch", load_best_model_at_end=True, metric_for_best_model="f1"
+    )
+    trainer = MRCTrainer(
+        _model(mrc_data["tokenizer"]),
+        args,
+        train_dataset=mrc_data["train"],
+        eval_dataset=mrc_data["dynamic"],
+        eval_examples=mrc_data["val_examples"],
+        processing_class=mrc_data["tokenizer"],
+    )
     trainer.train()
     evals = [e for e in trainer.state.log_history if "eval_f1" in e]
     assert len(evals) == 2 and all("eval_exact_match" in e for e in evals)
@@ -74,8 +98,12 @@ def test_qa_metrics_during_training_and_best_model_on_f1(tmp_path, mrc_data):
 
 
 def test_dynamic_padding_gives_the_same_answers_as_max_length_padding(tmp_path, mrc_data):
-    trainer = MRCTrainer(_model(mrc_data["tokenizer"]), _args(tmp_path, num_train_epochs=1),
-                         train_dataset=mrc_data["train"], processing_class=mrc_data["tokenizer"])
+    trainer = MRCTrainer(
+        _model(mrc_data["tokenizer"]),
+        _args(tmp_path, num_train_epochs=1),
+        train_dataset=mrc_data["train"],
+        processing_class=mrc_data["tokenizer"],
+    )
     trainer.train()
     padded = trainer.predict(mrc_data["padded"], mrc_data["val_examples"])
     dynamic = trainer.predict(mrc_data["dynamic"], mrc_data["val_examples"])
@@ -86,8 +114,13 @@ def test_dynamic_padding_gives_the_same_answers_as_max_length_padding(tmp_path, 
 
 
 def test_windows_are_sorted_by_length_and_order_is_restored(tmp_path, mrc_data):
-    trainer = MRCTrainer(_model(mrc_data["tokenizer"]), _args(tmp_path), processing_class=mrc_data["tokenizer"],
-                         eval_dataset=mrc_data["dynamic"], eval_examples=mrc_data["val_examples"])
+    trainer = MRCTrainer(
+        _model(mrc_data["tokenizer"]),
+        _args(tmp_path),
+        processing_class=mrc_data["tokenizer"],
+        eval_dataset=mrc_data["dynamic"],
+        eval_examples=mrc_data["val_examples"],
+    )
     loader = trainer.get_eval_dataloader()
     assert isinstance(loader.sampler, LengthSortedSampler)
     lengths = [len(x) for x in mrc_data["dynamic"]["input_ids"]]
@@ -100,14 +133,25 @@ def test_windows_are_sorted_by_length_and_order_is_restored(tmp_path, mrc_data):
     with torch.no_grad():
         row = mrc_data["dynamic"][5]
         ids = torch.tensor([row["input_ids"]])
-        direct = model(input_ids=ids, attention_mask=torch.tensor([row["attention_mask"]]),
-                       token_type_ids=torch.tensor([row["token_type_ids"]])).start_logits[0].numpy()
+        direct = (
+            model(
+                input_ids=ids,
+                attention_mask=torch.tensor([row["attention_mask"]]),
+                token_type_ids=torch.tensor([row["token_type_ids"]]),
+            )
+            .start_logits[0]
+            .numpy()
+        )
     np.testing.assert_allclose(output.predictions[0][5][: len(direct)], direct, atol=1e-5)
 
 
 def test_missing_examples_is_a_clear_error(tmp_path, mrc_data):
-    trainer = MRCTrainer(_model(mrc_data["tokenizer"]), _args(tmp_path), processing_class=mrc_data["tokenizer"],
-                         eval_dataset=mrc_data["dynamic"])
+    trainer = MRCTrainer(
+        _model(mrc_data["tokenizer"]),
+        _args(tmp_path),
+        processing_class=mrc_data["tokenizer"],
+        eval_dataset=mrc_data["dynamic"],
+    )
     with pytest.raises(ValueError, match="needs the examples behind the windows"):
         trainer.evaluate()
 

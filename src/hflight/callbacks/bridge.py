@@ -24,10 +24,12 @@ from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import torch
-from transformers.trainer_utils import SaveStrategy
+from transformers.trainer_utils import SaveStrategy, TrainOutput, speed_metrics
 from typing_extensions import override
 
 from hflight import checkpoint
+from hflight.datamodule import loader_length
+from hflight.plan import plan_training
 
 if TYPE_CHECKING:
     from hflight.trainer import Trainer
@@ -61,7 +63,28 @@ class HFEventBridge(L.Callback):
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit":
-            self.facade._begin_fit(trainer.datamodule.train_loader)
+            self.begin_fit(trainer)
+
+    def begin_fit(self, trainer: L.Trainer) -> None:
+        """Once Lightning launched the processes (loaders know their rank): plan the run, set up the state,
+        position a resumed run in its data and RNG streams."""
+        facade = self.facade
+        loader = trainer.datamodule.train_loader
+        length = loader_length(loader)
+        num_examples = facade.num_examples(loader) if length else None
+        facade._plan = plan = plan_training(facade.args, length, num_examples, facade._world()[0])
+        facade.state = facade._fresh_state()
+        facade.state.train_batch_size = facade.args.train_batch_size
+        facade.state.compute_steps(facade.args, plan.max_steps)
+        epochs_trained, skip = checkpoint.restore_state(facade, plan)
+        facade.state.init_training_references(facade, plan.max_steps, plan.num_train_epochs, self.trial)
+        facade._epochs_offset = epochs_trained
+        cycles = trainer.datamodule.cycles
+        cycles.skip_batches = skip
+        if facade._resume is not None:
+            cycles.restore_rng = lambda: checkpoint.load_rng_state(facade)
+        unbounded = plan.num_train_epochs >= 10**9  # an iterable dataset: max_steps ends the run
+        trainer.fit_loop.max_epochs = -1 if unbounded else plan.num_train_epochs - epochs_trained
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -143,7 +166,9 @@ class HFEventBridge(L.Callback):
             logs: dict[str, float] = {"loss": tr_loss_scalar / (state.global_step - self.globalstep_last_logged)}
             if self.grad_norm is not None:
                 logs["grad_norm"] = self.grad_norm.item() if torch.is_tensor(self.grad_norm) else self.grad_norm
-            logs["learning_rate"] = self.learning_rate if self.learning_rate is not None else facade._get_learning_rate()
+            logs["learning_rate"] = (
+                self.learning_rate if self.learning_rate is not None else facade._get_learning_rate()
+            )
             self.total_loss_scalar += tr_loss_scalar
             self.globalstep_last_logged = state.global_step
             facade.store_flos()
@@ -158,6 +183,29 @@ class HFEventBridge(L.Callback):
         if facade.control.should_save:
             facade._save_checkpoint(self.trial)
             self._fire("on_save")
+
+    def finish_training(self) -> TrainOutput:
+        """After ``fit``: HF's train metrics and log entry, the best model, final rotation, on_train_end."""
+        facade = self.facade
+        train_loss = self.train_loss()
+        steps_run = facade.state.global_step - self.initial_global_step
+        metrics = speed_metrics(
+            "train",
+            self.start_time,
+            num_samples=facade._plan.num_train_samples * steps_run / max(facade.state.max_steps, 1),
+            num_steps=steps_run,
+        )
+        facade.store_flos()
+        metrics["total_flos"] = facade.state.total_flos
+        metrics["train_loss"] = train_loss
+        facade.log(metrics)
+        for logger in facade._lightning_trainer.loggers:  # fit has ended: flush what came after it
+            logger.save()
+        if facade.args.load_best_model_at_end and facade.state.best_model_checkpoint is not None:
+            checkpoint.load_best_model(facade)
+        checkpoint.finalize_rotation(facade)
+        self._fire("on_train_end")
+        return TrainOutput(facade.state.global_step, train_loss, metrics)
 
     def train_loss(self) -> float:
         """Mean loss over the optimizer steps of this ``train()`` call (HF's ``train_loss``)."""

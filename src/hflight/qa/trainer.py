@@ -91,9 +91,15 @@ def squad_post_process_function(
 
     def post_process(examples: Any, features: Any, predictions: Any, stage: str = "eval") -> EvalPrediction:
         result = postprocess_qa_predictions_with_scores(
-            examples, features, predictions, version_2_with_negative=version_2_with_negative,
-            n_best_size=n_best_size, max_answer_length=max_answer_length,
-            null_score_diff_threshold=null_score_diff_threshold, output_dir=output_dir, prefix=stage,
+            examples,
+            features,
+            predictions,
+            version_2_with_negative=version_2_with_negative,
+            n_best_size=n_best_size,
+            max_answer_length=max_answer_length,
+            null_score_diff_threshold=null_score_diff_threshold,
+            output_dir=output_dir,
+            prefix=stage,
         )
         references = None
         columns = getattr(examples, "column_names", None) or []
@@ -126,15 +132,26 @@ class MRCTrainer(Trainer):
         All other arguments are ``hflight.Trainer``'s.
     """
 
-    def __init__(self, *args: Any, eval_examples: Any = None, eval_dataset: Any = None,
-                 post_process_function: Callable[..., EvalPrediction] | None = None,
-                 version_2_with_negative: bool = False, n_best_size: int = 20, max_answer_length: int = 30,
-                 null_score_diff_threshold: float = 0.0, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        eval_examples: Any = None,
+        eval_dataset: Any = None,
+        post_process_function: Callable[..., EvalPrediction] | None = None,
+        version_2_with_negative: bool = False,
+        n_best_size: int = 20,
+        max_answer_length: int = 30,
+        null_score_diff_threshold: float = 0.0,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, eval_dataset=eval_dataset, **kwargs)
         self.eval_examples = eval_examples
         if post_process_function is None:
             post_process_function = squad_post_process_function(
-                version_2_with_negative, n_best_size, max_answer_length, null_score_diff_threshold,
+                version_2_with_negative,
+                n_best_size,
+                max_answer_length,
+                null_score_diff_threshold,
                 output_dir=self.args.output_dir if self.is_world_process_zero() else None,
             )
             if self.compute_metrics is None:
@@ -165,28 +182,46 @@ class MRCTrainer(Trainer):
 
     # ---- evaluation ------------------------------------------------------------------------------------------------
     def _run(self, dataloader: DataLoader, description: str, ignore_keys: list[str] | None, prefix: str):
-        output = self.evaluation_loop(dataloader, description, prediction_loss_only=False, ignore_keys=ignore_keys,
-                                      metric_key_prefix=prefix, compute_metrics=None)
+        output = self.evaluation_loop(
+            dataloader,
+            description,
+            prediction_loss_only=False,
+            ignore_keys=ignore_keys,
+            metric_key_prefix=prefix,
+            compute_metrics=None,
+        )
         sampler = getattr(dataloader, "sampler", None)
         sampler = getattr(getattr(dataloader, "batch_sampler", None), "sampler", sampler)
         if isinstance(sampler, LengthSortedSampler):
-            output = output._replace(predictions=_restore_order(output.predictions, sampler.order),
-                                     label_ids=_restore_order(output.label_ids, sampler.order))
+            output = output._replace(
+                predictions=_restore_order(output.predictions, sampler.order),
+                label_ids=_restore_order(output.label_ids, sampler.order),
+            )
         return output
 
-    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
-                        metric_key_prefix="eval", compute_metrics: Any = ...):
+    def evaluation_loop(
+        self,
+        dataloader,
+        description,
+        prediction_loss_only=None,
+        ignore_keys=None,
+        metric_key_prefix="eval",
+        compute_metrics: Any = ...,
+    ):
         from hflight import evaluation
 
         if prediction_loss_only is None:
             prediction_loss_only = self.args.prediction_loss_only
-        return evaluation.run_evaluation_loop(self, dataloader, description, prediction_loss_only, ignore_keys,
-                                              metric_key_prefix, compute_metrics)
+        return evaluation.run_evaluation_loop(
+            self, dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix, compute_metrics
+        )
 
     def _scored(self, output: Any, examples: Any, features: Any, stage: str, prefix: str, start: float):
         if examples is None:
-            raise ValueError(f"MRCTrainer: {stage} needs the examples behind the windows (eval_examples / "
-                             "predict_examples) to turn logits into answers.")
+            raise ValueError(
+                f"MRCTrainer: {stage} needs the examples behind the windows (eval_examples / "
+                "predict_examples) to turn logits into answers."
+            )
         logits = mask_padding_logits(output.predictions, features)
         predictions = self.post_process_function(examples, features, logits, stage)
         metrics: dict[str, float] = {}
@@ -197,12 +232,23 @@ class MRCTrainer(Trainer):
                 metrics[f"{prefix}_{key}"] = metrics.pop(key)
         metrics.update(output.metrics)  # eval_loss when the windows carry labels
         total_batch_size = self.args.eval_batch_size * self._world()[0]
-        metrics.update(speed_metrics(prefix, start, num_samples=output.num_samples,
-                                     num_steps=math.ceil(output.num_samples / total_batch_size)))
+        metrics.update(
+            speed_metrics(
+                prefix,
+                start,
+                num_samples=output.num_samples,
+                num_steps=math.ceil(output.num_samples / total_batch_size),
+            )
+        )
         return predictions, metrics
 
-    def evaluate(self, eval_dataset: Any = None, eval_examples: Any = None, ignore_keys: list[str] | None = None,
-                 metric_key_prefix: str = "eval") -> dict[str, float]:
+    def evaluate(
+        self,
+        eval_dataset: Any = None,
+        eval_examples: Any = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ) -> dict[str, float]:
         features = eval_dataset if eval_dataset is not None else self.eval_dataset
         examples = eval_examples if eval_examples is not None else self.eval_examples
         start = time.time()
@@ -212,19 +258,29 @@ class MRCTrainer(Trainer):
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
 
-    def predict(self, predict_dataset: Any, predict_examples: Any = None, ignore_keys: list[str] | None = None,
-                metric_key_prefix: str = "test") -> PredictionOutput:
+    def predict(
+        self,
+        predict_dataset: Any,
+        predict_examples: Any = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "test",
+    ) -> PredictionOutput:
         start = time.time()
         output = self._run(self.get_test_dataloader(predict_dataset), "Prediction", ignore_keys, metric_key_prefix)
-        predictions, metrics = self._scored(output, predict_examples, predict_dataset, "predict",
-                                            metric_key_prefix, start)
+        predictions, metrics = self._scored(
+            output, predict_examples, predict_dataset, "predict", metric_key_prefix, start
+        )
         self.control = self.callback_handler.on_predict(self.args, self.state, self.control, metrics)
-        return PredictionOutput(predictions=predictions.predictions, label_ids=predictions.label_ids,
-                                metrics=metrics)
+        return PredictionOutput(predictions=predictions.predictions, label_ids=predictions.label_ids, metrics=metrics)
 
 
 QuestionAnsweringTrainer = MRCTrainer
 
-__all__ = ["LengthSortedSampler", "MRCTrainer", "QuestionAnsweringTrainer", "mask_padding_logits",
-           "squad_compute_metrics", "squad_post_process_function"]
-
+__all__ = [
+    "LengthSortedSampler",
+    "MRCTrainer",
+    "QuestionAnsweringTrainer",
+    "mask_padding_logits",
+    "squad_compute_metrics",
+    "squad_post_process_function",
+]
