@@ -23,7 +23,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler, SequentialSampler
+from torch.utils.data import DataLoader, IterableDataset, Sampler, SequentialSampler
 
 
 class EpochSeededRandomSampler(Sampler[int]):
@@ -54,13 +54,20 @@ class EpochSeededRandomSampler(Sampler[int]):
 
 
 class ShardedBatchSampler(Sampler[list[int]]):
-    """Batches of ``sampler`` dealt round-robin to ``num_replicas`` ranks; ranks that would get fewer batches
-    repeat batches from the start so every rank steps the same number of times (gathered results are cut back
-    to the dataset length by the evaluation loop)."""
+    """Batches of ``sampler`` dealt round-robin to ``num_replicas`` ranks, as accelerate shards them.
+
+    Every rank gets the same number of full batches, so collectives (gathering evaluation outputs) see equal
+    shapes: a short final batch is filled with samples from the start of the order, and ranks left without a
+    batch repeat batches from the start. Gathering batch by batch then yields the sampler's order followed by the
+    repeats, which the evaluation loop cuts off at the dataset length.
+    """
 
     def __init__(self, sampler: Sampler[int], batch_size: int, drop_last: bool, num_replicas: int, rank: int):
-        self.batch_sampler = BatchSampler(sampler, batch_size, drop_last)
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank must be in [0, {num_replicas}), got {rank}")
         self.sampler = sampler
+        self.batch_size = batch_size
+        self.drop_last = drop_last
         self.num_replicas = num_replicas
         self.rank = rank
 
@@ -68,8 +75,19 @@ class ShardedBatchSampler(Sampler[list[int]]):
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)
 
+    def _batches(self) -> list[list[int]]:
+        order = list(self.sampler)
+        batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        if batches and len(batches[-1]) < self.batch_size:
+            if self.drop_last:
+                batches.pop()
+            else:
+                missing = self.batch_size - len(batches[-1])
+                batches[-1] = batches[-1] + [order[i % len(order)] for i in range(missing)]
+        return batches
+
     def __iter__(self) -> Iterator[list[int]]:
-        batches = list(self.batch_sampler)
+        batches = self._batches()
         if not batches:
             return
         per_rank = math.ceil(len(batches) / self.num_replicas)
@@ -77,7 +95,9 @@ class ShardedBatchSampler(Sampler[list[int]]):
         yield from padded[self.rank :: self.num_replicas]
 
     def __len__(self) -> int:
-        return math.ceil(len(self.batch_sampler) / self.num_replicas)
+        n = len(self.sampler)
+        batches = n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
+        return math.ceil(batches / self.num_replicas)
 
 
 def set_loader_epoch(loader: Any, epoch: int) -> None:

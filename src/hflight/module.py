@@ -86,8 +86,6 @@ class HFModule(L.LightningModule):
 
     @override
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.automatic_optimization:  # pragma: no cover - this module always optimizes manually
-            return
         self._facade._loop.clip_and_pre_step(self.trainer.strategy.model)
 
     # Evaluation through Lightning's validate loop (``Trainer.evaluate``/``predict`` outside of ``fit``).

@@ -1,0 +1,47 @@
+"""Samplers and accumulation cycles."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import SequentialSampler
+
+from hflight.datamodule import AccumulationCycles, EpochSeededRandomSampler, ShardedBatchSampler
+
+
+def test_epoch_seeded_sampler_is_reproducible_and_changes_per_epoch():
+    a, b = EpochSeededRandomSampler(50, seed=3), EpochSeededRandomSampler(50, seed=3)
+    assert list(a) == list(b) and sorted(a) == list(range(50))
+    first = list(a)
+    a.set_epoch(1)
+    assert list(a) != first and sorted(a) == list(range(50))
+
+
+@pytest.mark.parametrize("n, batch, world", [(10, 4, 2), (7, 3, 3), (16, 4, 2), (3, 4, 2), (9, 2, 4)])
+def test_sharded_batches_gather_back_into_dataset_order(n, batch, world):
+    ranks = [list(ShardedBatchSampler(SequentialSampler(range(n)), batch, False, world, r)) for r in range(world)]
+    assert len({len(r) for r in ranks}) == 1  # every rank steps the same number of times
+    assert all(len(b) == batch for r in ranks for b in r)  # equal shapes for all_gather
+    assert all(len(r) == len(ShardedBatchSampler(SequentialSampler(range(n)), batch, False, world, 0)) for r in ranks)
+    gathered = [i for step in zip(*ranks) for b in step for i in b]  # what all_gather + flatten returns
+    assert gathered[:n] == list(range(n))
+
+
+def test_sharded_batches_drop_last():
+    ranks = [list(ShardedBatchSampler(SequentialSampler(range(10)), 4, True, 2, r)) for r in range(2)]
+    assert ranks == [[[0, 1, 2, 3]], [[4, 5, 6, 7]]]
+    with pytest.raises(ValueError, match="rank"):
+        ShardedBatchSampler(SequentialSampler(range(4)), 2, False, 2, 2)
+
+
+def test_accumulation_cycles_tag_micro_batches_like_hf():
+    loader = [{"labels": torch.tensor([1, -100, 2])} for _ in range(5)]
+    cycles = AccumulationCycles(loader, 2, lambda batches: sum(int(b["labels"].ne(-100).sum()) for b in batches),
+                                epoch_fn=lambda: 0)
+    tagged = list(cycles)
+    assert [(m.index, m.cycle_size, m.num_items_in_batch, m.step_in_epoch) for m in tagged] == [
+        (0, 2, 4, 0), (1, 2, 4, 1), (0, 2, 4, 2), (1, 2, 4, 3), (0, 1, 2, 4)]
+    assert [m.is_last for m in tagged] == [False, True, False, True, True]
+    cycles.skip_batches = 3
+    assert len(cycles) == 2
+    assert [m.step_in_epoch for m in cycles] == [3, 4]
