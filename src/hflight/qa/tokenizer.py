@@ -1,0 +1,130 @@
+"""Training a small BERT-style WordPiece tokenizer offline (no hub downloads).
+
+:func:`train_wordpiece_tokenizer` builds the same pipeline as BERT's uncased tokenizer with the
+``tokenizers`` library (``BertNormalizer`` -> ``BertPreTokenizer`` -> ``WordPiece`` model ->
+``[CLS] A [SEP] B [SEP]`` post-processor with token type ids, ``WordPiece`` decoder), trains it on
+the given texts, saves it as a fast ``BertTokenizer`` (``BertTokenizerFast``) in ``output_dir`` and returns it loaded back through
+``transformers.AutoTokenizer.from_pretrained(output_dir)``, the path every other component uses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from transformers import AutoTokenizer, BertTokenizerFast, PreTrainedTokenizerFast
+
+__all__ = ["SPECIAL_TOKENS", "train_wordpiece_tokenizer", "squad_texts"]
+
+#: BERT's special tokens, in the order they get ids 0..4.
+SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+
+
+def train_wordpiece_tokenizer(
+    texts: Iterable[str],
+    output_dir: str | os.PathLike,
+    vocab_size: int = 4000,
+    lowercase: bool = True,
+    min_frequency: int = 2,
+    model_max_length: int = 512,
+) -> PreTrainedTokenizerFast:
+    """Train a BERT-style WordPiece tokenizer and return it reloaded with ``AutoTokenizer``.
+
+    Args:
+        texts: training texts (e.g. :func:`squad_texts` of a SQuAD file: contexts and questions).
+        output_dir: where ``save_pretrained`` writes it (``tokenizer.json``, ``tokenizer_config.json``, ...).
+        vocab_size: target vocabulary size, special tokens and the initial alphabet included.
+        lowercase: lowercase and strip accents (BERT *uncased*); ``False`` keeps case and accents.
+        min_frequency: minimum pair frequency for a merge.
+        model_max_length: the ``model_max_length`` recorded in the tokenizer config.
+
+    Returns:
+        The fast tokenizer as loaded by ``AutoTokenizer.from_pretrained(output_dir)``. Same texts and
+        arguments give the same vocabulary.
+    """
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]", continuing_subword_prefix="##", max_input_chars_per_word=100))
+    tok.normalizer = normalizers.BertNormalizer(
+        clean_text=True, handle_chinese_chars=True, strip_accents=lowercase, lowercase=lowercase
+    )
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    trainer = trainers.WordPieceTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=list(SPECIAL_TOKENS),
+        continuing_subword_prefix="##",
+        show_progress=False,
+    )
+    tok.train_from_iterator(_strings(texts), trainer=trainer)
+    # The trainer breaks ties between equally frequent merges (and orders the alphabet) by hash-map
+    # order, which changes from run to run: the token *set* is reproducible, the ids are not. Give the
+    # ids a canonical order (specials first, then characters, then longer pieces, alphabetically).
+    trained = tok.get_vocab()
+    specials = [t for t in SPECIAL_TOKENS if t in trained]
+    rest = sorted(
+        (t for t in trained if t not in SPECIAL_TOKENS),
+        key=lambda t: (len(t[2:] if t.startswith("##") else t) > 1, t.startswith("##"), t),
+    )
+    vocab = {t: i for i, t in enumerate(specials + rest)}
+    tok.model = models.WordPiece(
+        vocab=vocab, unk_token="[UNK]", continuing_subword_prefix="##", max_input_chars_per_word=100
+    )
+    cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
+    )
+
+    wrapped = BertTokenizerFast(
+        tokenizer_object=tok,
+        do_lower_case=lowercase,
+        strip_accents=lowercase,
+        tokenize_chinese_chars=True,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+        model_max_length=model_max_length,
+        padding_side="right",
+        truncation_side="right",
+    )
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    wrapped.save_pretrained(str(out))
+    # A WordPiece vocab.txt too, so a slow BERT tokenizer can be built from the same vocabulary.
+    (out / "vocab.txt").write_text(
+        "".join(t + "\n" for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])), encoding="utf-8"
+    )
+    return AutoTokenizer.from_pretrained(str(out))
+
+
+def _strings(texts: Iterable[str]) -> Iterator[str]:
+    for i, t in enumerate(texts):
+        if not isinstance(t, str):
+            raise TypeError(f"train_wordpiece_tokenizer: text {i} is a {type(t).__name__}, not a str")
+        yield t
+
+
+def squad_texts(*sources: str | os.PathLike | Mapping[str, Any]) -> Iterator[str]:
+    """The contexts (each once) and questions of SQuAD-format data, for tokenizer training.
+
+    Each source is a path to a SQuAD JSON file or an already loaded ``{"data": [...]}`` dict
+    (e.g. from :func:`hflight.qa.synthetic.generate_squad`).
+    """
+    for src in sources:
+        if isinstance(src, Mapping):
+            squad = src
+        else:
+            with open(src, encoding="utf-8") as f:
+                squad = json.load(f)
+        for article in squad["data"]:
+            for para in article["paragraphs"]:
+                yield para["context"]
+                for qa in para["qas"]:
+                    yield qa["question"]
