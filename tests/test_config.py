@@ -25,7 +25,9 @@ from hflight.config import (
 )
 
 CONF = find_config_dir()
-GROUPS = ("args", "model", "data", "task", "trainer", "callbacks", "logger", "paths")
+# Groups whose options are composed one by one below; trainer and logger options only write args keys and have
+# their own table tests.
+GROUPS = ("args", "model", "data", "task", "callbacks", "paths")
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 HPARAMS_SEARCHES = sorted(p.stem for p in (CONF / "hparams_search").glob("*.yaml"))
 # Keys of an instantiable node that are instructions to Hydra, not arguments of the target.
@@ -57,7 +59,9 @@ def _raw_compose(overrides: list[str]) -> DictConfig:
 
 def _target_nodes(node: Any, path: str = "") -> list[tuple[str, DictConfig]]:
     found: list[tuple[str, DictConfig]] = []
-    if isinstance(node, (DictConfig, ListConfig)) and (node._is_none() or node._is_missing() or node._is_interpolation()):
+    if isinstance(node, (DictConfig, ListConfig)) and (
+        node._is_none() or node._is_missing() or node._is_interpolation()
+    ):
         return found
     if isinstance(node, DictConfig):
         if "_target_" in node:
@@ -135,9 +139,13 @@ def test_mrc_experiment_targets_what_the_recipe_needs():
         ("ddp", dict(accelerator="gpu", strategy="ddp")),
         ("ddp_cpu", dict(accelerator="cpu", devices=2, strategy="ddp_spawn")),
         ("ort", dict(strategy="ort")),
+        ("ipu", dict(accelerator="ipu", devices=1, strategy="ipu")),
+        ("mps", dict(accelerator="mps", devices=1)),
     ],
 )
 def test_trainer_options_only_set_hardware_in_args(option, expected, default_args):
+    """Every trainer option (the table covers them all) builds valid TrainingArguments that differ from the
+    defaults in hardware keys only."""
     base = default_args
     cfg = compose([f"trainer={option}"])
     args = OmegaConf.to_object(cfg.args)
@@ -146,6 +154,13 @@ def test_trainer_options_only_set_hardware_in_args(option, expected, default_arg
     assert "trainer" not in cfg, "trainer writes into args: one source of truth"
     changed = {k for k, v in OmegaConf.to_container(cfg.args).items() if base[k] != v}
     assert changed <= {"accelerator", "devices", "strategy", "num_nodes", "bf16", "fp16"}
+
+
+def test_trainer_and_logger_tables_cover_every_option():
+    source = Path(__file__).read_text()
+    for group in ("trainer", "logger"):
+        for option in _options(group):
+            assert f'("{option}", ' in source, f"{group}={option} has no row in its table test"
 
 
 @pytest.mark.parametrize(

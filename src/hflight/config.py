@@ -1,0 +1,200 @@
+"""The Hydra config tree of hflight: its schemas, where it lives, and ``compose`` for notebooks and tests.
+
+Three groups have a structured schema, so a misspelt key or a wrongly typed value fails while the config is
+composed, before anything is built: ``args`` is ``hflight.TrainingArguments`` itself, ``model`` is
+:class:`ModelArguments` and ``data`` is :class:`DataTrainingArguments` (the field names of HF's ``run_qa.py``).
+The schemas are registered in Hydra's ``ConfigStore`` as ``schema/args``, ``schema/model`` and ``schema/data``
+when this module is imported; each group's YAML starts from its schema (``defaults: [/schema/args@_here_]``).
+
+Where the tree is found (:func:`find_config_dir`), first match wins:
+
+1. the ``config_dir`` argument;
+2. the ``HFLIGHT_CONFIG_DIR`` environment variable;
+3. ``conf/`` of the source checkout this package is imported from (``<repo>/src/hflight`` -> ``<repo>/conf``), which
+   is where an editable install (``pip install -e .``) finds it, from any working directory: a notebook in
+   ``notebooks/`` composes the repository's ``conf/``.
+
+A regular (non-editable) install does not ship ``conf/``: copy the tree and point ``HFLIGHT_CONFIG_DIR`` (or Hydra's
+``--config-dir``) at it.
+
+Example:
+    >>> from hflight import cli, config  # doctest: +SKIP
+    >>> cfg = config.compose(["+experiment=mrc", "args.num_train_epochs=1"])  # doctest: +SKIP
+    >>> metrics, objects = cli.train(cfg)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+
+from hflight.training_args import TrainingArguments
+
+__all__ = [
+    "CONFIG_DIR_ENV",
+    "DataTrainingArguments",
+    "ModelArguments",
+    "compose",
+    "find_config_dir",
+    "register_configs",
+]
+
+#: Environment variable naming the config directory (takes precedence over the checkout's ``conf/``).
+CONFIG_DIR_ENV = "HFLIGHT_CONFIG_DIR"
+#: Hydra's version_base for every entry point (train.py, ``hflight-train``, :func:`compose`).
+VERSION_BASE = "1.3"
+#: The primary config of the tree.
+PRIMARY_CONFIG = "train"
+
+
+# Field types are spelt `Optional[...]` so that OmegaConf (which reads them on Python 3.10) understands them.
+# ruff: noqa: UP045
+@dataclass
+class ModelArguments:
+    """Which model and tokenizer to train: ``run_qa.py``'s ``ModelArguments`` plus what building locally needs.
+
+    With ``model_name_or_path`` set, config, tokenizer and weights come from ``from_pretrained`` (a hub id or a local
+    folder; ``config_name``/``tokenizer_name`` override the first two). Without it the model is built from scratch:
+    its config from ``config_name`` (``AutoConfig.from_pretrained``) or else from the ``config`` node (a ``_target_``
+    such as ``transformers.BertConfig``; ``vocab_size`` is set to the tokenizer's size), and its tokenizer from
+    ``tokenizer_name`` or else trained on the training texts by the ``tokenizer_trainer`` node (a partial
+    ``hflight.qa.tokenizer.train_wordpiece_tokenizer``), saved, and loaded back with ``AutoTokenizer``.
+    """
+
+    model_name_or_path: Optional[str] = None
+    config_name: Optional[str] = None
+    tokenizer_name: Optional[str] = None
+    cache_dir: Optional[str] = None
+    model_revision: str = "main"
+    token: Optional[str] = None
+    trust_remote_code: bool = False
+    config: Optional[Any] = None
+    tokenizer_trainer: Optional[Any] = None
+
+
+@dataclass
+class DataTrainingArguments:
+    """Which data to train and evaluate on, and how to window it: ``run_qa.py``'s ``DataTrainingArguments``.
+
+    Data comes from ``dataset_name`` (``datasets.load_dataset``), else from ``train_file``/``validation_file``/
+    ``test_file`` (SQuAD-format ``.json`` through ``hflight.qa.data.load_squad_json``; ``.jsonl``/``.csv``/
+    ``.parquet`` with flat ``id, title, context, question, answers`` columns through ``datasets``), else from the
+    ``synthetic`` node (a ``_target_`` such as ``hflight.qa.synthetic.write_squad_files`` returning the train and
+    validation file paths). Setting any of the first four ignores ``synthetic``.
+    """
+
+    dataset_name: Optional[str] = None
+    dataset_config_name: Optional[str] = None
+    train_file: Optional[str] = None
+    validation_file: Optional[str] = None
+    test_file: Optional[str] = None
+    overwrite_cache: bool = False
+    preprocessing_num_workers: Optional[int] = None
+    max_seq_length: int = 384
+    pad_to_max_length: bool = True
+    max_train_samples: Optional[int] = None
+    max_eval_samples: Optional[int] = None
+    max_predict_samples: Optional[int] = None
+    version_2_with_negative: bool = False
+    null_score_diff_threshold: float = 0.0
+    doc_stride: int = 128
+    n_best_size: int = 20
+    max_answer_length: int = 30
+    synthetic: Optional[Any] = None
+
+    @property
+    def has_real_data(self) -> bool:
+        return any((self.dataset_name, self.train_file, self.validation_file, self.test_file))
+
+
+#: ConfigStore name -> schema; referenced from the group YAMLs as ``/schema/<name>@_here_``.
+SCHEMAS: dict[str, type] = {
+    "args": TrainingArguments,
+    "model": ModelArguments,
+    "data": DataTrainingArguments,
+}
+
+
+def register_configs() -> None:
+    """Store the schemas in Hydra's ``ConfigStore`` (idempotent; runs on import of this module)."""
+    store = ConfigStore.instance()
+    for name, schema in SCHEMAS.items():
+        store.store(group="schema", name=name, node=schema)
+
+
+def find_config_dir(directory: str | os.PathLike | None = None) -> Path:
+    """The config tree's directory (see the module docstring for the search order).
+
+    Raises:
+        FileNotFoundError: the directory found has no ``train.yaml``; the message lists what was tried.
+    """
+    tried: list[str] = []
+    candidates = [
+        ("argument", directory),
+        (f"${CONFIG_DIR_ENV}", os.environ.get(CONFIG_DIR_ENV)),
+        ("source checkout", Path(__file__).resolve().parents[2] / "conf"),
+    ]
+    for origin, candidate in candidates:
+        if not candidate:
+            continue
+        path = Path(candidate).expanduser().resolve()
+        if (path / f"{PRIMARY_CONFIG}.yaml").is_file():
+            return path
+        tried.append(f"{path} ({origin})")
+        if origin != "source checkout":  # an explicit choice that is wrong is an error, not a fallback
+            break
+    raise FileNotFoundError(
+        f"hflight's Hydra config tree ({PRIMARY_CONFIG}.yaml) was not found in: {', '.join(tried)}. Pass "
+        f"config_dir=..., set {CONFIG_DIR_ENV}, or use an editable install of the repository (pip install -e .)."
+    )
+
+
+def compose(
+    overrides: Sequence[str] = (),
+    config_name: str = PRIMARY_CONFIG,
+    output_dir: str | os.PathLike | None = None,
+    config_dir: str | os.PathLike | None = None,
+) -> DictConfig:
+    """Compose the config as ``python train.py OVERRIDES`` would, outside of ``@hydra.main``.
+
+    ``compose`` has no run directory of its own, so it sets one up the way ``@hydra.main`` does: ``output_dir`` or
+    else ``hydra.run.dir`` (under ``paths.log_dir``) becomes ``paths.output_dir``. The returned config has no
+    ``hydra`` node and no ``${hydra:...}`` references left, so several composed configs can live side by side.
+    It is in struct mode: a misspelt key fails on assignment as it does on the command line.
+
+    Args:
+        overrides: command-line style overrides, e.g. ``["+experiment=mrc", "args.num_train_epochs=1"]``.
+        config_name: the primary config.
+        output_dir: the run directory (created when training starts); default: ``hydra.run.dir``.
+        config_dir: the config tree; default: see :func:`find_config_dir`.
+
+    Raises:
+        hydra.errors.ConfigCompositionException, hydra.errors.MissingConfigException,
+        omegaconf.errors.ValidationError: an unknown key, group option or wrongly typed value.
+    """
+    register_configs()
+    directory = find_config_dir(config_dir)
+    with initialize_config_dir(config_dir=str(directory), version_base=VERSION_BASE, job_name=config_name):
+        cfg = hydra_compose(config_name=config_name, overrides=list(overrides), return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)  # resolves ${hydra:runtime.cwd} and friends below
+    run_dir = os.path.abspath(output_dir if output_dir is not None else cfg.hydra.run.dir)
+    with read_write(cfg.hydra.runtime):
+        cfg.hydra.runtime.output_dir = run_dir
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        if "paths" in cfg:
+            cfg.paths = OmegaConf.create(OmegaConf.to_container(cfg.paths, resolve=True))
+        del cfg["hydra"]
+    return cfg
+
+
+register_configs()

@@ -1,0 +1,176 @@
+"""The Hydra entry point: train.py / hflight-train in child processes (single run, multirun, Optuna sweep, mistakes)
+and ``hflight.cli.train`` on a composed config, as a notebook uses it. Every run is tiny: a few synthetic
+articles, a 32-wide BERT and a handful of steps."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hflight import cli
+from hflight.config import compose
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Small enough to run in seconds, large enough to exercise every stage (2 epochs: evaluation and a checkpoint each).
+TINY = [
+    "+experiment=mrc",
+    "data.synthetic.num_train_articles=3",
+    "data.synthetic.num_validation_articles=1",
+    "data.synthetic.paragraphs_per_article=2",
+    "model.tokenizer_trainer.vocab_size=300",
+    "model.config.hidden_size=32",
+    "model.config.intermediate_size=64",
+    "model.config.max_position_embeddings=128",
+    "args.num_train_epochs=2",
+    "args.per_device_train_batch_size=8",
+    "args.logging_steps=2",
+    "args.disable_tqdm=true",
+    "args.dataloader_pin_memory=false",
+]
+
+RESULT_FILES = ("all_results.json", "train_results.json", "eval_results.json", "trainer_state.json",
+                "eval_predictions.json", "eval_nbest_predictions.json", "model.safetensors")
+
+
+def _run(*overrides: str, entry: list[str] | None = None, cwd: Path = REPO, check: bool = True,
+         timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "HYDRA_FULL_ERROR": "1"}
+    command = (entry or [sys.executable, str(REPO / "train.py")]) + list(overrides)
+    proc = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        pytest.fail(f"{' '.join(command)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def _check_run_dir(run_dir: Path, v2: bool = False, hydra: bool = True) -> dict:
+    for name in RESULT_FILES + ((".hydra/config.yaml",) if hydra else ()):
+        assert (run_dir / name).is_file(), f"{name} missing in {run_dir}: {sorted(os.listdir(run_dir))}"
+    assert sorted(run_dir.glob("checkpoint-*")), "no checkpoint written"
+    assert (run_dir / "tokenizer" / "tokenizer.json").is_file()
+    results = json.loads((run_dir / "all_results.json").read_text())
+    scores = ("eval_exact", "eval_f1", "eval_HasAns_f1", "eval_best_f1") if v2 else ("eval_exact_match", "eval_f1")
+    for key in (*scores, "eval_loss", "train_loss", "train_runtime", "eval_samples"):
+        assert key in results, f"{key} missing from all_results.json: {sorted(results)}"
+    assert set(json.loads((run_dir / "eval_results.json").read_text())) >= {*scores, "eval_loss"}
+    state = json.loads((run_dir / "trainer_state.json").read_text())
+    assert any("eval_f1" in entry for entry in state["log_history"])  # evaluated during training
+    return results
+
+
+# ---- the real entry points, in child processes ---------------------------------------------------------------------
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_single_run_writes_results_into_the_hydra_run_dir(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _run(*TINY, f"hydra.run.dir={run_dir}")
+    results = _check_run_dir(run_dir)
+    assert 0 <= results["eval_f1"] <= 100 and 0 <= results["eval_exact_match"] <= 100
+    config = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())
+    assert config["task_name"] == "mrc" and config["args"]["num_train_epochs"] == 2  # the override
+    assert "args.num_train_epochs=2" in (run_dir / ".hydra" / "overrides.yaml").read_text()
+    assert (run_dir / "data" / "train.json").is_file()  # the synthetic data, generated into the run
+    assert "Final metrics" in proc.stdout and "eval_exact_match" in proc.stdout
+    log = (run_dir / "mrc.log").read_text()
+    assert "Instantiating trainer <hflight.qa.trainer.MRCTrainer>" in log
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_multirun_gives_each_job_its_own_directory_and_results(tmp_path):
+    """Two jobs, SQuAD v1.1 and v2.0 scoring (on synthetic v2 data with unanswerable questions)."""
+    sweep = tmp_path / "sweep"
+    _run("-m", *TINY, "data.version_2_with_negative=false,true", f"hydra.sweep.dir={sweep}")
+    assert (sweep / "multirun.yaml").is_file()
+    v1 = _check_run_dir(sweep / "0")
+    v2 = _check_run_dir(sweep / "1", v2=True)
+    assert "eval_exact_match" in v1 and "eval_HasAns_f1" not in v1
+    assert {"eval_exact", "eval_HasAns_f1", "eval_NoAns_f1", "eval_best_f1"} <= set(v2)
+    assert (sweep / "1" / "eval_null_odds.json").is_file() and not (sweep / "0" / "eval_null_odds.json").exists()
+    squad = json.loads((sweep / "1" / "data" / "validation.json").read_text())
+    assert any(qa.get("is_impossible") for article in squad["data"] for p in article["paragraphs"] for qa in p["qas"])
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_optuna_sweep_reports_the_best_trial(tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="pip install 'hflight[optuna]'")
+    sweep = tmp_path / "optuna"
+    proc = _run(*TINY, "args.num_train_epochs=1", "+hparams_search=mrc_optuna", "hydra.sweeper.n_trials=2",
+                "hydra.sweeper.sampler.n_startup_trials=2", f"hydra.sweep.dir={sweep}")
+    best = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    assert best["name"] == "optuna" and "args.learning_rate" in best["best_params"]
+    values = [json.loads((sweep / job / "eval_results.json").read_text())["eval_f1"] for job in "01"]
+    assert math.isclose(best["best_value"], max(values), rel_tol=1e-6)
+    assert "Best value" in proc.stdout + proc.stderr
+
+
+@pytest.mark.subprocess
+def test_console_script_finds_the_config_and_rejects_a_misspelt_option(tmp_path):
+    script = shutil.which("hflight-train", path=str(Path(sys.executable).parent))
+    if script is None:
+        pytest.skip("hflight-train not installed (pip install -e .)")
+    run_dir = tmp_path / "run"
+    proc = _run("+experiment=mrc", "trainer=gpux", f"hydra.run.dir={run_dir}", entry=[script], cwd=tmp_path,
+                check=False)
+    assert proc.returncode != 0
+    assert "Could not find 'trainer/gpux'" in proc.stderr and "Available options in 'trainer'" in proc.stderr
+    assert "\tcpu\n" in proc.stderr  # the valid choices, read from the repository's conf/ from another directory
+    assert not run_dir.exists()  # nothing ran
+
+
+# ---- the notebook path: compose, then train ------------------------------------------------------------------------
+def test_compose_then_train_in_process(tmp_path):
+    """The notebook path: hflight.config.compose, then hflight.cli.train; every object comes back."""
+    cfg = compose([*TINY, "args.num_train_epochs=1"], output_dir=tmp_path)
+    metrics, objects = cli.train(cfg)
+    results = _check_run_dir(tmp_path, hydra=False)  # .hydra/ is written by @hydra.main only
+    assert metrics["eval_f1"] == results["eval_f1"] and "eval_loss" in metrics
+    assert objects["trainer"].eval_examples is objects["examples"]["validation"]
+    assert "start_positions" in objects["features"]["validation"].column_names  # labelled: hence eval_loss
+    assert objects["tokenizer"].name_or_path == str(tmp_path / "tokenizer")
+    assert objects["model"].config.vocab_size == len(objects["tokenizer"])
+
+
+def test_failed_job_records_its_error_and_returns_nan_in_a_multirun(tmp_path, monkeypatch):
+    cfg = compose(["+experiment=mrc", "args.lr_scheduler_type=linea"], output_dir=tmp_path)
+    monkeypatch.setattr(cli, "_in_multirun", lambda: True)
+    assert math.isnan(cli.main(cfg))
+    assert "lr_scheduler_type" in (tmp_path / cli.ERROR_FILE).read_text()
+
+
+def test_failed_single_run_records_its_error_and_raises(tmp_path):
+    cfg = compose(["+experiment=mrc", "args.lr_scheduler_type=linea"], output_dir=tmp_path)
+    with pytest.raises(ValueError, match="valid choices"):
+        cli.main(cfg)
+    assert "lr_scheduler_type" in (tmp_path / cli.ERROR_FILE).read_text()
+
+
+def test_optimized_metric_must_be_a_final_metric():
+    assert cli.optimized_value({"eval_f1": 91.5}, "eval_f1") == 91.5
+    assert cli.optimized_value({"eval_f1": 91.5}, None) is None
+    with pytest.raises(KeyError, match="eval_f1"):
+        cli.optimized_value({"eval_f1": 91.5}, "eval_f2")
+
+
+def test_metrics_table_is_readable():
+    table = cli.format_metrics_table({"eval_exact_match": 88.5, "eval_f1": 91.25}, "Final metrics")
+    lines = table.splitlines()
+    assert lines[0] == "Final metrics"
+    assert len({len(line) for line in lines[1:]}) == 1  # aligned box
+    assert any("eval_f1" in line and "91.25" in line for line in lines)
+
+
+def test_no_data_is_a_clear_error(tmp_path):
+    cfg = compose([], output_dir=tmp_path)
+    with pytest.raises(ValueError, match="data.train_file"):
+        cli.train(cfg)
