@@ -48,10 +48,10 @@ __all__ = [
 SUPPORTED_OPTIMIZERS: Tuple[str, ...] = ("adamw_torch", "adamw_torch_fused", "adafactor", "sgd", "adagrad", "rmsprop")
 #: ``train_sampling_strategy`` values hflight implements (transformers also has "batch_rebalance").
 SUPPORTED_TRAIN_SAMPLING_STRATEGIES: Tuple[str, ...] = ("random", "sequential", "group_by_length")
-#: ``accelerator`` names accepted by hflight (Lightning's names, plus "ipu" for hflight's IPU backend).
-SUPPORTED_ACCELERATORS: Tuple[str, ...] = ("auto", "cpu", "gpu", "cuda", "mps", "tpu", "ipu")
+#: ``accelerator`` names accepted by hflight (Lightning's names).
+SUPPORTED_ACCELERATORS: Tuple[str, ...] = ("auto", "cpu", "gpu", "cuda", "mps", "tpu")
 #: Strategy names that hflight's own backends add to Lightning's registry.
-HFLIGHT_BACKEND_STRATEGIES: Tuple[str, ...] = ("ipu", "ort")
+HFLIGHT_BACKEND_STRATEGIES: Tuple[str, ...] = ()  # hflight's own backends (IPU, ORT) register here once built
 #: Fields that come from ``lightning.Trainer`` and have no transformers counterpart.
 LIGHTNING_FIELDS: Tuple[str, ...] = ("accelerator", "devices", "strategy", "num_nodes")
 #: ``include_num_input_tokens_seen`` values (booleans map to "all" / "no", as in transformers).
