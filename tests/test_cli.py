@@ -141,10 +141,10 @@ def test_compose_then_train_in_process(tmp_path):
     assert objects["model"].config.vocab_size == len(objects["tokenizer"])
 
 
-def test_failed_job_records_its_error_and_returns_nan_in_a_multirun(tmp_path, monkeypatch):
+def test_failed_job_records_its_error_and_returns_none_in_a_multirun(tmp_path, monkeypatch):
     cfg = compose(["+experiment=mrc", "args.lr_scheduler_type=linea"], output_dir=tmp_path)
     monkeypatch.setattr(cli, "_in_multirun", lambda: True)
-    assert math.isnan(cli.main(cfg))
+    assert cli.main(cfg) is None  # a failed trial for the Optuna sweeper, ignored by the basic one
     assert "lr_scheduler_type" in (tmp_path / cli.ERROR_FILE).read_text()
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import os
 import sys
 import traceback
@@ -122,8 +121,10 @@ def run(cfg: DictConfig) -> float | None:
     """:func:`train`, then the value of ``cfg.optimized_metric`` (None when it is unset).
 
     A failure is recorded in ``error.txt`` (the traceback) in the run directory and logged. In a multirun the job
-    then returns NaN (a sweeper's failed trial) so that the other jobs still run and the sweep completes; a single
-    run re-raises.
+    then returns None, so that the other jobs still run and the sweep completes: Hydra's basic sweeper ignores
+    return values, and the Optuna sweeper records a trial whose value is not a float as failed and goes on (it
+    would crash on NaN: Optuna 2's ``Study.tell`` raises on it, also when marking the trial failed). A single run
+    re-raises.
     """
     try:
         metrics, _ = train(cfg)
@@ -133,7 +134,7 @@ def run(cfg: DictConfig) -> float | None:
         if not _in_multirun():
             raise
         log.error(f"Job failed; traceback in {where}. The sweep goes on with the remaining jobs.")
-        return math.nan
+        return None
     finally:
         _close_loggers()
 
