@@ -43,5 +43,6 @@ def test_accumulation_cycles_tag_micro_batches_like_hf():
         (0, 2, 4, 0), (1, 2, 4, 1), (0, 2, 4, 2), (1, 2, 4, 3), (0, 1, 2, 4)]
     assert [m.is_last for m in tagged] == [False, True, False, True, True]
     cycles.skip_batches = 3
-    assert len(cycles) == 2
+    assert len(cycles) == 5  # the epoch length stays whole: it bounds the following epochs too
     assert [m.step_in_epoch for m in cycles] == [3, 4]
+    assert len(list(cycles)) == 5  # the next pass is complete again

@@ -55,6 +55,18 @@ def uninterrupted(tmp_path_factory) -> Path:
 
 
 @pytest.mark.subprocess
+@pytest.mark.parametrize("stop", [3, 5])
+def test_resume_early_in_an_epoch_and_at_an_epoch_boundary(tmp_path, uninterrupted, stop):
+    """Resumed at step 3 (6 of 10 batches skipped) every later epoch must still be whole; at 5, an epoch boundary."""
+    out = tmp_path / "run"
+    run_job(out, "--stop-at", str(stop), "--save-steps", str(stop))
+    run_job(out, "--resume", "last", "--save-steps", str(stop))
+    assert_same_run(uninterrupted, out, from_step=stop)
+    epochs = {e["step"]: e["epoch"] for e in json.loads((out / "log_history.json").read_text()) if "loss" in e}
+    assert epochs[10] == pytest.approx(2.0) and epochs[12] == pytest.approx(2.4)
+
+
+@pytest.mark.subprocess
 def test_resume_in_a_new_process_is_exact(tmp_path, uninterrupted):
     first = tmp_path / "run"
     run_job(first, "--stop-at", "6")

@@ -142,7 +142,9 @@ class AccumulationCycles:
         self.restore_rng: Callable[[], None] | None = None
 
     def __len__(self) -> int:
-        return len(self.loader) - self.skip_batches
+        # The full epoch length, also while a resumed epoch skips batches: Lightning reads it once and bounds
+        # every later epoch by it; the shortened first pass simply ends early (Lightning handles StopIteration).
+        return len(self.loader)
 
     def __iter__(self) -> Iterator[MicroBatch]:
         set_loader_epoch(self.loader, self.epoch_fn())
