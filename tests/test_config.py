@@ -254,3 +254,13 @@ def test_compose_gives_a_self_contained_config(tmp_path):
     assert second.model.tokenizer_trainer.output_dir == str(tmp_path / "b" / "tokenizer")
     default = compose([])
     assert Path(default.paths.output_dir).parent == Path(default.paths.log_dir) / "train" / "runs"
+
+
+def test_model_revision_accepts_both_names():
+    from hflight.cli import _hub_kwargs
+    from hflight.config import ModelArguments
+
+    assert _hub_kwargs(ModelArguments(revision="v2"))["revision"] == "v2"
+    assert _hub_kwargs(ModelArguments(model_revision="v1"))["revision"] == "v1"
+    cfg = compose(["model.revision=abc"])
+    assert cfg.model.revision == "abc"

@@ -285,7 +285,7 @@ def _texts(examples: Any) -> Iterator[str]:
 
 # ---------------------------------------------------------------------------------------------------- model
 def _hub_kwargs(model_args: ModelArguments) -> dict[str, Any]:
-    return dict(cache_dir=model_args.cache_dir, revision=model_args.model_revision, token=model_args.token,
+    return dict(cache_dir=model_args.cache_dir, revision=model_args.revision or model_args.model_revision, token=model_args.token,
                 trust_remote_code=model_args.trust_remote_code)
 
 

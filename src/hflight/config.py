@@ -75,6 +75,8 @@ class ModelArguments:
     tokenizer_name: Optional[str] = None
     cache_dir: Optional[str] = None
     model_revision: str = "main"
+    # The name for the same setting; when set it wins over run_qa.py's ``model_revision``.
+    revision: Optional[str] = None
     token: Optional[str] = None
     trust_remote_code: bool = False
     config: Optional[Any] = None

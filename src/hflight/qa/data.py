@@ -113,9 +113,7 @@ class LoadReport:
     @property
     def clean(self) -> bool:
         """True when every answer pointed at its text and nothing needed attention."""
-        return not (
-            self.num_answers_relocated or self.num_answers_unlocatable or self.num_impossible_with_answers
-        )
+        return not (self.num_answers_relocated or self.num_answers_unlocatable or self.num_impossible_with_answers)
 
     def summary(self) -> str:
         """A one-paragraph human-readable summary (what gets logged)."""

@@ -136,7 +136,6 @@ def _tokenize(
     doc_stride: int,
     pad_to_max_length: bool,
 ):
-    check_tokenizer(tokenizer)
     max_seq_length = effective_max_seq_length(tokenizer, max_seq_length, doc_stride)
     _check_question_lengths(tokenizer, questions, ids, max_seq_length, doc_stride)
     pad_on_right = tokenizer.padding_side == "right"
@@ -199,6 +198,7 @@ def prepare_train_features(
         ``input_ids``, ``attention_mask`` (and ``token_type_ids`` if the tokenizer makes them),
         ``start_positions``, ``end_positions``: one row per window.
     """
+    check_tokenizer(tokenizer)
     ids = examples["id"] if "id" in examples else None
     questions_in = examples[question_column]
     contexts_in = examples[context_column]
@@ -311,14 +311,13 @@ def prepare_validation_features(
     (character offsets into the context; ``None`` for tokens outside the context: question,
     special tokens, padding). One row per window; every example gives at least one.
     """
+    check_tokenizer(tokenizer)
     ids = examples[id_column]
     questions = [q.lstrip() for q in examples[question_column]]
     contexts = list(examples[context_column])
     if not questions:
         return _empty_features(tokenizer, ["example_id", "offset_mapping"])
-    enc, pad_on_right = _tokenize(
-        questions, contexts, ids, tokenizer, max_seq_length, doc_stride, pad_to_max_length
-    )
+    enc, pad_on_right = _tokenize(questions, contexts, ids, tokenizer, max_seq_length, doc_stride, pad_to_max_length)
     sample_mapping = enc.pop("overflow_to_sample_mapping")
     offset_mapping = enc.pop("offset_mapping")
     context_seq = 1 if pad_on_right else 0

@@ -40,6 +40,7 @@ __all__ = ["generate_squad", "write_squad_files", "squad_to_json"]
 
 # --------------------------------------------------------------------------------------------------
 # Vocabulary of the generator. Changing any list changes the data set (and its determinism hash).
+# fmt: off
 
 _FEMALE = (
     "Anna Maria Sofia Elena Clara Nadia Priya Aiko Fatima Ingrid Lucia Mei Olga Rosa Tara Yara Zofia Leila "
@@ -108,6 +109,7 @@ _TOWN_FEATURES = (
 )
 _SEASONS = ("spring", "summer", "autumn", "winter")
 _RELATIONS = ("friend", "cousin", "neighbor", "colleague", "former classmate", "business partner")
+# fmt: on
 
 
 # --------------------------------------------------------------------------------------------------

@@ -3,8 +3,9 @@
 :func:`train_wordpiece_tokenizer` builds the same pipeline as BERT's uncased tokenizer with the
 ``tokenizers`` library (``BertNormalizer`` -> ``BertPreTokenizer`` -> ``WordPiece`` model ->
 ``[CLS] A [SEP] B [SEP]`` post-processor with token type ids, ``WordPiece`` decoder), trains it on
-the given texts, saves it as a fast ``BertTokenizer`` (``BertTokenizerFast``) in ``output_dir`` and returns it loaded back through
-``transformers.AutoTokenizer.from_pretrained(output_dir)``, the path every other component uses.
+the given texts, saves it as a fast ``BertTokenizer`` (``BertTokenizerFast``) in ``output_dir`` and
+returns it loaded back through ``transformers.AutoTokenizer.from_pretrained(output_dir)``, the path
+every other component uses.
 """
 
 from __future__ import annotations
@@ -46,33 +47,45 @@ def train_wordpiece_tokenizer(
         The fast tokenizer as loaded by ``AutoTokenizer.from_pretrained(output_dir)``. Same texts and
         arguments give the same vocabulary.
     """
-    tok = Tokenizer(models.WordPiece(unk_token="[UNK]", continuing_subword_prefix="##", max_input_chars_per_word=100))
-    tok.normalizer = normalizers.BertNormalizer(
+    texts = list(_strings(texts))
+    normalizer = normalizers.BertNormalizer(
         clean_text=True, handle_chinese_chars=True, strip_accents=lowercase, lowercase=lowercase
     )
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.decoder = decoders.WordPiece(prefix="##")
+    pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+
+    # Determinism. The trainer numbers the continuation characters ("##x") in hash-map order, which
+    # changes from run to run, and breaks ties between equally frequent merges by token id: so the
+    # learnt vocabulary itself (not only its order) would vary. Numbering every continuation character
+    # up front, in sorted order, makes the ids and hence the tie-breaks fixed. They are passed as
+    # trainer "special tokens" only to get those ids first; the final tokenizer treats them as plain
+    # vocabulary entries.
+    continuation = [f"##{c}" for c in _word_characters(texts, normalizer, pre_tokenizer)]
     trainer = trainers.WordPieceTrainer(
         vocab_size=vocab_size,
         min_frequency=min_frequency,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(SPECIAL_TOKENS) + continuation,
         continuing_subword_prefix="##",
         show_progress=False,
     )
-    tok.train_from_iterator(_strings(texts), trainer=trainer)
-    # The trainer breaks ties between equally frequent merges (and orders the alphabet) by hash-map
-    # order, which changes from run to run: the token *set* is reproducible, the ids are not. Give the
-    # ids a canonical order (specials first, then characters, then longer pieces, alphabetically).
-    trained = tok.get_vocab()
-    specials = [t for t in SPECIAL_TOKENS if t in trained]
+    scratch = Tokenizer(models.WordPiece(unk_token="[UNK]", continuing_subword_prefix="##"))
+    scratch.normalizer = normalizer
+    scratch.pre_tokenizer = pre_tokenizer
+    scratch.train_from_iterator(texts, trainer=trainer)
+    trained = scratch.get_vocab()
+    # Canonical ids: specials, then characters, then continuation characters, then longer pieces.
     rest = sorted(
         (t for t in trained if t not in SPECIAL_TOKENS),
         key=lambda t: (len(t[2:] if t.startswith("##") else t) > 1, t.startswith("##"), t),
     )
-    vocab = {t: i for i, t in enumerate(specials + rest)}
-    tok.model = models.WordPiece(
-        vocab=vocab, unk_token="[UNK]", continuing_subword_prefix="##", max_input_chars_per_word=100
+    vocab = {t: i for i, t in enumerate(list(SPECIAL_TOKENS) + rest)}
+
+    tok = Tokenizer(
+        models.WordPiece(vocab=vocab, unk_token="[UNK]", continuing_subword_prefix="##", max_input_chars_per_word=100)
     )
+    tok.normalizer = normalizer
+    tok.pre_tokenizer = pre_tokenizer
+    tok.decoder = decoders.WordPiece(prefix="##")
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
     cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]",
@@ -102,6 +115,17 @@ def train_wordpiece_tokenizer(
         "".join(t + "\n" for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])), encoding="utf-8"
     )
     return AutoTokenizer.from_pretrained(str(out))
+
+
+def _word_characters(texts: list[str], normalizer: Any, pre_tokenizer: Any) -> list[str]:
+    """The sorted characters that can occur inside a word after normalization and pre-tokenization."""
+    raw = set().union(*map(set, texts)) if texts else set()
+    chars: set[str] = set()
+    for c in raw:
+        chars.update(normalizer.normalize_str(c))
+    # Characters that normalization and pre-tokenization always isolate (whitespace, punctuation,
+    # CJK ideographs) never continue a word.
+    return sorted(c for c in chars if len(pre_tokenizer.pre_tokenize_str(normalizer.normalize_str(f"a{c}"))) == 1)
 
 
 def _strings(texts: Iterable[str]) -> Iterator[str]:
