@@ -498,11 +498,15 @@ class Trainer:
         prediction_loss_only: bool | None = None,
         ignore_keys: list[str] | None = None,
         metric_key_prefix: str = "eval",
+        *,
+        compute_metrics: Any = ...,
     ) -> EvalLoopOutput:
+        """HF's evaluation loop; ``compute_metrics=None`` collects predictions without scoring them (the QA
+        trainer scores after post-processing), the default uses ``self.compute_metrics``."""
         if prediction_loss_only is None:
             prediction_loss_only = self.args.prediction_loss_only
         return evaluation.run_evaluation_loop(
-            self, dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
+            self, dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix, compute_metrics
         )
 
     # ---- logging, saving ---------------------------------------------------------------------------------------

@@ -199,23 +199,6 @@ class MRCTrainer(Trainer):
             )
         return output
 
-    def evaluation_loop(
-        self,
-        dataloader,
-        description,
-        prediction_loss_only=None,
-        ignore_keys=None,
-        metric_key_prefix="eval",
-        compute_metrics: Any = ...,
-    ):
-        from hflight import evaluation
-
-        if prediction_loss_only is None:
-            prediction_loss_only = self.args.prediction_loss_only
-        return evaluation.run_evaluation_loop(
-            self, dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix, compute_metrics
-        )
-
     def _scored(self, output: Any, examples: Any, features: Any, stage: str, prefix: str, start: float):
         if examples is None:
             raise ValueError(
