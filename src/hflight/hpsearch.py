@@ -25,7 +25,8 @@ def _optuna():
         import optuna
     except ImportError as exc:
         raise ImportError(
-            "hyperparameter_search(backend='optuna') needs optuna: pip install 'hflight[optuna]' (or pip install optuna)"
+            "hyperparameter_search(backend='optuna') needs optuna: "
+            "pip install 'hflight[optuna]' (or pip install optuna)"
         ) from exc
     return optuna
 

@@ -356,7 +356,8 @@ class TrainingArguments:
             ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"),
         ):
             if getattr(self, new) is None and getattr(self, old) is not None:
-                warnings.warn(f"`{old}` is deprecated and will be removed in v6. Use `{new}` instead.", FutureWarning)
+                message = f"`{old}` is deprecated and will be removed in v6. Use `{new}` instead."
+                warnings.warn(message, FutureWarning, stacklevel=3)
                 setattr(self, new, getattr(self, old))
             setattr(self, old, getattr(self, new))
         if self.activation_checkpointing is None:
@@ -387,7 +388,8 @@ class TrainingArguments:
                 self.eval_steps = self.logging_steps
             else:
                 raise ValueError(
-                    f"evaluation strategy {self.eval_strategy.value} requires either non-zero eval_steps or logging_steps"
+                    f"evaluation strategy {self.eval_strategy.value} requires either non-zero eval_steps "
+                    "or logging_steps"
                 )
         if (
             self.load_best_model_at_end

@@ -176,7 +176,8 @@ def _check_predictions(predictions: Any, version_2: bool) -> dict[str, tuple[str
         for pos, (qid, text) in enumerate(predictions.items()):
             if not isinstance(qid, str) or not isinstance(text, str):
                 raise ValueError(
-                    f"predictions as a mapping must be {{id: answer text}} of strings; got {qid!r}: {type(text).__name__}"
+                    "predictions as a mapping must be {id: answer text} of strings; "
+                    f"got {qid!r}: {type(text).__name__}"
                 )
             out[qid] = (text, 0.0, pos)
         return out

@@ -140,7 +140,8 @@ def _column(obj: Any, name: str, what: str) -> Any:
         for i, row in enumerate(obj):
             if not isinstance(row, Mapping):
                 raise TypeError(
-                    f"{what} must be a datasets.Dataset, a dict of columns or a list of dicts; row {i} is a {type(row).__name__}"
+                    f"{what} must be a datasets.Dataset, a dict of columns or a list of dicts; "
+                    f"row {i} is a {type(row).__name__}"
                 )
             if name not in row:
                 raise ValueError(f"{what}: row {i} has no {name!r} key (keys: {list(row.keys())})")
@@ -263,7 +264,8 @@ def _read_offsets(col: Any, n_features: int) -> _Offsets:
             col = col.cast(_OFFSETS_TYPE)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:
             raise ValueError(
-                f"features['offset_mapping'] must hold, per feature, a list of (start, end) integer pairs or None; got arrow type {col.type}"
+                "features['offset_mapping'] must hold, per feature, a list of (start, end) integer pairs or None; "
+                f"got arrow type {col.type}"
             ) from exc
     if col.null_count:
         f = int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
