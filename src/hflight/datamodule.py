@@ -16,6 +16,7 @@ Three pieces:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterator, Sized
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch.utils.data import DataLoader, IterableDataset, Sampler, SequentialSampler
 
 
@@ -185,6 +187,17 @@ class HFDataModule(L.LightningDataModule):
         self.facade = facade
         self.train_loader: Any = None
         self.cycles: AccumulationCycles | None = None
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        # Only a micro-batch's tensors travel; Lightning's generic path would deep-copy the whole dataclass
+        # on every step.
+        if isinstance(batch, MicroBatch):
+            return dataclasses.replace(
+                batch,
+                inputs=move_data_to_device(batch.inputs, device),
+                num_items_in_batch=move_data_to_device(batch.num_items_in_batch, device),
+            )
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
     def setup(self, stage: str) -> None:
         if stage != "fit" or self.cycles is not None:

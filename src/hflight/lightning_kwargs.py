@@ -153,6 +153,9 @@ def quiet_lightning() -> Iterator[None]:
             # decides when to evaluate), so Lightning's "no val_dataloader" notice is noise here.
             warnings.filterwarnings("ignore", message=".*no `val_dataloader`.*")
             warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\)` is deprecated.*")
+            # Lightning's all_gather still calls the functional all_gather newer torch deprecates (once per
+            # gathered tensor during distributed evaluation); nothing a user can act on.
+            warnings.filterwarnings("ignore", message=".*torch.distributed.nn.functional.all_gather is deprecated.*")
             yield
     finally:
         rank_zero_logger.setLevel(previous)

@@ -10,12 +10,10 @@ per-batch work, so subclasses of the facade keep working.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import torch
-from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from typing_extensions import override
 
@@ -46,18 +44,6 @@ class HFModule(L.LightningModule):
             "optimizer": facade.optimizer,
             "lr_scheduler": {"scheduler": facade.lr_scheduler, "interval": "step"},
         }
-
-    @override
-    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
-        # Only a micro-batch's tensors travel; Lightning's generic path would deep-copy the whole dataclass
-        # on every step.
-        if isinstance(batch, MicroBatch):
-            return dataclasses.replace(
-                batch,
-                inputs=move_data_to_device(batch.inputs, device),
-                num_items_in_batch=move_data_to_device(batch.num_items_in_batch, device),
-            )
-        return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
     @override
     def on_train_batch_start(self, batch: MicroBatch, batch_idx: int) -> int | None:

@@ -52,7 +52,7 @@ from transformers.trainer_utils import (
 )
 from transformers.utils import can_return_loss, find_labels
 
-from hflight import checkpoint, evaluation, hpsearch, optim, steps
+from hflight import checkpoint, distributed, evaluation, hpsearch, optim, steps
 from hflight.callbacks.bridge import HFEventBridge
 from hflight.datamodule import HFDataModule, make_dataloader, remove_unused_columns, train_sampler
 from hflight.lightning_kwargs import lightning_trainer_kwargs, quiet_lightning, split_callbacks
@@ -342,29 +342,21 @@ class Trainer:
     def _validation_trainer(self) -> L.Trainer:
         return self._new_lightning_trainer([], fitting=False)
 
+    # Collectives through the running strategy (identity in a single process): see hflight.distributed.
+    def _strategy(self) -> Any:
+        return self._lightning_trainer.strategy if self._lightning_trainer is not None else None
+
     def _gather(self, value: Any, pad_dim: int | None = None) -> Any:
-        if self._world()[0] <= 1:
-            return value
-        if pad_dim is not None:
-            value = self._pad_across_processes(value)
-        gathered = self._lightning_trainer.strategy.all_gather(value)
-        return torch.utils._pytree.tree_map(lambda t: t.flatten(0, 1) if torch.is_tensor(t) else t, gathered)
+        return distributed.gather(self._strategy(), value, pad_dim)
 
     def _pad_across_processes(self, value: Any) -> Any:
-        if self._world()[0] <= 1:
-            return value
-        from accelerate.utils import pad_across_processes  # only needed when several processes run
-
-        return pad_across_processes(value, dim=1, pad_index=-100)
+        return distributed.pad_across_processes(self._strategy(), value)
 
     def _barrier(self) -> None:
-        if self._world()[0] > 1:
-            self._lightning_trainer.strategy.barrier("hflight")
+        distributed.barrier(self._strategy())
 
     def _reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
-        if self._world()[0] <= 1:
-            return value
-        return self._lightning_trainer.strategy.reduce(value, reduce_op="mean")
+        return distributed.reduce_mean(self._strategy(), value)
 
     def _weight_hooks(self, method: str) -> list[Any]:
         """Callbacks that take part in the weights protocol (e.g. ``EMACallback``): those defining ``method``."""

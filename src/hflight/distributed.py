@@ -1,0 +1,66 @@
+"""Cross-process tensor operations through the running Lightning strategy (identity with one process).
+
+What HF's evaluation loop gets from accelerate (``pad_across_processes``, ``gather_for_metrics``), done with the
+strategy's own collectives so hflight does not need accelerate. Values may be nested lists/tuples/dicts of tensors
+(a QA model's ``(start_logits, end_logits)``); non-tensor leaves pass through unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import Strategy
+from torch.utils._pytree import tree_map
+
+
+def is_distributed(strategy: Strategy | None) -> bool:
+    return strategy is not None and strategy.world_size > 1
+
+
+def pad_across_processes(strategy: Strategy | None, value: Any, dim: int = 1, pad_index: int = -100) -> Any:
+    """Pad every tensor along ``dim`` to the largest size any process has, so that they can be gathered."""
+    if not is_distributed(strategy):
+        return value
+
+    def pad(tensor: Any) -> Any:
+        if not torch.is_tensor(tensor) or tensor.dim() <= dim:
+            return tensor
+        size = torch.tensor(tensor.shape[dim], device=tensor.device)
+        longest = int(strategy.all_gather(size).max())
+        if longest == tensor.shape[dim]:
+            return tensor
+        shape = list(tensor.shape)
+        shape[dim] = longest
+        padded = tensor.new_full(shape, pad_index)
+        padded.narrow(dim, 0, tensor.shape[dim]).copy_(tensor)
+        return padded
+
+    return tree_map(pad, value)
+
+
+def gather(strategy: Strategy | None, value: Any, pad_dim: int | None = None) -> Any:
+    """Concatenate every process's tensors along dim 0, in rank order (padding ``pad_dim`` first if given)."""
+    if not is_distributed(strategy):
+        return value
+    if pad_dim is not None:
+        value = pad_across_processes(strategy, value, dim=pad_dim)
+
+    def gather_one(tensor: Any) -> Any:
+        if not torch.is_tensor(tensor):
+            return tensor
+        gathered = strategy.all_gather(tensor.contiguous())  # (world_size, *shape)
+        return gathered.flatten(0, 1) if tensor.dim() else gathered
+
+    return tree_map(gather_one, value)
+
+
+def reduce_mean(strategy: Strategy | None, value: torch.Tensor) -> torch.Tensor:
+    if not is_distributed(strategy):
+        return value
+    return strategy.reduce(value, reduce_op="mean")
+
+
+def barrier(strategy: Strategy | None, name: str = "hflight") -> None:
+    if is_distributed(strategy):
+        strategy.barrier(name)

@@ -1,0 +1,134 @@
+"""A training job for the multi-process test: ``lightning``'s DDP on CPU (gloo), or one process.
+
+    python tests/jobs/ddp_job.py OUT --devices 2 --batch-size 4     # two processes, 4 examples each per batch
+    python tests/jobs/ddp_job.py OUT --devices 1 --batch-size 8     # the same global batch in one process
+
+Lightning's DDP launcher starts the other rank by running this script again. Trains a tiny BERT QA model
+(dropout 0, plain SGD so that float rounding cannot flip an Adam step's sign) with gradient accumulation 2 on 40
+examples (an epoch's last accumulation cycle is short), evaluates every epoch, saves a checkpoint every 2 steps,
+then evaluates on 12 examples and predicts on 11 (not a multiple of the 2 x 3 global evaluation batch, so the
+last batch is padded with repeats that must be dropped). Rank 0 writes ``OUT/result.json`` and ``OUT/final.pt``.
+"""
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import datasets
+import numpy as np
+import torch
+from transformers import BertConfig, BertForQuestionAnswering, TrainerCallback
+
+from hflight import Trainer, TrainingArguments
+
+
+def dataset(n, seed):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(5, 100, size=(n, 16))
+    start = rng.integers(1, 10, size=n)
+    return datasets.Dataset.from_dict(
+        {
+            "input_ids": ids.tolist(),
+            "attention_mask": np.ones_like(ids).tolist(),
+            "start_positions": start.tolist(),
+            "end_positions": (start + 2).tolist(),
+        }
+    )
+
+
+def exact_match(prediction):
+    start_logits, end_logits = prediction.predictions
+    start_labels, end_labels = prediction.label_ids
+    hits = (start_logits.argmax(-1) == start_labels) & (end_logits.argmax(-1) == end_labels)
+    return {"exact": float(hits.mean()), "count": float(len(hits))}
+
+
+class Events(TrainerCallback):
+    def __init__(self):
+        self.seen = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.seen.append(("step_end", state.global_step))
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        self.seen.append(("evaluate", state.global_step))
+
+    def on_save(self, args, state, control, **kwargs):
+        self.seen.append(("save", state.global_step))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=4)
+    opts = parser.parse_args()
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=100,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    args = TrainingArguments(
+        output_dir=opts.out,
+        accelerator="cpu",
+        devices=opts.devices,
+        strategy="ddp" if opts.devices > 1 else "auto",
+        per_device_train_batch_size=opts.batch_size,
+        per_device_eval_batch_size=3,
+        gradient_accumulation_steps=2,
+        num_train_epochs=2,
+        optim="sgd",
+        learning_rate=0.5,
+        max_grad_norm=1.0,
+        logging_steps=1,
+        eval_strategy="epoch",
+        save_strategy="steps",
+        save_steps=2,
+        train_sampling_strategy="sequential",
+        report_to="none",
+        disable_tqdm=True,
+    )
+    events = Events()
+    trainer = Trainer(
+        BertForQuestionAnswering(config),
+        args,
+        train_dataset=dataset(40, 0),
+        eval_dataset=dataset(12, 1),
+        compute_metrics=exact_match,
+        callbacks=[events],
+    )
+    train_output = trainer.train()
+    metrics = trainer.evaluate()
+    prediction = trainer.predict(dataset(11, 2))
+    if trainer.is_world_process_zero():
+        out = Path(opts.out)
+        torch.save({k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, out / "final.pt")
+        result = {
+            "world_size": trainer._world()[0],
+            "log_history": trainer.state.log_history,
+            "train_loss": train_output.training_loss,
+            "global_step": trainer.state.global_step,
+            "eval": metrics,
+            "predictions": [p.tolist() for p in prediction.predictions],
+            "label_ids": [p.tolist() for p in prediction.label_ids],
+            "test_metrics": prediction.metrics,
+            "events": events.seen,
+            "checkpoints": sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")),
+        }
+        (out / "result.json").write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

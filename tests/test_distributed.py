@@ -1,0 +1,111 @@
+"""Several processes: Lightning's DDP on CPU against one process with the same global batch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hflight import distributed
+
+JOB = Path(__file__).parent / "jobs" / "ddp_job.py"
+
+
+def run_job(out: Path, devices: int, batch_size: int) -> dict:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, str(JOB), str(out), "--devices", str(devices), "--batch-size", str(batch_size)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=out)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads((out / "result.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[dict, dict, Path, Path]:
+    one, two = tmp_path_factory.mktemp("one_process"), tmp_path_factory.mktemp("ddp")
+    return run_job(one, 1, 8), run_job(two, 2, 4), one, two
+
+
+def train_logs(result: dict) -> list[dict]:
+    return [entry for entry in result["log_history"] if "loss" in entry]
+
+
+@pytest.mark.subprocess
+def test_ddp_trains_like_one_process_with_the_same_global_batch(runs):
+    single, ddp, one, two = runs
+    assert (single["world_size"], ddp["world_size"]) == (1, 2)
+    assert ddp["global_step"] == single["global_step"] == 6  # 40 examples / 8 per step / GA 2 -> 3 cycles, 2 epochs
+    for a, b in zip(train_logs(single), train_logs(ddp), strict=True):
+        assert (a["step"], a["epoch"], a["learning_rate"]) == (b["step"], b["epoch"], b["learning_rate"])
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)  # the logged loss is averaged over the ranks
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)  # of the all-reduced gradients
+    assert ddp["train_loss"] == pytest.approx(single["train_loss"], rel=1e-6)
+    params_one, params_two = torch.load(one / "final.pt"), torch.load(two / "final.pt")
+    assert max((params_one[k] - params_two[k]).abs().max().item() for k in params_one) < 1e-5
+
+
+@pytest.mark.subprocess
+def test_ddp_gathers_evaluation_in_dataset_order_without_the_padding_repeats(runs):
+    single, ddp, _, _ = runs
+    # evaluate(): 12 examples fill whole global batches; loss and compute_metrics(EvalPrediction) agree.
+    assert ddp["eval"]["eval_loss"] == pytest.approx(single["eval"]["eval_loss"], rel=1e-5)
+    assert ddp["eval"]["eval_count"] == single["eval"]["eval_count"] == 12
+    assert ddp["eval"]["eval_exact"] == single["eval"]["eval_exact"]
+    # predict(): 11 examples, so the last global batch carries a repeated example that must be dropped.
+    predictions, reference = np.array(ddp["predictions"]), np.array(single["predictions"])
+    assert predictions.shape == reference.shape == (2, 11, 16)
+    np.testing.assert_allclose(predictions, reference, atol=1e-5)
+    assert ddp["label_ids"] == single["label_ids"]
+    assert ddp["test_metrics"]["test_count"] == 11
+
+
+@pytest.mark.subprocess
+def test_ddp_checkpoints_and_events_match_one_process(runs):
+    single, ddp, _, two = runs
+    assert ddp["events"] == single["events"]  # each HF event once (rank 0's view), in the same order
+    assert ddp["checkpoints"] == single["checkpoints"] == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    folder = two / "checkpoint-6"
+    # HF's layout: one RNG file per rank, everything else written once by rank 0; no half-written folder left.
+    assert {"rng_state_0.pth", "rng_state_1.pth", "trainer_state.json", "model.safetensors"} <= {
+        p.name for p in folder.iterdir()
+    }
+    assert not any(p.name.startswith(".tmp-checkpoint") for p in two.iterdir())
+    assert json.loads((folder / "trainer_state.json").read_text())["global_step"] == 6
+
+
+class FakeStrategy:
+    """Two ranks as rank 0 sees them: ``other`` is what rank 1 contributes for each gathered tensor."""
+
+    world_size = 2
+
+    def __init__(self, other):
+        self.other = other
+        self.calls = 0
+
+    def all_gather(self, tensor):
+        other = self.other(tensor)
+        self.calls += 1
+        return torch.stack([tensor, other])
+
+
+def test_pad_across_processes_pads_to_the_longest_rank_and_leaves_the_rest():
+    # Rank 1's sequences are 5 long; ours 3: pad with -100 along dim 1. Non-tensors pass through.
+    strategy = FakeStrategy(lambda t: torch.tensor(5) if t.dim() == 0 else t)
+    value = {"logits": (torch.ones(2, 3), torch.zeros(2, 3)), "name": "x", "scalar": torch.tensor(1.0)}
+    padded = distributed.pad_across_processes(strategy, value)
+    assert padded["logits"][0].shape == (2, 5) and padded["logits"][0][:, 3:].eq(-100).all()
+    assert padded["logits"][0][:, :3].eq(1).all() and padded["name"] == "x" and padded["scalar"].dim() == 0
+    longest = distributed.pad_across_processes(FakeStrategy(lambda t: torch.tensor(2)), torch.ones(2, 3))
+    assert longest.shape == (2, 3)  # already the longest: unchanged
+
+
+def test_gather_concatenates_nested_tensors_in_rank_order():
+    strategy = FakeStrategy(lambda t: t + 10)
+    gathered = distributed.gather(strategy, (torch.tensor([1, 2]), [torch.tensor([[3]])]))
+    assert gathered[0].tolist() == [1, 2, 11, 12] and gathered[1][0].tolist() == [[3], [13]]
+    assert distributed.gather(None, "same") == "same"  # one process: identity
