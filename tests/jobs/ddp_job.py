@@ -18,26 +18,15 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import datasets
-import numpy as np
 import torch
-from transformers import BertConfig, BertForQuestionAnswering, TrainerCallback
+from tiny_qa import qa_windows, tiny_bert_qa
+from transformers import TrainerCallback
 
 from hflight import Trainer, TrainingArguments
 
 
 def dataset(n, seed):
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(5, 100, size=(n, 16))
-    start = rng.integers(1, 10, size=n)
-    return datasets.Dataset.from_dict(
-        {
-            "input_ids": ids.tolist(),
-            "attention_mask": np.ones_like(ids).tolist(),
-            "start_positions": start.tolist(),
-            "end_positions": (start + 2).tolist(),
-        }
-    )
+    return qa_windows(n, seed, length=16, max_start=10)
 
 
 def exact_match(prediction):
@@ -68,17 +57,7 @@ def main():
     parser.add_argument("--batch-size", type=int, default=4)
     opts = parser.parse_args()
 
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=100,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=32,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
+    model = tiny_bert_qa(0, hidden=16, layers=1, dropout=0.0, max_positions=32)
     args = TrainingArguments(
         output_dir=opts.out,
         accelerator="cpu",
@@ -101,7 +80,7 @@ def main():
     )
     events = Events()
     trainer = Trainer(
-        BertForQuestionAnswering(config),
+        model,
         args,
         train_dataset=dataset(40, 0),
         eval_dataset=dataset(12, 1),

@@ -15,26 +15,15 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import datasets
-import numpy as np
 import torch
-from transformers import BertConfig, BertForQuestionAnswering, EarlyStoppingCallback, TrainerCallback
+from tiny_qa import qa_windows, tiny_bert_qa
+from transformers import EarlyStoppingCallback, TrainerCallback
 
 from hflight import Trainer, TrainingArguments
 
 
 def dataset(n, seed):
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(5, 100, size=(n, 24))
-    start = rng.integers(1, 20, size=n)
-    return datasets.Dataset.from_dict(
-        {
-            "input_ids": ids.tolist(),
-            "attention_mask": np.ones_like(ids).tolist(),
-            "start_positions": start.tolist(),
-            "end_positions": (start + 2).tolist(),
-        }
-    )
+    return qa_windows(n, seed, length=24, max_start=20)
 
 
 class StopAt(TrainerCallback):
@@ -67,17 +56,7 @@ def main():
     parser.add_argument("--early-stopping", type=int, help="patience; evaluates every step on eval_loss")
     opts = parser.parse_args()
 
-    torch.manual_seed(opts.model_seed)
-    config = BertConfig(
-        vocab_size=100,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        hidden_dropout_prob=0.1,
-        attention_probs_dropout_prob=0.1,
-    )
+    model = tiny_bert_qa(opts.model_seed, hidden=32, layers=2, dropout=0.1, max_positions=64)
     callbacks = []
     extra = {}
     if opts.stop_at:
@@ -111,7 +90,7 @@ def main():
         **extra,
     )
     trainer = Trainer(
-        BertForQuestionAnswering(config),
+        model,
         args,
         train_dataset=dataset(40, 0),
         eval_dataset=dataset(12, 1),
