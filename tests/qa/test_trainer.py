@@ -128,7 +128,7 @@ def test_windows_are_sorted_by_length_and_order_is_restored(tmp_path, mrc_data):
     batch = next(iter(loader))
     assert "offset_mapping" not in batch and "example_id" not in batch
     assert batch["input_ids"].shape[1] == max(lengths)  # first batch: the longest windows
-    output = trainer._run(loader, "Evaluation", None, "eval")
+    output = trainer._run(mrc_data["dynamic"], loader, "Evaluation", None, "eval")
     model = trainer.model.eval()
     with torch.no_grad():
         row = mrc_data["dynamic"][5]
@@ -167,3 +167,87 @@ def test_padding_positions_never_reach_post_processing():
     assert masked_start[0].tolist() == [1.0, 2.0, 3.0, PAD_LOGIT]
     assert masked_start[1].tolist() == [4.0, 5.0, PAD_LOGIT, PAD_LOGIT]
     assert start[0, 3] == 9.0  # the inputs are not modified
+
+
+class TokenScorer(torch.nn.Module):
+    """A QA 'model' whose logits depend on each token and its index among the real (unmasked) tokens only, so
+    padding, wherever it goes, cannot change a real token's score: any change in the answers can only come
+    from misaligned logits. (The index term breaks ties between repeated tokens.)"""
+
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        torch.manual_seed(0)
+        self.start, self.end = torch.nn.Embedding(vocab_size, 1), torch.nn.Embedding(vocab_size, 1)
+
+    def forward(self, input_ids, attention_mask, token_type_ids=None):
+        from transformers.modeling_outputs import QuestionAnsweringModelOutput
+
+        index = attention_mask.cumsum(-1) * 1e-3
+        return QuestionAnsweringModelOutput(
+            start_logits=self.start(input_ids).squeeze(-1) + index, end_logits=self.end(input_ids).squeeze(-1) - index
+        )
+
+
+@pytest.fixture(scope="module")
+def left_padding(mrc_data, tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("left_tok")
+    mrc_data["tokenizer"].save_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
+    examples = mrc_data["val_examples"]
+
+    def windows(pad):
+        return examples.map(
+            functools.partial(
+                prepare_validation_features,
+                tokenizer=tokenizer,
+                max_seq_length=96,
+                doc_stride=32,
+                pad_to_max_length=pad,
+            ),
+            batched=True,
+            remove_columns=examples.column_names,
+        )
+
+    return tokenizer, examples, windows(False), windows(True)
+
+
+def test_left_padding_tokenizer_answers_do_not_depend_on_batching(tmp_path, left_padding):
+    tokenizer, examples, dynamic, padded = left_padding
+    lengths = {len(ids) for ids in dynamic["input_ids"]}
+    assert len(lengths) > 1  # the collator really pads (on the left) inside batches
+
+    def answers(features, batch_size):
+        trainer = MRCTrainer(
+            TokenScorer(len(tokenizer)),
+            _args(tmp_path, per_device_eval_batch_size=batch_size),
+            processing_class=tokenizer,
+        )
+        return trainer.predict(features, examples).predictions
+
+    alone = answers(dynamic, 1)  # one window per batch: no collator padding at all
+    assert answers(dynamic, 16) == alone  # realigned: the attention mask's zeros are the collator's
+    assert answers(padded, 16) == alone  # windows padded to 96 on the left already: the fixed-length case
+    assert any(p["prediction_text"] for p in alone)
+
+
+def test_left_padding_shift_and_the_ambiguous_case():
+    import datasets
+
+    from hflight.qa.trainer import PAD_LOGIT, left_padding_alignment, shift_out_left_padding
+
+    logits = torch.tensor([[0.0, 0.0, 1.0, 2.0], [3.0, 4.0, 5.0, 6.0]])
+    shifted = shift_out_left_padding(logits, torch.tensor([2, 0]))
+    assert shifted.tolist() == [[1.0, 2.0, PAD_LOGIT, PAD_LOGIT], [3.0, 4.0, 5.0, 6.0]]
+
+    class Left:
+        padding_side = "left"
+
+    unpadded = datasets.Dataset.from_dict({"input_ids": [[1, 2], [3]], "attention_mask": [[1, 1], [1]]})
+    fixed = datasets.Dataset.from_dict({"input_ids": [[0, 2], [3, 4]], "attention_mask": [[0, 1], [1, 1]]})
+    mixed = datasets.Dataset.from_dict({"input_ids": [[0, 2], [3]], "attention_mask": [[0, 1], [1]]})
+    assert left_padding_alignment(unpadded, Left()) == "mask" and left_padding_alignment(fixed, Left()) == 2
+    assert left_padding_alignment(mixed, None) is None  # right padding (the default): nothing to undo
+    with pytest.raises(ValueError, match="pad_to_max_length=True"):
+        left_padding_alignment(mixed, Left())

@@ -1,7 +1,8 @@
 """``MRCTrainer`` (alias ``QuestionAnsweringTrainer``): evaluation that ends in answers and SQuAD scores.
 
 Evaluation windows are run sorted by length and padded per batch (no compute spent on padding to
-``max_seq_length``), logits move to the CPU per batch, the feature order is restored, then
+``max_seq_length``; with a left-padding tokenizer the collator's padding is shifted back out of the logits),
+logits move to the CPU per batch, the feature order is restored, then
 ``post_process_function`` turns logits into answers and ``compute_metrics`` scores them. Because the facade's
 mid-training evaluation calls ``evaluate()``, QA metrics are available during training, so
 ``metric_for_best_model="f1"`` with ``load_best_model_at_end`` works.
@@ -15,6 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
+import torch
 from torch.utils.data import DataLoader, Sampler
 from transformers.trainer_utils import EvalPrediction, PredictionOutput, speed_metrics
 
@@ -74,6 +76,42 @@ def mask_padding_logits(predictions: Any, features: Any) -> Any:
         logits[~valid[:, : logits.shape[1]]] = PAD_LOGIT
         masked.append(logits)
     return type(predictions)(masked)
+
+
+def left_padding_alignment(features: Any, processing_class: Any) -> str | int | None:
+    """How to undo the collator's left padding, so that logit column ``j`` is token ``j`` of its window (the
+    position ``offset_mapping`` describes). ``None``: nothing to undo (right padding, or no tokenizer).
+    ``"mask"``: the windows hold no padding of their own, so a row's padding is its attention mask's zeros.
+    An ``int``: every window is that long (padded to ``max_seq_length`` on the left already), so the collator
+    added ``batch width - length``. Windows of different lengths *and* their own padding cannot be realigned."""
+    if getattr(processing_class, "padding_side", "right") != "left":
+        return None
+    columns = getattr(features, "column_names", None) or []
+    if "input_ids" not in columns or "attention_mask" not in columns:
+        return None
+    masks = features["attention_mask"]
+    if all(all(m) for m in masks):
+        return "mask"
+    lengths = {len(m) for m in masks}
+    if len(lengths) == 1:
+        return lengths.pop()
+    raise ValueError(
+        "MRCTrainer: the tokenizer pads on the left and the evaluation windows differ in length while some "
+        "already contain padding, so the collator's padding cannot be told apart from the windows' own. Build "
+        "them with prepare_validation_features(..., pad_to_max_length=True) (all windows padded) or False (none)."
+    )
+
+
+def shift_out_left_padding(logits: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
+    """Move row ``i`` of ``logits`` (batch, width, ...) left by ``shifts[i]`` columns; vacated columns get
+    ``PAD_LOGIT``."""
+    width = logits.shape[1]
+    positions = torch.arange(width, device=logits.device)
+    index = (positions[None, :] + shifts[:, None]).clamp(max=width - 1)
+    vacated = positions[None, :] >= (width - shifts)[:, None]
+    extra = (1,) * (logits.dim() - 2)
+    moved = logits.gather(1, index.view(*index.shape, *extra).expand_as(logits))
+    return moved.masked_fill(vacated.view(*vacated.shape, *extra), PAD_LOGIT)
 
 
 def squad_post_process_function(
@@ -157,6 +195,25 @@ class MRCTrainer(Trainer):
             if self.compute_metrics is None:
                 self.compute_metrics = squad_compute_metrics(version_2_with_negative)
         self.post_process_function = post_process_function
+        self._left_padding: str | int | None = None  # set per evaluate()/predict() call
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        mask = inputs.get("attention_mask")
+        if self._left_padding is None or logits is None or mask is None:
+            return loss, logits, labels
+        width = mask.shape[1]
+        lengths = mask.sum(dim=1) if self._left_padding == "mask" else torch.full_like(mask[:, 0], self._left_padding)
+        shifts = (width - lengths).to(torch.long)
+
+        def realign(value: Any) -> Any:
+            if isinstance(value, (tuple, list)):
+                return type(value)(realign(v) for v in value)
+            if torch.is_tensor(value) and value.dim() >= 2 and value.shape[1] == width:
+                return shift_out_left_padding(value, shifts)
+            return value
+
+        return loss, realign(logits), labels
 
     # ---- loaders: windows sorted by length, post-processing columns never reach the model ----------------------
     def _model_inputs(self, dataset: Any) -> Any:
@@ -181,15 +238,19 @@ class MRCTrainer(Trainer):
         return super().get_test_dataloader(self._model_inputs(test_dataset))
 
     # ---- evaluation ------------------------------------------------------------------------------------------------
-    def _run(self, dataloader: DataLoader, description: str, ignore_keys: list[str] | None, prefix: str):
-        output = self.evaluation_loop(
-            dataloader,
-            description,
-            prediction_loss_only=False,
-            ignore_keys=ignore_keys,
-            metric_key_prefix=prefix,
-            compute_metrics=None,
-        )
+    def _run(self, features: Any, dataloader: DataLoader, description: str, ignore_keys: Any, prefix: str):
+        self._left_padding = left_padding_alignment(features, self.processing_class)
+        try:
+            output = self.evaluation_loop(
+                dataloader,
+                description,
+                prediction_loss_only=False,
+                ignore_keys=ignore_keys,
+                metric_key_prefix=prefix,
+                compute_metrics=None,
+            )
+        finally:
+            self._left_padding = None
         sampler = getattr(dataloader, "sampler", None)
         sampler = getattr(getattr(dataloader, "batch_sampler", None), "sampler", sampler)
         if isinstance(sampler, LengthSortedSampler):
@@ -235,7 +296,8 @@ class MRCTrainer(Trainer):
         features = eval_dataset if eval_dataset is not None else self.eval_dataset
         examples = eval_examples if eval_examples is not None else self.eval_examples
         start = time.time()
-        output = self._run(self.get_eval_dataloader(features), "Evaluation", ignore_keys, metric_key_prefix)
+        loader = self.get_eval_dataloader(features)
+        output = self._run(features, loader, "Evaluation", ignore_keys, metric_key_prefix)
         _, metrics = self._scored(output, examples, features, "eval", metric_key_prefix, start)
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
@@ -249,7 +311,8 @@ class MRCTrainer(Trainer):
         metric_key_prefix: str = "test",
     ) -> PredictionOutput:
         start = time.time()
-        output = self._run(self.get_test_dataloader(predict_dataset), "Prediction", ignore_keys, metric_key_prefix)
+        loader = self.get_test_dataloader(predict_dataset)
+        output = self._run(predict_dataset, loader, "Prediction", ignore_keys, metric_key_prefix)
         predictions, metrics = self._scored(
             output, predict_examples, predict_dataset, "predict", metric_key_prefix, start
         )
@@ -263,7 +326,9 @@ __all__ = [
     "LengthSortedSampler",
     "MRCTrainer",
     "QuestionAnsweringTrainer",
+    "left_padding_alignment",
     "mask_padding_logits",
+    "shift_out_left_padding",
     "squad_compute_metrics",
     "squad_post_process_function",
 ]
