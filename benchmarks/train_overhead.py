@@ -5,12 +5,13 @@ same synthetic windows with the same optimizer (fused AdamW, the default ``optim
 weight-decay grouping), a linear schedule with warmup and gradient clipping.
 
 On a shared machine the speed of the same kernels drifts by 10-20% over seconds, which swamps a few percent of
-framework overhead when whole runs alternate. So the three runs go in *lockstep*: each lives in its own thread
-and a baton passes round-robin at the end of every optimizer step, so exactly one of them computes at any moment
-and step k of each runs within the same fraction of a second as step k of the others. A step's time is taken from
-the moment its runner gets the baton to the end of its optimizer step, so it includes everything a trainer does
-between two steps (data loading, collation, callbacks, logging, Lightning's loop). Start-up, the first
-``--warmup`` steps and the last step (whose neighbours may overlap a finished runner's teardown) are excluded.
+framework overhead when whole runs alternate. So the three runs go in *lockstep*: each lives in its own process
+(run as threads of one process, every runner was ~35% slower here) and a baton passes round-robin at the end of every
+optimizer step, so exactly one of them computes at any moment and step k of each runs within the same fraction of
+a second as step k of the others. A step's time is taken from the moment its runner gets the baton to the end of
+its optimizer step, so it includes everything a trainer does between two steps (data loading, collation,
+callbacks, logging, Lightning's loop). Start-up, the first ``--warmup`` steps and the last step (whose neighbours
+may overlap a finished runner's teardown) are excluded.
 ``--rounds`` repeats the whole experiment with fresh trainers; the figures are medians over rounds.
 
     python benchmarks/train_overhead.py                 # defaults: 3 rounds x 60 steps
@@ -20,6 +21,7 @@ between two steps (data loading, collation, callbacks, logging, Lightning's loop
 from __future__ import annotations
 
 import argparse
+import math
 import multiprocessing
 import os
 import statistics
@@ -184,7 +186,7 @@ def make_plain_run(opts, data, timer: StepTimer):
         loader = torch.utils.data.DataLoader(data, batch_size=opts.batch_size, collate_fn=default_data_collator)
         optimizer = torch.optim.AdamW(grouped_parameters(model, 0.01), lr=5e-4, fused=True)
         total = total_steps(opts)
-        warmup = int(0.1 * total + 0.999)
+        warmup = math.ceil(0.1 * total)  # warmup_steps=0.1 as a ratio, rounded up as HF does
         scheduler = get_scheduler("linear", optimizer, num_warmup_steps=warmup, num_training_steps=total)
         timer.begin()
         for batch in loader:
