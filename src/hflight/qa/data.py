@@ -166,6 +166,12 @@ def _type_name(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
 
+def _bad_key(record: dict, key: str, value: Any, where: str, must_be: str) -> SquadFormatError:
+    """The error for ``record[key]`` missing or of the wrong type, e.g. "...: missing key 'qas' (must be a list)"."""
+    what = "missing key" if key not in record else f"wrong type ({_type_name(value)}) for key"
+    return SquadFormatError(f"{where}: {what} '{key}' (must be {must_be})")
+
+
 def _locate(context: str, text: str, start: int) -> int:
     """The start of the occurrence of ``text`` in ``context`` nearest to ``start``; -1 if none."""
     first = context.find(text)
@@ -235,8 +241,7 @@ def load_squad_json(path: str | os.PathLike, return_report: bool = False):
         where_a = f"article {a_idx} ({title!r})" if title else where_a
         paragraphs = article.get("paragraphs")
         if not isinstance(paragraphs, list):
-            what = "missing key" if "paragraphs" not in article else f"wrong type ({_type_name(paragraphs)}) for key"
-            raise SquadFormatError(f"{name}: {where_a}: {what} 'paragraphs' (must be a list)")
+            raise _bad_key(article, "paragraphs", paragraphs, f"{name}: {where_a}", "a list")
         report.num_articles += 1
         for p_idx, para in enumerate(paragraphs):
             where_p = f"{where_a}, paragraph {p_idx}"
@@ -244,12 +249,10 @@ def load_squad_json(path: str | os.PathLike, return_report: bool = False):
                 raise SquadFormatError(f"{name}: {where_p}: must be an object, got {_type_name(para)}")
             context = para.get("context")
             if not isinstance(context, str):
-                what = "missing key" if "context" not in para else f"wrong type ({_type_name(context)}) for key"
-                raise SquadFormatError(f"{name}: {where_p}: {what} 'context' (must be a string)")
+                raise _bad_key(para, "context", context, f"{name}: {where_p}", "a string")
             qas = para.get("qas")
             if not isinstance(qas, list):
-                what = "missing key" if "qas" not in para else f"wrong type ({_type_name(qas)}) for key"
-                raise SquadFormatError(f"{name}: {where_p}: {what} 'qas' (must be a list)")
+                raise _bad_key(para, "qas", qas, f"{name}: {where_p}", "a list")
             report.num_paragraphs += 1
             for q_idx, qa in enumerate(qas):
                 where_q = f"{where_p}, question {q_idx}"
@@ -257,8 +260,7 @@ def load_squad_json(path: str | os.PathLike, return_report: bool = False):
                     raise SquadFormatError(f"{name}: {where_q}: must be an object, got {_type_name(qa)}")
                 qid = qa.get("id")
                 if not isinstance(qid, str):
-                    what = "missing key" if "id" not in qa else f"wrong type ({_type_name(qid)}) for key"
-                    raise SquadFormatError(f"{name}: {where_q}: {what} 'id' (must be a string)")
+                    raise _bad_key(qa, "id", qid, f"{name}: {where_q}", "a string")
                 where_q = f"{where_p}, question id {qid!r}"
                 if qid in seen:
                     raise SquadFormatError(
@@ -267,8 +269,7 @@ def load_squad_json(path: str | os.PathLike, return_report: bool = False):
                 seen[qid] = where_q
                 question = qa.get("question")
                 if not isinstance(question, str):
-                    what = "missing key" if "question" not in qa else f"wrong type ({_type_name(question)}) for key"
-                    raise SquadFormatError(f"{name}: {where_q}: {what} 'question' (must be a string)")
+                    raise _bad_key(qa, "question", question, f"{name}: {where_q}", "a string")
                 impossible = qa.get("is_impossible", False)
                 if impossible is None:
                     impossible = False
@@ -280,8 +281,7 @@ def load_squad_json(path: str | os.PathLike, return_report: bool = False):
                 if raw_answers is None and impossible:
                     raw_answers = []  # v2 files may omit the (empty) list for unanswerable questions
                 if not isinstance(raw_answers, list):
-                    what = "missing key" if "answers" not in qa else f"wrong type ({_type_name(raw_answers)}) for key"
-                    raise SquadFormatError(f"{name}: {where_q}: {what} 'answers' (must be a list)")
+                    raise _bad_key(qa, "answers", raw_answers, f"{name}: {where_q}", "a list")
                 texts: list[str] = []
                 starts: list[int] = []
                 for ans_idx, ans in enumerate(raw_answers):
@@ -290,14 +290,10 @@ def load_squad_json(path: str | os.PathLike, return_report: bool = False):
                         raise SquadFormatError(f"{name}: {where_ans}: must be an object, got {_type_name(ans)}")
                     text = ans.get("text")
                     if not isinstance(text, str):
-                        what = "missing key" if "text" not in ans else f"wrong type ({_type_name(text)}) for key"
-                        raise SquadFormatError(f"{name}: {where_ans}: {what} 'text' (must be a string)")
+                        raise _bad_key(ans, "text", text, f"{name}: {where_ans}", "a string")
                     start = ans.get("answer_start")
                     if isinstance(start, bool) or not isinstance(start, int):
-                        what = (
-                            "missing key" if "answer_start" not in ans else f"wrong type ({_type_name(start)}) for key"
-                        )
-                        raise SquadFormatError(f"{name}: {where_ans}: {what} 'answer_start' (must be an integer)")
+                        raise _bad_key(ans, "answer_start", start, f"{name}: {where_ans}", "an integer")
                     texts.append(text)
                     starts.append(start)
                 # ``plausible_answers`` (SQuAD 2.0) are deliberately ignored: they are not answers.
