@@ -118,7 +118,8 @@ def test_every_config_composes_and_every_target_binds(overrides, tmp_path):
 
 def test_mrc_experiment_targets_what_the_recipe_needs():
     cfg = compose(["+experiment=mrc"])
-    assert cfg.task._target_ == "hflight.qa.trainer.MRCTrainer"
+    assert cfg.task._target_ == "hflight.qa.recipe.MRCRecipe"
+    assert cfg.task.trainer._target_ == "hflight.qa.trainer.MRCTrainer" and cfg.task.trainer._partial_
     assert cfg.data.synthetic._target_ == "hflight.qa.synthetic.write_squad_files"
     assert cfg.model.tokenizer_trainer._target_ == "hflight.qa.tokenizer.train_wordpiece_tokenizer"
     assert cfg.model.model_name_or_path is None and cfg.data.train_file is None
@@ -257,10 +258,10 @@ def test_compose_gives_a_self_contained_config(tmp_path):
 
 
 def test_model_revision_accepts_both_names():
-    from hflight.cli import _hub_kwargs
     from hflight.config import ModelArguments
+    from hflight.qa.recipe import hub_kwargs
 
-    assert _hub_kwargs(ModelArguments(revision="v2"))["revision"] == "v2"
-    assert _hub_kwargs(ModelArguments(model_revision="v1"))["revision"] == "v1"
+    assert hub_kwargs(ModelArguments(revision="v2"))["revision"] == "v2"
+    assert hub_kwargs(ModelArguments(model_revision="v1"))["revision"] == "v1"
     cfg = compose(["model.revision=abc"])
     assert cfg.model.revision == "abc"
