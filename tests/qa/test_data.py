@@ -248,6 +248,45 @@ def test_malformed_json_names_the_file(tmp_path, raw):
         load_squad_json(path)
 
 
+# A lone surrogate (a \\ud800-\\udfff escape without its pair) is valid JSON but not Unicode text: Arrow cannot
+# store it, so it used to surface as a raw UnicodeEncodeError from datasets, naming neither file nor record.
+SURROGATES = [
+    (lambda s: s["data"][1].update(title="Se\ud800cond"), "article 1", "key 'title'"),
+    (lambda s: s["data"][0]["paragraphs"][1].update(context="Bob \udfff cook."), "article 0 ('Anna'), paragraph 1",
+     "key 'context'"),
+    (lambda s: _qa(s, 0, 0, 1).update(question="When\ud83d?"), "question id 'q2'", "key 'question'"),
+    (lambda s: _qa(s, 0, 1, 0).update(id="q\udc003"), "article 0 ('Anna'), paragraph 1, question 0", "key 'id'"),
+    (lambda s: _qa(s, 1, 0, 0)["answers"][0].update(text="Z\udbffed"), "question id 'q4', answer 0", "key 'text'"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("mutate, record, key", SURROGATES)
+def test_lone_surrogate_names_file_record_and_key(tmp_path, mutate, record, key):
+    squad = v1_squad()
+    mutate(squad)
+    path = write(tmp_path, json.dumps(squad), "surrogate.json")  # json.dumps escapes it as \\udXXX
+    with pytest.raises(SquadFormatError) as error:
+        load_squad_json(path)
+    message = str(error.value)
+    assert message.startswith(str(path) + ":") and record in message and key in message, message
+    assert "lone surrogate" in message
+
+
+def test_surrogate_pairs_are_fine(tmp_path):
+    squad = v1_squad()
+    _qa(squad, 1, 0, 0)["question"] = "Who \U0001f600?"  # json.dumps writes the pair \\ud83d\\ude00
+    assert load_squad_json(write(tmp_path, json.dumps(squad)))["question"][3] == "Who \U0001f600?"
+
+
+@pytest.mark.parametrize("where", ["top", "data"])
+def test_deep_nesting_names_the_file(tmp_path, where):
+    deep = "[" * 100_000 + "]" * 100_000
+    path = tmp_path / "deep.json"
+    path.write_text(deep if where == "top" else '{"data": ' + deep + "}", encoding="utf-8")
+    with pytest.raises(SquadFormatError, match=re.escape(str(path)) + ": .*nested too deeply"):
+        load_squad_json(path)
+
+
 def test_top_level_must_be_an_object(tmp_path):
     path = write(tmp_path, [1, 2])
     with pytest.raises(SquadFormatError, match="top level must be an object"):

@@ -202,16 +202,60 @@ def load_squad_json(path: str | os.PathLike, return_report: bool = False):
 
     Raises:
         FileNotFoundError: the file does not exist.
-        SquadFormatError: malformed JSON, a missing/wrong-typed field, or duplicate question ids.
+        SquadFormatError: malformed JSON (also: nested too deeply to parse), a missing/wrong-typed field, a
+            string that is not valid Unicode (a lone surrogate such as ``"\\ud800"``), or duplicate question ids.
     """
-    path = Path(path)
     name = str(path)
+    top = _read_json(Path(path), name)
+    articles = _articles(top, name)
+    version = top.get("version")
+    report = LoadReport(path=name, version=None if version is None else str(version))
+    rows: dict[str, list] = {"id": [], "title": [], "context": [], "question": [], "answers": []}
+    seen: dict[str, str] = {}
+    for a_idx, article in enumerate(articles):
+        title, paragraphs, where_a = _article_fields(article, name, f"article {a_idx}")
+        report.num_articles += 1
+        for p_idx, para in enumerate(paragraphs):
+            where_p = f"{where_a}, paragraph {p_idx}"
+            context, qas = _paragraph_fields(para, name, where_p)
+            report.num_paragraphs += 1
+            for q_idx, qa in enumerate(qas):
+                qid, question, texts, starts = _question_fields(qa, name, where_p, q_idx, seen)
+                if qa.get("is_impossible") and texts:
+                    # ``plausible_answers`` (SQuAD 2.0) are ignored anyway: they are not answers.
+                    report.num_impossible_with_answers += 1
+                    report.impossible_with_answers_ids.append(qid)
+                    texts, starts = [], []
+                relocated, unlocatable = _align_answers(context, texts, starts)
+                _count_question(report, qid, len(texts), relocated, unlocatable)
+                for column, value in zip(
+                    rows, (qid, title, context, question, {"text": texts, "answer_start": starts})
+                ):
+                    rows[column].append(value)
+
+    dataset = datasets.Dataset.from_dict(rows, features=squad_features())
+    logger.log(logging.INFO if report.clean else logging.WARNING, "%s", report.summary())
+    if return_report:
+        return dataset, report
+    return dataset
+
+
+def _read_json(path: Path, name: str) -> Any:
+    """The parsed file; malformed or too deeply nested JSON raises :class:`SquadFormatError` naming the file."""
     with open(path, "rb") as f:
         raw = f.read()
     try:
-        top = json.loads(raw)
+        return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise SquadFormatError(f"{name}: not valid JSON ({e})") from e
+    except RecursionError:
+        raise SquadFormatError(
+            f"{name}: not valid SQuAD JSON: nested too deeply to parse (a SQuAD file is 6 levels deep: "
+            "data, article, paragraphs, paragraph, qas, answers)"
+        ) from None
+
+
+def _articles(top: Any, name: str) -> list:
     if not isinstance(top, dict):
         raise SquadFormatError(f"{name}: the top level must be an object with a 'data' list, got {_type_name(top)}")
     if "data" not in top:
@@ -219,132 +263,127 @@ def load_squad_json(path: str | os.PathLike, return_report: bool = False):
     articles = top["data"]
     if not isinstance(articles, list):
         raise SquadFormatError(f"{name}: key 'data' must be a list of articles, got {_type_name(articles)}")
+    return articles
 
-    version = top.get("version")
-    report = LoadReport(path=name, version=None if version is None else str(version))
-    ids: list[str] = []
-    titles: list[str] = []
-    contexts: list[str] = []
-    questions: list[str] = []
-    answers_col: list[dict[str, list]] = []
-    seen: dict[str, str] = {}
 
-    for a_idx, article in enumerate(articles):
-        where_a = f"article {a_idx}"
-        if not isinstance(article, dict):
-            raise SquadFormatError(f"{name}: {where_a}: must be an object, got {_type_name(article)}")
-        title = article.get("title", "")
-        if title is None:
-            title = ""
-        if not isinstance(title, str):
-            raise SquadFormatError(f"{name}: {where_a}: key 'title' must be a string, got {_type_name(title)}")
-        where_a = f"article {a_idx} ({title!r})" if title else where_a
-        paragraphs = article.get("paragraphs")
-        if not isinstance(paragraphs, list):
-            raise _bad_key(article, "paragraphs", paragraphs, f"{name}: {where_a}", "a list")
-        report.num_articles += 1
-        for p_idx, para in enumerate(paragraphs):
-            where_p = f"{where_a}, paragraph {p_idx}"
-            if not isinstance(para, dict):
-                raise SquadFormatError(f"{name}: {where_p}: must be an object, got {_type_name(para)}")
-            context = para.get("context")
-            if not isinstance(context, str):
-                raise _bad_key(para, "context", context, f"{name}: {where_p}", "a string")
-            qas = para.get("qas")
-            if not isinstance(qas, list):
-                raise _bad_key(para, "qas", qas, f"{name}: {where_p}", "a list")
-            report.num_paragraphs += 1
-            for q_idx, qa in enumerate(qas):
-                where_q = f"{where_p}, question {q_idx}"
-                if not isinstance(qa, dict):
-                    raise SquadFormatError(f"{name}: {where_q}: must be an object, got {_type_name(qa)}")
-                qid = qa.get("id")
-                if not isinstance(qid, str):
-                    raise _bad_key(qa, "id", qid, f"{name}: {where_q}", "a string")
-                where_q = f"{where_p}, question id {qid!r}"
-                if qid in seen:
-                    raise SquadFormatError(
-                        f"{name}: duplicate question id {qid!r}: at {where_q} and earlier at {seen[qid]}"
-                    )
-                seen[qid] = where_q
-                question = qa.get("question")
-                if not isinstance(question, str):
-                    raise _bad_key(qa, "question", question, f"{name}: {where_q}", "a string")
-                impossible = qa.get("is_impossible", False)
-                if impossible is None:
-                    impossible = False
-                if not isinstance(impossible, bool):
-                    raise SquadFormatError(
-                        f"{name}: {where_q}: key 'is_impossible' must be true/false, got {_type_name(impossible)}"
-                    )
-                raw_answers = qa.get("answers")
-                if raw_answers is None and impossible:
-                    raw_answers = []  # v2 files may omit the (empty) list for unanswerable questions
-                if not isinstance(raw_answers, list):
-                    raise _bad_key(qa, "answers", raw_answers, f"{name}: {where_q}", "a list")
-                texts: list[str] = []
-                starts: list[int] = []
-                for ans_idx, ans in enumerate(raw_answers):
-                    where_ans = f"{where_q}, answer {ans_idx}"
-                    if not isinstance(ans, dict):
-                        raise SquadFormatError(f"{name}: {where_ans}: must be an object, got {_type_name(ans)}")
-                    text = ans.get("text")
-                    if not isinstance(text, str):
-                        raise _bad_key(ans, "text", text, f"{name}: {where_ans}", "a string")
-                    start = ans.get("answer_start")
-                    if isinstance(start, bool) or not isinstance(start, int):
-                        raise _bad_key(ans, "answer_start", start, f"{name}: {where_ans}", "an integer")
-                    texts.append(text)
-                    starts.append(start)
-                # ``plausible_answers`` (SQuAD 2.0) are deliberately ignored: they are not answers.
-                if impossible and texts:
-                    report.num_impossible_with_answers += 1
-                    report.impossible_with_answers_ids.append(qid)
-                    texts, starts = [], []
+def _text(value: str, where: str, key: str) -> str:
+    """``value`` if it can be stored as UTF-8; a lone surrogate (JSON ``"\\ud800"``) raises SquadFormatError."""
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise SquadFormatError(
+                f"{where}: key '{key}' is not valid Unicode text: a lone surrogate {value[e.start]!r} at character "
+                f"{e.start} (an unpaired \\ud800-\\udfff escape in the JSON)"
+            ) from None
+    return value
 
-                relocated = unlocatable = 0
-                for i, (text, start) in enumerate(zip(texts, starts)):
-                    if not text.strip():
-                        new = -1
-                    elif 0 <= start and context.startswith(text, start):
-                        continue
-                    else:
-                        new = _locate(context, text, start)
-                    if new >= 0:
-                        relocated += 1
-                    else:
-                        unlocatable += 1
-                    starts[i] = new
-                if relocated or unlocatable:
-                    report.num_questions_misaligned += 1
-                if relocated:
-                    report.num_answers_relocated += relocated
-                    report.relocated_ids.append(qid)
-                if unlocatable:
-                    report.num_answers_unlocatable += unlocatable
-                    report.num_questions_with_unlocatable_answers += 1
-                    report.unlocatable_ids.append(qid)
-                    if unlocatable == len(texts):
-                        report.num_questions_excluded_from_training += 1
-                        report.excluded_from_training_ids.append(qid)
 
-                report.num_questions += 1
-                report.num_answers += len(texts)
-                if texts:
-                    report.num_answerable += 1
-                else:
-                    report.num_unanswerable += 1
-                ids.append(qid)
-                titles.append(title)
-                contexts.append(context)
-                questions.append(question)
-                answers_col.append({"text": texts, "answer_start": starts})
+def _record(value: Any, where: str) -> dict:
+    if not isinstance(value, dict):
+        raise SquadFormatError(f"{where}: must be an object, got {_type_name(value)}")
+    return value
 
-    dataset = datasets.Dataset.from_dict(
-        {"id": ids, "title": titles, "context": contexts, "question": questions, "answers": answers_col},
-        features=squad_features(),
-    )
-    logger.log(logging.INFO if report.clean else logging.WARNING, "%s", report.summary())
-    if return_report:
-        return dataset, report
-    return dataset
+
+def _string(record: dict, key: str, where: str) -> str:
+    """``record[key]``, which must be a string of valid Unicode text."""
+    value = record.get(key)
+    if not isinstance(value, str):
+        raise _bad_key(record, key, value, where, "a string")
+    return _text(value, where, key)
+
+
+def _list(record: dict, key: str, where: str) -> list:
+    value = record.get(key)
+    if not isinstance(value, list):
+        raise _bad_key(record, key, value, where, "a list")
+    return value
+
+
+def _article_fields(article: Any, name: str, where: str) -> tuple[str, list, str]:
+    """(title, paragraphs, where) of one article; the returned ``where`` names it by index and title."""
+    article = _record(article, f"{name}: {where}")
+    title = article.get("title", "")
+    if title is None:
+        title = ""
+    if not isinstance(title, str):
+        raise SquadFormatError(f"{name}: {where}: key 'title' must be a string, got {_type_name(title)}")
+    title = _text(title, f"{name}: {where}", "title")
+    where = f"{where} ({title!r})" if title else where
+    return title, _list(article, "paragraphs", f"{name}: {where}"), where
+
+
+def _paragraph_fields(para: Any, name: str, where: str) -> tuple[str, list]:
+    """(context, qas) of one paragraph."""
+    para = _record(para, f"{name}: {where}")
+    return _string(para, "context", f"{name}: {where}"), _list(para, "qas", f"{name}: {where}")
+
+
+def _question_fields(
+    qa: Any, name: str, where_p: str, q_idx: int, seen: dict[str, str]
+) -> tuple[str, str, list[str], list[int]]:
+    """(id, question, answer texts, answer starts) of one question; ``seen`` maps ids to where they occurred."""
+    qa = _record(qa, f"{name}: {where_p}, question {q_idx}")
+    qid = _string(qa, "id", f"{name}: {where_p}, question {q_idx}")
+    place = f"{where_p}, question id {qid!r}"
+    if qid in seen:
+        raise SquadFormatError(f"{name}: duplicate question id {qid!r}: at {place} and earlier at {seen[qid]}")
+    seen[qid] = place
+    where = f"{name}: {place}"
+    question = _string(qa, "question", where)
+    impossible = qa.get("is_impossible", False)
+    if impossible is not None and not isinstance(impossible, bool):
+        raise SquadFormatError(f"{where}: key 'is_impossible' must be true/false, got {_type_name(impossible)}")
+    if qa.get("answers") is None and impossible:
+        return qid, question, [], []  # v2 files may omit the (empty) list for unanswerable questions
+    texts: list[str] = []
+    starts: list[int] = []
+    for ans_idx, ans in enumerate(_list(qa, "answers", where)):
+        where_ans = f"{where}, answer {ans_idx}"
+        ans = _record(ans, where_ans)
+        texts.append(_string(ans, "text", where_ans))
+        start = ans.get("answer_start")
+        if isinstance(start, bool) or not isinstance(start, int):
+            raise _bad_key(ans, "answer_start", start, where_ans, "an integer")
+        starts.append(start)
+    return qid, question, texts, starts
+
+
+def _align_answers(context: str, texts: list[str], starts: list[int]) -> tuple[int, int]:
+    """Re-locate misaligned answers in place (``starts`` updated; -1 when not found); (relocated, unlocatable)."""
+    relocated = unlocatable = 0
+    for i, (text, start) in enumerate(zip(texts, starts)):
+        if not text.strip():
+            new = -1
+        elif 0 <= start and context.startswith(text, start):
+            continue
+        else:
+            new = _locate(context, text, start)
+        if new >= 0:
+            relocated += 1
+        else:
+            unlocatable += 1
+        starts[i] = new
+    return relocated, unlocatable
+
+
+def _count_question(report: LoadReport, qid: str, n_answers: int, relocated: int, unlocatable: int) -> None:
+    """Add one question to the report."""
+    if relocated or unlocatable:
+        report.num_questions_misaligned += 1
+    if relocated:
+        report.num_answers_relocated += relocated
+        report.relocated_ids.append(qid)
+    if unlocatable:
+        report.num_answers_unlocatable += unlocatable
+        report.num_questions_with_unlocatable_answers += 1
+        report.unlocatable_ids.append(qid)
+        if unlocatable == n_answers:
+            report.num_questions_excluded_from_training += 1
+            report.excluded_from_training_ids.append(qid)
+    report.num_questions += 1
+    report.num_answers += n_answers
+    if n_answers:
+        report.num_answerable += 1
+    else:
+        report.num_unanswerable += 1
