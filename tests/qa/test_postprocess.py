@@ -99,6 +99,9 @@ def assert_same_as_reference(examples, features, logits, v2=False, n_best=20, ma
     rows_fe = rows[1] if rows else features
     answers, nbest, odds = reference_postprocess(rows_ex, rows_fe, logits, v2, n_best, max_len, threshold)
     assert list(got.predictions.items()) == list(answers.items())
+    # the answers-only path (no n-best lists built) gives the same answers
+    lean = postprocess_qa_predictions(examples, features, logits, v2, n_best, max_len, threshold)
+    assert list(lean.items()) == list(answers.items())
     assert json.dumps(got.nbest) == json.dumps(nbest)
     if v2:
         assert json.dumps(got.null_odds) == json.dumps(odds)
@@ -483,11 +486,44 @@ def test_input_validation_errors():
         bad["offset_mapping"][5] = [1, 2, 3]
         postprocess_qa_predictions(ex, [bad], (st, en))
     two = ex + [{"id": "r", "context": "x"}]
-    with pytest.raises(ValueError, match="example 'r' has no feature"):
-        postprocess_qa_predictions(two, fe, (st, en), version_2_with_negative=True)
-    assert postprocess_qa_predictions(two, fe, (st, en))["r"] == "empty"  # v1: utils_qa's fallback
+    for v2 in (False, True):  # utils_qa would silently answer "empty" (v1) or fail deep inside (v2)
+        with pytest.raises(ValueError, match=r"1 of 2 examples have no feature \(window\): 'r'"):
+            postprocess_qa_predictions(two, fe, (st, en), version_2_with_negative=v2)
     with pytest.raises(TypeError):
         postprocess_qa_predictions(42, fe, (st, en))
+
+
+@pytest.mark.parametrize("bad", [-np.inf, np.inf, np.nan])
+def test_non_finite_logits_are_rejected_naming_the_features(bad):
+    """utils_qa ranks -inf like a number and turns +inf/NaN into NaN probabilities; hflight rejects them all."""
+    ex = [{"id": "q", "context": CONTEXT}, {"id": "r", "context": CONTEXT}]
+    fe = [window("q", WORD_OFFSETS, width=16), window("r", WORD_OFFSETS, width=16)]
+    st, en = logits_for(fe, 16, [])
+    en[1, 5] = bad
+    kind = "NaN" if np.isnan(bad) else "infinite"
+    with pytest.raises(ValueError, match=rf"end_logits contain {kind} values \(features \[1\]\)"):
+        postprocess_qa_predictions(ex, fe, (st, en))
+
+
+def test_empty_inputs_say_what_is_empty():
+    datasets = pytest.importorskip("datasets")
+    none = np.zeros((0, 16), np.float32)
+    ex = [{"id": "q", "context": CONTEXT}]
+    fe = [window("q", WORD_OFFSETS, width=16)]
+    st, en = logits_for(fe, 16, [])
+    empty_ex = datasets.Dataset.from_dict({"id": [], "context": []})
+    empty_fe = datasets.Dataset.from_dict({"example_id": [], "offset_mapping": []})
+    for examples, features in [
+        ([], []),
+        (empty_ex, empty_fe),
+        ({"id": [], "context": []}, {"example_id": [], "offset_mapping": []}),
+    ]:
+        with pytest.raises(ValueError, match="nothing to post-process: examples and features are empty"):
+            postprocess_qa_predictions(examples, features, (none, none))
+    with pytest.raises(ValueError, match=r"features are empty \(no windows\) for 1 examples"):
+        postprocess_qa_predictions(ex, [], (none, none))
+    with pytest.raises(ValueError, match="examples are empty, but there are 1 features"):
+        postprocess_qa_predictions([], fe, (st, en))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -25,7 +25,14 @@ SQuAD 2.0 null handling, but without a Python loop over candidate spans:
   the loop, so ``nbest_predictions.json`` is identical too.
 
 Computation and file writing are separate: :func:`compute_qa_predictions` is pure and returns a
-:class:`QAPostprocessResult`; :func:`write_qa_predictions` writes HF's files from it.
+:class:`QAPostprocessResult`; :func:`write_qa_predictions` writes HF's files from it. The computation is a
+pipeline of named stages: offsets (:func:`hflight.qa.postprocess_inputs.read_inputs`) -> candidates
+(:func:`_window_candidates`) -> ranking (:func:`_rank_per_question`) -> n-best lists (:func:`_nbest_entries`)
+-> texts and answers (:func:`_answers`) -> probabilities (:func:`_grouped_softmax`, :func:`_no_answer_probability`).
+
+Inputs are checked (:mod:`hflight.qa.postprocess_inputs`): NaN or infinite logits, empty inputs, unknown or
+duplicate ids, and a question without any window (which utils_qa would silently score as wrong) raise
+``ValueError`` naming the problem.
 
 SQuAD 2.0 no-answer probability
 -------------------------------
@@ -52,12 +59,12 @@ import json
 import logging
 import numbers
 import os
-import sys
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
+
+from hflight.qa.postprocess_inputs import OffsetChunk, QAInputs, read_inputs, read_logits
 
 logger = logging.getLogger(__name__)
 
@@ -94,9 +101,9 @@ class QAPostprocessResult:
     """
 
     predictions: collections.OrderedDict[str, str]
-    nbest: collections.OrderedDict[str, list[dict[str, Any]]] | None
-    null_odds: collections.OrderedDict[str, float] | None
-    no_answer_probability: collections.OrderedDict[str, float] | None
+    nbest: collections.OrderedDict[str, list[dict[str, Any]]] | None = None
+    null_odds: collections.OrderedDict[str, float] | None = None
+    no_answer_probability: collections.OrderedDict[str, float] | None = None
     version_2_with_negative: bool = False
 
     def to_squad_predictions(self) -> list[dict[str, Any]]:
@@ -114,229 +121,64 @@ class QAPostprocessResult:
 
 
 # --------------------------------------------------------------------------------------------------------
-# Input handling
-# --------------------------------------------------------------------------------------------------------
-
-
-def _is_hf_dataset(obj: Any) -> bool:
-    mod = sys.modules.get("datasets")
-    return mod is not None and isinstance(obj, mod.Dataset)
-
-
-def _column(obj: Any, name: str, what: str) -> Any:
-    """Column ``name`` of a ``datasets.Dataset`` (as a pyarrow ChunkedArray), a dict of columns or a list of rows."""
-    if _is_hf_dataset(obj):
-        if name not in obj.column_names:
-            raise ValueError(f"{what} have no {name!r} column (columns: {obj.column_names})")
-        return obj.with_format("arrow")[name]
-    if isinstance(obj, Mapping) or (
-        hasattr(obj, "keys") and hasattr(obj, "__getitem__") and not isinstance(obj, Sequence)
-    ):
-        if name not in obj:
-            raise ValueError(f"{what} have no {name!r} column (keys: {list(obj.keys())})")
-        return obj[name]
-    if isinstance(obj, Sequence) and not isinstance(obj, (str, bytes)):
-        out = []
-        for i, row in enumerate(obj):
-            if not isinstance(row, Mapping):
-                raise TypeError(
-                    f"{what} must be a datasets.Dataset, a dict of columns or a list of dicts; "
-                    f"row {i} is a {type(row).__name__}"
-                )
-            if name not in row:
-                raise ValueError(f"{what}: row {i} has no {name!r} key (keys: {list(row.keys())})")
-            out.append(row[name])
-        return out
-    raise TypeError(
-        f"{what} must be a datasets.Dataset, a dict of columns or a list of dicts, not {type(obj).__name__}"
-    )
-
-
-def _optional_column(obj: Any, name: str) -> list | None:
-    """Column ``name`` as a list when the container has it (rows without it give None), else None."""
-    if _is_hf_dataset(obj):
-        return obj.with_format("arrow")[name].to_pylist() if name in obj.column_names else None
-    if isinstance(obj, Mapping) or (hasattr(obj, "keys") and not isinstance(obj, Sequence)):
-        return _to_pylist(obj[name]) if name in obj else None
-    if isinstance(obj, Sequence):
-        rows = [row.get(name) if isinstance(row, Mapping) else None for row in obj]
-        return rows if any(r is not None for r in rows) else None
-    return None
-
-
-def _to_pylist(col: Any) -> list:
-    if hasattr(col, "to_pylist"):  # pyarrow
-        return col.to_pylist()
-    if isinstance(col, np.ndarray):
-        return col.tolist()
-    return list(col)
-
-
-def _as_logits(x: Any, name: str) -> np.ndarray:
-    if hasattr(x, "detach") and hasattr(x, "cpu"):  # a torch tensor
-        x = x.detach().cpu()
-        if str(x.dtype) == "torch.bfloat16":
-            x = x.float()
-        x = x.numpy()
-    arr = np.asarray(x)
-    if arr.dtype == object:
-        raise ValueError(f"{name} must be a numeric array, got an object array (ragged rows?)")
-    if arr.ndim != 2:
-        raise ValueError(f"{name} must have shape [n_features, seq_len], got shape {arr.shape}")
-    if arr.dtype.kind != "f":
-        # utils_qa would keep integer logits as integers (and then fail to write them to JSON).
-        arr = arr.astype(np.float64)
-    if np.isnan(arr).any():
-        rows = np.flatnonzero(np.isnan(arr).any(axis=1))
-        raise ValueError(f"{name} contain NaN (features {rows[:5].tolist()}{' ...' if rows.size > 5 else ''})")
-    return arr
-
-
-@dataclass
-class _Offsets:
-    """The windows' ``offset_mapping`` in flat form: token ``t`` of feature ``f`` is ``row_start[f] + t``.
-
-    ``tok_valid`` is false for ``None`` offsets; a valid token's (start, end) characters are
-    ``values[pair_pos[tok]]`` and ``values[pair_pos[tok] + 1]``.
-    """
-
-    row_start: np.ndarray
-    row_len: np.ndarray
-    tok_valid: np.ndarray
-    pair_pos: np.ndarray
-    values: np.ndarray
-
-    def lookup(self, feat: np.ndarray, tok: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(valid, flat token index) for token positions ``tok`` of features ``feat`` (broadcast)."""
-        inside = tok < self.row_len[feat]
-        flat = np.where(inside, self.row_start[feat] + tok, 0)
-        if self.tok_valid.size == 0:
-            return np.zeros(flat.shape, bool), flat
-        return inside & self.tok_valid[flat], flat
-
-    def chars(self, flat: np.ndarray, which: int) -> np.ndarray:
-        """Start (``which=0``) or end (``which=1``) character of valid flat tokens."""
-        return self.values[self.pair_pos[flat] + which]
-
-
-_OFFSETS_TYPE = None
-
-
-def _read_offsets(col: Any, n_features: int) -> _Offsets:
-    """Read an ``offset_mapping`` column (arrow, nested lists with ``None``, or a dense [F, L, 2] array)."""
-    import pyarrow as pa
-
-    global _OFFSETS_TYPE
-    if _OFFSETS_TYPE is None:
-        _OFFSETS_TYPE = pa.list_(pa.list_(pa.int64()))
-    if isinstance(col, np.ndarray) and col.dtype != object:  # dense: every token valid
-        if col.ndim != 3 or col.shape[0] != n_features or col.shape[2] != 2:
-            raise ValueError(
-                f"features['offset_mapping'] as an array must have shape [{n_features}, seq_len, 2], got {col.shape}"
-            )
-        n_tok = col.shape[0] * col.shape[1]
-        return _Offsets(
-            row_start=np.arange(n_features, dtype=np.int64) * col.shape[1],
-            row_len=np.full(n_features, col.shape[1], np.int64),
-            tok_valid=np.ones(n_tok, bool),
-            pair_pos=np.arange(n_tok, dtype=np.int64) * 2,
-            values=np.ascontiguousarray(col, dtype=np.int64).reshape(-1),
-        )
-    if not isinstance(col, (pa.Array, pa.ChunkedArray)):
-        rows = _to_pylist(col)
-        for f, row in enumerate(rows):
-            if row is None:
-                raise ValueError(f"feature {f} has no offset_mapping (None)")
-        try:
-            col = pa.array([r.tolist() if isinstance(r, np.ndarray) else r for r in rows])
-        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError) as exc:
-            raise ValueError(
-                f"features['offset_mapping'] must hold, per feature, a list of (start, end) pairs or None: {exc}"
-            ) from exc
-    if isinstance(col, pa.ChunkedArray):
-        col = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
-    if len(col) != n_features:
-        raise ValueError(f"features['offset_mapping'] has {len(col)} rows for {n_features} features")
-    if col.type != _OFFSETS_TYPE:
-        if pa.types.is_null(col.type) or (len(col) and col.null_count == len(col)):
-            raise ValueError("feature 0 has no offset_mapping (None)")
-        try:
-            col = col.cast(_OFFSETS_TYPE)
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:
-            raise ValueError(
-                "features['offset_mapping'] must hold, per feature, a list of (start, end) integer pairs or None; "
-                f"got arrow type {col.type}"
-            ) from exc
-    if col.null_count:
-        f = int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
-        raise ValueError(f"feature {f} has no offset_mapping (None)")
-    outer = col.offsets.to_numpy().astype(np.int64)
-    inner = col.values
-    inner_off = inner.offsets.to_numpy().astype(np.int64)
-    tok_valid = inner.is_valid().to_numpy(zero_copy_only=False)
-    values = inner.values
-    if values.null_count:
-        raise ValueError("features['offset_mapping'] has a (start, end) pair with a None inside")
-    values = values.to_numpy(zero_copy_only=False)
-    used = slice(outer[0], outer[-1]) if len(outer) > 1 else slice(0, 0)
-    bad = tok_valid[used] & (np.diff(inner_off)[used] != 2)
-    if bad.any():
-        t = int(np.flatnonzero(bad)[0]) + used.start
-        f = int(np.searchsorted(outer, t, side="right") - 1)
-        raise ValueError(f"feature {f}: offset_mapping entry {t - outer[f]} is not a (start, end) pair")
-    return _Offsets(
-        row_start=outer[:-1], row_len=np.diff(outer), tok_valid=tok_valid, pair_pos=inner_off[:-1], values=values
-    )
-
-
-def _max_context_mask(rows: list | None, n_features: int, width: int) -> np.ndarray | None:
-    """Optional ``token_is_max_context`` ({str(token index): bool} per feature) as a [F, width] mask."""
-    if rows is None or all(r is None for r in rows):
-        return None
-    if len(rows) != n_features:
-        raise ValueError(f"features['token_is_max_context'] has {len(rows)} rows for {n_features} features")
-    mask = np.ones((n_features, width), bool)
-    for f, row in enumerate(rows):
-        if row is None:  # utils_qa applies no filter to this feature
-            continue
-        mask[f] = False
-        for key, flag in row.items():
-            try:
-                i = int(key)
-            except (TypeError, ValueError):
-                continue
-            if flag and str(i) == str(key) and 0 <= i < width:
-                mask[f, i] = True
-    return mask
-
-
-# --------------------------------------------------------------------------------------------------------
-# Vectorised selection
+# Numeric helpers
 # --------------------------------------------------------------------------------------------------------
 
 
 def _top_k_desc(x: np.ndarray, k: int) -> np.ndarray:
     """Per row, ``np.argsort(row)[-1:-k-1:-1]``: the indices of the k largest values, largest first.
 
-    Rows whose k+1 largest values are all distinct have one possible answer, found with a partition; the
-    other rows (ties) go through ``np.argsort`` itself, so the tie order is numpy's, exactly as in utils_qa.
+    Rows whose k+1 largest values are all distinct have one possible answer (found from a few candidates per row,
+    :func:`_top_candidates`); the other rows (ties) go through ``np.argsort`` itself, so the tie order is numpy's,
+    exactly as in utils_qa.
     """
     n_rows, width = x.shape
     if k >= width or n_rows == 0:
         return np.argsort(x, axis=-1)[:, ::-1][:, :k]
-    top = np.sort(np.partition(x, width - k - 1, axis=-1)[:, width - k - 1 :], axis=-1)  # k+1 largest, ascending
-    distinct = (np.diff(top, axis=-1) > 0).all(axis=-1)
-    out = np.empty((n_rows, k), np.intp)
-    ok = np.flatnonzero(distinct)
-    if ok.size:
-        xs = x if ok.size == n_rows else x[ok]
-        cols = np.nonzero(xs >= top[ok, 1][:, None])[1].reshape(ok.size, k)  # exactly k per row
-        order = np.argsort(-np.take_along_axis(xs, cols, 1), axis=-1)
-        out[ok] = np.take_along_axis(cols, order, 1)
-    bad = np.flatnonzero(~distinct)
-    if bad.size:
-        out[bad] = np.argsort(x[bad], axis=-1)[:, ::-1][:, :k]
+    row, col = _top_candidates(x, k + 1)
+    packed = _descending_int_key(x[row, col])
+    if packed is None or width > 2**16 or n_rows.bit_length() + packed[1] + 16 > 63:  # float64: no compact key
+        top = np.sort(np.partition(x, width - k - 1, axis=-1)[:, width - k - 1 :], axis=-1)
+        distinct = (top[:, 1:] > top[:, :-1]).all(axis=-1)
+        out = np.empty((n_rows, k), np.intp)
+        ok = np.flatnonzero(distinct)
+        xs = x[ok]
+        cols = (np.flatnonzero(xs >= top[ok, 1:2]) % width).reshape(ok.size, k)  # exactly k per distinct row
+        out[ok] = np.take_along_axis(cols, np.argsort(-np.take_along_axis(xs, cols, 1), axis=-1), 1)
+    else:
+        # One sort of (row, value descending, column) keys; each row's k+1 best are then contiguous.
+        key, bits = packed
+        key = np.sort((row << (bits + 16)) | (key << 16) | col)
+        counts = np.bincount(row, minlength=n_rows)
+        best = key[(np.cumsum(counts) - counts)[:, None] + np.arange(k + 1)]
+        value = best >> 16
+        distinct = (value[:, 1:] != value[:, :-1]).all(axis=-1)
+        out = (best[:, :k] & 0xFFFF).astype(np.intp)
+    ties = np.flatnonzero(~distinct)
+    if ties.size:
+        out[ties] = np.argsort(x[ties], axis=-1)[:, ::-1][:, :k]
     return out
+
+
+def _top_candidates(x: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """(row, column) of a few entries per row that include the row's ``m`` largest, row-major.
+
+    The ``m``-th largest of disjoint block maxima (the row cut into 4 interleaved blocks of columns) is a lower bound
+    on the row's ``m``-th largest value: ``m`` blocks hold an entry at least that large. Keeping the entries at or
+    above it keeps about ``m + 3`` per row for random logits, found with a partition over a quarter of the row.
+    """
+    n_rows, width = x.shape
+    q = width // 4
+    if q < m:
+        bound = np.partition(x, width - m, axis=-1)[:, width - m]
+    else:
+        blocks = np.maximum(x[:, :q], x[:, q : 2 * q])
+        np.maximum(blocks, x[:, 2 * q : 3 * q], out=blocks)
+        np.maximum(blocks, x[:, 3 * q : 4 * q], out=blocks)
+        if width > 4 * q:  # the last few columns join the last block
+            blocks[:, -1] = np.maximum(blocks[:, -1], x[:, 4 * q :].max(axis=1))
+        bound = np.partition(blocks, q - m, axis=-1)[:, q - m]
+    return np.divmod(np.flatnonzero(x >= bound[:, None]), width)
 
 
 def _descending_int_key(scores: np.ndarray) -> tuple[np.ndarray, int] | None:
@@ -405,8 +247,286 @@ def _grouped_softmax(scores: np.ndarray, wide: np.ndarray, starts: np.ndarray, l
 
 
 # --------------------------------------------------------------------------------------------------------
-# The computation
+# Candidates: each window's best allowed spans
 # --------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Spans:
+    """Candidate spans, one entry each: question, window, score (``start + end`` logit) and character offsets."""
+
+    ex: np.ndarray
+    feature: np.ndarray
+    score: np.ndarray
+    start_logit: np.ndarray
+    end_logit: np.ndarray
+    a: np.ndarray
+    b: np.ndarray
+
+    def take(self, index: np.ndarray) -> _Spans:
+        return _Spans(*(getattr(self, f.name)[index] for f in fields(self)))
+
+    @staticmethod
+    def concat(parts: list[_Spans], dtype: np.dtype) -> _Spans:
+        if not parts:
+            ints, floats = np.zeros(0, np.int64), np.zeros(0, dtype)
+            return _Spans(ints, ints, floats, floats, floats, ints, ints)
+        return _Spans(*(np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(_Spans)))
+
+
+def _allowed_cells(s_idx, e_idx, ok_s, ok_e, max_answer_length, width):
+    """(window, start rank, end rank) of the cells of each window's top-k start x top-k end grid that utils_qa
+    keeps, in its insertion order: both positions have offsets and ``0 <= end - start < max_answer_length``."""
+    limit = max(0, min(max_answer_length, width + 1))
+    # A start without offsets moves far after every end (end - start hugely negative), an end without offsets far
+    # before every start: then one unsigned comparison of end - start tests everything.
+    small = width < 8192
+    itype, utype, far = (np.int16, np.uint16, 10_000) if small else (np.int32, np.uint32, 2**29)
+    s = np.where(ok_s, s_idx, -far).astype(itype)
+    e = np.where(ok_e, e_idx, -2 * far).astype(itype)
+    allowed = (e[:, None, :] - s[:, :, None]).view(utype) < limit
+    k = s_idx.shape[1]
+    window, cell = np.divmod(np.flatnonzero(allowed), k * k)
+    start_rank, end_rank = np.divmod(cell, k)
+    return window, start_rank, end_rank
+
+
+def _batch_candidates(start, end, chunk: OffsetChunk, lo, hi, k, n, max_answer_length, max_context) -> _Spans:
+    """The ``n`` best allowed spans of each window ``lo:hi`` (all in one offsets chunk), best first."""
+    st, en = start[lo:hi], end[lo:hi]
+    local = np.arange(lo - chunk.lo, hi - chunk.lo)[:, None]
+    s_idx, e_idx = _top_k_desc(st, k), _top_k_desc(en, k)
+    ok_s, flat_s = chunk.lookup(local, s_idx)
+    ok_e, flat_e = chunk.lookup(local, e_idx)
+    if max_context is not None:
+        ok_s &= np.take_along_axis(max_context[lo:hi], s_idx, 1)
+    b, si, ei = _allowed_cells(s_idx, e_idx, ok_s, ok_e, max_answer_length, st.shape[1])
+    cell_s, cell_e = b * k + si, b * k + ei  # into the [windows, k] arrays, flattened
+    s_val = np.take_along_axis(st, s_idx, 1).reshape(-1)[cell_s]
+    e_val = np.take_along_axis(en, e_idx, 1).reshape(-1)[cell_e]
+    score = s_val + e_val  # in the logits' dtype, as the loop adds numpy scalars
+    order = _order_by_row_score_cell(b, score, si * k + ei, k * k)
+    ranked = b[order]
+    kept = order[np.arange(order.size) - np.searchsorted(ranked, ranked) < n]  # each window's n best, in order
+    return _Spans(
+        ex=np.zeros(0, np.int64),  # set for all batches at once
+        feature=b[kept] + lo,
+        score=score[kept],
+        start_logit=s_val[kept],
+        end_logit=e_val[kept],
+        a=chunk.chars(flat_s.reshape(-1)[cell_s[kept]], 0),
+        b=chunk.chars(flat_e.reshape(-1)[cell_e[kept]], 1),
+    )
+
+
+def _window_candidates(start, end, inputs: QAInputs, n: int, max_answer_length: int) -> _Spans:
+    """Each window's ``n`` best allowed spans, ordered by (window, score descending, start rank, end rank).
+
+    A span beyond its window's ``n`` best can never be among its question's ``n`` best (``n`` spans of the same
+    window come before it in the loop's order), so cutting per window changes nothing.
+    """
+    k = min(n, start.shape[1])
+    parts = [
+        _batch_candidates(start, end, chunk, lo, min(lo + _BATCH_FEATURES, chunk.hi), k, n, max_answer_length,
+                          inputs.max_context)
+        for chunk in inputs.offsets
+        for lo in range(chunk.lo, chunk.hi, _BATCH_FEATURES)
+    ]  # fmt: skip
+    spans = _Spans.concat(parts, np.result_type(start.dtype, end.dtype))
+    spans.ex = inputs.feat2ex[spans.feature]
+    return spans
+
+
+# --------------------------------------------------------------------------------------------------------
+# Ranking: each question's best spans over its windows
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Ranked:
+    """Each question's ``n`` best spans, best first (``rank`` within the question); ``count`` per question."""
+
+    spans: _Spans
+    rank: np.ndarray
+    count: np.ndarray
+    nonempty: np.ndarray  # the span's text is not ""
+
+
+def _rank_per_question(spans: _Spans, contexts: list[str], n: int) -> _Ranked:
+    """A stable sort by (question, score descending): equal scores keep window order, then start and end rank,
+    which is the order Python's stable ``sorted(..., reverse=True)`` gives utils_qa's candidate list."""
+    n_examples = len(contexts)
+    spans = spans.take(_stable_order_by_row_score(spans.ex, spans.score))
+    counts = np.bincount(spans.ex, minlength=n_examples)
+    rank = np.arange(spans.ex.size) - (np.cumsum(counts) - counts)[spans.ex]
+    keep = rank < n
+    spans = spans.take(keep)
+    ctx_len = np.fromiter((len(c) for c in contexts), np.int64, n_examples)
+    return _Ranked(spans, rank[keep], np.minimum(counts, n), _slice_nonempty(spans.a, spans.b, ctx_len[spans.ex]))
+
+
+@dataclass
+class _Null:
+    """SQuAD 2.0: each question's null answer, from the window with the lowest ``start[0] + end[0]``."""
+
+    score: np.ndarray
+    start_logit: np.ndarray
+    end_logit: np.ndarray
+
+
+def _null_answers(start: np.ndarray, end: np.ndarray, feat2ex: np.ndarray, n_examples: int) -> _Null:
+    feat_null = start[:, 0] + end[:, 0]
+    order = np.lexsort((feat_null, feat2ex))  # per question: min null score, first window on ties (strict >)
+    per_example = np.bincount(feat2ex, minlength=n_examples)
+    null_feat = order[np.cumsum(per_example) - per_example]
+    return _Null(feat_null[null_feat], start[null_feat, 0], end[null_feat, 0])
+
+
+# --------------------------------------------------------------------------------------------------------
+# The n-best lists: spans, the null answer (SQuAD 2.0) and the "empty" placeholder
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Entries:
+    """Every question's final n-best list, entries contiguous per question (``first``, ``count``) and in order."""
+
+    ex: np.ndarray
+    kind: np.ndarray  # _SPAN, _NULL or _EMPTY
+    score: np.ndarray
+    start_logit: np.ndarray
+    end_logit: np.ndarray
+    a: np.ndarray
+    b: np.ndarray
+    has_text: np.ndarray  # text is not "" (the "empty" placeholder has one)
+    first: np.ndarray
+    count: np.ndarray
+    wide: np.ndarray  # per question: utils_qa's score array is float64 (the "empty" placeholder is in it)
+
+
+def _list_positions(ranked: _Ranked, null: _Null | None, n: int):
+    """Where each span and the null go in utils_qa's list: (span position, span kept, null kept, list length)."""
+    n_examples = ranked.count.size
+    t_ex, t = ranked.spans.ex, ranked.spans
+    if null is None:
+        return ranked.rank, np.ones(t_ex.size, bool), np.zeros(n_examples, bool), ranked.count, None
+    # The null goes after every span scoring at least as much (stable sort; it was appended last).
+    p = np.bincount(t_ex, weights=t.score >= null.score[t_ex], minlength=n_examples).astype(np.int64)
+    pos = np.where(ranked.rank < p[t_ex], ranked.rank, ranked.rank + 1)
+    span_in = pos < n  # the list is cut to n_best_size after the null is merged in
+    zero_zero = np.bincount(t_ex, weights=(t.a == 0) & (t.b == 0), minlength=n_examples) > 0
+    null_in = (p < n) | ~zero_zero  # utils_qa adds the null back unless a span has offsets (0, 0)
+    return pos, span_in, null_in, np.bincount(t_ex[span_in], minlength=n_examples) + null_in, p
+
+
+def _nbest_entries(ranked: _Ranked, null: _Null | None, n: int, dtype: np.dtype) -> _Entries:
+    """Merge the null answer into each question's spans and add utils_qa's ``"empty"`` placeholder (first) to a
+    list that is empty or holds a single entry with an empty text."""
+    n_examples, t = ranked.count.size, ranked.spans
+    pos, span_in, null_in, n_list, null_pos = _list_positions(ranked, null, n)
+    lone_span_empty = np.zeros(n_examples, bool)
+    lone_span_empty[t.ex[span_in]] = ~ranked.nonempty[span_in]  # read only where the list is one span, no null
+    empty_in = (n_list == 0) | ((n_list == 1) & (null_in | lone_span_empty))
+    ex_all = np.arange(n_examples)
+    null_ex, empty_ex, span_sel = ex_all[null_in], ex_all[empty_in], np.flatnonzero(span_in)
+    ex = np.concatenate([t.ex[span_sel], null_ex, empty_ex])
+    position = np.concatenate([pos[span_sel], null_pos[null_ex] if null else null_ex, np.full(empty_ex.size, -1)])
+    kind = np.concatenate([np.full(span_sel.size, _SPAN), np.full(null_ex.size, _NULL), np.full(empty_ex.size, _EMPTY)])
+    src = np.concatenate([span_sel, null_ex, empty_ex])  # index into the span arrays / the questions
+    order = np.lexsort((position, ex))
+    ex, kind, src = ex[order], kind[order], src[order]
+    is_span, is_null = kind == _SPAN, kind == _NULL
+
+    def pick(span_values, null_values, empty_value, out_dtype):
+        out = np.full(ex.size, empty_value, dtype=out_dtype)
+        out[is_span] = span_values[src[is_span]]
+        if null_values is not None:
+            out[is_null] = null_values[src[is_null]]
+        return out
+
+    zero, no_null = dtype.type(0), null is None
+    count = np.bincount(ex, minlength=n_examples)
+    wide = np.zeros(n_examples, bool)
+    wide[empty_ex] = True  # the Python float 0.0 of "empty" makes utils_qa's score array float64
+    return _Entries(
+        ex=ex,
+        kind=kind,
+        score=pick(t.score, None if no_null else null.score, zero, dtype),
+        start_logit=pick(t.start_logit, None if no_null else null.start_logit, zero, dtype),
+        end_logit=pick(t.end_logit, None if no_null else null.end_logit, zero, dtype),
+        a=pick(t.a, np.zeros(n_examples, np.int64), 0, np.int64),
+        b=pick(t.b, np.zeros(n_examples, np.int64), 0, np.int64),
+        has_text=pick(ranked.nonempty, np.zeros(n_examples, bool), True, bool),
+        first=np.cumsum(count) - count,
+        count=count,
+        wide=wide | (dtype == np.float64),
+    )
+
+
+# --------------------------------------------------------------------------------------------------------
+# Texts and answers
+# --------------------------------------------------------------------------------------------------------
+
+
+def _answers(entries: _Entries, null: _Null | None, contexts: list[str], threshold: float):
+    """(answer texts, SQuAD 2.0 null odds or None) per question.
+
+    SQuAD v1.1: the first entry's text. SQuAD 2.0: the best non-null entry is the first whose text is not ``""``
+    (the ``"empty"`` placeholder counts); the answer is ``""`` when ``null score - its start and end logits``
+    exceeds ``threshold``. Where utils_qa raises IndexError (every entry's text is ``""``) the ``"empty"``
+    placeholder is the best non-null answer.
+    """
+    n_examples = entries.count.size
+    if null is None:
+        best, best_ok = entries.first, np.ones(n_examples, bool)
+    else:
+        rows = np.flatnonzero(entries.has_text)
+        found, first_row = np.unique(entries.ex[rows], return_index=True)
+        best, best_ok = np.zeros(n_examples, np.int64), np.zeros(n_examples, bool)
+        best[found], best_ok[found] = rows[first_row], True
+    texts = [
+        "empty" if (kind == _EMPTY or not ok) else contexts[i][a:b]
+        for i, (kind, ok, a, b) in enumerate(
+            zip(entries.kind[best].tolist(), best_ok.tolist(), entries.a[best].tolist(), entries.b[best].tolist())
+        )
+    ]
+    if null is None:
+        return texts, None
+    zero = entries.score.dtype.type(0)
+    score_diff = (
+        null.score
+        - np.where(best_ok, entries.start_logit[best], zero)
+        - np.where(best_ok, entries.end_logit[best], zero)
+    )
+    return ["" if no else text for text, no in zip(texts, (score_diff > threshold).tolist())], score_diff
+
+
+def _best_span_texts(ranked: _Ranked, contexts: list[str]) -> list[str]:
+    """SQuAD v1.1 answers straight from the ranking (what :func:`_answers` gives without building the lists):
+    each question's best span, or ``"empty"`` when it has no allowed span, or only one and its text is ``""``."""
+    count = ranked.count
+    first = np.cumsum(count) - count
+    use = count > 0
+    use[use] = (count[use] > 1) | ranked.nonempty[first[use]]
+    best = first[use]
+    texts = ["empty"] * len(contexts)
+    for i, a, b in zip(np.flatnonzero(use).tolist(), ranked.spans.a[best].tolist(), ranked.spans.b[best].tolist()):
+        texts[i] = contexts[i][a:b]
+    return texts
+
+
+# --------------------------------------------------------------------------------------------------------
+# The pipeline
+# --------------------------------------------------------------------------------------------------------
+
+
+def _check_settings(n_best_size: Any, max_answer_length: Any, null_score_diff_threshold: Any) -> None:
+    if not isinstance(n_best_size, numbers.Integral) or isinstance(n_best_size, bool) or n_best_size < 1:
+        raise ValueError(f"n_best_size must be a positive integer, got {n_best_size!r}")
+    if not isinstance(max_answer_length, numbers.Integral) or isinstance(max_answer_length, bool):
+        raise ValueError(f"max_answer_length must be an integer, got {max_answer_length!r}")
+    if not isinstance(null_score_diff_threshold, numbers.Real) or isinstance(null_score_diff_threshold, bool):
+        raise ValueError(f"null_score_diff_threshold must be a real number, got {null_score_diff_threshold!r}")
 
 
 def compute_qa_predictions(
@@ -440,264 +560,76 @@ def compute_qa_predictions(
 
     Raises:
         ValueError: malformed predictions or features (shapes, counts, missing columns, unknown or
-            duplicate ids, NaN logits, a SQuAD 2.0 example without any feature).
+            duplicate ids, NaN or infinite logits, empty inputs, an example without any feature).
         TypeError: an unsupported container.
     """
-    if not isinstance(n_best_size, numbers.Integral) or isinstance(n_best_size, bool) or n_best_size < 1:
-        raise ValueError(f"n_best_size must be a positive integer, got {n_best_size!r}")
-    if not isinstance(max_answer_length, numbers.Integral) or isinstance(max_answer_length, bool):
-        raise ValueError(f"max_answer_length must be an integer, got {max_answer_length!r}")
-    if not isinstance(null_score_diff_threshold, numbers.Real) or isinstance(null_score_diff_threshold, bool):
-        raise ValueError(f"null_score_diff_threshold must be a real number, got {null_score_diff_threshold!r}")
-    n_best_size, max_answer_length = int(n_best_size), int(max_answer_length)
-    if isinstance(predictions, Mapping) or not hasattr(predictions, "__len__") or len(predictions) != 2:
-        raise ValueError("predictions must be a pair (start_logits, end_logits)")
-    all_start = _as_logits(predictions[0], "start_logits")
-    all_end = _as_logits(predictions[1], "end_logits")
-    if all_start.shape != all_end.shape:
-        raise ValueError(f"start_logits and end_logits shapes differ: {all_start.shape} vs {all_end.shape}")
+    _check_settings(n_best_size, max_answer_length, null_score_diff_threshold)
+    n, v2 = int(n_best_size), bool(version_2_with_negative)
+    start, end = read_logits(predictions)
     # Each array is ranked in its own dtype (as np.argsort sees it); sums promote as numpy scalars do.
-    dtype = np.result_type(all_start.dtype, all_end.dtype)
-    n_features, width = all_start.shape
-    if width == 0:
-        raise ValueError("the logits have no positions (seq_len is 0)")
+    dtype = np.result_type(start.dtype, end.dtype)
+    inputs = read_inputs(examples, features, *start.shape)
+    logger.info(f"Post-processing {inputs.n_examples} example predictions split into {start.shape[0]} features.")
 
-    # Questions and windows.
-    example_ids = _to_pylist(_column(examples, "id", "examples"))
-    contexts = _to_pylist(_column(examples, "context", "examples"))
-    feature_example_ids = _to_pylist(_column(features, "example_id", "features"))
-    offsets_col = _column(features, "offset_mapping", "features")
-    if len(feature_example_ids) != n_features:
-        raise ValueError(f"Got {n_features} predictions (logit rows) and {len(feature_example_ids)} features")
-    example_index = {}
-    for i, eid in enumerate(example_ids):
-        if eid in example_index:
-            raise ValueError(f"duplicate example id {eid!r} (examples {example_index[eid]} and {i})")
-        example_index[eid] = i
-    for i, ctx in enumerate(contexts):
-        if not isinstance(ctx, str):
-            raise ValueError(f"example {example_ids[i]!r}: context must be a string, got {type(ctx).__name__}")
-    try:
-        feat2ex = np.fromiter((example_index[e] for e in feature_example_ids), np.int64, n_features)
-    except KeyError as exc:
-        raise ValueError(f"a feature's example_id {exc.args[0]!r} is not the id of any example") from None
-    except TypeError:  # unhashable id
-        bad = next(e for e in feature_example_ids if not isinstance(e, collections.abc.Hashable))
-        raise ValueError(f"a feature's example_id {bad!r} is not the id of any example") from None
-    n_examples = len(example_ids)
-    offsets = _read_offsets(offsets_col, n_features)
-    max_ctx = _max_context_mask(_optional_column(features, "token_is_max_context"), n_features, width)
-    n_per_example = np.bincount(feat2ex, minlength=n_examples)
-    if version_2_with_negative and n_examples and (n_per_example == 0).any():
-        e = int(np.flatnonzero(n_per_example == 0)[0])
-        raise ValueError(f"example {example_ids[e]!r} has no feature: SQuAD 2.0 needs at least one window per question")
+    candidates = _window_candidates(start, end, inputs, n, int(max_answer_length))
+    ranked = _rank_per_question(candidates, inputs.contexts, n)
+    ids = inputs.example_ids
+    if not (v2 or with_nbest):  # answers only: no n-best lists to build
+        return QAPostprocessResult(collections.OrderedDict(zip(ids, _best_span_texts(ranked, inputs.contexts))))
+    null = _null_answers(start, end, inputs.feat2ex, inputs.n_examples) if v2 else None
+    entries = _nbest_entries(ranked, null, n, dtype)
+    texts, score_diff = _answers(entries, null, inputs.contexts, null_score_diff_threshold)
 
-    logger.info(f"Post-processing {n_examples} example predictions split into {n_features} features.")
-
-    # 1. Per window: the n_best_size best allowed spans, from a start x end grid.
-    n = n_best_size
-    k = min(n_best_size, width)
-    parts: dict[str, list[np.ndarray]] = collections.defaultdict(list)
-    for lo in range(0, n_features, _BATCH_FEATURES):
-        hi = min(lo + _BATCH_FEATURES, n_features)
-        st, en = all_start[lo:hi], all_end[lo:hi]
-        feats = np.arange(lo, hi)[:, None]
-        s_idx, e_idx = _top_k_desc(st, k), _top_k_desc(en, k)
-        s_val, e_val = np.take_along_axis(st, s_idx, 1), np.take_along_axis(en, e_idx, 1)
-        ok_s, flat_s = offsets.lookup(feats, s_idx)
-        ok_e, flat_e = offsets.lookup(feats, e_idx)
-        if max_ctx is not None:
-            ok_s &= max_ctx[feats, s_idx]
-        # Allowed (start rank, end rank) cells: 0 <= end - start < max_answer_length, both in the context.
-        span_len = e_idx.astype(np.int32)[:, None, :] - s_idx.astype(np.int32)[:, :, None]
-        allowed = span_len.view(np.uint32) < max(0, min(max_answer_length, width + 1))
-        allowed &= ok_s[:, :, None]
-        allowed &= ok_e[:, None, :]
-        b, si, ei = np.nonzero(allowed)  # window, then start rank, then end rank: the loop's insertion order
-        score = s_val[b, si] + e_val[b, ei]
-        order = _order_by_row_score_cell(b, score, si * k + ei, k * k)
-        b, si, ei, score = b[order], si[order], ei[order], score[order]
-        rank = np.arange(b.size) - np.searchsorted(b, b)  # rank within its window
-        keep = rank < n  # each window's n_best_size best spans
-        b, si, ei = b[keep], si[keep], ei[keep]
-        parts["feature"].append(b + lo)
-        parts["score"].append(score[keep])
-        parts["start_logit"].append(s_val[b, si])
-        parts["end_logit"].append(e_val[b, ei])
-        parts["a"].append(offsets.chars(flat_s[b, si], 0))
-        parts["b"].append(offsets.chars(flat_e[b, ei], 1))
-    cand = {
-        name: (
-            np.concatenate(parts[name])
-            if parts[name]
-            else np.zeros(0, dtype if name in ("score", "start_logit", "end_logit") else np.int64)
-        )
-        for name in ("feature", "score", "start_logit", "end_logit", "a", "b")
-    }
-    cand_ex = feat2ex[cand["feature"]]
-
-    # 2. Per question: the n_best_size best spans over its windows (stable: window order, then rank).
-    order = _stable_order_by_row_score(cand_ex, cand["score"])
-    cand = {name: v[order] for name, v in cand.items()}
-    cand_ex = cand_ex[order]
-    counts = np.bincount(cand_ex, minlength=n_examples)
-    group_start = np.cumsum(counts) - counts
-    rank = np.arange(cand_ex.size) - group_start[cand_ex]
-    keep = rank < n
-    t_ex, t_rank = cand_ex[keep], rank[keep]
-    t_score, t_sl, t_el = cand["score"][keep], cand["start_logit"][keep], cand["end_logit"][keep]
-    t_a, t_b = cand["a"][keep], cand["b"][keep]
-    t_count = np.minimum(counts, n)
-    ctx_len = np.fromiter((len(c) for c in contexts), np.int64, n_examples)
-    t_nonempty = _slice_nonempty(t_a, t_b, ctx_len[t_ex])
-
-    # 3. The final n-best list of each question: spans, the null answer (v2), the "empty" placeholder.
-    zero = dtype.type(0)
-    if version_2_with_negative:
-        feat_null = all_start[:, 0] + all_end[:, 0]
-        f_order = np.lexsort((feat_null, feat2ex))  # per question: min null score, first window on ties
-        first = np.cumsum(n_per_example) - n_per_example
-        null_feat = f_order[first]
-        null_score = feat_null[null_feat]
-        null_sl, null_el = all_start[null_feat, 0], all_end[null_feat, 0]
-        # The null answer goes after every span scoring at least as much (stable sort, appended last).
-        p = np.bincount(t_ex, weights=t_score >= null_score[t_ex], minlength=n_examples).astype(np.int64)
-        t_pos = np.where(t_rank < p[t_ex], t_rank, t_rank + 1)
-        span_in = t_pos < n  # the list is cut to n_best_size after the null is merged in
-        zero_zero = np.bincount(t_ex, weights=(t_a == 0) & (t_b == 0), minlength=n_examples) > 0
-        null_in = (p < n) | ~zero_zero  # utils_qa adds the null back unless a span has offsets (0, 0)
-        n_list = np.bincount(t_ex[span_in], minlength=n_examples) + null_in
-    else:
-        t_pos = t_rank
-        span_in = np.ones(t_ex.size, bool)
-        null_in = np.zeros(n_examples, bool)
-        n_list = t_count
-    # First entry's text is "" when the list is a lone null or a lone empty-text span.
-    lone_span_empty = np.zeros(n_examples, bool)
-    lone_span_empty[t_ex[span_in]] = ~t_nonempty[span_in]  # only read where the list has one span and no null
-    single_empty_text = (n_list == 1) & (null_in | lone_span_empty)
-    empty_in = (n_list == 0) | single_empty_text
-
-    ex_all = np.arange(n_examples)
-    null_ex, empty_ex = ex_all[null_in], ex_all[empty_in]
-    span_sel = np.flatnonzero(span_in)
-    e_ex = np.concatenate([t_ex[span_sel], null_ex, empty_ex])
-    e_pos = np.concatenate(
-        [t_pos[span_sel], p[null_ex] if version_2_with_negative else null_ex, np.full(empty_ex.size, -1)]
-    )
-    e_kind = np.concatenate(
-        [np.full(span_sel.size, _SPAN), np.full(null_ex.size, _NULL), np.full(empty_ex.size, _EMPTY)]
-    )
-    e_src = np.concatenate([span_sel, null_ex, empty_ex])  # index into the span arrays / examples
-    e_order = np.lexsort((e_pos, e_ex))
-    e_ex, e_kind, e_src = e_ex[e_order], e_kind[e_order], e_src[e_order]
-    is_span, is_null = e_kind == _SPAN, e_kind == _NULL
-
-    def pick(span_vals, null_vals, empty_val, out_dtype):
-        out = np.full(e_ex.size, empty_val, dtype=out_dtype)
-        out[is_span] = span_vals[e_src[is_span]]
-        if null_vals is not None:
-            out[is_null] = null_vals[e_src[is_null]]
-        return out
-
-    e_score = pick(t_score, null_score if version_2_with_negative else None, zero, dtype)
-    e_sl = pick(t_sl, null_sl if version_2_with_negative else None, zero, dtype)
-    e_el = pick(t_el, null_el if version_2_with_negative else None, zero, dtype)
-    e_a = pick(t_a, np.zeros(n_examples, np.int64), 0, np.int64)
-    e_b = pick(t_b, np.zeros(n_examples, np.int64), 0, np.int64)
-    e_count = np.bincount(e_ex, minlength=n_examples)
-    e_first = np.cumsum(e_count) - e_count
-
-    # 4. The answer of each question.
-    e_has_text = np.where(
-        is_span, t_nonempty[np.where(is_span, e_src, 0)] if t_nonempty.size else False, e_kind == _EMPTY
-    )
-    if not version_2_with_negative:
-        best = e_first
-        best_ok = np.ones(n_examples, bool)
-    else:
-        # The best non-null prediction: the first entry whose text is not "" (the "empty" placeholder counts).
-        cand_rows = np.flatnonzero(e_has_text)
-        found_ex, first_idx = np.unique(e_ex[cand_rows], return_index=True)
-        best = np.zeros(n_examples, np.int64)
-        best_ok = np.zeros(n_examples, bool)
-        best[found_ex] = cand_rows[first_idx]
-        best_ok[found_ex] = True
-    predictions_out: collections.OrderedDict[str, str] = collections.OrderedDict()
-    best_kind = e_kind[best]
-    best_a, best_b = e_a[best], e_b[best]
-    best_texts = [
-        "empty" if (kind == _EMPTY or not ok) else contexts[i][a:b]
-        for i, (kind, ok, a, b) in enumerate(
-            zip(best_kind.tolist(), best_ok.tolist(), best_a.tolist(), best_b.tolist())
-        )
-    ]
-    null_odds = no_answer_probability = None
-    if not version_2_with_negative:
-        for eid, text in zip(example_ids, best_texts):
-            predictions_out[eid] = text
-    else:
-        # utils_qa raises IndexError when every entry has an empty text; we fall back to its "empty" placeholder.
-        best_sl = np.where(best_ok, e_sl[best], zero)
-        best_el = np.where(best_ok, e_el[best], zero)
-        score_diff = null_score - best_sl - best_el
-        is_null_answer = score_diff > null_score_diff_threshold
-        null_odds = collections.OrderedDict(zip(example_ids, score_diff.tolist()))
-        for eid, text, no_ans in zip(example_ids, best_texts, is_null_answer.tolist()):
-            predictions_out[eid] = "" if no_ans else text
-        no_answer_probability = collections.OrderedDict(
-            zip(example_ids, _no_answer_probability(null_score, t_ex, t_score, t_count).tolist())
-        )
-
-    # 5. The n-best lists with their softmax probabilities.
     nbest = None
     if with_nbest:
-        wide = np.zeros(n_examples, bool)
-        wide[empty_ex] = True  # the Python float 0.0 of "empty" makes utils_qa's score array float64
-        if dtype == np.float64:
-            wide[:] = True
-        probs = _grouped_softmax(e_score, wide, e_first, e_count)
-        gc_enabled = gc.isenabled()
-        gc.disable()  # hundreds of thousands of small dicts: no need for cyclic GC passes while building them
-        try:
-            nbest = _nbest_lists(example_ids, contexts, e_kind, e_ex, e_a, e_b, e_sl, e_el, probs, e_first, e_count)
-        finally:
-            if gc_enabled:
-                gc.enable()
-
+        probabilities = _grouped_softmax(entries.score, entries.wide, entries.first, entries.count)
+        nbest = _nbest_lists(ids, inputs.contexts, entries, probabilities)
     return QAPostprocessResult(
-        predictions=predictions_out,
+        predictions=collections.OrderedDict(zip(ids, texts)),
         nbest=nbest,
-        null_odds=null_odds,
-        no_answer_probability=no_answer_probability,
-        version_2_with_negative=bool(version_2_with_negative),
+        null_odds=None if null is None else collections.OrderedDict(zip(ids, score_diff.tolist())),
+        no_answer_probability=None
+        if null is None
+        else collections.OrderedDict(zip(ids, _no_answer_probability(null.score, ranked).tolist())),
+        version_2_with_negative=v2,
     )
 
 
-def _nbest_lists(example_ids, contexts, e_kind, e_ex, e_a, e_b, e_sl, e_el, probs, e_first, e_count):
+def _nbest_lists(example_ids: list, contexts: list[str], entries: _Entries, probabilities: np.ndarray):
     """The n-best dicts of every question, keys in utils_qa's order (entries are contiguous per question)."""
-    entries = [
-        {"text": "empty", "start_logit": 0.0, "end_logit": 0.0, "probability": pr}
-        if kind == _EMPTY
-        else {"start_logit": sl, "end_logit": el, "text": contexts[ex][a:b], "probability": pr}
-        for kind, ex, a, b, sl, el, pr in zip(
-            e_kind.tolist(), e_ex.tolist(), e_a.tolist(), e_b.tolist(), e_sl.tolist(), e_el.tolist(), probs.tolist()
+    gc_enabled = gc.isenabled()
+    gc.disable()  # hundreds of thousands of small dicts: no need for cyclic GC passes while building them
+    try:
+        rows = [
+            {"text": "empty", "start_logit": 0.0, "end_logit": 0.0, "probability": pr}
+            if kind == _EMPTY
+            else {"start_logit": sl, "end_logit": el, "text": contexts[ex][a:b], "probability": pr}
+            for kind, ex, a, b, sl, el, pr in zip(
+                entries.kind.tolist(),
+                entries.ex.tolist(),
+                entries.a.tolist(),
+                entries.b.tolist(),
+                entries.start_logit.tolist(),
+                entries.end_logit.tolist(),
+                probabilities.tolist(),
+            )
+        ]
+        return collections.OrderedDict(
+            (eid, rows[lo : lo + cnt])
+            for eid, lo, cnt in zip(example_ids, entries.first.tolist(), entries.count.tolist())
         )
-    ]
-    return collections.OrderedDict(
-        (eid, entries[lo : lo + cnt]) for eid, lo, cnt in zip(example_ids, e_first.tolist(), e_count.tolist())
-    )
+    finally:
+        if gc_enabled:
+            gc.enable()
 
 
-def _no_answer_probability(
-    null_score: np.ndarray, t_ex: np.ndarray, t_score: np.ndarray, t_count: np.ndarray
-) -> np.ndarray:
+def _no_answer_probability(null_score: np.ndarray, ranked: _Ranked) -> np.ndarray:
     """exp(s_null) / (exp(s_null) + sum exp(s_span)) over each question's n-best spans, in float64."""
     s_null = null_score.astype(np.float64)
-    spans = t_score.astype(np.float64)
+    spans = ranked.spans.score.astype(np.float64)
     top = np.full(s_null.shape, -np.inf)
-    has = t_count > 0
-    first = np.cumsum(t_count) - t_count
+    has = ranked.count > 0
+    first = np.cumsum(ranked.count) - ranked.count
     top[has] = spans[first[has]]  # spans are sorted best first within each question
     m = np.maximum(s_null, top)
 
@@ -706,7 +638,7 @@ def _no_answer_probability(
             return np.where(s == m_, 1.0, np.exp(s - m_))
 
     w_null = weight(s_null, m)
-    w_spans = np.bincount(t_ex, weights=weight(spans, m[t_ex]), minlength=s_null.size)
+    w_spans = np.bincount(ranked.spans.ex, weights=weight(spans, m[ranked.spans.ex]), minlength=s_null.size)
     return w_null / (w_null + w_spans)
 
 
