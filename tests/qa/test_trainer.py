@@ -145,6 +145,28 @@ def test_windows_are_sorted_by_length_and_order_is_restored(tmp_path, mrc_data):
     np.testing.assert_allclose(output.predictions[0][5][: len(direct)], direct, atol=1e-5)
 
 
+def test_padded_windows_are_sorted_by_real_tokens_and_cut_per_batch(tmp_path, mrc_data):
+    """Windows padded to max_seq_length cost what dynamic ones do: sorted by attention-mask length, and each batch
+    cut after its longest window's last real token; the answers are those of the dynamic windows."""
+    from hflight.qa.trainer import trim_right_padding, window_lengths
+
+    padded, dynamic = mrc_data["padded"], mrc_data["dynamic"]
+    real = [len(x) for x in dynamic["input_ids"]]
+    assert window_lengths(padded).tolist() == real == window_lengths(dynamic).tolist()
+    trainer = MRCTrainer(_model(mrc_data["tokenizer"]), _args(tmp_path), processing_class=mrc_data["tokenizer"])
+    loader = trainer.get_test_dataloader(padded)
+    assert [real[i] for i in loader.sampler.order] == sorted(real, reverse=True)
+    batch = list(loader)[-1]  # the shortest windows
+    longest = max(real[i] for i in loader.sampler.order[-len(batch["input_ids"]) :])
+    assert batch["input_ids"].shape[1] == 96  # the collator keeps the padding ...
+    cut = trim_right_padding(batch)
+    assert cut["input_ids"].shape[1] == longest < 96  # ... the prediction step drops it
+    assert cut["token_type_ids"].shape == cut["attention_mask"].shape == cut["input_ids"].shape
+    assert torch.equal(cut["input_ids"], batch["input_ids"][:, :longest])
+    left = {"input_ids": torch.ones(2, 4), "attention_mask": torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1]])}
+    assert trim_right_padding(left) is left  # left padding: real tokens come last, nothing is cut
+
+
 def test_missing_examples_is_a_clear_error(tmp_path, mrc_data):
     trainer = MRCTrainer(
         _model(mrc_data["tokenizer"]),

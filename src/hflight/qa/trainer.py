@@ -1,8 +1,9 @@
 """``MRCTrainer`` (alias ``QuestionAnsweringTrainer``): evaluation that ends in answers and SQuAD scores.
 
-Evaluation windows are run sorted by length and padded per batch (no compute spent on padding to
-``max_seq_length``; with a left-padding tokenizer the collator's padding is shifted back out of the logits),
-logits move to the CPU per batch, the feature order is restored, then
+Evaluation windows are run sorted by length and padded per batch, so no compute is spent on padding: windows
+already padded to ``max_seq_length`` are sorted by their real tokens and each batch is cut after its longest
+window's last real token; with a left-padding tokenizer the collator's padding is shifted back out of the logits.
+Logits move to the CPU per batch, the feature order is restored, then
 ``post_process_function`` turns logits into answers and ``compute_metrics`` scores them. Because the facade's
 mid-training evaluation calls ``evaluate()``, QA metrics are available during training, so
 ``metric_for_best_model="f1"`` with ``load_best_model_at_end`` works.
@@ -34,7 +35,7 @@ class LengthSortedSampler(Sampler[int]):
     ``order`` is the permutation used: row ``k`` of the collected outputs belongs to feature ``order[k]``.
     """
 
-    def __init__(self, lengths: list[int]) -> None:
+    def __init__(self, lengths: Any) -> None:
         self.order = np.argsort(-np.asarray(lengths, dtype=np.int64), kind="stable")
 
     def __iter__(self) -> Iterator[int]:
@@ -42,6 +43,51 @@ class LengthSortedSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return len(self.order)
+
+
+def _list_column(dataset: Any, name: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """(flat values, row offsets) of a list column of a ``datasets.Dataset``, read from Arrow; None otherwise."""
+    import pyarrow as pa
+
+    try:
+        column = dataset.with_format("arrow")[name]
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return None
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)) or column.null_count:
+        return None
+    offsets = column.offsets.to_numpy().astype(np.int64)
+    values = column.values.to_numpy(zero_copy_only=False)
+    return values[offsets[0] : offsets[-1]], offsets - offsets[0]
+
+
+def window_lengths(dataset: Any, input_name: str = "input_ids") -> np.ndarray | None:
+    """Tokens per window that are not padding: the attention mask's ones (windows padded to ``max_seq_length``
+    count their real tokens), else the windows' lengths; None when the dataset has neither as a list column."""
+    mask = _list_column(dataset, "attention_mask")
+    if mask is not None:
+        values, offsets = mask
+        summed = np.add.reduceat(values.astype(np.int64), offsets[:-1]) if values.size else np.zeros(0, np.int64)
+        return np.where(np.diff(offsets) > 0, summed, 0)  # reduceat gives a neighbour's value for an empty row
+    ids = _list_column(dataset, input_name)
+    return None if ids is None else np.diff(ids[1])
+
+
+def trim_right_padding(inputs: dict[str, Any]) -> dict[str, Any]:
+    """Cut a right-padded batch after its longest window's last real token (``attention_mask``): windows padded to
+    ``max_seq_length`` then cost what dynamically padded ones do. Padding sits after every real token and is
+    masked, so the real tokens' logits do not depend on it; dropped columns are masked before post-processing."""
+    mask = inputs.get("attention_mask")
+    if not torch.is_tensor(mask) or mask.dim() != 2 or mask.shape[1] == 0:
+        return inputs
+    width = mask.shape[1]
+    keep = max(1, int(mask.sum(dim=1).max()))
+    if keep == width or bool(mask[:, keep:].any()):  # nothing to cut, or not right padding (real tokens after it)
+        return inputs
+    return {
+        k: v[:, :keep] if torch.is_tensor(v) and v.dim() >= 2 and v.shape[1] == width else v for k, v in inputs.items()
+    }
 
 
 def _restore_order(value: Any, order: np.ndarray) -> Any:
@@ -58,6 +104,25 @@ def _restore_order(value: Any, order: np.ndarray) -> Any:
 PAD_LOGIT = -1.0e4
 
 
+def _valid_positions(features: Any, width: int) -> np.ndarray:
+    """[windows, width]: the attention mask of each window (False past its end)."""
+    flat = _list_column(features, "attention_mask")
+    if flat is None:  # not Arrow-backed: row by row
+        masks = features["attention_mask"]
+        valid = np.zeros((len(masks), width), dtype=bool)
+        for row, mask in enumerate(masks):
+            valid[row, : len(mask)] = np.asarray(mask[:width], dtype=bool)
+        return valid
+    values, offsets = flat
+    lengths = np.diff(offsets)
+    rows = np.repeat(np.arange(lengths.size), lengths)
+    position = np.arange(values.size) - np.repeat(offsets[:-1], lengths)
+    inside = position < width
+    valid = np.zeros((lengths.size, width), dtype=bool)
+    valid[rows[inside], position[inside]] = values[inside].astype(bool)
+    return valid
+
+
 def mask_padding_logits(predictions: Any, features: Any) -> Any:
     """Set the start/end logits of padding positions (``attention_mask == 0``, or beyond the window) to
     ``PAD_LOGIT``. Padding is never an answer; without this, padding positions can take n-best slots, and the
@@ -65,11 +130,7 @@ def mask_padding_logits(predictions: Any, features: Any) -> Any:
     columns = getattr(features, "column_names", None) or []
     if "attention_mask" not in columns or not isinstance(predictions, (tuple, list)):
         return predictions
-    masks = features["attention_mask"]
-    width = max(np.shape(p)[1] for p in predictions)
-    valid = np.zeros((len(masks), width), dtype=bool)
-    for row, mask in enumerate(masks):
-        valid[row, : len(mask)] = np.asarray(mask[:width], dtype=bool)
+    valid = _valid_positions(features, max(np.shape(p)[1] for p in predictions))
     masked = []
     for logits in predictions:
         logits = np.array(logits, copy=True)
@@ -198,6 +259,7 @@ class MRCTrainer(Trainer):
         self._left_padding: str | int | None = None  # set per evaluate()/predict() call
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = trim_right_padding(inputs)
         loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         mask = inputs.get("attention_mask")
         if self._left_padding is None or logits is None or mask is None:
@@ -222,10 +284,12 @@ class MRCTrainer(Trainer):
 
     def _get_eval_sampler(self, eval_dataset: Any) -> Sampler[int]:
         input_name = getattr(self.model, "main_input_name", "input_ids")
-        try:
-            lengths = [len(ids) for ids in eval_dataset[input_name]]
-        except (KeyError, TypeError):
-            return super()._get_eval_sampler(eval_dataset)
+        lengths = window_lengths(eval_dataset, input_name)
+        if lengths is None:
+            try:
+                lengths = [len(ids) for ids in eval_dataset[input_name]]
+            except (KeyError, TypeError):
+                return super()._get_eval_sampler(eval_dataset)
         return LengthSortedSampler(lengths)
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
@@ -324,6 +388,8 @@ QuestionAnsweringTrainer = MRCTrainer
 
 __all__ = [
     "LengthSortedSampler",
+    "trim_right_padding",
+    "window_lengths",
     "MRCTrainer",
     "QuestionAnsweringTrainer",
     "left_padding_alignment",
