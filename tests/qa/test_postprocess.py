@@ -197,6 +197,20 @@ def test_all_invalid_gives_empty():
     assert postprocess_qa_predictions(ex[:1], fe[:1], (st, en), n_best_size=1) == {"q": "empty"}
 
 
+def test_best_span_with_an_empty_text():
+    """A zero-length token as the best span: alone in the list (n_best_size=1, though another window has a span)
+    utils_qa puts "empty" first; with a second span in the list the answer is its "" text."""
+    offsets = list(WORD_OFFSETS)
+    offsets[2] = (10, 10)  # "brown" with an empty span of characters
+    ex = [{"id": "q", "context": CONTEXT}]
+    fe = [window("q", offsets, width=16), window("q", WORD_OFFSETS, width=16)]
+    # context token i sits at position 4 + i: window 0's best span is token 2 alone, window 1's token 5 ("over")
+    spec = [(0, "start", 6, 9.0), (0, "end", 6, 9.0), (1, "start", 9, 5.0), (1, "end", 9, 5.0)]
+    st, en = logits_for(fe, 16, spec)
+    assert assert_same_as_reference(ex, fe, (st, en), n_best=1).predictions == {"q": "empty"}
+    assert assert_same_as_reference(ex, fe, (st, en), n_best=2).predictions == {"q": ""}
+
+
 def test_max_answer_length_and_small_n_best():
     ex = [{"id": "q", "context": CONTEXT}]
     fe = [window("q", WORD_OFFSETS, width=16)]

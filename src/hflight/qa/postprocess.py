@@ -501,17 +501,25 @@ def _answers(entries: _Entries, null: _Null | None, contexts: list[str], thresho
     return ["" if no else text for text, no in zip(texts, (score_diff > threshold).tolist())], score_diff
 
 
-def _best_span_texts(ranked: _Ranked, contexts: list[str]) -> list[str]:
-    """SQuAD v1.1 answers straight from the ranking (what :func:`_answers` gives without building the lists):
-    each question's best span, or ``"empty"`` when it has no allowed span, or only one and its text is ``""``."""
-    count = ranked.count
-    first = np.cumsum(count) - count
-    use = count > 0
-    use[use] = (count[use] > 1) | ranked.nonempty[first[use]]
-    best = first[use]
-    texts = ["empty"] * len(contexts)
-    for i, a, b in zip(np.flatnonzero(use).tolist(), ranked.spans.a[best].tolist(), ranked.spans.b[best].tolist()):
-        texts[i] = contexts[i][a:b]
+def _best_span_texts(candidates: _Spans, contexts: list[str], n: int) -> list[str]:
+    """SQuAD v1.1 answers without ranking every span or building the lists (what :func:`_answers` gives): each
+    question's best span, or ``"empty"`` when it has no allowed span, or only one and its text is ``""``.
+
+    Candidates come grouped by window, best first, so a question's best span is the best of its windows' first
+    spans, the earliest window winning a tie (the stable sort of the loop)."""
+    n_examples = len(contexts)
+    firsts = np.flatnonzero(np.r_[True, candidates.feature[1:] != candidates.feature[:-1]])[: candidates.ex.size]
+    order = firsts[_stable_order_by_row_score(candidates.ex[firsts], candidates.score[firsts])]
+    ex = candidates.ex[order]
+    best = order[np.r_[True, ex[1:] != ex[:-1]]] if ex.size else order  # the first of each question
+    count = np.bincount(candidates.ex, minlength=n_examples)
+    ex = candidates.ex[best]
+    a, b = candidates.a[best], candidates.b[best]
+    ctx_len = np.fromiter((len(contexts[i]) for i in ex.tolist()), np.int64, ex.size)
+    use = (np.minimum(count[ex], n) > 1) | _slice_nonempty(a, b, ctx_len)  # the list holds min(count, n)
+    texts = ["empty"] * n_examples
+    for i, x, y in zip(ex[use].tolist(), a[use].tolist(), b[use].tolist()):
+        texts[i] = contexts[i][x:y]
     return texts
 
 
@@ -572,10 +580,10 @@ def compute_qa_predictions(
     logger.info(f"Post-processing {inputs.n_examples} example predictions split into {start.shape[0]} features.")
 
     candidates = _window_candidates(start, end, inputs, n, int(max_answer_length))
-    ranked = _rank_per_question(candidates, inputs.contexts, n)
     ids = inputs.example_ids
     if not (v2 or with_nbest):  # answers only: no n-best lists to build
-        return QAPostprocessResult(collections.OrderedDict(zip(ids, _best_span_texts(ranked, inputs.contexts))))
+        return QAPostprocessResult(collections.OrderedDict(zip(ids, _best_span_texts(candidates, inputs.contexts, n))))
+    ranked = _rank_per_question(candidates, inputs.contexts, n)
     null = _null_answers(start, end, inputs.feat2ex, inputs.n_examples) if v2 else None
     entries = _nbest_entries(ranked, null, n, dtype)
     texts, score_diff = _answers(entries, null, inputs.contexts, null_score_diff_threshold)

@@ -116,7 +116,7 @@ class MRCRecipe:
         """
         model_args: ModelArguments = OmegaConf.to_object(cfg.model)
         data_args: DataTrainingArguments = OmegaConf.to_object(cfg.data)
-        examples, sources = load_examples(cfg.data, data_args, model_args, args, return_sources=True)
+        examples, sources = _load_splits(cfg.data, data_args, model_args, args)
         tokenizer = build_tokenizer(cfg.model, model_args, examples.get("train"))
         model = build_model(cfg.model, model_args, tokenizer)
         features = build_features(examples, tokenizer, data_args, args)
@@ -152,19 +152,21 @@ class MRCRecipe:
 
 # ---------------------------------------------------------------------------------------------------- data
 def load_examples(
-    data_cfg: DictConfig,
-    data_args: DataTrainingArguments,
-    model_args: ModelArguments,
-    args: Any,
-    return_sources: bool = False,
-) -> dict[str, Any] | tuple[dict[str, Any], dict[str, str]]:
+    data_cfg: DictConfig, data_args: DataTrainingArguments, model_args: ModelArguments, args: Any
+) -> dict[str, Any]:
     """The examples (``id, title, context, question, answers``) per split: ``train``, ``validation``, ``test``.
 
     From ``data.dataset_name``, else from the ``data.*_file`` paths, else from the ``data.synthetic`` node (see
     ``hflight.config.DataTrainingArguments``). ``max_*_samples`` keep the first examples of a split. Every split is
-    checked (:func:`check_split`) before this returns; with ``return_sources`` the result is ``(splits, sources)``,
-    ``sources`` naming where each split came from (for messages).
+    checked (:func:`check_split`) before this returns.
     """
+    return _load_splits(data_cfg, data_args, model_args, args)[0]
+
+
+def _load_splits(
+    data_cfg: DictConfig, data_args: DataTrainingArguments, model_args: ModelArguments, args: Any
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """(examples per split, where each split came from: the config key and path, for messages)."""
     if data_args.dataset_name:
         splits, sources = _load_hub_dataset(data_args, model_args)
     else:
@@ -193,7 +195,7 @@ def load_examples(
         if limit is not None:
             splits[name] = split.select(range(min(limit, len(split))))
         check_split(name, splits[name], sources[name], limit_key=_MAX_SAMPLES_KEY[name] if limit is not None else None)
-    return (splits, sources) if return_sources else splits
+    return splits, sources
 
 
 def check_split(name: str, examples: Any, source: str, limit_key: str | None = None) -> None:
