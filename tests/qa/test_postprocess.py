@@ -373,6 +373,20 @@ def synthetic_case(rng, n_examples=40, width=32, dtype=np.float32, quantize=None
     return examples, features, (st.astype(dtype), en.astype(dtype))
 
 
+@pytest.mark.parametrize("width", [7, 83, 384, 387])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_top_k_is_numpys_argsort_order(width, dtype):
+    """The top-k helper against np.argsort itself: distinct rows, tied rows, widths that are not a multiple of 4."""
+    from hflight.qa.postprocess import _top_k_desc
+
+    rng = np.random.default_rng(width)
+    x = rng.normal(size=(300, width)).astype(dtype)
+    x[::3] = np.round(x[::3] * 2)  # many ties
+    x[5, -1] = x[5].max() + 1  # the best entry in the columns that join the last block
+    for k in (1, 5, 20, 21):
+        assert np.array_equal(_top_k_desc(x, k), np.argsort(x, axis=-1)[:, ::-1][:, :k]), (k, width, dtype)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_random_cases_match_reference(seed):
     rng = np.random.default_rng(seed)

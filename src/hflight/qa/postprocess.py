@@ -128,44 +128,54 @@ class QAPostprocessResult:
 def _top_k_desc(x: np.ndarray, k: int) -> np.ndarray:
     """Per row, ``np.argsort(row)[-1:-k-1:-1]``: the indices of the k largest values, largest first.
 
-    Rows whose k+1 largest values are all distinct have one possible answer (found from a few candidates per row,
-    :func:`_top_candidates`); the other rows (ties) go through ``np.argsort`` itself, so the tie order is numpy's,
-    exactly as in utils_qa.
+    Rows whose k+1 largest values are all distinct have one possible answer, found without sorting the row; the
+    other rows (ties) go through ``np.argsort`` itself, so the tie order is numpy's, exactly as in utils_qa.
     """
     n_rows, width = x.shape
     if k >= width or n_rows == 0:
         return np.argsort(x, axis=-1)[:, ::-1][:, :k]
-    row, col = _top_candidates(x, k + 1)
-    packed = _descending_int_key(x[row, col])
-    if packed is None or width > 2**16 or n_rows.bit_length() + packed[1] + 16 > 63:  # float64: no compact key
-        top = np.sort(np.partition(x, width - k - 1, axis=-1)[:, width - k - 1 :], axis=-1)
-        distinct = (top[:, 1:] > top[:, :-1]).all(axis=-1)
-        out = np.empty((n_rows, k), np.intp)
-        ok = np.flatnonzero(distinct)
-        xs = x[ok]
-        cols = (np.flatnonzero(xs >= top[ok, 1:2]) % width).reshape(ok.size, k)  # exactly k per distinct row
-        out[ok] = np.take_along_axis(cols, np.argsort(-np.take_along_axis(xs, cols, 1), axis=-1), 1)
-    else:
-        # One sort of (row, value descending, column) keys; each row's k+1 best are then contiguous.
-        key, bits = packed
-        key = np.sort((row << (bits + 16)) | (key << 16) | col)
-        counts = np.bincount(row, minlength=n_rows)
-        best = key[(np.cumsum(counts) - counts)[:, None] + np.arange(k + 1)]
-        value = best >> 16
-        distinct = (value[:, 1:] != value[:, :-1]).all(axis=-1)
-        out = (best[:, :k] & 0xFFFF).astype(np.intp)
+    compact = x.dtype in (np.float32, np.float16) and width <= 2**16 and n_rows.bit_length() + 8 * x.itemsize <= 47
+    out, distinct = (_top_k_packed if compact else _top_k_partition)(x, k)
     ties = np.flatnonzero(~distinct)
     if ties.size:
         out[ties] = np.argsort(x[ties], axis=-1)[:, ::-1][:, :k]
     return out
 
 
+def _top_k_packed(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(top-k indices, whether the row's k+1 largest are distinct) from one sort of (row, value descending, column)
+    keys of a few candidates per row (:func:`_top_candidates`); each row's k+1 best are then contiguous."""
+    n_rows = x.shape[0]
+    row, col = _top_candidates(x, k + 1)
+    key, bits = _descending_int_key(x[row, col])
+    key = np.sort((row << (bits + 16)) | (key << 16) | col)
+    counts = np.bincount(row, minlength=n_rows)
+    best = key[(np.cumsum(counts) - counts)[:, None] + np.arange(k + 1)]
+    value = best >> 16
+    return (best[:, :k] & 0xFFFF).astype(np.intp), (value[:, 1:] != value[:, :-1]).all(axis=-1)
+
+
+def _top_k_partition(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_top_k_packed` for dtypes without a compact sort key (float64): a partition of every row."""
+    n_rows, width = x.shape
+    top = np.sort(np.partition(x, width - k - 1, axis=-1)[:, width - k - 1 :], axis=-1)  # k+1 largest, ascending
+    distinct = (top[:, 1:] > top[:, :-1]).all(axis=-1)
+    out = np.empty((n_rows, k), np.intp)
+    ok = np.flatnonzero(distinct)
+    xs = x[ok]
+    cols = (np.flatnonzero(xs >= top[ok, 1:2]) % width).reshape(ok.size, k)  # exactly k per distinct row
+    out[ok] = np.take_along_axis(cols, np.argsort(-np.take_along_axis(xs, cols, 1), axis=-1), 1)
+    return out, distinct
+
+
 def _top_candidates(x: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
     """(row, column) of a few entries per row that include the row's ``m`` largest, row-major.
 
-    The ``m``-th largest of disjoint block maxima (the row cut into 4 interleaved blocks of columns) is a lower bound
-    on the row's ``m``-th largest value: ``m`` blocks hold an entry at least that large. Keeping the entries at or
-    above it keeps about ``m + 3`` per row for random logits, found with a partition over a quarter of the row.
+    With ``q`` a quarter of the row, column ``c < q`` heads the block ``{c, c + q, c + 2q, c + 3q}`` (the last
+    columns of an odd width join the last block). The ``m``-th largest block maximum is a lower bound on the row's
+    ``m``-th largest value (``m`` disjoint blocks each hold an entry at least that large), so the entries at or above
+    it include the ``m`` largest: about ``m + 3`` per row for random logits, found with a partition over a quarter of
+    the row.
     """
     n_rows, width = x.shape
     q = width // 4
@@ -175,7 +185,7 @@ def _top_candidates(x: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
         blocks = np.maximum(x[:, :q], x[:, q : 2 * q])
         np.maximum(blocks, x[:, 2 * q : 3 * q], out=blocks)
         np.maximum(blocks, x[:, 3 * q : 4 * q], out=blocks)
-        if width > 4 * q:  # the last few columns join the last block
+        if width > 4 * q:
             blocks[:, -1] = np.maximum(blocks[:, -1], x[:, 4 * q :].max(axis=1))
         bound = np.partition(blocks, q - m, axis=-1)[:, q - m]
     return np.divmod(np.flatnonzero(x >= bound[:, None]), width)
