@@ -64,7 +64,7 @@ def _fails(tmp_path: Path, overrides: list[str], error: type[Exception], match: 
     cfg = compose(["+experiment=mrc", *SMALL_MODEL, *overrides], output_dir=tmp_path / "run")
     with pytest.raises(error, match=match):
         cli.train(cfg)
-    assert _nothing_trained(tmp_path / "run")
+    assert _nothing_trained(tmp_path / "run") and not (tmp_path / "run" / "tokenizer").exists()  # nothing built
 
 
 def test_missing_validation_file(squad_files, tmp_path):
@@ -101,6 +101,7 @@ def test_unreadable_jsonl_names_the_file(squad_files, tmp_path):
 
 
 def test_no_locatable_training_answer(squad_files, tmp_path):
+    """Found before the tokenizer is trained (it would otherwise surface as an empty training set)."""
     squad = json.loads(squad_files[0].read_text())
     for article in squad["data"]:
         for paragraph in article["paragraphs"]:
@@ -109,7 +110,7 @@ def test_no_locatable_training_answer(squad_files, tmp_path):
     train = tmp_path / "train.json"
     train.write_text(json.dumps(squad))
     _fails(tmp_path, [f"data.train_file={train}", f"data.validation_file={squad_files[1]}"], ValueError,
-           f"data.train_file={train}: no training windows")  # fmt: skip
+           f"data.train_file={train}: nothing to train on: none of the .* questions")  # fmt: skip
 
 
 def test_the_task_node_builds_the_recipe(tmp_path):

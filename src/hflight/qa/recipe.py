@@ -111,20 +111,15 @@ class MRCRecipe:
 
         Raises:
             FileNotFoundError, PermissionError: a data file is missing or unreadable.
-            ValueError: a split the run needs is missing, empty, or lacks a column (the message names the file);
-                no training windows could be built; invalid model settings.
+            ValueError: a split the run needs is missing, empty, or lacks a column, or no training question has a
+                locatable answer (the message names the file); invalid model settings.
         """
         model_args: ModelArguments = OmegaConf.to_object(cfg.model)
         data_args: DataTrainingArguments = OmegaConf.to_object(cfg.data)
-        examples, sources = _load_splits(cfg.data, data_args, model_args, args)
+        examples = _load_splits(cfg.data, data_args, model_args, args)[0]
         tokenizer = build_tokenizer(cfg.model, model_args, examples.get("train"))
         model = build_model(cfg.model, model_args, tokenizer)
         features = build_features(examples, tokenizer, data_args, args)
-        if "train" in features and len(features["train"]) == 0:
-            raise ValueError(
-                f"{sources['train']}: no training windows: none of the {len(examples['train'])} questions has an "
-                "answer that can be located in its context (answer_start pointing at the answer text)."
-            )
         factory = self.trainer
         name = getattr(factory, "func", factory)
         log.info(f"Instantiating trainer <{name.__module__}.{name.__qualname__}>")
@@ -195,7 +190,21 @@ def _load_splits(
         if limit is not None:
             splits[name] = split.select(range(min(limit, len(split))))
         check_split(name, splits[name], sources[name], limit_key=_MAX_SAMPLES_KEY[name] if limit is not None else None)
+    if "train" in splits:
+        _check_trainable(splits["train"], sources["train"])
     return splits, sources
+
+
+def _check_trainable(examples: Any, source: str) -> None:
+    """Training needs a question that is unanswerable or has an answer at its ``answer_start``: the others get no
+    training windows (``prepare_train_features`` skips them), so without one there would be nothing to train on."""
+    for context, answers in zip(examples["context"], examples["answers"]):
+        if not answers["text"] or _locatable(context, answers):
+            return
+    raise ValueError(
+        f"{source}: nothing to train on: none of the {len(examples)} questions of the train split has an answer that "
+        "can be located in its context (answer_start pointing at the answer text), and none is unanswerable."
+    )
 
 
 def check_split(name: str, examples: Any, source: str, limit_key: str | None = None) -> None:
