@@ -59,7 +59,7 @@ import json
 import logging
 import numbers
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import numpy as np
@@ -134,7 +134,7 @@ def _top_k_desc(x: np.ndarray, k: int) -> np.ndarray:
     n_rows, width = x.shape
     if k >= width or n_rows == 0:
         return np.argsort(x, axis=-1)[:, ::-1][:, :k]
-    compact = x.dtype in (np.float32, np.float16) and width <= 2**16 and n_rows.bit_length() + 8 * x.itemsize <= 47
+    compact = x.dtype in (np.float32, np.float16) and width <= 2**16  # a value key and a column in 63 bits
     out, distinct = (_top_k_packed if compact else _top_k_partition)(x, k)
     ties = np.flatnonzero(~distinct)
     if ties.size:
@@ -143,14 +143,17 @@ def _top_k_desc(x: np.ndarray, k: int) -> np.ndarray:
 
 
 def _top_k_packed(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """(top-k indices, whether the row's k+1 largest are distinct) from one sort of (row, value descending, column)
-    keys of a few candidates per row (:func:`_top_candidates`); each row's k+1 best are then contiguous."""
-    n_rows = x.shape[0]
-    row, col = _top_candidates(x, k + 1)
-    key, bits = _descending_int_key(x[row, col])
-    key = np.sort((row << (bits + 16)) | (key << 16) | col)
+    """(top-k indices, whether the row's k+1 largest are distinct) from a few candidates per row
+    (:func:`_top_candidates`), each packed into one integer (value descending, then column) and sorted per row."""
+    n_rows, width = x.shape
+    flat = _top_candidates(x, k + 1)
+    row = flat // width
+    key = (_descending_int_key(x.reshape(-1)[flat])[0] << 16) | (flat - row * width)
     counts = np.bincount(row, minlength=n_rows)
-    best = key[(np.cumsum(counts) - counts)[:, None] + np.arange(k + 1)]
+    table = np.full((n_rows, int(counts.max())), np.iinfo(np.int64).max)  # candidate counts differ: pad
+    table[row, np.arange(flat.size) - (np.cumsum(counts) - counts)[row]] = key
+    table.sort(axis=1)
+    best = table[:, : k + 1]
     value = best >> 16
     return (best[:, :k] & 0xFFFF).astype(np.intp), (value[:, 1:] != value[:, :-1]).all(axis=-1)
 
@@ -168,8 +171,8 @@ def _top_k_partition(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return out, distinct
 
 
-def _top_candidates(x: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
-    """(row, column) of a few entries per row that include the row's ``m`` largest, row-major.
+def _top_candidates(x: np.ndarray, m: int) -> np.ndarray:
+    """Flat indices (row-major) of a few entries per row that include the row's ``m`` largest.
 
     With ``q`` a quarter of the row, column ``c < q`` heads the block ``{c, c + q, c + 2q, c + 3q}`` (the last
     columns of an odd width join the last block). The ``m``-th largest block maximum is a lower bound on the row's
@@ -188,7 +191,7 @@ def _top_candidates(x: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
         if width > 4 * q:
             blocks[:, -1] = np.maximum(blocks[:, -1], x[:, 4 * q :].max(axis=1))
         bound = np.partition(blocks, q - m, axis=-1)[:, q - m]
-    return np.divmod(np.flatnonzero(x >= bound[:, None]), width)
+    return np.flatnonzero(x >= bound[:, None])
 
 
 def _descending_int_key(scores: np.ndarray) -> tuple[np.ndarray, int] | None:
@@ -263,25 +266,38 @@ def _grouped_softmax(scores: np.ndarray, wide: np.ndarray, starts: np.ndarray, l
 
 @dataclass
 class _Spans:
-    """Candidate spans, one entry each: question, window, score (``start + end`` logit) and character offsets."""
+    """Candidate spans, one entry each: question, window, score (``start + end`` logit), the start and end tokens
+    (flat indices into their window's offsets chunk) and, once resolved (:meth:`with_chars`), character offsets."""
 
     ex: np.ndarray
     feature: np.ndarray
     score: np.ndarray
     start_logit: np.ndarray
     end_logit: np.ndarray
-    a: np.ndarray
-    b: np.ndarray
+    start_token: np.ndarray
+    end_token: np.ndarray
+    a: np.ndarray | None = None
+    b: np.ndarray | None = None
 
     def take(self, index: np.ndarray) -> _Spans:
-        return _Spans(*(getattr(self, f.name)[index] for f in fields(self)))
+        return _Spans(*(None if (v := getattr(self, f.name)) is None else v[index] for f in fields(self)))
+
+    def with_chars(self, offsets: list[OffsetChunk]) -> _Spans:
+        """The spans with ``a``/``b``: the start character of the start token, the end character of the end token.
+        Resolved only for the spans that can be answers (the offsets are large and read at random)."""
+        chunk_of = np.searchsorted(np.array([c.hi for c in offsets]), self.feature, side="right")
+        a, b = np.zeros(self.feature.size, np.int64), np.zeros(self.feature.size, np.int64)
+        for i, chunk in enumerate(offsets):
+            sel = np.flatnonzero(chunk_of == i) if len(offsets) > 1 else slice(None)
+            a[sel], b[sel] = chunk.chars(self.start_token[sel], 0), chunk.chars(self.end_token[sel], 1)
+        return replace(self, a=a, b=b)
 
     @staticmethod
     def concat(parts: list[_Spans], dtype: np.dtype) -> _Spans:
         if not parts:
             ints, floats = np.zeros(0, np.int64), np.zeros(0, dtype)
             return _Spans(ints, ints, floats, floats, floats, ints, ints)
-        return _Spans(*(np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(_Spans)))
+        return _Spans(*(np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(_Spans)[:7]))
 
 
 def _allowed_cells(s_idx, e_idx, ok_s, ok_e, max_answer_length, width):
@@ -312,20 +328,21 @@ def _batch_candidates(start, end, chunk: OffsetChunk, lo, hi, k, n, max_answer_l
         ok_s &= np.take_along_axis(max_context[lo:hi], s_idx, 1)
     b, si, ei = _allowed_cells(s_idx, e_idx, ok_s, ok_e, max_answer_length, st.shape[1])
     cell_s, cell_e = b * k + si, b * k + ei  # into the [windows, k] arrays, flattened
-    s_val = np.take_along_axis(st, s_idx, 1).reshape(-1)[cell_s]
-    e_val = np.take_along_axis(en, e_idx, 1).reshape(-1)[cell_e]
+    s_pos, e_pos = s_idx.reshape(-1)[cell_s], e_idx.reshape(-1)[cell_e]
+    s_val, e_val = st.reshape(-1)[b * st.shape[1] + s_pos], en.reshape(-1)[b * en.shape[1] + e_pos]
     score = s_val + e_val  # in the logits' dtype, as the loop adds numpy scalars
     order = _order_by_row_score_cell(b, score, si * k + ei, k * k)
-    ranked = b[order]
-    kept = order[np.arange(order.size) - np.searchsorted(ranked, ranked) < n]  # each window's n best, in order
+    per_window = np.bincount(b, minlength=hi - lo)
+    rank = np.arange(order.size) - np.repeat(np.cumsum(per_window) - per_window, per_window)  # b[order] is sorted
+    kept = order[rank < n]  # each window's n best, in order
     return _Spans(
         ex=np.zeros(0, np.int64),  # set for all batches at once
         feature=b[kept] + lo,
         score=score[kept],
         start_logit=s_val[kept],
         end_logit=e_val[kept],
-        a=chunk.chars(flat_s.reshape(-1)[cell_s[kept]], 0),
-        b=chunk.chars(flat_e.reshape(-1)[cell_e[kept]], 1),
+        start_token=flat_s.reshape(-1)[cell_s[kept]],
+        end_token=flat_e.reshape(-1)[cell_e[kept]],
     )
 
 
@@ -362,15 +379,15 @@ class _Ranked:
     nonempty: np.ndarray  # the span's text is not ""
 
 
-def _rank_per_question(spans: _Spans, contexts: list[str], n: int) -> _Ranked:
+def _rank_per_question(spans: _Spans, inputs: QAInputs, n: int) -> _Ranked:
     """A stable sort by (question, score descending): equal scores keep window order, then start and end rank,
     which is the order Python's stable ``sorted(..., reverse=True)`` gives utils_qa's candidate list."""
-    n_examples = len(contexts)
+    contexts, n_examples = inputs.contexts, inputs.n_examples
     spans = spans.take(_stable_order_by_row_score(spans.ex, spans.score))
     counts = np.bincount(spans.ex, minlength=n_examples)
     rank = np.arange(spans.ex.size) - (np.cumsum(counts) - counts)[spans.ex]
     keep = rank < n
-    spans = spans.take(keep)
+    spans = spans.take(keep).with_chars(inputs.offsets)
     ctx_len = np.fromiter((len(c) for c in contexts), np.int64, n_examples)
     return _Ranked(spans, rank[keep], np.minimum(counts, n), _slice_nonempty(spans.a, spans.b, ctx_len[spans.ex]))
 
@@ -511,24 +528,22 @@ def _answers(entries: _Entries, null: _Null | None, contexts: list[str], thresho
     return ["" if no else text for text, no in zip(texts, (score_diff > threshold).tolist())], score_diff
 
 
-def _best_span_texts(candidates: _Spans, contexts: list[str], n: int) -> list[str]:
+def _best_span_texts(candidates: _Spans, inputs: QAInputs, n: int) -> list[str]:
     """SQuAD v1.1 answers without ranking every span or building the lists (what :func:`_answers` gives): each
     question's best span, or ``"empty"`` when it has no allowed span, or only one and its text is ``""``.
 
     Candidates come grouped by window, best first, so a question's best span is the best of its windows' first
     spans, the earliest window winning a tie (the stable sort of the loop)."""
-    n_examples = len(contexts)
+    contexts = inputs.contexts
     firsts = np.flatnonzero(np.r_[True, candidates.feature[1:] != candidates.feature[:-1]])[: candidates.ex.size]
     order = firsts[_stable_order_by_row_score(candidates.ex[firsts], candidates.score[firsts])]
     ex = candidates.ex[order]
-    best = order[np.r_[True, ex[1:] != ex[:-1]]] if ex.size else order  # the first of each question
-    count = np.bincount(candidates.ex, minlength=n_examples)
-    ex = candidates.ex[best]
-    a, b = candidates.a[best], candidates.b[best]
-    ctx_len = np.fromiter((len(contexts[i]) for i in ex.tolist()), np.int64, ex.size)
-    use = (np.minimum(count[ex], n) > 1) | _slice_nonempty(a, b, ctx_len)  # the list holds min(count, n)
-    texts = ["empty"] * n_examples
-    for i, x, y in zip(ex[use].tolist(), a[use].tolist(), b[use].tolist()):
+    best = candidates.take(order[np.r_[True, ex[1:] != ex[:-1]]] if ex.size else order).with_chars(inputs.offsets)
+    count = np.bincount(candidates.ex, minlength=inputs.n_examples)
+    ctx_len = np.fromiter((len(contexts[i]) for i in best.ex.tolist()), np.int64, best.ex.size)
+    use = (np.minimum(count[best.ex], n) > 1) | _slice_nonempty(best.a, best.b, ctx_len)  # lists hold min(count, n)
+    texts = ["empty"] * inputs.n_examples
+    for i, x, y in zip(best.ex[use].tolist(), best.a[use].tolist(), best.b[use].tolist()):
         texts[i] = contexts[i][x:y]
     return texts
 
@@ -592,8 +607,8 @@ def compute_qa_predictions(
     candidates = _window_candidates(start, end, inputs, n, int(max_answer_length))
     ids = inputs.example_ids
     if not (v2 or with_nbest):  # answers only: no n-best lists to build
-        return QAPostprocessResult(collections.OrderedDict(zip(ids, _best_span_texts(candidates, inputs.contexts, n))))
-    ranked = _rank_per_question(candidates, inputs.contexts, n)
+        return QAPostprocessResult(collections.OrderedDict(zip(ids, _best_span_texts(candidates, inputs, n))))
+    ranked = _rank_per_question(candidates, inputs, n)
     null = _null_answers(start, end, inputs.feat2ex, inputs.n_examples) if v2 else None
     entries = _nbest_entries(ranked, null, n, dtype)
     texts, score_diff = _answers(entries, null, inputs.contexts, null_score_diff_threshold)
