@@ -92,10 +92,13 @@ def save_checkpoint(facade: Trainer) -> str:
     tmp_dir = os.path.join(run_dir, f".tmp-{name}")
     world_size, rank = facade._world()
     is_main = facade.is_world_process_zero()
+    backend = facade._backend()
+    backend.hf_sync_to_host()
     if is_main:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         with facade._evaluation_weights():
             save_model_files(facade.model, facade.processing_class, tmp_dir, args)
+        backend.hf_save_files(tmp_dir)
         for callback in facade._weight_hooks("save_checkpoint_state"):
             callback.save_checkpoint_state(tmp_dir, facade.model)
     facade._barrier()
@@ -269,9 +272,7 @@ def restore_state(facade: Trainer, plan: TrainingPlan) -> tuple[int, int]:
     if state.best_model_checkpoint is not None and not os.path.isdir(state.best_model_checkpoint):
         state.best_model_checkpoint = None
     _restore_callback_states(facade)
-    return plan.resume_position(
-        state.global_step, facade.args.gradient_accumulation_steps, facade.args.ignore_data_skip
-    )
+    return plan.resume_position(state.global_step, facade.args.ignore_data_skip)
 
 
 def _restore_callback_states(facade: Trainer) -> None:

@@ -53,6 +53,7 @@ from transformers.trainer_utils import (
 from transformers.utils import can_return_loss, find_labels
 
 from hflight import checkpoint, distributed, evaluation, hpsearch, optim, steps
+from hflight.backend import HFBackend, backend_of
 from hflight.callbacks.bridge import HFEventBridge
 from hflight.datamodule import HFDataModule, make_dataloader, remove_unused_columns, train_sampler
 from hflight.lightning_kwargs import lightning_trainer_kwargs, quiet_lightning, split_callbacks
@@ -241,7 +242,12 @@ class Trainer:
         sampler = None
         if not isinstance(dataset, IterableDataset):
             sampler = self._get_train_sampler(dataset) if training else self._get_eval_sampler(dataset)
-        return make_dataloader(dataset, self.args, self.data_collator, batch_size, sampler, *self._world())
+        collator = self._collator(training)
+        return make_dataloader(dataset, self.args, collator, batch_size, sampler, *self._world())
+
+    def _collator(self, training: bool) -> Callable:
+        """The collator of training (``training``) or evaluation batches: ``data_collator`` for both, as in HF."""
+        return self.data_collator
 
     def _get_train_sampler(self, train_dataset: Any = None) -> torch.utils.data.Sampler:
         dataset = train_dataset if train_dataset is not None else self.train_dataset
@@ -332,8 +338,13 @@ class Trainer:
             self._lightning_module = HFModule(self, self.model)
         return self._lightning_module
 
+    def _lightning_strategy(self) -> Any:
+        """The strategy of the ``lightning.Trainer``s: ``args.strategy`` (compat trainers bring an instance)."""
+        return None
+
     def _new_lightning_trainer(self, extra_callbacks: list[L.Callback], fitting: bool) -> L.Trainer:
-        kwargs = lightning_trainer_kwargs(self.args, self._lightning_callbacks + extra_callbacks, fitting=fitting)
+        callbacks = self._lightning_callbacks + extra_callbacks
+        kwargs = lightning_trainer_kwargs(self.args, callbacks, fitting=fitting, strategy=self._lightning_strategy())
         with quiet_lightning():
             trainer = L.Trainer(**kwargs)
         self._lightning_trainer = trainer
@@ -345,6 +356,10 @@ class Trainer:
     # Collectives through the running strategy (identity in a single process): see hflight.distributed.
     def _strategy(self) -> Any:
         return self._lightning_trainer.strategy if self._lightning_trainer is not None else None
+
+    def _backend(self) -> HFBackend:
+        """The running strategy's hooks into the HF loop (eager PyTorch unless a backend such as the IPU's)."""
+        return backend_of(self._strategy())
 
     def _gather(self, value: Any, pad_dim: int | None = None) -> Any:
         return distributed.gather(self._strategy(), value, pad_dim)
@@ -521,8 +536,11 @@ class Trainer:
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         output_dir = output_dir if output_dir is not None else self.args.output_dir
+        backend = self._backend()
+        backend.hf_sync_to_host()
         if self.is_world_process_zero():
             checkpoint.save_model_files(self.model, self.processing_class, output_dir, self.args)
+            backend.hf_save_files(output_dir)
 
     def _save_checkpoint(self, trial: Any = None) -> None:
         checkpoint.save_checkpoint(self)

@@ -28,6 +28,7 @@ from transformers.trainer_utils import SaveStrategy, TrainOutput, speed_metrics
 from typing_extensions import override
 
 from hflight import checkpoint
+from hflight.backend import backend_of
 from hflight.datamodule import loader_length
 from hflight.plan import plan_training
 
@@ -72,7 +73,9 @@ class HFEventBridge(L.Callback):
         loader = trainer.datamodule.train_loader
         length = loader_length(loader)
         num_examples = facade.num_examples(loader) if length else None
-        facade._plan = plan = plan_training(facade.args, length, num_examples, facade._world()[0])
+        world_size = facade._world()[0]
+        geometry = backend_of(trainer.strategy).hf_geometry(facade.args, world_size)
+        facade._plan = plan = plan_training(facade.args, length, num_examples, world_size, geometry)
         facade.state = facade._fresh_state()
         facade.state.train_batch_size = facade.args.train_batch_size
         facade.state.compute_steps(facade.args, plan.max_steps)
@@ -140,9 +143,14 @@ class HFEventBridge(L.Callback):
         clip = getattr(model, "clip_grad_norm_", None)  # FSDP-wrapped modules clip their own shards
         norm_limit = max_norm if max_norm and max_norm > 0 else float("inf")
         if clip is not None:
-            self.grad_norm = clip(norm_limit)
+            grad_norm = clip(norm_limit)
         else:
-            self.grad_norm = torch.nn.utils.clip_grad_norm_(facade.model.parameters(), norm_limit)
+            grad_norm = torch.nn.utils.clip_grad_norm_(facade.model.parameters(), norm_limit)
+        self.pre_optimizer_step(grad_norm)
+
+    def pre_optimizer_step(self, grad_norm: torch.Tensor | float | None) -> None:
+        """``on_pre_optimizer_step``; ``grad_norm`` is logged with the next loss (None: not known on the host)."""
+        self.grad_norm = grad_norm
         self._fire("on_pre_optimizer_step")
 
     def optimizer_stepped(self) -> None:
