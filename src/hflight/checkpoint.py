@@ -68,7 +68,7 @@ def save_model_files(model: torch.nn.Module, processing_class: Any, output_dir: 
         save_file(state, os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})
     if processing_class is not None and hasattr(processing_class, "save_pretrained"):
         processing_class.save_pretrained(output_dir)
-    torch.save(args, os.path.join(output_dir, "training_args.bin"))
+    torch.save(args.to_picklable(), os.path.join(output_dir, "training_args.bin"))
 
 
 def _rng_states() -> dict[str, Any]:

@@ -12,6 +12,7 @@ uses a ``Union`` the field takes the simpler type and ``__post_init__`` normalis
 # ruff: noqa: UP006, UP035, UP045
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import json
@@ -508,6 +509,18 @@ class TrainingArguments:
             if not isinstance(d[name], str):
                 d[name] = type(d[name]).__name__
         return d
+
+    def to_picklable(self) -> "TrainingArguments":
+        """A shallow copy for ``torch.save`` (``training_args.bin``): Lightning accelerator and strategy objects are
+        replaced by their registered names, so the file never holds a live strategy (its model, device handles)."""
+        clone = copy.copy(self)
+        for name, attribute in (("accelerator", "name"), ("strategy", "strategy_name")):
+            value = getattr(clone, name)
+            if not isinstance(value, str):
+                registered = getattr(value, attribute, None)
+                registered = registered() if callable(registered) else registered
+                setattr(clone, name, registered if isinstance(registered, str) else "auto")
+        return clone
 
     def to_json_string(self) -> str:
         """The arguments as an indented JSON string."""

@@ -133,7 +133,7 @@ def _type_ok(value: Any, hint: Any) -> bool:
 
 
 def _describe(hint: Any) -> str:
-    return str(hint).replace("typing.", "")
+    return getattr(hint, "__name__", None) if isinstance(hint, type) else str(hint).replace("typing.", "")
 
 
 class _ModeField:
@@ -463,10 +463,12 @@ def _check_field(name: str, value: Any) -> None:
 
 
 def _parse_override(key: str, text: str, current: Any) -> Any:
-    if current is None:  # an unset optional field: read the text as JSON (numbers, lists, true/false)
+    if text.startswith("[") or current is None:  # a list ("[a b c]"), or an unset optional field: read it as JSON
         try:
             return json.loads(text.replace(" ", ",") if text.startswith("[") else text)
-        except ValueError:
+        except ValueError as exc:
+            if text.startswith("["):
+                raise ValueError(f"IPUConfig override {key}={text!r}: expected a list such as [1 2 3].") from exc
             return text
     if isinstance(current, bool):
         lowered = text.lower()
