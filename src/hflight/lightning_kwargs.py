@@ -127,9 +127,13 @@ def strategy_for(args: Any) -> Any:
 
 
 def accelerator_for(args: Any, strategy: Any) -> Any:
-    """``args.accelerator``; for "auto", the accelerator a backend strategy needs (``strategy="ipu"``)."""
-    if args.accelerator == "auto" and isinstance(strategy, str):
-        return STRATEGY_ACCELERATORS.get(strategy, "auto")
+    """``args.accelerator``; for "auto", the accelerator a backend strategy needs (``strategy="ipu"``). A strategy
+    object that already carries an accelerator (it ran under an earlier ``lightning.Trainer`` of this facade) keeps
+    it: Lightning refuses an accelerator given twice."""
+    if isinstance(strategy, str):
+        return STRATEGY_ACCELERATORS.get(strategy, "auto") if args.accelerator == "auto" else args.accelerator
+    if getattr(strategy, "accelerator", None) is not None:
+        return "auto"
     return args.accelerator
 
 

@@ -19,6 +19,7 @@ import logging
 import os
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +41,7 @@ log = logging.getLogger(__name__)
 
 EXPORTERS = ("torchscript", "dynamo")
 QUANTIZATIONS = (None, "dynamic")
-OPSET = 17
+OPSETS = {"torchscript": 17, "dynamo": 18}  # the dynamo exporter implements opset 18 and later
 
 
 def _qa_loss(model: nn.Module, outputs: Mapping[str, torch.Tensor], labels: Mapping[str, torch.Tensor]) -> Any:
@@ -164,17 +165,25 @@ def export_logits(
             same_length = value.dim() > 1 and seq_len is not None and value.shape[1] == seq_len
             dynamic_axes[name] = {0: "batch", 1: "sequence"} if same_length else {0: "batch"}
         wrapper = _LogitsOnly(model, input_names, output_names).eval()
-        with torch.no_grad(), _eager_attention(model, exporter):
+        if exporter == "dynamo":  # torch.export's spelling of the same dynamic axes
+            dims = {"batch": torch.export.Dim.DYNAMIC, "sequence": torch.export.Dim.DYNAMIC}
+            shapes = tuple({i: dims[n] for i, n in dynamic_axes[name].items()} for name in input_names)
+            axes: dict[str, Any] = {"dynamic_shapes": (shapes,), "external_data": False}  # one entry: *tensors
+        else:
+            axes = {"dynamic_axes": dynamic_axes}
+        with torch.no_grad(), _eager_attention(model, exporter), warnings.catch_warnings():
+            # tracing notes about Python control flow in transformers' masking code: the graph is checked by tests
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            warnings.filterwarnings("ignore", message=".*aten::index.*", category=UserWarning)
             torch.onnx.export(
                 wrapper,
                 args,
                 path,
                 input_names=input_names,
                 output_names=output_names,
-                dynamic_axes=dynamic_axes,
-                opset_version=OPSET,
+                opset_version=OPSETS[exporter],
                 dynamo=exporter == "dynamo",
-                **({"external_data": False} if exporter == "dynamo" else {}),
+                **axes,
             )
     finally:
         model.train(was_training)

@@ -26,7 +26,6 @@ import torch
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from typing_extensions import override
 
@@ -80,7 +79,7 @@ class ORTStrategy(SingleDeviceStrategy, HFBackend):
         quantize: None, or ``"dynamic"`` for int8 dynamic quantization of the evaluation graph (per channel).
         exporter: ``"torchscript"`` (default) or ``"dynamo"``.
         providers: ONNX Runtime execution providers (default: CUDA when the model is on a GPU and ORT has it).
-        device: the device (default: the accelerator's).
+        device: the device (default: the accelerator's first; several devices need a DDP strategy).
     """
 
     strategy_name = "ort"
@@ -118,21 +117,17 @@ class ORTStrategy(SingleDeviceStrategy, HFBackend):
         self.quantize = quantize
         self.exporter = exporter
         self.providers = providers
-        # Lightning fills this from the accelerator ("auto": a GPU when there is one) when it builds the strategy.
-        self.parallel_devices: list[torch.device] | None = [torch.device(device)] if device is not None else None
+        self._device = torch.device(device) if device is not None else None
         self._training_model: _ORTModuleTraining | None = None
 
     @property
     @override
     def root_device(self) -> torch.device:
-        if self.parallel_devices:
-            if len(self.parallel_devices) > 1:
-                raise MisconfigurationException(
-                    f"ORTStrategy runs on one device, got {len(self.parallel_devices)}: set devices=1 (for several "
-                    "GPUs use a DDP strategy)."
-                )
-            return self.parallel_devices[0]
-        return super().root_device
+        """The device given, else the first device of the accelerator Lightning chose ("auto": a GPU if any)."""
+        if self._device is not None or self.accelerator is None:
+            return self._device or torch.device("cpu")
+        accelerator = type(self.accelerator)
+        return accelerator.get_parallel_devices(accelerator.parse_devices(1))[0]
 
     # ---- training ----------------------------------------------------------------------------------------------
     @override
