@@ -243,7 +243,7 @@ class IPUStrategy(SingleDeviceStrategy, HFBackend):
     @override
     def hf_optimizer_step(self, module: HFModule) -> bool:
         # The device already ran the step inside the training call; no gradients exist on the host.
-        optimizer = module._facade.optimizer
+        optimizer = module.optimizers().optimizer
         optimizer._opt_called = True  # what torch's LR schedulers look for before their first step
         module.pre_optimizer_step(grad_norm=None)
         return True
