@@ -116,3 +116,26 @@ def test_a_signal_after_a_regular_save_does_not_save_twice(tmp_path, factory):
     with pytest.raises(TrainingInterrupted):
         train(tmp_path, factory, SendSignal(signal.SIGTERM, step=3), CountSaves())
     assert saves == [3]
+
+
+def test_sigterm_during_evaluate_exits_non_zero(tmp_path, factory):
+    """Outside of train(), Lightning's validate loop stops on SIGTERM with a SystemExit of status 0: not here."""
+
+    class SignalDuringEvaluation(hflight.TrainerCallback):
+        sent = False
+
+        def on_prediction_step(self, args, state, control, **kwargs):
+            if not self.sent:
+                self.sent = True
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    values = dict(output_dir=str(tmp_path), per_device_eval_batch_size=2, report_to="none", disable_tqdm=True)
+    trainer = hflight.Trainer(
+        factory.qa_model(),
+        hflight.TrainingArguments(**values, dataloader_pin_memory=False),
+        eval_dataset=factory.qa_dataset(8),
+        callbacks=[SignalDuringEvaluation()],
+    )
+    with pytest.raises(TrainingInterrupted, match="Evaluation stopped by SIGTERM") as stopped:
+        trainer.evaluate()
+    assert stopped.value.code == 143

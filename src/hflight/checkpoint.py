@@ -129,7 +129,8 @@ def verify_checkpoint(folder: str | os.PathLike) -> dict[str, Any] | None:
             problems.append(f"{name} is corrupt or truncated ({path.stat().st_size} bytes, {size} when saved)")
     if problems:
         raise IncompleteCheckpointError(
-            f"Checkpoint {folder} is incomplete: {'; '.join(problems)} (files listed in its {MANIFEST_NAME})."
+            f"Checkpoint {folder} is incomplete: {'; '.join(problems)} (files listed in its {MANIFEST_NAME}; if "
+            "they were changed on purpose, delete the manifest to resume from the folder as it is)."
         )
     return manifest
 

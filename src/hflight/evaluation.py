@@ -19,6 +19,7 @@ import torch
 from transformers.trainer_pt_utils import find_batch_size, nested_numpify
 from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify_detensorize
 
+from hflight.interrupt import sigterm_exits_non_zero
 from hflight.lightning_kwargs import quiet_lightning
 
 if TYPE_CHECKING:
@@ -176,7 +177,7 @@ def run_evaluation_loop(
                         evaluator.step(batch)
                 model.train(was_training)
             else:
-                with quiet_lightning():
+                with quiet_lightning(), sigterm_exits_non_zero("Evaluation"):
                     trainer = facade._validation_trainer()
                     trainer.validate(facade._ensure_module(), dataloaders=dataloader, verbose=False)
     finally:

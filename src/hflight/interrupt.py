@@ -108,17 +108,10 @@ class StopRequest:
     @contextlib.contextmanager
     def handling_signals(self, lightning_trainer: Any) -> Iterator[StopRequest]:
         """Install this request as the SIGTERM/SIGINT handler for the duration (main thread only); convert what
-        Lightning raises for those signals into :class:`TrainingInterrupted`."""
-        from lightning.pytorch.utilities.exceptions import SIGTERMException
-
+        Lightning raises for SIGTERM into :class:`TrainingInterrupted`."""
         self.lightning_trainer = lightning_trainer
-        with _handlers(self):
-            try:
-                yield self
-            except SIGTERMException:  # Lightning's exit-status-0 exception, should it still come through
-                raise stopped(
-                    signal.SIGTERM, "Training stopped by SIGTERM (Lightning's handler, mid-step).", self.global_step
-                ) from None
+        with _handlers(self), sigterm_exits_non_zero("Training"):
+            yield self
         if self.signum is not None:  # arrived after the last step boundary: training had finished
             raise stopped(
                 self.signum,
@@ -141,6 +134,18 @@ def _handlers(handler: Any) -> Iterator[None]:
     finally:
         for signum, old in previous.items():
             signal.signal(signum, old if old is not None else signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def sigterm_exits_non_zero(what: str) -> Iterator[None]:
+    """Lightning's ``SIGTERMException`` (a ``SystemExit`` with status 0) as :class:`TrainingInterrupted` (143):
+    around ``validate`` outside of training, and as a safety net around ``fit``."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    try:
+        yield
+    except SIGTERMException:
+        raise stopped(signal.SIGTERM, f"{what} stopped by SIGTERM (Lightning's handler).") from None
 
 
 def _raise_now(signum: int, frame: Any) -> None:
