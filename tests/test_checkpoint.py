@@ -334,16 +334,16 @@ def test_a_missing_or_empty_optimizer_file_is_named(saved, tmp_path, factory):
 
 
 def test_save_only_model_folders_resume_from_the_weights_with_a_warning(tmp_path, factory, caplog):
-    first = make_trainer(tmp_path, factory, stop_at=6, save_only_model=True)
-    first.train()
-    folder = tmp_path / "checkpoint-6"
+    make_trainer(tmp_path, factory, stop_at=3, save_only_model=True).train()
+    folder = tmp_path / "checkpoint-3"
     assert not (folder / "optimizer.pt").exists() and verify_checkpoint(folder)["save_only_model"] is True
-    resumed = make_trainer(tmp_path / "resumed", factory, model=factory.qa_model(seed=5, dropout=0.1))
+    resumed = make_trainer(tmp_path / "resumed", factory, model=factory.qa_model(seed=5, dropout=0.1), max_steps=5)
     with caplog.at_level(logging.WARNING, logger="hflight.resume"):
         resumed.train(resume_from_checkpoint=str(folder))
     assert "saved with save_only_model=True" in caplog.text and "reproducibility is not guaranteed" in caplog.text
-    logged = [e["step"] for e in resumed.state.log_history if "loss" in e]
-    assert logged == list(range(1, 13))  # steps 1-6 from the checkpoint's history, 7-12 trained now
+    logged = {e["step"]: e for e in resumed.state.log_history if "loss" in e}
+    assert sorted(logged) == [1, 2, 3, 4, 5]  # steps 1-3 from the checkpoint's history, 4-5 trained now
+    assert logged[4]["learning_rate"] == 0.0  # a fresh schedule starts its warmup again, as in transformers
 
 
 # ---- resuming with other arguments ----------------------------------------------------------------------------------
@@ -369,8 +369,9 @@ def test_changed_arguments_are_named_and_the_new_cadence_wins(saved, tmp_path, f
 def test_resuming_with_the_same_arguments_is_silent(saved, tmp_path, factory, caplog):
     folder = copy_checkpoint(saved, tmp_path)
     with caplog.at_level(logging.WARNING, logger="hflight"):
-        make_trainer(tmp_path / "out", factory, save_strategy="no").train(resume_from_checkpoint=str(folder))
-    assert "(now) !=" not in caplog.text
+        trainer = make_trainer(tmp_path / "out", factory, save_strategy="no", max_steps=7)
+        trainer.train(resume_from_checkpoint=str(folder))
+    assert trainer.state.global_step == 7 and "(now) !=" not in caplog.text
 
 
 # ---- weights ---------------------------------------------------------------------------------------------------------
