@@ -151,12 +151,15 @@ def test_incomplete_folders_are_never_picked(saved, tmp_path, caplog):
     with open(out / "checkpoint-9" / "model.safetensors", "r+b") as f:
         f.truncate(100)  # a truncated file
     (out / "checkpoint-12").mkdir()  # an empty folder
+    shutil.copytree(saved / "checkpoint-6", out / "checkpoint-15")
+    (out / "checkpoint-15" / MANIFEST_NAME).write_text('{"format": "hflight-checkpoint", "files": [')  # cut short
     with caplog.at_level(logging.WARNING, logger="hflight.checkpoint"):
         assert get_last_checkpoint(out) == str(out / "checkpoint-3")
     text = caplog.text
     assert "checkpoint-6" in text and "no optimizer.pt" in text
     assert "checkpoint-9" in text and "model.safetensors is corrupt or truncated (100 bytes" in text
     assert "checkpoint-12" in text and "no trainer_state.json" in text
+    assert f"Checkpoint manifest {out / 'checkpoint-15' / MANIFEST_NAME} is unreadable" in text
 
 
 def test_a_kill_at_any_point_of_a_resave_leaves_a_complete_checkpoint(saved, reference, tmp_path, factory, monkeypatch):

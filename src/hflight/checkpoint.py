@@ -96,10 +96,11 @@ def read_manifest(folder: str | os.PathLike) -> dict[str, Any] | None:
             f"Checkpoint manifest {path} is not an hflight manifest (expected format {MANIFEST_FORMAT!r} and a "
             "'files' mapping of file name to size)."
         )
-    if manifest.get("version", 0) > MANIFEST_VERSION:
+    version = manifest.get("version")
+    if type(version) is not int or version > MANIFEST_VERSION:
         raise IncompleteCheckpointError(
-            f"Checkpoint manifest {path} has version {manifest['version']}; this hflight reads up to "
-            f"{MANIFEST_VERSION}: upgrade hflight."
+            f"Checkpoint manifest {path} has version {version!r}; this hflight reads versions 1 to "
+            f"{MANIFEST_VERSION} (a newer hflight wrote it?)."
         )
     return manifest
 
