@@ -21,6 +21,7 @@ import hflight
 from hflight import checkpoint
 from hflight.checkpoint import MANIFEST_NAME, get_last_checkpoint, verify_checkpoint, write_manifest
 from hflight.resume import load_rng_file, read_trainer_state
+from hflight.weights import load_model_weights
 
 
 class StopAt(hflight.TrainerCallback):
@@ -270,6 +271,32 @@ def test_rng_states_written_by_transformers_load_safely(tmp_path):
     torch.save({"python": (3, (1, 2), None), "numpy": states["numpy"], "cpu": states["cpu"]}, tmp_path / "bad.pth")
     with pytest.raises(ValueError, match="bad.pth does not hold valid RNG states"):
         load_rng_file(tmp_path / "bad.pth")
+
+
+def test_weights_in_pytorch_bin_load_with_weights_only_and_a_crafted_one_is_refused(tmp_path, factory):
+    source, target = factory.qa_model(seed=1), factory.qa_model(seed=2)
+    torch.save(source.state_dict(), tmp_path / "pytorch_model.bin")
+    load_model_weights(target, tmp_path)
+    assert all(torch.equal(v, target.state_dict()[k]) for k, v in source.state_dict().items())
+    marker = tmp_path / "pwned"
+    torch.save({**source.state_dict(), "extra": _CreatesMarker(marker)}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"pytorch_model\.bin cannot be loaded safely.*refers to io\.open"):
+        load_model_weights(target, tmp_path)
+    assert not marker.exists()
+
+
+def test_weights_the_model_ties_may_be_absent_from_the_file(tmp_path, factory):
+    """save_pretrained writes a tied decoder weight once (as the embedding); loading must not call it missing."""
+    from transformers import BertForMaskedLM
+
+    torch.manual_seed(1)
+    source = BertForMaskedLM(factory.config())
+    source.save_pretrained(tmp_path)
+    torch.manual_seed(2)
+    target = BertForMaskedLM(factory.config())
+    load_model_weights(target, tmp_path)
+    assert all(torch.equal(v, target.state_dict()[k]) for k, v in source.state_dict().items())
+    assert target.cls.predictions.decoder.weight is target.bert.embeddings.word_embeddings.weight
 
 
 # ---- trainer_state.json --------------------------------------------------------------------------------------------

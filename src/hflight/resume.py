@@ -20,7 +20,6 @@ import logging
 import os
 import pickle
 import random
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,7 +41,7 @@ from hflight.checkpoint import (
     run_arguments,
     verify_checkpoint,
 )
-from hflight.weights import checked_weights, load_model_weights
+from hflight.weights import UnsafeCheckpointFile, checked_weights, load_model_weights, refused_pickle
 
 if TYPE_CHECKING:
     from hflight.plan import TrainingPlan
@@ -319,12 +318,10 @@ def load_rng_file(path: str | os.PathLike) -> dict[str, Any]:
         with torch.serialization.safe_globals(_numpy_allowlist()):
             states = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        unsafe = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
-        what = f" (it refers to {unsafe.group(1)})" if unsafe else ""
-        raise ValueError(
-            f"{path} cannot be loaded safely: it holds objects other than RNG states{what}. hflight never unpickles "
-            "arbitrary objects from a checkpoint. Delete the file to resume without restoring the random number "
-            "generators (the run is then not reproducible)."
+        error = refused_pickle(path, exc, "RNG states")
+        raise UnsafeCheckpointFile(
+            f"{error} Delete the file to resume without restoring the random number generators (the run is then not "
+            "reproducible)."
         ) from None
     except Exception as exc:
         raise ValueError(f"Cannot restore {path}: {_failure(path, exc)}") from exc

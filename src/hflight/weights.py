@@ -14,6 +14,8 @@ storage is in the file.
 from __future__ import annotations
 
 import json
+import pickle
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -37,8 +39,26 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(path))
 
 
+class UnsafeCheckpointFile(ValueError):
+    """A checkpoint file holds pickled objects beyond tensors and plain values; it is never unpickled."""
+
+
+def refused_pickle(path: Path, exc: pickle.UnpicklingError, holds: str) -> UnsafeCheckpointFile:
+    """The error for a file ``torch.load(weights_only=True)`` refused: it names the file and the object, and does
+    not repeat torch's advice to load it with ``weights_only=False``."""
+    unsafe = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+    what = f" (it refers to {unsafe.group(1)})" if unsafe else ""
+    return UnsafeCheckpointFile(
+        f"{path} cannot be loaded safely: it holds objects other than {holds}{what}. hflight never unpickles "
+        "arbitrary objects from a checkpoint."
+    )
+
+
 def _read_bin(path: Path) -> dict[str, torch.Tensor]:
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise refused_pickle(path, exc, "tensors") from None
     if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
         raise ValueError("it does not hold a state dict of tensors")
     return state
@@ -56,6 +76,8 @@ class _Source:
             else:
                 self._tensors = _read_bin(path)
                 self.shapes = {k: tuple(v.shape) for k, v in self._tensors.items()}
+        except UnsafeCheckpointFile:
+            raise
         except Exception as exc:  # a truncated or foreign file: say which one
             raise ValueError(f"Checkpoint weights file {path} is corrupt or unreadable: {exc}") from exc
 
