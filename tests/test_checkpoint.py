@@ -346,7 +346,7 @@ def test_unknown_trainer_state_keys_are_dropped_with_a_warning(tmp_path, caplog)
 
 
 # ---- optimizer, scheduler -------------------------------------------------------------------------------------------
-def test_a_missing_or_empty_optimizer_file_is_named(saved, tmp_path, factory):
+def test_a_missing_empty_or_crafted_optimizer_file_is_named(saved, tmp_path, factory):
     folder = copy_checkpoint(saved, tmp_path)
     (folder / "optimizer.pt").unlink()
     with pytest.raises(ValueError, match=r"checkpoint-6 is incomplete: no optimizer\.pt"):
@@ -357,10 +357,17 @@ def test_a_missing_or_empty_optimizer_file_is_named(saved, tmp_path, factory):
     with pytest.raises(ValueError, match=r"Cannot restore .*optimizer\.pt: the file is empty \(0 bytes\)"):
         make_trainer(tmp_path / "b", factory).train(resume_from_checkpoint=str(folder))
 
+    marker = tmp_path / "pwned"
+    torch.save({"state": {}, "param_groups": _CreatesMarker(marker)}, folder / "optimizer.pt")
+    refresh_manifest(folder)
+    with pytest.raises(ValueError, match=r"optimizer\.pt cannot be loaded safely.*refers to io\.open"):
+        make_trainer(tmp_path / "c", factory).train(resume_from_checkpoint=str(folder))
+    assert not marker.exists()
+
     (folder / MANIFEST_NAME).unlink()  # as transformers.Trainer writes it: no manifest
     (folder / "optimizer.pt").unlink()
     with pytest.raises(ValueError, match=r"has scheduler\.pt but no optimizer\.pt"):
-        make_trainer(tmp_path / "c", factory).train(resume_from_checkpoint=str(folder))
+        make_trainer(tmp_path / "d", factory).train(resume_from_checkpoint=str(folder))
 
 
 def test_save_only_model_folders_resume_from_the_weights_with_a_warning(tmp_path, factory, caplog):

@@ -2,10 +2,11 @@
 beyond plain tensors and the RNG states' numpy arrays.
 
 Order of :func:`resolve_resume`: the folder is complete (its manifest, see ``hflight.checkpoint``), its
-``trainer_state.json`` is valid (types and required keys), its weights fit the model (keys and shapes); only then
-are weights copied in. Once Lightning has built the optimizer, :func:`restore_state` positions the run (and warns
-about every argument that changes the data position or the step arithmetic), :func:`restore_optimizer` and
-:func:`load_rng_state` restore the rest. Every error names the file (and the key) at fault.
+``trainer_state.json`` is valid (types and required keys), its weights fit the model (keys and shapes), its RNG,
+optimizer, scheduler and scaler files load safely; only then are weights copied in. Once Lightning has built the
+optimizer, :func:`restore_state` positions the run (and warns about every argument that changes the data position
+or the step arithmetic), :func:`restore_optimizer` and :func:`load_rng_state` restore the rest. Every error names
+the file (and the key) at fault.
 
 Security: checkpoints are shared and downloaded, so no file in one may run code. ``optimizer.pt``, ``scheduler.pt``,
 ``scaler.pt`` and ``.bin`` weights load with ``torch.load(weights_only=True)``; ``rng_state*.pth`` does too, with
@@ -20,7 +21,7 @@ import logging
 import os
 import pickle
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,13 +53,15 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ResumePoint:
-    """A verified checkpoint folder: its trainer state, its manifest (None for transformers' folders) and whether
-    it holds the model only (``save_only_model``: no optimizer, scheduler or RNG state)."""
+    """A verified checkpoint folder: its trainer state, its manifest (None for transformers' folders), whether it
+    holds the model only (``save_only_model``: no optimizer, scheduler or RNG state), and the optimizer, scheduler
+    and scaler states read from it (applied once Lightning has built those objects)."""
 
     folder: str
     state: TrainerState
     manifest: dict[str, Any] | None
     model_only: bool
+    training_states: dict[str, Any] = field(default_factory=dict)
 
 
 # ---- trainer_state.json ---------------------------------------------------------------------------------------------
@@ -153,9 +156,12 @@ def resolve_resume(facade: Trainer, resume: str | bool | None) -> ResumePoint | 
     state = read_trainer_state(folder / TRAINER_STATE_NAME)
     model_only = _is_model_only(folder, manifest)
     copy_weights = checked_weights(facade.model, folder)
+    training_states = {}
     if not model_only:
         for rng_file in sorted(folder.glob("rng_state*.pth")):
             load_rng_file(rng_file)  # a crafted file is rejected here, before anything changes
+        names = (OPTIMIZER_NAME, SCHEDULER_NAME, SCALER_NAME)
+        training_states = {name: _load_tensors_file(folder / name) for name in names if (folder / name).is_file()}
     for callback in facade._weight_hooks("check_checkpoint_state"):
         callback.check_checkpoint_state(str(folder), facade.model)
     copy_weights()
@@ -168,7 +174,7 @@ def resolve_resume(facade: Trainer, resume: str | bool | None) -> ResumePoint | 
             f"{state.global_step} with a fresh optimizer and learning-rate schedule; reproducibility is not "
             "guaranteed."
         )
-    return ResumePoint(str(folder), state, manifest, model_only)
+    return ResumePoint(str(folder), state, manifest, model_only, training_states)
 
 
 def _is_model_only(folder: Path, manifest: dict[str, Any] | None) -> bool:
@@ -274,6 +280,8 @@ def _failure(path: Path, exc: BaseException) -> str:
 def _load_tensors_file(path: Path) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise refused_pickle(path, exc, "tensors and plain values") from None
     except Exception as exc:
         raise ValueError(f"Cannot restore {path}: {_failure(path, exc)}") from exc
 
@@ -283,16 +291,15 @@ def restore_optimizer(facade: Trainer) -> None:
     point: ResumePoint | None = facade._resume
     if point is None or point.model_only:
         return
-    folder = Path(point.folder)
-    targets = [(OPTIMIZER_NAME, facade.optimizer), (SCHEDULER_NAME, facade.lr_scheduler)]
+    states, point.training_states = point.training_states, {}  # applied once; memory back after
+    targets = {OPTIMIZER_NAME: facade.optimizer, SCHEDULER_NAME: facade.lr_scheduler}
     scaler = getattr(facade._lightning_trainer.precision_plugin, "scaler", None)
-    if scaler is not None and (folder / SCALER_NAME).is_file():
-        targets.append((SCALER_NAME, scaler))
-    for name, target in targets:
-        path = folder / name
-        state = _load_tensors_file(path)
+    if scaler is not None and SCALER_NAME in states:
+        targets[SCALER_NAME] = scaler
+    for name, target in targets.items():
+        path = Path(point.folder) / name
         try:
-            target.load_state_dict(state)
+            target.load_state_dict(states[name])
         except Exception as exc:
             raise ValueError(
                 f"Cannot restore {path}: {_failure(path, exc)}. Was it saved for another model or optimizer?"
