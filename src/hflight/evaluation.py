@@ -20,6 +20,7 @@ from transformers.trainer_pt_utils import find_batch_size, nested_numpify
 from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify_detensorize
 
 from hflight.backend import backend_of
+from hflight.interrupt import sigterm_exits_non_zero
 from hflight.lightning_kwargs import quiet_lightning
 
 if TYPE_CHECKING:
@@ -188,7 +189,7 @@ def run_evaluation_loop(
             if fit_trainer is not None:
                 _evaluate_in_fit(evaluator, module, fit_trainer, dataloader)
             else:
-                with quiet_lightning():
+                with quiet_lightning(), sigterm_exits_non_zero("Evaluation"):
                     trainer = facade._validation_trainer()
                     trainer.validate(module, dataloaders=dataloader, verbose=False)
     finally:

@@ -3,6 +3,7 @@
 The facade keeps HF's constructor, methods, override points, ``TrainerState``/``TrainerControl`` and files; the
 work runs elsewhere: ``module.HFModule`` (optimizer steps), ``datamodule`` (loaders, accumulation cycles),
 ``callbacks.bridge`` (HF events, log/evaluate/save), ``evaluation`` (evaluation loop), ``checkpoint`` (files),
+``resume`` (checked resume), ``interrupt`` (SIGTERM/SIGINT: checkpoint at the step boundary, non-zero exit),
 ``steps`` (loss and prediction step), ``optim`` (optimizers, schedulers) and ``lightning_kwargs`` (the one mapping
 from ``TrainingArguments`` to ``lightning.Trainer``).
 """
@@ -52,7 +53,7 @@ from transformers.trainer_utils import (
 )
 from transformers.utils import can_return_loss, find_labels
 
-from hflight import checkpoint, distributed, evaluation, hpsearch, optim, steps
+from hflight import checkpoint, distributed, evaluation, hpsearch, optim, resume, steps
 from hflight.backend import HFBackend, backend_of
 from hflight.callbacks.bridge import HFEventBridge
 from hflight.datamodule import HFDataModule, make_dataloader, remove_unused_columns, train_sampler
@@ -105,7 +106,7 @@ class Trainer:
         self._evaluator: evaluation.Evaluator | None = None
         self._loop: HFEventBridge | None = None
         self._plan: TrainingPlan | None = None
-        self._resume: str | None = None
+        self._resume: resume.ResumePoint | None = None
         self._epochs_offset = 0
         self._signature_columns: list[str] | None = None
         if tokenizer is not None:
@@ -413,12 +414,12 @@ class Trainer:
             self.model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs
             )
-        self._resume = checkpoint.resolve_resume(self, resume_from_checkpoint)
+        self._resume = resume.resolve_resume(self, resume_from_checkpoint)
         module = self._ensure_module()
         self._loop = HFEventBridge(self, trial, ignore_keys_for_eval)
         trainer = self._new_lightning_trainer([self._loop], fitting=True)
         try:
-            with quiet_lightning():
+            with quiet_lightning(), self._loop.stop.handling_signals(trainer):
                 trainer.fit(module, datamodule=HFDataModule(self))
         finally:
             self.is_in_train = False

@@ -199,7 +199,7 @@ def test_checkpoints_and_saved_model_hold_the_device_weights(factory, tmp_path, 
     assert sorted(p.name for p in folder.iterdir()) == sorted(
         [
             "config.json", "model.safetensors", "training_args.bin", "trainer_state.json", "optimizer.pt",
-            "scheduler.pt", "rng_state.pth", "ipu_config.json",
+            "scheduler.pt", "rng_state.pth", "ipu_config.json", "checkpoint_manifest.json",
         ]
     )  # fmt: skip
     # the host model was trained on the device: its weights moved away from the initial ones at step 3
@@ -213,6 +213,8 @@ def test_checkpoints_and_saved_model_hold_the_device_weights(factory, tmp_path, 
     assert json.loads((tmp_path / "final" / "ipu_config.json").read_text())["output_mode"] == "final"
     args = torch.load(folder / "training_args.bin", weights_only=False)
     assert args.strategy == "ipu"  # the live strategy (model, executables) is not pickled
+    manifest = json.loads((folder / "checkpoint_manifest.json").read_text())
+    assert "ipu_config.json" in str(manifest["files"])  # part of what makes the folder complete
 
 
 def test_hf_events_and_metric_keys_are_the_cpu_ones(factory, tmp_path, poptorch_double):
