@@ -20,6 +20,7 @@ import os
 import tempfile
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -218,7 +219,8 @@ class ORTEvaluationModel:
         if quantize not in QUANTIZATIONS:
             raise ValueError(f"ORT quantize must be one of {QUANTIZATIONS}, got {quantize!r}")
         self.ort = require_onnxruntime()
-        self.model = model
+        # weak: the strategy caches sessions per model in a WeakKeyDictionary, which a strong reference would pin
+        self._model = weakref.ref(model)
         self.label_names = list(label_names)
         self.exporter = exporter
         self.quantize = quantize
@@ -233,6 +235,13 @@ class ORTEvaluationModel:
         self.export_count = 0
         self.export_seconds = 0.0
         self._snapshot: dict[str, torch.Tensor] | None = None
+
+    @property
+    def model(self) -> nn.Module:
+        model = self._model()
+        if model is None:
+            raise RuntimeError("ORTEvaluationModel: the torch model it exports was garbage-collected.")
+        return model
 
     # ---- export ------------------------------------------------------------------------------------------------
     def refresh(self) -> None:
