@@ -8,6 +8,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 import yaml
 
 from hflight import cli
+from hflight.checkpoint import verify_checkpoint
 from hflight.config import compose
 
 REPO = Path(__file__).resolve().parents[1]
@@ -194,3 +196,29 @@ def test_no_data_is_a_clear_error(tmp_path):
     cfg = compose([], output_dir=tmp_path)
     with pytest.raises(ValueError, match="data.train_file"):
         cli.train(cfg)
+
+
+@pytest.mark.subprocess
+def test_sigterm_during_training_saves_a_checkpoint_records_it_and_exits_143(tmp_path, monkeypatch):
+    """A preempted job (SIGTERM in the middle of step 3, sent by a callback for determinism) must not look
+    successful: checkpoint-3 written, error.txt says what happened and how to resume, exit status 128 + 15."""
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent / "jobs"))  # for the callback's _target_
+    proc = _run(
+        *TINY,
+        "args.max_steps=6",
+        "args.save_strategy=steps",
+        "args.save_steps=100",
+        "args.eval_strategy=no",
+        "args.load_best_model_at_end=false",
+        "+callbacks.preempt._target_=signal_callbacks.SendSignal",
+        "+callbacks.preempt.step=3",
+        f"hydra.run.dir={tmp_path}",
+        check=False,
+    )
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
+    recorded = (tmp_path / cli.ERROR_FILE).read_text()
+    assert recorded.startswith("Training stopped by SIGTERM after step 3 of 6; checkpoint saved in")
+    assert f"args.resume_from_checkpoint={tmp_path / 'checkpoint-3'}" in recorded
+    assert verify_checkpoint(tmp_path / "checkpoint-3")["global_step"] == 3
+    assert not (tmp_path / "train_results.json").exists()
+    assert "Traceback" not in proc.stdout + proc.stderr

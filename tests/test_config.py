@@ -140,6 +140,8 @@ def test_mrc_experiment_targets_what_the_recipe_needs():
         ("ddp", dict(accelerator="gpu", strategy="ddp")),
         ("ddp_cpu", dict(accelerator="cpu", devices=2, strategy="ddp")),
         ("mps", dict(accelerator="mps", devices=1)),
+        ("ipu", dict(accelerator="ipu", strategy="ipu")),
+        ("ort", dict(accelerator="auto", strategy="ort")),
     ],
 )
 def test_trainer_options_only_set_hardware_in_args(option, expected, default_args):

@@ -31,6 +31,13 @@ def run_job(out: Path, *extra: str, timeout: float = 240) -> subprocess.Complete
     return result
 
 
+def start_job(out: Path, *extra: str, stderr: int = subprocess.DEVNULL) -> subprocess.Popen:
+    """The job in a child process; it prints "step N" after every optimizer step (read them from ``stdout``)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, str(JOB), str(out), *extra]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+
+
 def final(out: Path):
     params = torch.load(out / "final.pt")
     history = json.loads((out / "log_history.json").read_text())
@@ -93,14 +100,7 @@ def test_resume_in_a_new_process_is_exact(tmp_path, uninterrupted):
 @pytest.mark.subprocess
 def test_resume_after_sigkill_is_exact(tmp_path, uninterrupted):
     out = tmp_path / "killed"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen(
-        [sys.executable, str(JOB), str(out), "--save-steps", "1", "--step-sleep", "0.15"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env,
-    )
+    process = start_job(out, "--save-steps", "1", "--step-sleep", "0.15")
     rng = random.Random()
     kill_after_step = rng.randint(2, 9)
     extra_delay = rng.uniform(0.0, 0.15)  # anywhere within the step, the save included
@@ -116,6 +116,28 @@ def test_resume_after_sigkill_is_exact(tmp_path, uninterrupted):
     resumed_from = int(Path(last).name.split("-")[1])
     run_job(out, "--resume", "last", "--save-steps", "1")
     assert_same_run(uninterrupted, out, from_step=resumed_from)
+
+
+@pytest.mark.subprocess
+def test_resume_after_sigterm_is_exact(tmp_path, uninterrupted):
+    """SIGTERM from outside, during the pause after step 4 or during step 5: the job finishes the step it is in,
+    writes a checkpoint and exits with 128 + 15; resuming from that checkpoint gives the uninterrupted run."""
+    out = tmp_path / "terminated"
+    process = start_job(out, "--save-steps", "100", "--step-sleep", "0.2", stderr=subprocess.PIPE)
+    for line in process.stdout:
+        if line.strip() == "step 4":
+            time.sleep(random.uniform(0.0, 0.4))  # within step 4's pause or during step 5
+            process.send_signal(signal.SIGTERM)
+            break
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 143, stderr[-3000:]
+    assert "Training stopped by SIGTERM after step" in stderr
+    last = get_last_checkpoint(out)
+    assert last is not None and not (out / "final.pt").exists()
+    stopped_at = int(Path(last).name.split("-")[1])
+    assert stopped_at in (4, 5) and f"after step {stopped_at} of 12" in stderr
+    run_job(out, "--resume", "last", "--save-steps", "100")
+    assert_same_run(uninterrupted, out, from_step=stopped_at)
 
 
 def test_partial_checkpoint_is_never_picked(tmp_path):

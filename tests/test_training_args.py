@@ -36,6 +36,8 @@ from hflight.training_args import (
     TrainingArguments,
     coerce_training_args,
     register_parser_types,
+    supported_accelerators,
+    supported_optimizers,
     supported_strategies,
 )
 
@@ -242,11 +244,15 @@ def test_choice_tables():
     assert all(name in {o.value for o in OptimizerNames} for name in SUPPORTED_OPTIMIZERS)
     assert SUPPORTED_TRAIN_SAMPLING_STRATEGIES == ("random", "sequential", "group_by_length")
     assert {"auto", "ddp", "fsdp"} <= set(supported_strategies())
-    assert "ipu" not in supported_strategies() and "ort" not in supported_strategies()  # not built yet
-    for name in ("ddp", "fsdp", "deepspeed_stage_2"):
+    # hflight's backends join Lightning's registries when hflight is imported
+    assert {"ipu", "ort"} <= set(supported_strategies()) and "ipu" in supported_accelerators()
+    assert "adamw_ort_fused" in supported_optimizers()
+    for name in ("ddp", "fsdp", "deepspeed_stage_2", "ipu", "ort"):
         assert TrainingArguments(strategy=name).strategy == name
-    for name in SUPPORTED_ACCELERATORS:
+    for name in (*SUPPORTED_ACCELERATORS, "ipu"):
         assert TrainingArguments(accelerator=name).accelerator == name
+    with pytest.raises(ValueError, match="Unknown accelerator 'ipx'.*ipu"):
+        TrainingArguments(accelerator="ipx")
 
 
 @pytest.mark.parametrize(

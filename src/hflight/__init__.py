@@ -1,8 +1,8 @@
 """hflight: the Hugging Face ``Trainer`` API, running on PyTorch Lightning.
 
 Callbacks, state and control objects are transformers' own classes, re-exported, so a ``TrainerCallback``
-written for ``transformers.Trainer`` works unchanged. Names are imported on first use (PEP 562), so
-``import hflight.qa.metrics`` does not pay for Lightning.
+written for ``transformers.Trainer`` works unchanged. Names are imported on first use (PEP 562). Importing the
+package registers hflight's backends (``hflight.ipu``, ``hflight.ort``) with Lightning's registries.
 """
 
 from __future__ import annotations
@@ -50,6 +50,17 @@ if TYPE_CHECKING:
     from hflight.outputs import EvalLoopOutput, EvalPrediction, PredictionOutput, TrainOutput
     from hflight.trainer import Trainer
     from hflight.training_args import TrainingArguments
+
+
+def _register_backends() -> None:
+    # Explicit and idempotent: hflight's accelerators and strategies ("ipu", "ort") join Lightning's registries, so
+    # TrainingArguments(accelerator="ipu") and lightning.Trainer(strategy="ort") resolve them. No poptorch/onnxruntime.
+    from hflight.backend import register_backends
+
+    register_backends()
+
+
+_register_backends()
 
 
 def __getattr__(name: str) -> Any:

@@ -1,17 +1,31 @@
-"""``checkpoint-N`` folders: HF-loadable model files plus everything needed to continue exactly.
+"""``checkpoint-N`` folders: HF-loadable model files plus everything needed to continue exactly, written so that a
+checkpoint is complete or does not exist.
 
-A checkpoint is written into ``.tmp-checkpoint-N`` and renamed to ``checkpoint-N`` only when complete, so a
-process killed mid-save leaves nothing that ``get_last_checkpoint`` or a resume would pick. Folder contents:
+Writing (:func:`save_checkpoint`): every file goes into ``.tmp-checkpoint-N``; ``checkpoint_manifest.json`` (each
+file with its size, and the arguments that fix the data position) is written last; then the folder is renamed to
+``checkpoint-N``. Re-saving an existing ``checkpoint-N`` moves the old folder aside (``.tmp-checkpoint-N.replaced``),
+renames the new one in and only then deletes the old one. A process killed at any point therefore leaves
+``checkpoint-N`` either complete (old or new) or absent, never partial; leftover ``.tmp-checkpoint-*`` folders are
+removed when the next training starts (:func:`remove_stale_folders`).
 
-- ``model.safetensors`` + ``config.json`` (``save_pretrained``), the processing class files, ``training_args.bin``
+Reading (:func:`verify_checkpoint`): a folder with a manifest counts only when every file it lists is there with
+its recorded size. A folder without one (written by ``transformers.Trainer``, which writes ``trainer_state.json``
+last, or by an older hflight) counts when it has ``trainer_state.json``.
+
+Folder contents, the names transformers uses, so folders written by either trainer resume in both:
+
+- ``model.safetensors`` (or shards and ``model.safetensors.index.json``) + ``config.json`` (``save_pretrained``),
+  the processing class files, ``training_args.bin`` (written for transformers; hflight never loads it)
 - ``trainer_state.json`` (``transformers.TrainerState.load_from_json`` reads it)
 - ``optimizer.pt``, ``scheduler.pt``, ``scaler.pt`` (mixed precision), ``rng_state.pth`` (``rng_state_{rank}.pth``
-  with several processes): the same names transformers uses, so folders written by either trainer resume in both.
+  with several processes); none of them with ``save_only_model``
+- ``checkpoint_manifest.json`` (hflight's own)
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
@@ -25,11 +39,18 @@ from transformers.trainer_callback import ExportableState, TrainerState
 from transformers.trainer_utils import SaveStrategy, rotate_checkpoints
 
 if TYPE_CHECKING:
-    from hflight.plan import TrainingPlan
     from hflight.trainer import Trainer
+
+logger = logging.getLogger(__name__)
 
 PREFIX = "checkpoint"
 TRAINER_STATE_NAME = "trainer_state.json"
+MANIFEST_NAME = "checkpoint_manifest.json"
+MANIFEST_FORMAT = "hflight-checkpoint"
+MANIFEST_VERSION = 1
+TMP_PREFIX = ".tmp-"
+REPLACED_SUFFIX = ".replaced"
+OPTIMIZER_NAME, SCHEDULER_NAME, SCALER_NAME = "optimizer.pt", "scheduler.pt", "scaler.pt"
 _CHECKPOINT_RE = re.compile(rf"^{PREFIX}-(\d+)$")
 WEIGHT_FILES = (
     "model.safetensors",
@@ -37,25 +58,122 @@ WEIGHT_FILES = (
     "pytorch_model.bin",
     "pytorch_model.bin.index.json",
 )
+# The arguments that decide which examples a resumed run sees next and how global steps map onto batches.
+RUN_ARGUMENTS = (
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "world_size",
+    "seed",
+    "data_seed",
+    "train_sampling_strategy",
+    "dataloader_drop_last",
+    "num_examples",
+)
+
+
+class IncompleteCheckpointError(ValueError):
+    """A checkpoint folder lacks files (or has truncated ones): interrupted while saving, or damaged since."""
+
+
+# ---- what counts as a checkpoint ----------------------------------------------------------------------------------
+def read_manifest(folder: str | os.PathLike) -> dict[str, Any] | None:
+    """The folder's manifest, or None when it has none; a manifest that cannot be read raises, naming the file."""
+    path = Path(folder) / MANIFEST_NAME
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise IncompleteCheckpointError(f"Checkpoint manifest {path} is unreadable: {exc}") from exc
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if (
+        not isinstance(manifest, dict)
+        or manifest.get("format") != MANIFEST_FORMAT
+        or not isinstance(files, dict)
+        or not all(isinstance(k, str) and type(v) is int for k, v in files.items())
+    ):
+        raise IncompleteCheckpointError(
+            f"Checkpoint manifest {path} is not an hflight manifest (expected format {MANIFEST_FORMAT!r} and a "
+            "'files' mapping of file name to size)."
+        )
+    version = manifest.get("version")
+    if type(version) is not int or version > MANIFEST_VERSION:
+        raise IncompleteCheckpointError(
+            f"Checkpoint manifest {path} has version {version!r}; this hflight reads versions 1 to "
+            f"{MANIFEST_VERSION} (a newer hflight wrote it?)."
+        )
+    return manifest
+
+
+def verify_checkpoint(folder: str | os.PathLike) -> dict[str, Any] | None:
+    """Check that ``folder`` is a complete checkpoint; return its manifest (None for a folder without one).
+
+    Raises:
+        IncompleteCheckpointError: naming every missing or truncated file (or the missing ``trainer_state.json``
+            of a folder without a manifest).
+    """
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    if manifest is None:
+        if not (folder / TRAINER_STATE_NAME).is_file():
+            raise IncompleteCheckpointError(
+                f"Checkpoint {folder} has no {TRAINER_STATE_NAME}: it is incomplete (interrupted while saving?) or "
+                "not a Trainer checkpoint."
+            )
+        return None
+    problems = []
+    for name, size in manifest["files"].items():
+        path = folder / name
+        if not path.is_file():
+            problems.append(f"no {name}")
+        elif path.stat().st_size != size:
+            problems.append(f"{name} is corrupt or truncated ({path.stat().st_size} bytes, {size} when saved)")
+    if problems:
+        raise IncompleteCheckpointError(
+            f"Checkpoint {folder} is incomplete: {'; '.join(problems)} (files listed in its {MANIFEST_NAME}; if "
+            "they were changed on purpose, delete the manifest to resume from the folder as it is)."
+        )
+    return manifest
 
 
 def get_last_checkpoint(folder: str | os.PathLike) -> str | None:
     """The complete ``checkpoint-N`` folder with the largest N in ``folder``, or None.
 
-    Only folders holding a ``trainer_state.json`` count, so a half-written folder is never returned.
+    Incomplete folders (see :func:`verify_checkpoint`) are skipped with a warning that says what they lack.
     """
     folder = Path(folder)
     if not folder.is_dir():
         return None
-    found = [
-        (int(m.group(1)), p)
-        for p in folder.iterdir()
-        if (m := _CHECKPOINT_RE.match(p.name)) and p.is_dir() and (p / TRAINER_STATE_NAME).is_file()
-    ]
-    return str(max(found)[1]) if found else None
+    candidates = sorted(
+        ((int(m.group(1)), p) for p in folder.iterdir() if (m := _CHECKPOINT_RE.match(p.name)) and p.is_dir()),
+        reverse=True,
+    )
+    for _, path in candidates:
+        try:
+            verify_checkpoint(path)
+        except IncompleteCheckpointError as exc:
+            logger.warning(f"Skipping {path.name}: {exc}")
+            continue
+        return str(path)
+    return None
 
 
-# ---- writing ----------------------------------------------------------------------------------------------------
+def remove_stale_folders(output_dir: str | os.PathLike, keep: str | None = None) -> list[str]:
+    """Delete the ``.tmp-checkpoint-*`` folders an interrupted save left in ``output_dir`` (except ``keep``)."""
+    folder = Path(output_dir)
+    if not folder.is_dir():
+        return []
+    removed = []
+    keep_path = Path(keep).resolve() if keep else None
+    for path in sorted(folder.glob(f"{TMP_PREFIX}{PREFIX}-*")):
+        if path.is_dir() and path.resolve() != keep_path:
+            shutil.rmtree(path, ignore_errors=True)
+            logger.warning(f"Removed {path}: left behind by a checkpoint save that was interrupted.")
+            removed.append(str(path))
+    return removed
+
+
+# ---- writing --------------------------------------------------------------------------------------------------------
 def save_model_files(model: torch.nn.Module, processing_class: Any, output_dir: str, args: Any) -> None:
     """``save_pretrained`` (safetensors) for transformers models, a bare safetensors state dict otherwise."""
     os.makedirs(output_dir, exist_ok=True)
@@ -68,7 +186,7 @@ def save_model_files(model: torch.nn.Module, processing_class: Any, output_dir: 
         save_file(state, os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})
     if processing_class is not None and hasattr(processing_class, "save_pretrained"):
         processing_class.save_pretrained(output_dir)
-    torch.save(args, os.path.join(output_dir, "training_args.bin"))
+    torch.save(args.to_picklable(), os.path.join(output_dir, "training_args.bin"))
 
 
 def _rng_states() -> dict[str, Any]:
@@ -78,8 +196,19 @@ def _rng_states() -> dict[str, Any]:
     return states
 
 
-def _rng_file(world_size: int, rank: int) -> str:
+def rng_file_name(world_size: int, rank: int) -> str:
     return "rng_state.pth" if world_size <= 1 else f"rng_state_{rank}.pth"
+
+
+def run_arguments(facade: Trainer) -> dict[str, Any]:
+    """The values of :data:`RUN_ARGUMENTS` for the running ``train()`` (recorded in the manifest)."""
+    args = facade.args
+    values = {name: getattr(args, name, None) for name in RUN_ARGUMENTS}
+    strategy = args.train_sampling_strategy
+    values["train_sampling_strategy"] = str(getattr(strategy, "value", strategy))
+    values["world_size"] = facade._world()[0]
+    values["num_examples"] = facade._plan.num_examples if facade._plan is not None else None
+    return values
 
 
 def save_checkpoint(facade: Trainer) -> str:
@@ -89,25 +218,28 @@ def save_checkpoint(facade: Trainer) -> str:
     run_dir = args.output_dir
     name = f"{PREFIX}-{state.global_step}"
     final_dir = os.path.join(run_dir, name)
-    tmp_dir = os.path.join(run_dir, f".tmp-{name}")
+    tmp_dir = os.path.join(run_dir, f"{TMP_PREFIX}{name}")
     world_size, rank = facade._world()
     is_main = facade.is_world_process_zero()
+    backend = facade._backend()
+    backend.hf_sync_to_host()
     if is_main:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         with facade._evaluation_weights():
             save_model_files(facade.model, facade.processing_class, tmp_dir, args)
+        backend.hf_save_files(tmp_dir)
         for callback in facade._weight_hooks("save_checkpoint_state"):
             callback.save_checkpoint_state(tmp_dir, facade.model)
     facade._barrier()
     os.makedirs(tmp_dir, exist_ok=True)
     if not args.save_only_model:
         if is_main:
-            torch.save(facade.optimizer.state_dict(), os.path.join(tmp_dir, "optimizer.pt"))
-            torch.save(facade.lr_scheduler.state_dict(), os.path.join(tmp_dir, "scheduler.pt"))
+            torch.save(facade.optimizer.state_dict(), os.path.join(tmp_dir, OPTIMIZER_NAME))
+            torch.save(facade.lr_scheduler.state_dict(), os.path.join(tmp_dir, SCHEDULER_NAME))
             scaler = getattr(facade._lightning_trainer.precision_plugin, "scaler", None)
             if scaler is not None:
-                torch.save(scaler.state_dict(), os.path.join(tmp_dir, "scaler.pt"))
-        torch.save(_rng_states(), os.path.join(tmp_dir, _rng_file(world_size, rank)))
+                torch.save(scaler.state_dict(), os.path.join(tmp_dir, SCALER_NAME))
+        torch.save(_rng_states(), os.path.join(tmp_dir, rng_file_name(world_size, rank)))
     if args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) and state.best_global_step:
         best_dir = os.path.join(run_dir, f"{PREFIX}-{state.best_global_step}")
         if state.best_global_step == state.global_step or os.path.exists(best_dir):
@@ -118,12 +250,40 @@ def save_checkpoint(facade: Trainer) -> str:
             if isinstance(callback, ExportableState):
                 _store_callback_state(state, callback)
         state.save_to_json(os.path.join(tmp_dir, TRAINER_STATE_NAME))
-        if os.path.exists(final_dir):
-            shutil.rmtree(final_dir)
-        os.replace(tmp_dir, final_dir)
+        write_manifest(tmp_dir, state.global_step, bool(args.save_only_model), run_arguments(facade))
+        publish(tmp_dir, final_dir)
         rotate_checkpoints(run_dir, args.save_total_limit, state.best_model_checkpoint, use_mtime=False)
     facade._barrier()
     return final_dir
+
+
+def write_manifest(folder: str, global_step: int, save_only_model: bool, run: dict[str, Any]) -> None:
+    """List every file of ``folder`` with its size; written last, so its presence means the rest is there."""
+    root = Path(folder)
+    files = {
+        p.relative_to(root).as_posix(): p.stat().st_size
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != MANIFEST_NAME
+    }
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "version": MANIFEST_VERSION,
+        "global_step": global_step,
+        "save_only_model": save_only_model,
+        "run": run,
+        "files": files,
+    }
+    (root / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def publish(tmp_dir: str, final_dir: str) -> None:
+    """Rename the complete ``tmp_dir`` to ``final_dir``; an existing ``final_dir`` is deleted only afterwards."""
+    replaced = os.path.join(os.path.dirname(final_dir), f"{TMP_PREFIX}{os.path.basename(final_dir)}{REPLACED_SUFFIX}")
+    if os.path.exists(final_dir):
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.replace(final_dir, replaced)
+    os.replace(tmp_dir, final_dir)
+    shutil.rmtree(replaced, ignore_errors=True)
 
 
 def _store_callback_state(state: TrainerState, callback: ExportableState) -> None:
@@ -166,61 +326,6 @@ def update_best_metric(facade: Trainer, metrics: dict[str, float]) -> bool:
     return False
 
 
-def load_model_weights(model: torch.nn.Module, folder: str) -> None:
-    """Load a checkpoint's weights into ``model`` in place; errors name the file and the mismatching keys."""
-    path = Path(folder)
-    files = [path / f for f in WEIGHT_FILES if (path / f).is_file()]
-    if not files:
-        raise ValueError(f"Can't find a model weights file in {folder} (looked for {', '.join(WEIGHT_FILES)}).")
-    weights = files[0]
-    if weights.name.endswith(".index.json"):
-        from transformers.modeling_utils import load_sharded_checkpoint
-
-        load_sharded_checkpoint(model, folder, strict=True)
-        return
-    try:
-        if weights.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            state_dict = load_file(str(weights))
-        else:
-            state_dict = torch.load(weights, map_location="cpu", weights_only=True)
-    except Exception as exc:  # corrupt or truncated file
-        raise ValueError(f"Checkpoint weights file {weights} is corrupt or unreadable: {exc}") from exc
-    _check_architecture(model, path)
-    result = model.load_state_dict(state_dict, strict=False)
-    tied = set(getattr(model, "_tied_weights_keys", None) or [])
-    missing = [k for k in result.missing_keys if k not in tied]
-    if missing or result.unexpected_keys:
-        raise ValueError(
-            f"Checkpoint {weights} does not match {type(model).__name__}: missing keys {missing[:10]}, "
-            f"unexpected keys {result.unexpected_keys[:10]}. Was it written for another architecture?"
-        )
-
-
-def _check_architecture(model: torch.nn.Module, folder: Path) -> None:
-    config_file = folder / "config.json"
-    config = getattr(model, "config", None)
-    if config is None or not config_file.is_file():
-        return
-    try:
-        saved = json.loads(config_file.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"Checkpoint config {config_file} is not valid JSON: {exc}") from exc
-    expected = getattr(config, "architectures", None) or [type(model).__name__]
-    saved_arch = saved.get("architectures")
-    if saved_arch and type(model).__name__ not in saved_arch and saved_arch != expected:
-        raise ValueError(
-            f"Checkpoint {folder} was written for {saved_arch}, not for {type(model).__name__}: "
-            "resume with the same model class the checkpoint was trained with."
-        )
-
-
-def load_best_model(facade: Trainer) -> None:
-    best = facade.state.best_model_checkpoint
-    load_model_weights(facade.model, best)
-
-
 def finalize_rotation(facade: Trainer) -> None:
     """With ``save_total_limit=1`` and a best checkpoint, HF keeps only the best one at the end."""
     args, state = facade.args, facade.state
@@ -229,98 +334,3 @@ def finalize_rotation(facade: Trainer) -> None:
     for folder in Path(args.output_dir).glob(f"{PREFIX}-*"):
         if folder.is_dir() and not os.path.samefile(folder, state.best_model_checkpoint):
             shutil.rmtree(folder, ignore_errors=True)
-
-
-# ---- resuming -------------------------------------------------------------------------------------------------
-def resolve_resume(facade: Trainer, resume: str | bool | None) -> str | None:
-    """The checkpoint folder to resume from (``True``: the last one in ``output_dir``), with its weights loaded."""
-    if resume is None:
-        return None
-    if resume is True:
-        found = get_last_checkpoint(facade.args.output_dir)
-        if found is None:
-            raise ValueError(f"No valid checkpoint found in output directory ({facade.args.output_dir})")
-        resume = found
-    folder = Path(resume)
-    if not folder.is_dir():
-        raise ValueError(f"resume_from_checkpoint={str(resume)!r} is not a folder.")
-    if not (folder / TRAINER_STATE_NAME).is_file():
-        raise ValueError(
-            f"Checkpoint {folder} has no {TRAINER_STATE_NAME}: it is incomplete (interrupted while saving?) or not a "
-            "Trainer checkpoint."
-        )
-    load_model_weights(facade.model, str(folder))
-    for callback in facade._weight_hooks("load_checkpoint_state"):
-        callback.load_checkpoint_state(str(folder), facade.model)
-    return str(folder)
-
-
-def restore_state(facade: Trainer, plan: TrainingPlan) -> tuple[int, int]:
-    """Load ``TrainerState`` and callback states from the resume folder; (epochs trained, batches to skip)."""
-    folder = getattr(facade, "_resume", None)
-    if folder is None:
-        return 0, 0
-    state_file = os.path.join(folder, TRAINER_STATE_NAME)
-    try:
-        facade.state = TrainerState.load_from_json(state_file)
-    except (json.JSONDecodeError, TypeError) as exc:
-        raise ValueError(f"{state_file} is corrupt: {exc}") from exc
-    state = facade.state
-    if state.best_model_checkpoint is not None and not os.path.isdir(state.best_model_checkpoint):
-        state.best_model_checkpoint = None
-    _restore_callback_states(facade)
-    return plan.resume_position(
-        state.global_step, facade.args.gradient_accumulation_steps, facade.args.ignore_data_skip
-    )
-
-
-def _restore_callback_states(facade: Trainer) -> None:
-    saved = facade.state.stateful_callbacks or {}
-    for callback in facade.callback_handler.callbacks + [facade.control]:
-        if not isinstance(callback, ExportableState):
-            continue
-        entry = saved.get(type(callback).__name__)
-        if isinstance(entry, list):
-            entry = entry[-1] if entry else None
-        if not entry:
-            continue
-        for key, value in entry.get("attributes", {}).items():
-            setattr(callback, key, value)
-
-
-def restore_optimizer(facade: Trainer) -> None:
-    """Optimizer, scheduler and scaler states, once Lightning built them (HF file names)."""
-    folder = getattr(facade, "_resume", None)
-    if folder is None:
-        return
-    for name, target in (("optimizer.pt", facade.optimizer), ("scheduler.pt", facade.lr_scheduler)):
-        path = os.path.join(folder, name)
-        if os.path.isfile(path):
-            try:
-                target.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-            except Exception as exc:
-                raise ValueError(f"Cannot restore {path}: {exc}") from exc
-    scaler = getattr(facade._lightning_trainer.precision_plugin, "scaler", None)
-    scaler_file = os.path.join(folder, "scaler.pt")
-    if scaler is not None and os.path.isfile(scaler_file):
-        scaler.load_state_dict(torch.load(scaler_file, map_location="cpu", weights_only=True))
-
-
-def load_rng_state(facade: Trainer) -> None:
-    """Python, numpy and torch RNG streams as they were when the checkpoint was written."""
-    folder = getattr(facade, "_resume", None)
-    if folder is None:
-        return
-    world_size, rank = facade._world()
-    path = os.path.join(folder, _rng_file(world_size, rank))
-    if not os.path.isfile(path):
-        return
-    states = torch.load(path, map_location="cpu", weights_only=False)
-    random.setstate(states["python"])
-    np.random.set_state(states["numpy"])
-    torch.random.set_rng_state(states["cpu"])
-    if "cuda" in states and torch.cuda.is_available():
-        cuda = states["cuda"]
-        torch.cuda.random.set_rng_state_all(cuda) if isinstance(
-            cuda, (list, tuple)
-        ) else torch.cuda.random.set_rng_state(cuda)

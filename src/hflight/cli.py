@@ -26,11 +26,14 @@ from typing import Any, Protocol
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import CompactHydraException, HydraException
 from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from hflight.config import PRIMARY_CONFIG, VERSION_BASE, find_config_dir
+from hflight.interrupt import TrainingInterrupted, signal_name, terminate_on_signals
 from hflight.training_args import TrainingArguments
 
 __all__ = ["TaskRun", "main", "run", "train"]
@@ -113,21 +116,40 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
 def run(cfg: DictConfig) -> float | None:
     """:func:`train`, then the value of ``cfg.optimized_metric`` (None when it is unset).
 
-    A failure is recorded in ``error.txt`` (the traceback) in the run directory and logged. In a multirun the job
-    then returns None, so that the other jobs still run and the sweep completes: Hydra's basic sweeper ignores
-    return values, and the Optuna sweeper records a trial whose value is not a float as failed and goes on (it
-    would crash on NaN: Optuna 2's ``Study.tell`` raises on it, also when marking the trial failed). A single run
-    re-raises.
+    A failure is recorded in ``error.txt`` (the traceback) in the run directory and reported once: a user error
+    (bad configuration, data or checkpoint: ``ValueError``, ``TypeError``, ``KeyError``, ``OSError``, ...) as its
+    message, anything else with its traceback. In a multirun the job then returns None, so that the other jobs still
+    run and the sweep completes: Hydra's basic sweeper ignores return values, and the Optuna sweeper records a trial
+    whose value is not a float as failed and goes on (it would crash on NaN: Optuna 2's ``Study.tell`` raises on it,
+    also when marking the trial failed). A single run re-raises; on the command line (``python train.py``,
+    ``hflight-train``) Hydra then prints a user error as one message, without a traceback
+    (``HYDRA_FULL_ERROR=1`` shows it).
+
+    SIGTERM and SIGINT stop training at the next step boundary with a checkpoint (``hflight.interrupt``) and, at any
+    other time, at once; either way ``error.txt`` says so and the process exits with 128 + the signal number, in a
+    multirun too.
     """
     try:
-        metrics, _ = train(cfg)
-        return optimized_value(metrics, cfg.get("optimized_metric"))
-    except Exception:
-        where = _record_failure(cfg)
-        if not _in_multirun():
-            raise
-        log.error(f"Job failed; traceback in {where}. The sweep goes on with the remaining jobs.")
-        return None
+        with terminate_on_signals():
+            metrics, _ = train(cfg)
+            return optimized_value(metrics, cfg.get("optimized_metric"))
+    except TrainingInterrupted as exc:
+        where = _record_failure(cfg, f"{exc}\n")
+        log.error(f"Run stopped by {signal_name(exc.signum)}; recorded in {where}")
+        raise
+    except Exception as exc:
+        where = _record_failure(cfg, traceback.format_exc())
+        user_error = isinstance(exc, USER_ERRORS)
+        if _in_multirun():
+            log.error(
+                f"Job failed: {_describe(exc)} (traceback in {where}). The sweep goes on with the remaining jobs.",
+                exc_info=None if user_error else exc,
+            )
+            return None
+        log.error(f"Run failed; the traceback is in {where}")
+        if user_error and _on_command_line() and not os.environ.get("HYDRA_FULL_ERROR"):
+            raise RunFailed(_describe(exc)) from exc
+        raise
     finally:
         _close_loggers()
 
@@ -209,15 +231,36 @@ def _run_dir(cfg: DictConfig) -> Path:
     return Path.cwd()
 
 
-def _record_failure(cfg: DictConfig) -> Path:
+#: Failures caused by the configuration, the data or a checkpoint (reported by their message, not a traceback).
+USER_ERRORS = (ValueError, TypeError, KeyError, OSError, ImportError, OmegaConfBaseException, HydraException)
+
+
+class RunFailed(CompactHydraException):
+    """A user error of a command-line run, re-raised for Hydra to print as one message (no traceback)."""
+
+
+def _record_failure(cfg: DictConfig, text: str) -> Path:
     path = _run_dir(cfg) / ERROR_FILE
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(traceback.format_exc(), encoding="utf-8")
-    except OSError:
-        log.exception("Could not write the traceback to %s", path)
-    log.exception(f"Run failed (traceback also in {path})")
+        path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        log.error(f"Could not write {path}: {exc}")
     return path
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: message`` (a KeyError's message without the quotes ``str`` adds)."""
+    message = exc.args[0] if isinstance(exc, KeyError) and len(exc.args) == 1 else exc
+    return f"{type(exc).__name__}: {message}"
+
+
+def _on_command_line() -> bool:
+    """Whether this runs as a job of Hydra's command line (``@hydra.main``), which prints what the job raises;
+    ``hflight.config.compose`` (notebooks, tests) leaves Hydra uninitialised."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    return GlobalHydra.instance().is_initialized()
 
 
 def _close_loggers() -> None:

@@ -27,6 +27,8 @@ import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch.utils.data import DataLoader, IterableDataset, Sampler, SequentialSampler
 
+from hflight.backend import backend_of
+
 
 class EpochSeededRandomSampler(Sampler[int]):
     """A random permutation of ``range(length)`` drawn from a generator seeded with ``seed + epoch``.
@@ -202,11 +204,13 @@ class HFDataModule(L.LightningDataModule):
     def setup(self, stage: str) -> None:
         if stage != "fit" or self.cycles is not None:
             return
-        self.train_loader = self.facade.get_train_dataloader()
+        facade, backend = self.facade, backend_of(self.trainer.strategy)
+        geometry = backend.hf_geometry(facade.args, self.trainer.world_size)
+        self.train_loader = backend.hf_prepare_loader(facade.get_train_dataloader(), training=True)
         self.cycles = AccumulationCycles(
             self.train_loader,
-            self.facade.args.gradient_accumulation_steps,
-            self.facade._count_items_in_cycle,
+            geometry.accumulation,
+            facade._count_items_in_cycle,
             epoch_fn=lambda: self.facade._epochs_offset + self.trainer.current_epoch,
         )
 

@@ -19,6 +19,8 @@ import torch
 from transformers.trainer_pt_utils import find_batch_size, nested_numpify
 from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify_detensorize
 
+from hflight.backend import backend_of
+from hflight.interrupt import sigterm_exits_non_zero
 from hflight.lightning_kwargs import quiet_lightning
 
 if TYPE_CHECKING:
@@ -92,6 +94,7 @@ class Evaluator:
         self.ignore_keys = ignore_keys
         self.losses, self.preds, self.labels, self.inputs = (Accumulator() for _ in range(4))
         self.observed = 0
+        self.model: Any = None  # what prediction_step calls: the backend's evaluation model
 
     def step(self, inputs: dict[str, Any]) -> None:
         facade = self.facade
@@ -99,7 +102,7 @@ class Evaluator:
         if batch_size is not None:
             self.observed += batch_size
         loss, logits, labels = facade.prediction_step(
-            facade._lightning_module.model, inputs, self.prediction_loss_only, ignore_keys=self.ignore_keys
+            self.model, inputs, self.prediction_loss_only, ignore_keys=self.ignore_keys
         )
         gather = facade._gather
         if loss is not None:
@@ -147,6 +150,21 @@ class Evaluator:
         return EvalLoopOutput(predictions=preds, label_ids=labels, metrics=metrics, num_samples=num_samples)
 
 
+def _evaluate_in_fit(evaluator: Evaluator, module: Any, fit_trainer: Any, dataloader: Any) -> None:
+    """Evaluate now, inside a running fit (Lightning has no public trigger for that), under the fit's precision."""
+    backend = backend_of(fit_trainer.strategy)
+    model = module.model
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), fit_trainer.precision_plugin.val_step_context():
+            with backend.hf_evaluation_model(model, evaluator.facade.label_names) as evaluator.model:
+                for batch in backend.hf_prepare_loader(dataloader, training=False):
+                    evaluator.step(batch)
+    finally:
+        model.train(was_training)
+
+
 def run_evaluation_loop(
     facade: Trainer,
     dataloader: Any,
@@ -165,21 +183,17 @@ def run_evaluation_loop(
     facade._evaluator = evaluator
     facade.callback_handler.eval_dataloader = dataloader
     fit_trainer = facade._lightning_trainer if facade.is_in_train else None
+    module = facade._ensure_module()
     try:
         with facade._evaluation_weights():
             if fit_trainer is not None:
-                model = facade._lightning_module.model
-                was_training = model.training
-                model.eval()
-                with torch.no_grad(), fit_trainer.precision_plugin.val_step_context():
-                    for batch in dataloader:
-                        evaluator.step(batch)
-                model.train(was_training)
+                _evaluate_in_fit(evaluator, module, fit_trainer, dataloader)
             else:
-                with quiet_lightning():
+                with quiet_lightning(), sigterm_exits_non_zero("Evaluation"):
                     trainer = facade._validation_trainer()
-                    trainer.validate(facade._ensure_module(), dataloaders=dataloader, verbose=False)
+                    trainer.validate(module, dataloaders=dataloader, verbose=False)
     finally:
+        module.close_evaluation()
         facade._evaluator = None
     dataset = getattr(dataloader, "dataset", None)
     try:

@@ -20,6 +20,8 @@ from typing import Any
 import lightning as L
 from transformers.trainer_callback import TrainerCallback
 
+from hflight.backend import DEFAULT_STRATEGIES, STRATEGY_ACCELERATORS
+
 # (fp16, bf16) -> Lightning precision
 PRECISION: dict[tuple[bool, bool], str] = {
     (False, False): "32-true",
@@ -116,12 +118,35 @@ def _devices(value: Any) -> Any:
     return value
 
 
-def lightning_trainer_kwargs(args: Any, callbacks: list[L.Callback], fitting: bool) -> dict[str, Any]:
-    """Keyword arguments for ``lightning.Trainer`` for a ``fit`` (``fitting``) or an evaluation."""
+def strategy_for(args: Any) -> Any:
+    """``args.strategy``; for "auto", the strategy a backend accelerator needs (``accelerator="ipu"`` runs the IPU
+    strategy, which Lightning 2.x no longer picks by itself)."""
+    if args.strategy == "auto" and isinstance(args.accelerator, str):
+        return DEFAULT_STRATEGIES.get(args.accelerator, "auto")
+    return args.strategy
+
+
+def accelerator_for(args: Any, strategy: Any) -> Any:
+    """``args.accelerator``; for "auto", the accelerator a backend strategy needs (``strategy="ipu"``). A strategy
+    object that already carries an accelerator (it ran under an earlier ``lightning.Trainer`` of this facade) keeps
+    it: Lightning refuses an accelerator given twice."""
+    if isinstance(strategy, str):
+        return STRATEGY_ACCELERATORS.get(strategy, "auto") if args.accelerator == "auto" else args.accelerator
+    if getattr(strategy, "accelerator", None) is not None:
+        return "auto"
+    return args.accelerator
+
+
+def lightning_trainer_kwargs(
+    args: Any, callbacks: list[L.Callback], fitting: bool, strategy: Any = None
+) -> dict[str, Any]:
+    """Keyword arguments for ``lightning.Trainer`` for a ``fit`` (``fitting``) or an evaluation; ``strategy``
+    replaces ``args.strategy`` (a compat trainer such as ``IPUTrainer`` brings its own instance)."""
+    strategy = strategy_for(args) if strategy is None else strategy
     return {
-        "accelerator": args.accelerator,
+        "accelerator": accelerator_for(args, strategy),
         "devices": _devices(args.devices),
-        "strategy": args.strategy,
+        "strategy": strategy,
         "num_nodes": args.num_nodes,
         "precision": precision_for(args),
         "max_epochs": -1,  # the facade sets the real bound once the loader length is known

@@ -5,11 +5,13 @@ the loss of an epoch's last, shorter cycle is divided by that cycle's length, th
 after unscaling and *then* ``on_pre_optimizer_step`` fires, and the scheduler steps only when the optimizer
 really stepped. Lightning still owns devices, precision (autocast, gradient scaling), strategy wrapping and
 the loop; the facade's override points (``training_step``, ``compute_loss``, ``create_optimizer``, ...) do the
-per-batch work, so subclasses of the facade keep working.
+per-batch work, so subclasses of the facade keep working. What a backend changes in a step (the model that runs
+it, where the optimizer steps) comes from its hooks (``hflight.backend``).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 import lightning as L
@@ -17,6 +19,7 @@ import torch
 from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from typing_extensions import override
 
+from hflight.backend import HFBackend, backend_of
 from hflight.datamodule import MicroBatch
 
 if TYPE_CHECKING:
@@ -31,6 +34,11 @@ class HFModule(L.LightningModule):
         self.automatic_optimization = False
         self.model = model
         self._facade = facade
+        self._evaluation = contextlib.ExitStack()
+
+    @property
+    def backend(self) -> HFBackend:
+        return backend_of(self.trainer.strategy)
 
     @override
     def forward(self, **inputs: Any) -> Any:
@@ -40,6 +48,7 @@ class HFModule(L.LightningModule):
     def configure_optimizers(self) -> OptimizerLRScheduler:
         facade = self._facade
         facade.create_optimizer_and_scheduler(num_training_steps=facade._plan.max_steps)
+        self.backend.hf_configure_optimizer(facade)
         return {
             "optimizer": facade.optimizer,
             "lr_scheduler": {"scheduler": facade.lr_scheduler, "interval": "step"},
@@ -59,7 +68,8 @@ class HFModule(L.LightningModule):
         if batch.index == 0:
             loop.step_begin()
         facade.current_gradient_accumulation_steps = batch.cycle_size
-        loss = facade.training_step(self.model, batch.inputs, batch.num_items_in_batch)
+        model = self.backend.hf_training_model(self.model)
+        loss = facade.training_step(model, batch.inputs, batch.num_items_in_batch)
         loop.add_loss(loss, batch.inputs)
         if batch.is_last:
             self._optimizer_step(batch)
@@ -69,26 +79,39 @@ class HFModule(L.LightningModule):
             self.trainer.should_stop = True
 
     def _optimizer_step(self, batch: MicroBatch) -> None:
-        facade = self._facade
-        optimizer = self.optimizers()
-        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
-        scale_before = scaler.get_scale() if scaler is not None else None
-        # Clipping and on_pre_optimizer_step run inside step(), in on_before_optimizer_step: that is the only
-        # point where mixed-precision gradients are already unscaled.
-        optimizer.step()
+        facade, backend = self._facade, self.backend
+        stepped = backend.hf_optimizer_step(self)
         facade._loop.optimizer_stepped()
         learning_rate = facade._get_learning_rate()
-        skipped = scaler is not None and scaler.get_scale() < scale_before
-        if not skipped and not isinstance(facade.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        if stepped and not isinstance(facade.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
             facade.lr_scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        backend.hf_after_scheduler_step(facade.optimizer)
+        self.optimizers().zero_grad(set_to_none=True)
         facade._loop.step_end(batch.step_in_epoch, learning_rate)
 
     @override
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self._facade._loop.clip_and_pre_step(self.trainer.strategy.model)
 
+    def pre_optimizer_step(self, grad_norm: torch.Tensor | float | None) -> None:
+        """HF's ``on_pre_optimizer_step`` for a step whose gradients never reach the host (clipped elsewhere)."""
+        self._facade._loop.pre_optimizer_step(grad_norm)
+
     # Evaluation through Lightning's validate loop (``Trainer.evaluate``/``predict`` outside of ``fit``).
+    @override
+    def on_validation_start(self) -> None:
+        evaluator = self._facade._evaluator
+        evaluation = self.backend.hf_evaluation_model(self.model, self._facade.label_names)
+        evaluator.model = self._evaluation.enter_context(evaluation)
+
     @override
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         self._facade._evaluator.step(batch)
+
+    @override
+    def on_validation_end(self) -> None:
+        self.close_evaluation()
+
+    def close_evaluation(self) -> None:
+        """Leave the backend's evaluation model (also when validation failed half-way)."""
+        self._evaluation.close()

@@ -7,6 +7,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from hflight.backend import StepGeometry
+
 
 @dataclass(frozen=True)
 class TrainingPlan:
@@ -19,18 +21,29 @@ class TrainingPlan:
     total_train_batch_size: int
     steps_in_epoch: int
     max_steps: int
+    accumulation: int = 1  # loader batches per optimizer step
 
-    def resume_position(self, global_step: int, accumulation: int, ignore_data_skip: bool = False) -> tuple[int, int]:
+    def resume_position(self, global_step: int, ignore_data_skip: bool = False) -> tuple[int, int]:
         """(epochs already trained, micro-batches to skip in the current epoch) for a run resumed at
         ``global_step``, as HF computes them."""
         epochs_trained = global_step // self.num_update_steps_per_epoch
         if ignore_data_skip:
             return epochs_trained, 0
-        return epochs_trained, (global_step % self.num_update_steps_per_epoch) * accumulation
+        return epochs_trained, (global_step % self.num_update_steps_per_epoch) * self.accumulation
 
 
-def plan_training(args: Any, len_dataloader: int | None, num_examples: int | None, world_size: int = 1) -> TrainingPlan:
+def plan_training(
+    args: Any,
+    len_dataloader: int | None,
+    num_examples: int | None,
+    world_size: int = 1,
+    geometry: StepGeometry | None = None,
+) -> TrainingPlan:
     """Epochs, steps and sample counts for ``args`` over a loader of ``len_dataloader`` micro-batches.
+
+    ``geometry`` says how many loader batches make an optimizer step and how many samples that step consumes;
+    by default ``gradient_accumulation_steps`` batches of ``per_device_train_batch_size`` on each of ``world_size``
+    processes (a backend that accumulates on its device passes its own, see ``hflight.backend``).
 
     Example:
         >>> from types import SimpleNamespace
@@ -39,8 +52,10 @@ def plan_training(args: Any, len_dataloader: int | None, num_examples: int | Non
         >>> plan_training(a, len_dataloader=5, num_examples=20).max_steps
         6
     """
-    accumulation = args.gradient_accumulation_steps
-    total_train_batch_size = args.per_device_train_batch_size * accumulation * world_size
+    if geometry is None:
+        accumulation = args.gradient_accumulation_steps
+        geometry = StepGeometry(accumulation, args.per_device_train_batch_size * accumulation * world_size)
+    accumulation, total_train_batch_size = geometry.accumulation, geometry.samples_per_step
     if len_dataloader == 0:
         raise ValueError(
             "The training dataloader is empty: the train_dataset has no examples (or fewer than one batch with "
@@ -64,6 +79,7 @@ def plan_training(args: Any, len_dataloader: int | None, num_examples: int | Non
             total_train_batch_size,
             len_dataloader,
             max_steps,
+            accumulation,
         )
     if args.max_steps > 0:
         return TrainingPlan(
@@ -74,6 +90,7 @@ def plan_training(args: Any, len_dataloader: int | None, num_examples: int | Non
             total_train_batch_size=total_train_batch_size,
             steps_in_epoch=args.max_steps * accumulation,
             max_steps=args.max_steps,
+            accumulation=accumulation,
         )
     raise ValueError(
         "args.max_steps must be set to a positive value if the training dataloader does not have a length "

@@ -72,6 +72,8 @@ def training_step(
     if hasattr(trainer.optimizer, "train") and callable(trainer.optimizer.train):
         trainer.optimizer.train()
     loss = trainer.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+    if loss.dim() > 0:  # one loss per replica or device micro-batch (DataParallel, IPU output_mode="all")
+        loss = loss.mean()
     if trainer.loss_is_scaled_for_ga is not None:
         already_scaled = trainer.loss_is_scaled_for_ga
     else:
@@ -139,6 +141,8 @@ def count_items_in_cycle(trainer: Trainer, batches: list[Any]) -> torch.Tensor |
     if not batches or "labels" not in batches[0]:
         return None
     if not (trainer.model_accepts_loss_kwargs or trainer.compute_loss_func is not None):
+        return None
+    if not trainer._backend().hf_counts_loss_items:
         return None
     try:
         count = sum(batch["labels"].ne(-100).sum() for batch in batches)

@@ -3,6 +3,7 @@
 The facade keeps HF's constructor, methods, override points, ``TrainerState``/``TrainerControl`` and files; the
 work runs elsewhere: ``module.HFModule`` (optimizer steps), ``datamodule`` (loaders, accumulation cycles),
 ``callbacks.bridge`` (HF events, log/evaluate/save), ``evaluation`` (evaluation loop), ``checkpoint`` (files),
+``resume`` (checked resume), ``interrupt`` (SIGTERM/SIGINT: checkpoint at the step boundary, non-zero exit),
 ``steps`` (loss and prediction step), ``optim`` (optimizers, schedulers) and ``lightning_kwargs`` (the one mapping
 from ``TrainingArguments`` to ``lightning.Trainer``).
 """
@@ -52,7 +53,8 @@ from transformers.trainer_utils import (
 )
 from transformers.utils import can_return_loss, find_labels
 
-from hflight import checkpoint, distributed, evaluation, hpsearch, optim, steps
+from hflight import checkpoint, distributed, evaluation, hpsearch, optim, resume, steps
+from hflight.backend import HFBackend, backend_of
 from hflight.callbacks.bridge import HFEventBridge
 from hflight.datamodule import HFDataModule, make_dataloader, remove_unused_columns, train_sampler
 from hflight.lightning_kwargs import lightning_trainer_kwargs, quiet_lightning, split_callbacks
@@ -104,7 +106,7 @@ class Trainer:
         self._evaluator: evaluation.Evaluator | None = None
         self._loop: HFEventBridge | None = None
         self._plan: TrainingPlan | None = None
-        self._resume: str | None = None
+        self._resume: resume.ResumePoint | None = None
         self._epochs_offset = 0
         self._signature_columns: list[str] | None = None
         if tokenizer is not None:
@@ -241,7 +243,12 @@ class Trainer:
         sampler = None
         if not isinstance(dataset, IterableDataset):
             sampler = self._get_train_sampler(dataset) if training else self._get_eval_sampler(dataset)
-        return make_dataloader(dataset, self.args, self.data_collator, batch_size, sampler, *self._world())
+        collator = self._collator(training)
+        return make_dataloader(dataset, self.args, collator, batch_size, sampler, *self._world())
+
+    def _collator(self, training: bool) -> Callable:
+        """The collator of training (``training``) or evaluation batches: ``data_collator`` for both, as in HF."""
+        return self.data_collator
 
     def _get_train_sampler(self, train_dataset: Any = None) -> torch.utils.data.Sampler:
         dataset = train_dataset if train_dataset is not None else self.train_dataset
@@ -332,8 +339,13 @@ class Trainer:
             self._lightning_module = HFModule(self, self.model)
         return self._lightning_module
 
+    def _lightning_strategy(self) -> Any:
+        """The strategy of the ``lightning.Trainer``s: ``args.strategy`` (compat trainers bring an instance)."""
+        return None
+
     def _new_lightning_trainer(self, extra_callbacks: list[L.Callback], fitting: bool) -> L.Trainer:
-        kwargs = lightning_trainer_kwargs(self.args, self._lightning_callbacks + extra_callbacks, fitting=fitting)
+        callbacks = self._lightning_callbacks + extra_callbacks
+        kwargs = lightning_trainer_kwargs(self.args, callbacks, fitting=fitting, strategy=self._lightning_strategy())
         with quiet_lightning():
             trainer = L.Trainer(**kwargs)
         self._lightning_trainer = trainer
@@ -345,6 +357,10 @@ class Trainer:
     # Collectives through the running strategy (identity in a single process): see hflight.distributed.
     def _strategy(self) -> Any:
         return self._lightning_trainer.strategy if self._lightning_trainer is not None else None
+
+    def _backend(self) -> HFBackend:
+        """The running strategy's hooks into the HF loop (eager PyTorch unless a backend such as the IPU's)."""
+        return backend_of(self._strategy())
 
     def _gather(self, value: Any, pad_dim: int | None = None) -> Any:
         return distributed.gather(self._strategy(), value, pad_dim)
@@ -398,12 +414,12 @@ class Trainer:
             self.model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs
             )
-        self._resume = checkpoint.resolve_resume(self, resume_from_checkpoint)
+        self._resume = resume.resolve_resume(self, resume_from_checkpoint)
         module = self._ensure_module()
         self._loop = HFEventBridge(self, trial, ignore_keys_for_eval)
         trainer = self._new_lightning_trainer([self._loop], fitting=True)
         try:
-            with quiet_lightning():
+            with quiet_lightning(), self._loop.stop.handling_signals(trainer):
                 trainer.fit(module, datamodule=HFDataModule(self))
         finally:
             self.is_in_train = False
@@ -521,8 +537,11 @@ class Trainer:
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         output_dir = output_dir if output_dir is not None else self.args.output_dir
+        backend = self._backend()
+        backend.hf_sync_to_host()
         if self.is_world_process_zero():
             checkpoint.save_model_files(self.model, self.processing_class, output_dir, self.args)
+            backend.hf_save_files(output_dir)
 
     def _save_checkpoint(self, trial: Any = None) -> None:
         checkpoint.save_checkpoint(self)

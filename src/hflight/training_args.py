@@ -12,6 +12,7 @@ uses a ``Union`` the field takes the simpler type and ``__post_init__`` normalis
 # ruff: noqa: UP006, UP035, UP045
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import json
@@ -41,6 +42,8 @@ __all__ = [
     "TrainingArguments",
     "coerce_training_args",
     "register_parser_types",
+    "supported_accelerators",
+    "supported_optimizers",
     "supported_strategies",
 ]
 
@@ -50,8 +53,6 @@ SUPPORTED_OPTIMIZERS: Tuple[str, ...] = ("adamw_torch", "adamw_torch_fused", "ad
 SUPPORTED_TRAIN_SAMPLING_STRATEGIES: Tuple[str, ...] = ("random", "sequential", "group_by_length")
 #: ``accelerator`` names accepted by hflight (Lightning's names).
 SUPPORTED_ACCELERATORS: Tuple[str, ...] = ("auto", "cpu", "gpu", "cuda", "mps", "tpu")
-#: Strategy names that hflight's own backends add to Lightning's registry.
-HFLIGHT_BACKEND_STRATEGIES: Tuple[str, ...] = ()  # hflight's own backends (IPU, ORT) register here once built
 #: Fields that come from ``lightning.Trainer`` and have no transformers counterpart.
 LIGHTNING_FIELDS: Tuple[str, ...] = ("accelerator", "devices", "strategy", "num_nodes")
 #: ``include_num_input_tokens_seen`` values (booleans map to "all" / "no", as in transformers).
@@ -68,10 +69,25 @@ _FALSE_STRINGS = ("false", "no", "n", "f", "0")
 
 
 def supported_strategies() -> Tuple[str, ...]:
-    """Valid ``strategy`` names: "auto", Lightning's registered strategies and hflight's backends."""
+    """Valid ``strategy`` names: "auto" and Lightning's registered strategies (hflight's backends, such as "ipu" and
+    "ort", register there when ``hflight`` is imported)."""
     from lightning.pytorch.strategies import StrategyRegistry
 
-    return ("auto", *StrategyRegistry.available_strategies(), *HFLIGHT_BACKEND_STRATEGIES)
+    return ("auto", *StrategyRegistry.available_strategies())
+
+
+def supported_accelerators() -> Tuple[str, ...]:
+    """Valid ``accelerator`` names: Lightning's built-in ones and every registered accelerator (e.g. "ipu")."""
+    from lightning.pytorch.accelerators import AcceleratorRegistry
+
+    return tuple(dict.fromkeys((*SUPPORTED_ACCELERATORS, *sorted(AcceleratorRegistry.available_accelerators()))))
+
+
+def supported_optimizers() -> Tuple[str, ...]:
+    """Valid ``optim`` names: the optimizers ``hflight.optim`` can build (backends may add their own)."""
+    from hflight.optim import OPTIMIZERS
+
+    return tuple(OPTIMIZERS)
 
 
 @dataclass
@@ -325,7 +341,8 @@ class TrainingArguments:
 
     # --- Lightning ---
     accelerator: str = field(
-        default="auto", metadata={"help": f"Lightning accelerator: {', '.join(SUPPORTED_ACCELERATORS)}."}
+        default="auto",
+        metadata={"help": f"Lightning accelerator: {', '.join(SUPPORTED_ACCELERATORS)} or a registered one (ipu)."},
     )
     devices: str = field(
         default="auto", metadata={"help": "Lightning devices: 'auto', a count (e.g. 2), or indices such as '0,1'."}
@@ -493,6 +510,18 @@ class TrainingArguments:
                 d[name] = type(d[name]).__name__
         return d
 
+    def to_picklable(self) -> "TrainingArguments":
+        """A shallow copy for ``torch.save`` (``training_args.bin``): Lightning accelerator and strategy objects are
+        replaced by their registered names, so the file never holds a live strategy (its model, device handles)."""
+        clone = copy.copy(self)
+        for name, attribute in (("accelerator", "name"), ("strategy", "strategy_name")):
+            value = getattr(clone, name)
+            if not isinstance(value, str):
+                registered = getattr(value, attribute, None)
+                registered = registered() if callable(registered) else registered
+                setattr(clone, name, registered if isinstance(registered, str) else "auto")
+        return clone
+
     def to_json_string(self) -> str:
         """The arguments as an indented JSON string."""
         return json.dumps(self.to_dict(), indent=2)
@@ -619,14 +648,14 @@ def register_parser_types(parser: Any) -> Any:
 # Choice tables: field -> (transformers enum or None, function returning the valid values).
 _CHOICES: Dict[str, Tuple[Optional[type], Callable[[], Tuple[str, ...]]]] = {
     "lr_scheduler_type": (SchedulerType, lambda: tuple(s.value for s in SchedulerType)),
-    "optim": (OptimizerNames, lambda: SUPPORTED_OPTIMIZERS),
+    "optim": (OptimizerNames, supported_optimizers),
     "logging_strategy": (IntervalStrategy, lambda: tuple(s.value for s in IntervalStrategy)),
     "eval_strategy": (IntervalStrategy, lambda: tuple(s.value for s in IntervalStrategy)),
     "save_strategy": (SaveStrategy, lambda: tuple(s.value for s in SaveStrategy)),
     "train_sampling_strategy": (None, lambda: SUPPORTED_TRAIN_SAMPLING_STRATEGIES),
     "include_num_input_tokens_seen": (None, lambda: _INPUT_TOKENS_CHOICES),
     "log_level": (None, lambda: tuple(trainer_log_levels)),
-    "accelerator": (None, lambda: SUPPORTED_ACCELERATORS),
+    "accelerator": (None, supported_accelerators),
     "strategy": (None, supported_strategies),
 }
 

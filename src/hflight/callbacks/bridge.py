@@ -4,7 +4,8 @@
 step-level events the LightningModule reports to it (step begin, substep end, pre/post optimizer step, step
 end), so each HF event fires once, in HF's order, with HF's arguments (through transformers' own
 ``CallbackHandler``). After every step and epoch it does what HF's ``_maybe_log_save_evaluate`` does: log the
-running loss, evaluate, update the best metric, save a checkpoint, as the control flags ask.
+running loss, evaluate, update the best metric, save a checkpoint, as the control flags ask; then, if SIGTERM or
+SIGINT arrived (``hflight.interrupt``), it saves a checkpoint and stops training with ``TrainingInterrupted``.
 
 | HF event | fired from |
 |---|---|
@@ -19,6 +20,9 @@ running loss, evaluate, update the best metric, save a checkpoint, as the contro
 
 from __future__ import annotations
 
+import logging
+import math
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -27,12 +31,16 @@ import torch
 from transformers.trainer_utils import SaveStrategy, TrainOutput, speed_metrics
 from typing_extensions import override
 
-from hflight import checkpoint
+from hflight import checkpoint, resume
+from hflight.backend import backend_of
 from hflight.datamodule import loader_length
+from hflight.interrupt import StopRequest, signal_name, stopped
 from hflight.plan import plan_training
 
 if TYPE_CHECKING:
     from hflight.trainer import Trainer
+
+logger = logging.getLogger(__name__)
 
 
 class HFEventBridge(L.Callback):
@@ -50,6 +58,9 @@ class HFEventBridge(L.Callback):
         self.grad_norm: torch.Tensor | float | None = None
         self.learning_rate: float | None = None
         self.micro_steps_this_epoch = 0
+        self.stop = StopRequest()
+        self.saved_step: int | None = None
+        self.warned_nonfinite = False
 
     # -- helpers -----------------------------------------------------------------------------------------------
     def _fire(self, event: str, **kwargs: Any) -> None:
@@ -72,17 +83,20 @@ class HFEventBridge(L.Callback):
         loader = trainer.datamodule.train_loader
         length = loader_length(loader)
         num_examples = facade.num_examples(loader) if length else None
-        facade._plan = plan = plan_training(facade.args, length, num_examples, facade._world()[0])
+        world_size = facade._world()[0]
+        geometry = backend_of(trainer.strategy).hf_geometry(facade.args, world_size)
+        facade._plan = plan = plan_training(facade.args, length, num_examples, world_size, geometry)
         facade.state = facade._fresh_state()
         facade.state.train_batch_size = facade.args.train_batch_size
         facade.state.compute_steps(facade.args, plan.max_steps)
-        epochs_trained, skip = checkpoint.restore_state(facade, plan)
+        epochs_trained, skip = resume.restore_state(facade, plan)
         facade.state.init_training_references(facade, plan.max_steps, plan.num_train_epochs, self.trial)
         facade._epochs_offset = epochs_trained
+        resume.clean_output_dir(facade)
         cycles = trainer.datamodule.cycles
         cycles.skip_batches = skip
         if facade._resume is not None:
-            cycles.restore_rng = lambda: checkpoint.load_rng_state(facade)
+            cycles.restore_rng = lambda: resume.load_rng_state(facade)
         unbounded = plan.num_train_epochs >= 10**9  # an iterable dataset: max_steps ends the run
         trainer.fit_loop.max_epochs = -1 if unbounded else plan.num_train_epochs - epochs_trained
 
@@ -92,7 +106,7 @@ class HFEventBridge(L.Callback):
         handler = facade.callback_handler
         handler.model, handler.optimizer, handler.lr_scheduler = facade.model, facade.optimizer, facade.lr_scheduler
         handler.train_dataloader = trainer.datamodule.train_loader
-        checkpoint.restore_optimizer(facade)
+        resume.restore_optimizer(facade)
         self.tr_loss = torch.tensor(0.0, device=pl_module.device)
         self.start_time = time.time()
         self.initial_global_step = self.globalstep_last_logged = facade.state.global_step
@@ -114,6 +128,7 @@ class HFEventBridge(L.Callback):
             self.facade.control.should_training_stop = True
         self._fire("on_epoch_end")
         self.maybe_log_save_evaluate()
+        self.stop_if_requested()
         if self.facade.control.should_training_stop:
             trainer.should_stop = True
 
@@ -140,9 +155,14 @@ class HFEventBridge(L.Callback):
         clip = getattr(model, "clip_grad_norm_", None)  # FSDP-wrapped modules clip their own shards
         norm_limit = max_norm if max_norm and max_norm > 0 else float("inf")
         if clip is not None:
-            self.grad_norm = clip(norm_limit)
+            grad_norm = clip(norm_limit)
         else:
-            self.grad_norm = torch.nn.utils.clip_grad_norm_(facade.model.parameters(), norm_limit)
+            grad_norm = torch.nn.utils.clip_grad_norm_(facade.model.parameters(), norm_limit)
+        self.pre_optimizer_step(grad_norm)
+
+    def pre_optimizer_step(self, grad_norm: torch.Tensor | float | None) -> None:
+        """``on_pre_optimizer_step``; ``grad_norm`` is logged with the next loss (None: not known on the host)."""
+        self.grad_norm = grad_norm
         self._fire("on_pre_optimizer_step")
 
     def optimizer_stepped(self) -> None:
@@ -155,6 +175,7 @@ class HFEventBridge(L.Callback):
         facade.state.epoch = self._epoch_index() + (step_in_epoch + 1) / facade._plan.steps_in_epoch
         self._fire("on_step_end")
         self.maybe_log_save_evaluate()
+        self.stop_if_requested()
 
     # -- HF's _maybe_log_save_evaluate -------------------------------------------------------------------------
     def maybe_log_save_evaluate(self) -> None:
@@ -172,6 +193,7 @@ class HFEventBridge(L.Callback):
             self.total_loss_scalar += tr_loss_scalar
             self.globalstep_last_logged = state.global_step
             facade.store_flos()
+            self._warn_if_nonfinite(logs)
             facade.log(logs, self.start_time)
 
         if facade.control.should_evaluate:
@@ -182,7 +204,50 @@ class HFEventBridge(L.Callback):
 
         if facade.control.should_save:
             facade._save_checkpoint(self.trial)
+            self.saved_step = state.global_step
             self._fire("on_save")
+
+    def _warn_if_nonfinite(self, logs: dict[str, float]) -> None:
+        """Once per ``train()``: the first logged loss or gradient norm that is NaN or infinite."""
+        bad = [k for k in ("loss", "grad_norm") if isinstance(logs.get(k), float) and not math.isfinite(logs[k])]
+        if bad and not self.warned_nonfinite:
+            self.warned_nonfinite = True
+            values = ", ".join(f"{k}={logs[k]}" for k in bad)
+            logger.warning(
+                f"Step {self.facade.state.global_step}: logged {values}. Training continues, but the model may be "
+                "diverging (too high a learning rate, fp16 overflow, bad inputs); with fp16 the gradient scaler skips "
+                "steps whose gradients overflow. Only the first occurrence is reported."
+            )
+
+    def stop_if_requested(self) -> None:
+        """At a step boundary: if a stop signal arrived (on any rank), save a checkpoint and stop training."""
+        facade = self.facade
+        step = facade.state.global_step
+        self.stop.global_step = step
+        signum = self.stop.agreed(facade._strategy())
+        if signum is None:
+            return
+        args, name = facade.args, signal_name(signum)
+        if args.save_strategy == SaveStrategy.NO:
+            raise stopped(
+                signum,
+                f"Training stopped by {name} after step {step} of {facade.state.max_steps}; no checkpoint was saved "
+                "(save_strategy='no').",
+                step,
+            )
+        if self.saved_step != step:
+            facade._save_checkpoint(self.trial)
+            self.saved_step = step
+            self._fire("on_save")
+        folder = os.path.join(args.output_dir, f"{checkpoint.PREFIX}-{step}")
+        raise stopped(
+            signum,
+            f"Training stopped by {name} after step {step} of {facade.state.max_steps}; checkpoint saved in {folder}. "
+            f"Continue with train(resume_from_checkpoint={folder!r}) (args.resume_from_checkpoint={folder} on the "
+            "command line).",
+            step,
+            folder,
+        )
 
     def finish_training(self) -> TrainOutput:
         """After ``fit``: HF's train metrics and log entry, the best model, final rotation, on_train_end."""
@@ -199,10 +264,10 @@ class HFEventBridge(L.Callback):
         metrics["total_flos"] = facade.state.total_flos
         metrics["train_loss"] = train_loss
         facade.log(metrics)
-        for logger in facade._lightning_trainer.loggers:  # fit has ended: flush what came after it
-            logger.save()
+        for lightning_logger in facade._lightning_trainer.loggers:  # fit has ended: flush what came after it
+            lightning_logger.save()
         if facade.args.load_best_model_at_end and facade.state.best_model_checkpoint is not None:
-            checkpoint.load_best_model(facade)
+            resume.load_best_model(facade)
         checkpoint.finalize_rotation(facade)
         self._fire("on_train_end")
         return TrainOutput(facade.state.global_step, train_loss, metrics)

@@ -39,6 +39,7 @@ class EMACallback(TrainerCallback):
         self.use_num_updates = use_num_updates
         self.num_updates = 0
         self.shadow: dict[str, torch.Tensor] | None = None
+        self._pending: tuple[str, dict | None] | None = None  # checked by check_checkpoint_state, not yet loaded
 
     # ---- averaging ---------------------------------------------------------------------------------------------
     @staticmethod
@@ -100,21 +101,37 @@ class EMACallback(TrainerCallback):
         raw = {name: p.detach().cpu().clone() for name, p in self._params(model).items()}
         torch.save({"raw": raw, "num_updates": self.num_updates, "decay": self.decay}, os.path.join(folder, STATE_FILE))
 
+    def check_checkpoint_state(self, folder: str, model: torch.nn.Module) -> None:
+        """Read and check ``ema_state.pt`` before the facade copies any weight in (a bad file changes nothing)."""
+        self._pending = (folder, self._read_state(folder, model))
+
     def load_checkpoint_state(self, folder: str, model: torch.nn.Module) -> None:
         """After the facade loaded ``model.safetensors`` (the averages): averages -> shadow, raw -> model."""
-        path = os.path.join(folder, STATE_FILE)
-        if not os.path.isfile(path):
+        pending, self._pending = self._pending, None
+        saved = pending[1] if pending is not None and pending[0] == folder else self._read_state(folder, model)
+        if saved is None:
             return  # a checkpoint written without EMA: start averaging from its weights
-        try:
-            saved = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:
-            raise ValueError(f"Cannot read the moving-average state {path}: {exc}") from exc
-        self.shadow = {name: p.detach().clone() for name, p in self._params(model).items()}
         params = self._params(model)
-        missing = sorted(set(params) - set(saved["raw"]))
-        if missing:
-            raise ValueError(f"{path} lacks raw weights for {missing[:5]}: written for another model?")
+        self.shadow = {name: p.detach().clone() for name, p in params.items()}
         with torch.no_grad():
             for name, p in params.items():
                 p.copy_(saved["raw"][name].to(p.device))
         self.num_updates = int(saved["num_updates"])
+
+    def _read_state(self, folder: str, model: torch.nn.Module) -> dict | None:
+        path = os.path.join(folder, STATE_FILE)
+        if not os.path.isfile(path):
+            return None
+        try:
+            saved = torch.load(path, map_location="cpu", weights_only=True)
+            raw, num_updates = saved["raw"], int(saved["num_updates"])
+        except Exception as exc:
+            raise ValueError(f"Cannot read the moving-average state {path}: {type(exc).__name__}: {exc}") from exc
+        params = self._params(model)
+        missing = sorted(set(params) - set(raw))
+        if missing:
+            raise ValueError(f"{path} lacks raw weights for {missing[:5]}: written for another model?")
+        wrong = [n for n, p in params.items() if not torch.is_tensor(raw[n]) or raw[n].shape != p.shape]
+        if wrong:
+            raise ValueError(f"{path} has raw weights of the wrong shape for {wrong[:5]}: written for another model?")
+        return {"raw": raw, "num_updates": num_updates}

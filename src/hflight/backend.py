@@ -1,0 +1,126 @@
+"""How a Lightning strategy takes part in hflight's HF loop, and how hflight's own backends are registered.
+
+hflight's loop (``module``, ``datamodule``, ``evaluation``, ``checkpoint``) is written for eager PyTorch under any
+Lightning strategy (single device, DDP, FSDP, DeepSpeed): Lightning places the model and wraps it, hflight runs the
+steps. A few backends change *what runs a step*, not only where: on a Graphcore IPU, poptorch runs forward,
+backward and the optimizer step in one compiled call and accumulates gradients on the device; with ONNX Runtime,
+evaluation runs an exported graph and training may run through ``ORTModule``. Such a strategy also subclasses
+:class:`HFBackend` and overrides the hooks it needs. The loop asks :func:`backend_of` for the running strategy's
+hooks and never tests which backend it runs on; every other strategy gets the defaults below, which are exactly
+the eager behaviour.
+
+Registration (:func:`register_backends`, run when ``hflight`` is imported) adds hflight's accelerators and strategy
+names to Lightning's registries, so ``TrainingArguments(accelerator="ipu")``, ``strategy="ipu"``, ``strategy="ort"``
+and the Hydra options ``trainer=ipu`` / ``trainer=ort`` select them. It imports neither poptorch nor onnxruntime:
+those are needed only when a backend is constructed, which then fails with one message saying what to install.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from hflight.module import HFModule
+    from hflight.trainer import Trainer
+
+__all__ = [
+    "BACKEND_PACKAGES",
+    "DEFAULT_STRATEGIES",
+    "STRATEGY_ACCELERATORS",
+    "HFBackend",
+    "StepGeometry",
+    "backend_of",
+    "register_backends",
+]
+
+
+@dataclass(frozen=True)
+class StepGeometry:
+    """How many host micro-batches make one optimizer step, and how many samples that step consumes in all."""
+
+    accumulation: int
+    samples_per_step: int
+
+
+class HFBackend:
+    """Hooks through which a strategy changes hflight's loop. The defaults are eager PyTorch.
+
+    Method names carry an ``hf_`` prefix so they never collide with Lightning's own ``Strategy`` methods
+    (``training_step``, ``optimizer_step``, ``process_dataloader``, ...), which keep their Lightning meaning.
+    """
+
+    #: whether the loss may be normalised by the label items counted on the host (transformers' ``num_items_in_batch``)
+    hf_counts_loss_items: bool = True
+
+    def hf_geometry(self, args: Any, world_size: int) -> StepGeometry:
+        """Gradient accumulation on the host: ``gradient_accumulation_steps`` micro-batches per optimizer step."""
+        accumulation = args.gradient_accumulation_steps
+        return StepGeometry(accumulation, args.per_device_train_batch_size * accumulation * world_size)
+
+    def hf_prepare_loader(self, loader: Any, training: bool) -> Any:
+        """The loader the loop iterates (a backend may re-batch it, e.g. into poptorch's combined batches)."""
+        return loader
+
+    def hf_configure_optimizer(self, facade: Trainer) -> None:
+        """Called once the facade built its optimizer and scheduler for a fit (a backend may convert them)."""
+
+    def hf_training_model(self, model: torch.nn.Module) -> Callable[..., Any]:
+        """What the facade's ``training_step``/``compute_loss`` call as ``model`` during a fit."""
+        return model
+
+    def hf_optimizer_step(self, module: HFModule) -> bool:
+        """One optimizer step on the host; False when mixed precision skipped it (inf/NaN gradients)."""
+        optimizer = module.optimizers()
+        scaler = getattr(module.trainer.precision_plugin, "scaler", None)
+        scale_before = scaler.get_scale() if scaler is not None else None
+        # Clipping and on_pre_optimizer_step run inside step(), in on_before_optimizer_step: the one point
+        # where mixed-precision gradients are already unscaled.
+        optimizer.step()
+        return not (scaler is not None and scaler.get_scale() < scale_before)
+
+    def hf_after_scheduler_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """After the scheduler stepped (a backend whose optimizer runs elsewhere pushes the new learning rate)."""
+
+    @contextlib.contextmanager
+    def hf_evaluation_model(self, model: torch.nn.Module, label_names: list[str]) -> Iterator[Callable[..., Any]]:
+        """What evaluation and prediction call as ``model``, for one evaluation run (``label_names``: the batch keys
+        that are labels, not model inputs)."""
+        yield model
+
+    def hf_sync_to_host(self) -> None:
+        """Before a checkpoint or ``save_model``: make the host model's weights current."""
+
+    def hf_save_files(self, output_dir: str) -> None:
+        """Extra files a backend writes next to a saved model (e.g. its own config)."""
+
+
+_EAGER = HFBackend()
+
+
+def backend_of(strategy: Any) -> HFBackend:
+    """The hooks of ``strategy``: its own when it is an :class:`HFBackend`, the eager defaults otherwise."""
+    return strategy if isinstance(strategy, HFBackend) else _EAGER
+
+
+#: accelerator name -> the strategy hflight selects for it when ``strategy="auto"`` (filled by registration).
+DEFAULT_STRATEGIES: dict[str, str] = {}
+#: strategy name -> the accelerator hflight selects for it when ``accelerator="auto"`` (filled by registration).
+STRATEGY_ACCELERATORS: dict[str, str] = {}
+
+#: hflight's backend modules; each has ``register(accelerator_registry, strategy_registry)``.
+BACKEND_PACKAGES: tuple[str, ...] = ("hflight.ipu.registration", "hflight.ort.registration")
+
+
+def register_backends() -> None:
+    """Add hflight's accelerators and strategies to Lightning's registries (idempotent)."""
+    from lightning.pytorch.accelerators import AcceleratorRegistry
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    for name in BACKEND_PACKAGES:
+        importlib.import_module(name).register(AcceleratorRegistry, StrategyRegistry)

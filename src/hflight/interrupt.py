@@ -1,0 +1,160 @@
+"""SIGTERM and SIGINT: stop at the next optimizer-step boundary, save a checkpoint, exit non-zero.
+
+Left alone, Lightning turns SIGTERM into ``SIGTERMException`` (a ``SystemExit`` without a code: exit status 0)
+after whichever micro-batch is running, and SIGINT into ``sys.exit(1)``; neither saves anything, and a preempted
+job looks successful. During ``Trainer.train`` hflight instead records the signal (:class:`StopRequest`), lets the
+current gradient-accumulation cycle finish, writes ``checkpoint-N`` unless ``save_strategy="no"`` and raises
+:class:`TrainingInterrupted`: a ``SystemExit`` whose code is 128 + the signal number (143 for SIGTERM, 130 for
+SIGINT), as a shell reports a process ended by that signal. A second signal stops at once, without a checkpoint.
+
+Lightning's own handling stays in place. hflight's handler is installed before ``fit``, so Lightning's SIGTERM
+handler composes it (Lightning keeps handlers it finds): Lightning still logs the signal and forwards it to the
+processes it launched, and its SLURM auto-requeue (SIGUSR1) handler is untouched. Only Lightning's "stop after this
+micro-batch" flag is cleared again, because hflight stops at the step boundary instead; with several processes the
+ranks agree on that boundary (:meth:`StopRequest.agreed`), so they all save and stop at the same step.
+
+Outside of training, :func:`terminate_on_signals` (used by the command line) turns both signals into
+:class:`TrainingInterrupted` at once, so that the failure is recorded instead of the process vanishing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class TrainingInterrupted(SystemExit):
+    """Training (or a command-line run) was stopped by a signal. ``code`` is 128 + the signal number.
+
+    Attributes:
+        signum: the signal received.
+        global_step: the optimizer step training stopped after (None outside training).
+        checkpoint: the checkpoint written (or still valid) to resume from, None when there is none.
+    """
+
+    def __init__(self, signum: int, message: str, global_step: int | None = None, checkpoint: str | None = None):
+        super().__init__(message)
+        self.code = 128 + int(signum)
+        self.signum = int(signum)
+        self.message = message
+        self.global_step = global_step
+        self.checkpoint = checkpoint
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def stopped(
+    signum: int, message: str, global_step: int | None = None, checkpoint: str | None = None
+) -> TrainingInterrupted:
+    """Log ``message`` (a plain script shows nothing else: the exit is a ``SystemExit``) and build the exception."""
+    logger.warning(message)
+    return TrainingInterrupted(signum, message, global_step, checkpoint)
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+class StopRequest:
+    """Which signal asked this ``train()`` call to stop, if any; installed as the SIGTERM/SIGINT handler."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.lightning_trainer: Any = None
+        self.global_step: int | None = None  # kept current by the caller, for the message of a second signal
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        name = signal_name(signum)
+        if self.signum is not None:
+            raise stopped(
+                signum,
+                f"Training stopped at once by a second {name} (after step {self.global_step}, mid-step): no "
+                "checkpoint was written for this step.",
+                self.global_step,
+            )
+        self.signum = signum
+        connector = getattr(self.lightning_trainer, "_signal_connector", None)
+        if connector is not None:
+            connector.received_sigterm = False  # Lightning would stop after this micro-batch; we stop after the step
+        logger.warning(f"Received {name}: stopping after the current optimizer step (send it again to stop at once).")
+
+    def agreed(self, strategy: Any) -> int | None:
+        """The signal to stop for, the same on every rank: any rank's request stops them all (one all-reduce per
+        step, and only with several processes)."""
+        if strategy is None or strategy.world_size <= 1:
+            return self.signum
+        local = torch.tensor(float(self.signum or 0), device=strategy.root_device)
+        stop = int(strategy.reduce(local, reduce_op="max").item())
+        return stop or None
+
+    @contextlib.contextmanager
+    def handling_signals(self, lightning_trainer: Any) -> Iterator[StopRequest]:
+        """Install this request as the SIGTERM/SIGINT handler for the duration (main thread only); convert what
+        Lightning raises for SIGTERM into :class:`TrainingInterrupted`."""
+        self.lightning_trainer = lightning_trainer
+        with _handlers(self), sigterm_exits_non_zero("Training"):
+            yield self
+        if self.signum is not None:  # arrived after the last step boundary: training had finished
+            raise stopped(
+                self.signum,
+                f"{signal_name(self.signum)} arrived as training finished (step {self.global_step}); the run stops "
+                "before its remaining work.",
+                self.global_step,
+            )
+
+
+@contextlib.contextmanager
+def _handlers(handler: Any) -> Iterator[None]:
+    if not _main_thread():  # signal handlers can only be set from the main thread
+        yield
+        return
+    previous = {signum: signal.getsignal(signum) for signum in SIGNALS}
+    for signum in SIGNALS:
+        signal.signal(signum, handler)
+    try:
+        yield
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old if old is not None else signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def sigterm_exits_non_zero(what: str) -> Iterator[None]:
+    """Lightning's ``SIGTERMException`` (a ``SystemExit`` with status 0) as :class:`TrainingInterrupted` (143):
+    around ``validate`` outside of training, and as a safety net around ``fit``."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    try:
+        yield
+    except SIGTERMException:
+        raise stopped(signal.SIGTERM, f"{what} stopped by SIGTERM (Lightning's handler).") from None
+
+
+def _raise_now(signum: int, frame: Any) -> None:
+    raise stopped(signum, f"Terminated by {signal_name(signum)} outside of training: nothing to save.")
+
+
+@contextlib.contextmanager
+def terminate_on_signals() -> Iterator[None]:
+    """SIGTERM and SIGINT raise :class:`TrainingInterrupted` at once (``Trainer.train`` installs its own
+    step-boundary handling inside)."""
+    with _handlers(_raise_now):
+        yield

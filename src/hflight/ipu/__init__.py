@@ -1,0 +1,54 @@
+"""Graphcore IPUs for hflight: optimum-graphcore's ``IPUTrainer`` API on Lightning, through poptorch.
+
+``from hflight.ipu import IPUConfig, IPUAccelerator, IPUStrategy, IPUTrainer, IPUTrainingArguments``. Nothing here
+imports poptorch until an accelerator, strategy or trainer is built; then a missing poptorch raises one error that
+says what to install. Built against poptorch's documented API and verified against a stand-in of it in the tests;
+never run on IPU hardware (the last public poptorch needs torch 2.0.1).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "IPUConfig": "hflight.ipu.config",
+    "IncompatibleIPUConfigError": "hflight.ipu.config",
+    "IPUAccelerator": "hflight.ipu.accelerator",
+    "IPUPrecision": "hflight.ipu.precision",
+    "IPUStrategy": "hflight.ipu.strategy",
+    "IPUTrainer": "hflight.ipu.trainer",
+    "IPUTrainingArguments": "hflight.ipu.trainer",
+    "pad_on_batch_axis": "hflight.ipu.data",
+}
+
+__all__ = [
+    "IPUAccelerator",
+    "IPUConfig",
+    "IPUPrecision",
+    "IPUStrategy",
+    "IPUTrainer",
+    "IPUTrainingArguments",
+    "IncompatibleIPUConfigError",
+    "pad_on_batch_axis",
+]
+
+if TYPE_CHECKING:
+    from hflight.ipu.accelerator import IPUAccelerator
+    from hflight.ipu.config import IncompatibleIPUConfigError, IPUConfig
+    from hflight.ipu.data import pad_on_batch_axis
+    from hflight.ipu.precision import IPUPrecision
+    from hflight.ipu.strategy import IPUStrategy
+    from hflight.ipu.trainer import IPUTrainer, IPUTrainingArguments
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'hflight.ipu' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -1,0 +1,137 @@
+"""IPUTrainer / IPUTrainingArguments: optimum-graphcore's API on the facade (against the poptorch test double)."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+
+import pytest
+import torch
+from transformers import default_data_collator
+
+from hflight import TrainingArguments
+from hflight.ipu import IPUConfig, IPUTrainer, IPUTrainingArguments
+
+# optimum-graphcore 0.7's IPUTrainer.__init__, in order (its last parameter, force_to_pipelined, selects optimum's
+# own pipelined model classes, which hflight does not have).
+OPTIMUM_GRAPHCORE_PARAMETERS = [
+    "model", "ipu_config", "args", "data_collator", "eval_data_collator", "train_dataset", "eval_dataset",
+    "tokenizer", "model_init", "compute_metrics", "callbacks", "optimizers", "preprocess_logits_for_metrics",
+]  # fmt: skip
+IPU_FIELDS = {
+    "ipu_config_name", "n_ipu", "fp32", "lamb", "lamb_no_bias_correction", "loss_scaling", "auto_loss_scaling",
+    "dataloader_mode", "compile_only", "ipu_config_overrides", "pad_on_batch_axis",
+}  # fmt: skip
+
+
+def args(tmp_path, **kwargs) -> IPUTrainingArguments:
+    base = dict(
+        per_device_train_batch_size=2, per_device_eval_batch_size=2, num_train_epochs=1, learning_rate=1e-3,
+        logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, fp32=True,
+    )  # fmt: skip
+    return IPUTrainingArguments(str(tmp_path / "out"), **{**base, **kwargs})
+
+
+def test_signature_and_fields_are_optimum_graphcores():
+    assert list(inspect.signature(IPUTrainer.__init__).parameters)[1:] == OPTIMUM_GRAPHCORE_PARAMETERS
+    fields = {f.name for f in dataclasses.fields(IPUTrainingArguments)}
+    assert IPU_FIELDS <= fields and {f.name for f in dataclasses.fields(TrainingArguments)} <= fields
+    assert IPUTrainingArguments("o").ipu_precision == "16-true"  # optimum-graphcore trains in float16 by default
+    assert IPUTrainingArguments("o", fp32=True).ipu_precision == "32-true"
+    assert IPUTrainingArguments("o", fp16=True).ipu_precision == "16-mixed"
+    with pytest.raises(ValueError, match="dataloader_mode must be one of sync, async, async_rebatched"):
+        IPUTrainingArguments("o", dataloader_mode="fast")
+    with pytest.raises(ValueError, match="n_ipu must be one of"):
+        IPUTrainingArguments("o", n_ipu=3)
+    with pytest.raises(ValueError, match="bf16 is not available on the IPU"):
+        IPUTrainingArguments("o", bf16=True)
+
+
+def test_ipu_arguments_shape_the_config(poptorch_double, factory, tmp_path):
+    config = IPUConfig(layers_per_ipu=[1, 1], inference_layers_per_ipu=[2], gradient_accumulation_steps=8)
+    trainer = IPUTrainer(
+        factory.qa_model(),
+        config,
+        args(tmp_path, n_ipu=8, ipu_config_overrides="device_iterations=3", auto_loss_scaling=True, seed=5),
+        train_dataset=factory.qa_dataset(8),
+    )
+    used = trainer.ipu_config
+    assert (used.replication_factor, used.inference_replication_factor) == (4, 8)  # n_ipu // IPUs per replica
+    assert used.device_iterations == 3 and used.auto_loss_scaling and used.seed == 5
+    assert config.replication_factor == 1 and config.device_iterations == 1  # the caller's config is not changed
+
+
+def test_training_with_device_iterations_eval_collator_and_ipu_config_saved(poptorch_double, factory, tmp_path):
+    collated = []
+
+    def eval_collator(rows):
+        collated.append(len(rows))
+        return default_data_collator(rows)
+
+    model = factory.qa_model()
+    trainer = IPUTrainer(
+        model,
+        IPUConfig(device_iterations=2, gradient_accumulation_steps=2, output_mode="all"),
+        args(tmp_path, loss_scaling=4.0, max_grad_norm=0.5, eval_strategy="epoch"),
+        eval_data_collator=eval_collator,
+        train_dataset=factory.qa_dataset(24),
+        eval_dataset=factory.qa_dataset(8, seed=1),
+    )
+    output = trainer.train()
+    assert output.global_step == 3  # 24 samples / combined batch 2 x 2 x 2 = 3 host steps (6 device updates)
+    optimizer = trainer.optimizer
+    assert type(optimizer).__name__ == "AdamW" and optimizer.__module__.startswith("poptorch")
+    assert optimizer.bias_correction is False  # optimum-graphcore's AdamW
+    assert optimizer.max_grad_norm == 0.5 and optimizer.loss_scaling == 4.0
+    assert optimizer.variable_attrs.isConstant("weight_decay")
+    assert collated and set(collated) == {2}  # evaluation batches came through eval_data_collator
+    trainer.save_model()
+    saved = json.loads((tmp_path / "out" / "ipu_config.json").read_text())
+    assert saved["device_iterations"] == 2 and saved["gradient_accumulation_steps"] == 2
+
+
+def test_lamb(poptorch_double, factory, tmp_path):
+    arguments = args(tmp_path, lamb=True, weight_decay=0.01)
+    trainer = IPUTrainer(factory.qa_model(), IPUConfig(), arguments, train_dataset=factory.qa_dataset(8))
+    trainer.train()
+    optimizer = trainer.optimizer
+    assert type(optimizer).__name__ == "LAMB" and len(optimizer.param_groups) == 3
+    biases = optimizer.param_groups[1]
+    assert biases["weight_decay"] == 0.0 and biases["max_weight_norm"] == 0.0
+
+
+def test_float16_by_default(poptorch_double, factory, tmp_path):
+    model = factory.qa_model()
+    trainer = IPUTrainer(model, IPUConfig(), args(tmp_path, fp32=False), train_dataset=factory.qa_dataset(8))
+    trainer.train()
+    assert next(model.parameters()).dtype == torch.float16  # halved on the host, as optimum-graphcore does
+    assert trainer.optimizer.accum_type == torch.float16
+
+
+def test_compile_only_compiles_offline_and_stops(poptorch_double, factory, tmp_path, monkeypatch):
+    compiled = []
+    original = poptorch_double.PoplarExecutor.compile
+
+    def spy(self, *args, **kwargs):
+        compiled.append((self.options.connection_type, {k: tuple(v.shape) for k, v in kwargs.items()}))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(poptorch_double.PoplarExecutor, "compile", spy)
+    poptorch_double.system.ipu_version = 0  # no IPU in this machine: offline compilation does not need one
+    model = factory.qa_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = IPUTrainer(
+        model,
+        IPUConfig(gradient_accumulation_steps=2),
+        args(tmp_path, compile_only=True),
+        train_dataset=factory.qa_dataset(8),
+        eval_dataset=factory.qa_dataset(4, seed=1),
+    )
+    output = trainer.train()
+    assert output.global_step == 0 and trainer.evaluate() == {}
+    never = poptorch_double.ConnectionType.Never.value
+    assert [c[0] for c in compiled] == [never, never, never]  # training + inference, then inference again
+    assert compiled[0][1]["input_ids"] == (4, 24)  # the first combined training batch: 2 x GA 2
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing ran
+    assert not (tmp_path / "out" / "checkpoint-1").exists()

@@ -1,0 +1,519 @@
+"""Checkpoints you can trust: complete-or-absent folders, checked resume, no code from checkpoint files.
+
+Every run here is in-process: a 32-wide BERT, 40 random windows, 4 x 2 micro-batches per optimizer step, dropout
+on and a random sampler, so that an exact resume needs the weights, optimizer, scheduler and RNG states.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import hflight
+from hflight import checkpoint
+from hflight.checkpoint import MANIFEST_NAME, get_last_checkpoint, verify_checkpoint, write_manifest
+from hflight.resume import load_rng_file, read_trainer_state
+from hflight.weights import load_model_weights
+
+
+class StopAt(hflight.TrainerCallback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+def make_trainer(out: Path, factory, model=None, stop_at=None, callbacks=(), **overrides) -> hflight.Trainer:
+    values = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        max_steps=12,
+        learning_rate=1e-3,
+        warmup_steps=2,
+        logging_steps=1,
+        save_steps=3,
+        train_sampling_strategy="random",
+        seed=7,
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_pin_memory=False,
+    )
+    values.update(overrides)
+    callbacks = list(callbacks) + ([StopAt(stop_at)] if stop_at else [])
+    model = model if model is not None else factory.qa_model(seed=0, dropout=0.1)
+    return hflight.Trainer(
+        model,
+        hflight.TrainingArguments(**values),
+        train_dataset=factory.qa_dataset(40),
+        eval_dataset=factory.qa_dataset(8, seed=1),
+        callbacks=callbacks,
+    )
+
+
+def params(trainer: hflight.Trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+def losses(trainer: hflight.Trainer) -> dict[int, float]:
+    return {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
+
+
+def assert_same(reference: hflight.Trainer, resumed: hflight.Trainer, from_step: int) -> None:
+    ref, got = params(reference), params(resumed)
+    diff = max((ref[k] - got[k]).abs().max().item() for k in ref)
+    assert diff <= 1e-6, f"max abs parameter difference {diff}"
+    ref_losses, got_losses = losses(reference), losses(resumed)
+    for step in range(from_step + 1, 13):
+        assert got_losses[step] == pytest.approx(ref_losses[step], rel=1e-6, abs=1e-7), step
+
+
+def digest(folder: Path) -> str:
+    h = hashlib.sha256()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        h.update(path.relative_to(folder).as_posix().encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+_RUNS: dict[str, object] = {}  # built once per session, on first use (the factory fixture is function-scoped)
+
+
+@pytest.fixture
+def reference(tmp_path_factory, factory) -> hflight.Trainer:
+    """The uninterrupted 12-step run."""
+    if "reference" not in _RUNS:
+        trainer = make_trainer(tmp_path_factory.mktemp("reference"), factory, save_strategy="no")
+        trainer.train()
+        _RUNS["reference"] = trainer
+    return _RUNS["reference"]
+
+
+@pytest.fixture
+def saved(tmp_path_factory, factory) -> Path:
+    """A run stopped at step 6 with checkpoints at steps 3 and 6 (tests that change them work on copies)."""
+    if "saved" not in _RUNS:
+        out = tmp_path_factory.mktemp("saved")
+        make_trainer(out, factory, stop_at=6).train()
+        _RUNS["saved"] = out
+    return _RUNS["saved"]
+
+
+def copy_checkpoint(saved: Path, tmp_path: Path, step: int = 6) -> Path:
+    target = tmp_path / "copy" / f"checkpoint-{step}"
+    shutil.copytree(saved / f"checkpoint-{step}", target)
+    return target
+
+
+def refresh_manifest(folder: Path) -> None:
+    """What a careful attacker (or a tool editing a checkpoint) does: make the manifest match the files again."""
+    manifest = json.loads((folder / MANIFEST_NAME).read_text())
+    write_manifest(str(folder), manifest["global_step"], manifest["save_only_model"], manifest["run"])
+
+
+# ---- the folder format -----------------------------------------------------------------------------------------------
+def test_manifest_lists_every_file_with_its_size(saved):
+    folder = saved / "checkpoint-6"
+    manifest = json.loads((folder / MANIFEST_NAME).read_text())
+    on_disk = {p.name: p.stat().st_size for p in folder.iterdir() if p.name != MANIFEST_NAME}
+    assert manifest["files"] == on_disk
+    assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"} <= set(on_disk)
+    assert manifest["global_step"] == 6 and manifest["save_only_model"] is False
+    assert manifest["run"] == {
+        "per_device_train_batch_size": 4,
+        "gradient_accumulation_steps": 2,
+        "world_size": 1,
+        "seed": 7,
+        "data_seed": None,
+        "train_sampling_strategy": "random",
+        "dataloader_drop_last": False,
+        "num_examples": 40,
+    }
+    assert verify_checkpoint(folder) == manifest
+    assert not list(saved.glob(".tmp-*"))
+
+
+def test_incomplete_folders_are_never_picked(saved, tmp_path, caplog):
+    out = tmp_path / "out"
+    for step in (3, 6):
+        shutil.copytree(saved / f"checkpoint-{step}", out / f"checkpoint-{step}")
+    (out / "checkpoint-6" / "optimizer.pt").unlink()  # a folder that lost a file
+    shutil.copytree(saved / "checkpoint-6", out / "checkpoint-9")
+    with open(out / "checkpoint-9" / "model.safetensors", "r+b") as f:
+        f.truncate(100)  # a truncated file
+    (out / "checkpoint-12").mkdir()  # an empty folder
+    shutil.copytree(saved / "checkpoint-6", out / "checkpoint-15")
+    (out / "checkpoint-15" / MANIFEST_NAME).write_text('{"format": "hflight-checkpoint", "files": [')  # cut short
+    with caplog.at_level(logging.WARNING, logger="hflight.checkpoint"):
+        assert get_last_checkpoint(out) == str(out / "checkpoint-3")
+    text = caplog.text
+    assert "checkpoint-6" in text and "no optimizer.pt" in text
+    assert "checkpoint-9" in text and "model.safetensors is corrupt or truncated (100 bytes" in text
+    assert "checkpoint-12" in text and "no trainer_state.json" in text
+    assert f"Checkpoint manifest {out / 'checkpoint-15' / MANIFEST_NAME} is unreadable" in text
+
+
+def test_a_kill_at_any_point_of_a_resave_leaves_a_complete_checkpoint(saved, reference, tmp_path, factory, monkeypatch):
+    """Re-save checkpoint-6 (resumed from checkpoint-3) and copy the run folder before every line the save routine
+    executes: each copy is exactly what a kill at that point leaves. Every copy must offer a complete checkpoint
+    whose files are those of the old or the new checkpoint-6, or of checkpoint-3 (while checkpoint-6 is renamed
+    aside), and resuming from it must reproduce the uninterrupted run."""
+    out = tmp_path / "run"
+    for step in (3, 6):
+        shutil.copytree(saved / f"checkpoint-{step}", out / f"checkpoint-{step}")
+    versions = {name: {digest(out / name)} for name in ("checkpoint-3", "checkpoint-6")}
+    snapshots = tmp_path / "snapshots"
+    source = checkpoint.__file__
+
+    def snapshot(frame, event, arg):
+        if event == "line":
+            shutil.copytree(out, snapshots / f"{len(list(snapshots.glob('*'))):03d}")
+        return snapshot
+
+    def trace(frame, event, arg):
+        return snapshot if frame.f_code.co_filename == source else None
+
+    real_save = checkpoint.save_checkpoint
+
+    def traced_save(facade):
+        sys.settrace(trace)
+        try:
+            return real_save(facade)
+        finally:
+            sys.settrace(None)
+
+    monkeypatch.setattr(checkpoint, "save_checkpoint", traced_save)
+    make_trainer(out, factory, stop_at=6).train(resume_from_checkpoint=str(out / "checkpoint-3"))
+    monkeypatch.undo()
+    versions["checkpoint-6"].add(digest(out / "checkpoint-6"))  # the new one (training_args.bin names this run)
+
+    copies = sorted(snapshots.iterdir())
+    assert len(copies) > 20
+    picked = {}
+    for copy in copies:
+        last = get_last_checkpoint(copy)
+        assert last is not None, copy.name
+        name = Path(last).name
+        assert digest(Path(last)) in versions[name], f"{copy.name}: {name} is not one of the complete versions"
+        picked.setdefault(name, copy)
+    # The instant between the two renames falls back to checkpoint-3; every other instant has checkpoint-6.
+    assert set(picked) == {"checkpoint-3", "checkpoint-6"}
+    assert list(picked["checkpoint-3"].glob(".tmp-checkpoint-6*"))
+    for name, copy in picked.items():
+        resumed = make_trainer(copy, factory, model=factory.qa_model(seed=99, dropout=0.1))
+        resumed.train(resume_from_checkpoint=True)
+        assert_same(reference, resumed, from_step=int(name.split("-")[1]))
+        assert not list(copy.glob(".tmp-*")), "stale folders are removed when training starts"
+
+
+def test_stale_tmp_folders_are_removed_and_logged_when_training_starts(tmp_path, factory, caplog):
+    (tmp_path / ".tmp-checkpoint-4").mkdir(parents=True)
+    (tmp_path / ".tmp-checkpoint-4" / "model.safetensors").write_bytes(b"partial")
+    (tmp_path / ".tmp-checkpoint-6.replaced").mkdir()
+    with caplog.at_level(logging.WARNING, logger="hflight.checkpoint"):
+        make_trainer(tmp_path, factory, max_steps=1, save_strategy="no").train()
+    assert not list(tmp_path.glob(".tmp-*"))
+    assert ".tmp-checkpoint-4" in caplog.text and ".tmp-checkpoint-6.replaced" in caplog.text
+
+
+# ---- checkpoint files never run code -----------------------------------------------------------------------------
+class _CreatesMarker:
+    """Unpickling this calls open(marker, "w"): a stand-in for any code a crafted checkpoint could run."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_malicious_rng_state_is_never_unpickled(saved, tmp_path, factory):
+    folder = copy_checkpoint(saved, tmp_path)
+    marker = tmp_path / "pwned"
+    rng_file = folder / "rng_state.pth"
+    states = torch.load(rng_file, weights_only=False)
+    states["python"] = _CreatesMarker(marker)
+    torch.save(states, rng_file)
+    refresh_manifest(folder)
+
+    trainer = make_trainer(tmp_path / "out", factory)
+    before = params(trainer)
+    with pytest.raises(ValueError, match=r"rng_state\.pth cannot be loaded safely.*refers to io\.open"):
+        trainer.train(resume_from_checkpoint=str(folder))
+    assert not marker.exists()
+    assert all(torch.equal(before[k], v) for k, v in params(trainer).items()), "checked before the model is touched"
+    with pytest.raises(ValueError, match="rng_state.pth cannot be loaded safely"):
+        load_rng_file(rng_file)
+    assert not marker.exists()
+    torch.load(rng_file, weights_only=False)  # the control: unpickled the unsafe way, the file does run code
+    assert marker.exists()
+
+
+def test_rng_states_written_by_transformers_load_safely(tmp_path):
+    import random
+
+    import numpy as np
+
+    states = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()}
+    torch.save(states, tmp_path / "rng_state.pth")
+    loaded = load_rng_file(tmp_path / "rng_state.pth")
+    assert loaded["python"] == states["python"] and np.array_equal(loaded["numpy"][1], states["numpy"][1])
+    torch.save({"python": (3, (1, 2), None), "numpy": states["numpy"], "cpu": states["cpu"]}, tmp_path / "bad.pth")
+    with pytest.raises(ValueError, match="bad.pth does not hold valid RNG states"):
+        load_rng_file(tmp_path / "bad.pth")
+
+
+def test_weights_in_pytorch_bin_load_with_weights_only_and_a_crafted_one_is_refused(tmp_path, factory):
+    source, target = factory.qa_model(seed=1), factory.qa_model(seed=2)
+    torch.save(source.state_dict(), tmp_path / "pytorch_model.bin")
+    load_model_weights(target, tmp_path)
+    assert all(torch.equal(v, target.state_dict()[k]) for k, v in source.state_dict().items())
+    marker = tmp_path / "pwned"
+    torch.save({**source.state_dict(), "extra": _CreatesMarker(marker)}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"pytorch_model\.bin cannot be loaded safely.*refers to io\.open"):
+        load_model_weights(target, tmp_path)
+    assert not marker.exists()
+
+
+def test_weights_the_model_ties_may_be_absent_from_the_file(tmp_path, factory):
+    """save_pretrained writes a tied decoder weight once (as the embedding); loading must not call it missing."""
+    from transformers import BertForMaskedLM
+
+    torch.manual_seed(1)
+    source = BertForMaskedLM(factory.config())
+    source.save_pretrained(tmp_path)
+    torch.manual_seed(2)
+    target = BertForMaskedLM(factory.config())
+    load_model_weights(target, tmp_path)
+    assert all(torch.equal(v, target.state_dict()[k]) for k, v in source.state_dict().items())
+    assert target.cls.predictions.decoder.weight is target.bert.embeddings.word_embeddings.weight
+
+
+# ---- trainer_state.json --------------------------------------------------------------------------------------------
+GOOD_STATE = {"global_step": 6, "epoch": 1.2, "max_steps": 12, "log_history": []}
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("{}", r"lacks the key\(s\) 'global_step', 'epoch', 'max_steps', 'log_history'"),
+        ("[]", "must hold a JSON object"),
+        ('{"global_step": 6,', "is not valid JSON"),
+        (json.dumps({**GOOD_STATE, "global_step": "6"}), "key 'global_step' must be an integer, got \"6\""),
+        (json.dumps({**GOOD_STATE, "global_step": True}), "key 'global_step' must be an integer"),
+        (json.dumps({**GOOD_STATE, "save_steps": None}), "key 'save_steps' must be an integer or a number"),
+        (json.dumps({**GOOD_STATE, "log_history": {}}), "key 'log_history' must be a list"),
+        (json.dumps({**GOOD_STATE, "log_history": [1]}), "'log_history' entry 0 must be an object"),
+        (json.dumps({**GOOD_STATE, "global_step": -1}), "must not be negative"),
+        (json.dumps({**GOOD_STATE, "stateful_callbacks": {"X": 3}}), r"'stateful_callbacks'\['X'\]"),
+    ],
+)
+def test_trainer_state_json_is_validated(tmp_path, content, message):
+    path = tmp_path / "trainer_state.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=message) as error:
+        read_trainer_state(path)
+    assert str(path) in str(error.value)
+
+
+def test_an_invalid_trainer_state_is_rejected_before_the_model_is_touched(saved, tmp_path, factory):
+    folder = copy_checkpoint(saved, tmp_path)
+    (folder / "trainer_state.json").write_text("{}")
+    refresh_manifest(folder)
+    trainer = make_trainer(tmp_path / "out", factory)
+    before = params(trainer)
+    with pytest.raises(ValueError, match=r"trainer_state\.json lacks the key\(s\) 'global_step'"):
+        trainer.train(resume_from_checkpoint=str(folder))
+    assert all(torch.equal(before[k], v) for k, v in params(trainer).items())
+
+
+def test_unknown_trainer_state_keys_are_dropped_with_a_warning(tmp_path, caplog):
+    path = tmp_path / "trainer_state.json"
+    path.write_text(json.dumps({**GOOD_STATE, "from_the_future": 1}))
+    with caplog.at_level(logging.WARNING, logger="hflight.resume"):
+        assert read_trainer_state(path).global_step == 6
+    assert "from_the_future" in caplog.text
+
+
+# ---- optimizer, scheduler -------------------------------------------------------------------------------------------
+def test_a_missing_empty_or_crafted_optimizer_file_is_named(saved, tmp_path, factory):
+    folder = copy_checkpoint(saved, tmp_path)
+    (folder / "optimizer.pt").unlink()
+    with pytest.raises(ValueError, match=r"checkpoint-6 is incomplete: no optimizer\.pt"):
+        make_trainer(tmp_path / "a", factory).train(resume_from_checkpoint=str(folder))
+
+    (folder / "optimizer.pt").write_bytes(b"")
+    refresh_manifest(folder)
+    with pytest.raises(ValueError, match=r"Cannot restore .*optimizer\.pt: the file is empty \(0 bytes\)"):
+        make_trainer(tmp_path / "b", factory).train(resume_from_checkpoint=str(folder))
+
+    marker = tmp_path / "pwned"
+    torch.save({"state": {}, "param_groups": _CreatesMarker(marker)}, folder / "optimizer.pt")
+    refresh_manifest(folder)
+    with pytest.raises(ValueError, match=r"optimizer\.pt cannot be loaded safely.*refers to io\.open"):
+        make_trainer(tmp_path / "c", factory).train(resume_from_checkpoint=str(folder))
+    assert not marker.exists()
+
+    (folder / MANIFEST_NAME).unlink()  # as transformers.Trainer writes it: no manifest
+    (folder / "optimizer.pt").unlink()
+    with pytest.raises(ValueError, match=r"has scheduler\.pt but no optimizer\.pt"):
+        make_trainer(tmp_path / "d", factory).train(resume_from_checkpoint=str(folder))
+
+
+def test_save_only_model_folders_resume_from_the_weights_with_a_warning(tmp_path, factory, caplog):
+    make_trainer(tmp_path, factory, stop_at=3, save_only_model=True).train()
+    folder = tmp_path / "checkpoint-3"
+    assert not (folder / "optimizer.pt").exists() and verify_checkpoint(folder)["save_only_model"] is True
+    resumed = make_trainer(tmp_path / "resumed", factory, model=factory.qa_model(seed=5, dropout=0.1), max_steps=5)
+    with caplog.at_level(logging.WARNING, logger="hflight.resume"):
+        resumed.train(resume_from_checkpoint=str(folder))
+    assert "saved with save_only_model=True" in caplog.text and "reproducibility is not guaranteed" in caplog.text
+    logged = {e["step"]: e for e in resumed.state.log_history if "loss" in e}
+    assert sorted(logged) == [1, 2, 3, 4, 5]  # steps 1-3 from the checkpoint's history, 4-5 trained now
+    assert logged[4]["learning_rate"] == 0.0  # a fresh schedule starts its warmup again, as in transformers
+
+
+# ---- resuming with other arguments ----------------------------------------------------------------------------------
+def test_changed_arguments_are_named_and_the_new_cadence_wins(saved, tmp_path, factory, caplog):
+    folder = copy_checkpoint(saved, tmp_path)
+    out = tmp_path / "out"
+    trainer = make_trainer(
+        out, factory, per_device_train_batch_size=8, gradient_accumulation_steps=1, data_seed=3, save_steps=5
+    )
+    with caplog.at_level(logging.WARNING, logger="hflight.resume"):
+        trainer.train(resume_from_checkpoint=str(folder))
+    text = caplog.text
+    assert "change the data position or the step arithmetic" in text
+    assert "per_device_train_batch_size: 8 (now) != 4 (checkpoint)" in text
+    assert "gradient_accumulation_steps: 1 (now) != 2 (checkpoint)" in text
+    assert "data_seed: 3 (now) != None (checkpoint)" in text  # the sampler's seed was `seed`, now 3
+    assert "save_steps: 5 (now) != 3 (checkpoint)" in text and "this run's logging/evaluation/saving cadence" in text
+    assert "seed:" not in text.replace("data_seed", "")
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-10", "checkpoint-12"]
+    assert read_trainer_state(out / "checkpoint-10" / "trainer_state.json").save_steps == 5
+
+
+def test_resuming_with_the_same_arguments_is_silent(saved, tmp_path, factory, caplog):
+    folder = copy_checkpoint(saved, tmp_path)
+    with caplog.at_level(logging.WARNING, logger="hflight"):
+        trainer = make_trainer(tmp_path / "out", factory, save_strategy="no", max_steps=7)
+        trainer.train(resume_from_checkpoint=str(folder))
+    assert trainer.state.global_step == 7 and "(now) !=" not in caplog.text
+
+
+# ---- weights ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("damage", ["shape", "missing", "unexpected"])
+def test_a_rejected_checkpoint_leaves_the_model_untouched(saved, tmp_path, factory, damage):
+    folder = copy_checkpoint(saved, tmp_path)
+    weights = load_file(folder / "model.safetensors")
+    if damage == "shape":
+        weights["qa_outputs.weight"] = torch.zeros(3, 32)
+    elif damage == "missing":
+        del weights["bert.encoder.layer.1.output.dense.weight"]
+    else:
+        weights["bert.pooler.extra"] = torch.zeros(2)
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    refresh_manifest(folder)
+    trainer = make_trainer(tmp_path / "out", factory)
+    before = params(trainer)
+    expected = {
+        "shape": r"shapes \['qa_outputs.weight: \[3, 32\] in the file, \[2, 32\] in the model'\]",
+        "missing": r"missing keys \['bert.encoder.layer.1.output.dense.weight'\]",
+        "unexpected": r"unexpected keys \['bert.pooler.extra'\]",
+    }[damage]
+    with pytest.raises(ValueError, match=rf"model\.safetensors does not match BertForQuestionAnswering: {expected}"):
+        trainer.train(resume_from_checkpoint=str(folder))
+    assert all(torch.equal(before[k], v) for k, v in params(trainer).items())
+
+
+class ShardedBert:
+    """A BERT QA model whose save_pretrained writes shards (as large models do), built on demand."""
+
+    @staticmethod
+    def build(factory, seed=0):
+        from transformers import BertForQuestionAnswering
+
+        class ShardedBertForQuestionAnswering(BertForQuestionAnswering):  # the name tells HF which labels it takes
+            def save_pretrained(self, *args, **kwargs):
+                kwargs.setdefault("max_shard_size", "30KB")
+                return super().save_pretrained(*args, **kwargs)
+
+        torch.manual_seed(seed)
+        return ShardedBertForQuestionAnswering(factory.config(dropout=0.1))
+
+
+def test_a_sharded_checkpoint_resumes_exactly(reference, tmp_path, factory):
+    make_trainer(tmp_path, factory, model=ShardedBert.build(factory), stop_at=6).train()
+    folder = tmp_path / "checkpoint-6"
+    assert (folder / "model.safetensors.index.json").is_file() and not (folder / "model.safetensors").exists()
+    assert len(list(folder.glob("model-*-of-*.safetensors"))) > 2
+    resumed = make_trainer(tmp_path / "resumed", factory, model=ShardedBert.build(factory, seed=42))
+    resumed.train(resume_from_checkpoint=str(folder))
+    assert_same(reference, resumed, from_step=6)
+
+    shard = sorted(folder.glob("model-*-of-*.safetensors"))[-1]
+    tensors = load_file(shard)
+    key = sorted(tensors)[0]
+    tensors[key] = torch.zeros(1)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    refresh_manifest(folder)
+    victim = make_trainer(tmp_path / "victim", factory, model=ShardedBert.build(factory, seed=42))
+    before = params(victim)
+    with pytest.raises(ValueError, match=rf"model\.safetensors\.index\.json does not match .*{key}: \[1\] in the file"):
+        victim.train(resume_from_checkpoint=str(folder))
+    assert all(torch.equal(before[k], v) for k, v in params(victim).items())
+
+
+def test_a_sharded_best_checkpoint_is_loaded_at_the_end(tmp_path, factory):
+    trainer = make_trainer(
+        tmp_path,
+        factory,
+        model=ShardedBert.build(factory),
+        eval_strategy="steps",
+        eval_steps=3,
+        load_best_model_at_end=True,
+        metric_for_best_model="eval_loss",
+        learning_rate=0.3,  # a loss that jumps about, so that the best step is not the last
+    )
+    trainer.train()
+    best = Path(trainer.state.best_model_checkpoint)
+    assert (best / "model.safetensors.index.json").is_file()
+    on_disk = type(trainer.model).from_pretrained(str(best)).state_dict()
+    assert all(torch.equal(on_disk[k], v) for k, v in params(trainer).items())
+    assert trainer.state.best_global_step != trainer.state.global_step  # the best is not simply the last model
+
+
+# ---- non-finite losses -----------------------------------------------------------------------------------------------
+class NaNFrom(hflight.Trainer):
+    """Makes the loss NaN from optimizer step ``nan_from`` on (the weights then turn NaN too)."""
+
+    nan_from = 3
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if self.state.global_step + 1 >= self.nan_from:
+            return loss * float("nan")
+        return loss
+
+
+def test_the_first_nonfinite_logged_loss_is_reported_once(tmp_path, factory, caplog):
+    args = hflight.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=4, logging_steps=1, save_strategy="no",
+        logging_nan_inf_filter=False, report_to="none", disable_tqdm=True, dataloader_pin_memory=False,
+    )  # fmt: skip
+    trainer = NaNFrom(factory.qa_model(), args, train_dataset=factory.qa_dataset(24))
+    with caplog.at_level(logging.WARNING, logger="hflight"):
+        trainer.train()
+    warnings = [r.getMessage() for r in caplog.records if "logged" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith("Step 3: logged loss=nan, grad_norm=nan.")

@@ -1,0 +1,108 @@
+"""How a command-line run reports failures: once, readably, in ``error.txt`` too; and SIGTERM/SIGINT outside training.
+
+One child process runs the real ``train.py`` with a user error (it fails before any training); the rest calls
+``hflight.cli.main`` on a composed config with the failing piece monkeypatched. SIGTERM during a command-line
+training run is ``test_cli.py::test_sigterm_during_training_saves_a_checkpoint_records_it_and_exits_143``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hflight import cli
+from hflight.config import compose
+from hflight.interrupt import TrainingInterrupted
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_train_py(*overrides: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    command = [sys.executable, str(REPO / "train.py"), *overrides]
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.subprocess
+def test_a_user_error_is_reported_once_without_a_traceback(tmp_path):
+    proc = run_train_py("+experiment=mrc", "args.lr_scheduler_type=linea", f"hydra.run.dir={tmp_path}")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1
+    assert output.count("Unknown lr_scheduler_type 'linea'; valid choices are: linear") == 1, output
+    assert "Traceback" not in output
+    assert f"the traceback is in {tmp_path / 'error.txt'}" in output
+    recorded = (tmp_path / "error.txt").read_text()
+    assert recorded.startswith("Traceback") and "Unknown lr_scheduler_type 'linea'" in recorded
+
+
+# ---- in-process: cli.main on a composed config ------------------------------------------------------------------
+@pytest.fixture
+def cfg(tmp_path):
+    return compose(["+experiment=mrc"], output_dir=tmp_path)
+
+
+def fail_with(exc: BaseException):
+    def train(cfg):
+        raise exc
+
+    return train
+
+
+def test_an_unexpected_error_is_raised_with_its_traceback_logged_nowhere_else(cfg, tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(cli, "train", fail_with(RuntimeError("boom")))
+    with caplog.at_level(logging.INFO, logger="hflight.cli"), pytest.raises(RuntimeError, match="boom"):
+        cli.main(cfg)
+    assert "RuntimeError: boom" in (tmp_path / cli.ERROR_FILE).read_text()
+    assert [r.getMessage() for r in caplog.records] == [f"Run failed; the traceback is in {tmp_path / 'error.txt'}"]
+    assert not any(r.exc_info for r in caplog.records)  # Hydra prints the traceback, once
+
+
+def test_on_the_command_line_a_user_error_becomes_one_compact_message(cfg, tmp_path, monkeypatch):
+    from hydra.errors import CompactHydraException
+
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.setattr(cli, "_on_command_line", lambda: True)
+    monkeypatch.setattr(cli, "train", fail_with(KeyError("optimized_metric='eval_f2' is not among the metrics")))
+    with pytest.raises(CompactHydraException) as error:
+        cli.main(cfg)
+    assert str(error.value) == "KeyError: optimized_metric='eval_f2' is not among the metrics"
+    assert isinstance(error.value.__cause__, KeyError)
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    with pytest.raises(KeyError):  # the full error, as Hydra users expect
+        cli.main(cfg)
+
+
+def test_in_a_multirun_a_job_logs_one_line_for_a_user_error_and_the_traceback_otherwise(cfg, monkeypatch, caplog):
+    monkeypatch.setattr(cli, "_in_multirun", lambda: True)
+    monkeypatch.setattr(cli, "train", fail_with(ValueError("bad data")))
+    with caplog.at_level(logging.ERROR, logger="hflight.cli"):
+        assert cli.main(cfg) is None
+    assert len(caplog.records) == 1 and caplog.records[0].exc_info is None
+    assert caplog.records[0].getMessage().startswith("Job failed: ValueError: bad data (traceback in")
+    caplog.clear()
+    monkeypatch.setattr(cli, "train", fail_with(ZeroDivisionError("bug")))
+    with caplog.at_level(logging.ERROR, logger="hflight.cli"):
+        assert cli.main(cfg) is None
+    assert len(caplog.records) == 1 and caplog.records[0].exc_info[0] is ZeroDivisionError
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_outside_of_training_is_recorded_and_exits_non_zero(cfg, tmp_path, monkeypatch, signum):
+    def train(cfg):
+        os.kill(os.getpid(), signum)  # e.g. while the data is being tokenized
+        raise AssertionError("the signal should have stopped the run")
+
+    before = signal.getsignal(signum)
+    monkeypatch.setattr(cli, "train", train)
+    with pytest.raises(TrainingInterrupted) as stopped:
+        cli.main(cfg)
+    assert stopped.value.code == 128 + signum
+    assert (tmp_path / "error.txt").read_text().startswith(f"Terminated by {signal.Signals(signum).name} outside")
+    assert signal.getsignal(signum) is before

@@ -1,0 +1,141 @@
+"""SIGTERM and SIGINT during ``Trainer.train``: the run finishes the optimizer step it is in, writes a checkpoint and
+stops with a non-zero exit code; Lightning's own handlers stay in place.
+
+The signals are real: a callback sends them to this very process during the first micro-batch of an accumulation
+cycle (gradient accumulation 2), so that they arrive mid-step, deterministically. The same in a child process,
+with the signal sent from outside and an exact resume, is ``test_resume.py::test_resume_after_sigterm_is_exact``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+import hflight
+from hflight.checkpoint import get_last_checkpoint, verify_checkpoint
+from hflight.interrupt import StopRequest, TrainingInterrupted
+
+
+class SendSignal(hflight.TrainerCallback):
+    """Sends ``signum`` (``times`` times) to this process in the middle of optimizer step ``step``."""
+
+    def __init__(self, signum: int, step: int, times: int = 1) -> None:
+        self.signum, self.step, self.times = signum, step, times
+        self.handlers: dict[int, object] = {}
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        if state.global_step + 1 == self.step:
+            for _ in range(self.times):
+                os.kill(os.getpid(), self.signum)
+            self.step = None
+
+
+def train(tmp_path, factory, *callbacks: hflight.TrainerCallback, **overrides) -> hflight.Trainer:
+    values = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        max_steps=8,
+        save_steps=3,
+        logging_steps=1,
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_pin_memory=False,
+    )
+    values.update(overrides)
+    trainer = hflight.Trainer(
+        factory.qa_model(),
+        hflight.TrainingArguments(**values),
+        train_dataset=factory.qa_dataset(40),
+        callbacks=list(callbacks),
+    )
+    trainer.train()
+    return trainer
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_mid_step_finishes_the_step_saves_and_exits_non_zero(tmp_path, factory, signum, code):
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    sender = SendSignal(signum, step=5)
+    with pytest.raises(TrainingInterrupted) as stopped:
+        train(tmp_path, factory, sender)
+    error = stopped.value
+    assert isinstance(error, SystemExit) and error.code == code and error.signum == signum
+    assert error.global_step == 5  # the step in progress was completed, not cut short
+    assert error.checkpoint == str(tmp_path / "checkpoint-5")
+    assert verify_checkpoint(error.checkpoint)["global_step"] == 5
+    assert get_last_checkpoint(tmp_path) == error.checkpoint
+    assert f"stopped by {signal.Signals(signum).name} after step 5 of 8" in str(error)
+    assert "resume_from_checkpoint" in str(error)
+    assert {s: signal.getsignal(s) for s in before} == before  # the previous handlers are back
+
+
+def test_lightning_keeps_its_handlers_and_composes_ours_slurm_requeue_included(tmp_path, factory, monkeypatch):
+    """Under SLURM (auto-requeue on), Lightning installs its SIGUSR1 requeue handler and its SIGTERM handlers; hflight's
+    runs inside Lightning's SIGTERM handler, and the run still stops at the step boundary with a checkpoint."""
+    for name, value in dict(SLURM_NTASKS="1", SLURM_JOB_NAME="train", SLURM_JOB_ID="42", SLURM_PROCID="0",
+                            SLURM_LOCALID="0", SLURM_NODEID="0").items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    sender = SendSignal(signal.SIGTERM, step=2)
+    with pytest.raises(TrainingInterrupted) as stopped:
+        train(tmp_path, factory, sender)
+    assert stopped.value.checkpoint == str(tmp_path / "checkpoint-2")
+    requeue = getattr(sender.handlers[signal.SIGUSR1], "signal_handlers", [])
+    assert [h.__name__ for h in requeue] == ["_slurm_sigusr_handler_fn"]
+    sigterm = sender.handlers[signal.SIGTERM].signal_handlers
+    assert [getattr(h, "__name__", None) for h in sigterm[:2]] == ["_sigterm_notifier_fn", "_sigterm_handler_fn"]
+    assert isinstance(sigterm[2], StopRequest)
+
+
+def test_a_second_signal_stops_at_once_without_a_checkpoint(tmp_path, factory):
+    with pytest.raises(TrainingInterrupted, match="stopped at once by a second SIGTERM") as stopped:
+        train(tmp_path, factory, SendSignal(signal.SIGTERM, step=5, times=2))
+    assert stopped.value.code == 143 and stopped.value.checkpoint is None
+    assert get_last_checkpoint(tmp_path) == str(tmp_path / "checkpoint-3")  # the last regular one, untouched
+
+
+def test_without_saving_the_run_still_stops_non_zero(tmp_path, factory):
+    with pytest.raises(TrainingInterrupted, match=r"no checkpoint was saved \(save_strategy='no'\)") as stopped:
+        train(tmp_path, factory, SendSignal(signal.SIGTERM, step=2), save_strategy="no")
+    assert stopped.value.code == 143 and stopped.value.global_step == 2
+    assert not list(tmp_path.glob("checkpoint-*"))
+
+
+def test_a_signal_after_a_regular_save_does_not_save_twice(tmp_path, factory):
+    saves = []
+
+    class CountSaves(hflight.TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            saves.append(state.global_step)
+
+    with pytest.raises(TrainingInterrupted):
+        train(tmp_path, factory, SendSignal(signal.SIGTERM, step=3), CountSaves())
+    assert saves == [3]
+
+
+def test_sigterm_during_evaluate_exits_non_zero(tmp_path, factory):
+    """Outside of train(), Lightning's validate loop stops on SIGTERM with a SystemExit of status 0: not here."""
+
+    class SignalDuringEvaluation(hflight.TrainerCallback):
+        sent = False
+
+        def on_prediction_step(self, args, state, control, **kwargs):
+            if not self.sent:
+                self.sent = True
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    values = dict(output_dir=str(tmp_path), per_device_eval_batch_size=2, report_to="none", disable_tqdm=True)
+    trainer = hflight.Trainer(
+        factory.qa_model(),
+        hflight.TrainingArguments(**values, dataloader_pin_memory=False),
+        eval_dataset=factory.qa_dataset(8),
+        callbacks=[SignalDuringEvaluation()],
+    )
+    with pytest.raises(TrainingInterrupted, match="Evaluation stopped by SIGTERM") as stopped:
+        trainer.evaluate()
+    assert stopped.value.code == 143
