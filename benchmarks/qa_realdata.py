@@ -13,7 +13,11 @@ weight decay 0.01, seed 42 (the QA head is initialised from the seed, the same i
 * ``hflight_padded``: ``hflight.qa.MRCTrainer`` on the same padded windows and collator (fidelity: EM/F1 should be
   those of ``hf``);
 * ``hflight``: hflight's own recipe: windows padded per batch (``DataCollatorWithPadding``), length-grouped training
-  batches (``train_sampling_strategy="group_by_length"``), length-sorted evaluation.
+  batches (``train_sampling_strategy="group_by_length"``), length-sorted evaluation;
+* ``hflight_ort`` (when onnxruntime is installed: ``pip install "hflight[ort]"``): the same recipe with
+  ``strategy="ort"``: training in eager PyTorch (onnxruntime-training is not in the main environment), evaluation
+  through ONNX Runtime, fp32; its evaluation time includes the one ONNX export. Its worker runs with
+  ``OMP_WAIT_POLICY=PASSIVE`` (torch's idle OpenMP threads otherwise spin against ORT's).
 
 Each run is a fresh process (``--worker KIND``); runs alternate (the order reverses every round), so drift in the
 machine's speed hits every kind alike. Printed: training seconds, evaluation seconds (windows -> answers and
@@ -214,7 +218,7 @@ def run_transformers(prep: Prepared) -> Measured:
                     {"train_loss": result.training_loss})  # fmt: skip
 
 
-def _run_hflight(prep: Prepared, kind: str, padded: bool) -> Measured:
+def _run_hflight(prep: Prepared, kind: str, padded: bool, backend: str = "auto") -> Measured:
     from transformers import DataCollatorWithPadding, default_data_collator
 
     from hflight import TrainingArguments
@@ -222,8 +226,9 @@ def _run_hflight(prep: Prepared, kind: str, padded: bool) -> Measured:
 
     s = prep.settings
     train, dev = prep.windows["train", padded], prep.windows["eval", padded]
-    strategy = "random" if padded else "group_by_length"
-    args = TrainingArguments(**common_args(s, prep.out_dir), train_sampling_strategy=strategy, accelerator="cpu")
+    sampling = "random" if padded else "group_by_length"
+    args = TrainingArguments(**common_args(s, prep.out_dir), train_sampling_strategy=sampling, accelerator="cpu",
+                             strategy=backend)  # fmt: skip
     collator = default_data_collator if padded else DataCollatorWithPadding(prep.tokenizer)
     trainer = MRCTrainer(prep.model(), args, data_collator=collator, train_dataset=train, eval_dataset=dev,
                          eval_examples=prep.eval_examples, processing_class=prep.tokenizer)  # fmt: skip
@@ -252,8 +257,20 @@ RUNS: dict[str, tuple[str, Callable[[Prepared], Measured]]] = {
         lambda p: _run_hflight(p, "hflight_padded", True),
     ),
     "hflight": ("hflight recipe: dynamic padding, length-grouped", lambda p: _run_hflight(p, "hflight", False)),
+    "hflight_ort": (
+        "the hflight recipe with strategy='ort': training eager, evaluation in ONNX Runtime (fp32)",
+        lambda p: _run_hflight(p, "hflight_ort", False, backend="ort"),
+    ),
 }
 BASELINE = "hf"
+#: Environment variables of a kind's worker process (set before torch loads).
+RUN_ENV: dict[str, dict[str, str]] = {"hflight_ort": {"OMP_WAIT_POLICY": "PASSIVE"}}
+
+
+def default_runs() -> list[str]:
+    """Every kind, less ``hflight_ort`` where onnxruntime is not installed."""
+    has_ort = importlib.util.find_spec("onnxruntime") is not None
+    return [kind for kind in RUNS if has_ort or kind != "hflight_ort"]
 
 
 def worker(kind: str, settings: Settings, result_file: Path) -> None:
@@ -275,7 +292,7 @@ def launch(kind: str, settings: Settings, result_file: Path) -> Measured:
                "--threads", str(settings.threads)]  # fmt: skip
     if settings.data_seed is not None:
         command += ["--data-seed", str(settings.data_seed)]
-    done = subprocess.run(command, capture_output=True, text=True)
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **RUN_ENV.get(kind, {})})
     if done.returncode != 0:
         sys.exit(f"run {kind} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
     return Measured(**json.loads(result_file.read_text()))
@@ -320,7 +337,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1: a shared machine)")
     parser.add_argument("--rounds", type=int, default=1, help="runs of each kind; the order reverses every round")
     parser.add_argument("--data-seed", type=int, help="seed of the training order in every run (default: 42)")
-    parser.add_argument("--runs", default=",".join(RUNS), help=f"run kinds, comma-separated ({', '.join(RUNS)})")
+    parser.add_argument("--runs", default=",".join(default_runs()), help=f"run kinds ({', '.join(RUNS)})")
     parser.add_argument("--worker", choices=list(RUNS), help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
@@ -340,7 +357,8 @@ def main(argv: list[str] | None = None) -> None:
             for kind in kinds if r % 2 == 0 else kinds[::-1]:
                 start = time.perf_counter()
                 results[kind].append(launch(kind, settings, Path(tmp) / f"{kind}-{r}.json"))
-                print(f"round {r + 1}: {kind} done in {time.perf_counter() - start:.0f} s", flush=True)
+                print(f"round {r + 1}: {kind} done in {time.perf_counter() - start:.0f} s: "
+                      f"{json.dumps(asdict(results[kind][-1]))}", flush=True)  # fmt: skip
     report(results, settings)
 
 

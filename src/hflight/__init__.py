@@ -7,8 +7,9 @@ package registers hflight's backends (``hflight.ipu``, ``hflight.ort``) with Lig
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from hflight._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -63,13 +64,4 @@ def _register_backends() -> None:
 _register_backends()
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'hflight' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)

@@ -8,8 +8,9 @@ never run on IPU hardware (the last public poptorch needs torch 2.0.1).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from hflight._lazy import lazy_exports
 
 _EXPORTS = {
     "IPUConfig": "hflight.ipu.config",
@@ -42,13 +43,4 @@ if TYPE_CHECKING:
     from hflight.ipu.trainer import IPUTrainer, IPUTrainingArguments
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'hflight.ipu' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)

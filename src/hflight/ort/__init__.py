@@ -7,8 +7,9 @@ onnxruntime; building a strategy does, and a missing package raises one error th
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from hflight._lazy import lazy_exports
 
 _EXPORTS = {
     "ORTStrategy": "hflight.ort.strategy",
@@ -25,13 +26,4 @@ if TYPE_CHECKING:
     from hflight.ort.trainer import ORTTrainer, ORTTrainingArguments
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'hflight.ort' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)

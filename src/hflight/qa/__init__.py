@@ -1,7 +1,7 @@
 """Extractive question answering (MRC) on top of the hflight facade.
 
 The names below are imported from their modules on first use (PEP 562), so ``from hflight.qa import
-squad_metrics`` does not load Lightning, and ``from hflight.qa import MRCTrainer`` does:
+squad_metrics`` loads the metrics module only, and ``from hflight.qa import MRCTrainer`` the trainer:
 
 * ``MRCTrainer`` / ``QuestionAnsweringTrainer`` (``hflight.qa.trainer``): evaluation that ends in answers and
   SQuAD scores;
@@ -20,8 +20,9 @@ Example:
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from hflight._lazy import lazy_exports
 
 _EXPORTS = {
     "MRCTrainer": "hflight.qa.trainer",
@@ -74,13 +75,4 @@ if TYPE_CHECKING:
     from hflight.qa.trainer import MRCTrainer, QuestionAnsweringTrainer
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'hflight.qa' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)
