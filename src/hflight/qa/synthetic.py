@@ -31,6 +31,7 @@ import json
 import os
 import random
 import re
+import tempfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -602,5 +603,18 @@ def write_squad_files(
     out.mkdir(parents=True, exist_ok=True)
     paths = (out / train_name, out / validation_name)
     for path, squad in zip(paths, (train, validation)):
-        path.write_bytes(squad_to_json(squad).encode("utf-8"))
+        replace_file(path, squad_to_json(squad).encode("utf-8"))
     return paths
+
+
+def replace_file(path: Path, data: bytes) -> None:
+    """Write ``path`` whole or not at all (a temporary file renamed over it): processes launched together (torchrun)
+    write the same files, and none of them may read another's half-written one."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

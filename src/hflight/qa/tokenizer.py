@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -109,11 +110,16 @@ def train_wordpiece_tokenizer(
     )
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    wrapped.save_pretrained(str(out))
-    # A WordPiece vocab.txt too, so a slow BERT tokenizer can be built from the same vocabulary.
-    (out / "vocab.txt").write_text(
-        "".join(t + "\n" for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])), encoding="utf-8"
-    )
+    # Saved in a private folder, then each file renamed into place: processes launched together (torchrun) build
+    # the same tokenizer into the same folder, and none may load another's half-written file.
+    with tempfile.TemporaryDirectory(dir=out, prefix=".tokenizer-") as staging:
+        wrapped.save_pretrained(staging)
+        # A WordPiece vocab.txt too, so a slow BERT tokenizer can be built from the same vocabulary.
+        Path(staging, "vocab.txt").write_text(
+            "".join(t + "\n" for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])), encoding="utf-8"
+        )
+        for name in sorted(os.listdir(staging)):
+            os.replace(os.path.join(staging, name), out / name)
     return AutoTokenizer.from_pretrained(str(out))
 
 
