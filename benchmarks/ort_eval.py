@@ -35,9 +35,7 @@ from transformers import AutoModelForQuestionAnswering, AutoTokenizer  # noqa: E
 from hflight import TrainingArguments  # noqa: E402
 from hflight.ort import ORTStrategy  # noqa: E402
 from hflight.ort.strategy import evaluation_sessions  # noqa: E402
-from hflight.qa.data import load_squad_json  # noqa: E402
-from hflight.qa.preprocess import prepare_train_features, prepare_validation_features  # noqa: E402
-from hflight.qa.trainer import MRCTrainer  # noqa: E402
+from hflight.qa import MRCTrainer, load_squad_json, prepare_train_features, prepare_validation_features  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from squad_subsets import SQUAD_V1_DEV, encoder_dir, squad_subset  # noqa: E402
