@@ -395,3 +395,10 @@ def test_report_to_maps_names_to_lightning_loggers(monkeypatch):
     with pytest.raises(ValueError, match="unknown logger"):
         lightning_kwargs.report_to_names(["comet"])
     assert set(lightning_kwargs.LOGGERS) == {"csv", "tensorboard", "mlflow", "wandb"}
+
+
+def test_a_model_loaded_in_eval_mode_trains_without_lightnings_eval_mode_warning(tmp_path, factory, recwarn):
+    model = factory.qa_model().eval()  # from_pretrained returns models in eval mode
+    Trainer(model, _args(tmp_path, max_steps=1), train_dataset=factory.qa_dataset(8)).train()
+    assert model.training  # as after transformers.Trainer.train()
+    assert not [w for w in recwarn if "in eval mode at the start of training" in str(w.message)]

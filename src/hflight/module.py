@@ -55,6 +55,13 @@ class HFModule(L.LightningModule):
         }
 
     @override
+    def on_fit_start(self) -> None:
+        # HF's training_step puts the model in train mode at every step; doing it once before the fit loop starts
+        # also spares every run of a from_pretrained model (loaded in eval mode) Lightning's "module(s) in eval mode
+        # at the start of training" warning.
+        self.model.train()
+
+    @override
     def on_train_batch_start(self, batch: MicroBatch, batch_idx: int) -> int | None:
         # Returning -1 is Lightning's way to end the epoch now: HF's should_epoch_stop.
         if self._facade.control.should_epoch_stop:
