@@ -15,6 +15,18 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """A run with ``cpu_threads`` set (``+experiment=mrc`` sets 1) changes torch's threads for the whole process;
+    each test starts with the session's, so results never depend on which tests ran before."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     """The folder of real SQuAD-format data sets; skips the test when a fresh clone has none beside it."""

@@ -482,15 +482,16 @@ def test_a_sharded_best_checkpoint_is_loaded_at_the_end(tmp_path, factory):
         eval_strategy="steps",
         eval_steps=3,
         load_best_model_at_end=True,
-        metric_for_best_model="eval_loss",
-        learning_rate=0.3,  # a loss that jumps about, so that the best step is not the last
+        metric_for_best_model="score",
     )
+    scores = iter([1.0, 3.0, 2.0, 0.0])  # evaluations at steps 3, 6, 9, 12: the best is step 6, not the last
+    trainer.compute_metrics = lambda prediction: {"score": next(scores)}
     trainer.train()
+    assert trainer.state.best_global_step == 6 != trainer.state.global_step
     best = Path(trainer.state.best_model_checkpoint)
-    assert (best / "model.safetensors.index.json").is_file()
+    assert best.name == "checkpoint-6" and (best / "model.safetensors.index.json").is_file()
     on_disk = type(trainer.model).from_pretrained(str(best)).state_dict()
     assert all(torch.equal(on_disk[k], v) for k, v in params(trainer).items())
-    assert trainer.state.best_global_step != trainer.state.global_step  # the best is not simply the last model
 
 
 # ---- non-finite losses -----------------------------------------------------------------------------------------------
