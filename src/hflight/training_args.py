@@ -502,6 +502,23 @@ class TrainingArguments:
             kwargs["accelerator"] = "cpu"
         return cls(**kwargs)
 
+    @classmethod
+    def from_args(cls, args: "TrainingArguments | None", owner: str) -> "TrainingArguments":
+        """``args`` as this class, for a trainer with its own arguments class (``IPUTrainer``, ``ORTTrainer``): None
+        gives the defaults, an instance of this class is used as it is, other hflight ``TrainingArguments`` are
+        copied field by field (the new class's own fields get their defaults).
+
+        Raises:
+            TypeError: ``args`` is not an hflight ``TrainingArguments`` (``owner`` names the trainer).
+        """
+        if args is None:
+            return cls()
+        if isinstance(args, cls):
+            return args
+        if isinstance(args, TrainingArguments):
+            return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init})
+        raise TypeError(f"{owner}: args must be {cls.__name__} or TrainingArguments, got {type(args).__name__}")
+
     def to_dict(self) -> Dict[str, Any]:
         """The init fields as a dict, enums replaced by their values (Lightning objects by their class name)."""
         d = {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self) if f.init}

@@ -135,3 +135,15 @@ def test_compile_only_compiles_offline_and_stops(poptorch_double, factory, tmp_p
     assert compiled[0][1]["input_ids"] == (4, 24)  # the first combined training batch: 2 x GA 2
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing ran
     assert not (tmp_path / "out" / "checkpoint-1").exists()
+
+
+def test_plain_training_arguments_are_converted(poptorch_double, factory, tmp_path):
+    """A migrating user may pass hflight's plain TrainingArguments: the IPU fields get optimum-graphcore's defaults."""
+    plain = TrainingArguments(str(tmp_path / "out"), per_device_train_batch_size=2, learning_rate=1e-3, seed=5,
+                              report_to="none", save_strategy="no", max_steps=2)  # fmt: skip
+    trainer = IPUTrainer(factory.qa_model(), IPUConfig(), plain, train_dataset=factory.qa_dataset(8))
+    assert type(trainer.args) is IPUTrainingArguments
+    assert (trainer.args.learning_rate, trainer.args.seed, trainer.args.max_steps) == (1e-3, 5, 2)
+    assert trainer.args.fp32 is False and trainer.args.ipu_precision == "16-true"  # optimum-graphcore's defaults
+    with pytest.raises(TypeError, match="IPUTrainer: args must be IPUTrainingArguments or TrainingArguments, got dict"):
+        IPUTrainer(factory.qa_model(), IPUConfig(), {"learning_rate": 1e-3})

@@ -157,6 +157,15 @@ def test_ort_trainer_api(factory, tmp_path):
         ORTTrainingArguments("o", ort_exporter="script")
 
 
+def test_ort_trainer_converts_plain_training_arguments(factory, tmp_path):
+    plain = TrainingArguments(str(tmp_path / "out"), **COMMON)
+    trainer = ORTTrainer(factory.qa_model(), plain)
+    assert type(trainer.args) is ORTTrainingArguments and trainer.args.learning_rate == COMMON["learning_rate"]
+    assert trainer.args.ort_inference is True and trainer.args.ort_quantize is None  # the ORT fields' defaults
+    with pytest.raises(TypeError, match="ORTTrainer: args must be ORTTrainingArguments or TrainingArguments"):
+        ORTTrainer(factory.qa_model(), object())
+
+
 def test_adamw_ort_fused_needs_onnxruntime_training(factory, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "onnxruntime.training", None)
     monkeypatch.setitem(sys.modules, "onnxruntime.training.optim", None)

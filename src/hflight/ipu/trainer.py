@@ -104,16 +104,6 @@ class IPUTrainingArguments(TrainingArguments):
         return "16-mixed" if self.fp16 else "16-true"
 
 
-def _as_ipu_args(args: TrainingArguments | None) -> IPUTrainingArguments:
-    if args is None:
-        return IPUTrainingArguments()
-    if isinstance(args, IPUTrainingArguments):
-        return args
-    if isinstance(args, TrainingArguments):
-        return IPUTrainingArguments(**{k: v for k, v in args.to_init_kwargs().items()})
-    raise TypeError(f"IPUTrainer: args must be IPUTrainingArguments or TrainingArguments, got {type(args).__name__}")
-
-
 def resolve_ipu_config(ipu_config: IPUConfig | None, args: IPUTrainingArguments) -> IPUConfig:
     """The run's IPUConfig: the given one (or ``args.ipu_config_name``), then ``n_ipu``, the overrides, the seed."""
     if ipu_config is None:
@@ -154,7 +144,7 @@ class IPUTrainer(Trainer):
         optimizers: tuple[torch.optim.Optimizer | None, Any] = (None, None),
         preprocess_logits_for_metrics: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
-        args = _as_ipu_args(args)
+        args = IPUTrainingArguments.from_args(args, "IPUTrainer")
         self.ipu_config = resolve_ipu_config(ipu_config, args)
         self.ipu_strategy = IPUStrategy(
             self.ipu_config,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -75,16 +75,6 @@ class ORTTrainingArguments(TrainingArguments):
             raise ValueError(f"ort_quantize must be None or 'dynamic', got {self.ort_quantize!r}")
 
 
-def _as_ort_args(args: TrainingArguments | None) -> ORTTrainingArguments:
-    if args is None:
-        return ORTTrainingArguments()
-    if isinstance(args, ORTTrainingArguments):
-        return args
-    if isinstance(args, TrainingArguments):
-        return ORTTrainingArguments(**{f.name: getattr(args, f.name) for f in fields(args) if f.init})
-    raise TypeError(f"ORTTrainer: args must be ORTTrainingArguments or TrainingArguments, got {type(args).__name__}")
-
-
 class ORTTrainer(Trainer):
     """optimum's ``ORTTrainer`` signature on hflight's facade and the ORT strategy."""
 
@@ -102,7 +92,7 @@ class ORTTrainer(Trainer):
         optimizers: tuple[torch.optim.Optimizer | None, Any] = (None, None),
         preprocess_logits_for_metrics: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
-        args = _as_ort_args(args)
+        args = ORTTrainingArguments.from_args(args, "ORTTrainer")
         self.ort_strategy = ORTStrategy(
             inference=args.ort_inference,
             training=_TRAINING_CHOICES[str(args.ort_training).lower()],
