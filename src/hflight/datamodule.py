@@ -27,7 +27,7 @@ import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch.utils.data import DataLoader, IterableDataset, Sampler, SequentialSampler
 
-from hflight.backend import backend_of
+from hflight.backend import StepGeometry, backend_of
 
 
 class EpochSeededRandomSampler(Sampler[int]):
@@ -189,6 +189,7 @@ class HFDataModule(L.LightningDataModule):
         self.facade = facade
         self.train_loader: Any = None
         self.cycles: AccumulationCycles | None = None
+        self.geometry: StepGeometry | None = None  # the running backend's step geometry, set with the loader
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         # Only a micro-batch's tensors travel; Lightning's generic path would deep-copy the whole dataclass
@@ -205,11 +206,11 @@ class HFDataModule(L.LightningDataModule):
         if stage != "fit" or self.cycles is not None:
             return
         facade, backend = self.facade, backend_of(self.trainer.strategy)
-        geometry = backend.hf_geometry(facade.args, self.trainer.world_size)
+        self.geometry = backend.hf_geometry(facade.args, self.trainer.world_size)
         self.train_loader = backend.hf_prepare_loader(facade.get_train_dataloader(), training=True)
         self.cycles = AccumulationCycles(
             self.train_loader,
-            geometry.accumulation,
+            self.geometry.accumulation,
             facade._count_items_in_cycle,
             epoch_fn=lambda: self.facade._epochs_offset + self.trainer.current_epoch,
         )

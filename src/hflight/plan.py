@@ -7,7 +7,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from hflight.backend import StepGeometry
+from hflight.backend import StepGeometry, backend_of
 
 
 @dataclass(frozen=True)
@@ -53,8 +53,7 @@ def plan_training(
         6
     """
     if geometry is None:
-        accumulation = args.gradient_accumulation_steps
-        geometry = StepGeometry(accumulation, args.per_device_train_batch_size * accumulation * world_size)
+        geometry = backend_of(None).hf_geometry(args, world_size)  # eager: accumulation on the host
     accumulation, total_train_batch_size = geometry.accumulation, geometry.samples_per_step
     if len_dataloader == 0:
         raise ValueError(

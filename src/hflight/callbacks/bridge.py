@@ -32,7 +32,6 @@ from transformers.trainer_utils import SaveStrategy, TrainOutput, speed_metrics
 from typing_extensions import override
 
 from hflight import checkpoint, resume
-from hflight.backend import backend_of
 from hflight.datamodule import loader_length
 from hflight.interrupt import StopRequest, signal_name, stopped
 from hflight.plan import plan_training
@@ -83,9 +82,8 @@ class HFEventBridge(L.Callback):
         loader = trainer.datamodule.train_loader
         length = loader_length(loader)
         num_examples = facade.num_examples(loader) if length else None
-        world_size = facade._world()[0]
-        geometry = backend_of(trainer.strategy).hf_geometry(facade.args, world_size)
-        facade._plan = plan = plan_training(facade.args, length, num_examples, world_size, geometry)
+        geometry = trainer.datamodule.geometry  # the backend's, derived once with the loader
+        facade._plan = plan = plan_training(facade.args, length, num_examples, facade._world()[0], geometry)
         facade.state = facade._fresh_state()
         facade.state.train_batch_size = facade.args.train_batch_size
         facade.state.compute_steps(facade.args, plan.max_steps)
