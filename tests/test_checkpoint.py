@@ -185,10 +185,10 @@ def test_a_kill_at_any_point_of_a_resave_leaves_a_complete_checkpoint(saved, ref
 
     real_save = checkpoint.save_checkpoint
 
-    def traced_save(facade):
+    def traced_save(*args):
         sys.settrace(trace)
         try:
-            return real_save(facade)
+            return real_save(*args)
         finally:
             sys.settrace(None)
 

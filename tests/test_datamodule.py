@@ -59,7 +59,7 @@ def test_micro_batch_transfer_moves_only_tensors_and_keeps_cycle_tags():
 
     inputs = {"input_ids": torch.ones(2, 3, dtype=torch.long), "nested": [torch.zeros(2)], "tag": "x"}
     batch = MicroBatch(inputs=inputs, index=1, cycle_size=2, num_items_in_batch=torch.tensor(5), step_in_epoch=7)
-    module = HFDataModule(facade=None)
+    module = HFDataModule(facade=None, run=None)
     moved = module.transfer_batch_to_device(batch, torch.device("meta"), 0)
     assert moved.inputs["input_ids"].device.type == "meta" and moved.inputs["nested"][0].device.type == "meta"
     assert moved.num_items_in_batch.device.type == "meta" and moved.inputs["tag"] == "x"

@@ -106,6 +106,6 @@ def test_bf16_mixed_precision_trains_on_cpu(tmp_path, factory):
     )
     trainer = Trainer(factory.qa_model(), args, train_dataset=factory.qa_dataset(8))
     trainer.train()
-    assert trainer._lightning_trainer.precision == "bf16-mixed"
+    assert trainer.lightning_trainer.precision == "bf16-mixed"
     assert all(torch.isfinite(torch.tensor(e["loss"])) for e in trainer.state.log_history if "loss" in e)
     assert next(trainer.model.parameters()).dtype == torch.float32  # mixed precision keeps fp32 master weights

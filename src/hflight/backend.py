@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from hflight.module import HFModule
-    from hflight.trainer import Trainer
+    import lightning as L
+
+    from hflight.surface import TrainerSurface
 
 __all__ = [
     "BACKEND_PACKAGES",
@@ -67,14 +68,14 @@ class HFBackend:
         """The loader the loop iterates (a backend may re-batch it, e.g. into poptorch's combined batches)."""
         return loader
 
-    def hf_configure_optimizer(self, facade: Trainer) -> None:
+    def hf_configure_optimizer(self, facade: TrainerSurface) -> None:
         """Called once the facade built its optimizer and scheduler for a fit (a backend may convert them)."""
 
     def hf_training_model(self, model: torch.nn.Module) -> Callable[..., Any]:
         """What the facade's ``training_step``/``compute_loss`` call as ``model`` during a fit."""
         return model
 
-    def hf_optimizer_step(self, module: HFModule) -> bool:
+    def hf_optimizer_step(self, module: L.LightningModule) -> bool:
         """One optimizer step on the host; False when mixed precision skipped it (inf/NaN gradients)."""
         optimizer = module.optimizers()
         scaler = getattr(module.trainer.precision_plugin, "scaler", None)

@@ -31,15 +31,14 @@ import random
 import re
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 from transformers.trainer_callback import ExportableState, TrainerState
 from transformers.trainer_utils import SaveStrategy, rotate_checkpoints
 
-if TYPE_CHECKING:
-    from hflight.trainer import Trainer
+from hflight.surface import RunView, TrainerSurface
 
 logger = logging.getLogger(__name__)
 
@@ -189,6 +188,15 @@ def save_model_files(model: torch.nn.Module, processing_class: Any, output_dir: 
     torch.save(args.to_picklable(), os.path.join(output_dir, "training_args.bin"))
 
 
+def save_model(facade: TrainerSurface, output_dir: str, backend: Any) -> None:
+    """``Trainer.save_model``: the host weights made current (``backend``: the strategy's hooks), then, on the main
+    process, the model files and the backend's own files."""
+    backend.hf_sync_to_host()
+    if facade.is_world_process_zero():
+        save_model_files(facade.model, facade.processing_class, output_dir, facade.args)
+        backend.hf_save_files(output_dir)
+
+
 def _rng_states() -> dict[str, Any]:
     states = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -200,61 +208,73 @@ def rng_file_name(world_size: int, rank: int) -> str:
     return "rng_state.pth" if world_size <= 1 else f"rng_state_{rank}.pth"
 
 
-def run_arguments(facade: Trainer) -> dict[str, Any]:
-    """The values of :data:`RUN_ARGUMENTS` for the running ``train()`` (recorded in the manifest)."""
-    args = facade.args
+def run_arguments(args: Any, world_size: int, plan: Any) -> dict[str, Any]:
+    """The values of :data:`RUN_ARGUMENTS` for the running ``train()`` (recorded in the manifest); ``plan`` is the
+    run's ``TrainingPlan`` (None before the fit planned it)."""
     values = {name: getattr(args, name, None) for name in RUN_ARGUMENTS}
     strategy = args.train_sampling_strategy
     values["train_sampling_strategy"] = str(getattr(strategy, "value", strategy))
-    values["world_size"] = facade._world()[0]
-    values["num_examples"] = facade._plan.num_examples if facade._plan is not None else None
+    values["world_size"] = world_size
+    values["num_examples"] = plan.num_examples if plan is not None else None
     return values
 
 
-def save_checkpoint(facade: Trainer) -> str:
+def save_checkpoint(facade: TrainerSurface, run: RunView) -> str:
     """Write ``checkpoint-{global_step}`` atomically, update the best checkpoint, rotate old ones."""
-    args, state = facade.args, facade.state
+    args, state, world = facade.args, facade.state, run.world
     facade.store_flos()
     run_dir = args.output_dir
     name = f"{PREFIX}-{state.global_step}"
     final_dir = os.path.join(run_dir, name)
     tmp_dir = os.path.join(run_dir, f"{TMP_PREFIX}{name}")
-    world_size, rank = facade._world()
     is_main = facade.is_world_process_zero()
-    backend = facade._backend()
-    backend.hf_sync_to_host()
     if is_main:
         shutil.rmtree(tmp_dir, ignore_errors=True)
-        with facade._evaluation_weights():
-            save_model_files(facade.model, facade.processing_class, tmp_dir, args)
-        backend.hf_save_files(tmp_dir)
-        for callback in facade._weight_hooks("save_checkpoint_state"):
-            callback.save_checkpoint_state(tmp_dir, facade.model)
-    facade._barrier()
+    _write_model_files(facade, run, tmp_dir, is_main)
+    world.barrier()
     os.makedirs(tmp_dir, exist_ok=True)
     if not args.save_only_model:
-        if is_main:
-            torch.save(facade.optimizer.state_dict(), os.path.join(tmp_dir, OPTIMIZER_NAME))
-            torch.save(facade.lr_scheduler.state_dict(), os.path.join(tmp_dir, SCHEDULER_NAME))
-            scaler = getattr(facade._lightning_trainer.precision_plugin, "scaler", None)
-            if scaler is not None:
-                torch.save(scaler.state_dict(), os.path.join(tmp_dir, SCALER_NAME))
-        torch.save(_rng_states(), os.path.join(tmp_dir, rng_file_name(world_size, rank)))
+        _write_training_state(facade, run, tmp_dir, is_main)
     if args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) and state.best_global_step:
         best_dir = os.path.join(run_dir, f"{PREFIX}-{state.best_global_step}")
         if state.best_global_step == state.global_step or os.path.exists(best_dir):
             state.best_model_checkpoint = best_dir
-    facade._barrier()
+    world.barrier()
     if is_main:
         for callback in facade.callback_handler.callbacks + [facade.control]:
             if isinstance(callback, ExportableState):
                 _store_callback_state(state, callback)
         state.save_to_json(os.path.join(tmp_dir, TRAINER_STATE_NAME))
-        write_manifest(tmp_dir, state.global_step, bool(args.save_only_model), run_arguments(facade))
+        run_args = run_arguments(args, world.size, run.plan)
+        write_manifest(tmp_dir, state.global_step, bool(args.save_only_model), run_args)
         publish(tmp_dir, final_dir)
         rotate_checkpoints(run_dir, args.save_total_limit, state.best_model_checkpoint, use_mtime=False)
-    facade._barrier()
+    world.barrier()
     return final_dir
+
+
+def _write_model_files(facade: TrainerSurface, run: RunView, folder: str, is_main: bool) -> None:
+    """The model (with the weights evaluation uses), the backend's files and the weight-protocol callbacks' files."""
+    backend = run.backend
+    backend.hf_sync_to_host()
+    if not is_main:
+        return
+    with run.evaluation_weights():
+        save_model_files(facade.model, facade.processing_class, folder, facade.args)
+    backend.hf_save_files(folder)
+    for callback in run.weight_hooks("save_checkpoint_state"):
+        callback.save_checkpoint_state(folder, facade.model)
+
+
+def _write_training_state(facade: TrainerSurface, run: RunView, folder: str, is_main: bool) -> None:
+    """Optimizer, scheduler and scaler (main process), and this process's RNG states."""
+    if is_main:
+        torch.save(facade.optimizer.state_dict(), os.path.join(folder, OPTIMIZER_NAME))
+        torch.save(facade.lr_scheduler.state_dict(), os.path.join(folder, SCHEDULER_NAME))
+        scaler = getattr(run.lightning_trainer.precision_plugin, "scaler", None)
+        if scaler is not None:
+            torch.save(scaler.state_dict(), os.path.join(folder, SCALER_NAME))
+    torch.save(_rng_states(), os.path.join(folder, rng_file_name(run.world.size, run.world.rank)))
 
 
 def write_manifest(folder: str, global_step: int, save_only_model: bool, run: dict[str, Any]) -> None:
@@ -307,9 +327,8 @@ def metric_key(key: str, metrics: dict[str, float]) -> str:
     return key
 
 
-def update_best_metric(facade: Trainer, metrics: dict[str, float]) -> bool:
+def update_best_metric(args: Any, state: TrainerState, metrics: dict[str, float]) -> bool:
     """HF's ``_determine_best_metric``: track the best value and its step; True if this evaluation is the best."""
-    args, state = facade.args, facade.state
     if args.metric_for_best_model is None:
         return False
     key = args.metric_for_best_model
@@ -326,10 +345,9 @@ def update_best_metric(facade: Trainer, metrics: dict[str, float]) -> bool:
     return False
 
 
-def finalize_rotation(facade: Trainer) -> None:
-    """With ``save_total_limit=1`` and a best checkpoint, HF keeps only the best one at the end."""
-    args, state = facade.args, facade.state
-    if not (facade.is_world_process_zero() and state.best_model_checkpoint and args.save_total_limit == 1):
+def finalize_rotation(args: Any, state: TrainerState, is_main: bool) -> None:
+    """With ``save_total_limit=1`` and a best checkpoint, HF keeps only the best one at the end (main process)."""
+    if not (is_main and state.best_model_checkpoint and args.save_total_limit == 1):
         return
     for folder in Path(args.output_dir).glob(f"{PREFIX}-*"):
         if folder.is_dir() and not os.path.samefile(folder, state.best_model_checkpoint):

@@ -11,7 +11,8 @@ Three pieces:
   label items in it (the loss normaliser). Lightning still sees one batch per micro-batch, so DDP gets exactly
   one backward per forward.
 - ``HFDataModule``: asks the facade for its loaders (``get_train_dataloader`` and friends, so subclass overrides
-  are used) once Lightning has launched the processes.
+  are used) once Lightning has launched the processes; the loss normaliser of a cycle comes from the facade's
+  ``_get_num_items_in_batch`` (transformers' override point), the epoch from the run.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch.utils.data import DataLoader, IterableDataset, Sampler, SequentialSampler
 
 from hflight.backend import StepGeometry, backend_of
+from hflight.surface import RunView, TrainerSurface
 
 
 class EpochSeededRandomSampler(Sampler[int]):
@@ -184,9 +186,10 @@ class HFDataModule(L.LightningDataModule):
     world size and rank it runs under. Only the training side is needed by ``fit``; evaluation loaders are built
     on demand by ``Trainer.get_eval_dataloader``."""
 
-    def __init__(self, facade: Any) -> None:
+    def __init__(self, facade: TrainerSurface, run: RunView) -> None:
         super().__init__()
         self.facade = facade
+        self.run = run
         self.train_loader: Any = None
         self.cycles: AccumulationCycles | None = None
         self.geometry: StepGeometry | None = None  # the running backend's step geometry, set with the loader
@@ -211,8 +214,8 @@ class HFDataModule(L.LightningDataModule):
         self.cycles = AccumulationCycles(
             self.train_loader,
             self.geometry.accumulation,
-            facade._count_items_in_cycle,
-            epoch_fn=lambda: self.facade._epochs_offset + self.trainer.current_epoch,
+            lambda batches: facade._get_num_items_in_batch(batches, None),
+            epoch_fn=lambda: self.run.epochs_offset + self.trainer.current_epoch,
         )
 
     def train_dataloader(self) -> AccumulationCycles:
@@ -276,6 +279,25 @@ def train_sampler(dataset: Any, args: Any, processing_class: Any) -> Sampler[int
     strategy = str(getattr(args.train_sampling_strategy, "value", args.train_sampling_strategy))
     seed = args.data_seed if args.data_seed is not None else args.seed
     return TRAIN_SAMPLERS[strategy](dataset, args, processing_class, seed)
+
+
+def facade_dataloader(
+    facade: TrainerSurface,
+    dataset: Any,
+    description: str,
+    batch_size: int,
+    sampler_fn: Callable[[Any], Sampler[int]] | None,
+    world: Any,
+) -> DataLoader:
+    """The body of ``Trainer._get_dataloader``: unused columns removed (through the facade's override point), the
+    sampler from ``sampler_fn`` (none for iterable datasets), batches dealt across the processes of ``world``."""
+    if dataset is None:
+        raise ValueError(f"Trainer: {description.lower()} requires a dataset.")
+    dataset = facade._remove_unused_columns(dataset, description)
+    sampler = None
+    if not isinstance(dataset, IterableDataset) and sampler_fn is not None:
+        sampler = sampler_fn(dataset)
+    return make_dataloader(dataset, facade.args, facade.data_collator, batch_size, sampler, world.size, world.rank)
 
 
 def make_dataloader(

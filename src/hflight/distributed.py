@@ -64,3 +64,51 @@ def reduce_mean(strategy: Strategy | None, value: torch.Tensor) -> torch.Tensor:
 def barrier(strategy: Strategy | None, name: str = "hflight") -> None:
     if is_distributed(strategy):
         strategy.barrier(name)
+
+
+class World:
+    """The processes a run spans: size, rank and collectives, through the run's Lightning strategy.
+
+    Built from a ``lightning.Trainer`` (read when used, so ranks are right once Lightning has launched the
+    processes), or, before any run exists, from the ``TrainingArguments`` (``torch.distributed``/the environment),
+    with collectives that are the identity.
+    """
+
+    def __init__(self, lightning_trainer: Any = None, args: Any = None) -> None:
+        if lightning_trainer is None and args is None:
+            raise ValueError("World needs a lightning.Trainer or the TrainingArguments")
+        self.lightning_trainer = lightning_trainer
+        self.args = args
+
+    @property
+    def strategy(self) -> Strategy | None:
+        return self.lightning_trainer.strategy if self.lightning_trainer is not None else None
+
+    @property
+    def size(self) -> int:
+        return self.lightning_trainer.world_size if self.lightning_trainer is not None else self.args.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.lightning_trainer.global_rank if self.lightning_trainer is not None else self.args.process_index
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def gather(self, value: Any, pad_dim: int | None = None) -> Any:
+        return gather(self.strategy, value, pad_dim)
+
+    def pad_across_processes(self, value: Any) -> Any:
+        return pad_across_processes(self.strategy, value)
+
+    def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
+        return reduce_mean(self.strategy, value)
+
+    def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        if not is_distributed(self.strategy):
+            return value
+        return self.strategy.reduce(value, reduce_op="sum")
+
+    def barrier(self) -> None:
+        barrier(self.strategy)

@@ -11,20 +11,27 @@ arrays are concatenated once at the end, padded with -100 like HF.
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 from transformers.trainer_pt_utils import find_batch_size, nested_numpify
-from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify_detensorize
+from transformers.trainer_utils import (
+    EvalLoopOutput,
+    EvalPrediction,
+    PredictionOutput,
+    denumpify_detensorize,
+    speed_metrics,
+)
 
-from hflight.backend import backend_of
+from hflight import hpsearch
+from hflight.checkpoint import metric_key
 from hflight.interrupt import sigterm_exits_non_zero
 from hflight.lightning_kwargs import quiet_lightning
-
-if TYPE_CHECKING:
-    from hflight.trainer import Trainer
+from hflight.surface import RunView, TrainerSurface
 
 
 def _pad_concat(arrays: list[np.ndarray], padding_index: int) -> np.ndarray:
@@ -81,13 +88,15 @@ class Evaluator:
 
     def __init__(
         self,
-        facade: Trainer,
+        facade: TrainerSurface,
+        world: Any,
         description: str,
         prediction_loss_only: bool,
         ignore_keys: list[str] | None,
         compute_metrics: Any = None,
     ):
         self.facade = facade
+        self.world = world  # hflight.distributed.World: gathering across processes
         self.compute_metrics = compute_metrics
         self.description = description
         self.prediction_loss_only = prediction_loss_only
@@ -104,16 +113,16 @@ class Evaluator:
         loss, logits, labels = facade.prediction_step(
             self.model, inputs, self.prediction_loss_only, ignore_keys=self.ignore_keys
         )
-        gather = facade._gather
+        gather = self.world.gather
         if loss is not None:
             self.losses.add(gather(loss.repeat(batch_size or 1)))
         if "inputs" in facade.args.include_for_metrics:
             main_input = getattr(facade.model, "main_input_name", "input_ids")
             self.inputs.add(gather(inputs[main_input], pad_dim=1))
         if labels is not None:
-            labels = facade._pad_across_processes(labels)
+            labels = self.world.pad_across_processes(labels)
         if logits is not None:
-            logits = facade._pad_across_processes(logits)
+            logits = self.world.pad_across_processes(logits)
             if facade.preprocess_logits_for_metrics is not None:
                 logits = facade.preprocess_logits_for_metrics(logits, labels)
             self.preds.add(gather(logits))
@@ -150,10 +159,10 @@ class Evaluator:
         return EvalLoopOutput(predictions=preds, label_ids=labels, metrics=metrics, num_samples=num_samples)
 
 
-def _evaluate_in_fit(evaluator: Evaluator, module: Any, fit_trainer: Any, dataloader: Any) -> None:
+def _evaluate_in_fit(evaluator: Evaluator, run: RunView, dataloader: Any) -> None:
     """Evaluate now, inside a running fit (Lightning has no public trigger for that), under the fit's precision."""
-    backend = backend_of(fit_trainer.strategy)
-    model = module.model
+    backend, fit_trainer = run.backend, run.lightning_trainer
+    model = run.module.model
     was_training = model.training
     model.eval()
     try:
@@ -166,7 +175,8 @@ def _evaluate_in_fit(evaluator: Evaluator, module: Any, fit_trainer: Any, datalo
 
 
 def run_evaluation_loop(
-    facade: Trainer,
+    facade: TrainerSurface,
+    run: RunView,
     dataloader: Any,
     description: str,
     prediction_loss_only: bool,
@@ -174,30 +184,84 @@ def run_evaluation_loop(
     metric_key_prefix: str,
     compute_metrics: Any = ...,
 ) -> EvalLoopOutput:
-    """HF's ``evaluation_loop``: inside a running ``fit`` directly, otherwise as Lightning's ``validate``.
+    """HF's ``evaluation_loop`` in ``run``: inside its running ``fit`` directly (a training run), otherwise as
+    Lightning's ``validate`` (a run made for this evaluation).
 
     ``compute_metrics`` defaults to the facade's; pass ``None`` to collect predictions without scoring them (the
     QA trainer scores after post-processing)."""
     metrics_fn = facade.compute_metrics if compute_metrics is ... else compute_metrics
-    evaluator = Evaluator(facade, description, prediction_loss_only, ignore_keys, metrics_fn)
-    facade._evaluator = evaluator
+    evaluator = Evaluator(facade, run.world, description, prediction_loss_only, ignore_keys, metrics_fn)
     facade.callback_handler.eval_dataloader = dataloader
-    fit_trainer = facade._lightning_trainer if facade.is_in_train else None
-    module = facade._ensure_module()
-    try:
-        with facade._evaluation_weights():
-            if fit_trainer is not None:
-                _evaluate_in_fit(evaluator, module, fit_trainer, dataloader)
-            else:
-                with quiet_lightning(), sigterm_exits_non_zero("Evaluation"):
-                    trainer = facade._validation_trainer()
-                    trainer.validate(module, dataloaders=dataloader, verbose=False)
-    finally:
-        module.close_evaluation()
-        facade._evaluator = None
+    with run.evaluating(evaluator), run.evaluation_weights():
+        if run.fitting:
+            _evaluate_in_fit(evaluator, run, dataloader)
+        else:
+            with quiet_lightning(), sigterm_exits_non_zero("Evaluation"):
+                run.lightning_trainer.validate(run.module, dataloaders=dataloader, verbose=False)
     dataset = getattr(dataloader, "dataset", None)
     try:
         num_samples = len(dataset) if dataset is not None else None
     except TypeError:
         num_samples = None
     return evaluator.finish(num_samples, metric_key_prefix)
+
+
+# ---- the bodies of Trainer.evaluate and Trainer.predict ----------------------------------------------------------
+def evaluation_speed(args: Any, prefix: str, start_time: float, num_samples: int) -> dict[str, float]:
+    """HF's speed metrics of an evaluation (``{prefix}_runtime``, ``_samples_per_second``, ``_steps_per_second``);
+    a step is one global batch (``eval_batch_size`` on each of ``args.world_size`` processes)."""
+    num_steps = math.ceil(num_samples / (args.eval_batch_size * args.world_size))
+    return speed_metrics(prefix, start_time, num_samples=num_samples, num_steps=num_steps)
+
+
+def evaluate(facade: TrainerSurface, eval_dataset: Any, ignore_keys: list[str] | None, prefix: str) -> dict[str, float]:
+    """``Trainer.evaluate``: HF's metrics for ``eval_dataset`` (the facade's by default; a dict of datasets gives
+    ``{prefix}_{name}_...`` keys), logged, then ``on_evaluate``. Every step goes through the facade's methods, so a
+    subclass's ``get_eval_dataloader``/``evaluation_loop``/``log`` are used."""
+    override = eval_dataset is not None
+    eval_dataset = eval_dataset if override else facade.eval_dataset
+    if isinstance(eval_dataset, dict):
+        metrics: dict[str, float] = {}
+        for name, dataset in eval_dataset.items():
+            metrics.update(facade.evaluate(dataset if override else name, ignore_keys, f"{prefix}_{name}"))
+        return metrics
+    dataloader = facade.get_eval_dataloader(eval_dataset)
+    start_time = time.time()
+    output = facade.evaluation_loop(
+        dataloader,
+        description="Evaluation",
+        prediction_loss_only=True if facade.compute_metrics is None else None,
+        ignore_keys=ignore_keys,
+        metric_key_prefix=prefix,
+    )
+    output.metrics.update(evaluation_speed(facade.args, prefix, start_time, output.num_samples))
+    facade.log(output.metrics)
+    facade.control = facade.callback_handler.on_evaluate(facade.args, facade.state, facade.control, output.metrics)
+    return output.metrics
+
+
+def predict(facade: TrainerSurface, test_dataset: Any, ignore_keys: list[str] | None, prefix: str) -> PredictionOutput:
+    """``Trainer.predict``: predictions (and metrics, when the data has labels) for ``test_dataset``, then
+    ``on_predict``."""
+    dataloader = facade.get_test_dataloader(test_dataset)
+    start_time = time.time()
+    output = facade.evaluation_loop(
+        dataloader, description="Prediction", ignore_keys=ignore_keys, metric_key_prefix=prefix
+    )
+    output.metrics.update(evaluation_speed(facade.args, prefix, start_time, output.num_samples))
+    facade.control = facade.callback_handler.on_predict(facade.args, facade.state, facade.control, output.metrics)
+    return PredictionOutput(predictions=output.predictions, label_ids=output.label_ids, metrics=output.metrics)
+
+
+def evaluate_in_training(
+    facade: TrainerSurface, trial: Any, ignore_keys: list[str] | None, skip_scheduler: bool = False
+) -> dict[str, float]:
+    """The body of ``Trainer._evaluate``: evaluate, report the objective to a hyperparameter search, and step a
+    ``ReduceLROnPlateau`` schedule on ``metric_for_best_model`` (unless ``skip_scheduler``)."""
+    metrics = facade.evaluate(ignore_keys=ignore_keys)
+    hpsearch.report(facade, trial, facade.state.global_step, metrics)
+    if isinstance(facade.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) and not skip_scheduler:
+        key = facade.args.metric_for_best_model
+        key = key if key.startswith("eval_") else f"eval_{key}"
+        facade.lr_scheduler.step(metrics[metric_key(key, metrics)])
+    return metrics

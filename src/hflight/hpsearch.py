@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from transformers.trainer_utils import BestRun, default_compute_objective, default_hp_space_optuna
 
 if TYPE_CHECKING:
-    from hflight.trainer import Trainer
+    from hflight.surface import TrainerSurface
 
 
 def _optuna():
@@ -31,7 +31,9 @@ def _optuna():
     return optuna
 
 
-def _run_optuna(trainer: Trainer, n_trials: int, direction: str | list[str], **kwargs: Any) -> BestRun | list[BestRun]:
+def _run_optuna(
+    trainer: TrainerSurface, n_trials: int, direction: str | list[str], **kwargs: Any
+) -> BestRun | list[BestRun]:
     optuna = _optuna()
 
     def objective(trial: Any) -> float | list[float]:
@@ -57,7 +59,7 @@ BACKENDS: dict[str, dict[str, Callable]] = {
 
 
 def hyperparameter_search(
-    trainer: Trainer,
+    trainer: TrainerSurface,
     hp_space: Callable[[Any], dict[str, Any]] | None,
     compute_objective: Callable[[dict[str, float]], float] | None,
     n_trials: int,
@@ -84,7 +86,7 @@ def hyperparameter_search(
         trainer.hp_search_backend = None
 
 
-def apply_trial(trainer: Trainer, base_args: Any, trial: Any) -> Any:
+def apply_trial(trainer: TrainerSurface, base_args: Any, trial: Any) -> Any:
     """A copy of ``base_args`` with the trial's hyperparameters and its own ``run-{id}`` output folder."""
     params = trainer.hp_space(trial) if trainer.hp_search_backend == "optuna" else dict(trial)
     fields = {f.name for f in dataclasses.fields(base_args)}
@@ -96,7 +98,7 @@ def apply_trial(trainer: Trainer, base_args: Any, trial: Any) -> Any:
     return dataclasses.replace(base_args, **params, output_dir=output_dir)
 
 
-def report(trainer: Trainer, trial: Any, step: int, metrics: dict[str, float]) -> None:
+def report(trainer: TrainerSurface, trial: Any, step: int, metrics: dict[str, float]) -> None:
     """Tell optuna the objective after an evaluation; stop the trial if its pruner says so."""
     if trainer.hp_search_backend is None or trial is None:
         return

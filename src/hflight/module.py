@@ -6,13 +6,14 @@ after unscaling and *then* ``on_pre_optimizer_step`` fires, and the scheduler st
 really stepped. Lightning still owns devices, precision (autocast, gradient scaling), strategy wrapping and
 the loop; the facade's override points (``training_step``, ``compute_loss``, ``create_optimizer``, ...) do the
 per-batch work, so subclasses of the facade keep working. What a backend changes in a step (the model that runs
-it, where the optimizer steps) comes from its hooks (``hflight.backend``).
+it, where the optimizer steps) comes from its hooks (``hflight.backend``). The step events go to the run's event
+bridge, evaluation batches to the run's evaluator (``hflight.run``).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import lightning as L
 import torch
@@ -21,19 +22,18 @@ from typing_extensions import override
 
 from hflight.backend import HFBackend, backend_of
 from hflight.datamodule import MicroBatch
-
-if TYPE_CHECKING:
-    from hflight.trainer import Trainer
+from hflight.surface import RunView, TrainerSurface
 
 
 class HFModule(L.LightningModule):
     """Wraps ``model`` (a ``PreTrainedModel`` or any ``nn.Module`` returning a loss) for a ``lightning.Trainer``."""
 
-    def __init__(self, facade: Trainer, model: torch.nn.Module) -> None:
+    def __init__(self, facade: TrainerSurface, run: RunView, model: torch.nn.Module) -> None:
         super().__init__()
         self.automatic_optimization = False
         self.model = model
-        self._facade = facade
+        self.facade = facade
+        self.run = run
         self._evaluation = contextlib.ExitStack()
 
     @property
@@ -46,8 +46,8 @@ class HFModule(L.LightningModule):
 
     @override
     def configure_optimizers(self) -> OptimizerLRScheduler:
-        facade = self._facade
-        facade.create_optimizer_and_scheduler(num_training_steps=facade._plan.max_steps)
+        facade = self.facade
+        facade.create_optimizer_and_scheduler(num_training_steps=self.run.plan.max_steps)
         self.backend.hf_configure_optimizer(facade)
         return {
             "optimizer": facade.optimizer,
@@ -64,14 +64,13 @@ class HFModule(L.LightningModule):
     @override
     def on_train_batch_start(self, batch: MicroBatch, batch_idx: int) -> int | None:
         # Returning -1 is Lightning's way to end the epoch now: HF's should_epoch_stop.
-        if self._facade.control.should_epoch_stop:
+        if self.facade.control.should_epoch_stop:
             return -1
         return None
 
     @override
     def training_step(self, batch: MicroBatch, batch_idx: int) -> None:
-        facade = self._facade
-        loop = facade._loop
+        facade, loop = self.facade, self.run.bridge
         if batch.index == 0:
             loop.step_begin()
         facade.current_gradient_accumulation_steps = batch.cycle_size
@@ -86,34 +85,33 @@ class HFModule(L.LightningModule):
             self.trainer.should_stop = True
 
     def _optimizer_step(self, batch: MicroBatch) -> None:
-        facade, backend = self._facade, self.backend
+        facade, backend, loop = self.facade, self.backend, self.run.bridge
         stepped = backend.hf_optimizer_step(self)
-        facade._loop.optimizer_stepped()
+        loop.optimizer_stepped()
         learning_rate = facade._get_learning_rate()
         if stepped and not isinstance(facade.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
             facade.lr_scheduler.step()
         backend.hf_after_scheduler_step(facade.optimizer)
         self.optimizers().zero_grad(set_to_none=True)
-        facade._loop.step_end(batch.step_in_epoch, learning_rate)
+        loop.step_end(batch.step_in_epoch, learning_rate)
 
     @override
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self._facade._loop.clip_and_pre_step(self.trainer.strategy.model)
+        self.run.bridge.clip_and_pre_step(self.trainer.strategy.model)
 
     def pre_optimizer_step(self, grad_norm: torch.Tensor | float | None) -> None:
         """HF's ``on_pre_optimizer_step`` for a step whose gradients never reach the host (clipped elsewhere)."""
-        self._facade._loop.pre_optimizer_step(grad_norm)
+        self.run.bridge.pre_optimizer_step(grad_norm)
 
     # Evaluation through Lightning's validate loop (``Trainer.evaluate``/``predict`` outside of ``fit``).
     @override
     def on_validation_start(self) -> None:
-        evaluator = self._facade._evaluator
-        evaluation = self.backend.hf_evaluation_model(self.model, self._facade.label_names)
-        evaluator.model = self._evaluation.enter_context(evaluation)
+        evaluation = self.backend.hf_evaluation_model(self.model, self.facade.label_names)
+        self.run.evaluator.model = self._evaluation.enter_context(evaluation)
 
     @override
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        self._facade._evaluator.step(batch)
+        self.run.evaluator.step(batch)
 
     @override
     def on_validation_end(self) -> None:

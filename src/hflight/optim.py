@@ -9,15 +9,17 @@ stepped once per optimizer step) follow transformers exactly, so losses and lear
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 from transformers import get_scheduler
 from transformers.trainer_pt_utils import get_parameter_names
 
-if TYPE_CHECKING:
-    from hflight.training_args import TrainingArguments
+#: The arguments these factories read: ``hflight.TrainingArguments`` or any object with transformers' optimizer
+#: fields (``optim``, ``learning_rate``, ``adam_*``, ``weight_decay``, ``optim_args``, ``lr_scheduler_*``, ...).
+#: Typed loosely because ``training_args`` looks up ``optim`` names here (an import the other way would be circular).
+TrainingArguments = Any
 
 OptimizerSpec = tuple[type[torch.optim.Optimizer], dict[str, Any]]
 

@@ -54,44 +54,55 @@ def plan_training(
     """
     if geometry is None:
         geometry = backend_of(None).hf_geometry(args, world_size)  # eager: accumulation on the host
-    accumulation, total_train_batch_size = geometry.accumulation, geometry.samples_per_step
     if len_dataloader == 0:
         raise ValueError(
             "The training dataloader is empty: the train_dataset has no examples (or fewer than one batch with "
             "dataloader_drop_last=True). Pass a non-empty train_dataset."
         )
     if len_dataloader is not None:
-        steps_per_epoch = max(len_dataloader // accumulation + int(len_dataloader % accumulation > 0), 1)
-        if args.max_steps > 0:
-            max_steps = args.max_steps
-            num_train_epochs = max_steps // steps_per_epoch + int(max_steps % steps_per_epoch > 0)
-            num_train_samples: float = max_steps * total_train_batch_size
-        else:
-            max_steps = math.ceil(args.num_train_epochs * steps_per_epoch)
-            num_train_epochs = math.ceil(args.num_train_epochs)
-            num_train_samples = num_examples * args.num_train_epochs
-        return TrainingPlan(
-            num_train_epochs,
-            steps_per_epoch,
-            num_examples,
-            num_train_samples,
-            total_train_batch_size,
-            len_dataloader,
-            max_steps,
-            accumulation,
-        )
+        return _plan_sized(args, len_dataloader, num_examples, geometry)
     if args.max_steps > 0:
-        return TrainingPlan(
-            num_train_epochs=sys.maxsize,
-            num_update_steps_per_epoch=args.max_steps,
-            num_examples=total_train_batch_size * args.max_steps,
-            num_train_samples=args.max_steps * total_train_batch_size,
-            total_train_batch_size=total_train_batch_size,
-            steps_in_epoch=args.max_steps * accumulation,
-            max_steps=args.max_steps,
-            accumulation=accumulation,
-        )
+        return _plan_unsized(args, geometry)
     raise ValueError(
         "args.max_steps must be set to a positive value if the training dataloader does not have a length "
         f"(an IterableDataset), was {args.max_steps}"
+    )
+
+
+def _plan_sized(args: Any, len_dataloader: int, num_examples: int | None, geometry: StepGeometry) -> TrainingPlan:
+    """A loader with a length: ``max_steps`` (when positive) or ``num_train_epochs`` decides the run's length."""
+    accumulation, total_train_batch_size = geometry.accumulation, geometry.samples_per_step
+    steps_per_epoch = max(len_dataloader // accumulation + int(len_dataloader % accumulation > 0), 1)
+    if args.max_steps > 0:
+        max_steps = args.max_steps
+        num_train_epochs = max_steps // steps_per_epoch + int(max_steps % steps_per_epoch > 0)
+        num_train_samples: float = max_steps * total_train_batch_size
+    else:
+        max_steps = math.ceil(args.num_train_epochs * steps_per_epoch)
+        num_train_epochs = math.ceil(args.num_train_epochs)
+        num_train_samples = num_examples * args.num_train_epochs
+    return TrainingPlan(
+        num_train_epochs,
+        steps_per_epoch,
+        num_examples,
+        num_train_samples,
+        total_train_batch_size,
+        len_dataloader,
+        max_steps,
+        accumulation,
+    )
+
+
+def _plan_unsized(args: Any, geometry: StepGeometry) -> TrainingPlan:
+    """An iterable dataset without a length: ``max_steps`` steps in one unbounded "epoch"."""
+    accumulation, total_train_batch_size = geometry.accumulation, geometry.samples_per_step
+    return TrainingPlan(
+        num_train_epochs=sys.maxsize,
+        num_update_steps_per_epoch=args.max_steps,
+        num_examples=total_train_batch_size * args.max_steps,
+        num_train_samples=args.max_steps * total_train_batch_size,
+        total_train_batch_size=total_train_batch_size,
+        steps_in_epoch=args.max_steps * accumulation,
+        max_steps=args.max_steps,
+        accumulation=accumulation,
     )

@@ -23,12 +23,13 @@ import pickle
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 from transformers.trainer_callback import ExportableState, TrainerState
 
+from hflight.callbacks.hooks import weight_hooks
 from hflight.checkpoint import (
     OPTIMIZER_NAME,
     RUN_ARGUMENTS,
@@ -42,11 +43,8 @@ from hflight.checkpoint import (
     run_arguments,
     verify_checkpoint,
 )
+from hflight.surface import RunView, TrainerSurface
 from hflight.weights import UnsafeCheckpointFile, checked_weights, load_model_weights, refused_pickle
-
-if TYPE_CHECKING:
-    from hflight.plan import TrainingPlan
-    from hflight.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +137,17 @@ def read_trainer_state(path: str | os.PathLike) -> TrainerState:
 
 
 # ---- choosing and checking the folder -----------------------------------------------------------------------------
-def resolve_resume(facade: Trainer, resume: str | bool | None) -> ResumePoint | None:
+def requested(resume_from_checkpoint: str | bool | None, args: Any) -> str | bool | None:
+    """What ``train(resume_from_checkpoint=...)`` asks for: the argument, else ``args.resume_from_checkpoint``
+    (``False`` means no resume, as None)."""
+    if resume_from_checkpoint is False:
+        resume_from_checkpoint = None
+    if resume_from_checkpoint is None and args.resume_from_checkpoint:
+        return args.resume_from_checkpoint
+    return resume_from_checkpoint
+
+
+def resolve_resume(facade: TrainerSurface, resume: str | bool | None) -> ResumePoint | None:
     """The checkpoint to resume from (``True``: the last complete one in ``output_dir``), checked, with its weights
     loaded into ``facade.model``. Nothing is copied into the model unless every check passed."""
     if resume is None:
@@ -162,10 +170,11 @@ def resolve_resume(facade: Trainer, resume: str | bool | None) -> ResumePoint | 
             load_rng_file(rng_file)  # a crafted file is rejected here, before anything changes
         names = (OPTIMIZER_NAME, SCHEDULER_NAME, SCALER_NAME)
         training_states = {name: _load_tensors_file(folder / name) for name in names if (folder / name).is_file()}
-    for callback in facade._weight_hooks("check_checkpoint_state"):
+    callbacks = facade.callback_handler.callbacks
+    for callback in weight_hooks(callbacks, "check_checkpoint_state"):
         callback.check_checkpoint_state(str(folder), facade.model)
     copy_weights()
-    for callback in facade._weight_hooks("load_checkpoint_state"):
+    for callback in weight_hooks(callbacks, "load_checkpoint_state"):
         callback.load_checkpoint_state(str(folder), facade.model)
     if model_only:
         logger.warning(
@@ -191,22 +200,22 @@ def _is_model_only(folder: Path, manifest: dict[str, Any] | None) -> bool:
     return not any(present.values())
 
 
-def clean_output_dir(facade: Trainer) -> None:
+def clean_output_dir(facade: TrainerSurface, run: RunView) -> None:
     """Main process: delete ``.tmp-checkpoint-*`` left by interrupted saves (not the folder being resumed)."""
     if facade.is_world_process_zero():
-        point = facade._resume
+        point = run.resume
         remove_stale_folders(facade.args.output_dir, keep=point.folder if point is not None else None)
 
 
 # ---- positioning the run -------------------------------------------------------------------------------------------
-def restore_state(facade: Trainer, plan: TrainingPlan) -> tuple[int, int]:
+def restore_state(facade: TrainerSurface, run: RunView) -> tuple[int, int]:
     """The checkpoint's progress in ``facade.state`` with this run's cadence and batch size; callback states
     restored; returns (epochs already trained, micro-batches to skip in the current epoch)."""
-    point: ResumePoint | None = facade._resume
+    point: ResumePoint | None = run.resume
     if point is None:
         return 0, 0
     fresh, state = facade.state, point.state
-    _warn_changed_arguments(facade, point)
+    _warn_changed_arguments(facade, point, run_arguments(facade.args, run.world.size, run.plan))
     # HF keeps the checkpoint's logging/eval/save steps; the arguments of the run being started win here.
     for name in ("logging_steps", "eval_steps", "save_steps", "train_batch_size"):
         setattr(state, name, getattr(fresh, name))
@@ -218,11 +227,10 @@ def restore_state(facade: Trainer, plan: TrainingPlan) -> tuple[int, int]:
         state.best_model_checkpoint = None
     facade.state = state
     _restore_callback_states(facade)
-    return plan.resume_position(state.global_step, facade.args.ignore_data_skip)
+    return run.plan.resume_position(state.global_step, facade.args.ignore_data_skip)
 
 
-def _warn_changed_arguments(facade: Trainer, point: ResumePoint) -> None:
-    now = run_arguments(facade)
+def _warn_changed_arguments(facade: TrainerSurface, point: ResumePoint, now: dict[str, Any]) -> None:
     if point.manifest is not None:
         before = point.manifest.get("run") or {}
     elif point.state.train_batch_size is not None:  # transformers records only the batch size (per process here)
@@ -253,7 +261,7 @@ def _warn_changed_arguments(facade: Trainer, point: ResumePoint) -> None:
         )
 
 
-def _restore_callback_states(facade: Trainer) -> None:
+def _restore_callback_states(facade: TrainerSurface) -> None:
     saved = facade.state.stateful_callbacks or {}
     for callback in facade.callback_handler.callbacks + [facade.control]:
         if not isinstance(callback, ExportableState):
@@ -284,14 +292,14 @@ def _load_tensors_file(path: Path) -> Any:
         raise ValueError(f"Cannot restore {path}: {_failure(path, exc)}") from exc
 
 
-def restore_optimizer(facade: Trainer) -> None:
+def restore_optimizer(facade: TrainerSurface, run: RunView) -> None:
     """Optimizer, scheduler and scaler states, once Lightning built them (HF file names)."""
-    point: ResumePoint | None = facade._resume
+    point: ResumePoint | None = run.resume
     if point is None or point.model_only:
         return
     states, point.training_states = point.training_states, {}  # applied once; memory back after
     targets = {OPTIMIZER_NAME: facade.optimizer, SCHEDULER_NAME: facade.lr_scheduler}
-    scaler = getattr(facade._lightning_trainer.precision_plugin, "scaler", None)
+    scaler = getattr(run.lightning_trainer.precision_plugin, "scaler", None)
     if scaler is not None and SCALER_NAME in states:
         targets[SCALER_NAME] = scaler
     for name, target in targets.items():
@@ -341,13 +349,12 @@ def load_rng_file(path: str | os.PathLike) -> dict[str, Any]:
     return states
 
 
-def load_rng_state(facade: Trainer) -> None:
+def load_rng_state(run: RunView) -> None:
     """Python, numpy and torch RNG streams as they were when the checkpoint was written."""
-    point: ResumePoint | None = facade._resume
+    point: ResumePoint | None = run.resume
     if point is None or point.model_only:
         return
-    world_size, rank = facade._world()
-    path = Path(point.folder) / rng_file_name(world_size, rank)
+    path = Path(point.folder) / rng_file_name(run.world.size, run.world.rank)
     if not path.is_file():
         logger.warning(
             f"Didn't find {path.name} in {point.folder} (the checkpoint was written by a different number of "
@@ -367,6 +374,6 @@ def load_rng_state(facade: Trainer) -> None:
 
 
 # ---- best model -----------------------------------------------------------------------------------------------------
-def load_best_model(facade: Trainer) -> None:
+def load_best_model(facade: TrainerSurface) -> None:
     """``load_best_model_at_end``: the best checkpoint's weights (single file or shards), checked first."""
     load_model_weights(facade.model, facade.state.best_model_checkpoint)

@@ -7,25 +7,39 @@ LightningModule calls those methods, never these functions directly.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import nn
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.trainer_pt_utils import nested_detach
 
-if TYPE_CHECKING:
-    from hflight.trainer import Trainer
+from hflight.surface import TrainerSurface
+
+
+def prepare_inputs(inputs: dict[str, Any], device: torch.device | None, signature_columns: list[str]) -> dict[str, Any]:
+    """The body of ``Trainer._prepare_inputs``: the batch's tensors on ``device`` (as they are when None); an empty
+    batch is transformers' error, listing the columns the model takes (``signature_columns``)."""
+    if len(inputs) == 0:
+        raise ValueError(
+            "The batch received was empty, your model won't be able to train on it. Double-check that your "
+            f"training dataset contains keys expected by the model: {','.join(signature_columns)}."
+        )
+    return move_data_to_device(inputs, device) if device is not None else inputs
 
 
 def compute_loss(
-    trainer: Trainer,
+    trainer: TrainerSurface,
     model: nn.Module,
     inputs: dict[str, Any],
     return_outputs: bool = False,
     num_items_in_batch: torch.Tensor | int | None = None,
+    world_size: int = 1,
 ) -> torch.Tensor | tuple[torch.Tensor, Any]:
-    """The model's own loss, or ``compute_loss_func``/label smoothing when configured (HF's rules)."""
+    """The model's own loss, or ``compute_loss_func``/label smoothing when configured (HF's rules); ``world_size``:
+    the number of processes (the loss is scaled back up by it when label items are averaged across them)."""
     inputs = dict(inputs)
     labels = None
     if (trainer.label_smoother is not None or trainer.compute_loss_func is not None) and "labels" in inputs:
@@ -60,14 +74,19 @@ def compute_loss(
         and num_items_in_batch is not None
     ):
         # num_items_in_batch was summed over all ranks; DDP averages gradients, so scale back up.
-        loss = loss * trainer._world()[0]
+        loss = loss * world_size
     return (loss, outputs) if return_outputs else loss
 
 
 def training_step(
-    trainer: Trainer, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
+    trainer: TrainerSurface,
+    model: nn.Module,
+    inputs: dict[str, Any],
+    num_items_in_batch: torch.Tensor | int | None,
+    backward: Callable[[torch.Tensor], None],
 ) -> torch.Tensor:
-    """Forward, loss scaled for gradient accumulation as HF scales it, backward through Lightning."""
+    """Forward, loss scaled for gradient accumulation as HF scales it, ``backward`` (Lightning's, which applies the
+    precision plugin's scaling and the strategy's hooks)."""
     model.train()
     if hasattr(trainer.optimizer, "train") and callable(trainer.optimizer.train):
         trainer.optimizer.train()
@@ -82,12 +101,12 @@ def training_step(
         ) or trainer.compute_loss_func is not None
     if not already_scaled:
         loss = loss / trainer.current_gradient_accumulation_steps
-    trainer._lightning_module.manual_backward(loss)
+    backward(loss)
     return loss.detach()
 
 
 def prediction_step(
-    trainer: Trainer,
+    trainer: TrainerSurface,
     model: nn.Module,
     inputs: dict[str, Any],
     prediction_loss_only: bool,
@@ -113,7 +132,7 @@ def prediction_step(
 
     with torch.no_grad():
         if has_labels or loss_without_labels:
-            num_items = trainer._count_items_in_cycle([inputs])
+            num_items = trainer._get_num_items_in_batch([inputs], None)
             loss, outputs = trainer.compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items)
             loss = loss.detach().mean()
             if isinstance(outputs, dict):
@@ -136,19 +155,20 @@ def prediction_step(
     return loss, logits, labels
 
 
-def count_items_in_cycle(trainer: Trainer, batches: list[Any]) -> torch.Tensor | None:
-    """Label items (``labels != -100``) over an accumulation cycle, when the loss normalises by them (HF)."""
+def count_items_in_cycle(trainer: TrainerSurface, batches: list[Any], backend: Any, world: Any) -> torch.Tensor | None:
+    """Label items (``labels != -100``) over an accumulation cycle, when the loss normalises by them (HF); summed
+    over the processes of ``world`` with ``average_tokens_across_devices``. ``backend``: the running strategy's
+    hooks (a backend that accumulates on its device does not normalise by host counts)."""
     if not batches or "labels" not in batches[0]:
         return None
     if not (trainer.model_accepts_loss_kwargs or trainer.compute_loss_func is not None):
         return None
-    if not trainer._backend().hf_counts_loss_items:
+    if not backend.hf_counts_loss_items:
         return None
     try:
         count = sum(batch["labels"].ne(-100).sum() for batch in batches)
     except (TypeError, AttributeError):
         return None
-    world_size = trainer._world()[0]
-    if trainer.args.average_tokens_across_devices and world_size > 1:
-        count = trainer._lightning_trainer.strategy.reduce(count.float(), reduce_op="sum")
+    if trainer.args.average_tokens_across_devices and world.size > 1:
+        count = world.reduce_sum(count.float())
     return count

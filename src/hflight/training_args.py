@@ -353,13 +353,23 @@ class TrainingArguments:
     num_nodes: int = field(default=1, metadata={"help": "Number of nodes (machines) for distributed training."})
 
     def __post_init__(self):
-        # 1. Types: coerce CLI strings and OmegaConf containers, reject anything else with a TypeError.
+        self._coerce_types()
+        self._normalise()
+        # Choices, converted to transformers' enums where transformers uses one.
+        for name, (enum_cls, choices) in _CHOICES.items():
+            setattr(self, name, _check_choice(name, getattr(self, name), enum_cls, choices()))
+        self._derive()
+        self._validate()
+
+    def _coerce_types(self) -> None:
+        """Coerce CLI strings and OmegaConf containers to the field types; anything else is a TypeError."""
         hints = _type_hints(type(self))
         for f in dataclasses.fields(self):
             if f.init:
                 setattr(self, f.name, _check_type(f.name, getattr(self, f.name), hints[f.name]))
 
-        # 2. Defaults and normalisation (as transformers).
+    def _normalise(self) -> None:
+        """Defaults and normal forms, as transformers sets them (output_dir, JSON dict fields, renamed fields, ...)."""
         if self.output_dir is None:
             self.output_dir = "trainer_output"
             logger.info("No output directory specified, defaulting to 'trainer_output'.")
@@ -368,17 +378,7 @@ class TrainingArguments:
             value = getattr(self, name)
             if isinstance(value, str):
                 setattr(self, name, _parse_json_dict(name, value))
-        for old, new in (
-            ("gradient_checkpointing", "activation_checkpointing"),
-            ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"),
-        ):
-            if getattr(self, new) is None and getattr(self, old) is not None:
-                message = f"`{old}` is deprecated and will be removed in v6. Use `{new}` instead."
-                warnings.warn(message, FutureWarning, stacklevel=3)
-                setattr(self, new, getattr(self, old))
-            setattr(self, old, getattr(self, new))
-        if self.activation_checkpointing is None:
-            self.activation_checkpointing = self.gradient_checkpointing = False
+        self._rename_checkpointing_fields()
         if self.disable_tqdm is None:
             self.disable_tqdm = (
                 hf_logging.get_logger("transformers.training_args").getEffectiveLevel() > logging.WARNING
@@ -392,11 +392,23 @@ class TrainingArguments:
         if isinstance(self.warmup_steps, float) and self.warmup_steps >= 1 and self.warmup_steps.is_integer():
             self.warmup_steps = int(self.warmup_steps)
 
-        # 3. Choices, converted to transformers' enums where transformers uses one.
-        for name, (enum_cls, choices) in _CHOICES.items():
-            setattr(self, name, _check_choice(name, getattr(self, name), enum_cls, choices()))
+    def _rename_checkpointing_fields(self) -> None:
+        """transformers 5 renamed ``gradient_checkpointing(_kwargs)`` to ``activation_checkpointing(_kwargs)``: both
+        names are accepted (the old ones with a FutureWarning) and kept equal."""
+        for old, new in (
+            ("gradient_checkpointing", "activation_checkpointing"),
+            ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"),
+        ):
+            if getattr(self, new) is None and getattr(self, old) is not None:
+                message = f"`{old}` is deprecated and will be removed in v6. Use `{new}` instead."
+                warnings.warn(message, FutureWarning, stacklevel=5)
+                setattr(self, new, getattr(self, old))
+            setattr(self, old, getattr(self, new))
+        if self.activation_checkpointing is None:
+            self.activation_checkpointing = self.gradient_checkpointing = False
 
-        # 4. Derived values (as transformers).
+    def _derive(self) -> None:
+        """Values transformers derives from others (``do_eval``, ``eval_steps``, ``metric_for_best_model``, ...)."""
         if self.do_eval is False and self.eval_strategy != IntervalStrategy.NO:
             self.do_eval = True
         if self.eval_strategy == IntervalStrategy.STEPS and (self.eval_steps is None or self.eval_steps == 0):
@@ -415,9 +427,6 @@ class TrainingArguments:
             self.metric_for_best_model = "loss"
         if self.greater_is_better is None and self.metric_for_best_model is not None:
             self.greater_is_better = not self.metric_for_best_model.endswith("loss")
-
-        # 5. Validation.
-        self._validate()
 
     def _validate(self) -> None:
         """Value constraints and combinations: transformers' `_validate_args` plus hflight's range checks."""

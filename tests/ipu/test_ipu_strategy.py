@@ -236,12 +236,12 @@ def test_accelerator_ipu_selects_the_ipu_strategy(factory, tmp_path, poptorch_do
     args = TrainingArguments(str(tmp_path / "out"), **{**COMMON, "num_train_epochs": 1}, accelerator="ipu")
     trainer = Trainer(model, args, train_dataset=factory.qa_dataset(16))
     trainer.train()
-    assert isinstance(trainer._lightning_trainer.strategy, IPUStrategy)
-    assert type(trainer._lightning_trainer.accelerator).__name__ == "IPUAccelerator"
+    assert isinstance(trainer.lightning_trainer.strategy, IPUStrategy)
+    assert type(trainer.lightning_trainer.accelerator).__name__ == "IPUAccelerator"
     args = TrainingArguments(str(tmp_path / "out2"), **{**COMMON, "num_train_epochs": 1}, strategy="ipu")
     trainer = Trainer(factory.qa_model(), args, train_dataset=factory.qa_dataset(16))
     trainer.train()
-    assert type(trainer._lightning_trainer.accelerator).__name__ == "IPUAccelerator"
+    assert type(trainer.lightning_trainer.accelerator).__name__ == "IPUAccelerator"
 
 
 def test_without_poptorch_selecting_the_ipu_says_what_to_install(factory, tmp_path, monkeypatch):

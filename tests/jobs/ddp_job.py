@@ -94,7 +94,7 @@ def main():
         out = Path(opts.out)
         torch.save({k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, out / "final.pt")
         result = {
-            "world_size": trainer._world()[0],
+            "world_size": trainer.lightning_trainer.world_size,
             "log_history": trainer.state.log_history,
             "train_loss": train_output.training_loss,
             "global_step": trainer.state.global_step,

@@ -128,7 +128,7 @@ def test_windows_are_sorted_by_length_and_order_is_restored(tmp_path, mrc_data):
     batch = next(iter(loader))
     assert "offset_mapping" not in batch and "example_id" not in batch
     assert batch["input_ids"].shape[1] == max(lengths)  # first batch: the longest windows
-    output = trainer._run(mrc_data["dynamic"], loader, "Evaluation", None, "eval")
+    output = trainer._logits_for(mrc_data["dynamic"], loader, "Evaluation", None, "eval")
     model = trainer.model.eval()
     with torch.no_grad():
         row = mrc_data["dynamic"][5]

@@ -24,7 +24,7 @@ import logging
 import math
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import lightning as L
 import torch
@@ -32,12 +32,11 @@ from transformers.trainer_utils import SaveStrategy, TrainOutput, speed_metrics
 from typing_extensions import override
 
 from hflight import checkpoint, resume
+from hflight.callbacks.hooks import new_trainer_state
 from hflight.datamodule import loader_length
 from hflight.interrupt import StopRequest, signal_name, stopped
 from hflight.plan import plan_training
-
-if TYPE_CHECKING:
-    from hflight.trainer import Trainer
+from hflight.surface import RunView, TrainerSurface
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +44,11 @@ logger = logging.getLogger(__name__)
 class HFEventBridge(L.Callback):
     """Owns the running-loss bookkeeping of one ``train()`` call and fires the HF events."""
 
-    def __init__(self, facade: Trainer, trial: Any = None, ignore_keys_for_eval: list[str] | None = None) -> None:
+    def __init__(
+        self, facade: TrainerSurface, run: RunView, trial: Any = None, ignore_keys_for_eval: list[str] | None = None
+    ) -> None:
         self.facade = facade
+        self.run = run
         self.trial = trial
         self.ignore_keys_for_eval = ignore_keys_for_eval
         self.tr_loss = torch.tensor(0.0)
@@ -67,7 +69,7 @@ class HFEventBridge(L.Callback):
         facade.control = getattr(facade.callback_handler, event)(facade.args, facade.state, facade.control, **kwargs)
 
     def _epoch_index(self) -> int:
-        return self.facade._epochs_offset + self.facade._lightning_trainer.current_epoch
+        return self.run.epochs_offset + self.run.lightning_trainer.current_epoch
 
     # -- Lightning hooks ---------------------------------------------------------------------------------------
     @override
@@ -78,23 +80,28 @@ class HFEventBridge(L.Callback):
     def begin_fit(self, trainer: L.Trainer) -> None:
         """Once Lightning launched the processes (loaders know their rank): plan the run, set up the state,
         position a resumed run in its data and RNG streams."""
-        facade = self.facade
+        facade, run = self.facade, self.run
         loader = trainer.datamodule.train_loader
         length = loader_length(loader)
         num_examples = facade.num_examples(loader) if length else None
         geometry = trainer.datamodule.geometry  # the backend's, derived once with the loader
-        facade._plan = plan = plan_training(facade.args, length, num_examples, facade._world()[0], geometry)
-        facade.state = facade._fresh_state()
+        run.plan = plan = plan_training(facade.args, length, num_examples, run.world.size, geometry)
+        facade.state = new_trainer_state(
+            facade.callback_handler.callbacks,
+            facade.control,
+            is_local_process_zero=facade.is_local_process_zero(),
+            is_world_process_zero=facade.is_world_process_zero(),
+        )
         facade.state.train_batch_size = facade.args.train_batch_size
         facade.state.compute_steps(facade.args, plan.max_steps)
-        epochs_trained, skip = resume.restore_state(facade, plan)
+        epochs_trained, skip = resume.restore_state(facade, run)
         facade.state.init_training_references(facade, plan.max_steps, plan.num_train_epochs, self.trial)
-        facade._epochs_offset = epochs_trained
-        resume.clean_output_dir(facade)
+        run.epochs_offset = epochs_trained
+        resume.clean_output_dir(facade, run)
         cycles = trainer.datamodule.cycles
         cycles.skip_batches = skip
-        if facade._resume is not None:
-            cycles.restore_rng = lambda: resume.load_rng_state(facade)
+        if run.resume is not None:
+            cycles.restore_rng = lambda: resume.load_rng_state(run)
         unbounded = plan.num_train_epochs >= 10**9  # an iterable dataset: max_steps ends the run
         trainer.fit_loop.max_epochs = -1 if unbounded else plan.num_train_epochs - epochs_trained
 
@@ -104,11 +111,10 @@ class HFEventBridge(L.Callback):
         handler = facade.callback_handler
         handler.model, handler.optimizer, handler.lr_scheduler = facade.model, facade.optimizer, facade.lr_scheduler
         handler.train_dataloader = trainer.datamodule.train_loader
-        resume.restore_optimizer(facade)
+        resume.restore_optimizer(facade, self.run)
         self.tr_loss = torch.tensor(0.0, device=pl_module.device)
         self.start_time = time.time()
         self.initial_global_step = self.globalstep_last_logged = facade.state.global_step
-        facade._train_start_time = self.start_time
         pl_module.model.zero_grad(set_to_none=True)
         self._fire("on_train_begin")
         if facade.args.eval_on_start:
@@ -170,7 +176,7 @@ class HFEventBridge(L.Callback):
         facade = self.facade
         self.learning_rate = learning_rate
         facade.state.global_step += 1
-        facade.state.epoch = self._epoch_index() + (step_in_epoch + 1) / facade._plan.steps_in_epoch
+        facade.state.epoch = self._epoch_index() + (step_in_epoch + 1) / self.run.plan.steps_in_epoch
         self._fire("on_step_end")
         self.maybe_log_save_evaluate()
         self.stop_if_requested()
@@ -180,7 +186,7 @@ class HFEventBridge(L.Callback):
         facade = self.facade
         control, state = facade.control, facade.state
         if control.should_log and state.global_step > self.globalstep_last_logged:
-            tr_loss_scalar = facade._reduce_mean(self.tr_loss).item()
+            tr_loss_scalar = self.run.world.reduce_mean(self.tr_loss).item()
             self.tr_loss -= self.tr_loss
             logs: dict[str, float] = {"loss": tr_loss_scalar / (state.global_step - self.globalstep_last_logged)}
             if self.grad_norm is not None:
@@ -201,7 +207,7 @@ class HFEventBridge(L.Callback):
                 facade.control.should_save = is_new_best
 
         if facade.control.should_save:
-            facade._save_checkpoint(self.trial)
+            facade._save_checkpoint(facade.model, self.trial)
             self.saved_step = state.global_step
             self._fire("on_save")
 
@@ -222,7 +228,7 @@ class HFEventBridge(L.Callback):
         facade = self.facade
         step = facade.state.global_step
         self.stop.global_step = step
-        signum = self.stop.agreed(facade._strategy())
+        signum = self.stop.agreed(self.run.world.strategy)
         if signum is None:
             return
         args, name = facade.args, signal_name(signum)
@@ -234,7 +240,7 @@ class HFEventBridge(L.Callback):
                 step,
             )
         if self.saved_step != step:
-            facade._save_checkpoint(self.trial)
+            facade._save_checkpoint(facade.model, self.trial)
             self.saved_step = step
             self._fire("on_save")
         folder = os.path.join(args.output_dir, f"{checkpoint.PREFIX}-{step}")
@@ -255,24 +261,24 @@ class HFEventBridge(L.Callback):
         metrics = speed_metrics(
             "train",
             self.start_time,
-            num_samples=facade._plan.num_train_samples * steps_run / max(facade.state.max_steps, 1),
+            num_samples=self.run.plan.num_train_samples * steps_run / max(facade.state.max_steps, 1),
             num_steps=steps_run,
         )
         facade.store_flos()
         metrics["total_flos"] = facade.state.total_flos
         metrics["train_loss"] = train_loss
         facade.log(metrics)
-        for lightning_logger in facade._lightning_trainer.loggers:  # fit has ended: flush what came after it
+        for lightning_logger in self.run.lightning_trainer.loggers:  # fit has ended: flush what came after it
             lightning_logger.save()
         if facade.args.load_best_model_at_end and facade.state.best_model_checkpoint is not None:
-            resume.load_best_model(facade)
-        checkpoint.finalize_rotation(facade)
+            facade._load_best_model()
+        checkpoint.finalize_rotation(facade.args, facade.state, facade.is_world_process_zero())
         self._fire("on_train_end")
         return TrainOutput(facade.state.global_step, train_loss, metrics)
 
     def train_loss(self) -> float:
         """Mean loss over the optimizer steps of this ``train()`` call (HF's ``train_loss``)."""
-        self.total_loss_scalar += self.facade._reduce_mean(self.tr_loss).item()
+        self.total_loss_scalar += self.run.world.reduce_mean(self.tr_loss).item()
         self.tr_loss -= self.tr_loss
         steps = self.facade.state.global_step - self.initial_global_step
         return self.total_loss_scalar / max(steps, 0.001)

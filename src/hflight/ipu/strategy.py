@@ -41,8 +41,7 @@ from hflight.ipu.runtime import require_poptorch
 if TYPE_CHECKING:
     import lightning as L
 
-    from hflight.module import HFModule
-    from hflight.trainer import Trainer
+    from hflight.surface import TrainerSurface
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +193,7 @@ class IPUStrategy(SingleDeviceStrategy, HFBackend):
         return poptorch.DataLoader(options, loader.dataset, **kwargs)
 
     @override
-    def hf_configure_optimizer(self, facade: Trainer) -> None:
+    def hf_configure_optimizer(self, facade: TrainerSurface) -> None:
         optimizer = self.to_poptorch_optimizer(facade.optimizer, facade.args.max_grad_norm)
         if optimizer is not facade.optimizer:
             scheduler = facade.lr_scheduler
@@ -241,7 +240,7 @@ class IPUStrategy(SingleDeviceStrategy, HFBackend):
         return self.training_model
 
     @override
-    def hf_optimizer_step(self, module: HFModule) -> bool:
+    def hf_optimizer_step(self, module: L.LightningModule) -> bool:
         # The device already ran the step inside the training call; no gradients exist on the host.
         optimizer = module.optimizers().optimizer
         optimizer._opt_called = True  # what torch's LR schedulers look for before their first step
@@ -281,7 +280,7 @@ class IPUStrategy(SingleDeviceStrategy, HFBackend):
         self.ipu_config.save_pretrained(output_dir)
 
     # ---- compile_only ------------------------------------------------------------------------------------------------
-    def compile_executables(self, facade: Trainer, training: bool, evaluation: bool) -> None:
+    def compile_executables(self, facade: TrainerSurface, training: bool, evaluation: bool) -> None:
         """Compile the training and/or inference executables against the first batch, and run nothing."""
         model = self.precision_plugin.convert_module(facade.model)
         if training:

@@ -26,10 +26,10 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 from transformers.trainer_utils import TrainOutput
 
 from hflight import optim
-from hflight.backend import HFBackend
 from hflight.ipu.accelerator import IPUAccelerator
 from hflight.ipu.config import IPUConfig
 from hflight.ipu.precision import IPUPrecision
@@ -156,6 +156,7 @@ class IPUTrainer(Trainer):
             accelerator=IPUAccelerator() if args.accelerator == "auto" else None,
             precision_plugin=IPUPrecision(args.ipu_precision),
         )
+        self.lightning_strategy = self.ipu_strategy
         super().__init__(
             model=model,
             args=args,
@@ -171,15 +172,20 @@ class IPUTrainer(Trainer):
         )
         self.eval_data_collator = eval_data_collator if eval_data_collator is not None else self.data_collator
 
-    # ---- the facade's backend hooks ------------------------------------------------------------------------------
-    def _lightning_strategy(self) -> IPUStrategy:
-        return self.ipu_strategy
-
-    def _backend(self) -> HFBackend:
-        return self.ipu_strategy
-
-    def _collator(self, training: bool) -> Callable:
-        return self.data_collator if training else self.eval_data_collator
+    # ---- evaluation batches through eval_data_collator ------------------------------------------------------------
+    def _get_dataloader(
+        self,
+        dataset: Any,
+        description: str,
+        batch_size: int,
+        sampler_fn: Callable[[Any], Any] | None = None,
+        is_training: bool = False,
+        dataloader_key: str | None = None,
+    ) -> DataLoader:
+        loader = super()._get_dataloader(dataset, description, batch_size, sampler_fn, is_training, dataloader_key)
+        if not is_training:
+            loader.collate_fn = self.eval_data_collator
+        return loader
 
     # ---- optimizer: poptorch's, as optimum-graphcore builds it ------------------------------------------------------
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:

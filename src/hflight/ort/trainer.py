@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from transformers.trainer_utils import TrainOutput
 
+from hflight.callbacks.hooks import evaluation_weights
 from hflight.ort.session import EXPORTERS, export_logits
 from hflight.ort.strategy import ORTStrategy
 from hflight.trainer import Trainer
@@ -99,6 +100,7 @@ class ORTTrainer(Trainer):
             quantize=args.ort_quantize,
             exporter=args.ort_exporter,
         )
+        self.lightning_strategy = self.ort_strategy
         _set_ort_log_level(args.onnx_log_level)
         super().__init__(
             model=model,
@@ -114,9 +116,6 @@ class ORTTrainer(Trainer):
             preprocess_logits_for_metrics=preprocess_logits_for_metrics,
         )
 
-    def _lightning_strategy(self) -> ORTStrategy:
-        return self.ort_strategy
-
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, **kwargs: Any) -> TrainOutput:
         output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
         if self.args.save_onnx and self.is_world_process_zero():
@@ -129,10 +128,10 @@ class ORTTrainer(Trainer):
         output_dir = output_dir or self.args.output_dir
         os.makedirs(output_dir, exist_ok=True)
         dataset = self.eval_dataset if self.eval_dataset is not None else self.train_dataset
-        loader = self._get_dataloader(dataset, "ONNX export", self.args.eval_batch_size, training=False)
+        loader = self._get_dataloader(dataset, "ONNX export", self.args.eval_batch_size, self._get_eval_sampler)
         batch = next(iter(loader))
         path = os.path.join(output_dir, f"{self.args.onnx_prefix or ''}model.onnx")
-        with self._evaluation_weights():
+        with evaluation_weights(self.callback_handler.callbacks, self.model):
             export_logits(self.model, batch, path, self.label_names, self.args.ort_exporter)
         log.info("Saved the ONNX model to %s", path)
         return path

@@ -11,7 +11,6 @@ mid-training evaluation calls ``evaluate()``, QA metrics are available during tr
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -19,8 +18,9 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
-from transformers.trainer_utils import EvalPrediction, PredictionOutput, speed_metrics
+from transformers.trainer_utils import EvalPrediction, PredictionOutput
 
+from hflight.evaluation import evaluation_speed
 from hflight.qa.metrics import squad_metrics
 from hflight.qa.postprocess import postprocess_qa_predictions_with_scores
 from hflight.trainer import Trainer
@@ -302,7 +302,7 @@ class MRCTrainer(Trainer):
         return super().get_test_dataloader(self._model_inputs(test_dataset))
 
     # ---- evaluation ------------------------------------------------------------------------------------------------
-    def _run(self, features: Any, dataloader: DataLoader, description: str, ignore_keys: Any, prefix: str):
+    def _logits_for(self, features: Any, dataloader: DataLoader, description: str, ignore_keys: Any, prefix: str):
         self._left_padding = left_padding_alignment(features, self.processing_class)
         try:
             output = self.evaluation_loop(
@@ -339,15 +339,7 @@ class MRCTrainer(Trainer):
             if not key.startswith(f"{prefix}_"):
                 metrics[f"{prefix}_{key}"] = metrics.pop(key)
         metrics.update(output.metrics)  # eval_loss when the windows carry labels
-        total_batch_size = self.args.eval_batch_size * self._world()[0]
-        metrics.update(
-            speed_metrics(
-                prefix,
-                start,
-                num_samples=output.num_samples,
-                num_steps=math.ceil(output.num_samples / total_batch_size),
-            )
-        )
+        metrics.update(evaluation_speed(self.args, prefix, start, output.num_samples))
         return predictions, metrics
 
     def evaluate(
@@ -361,7 +353,7 @@ class MRCTrainer(Trainer):
         examples = eval_examples if eval_examples is not None else self.eval_examples
         start = time.time()
         loader = self.get_eval_dataloader(features)
-        output = self._run(features, loader, "Evaluation", ignore_keys, metric_key_prefix)
+        output = self._logits_for(features, loader, "Evaluation", ignore_keys, metric_key_prefix)
         _, metrics = self._scored(output, examples, features, "eval", metric_key_prefix, start)
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
@@ -376,7 +368,7 @@ class MRCTrainer(Trainer):
     ) -> PredictionOutput:
         start = time.time()
         loader = self.get_test_dataloader(predict_dataset)
-        output = self._run(predict_dataset, loader, "Prediction", ignore_keys, metric_key_prefix)
+        output = self._logits_for(predict_dataset, loader, "Prediction", ignore_keys, metric_key_prefix)
         predictions, metrics = self._scored(
             output, predict_examples, predict_dataset, "predict", metric_key_prefix, start
         )

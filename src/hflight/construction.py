@@ -1,0 +1,137 @@
+"""What the facade's constructor checks and derives before anything runs: its inputs, and facts about the model.
+
+transformers' ``Trainer.__init__`` does the same work inline; here each step is a function the facade calls, with
+transformers' error messages where scripts may match on them.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase, default_data_collator
+from transformers.feature_extraction_sequence_utils import SequenceFeatureExtractor
+from transformers.trainer_pt_utils import LabelSmoother
+from transformers.trainer_utils import SaveStrategy
+from transformers.utils import can_return_loss, find_labels
+
+
+def _require(value: Any, name: str, kinds: tuple[type, ...] | type, hint: str) -> None:
+    if value is not None and not isinstance(value, kinds):
+        raise TypeError(f"Trainer: `{name}` must be {hint}, got {type(value).__name__}.")
+
+
+def _check_dataset(name: str, dataset: Any) -> None:
+    if (
+        dataset is not None
+        and not isinstance(dataset, dict)
+        and not hasattr(dataset, "__getitem__")
+        and not hasattr(dataset, "__iter__")
+    ):
+        raise TypeError(f"Trainer: `{name}` must be a Dataset (map-style or iterable), got {type(dataset).__name__}.")
+
+
+def processing_class_of(processing_class: Any, tokenizer: Any) -> Any:
+    """``processing_class``, or ``tokenizer`` (its older name); both given and different is an error."""
+    if tokenizer is None:
+        return processing_class
+    if processing_class is not None and processing_class is not tokenizer:
+        raise ValueError("Trainer: pass either `processing_class` or its older name `tokenizer`, not both.")
+    return tokenizer
+
+
+def check_inputs(
+    args: Any,
+    model: Any,
+    model_init: Any,
+    train_dataset: Any,
+    eval_dataset: Any,
+    callbacks: Any,
+    optimizers: Any,
+    compute_metrics: Any,
+) -> None:
+    """The constructor's arguments have usable types, and exactly one of ``model``/``model_init`` is given.
+
+    Raises:
+        RuntimeError, ValueError: transformers' messages for a missing or doubled model, and for
+            ``save_strategy="best"`` without ``metric_for_best_model``.
+        TypeError: naming the argument and the type it must have.
+    """
+    if args.save_strategy == SaveStrategy.BEST and args.metric_for_best_model is None:
+        raise ValueError("`args.metric_for_best_model` must be provided when using 'best' save_strategy.")
+    if model is None and model_init is None:
+        raise RuntimeError("`Trainer` requires either a `model` or `model_init` argument")
+    if model is not None and model_init is not None:
+        raise ValueError("`Trainer` requires either a `model` or `model_init` argument, but not both.")
+    _require(model, "model", nn.Module, "a torch.nn.Module (e.g. a transformers PreTrainedModel)")
+    _check_dataset("train_dataset", train_dataset)
+    _check_dataset("eval_dataset", eval_dataset)
+    _require(callbacks, "callbacks", (list, tuple), "a list of TrainerCallback or lightning Callback objects")
+    if not (isinstance(optimizers, tuple) and len(optimizers) == 2):
+        raise TypeError(
+            "Trainer: `optimizers` must be a tuple (optimizer, lr_scheduler); use (None, None) for the defaults."
+        )
+    if compute_metrics is not None and not callable(compute_metrics):
+        raise TypeError(f"Trainer: `compute_metrics` must be callable, got {type(compute_metrics).__name__}.")
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the loop needs to know about a model, derived as transformers derives it."""
+
+    accepts_loss_kwargs: bool  # the model normalises its loss by ``num_items_in_batch``
+    label_names: list[str]
+    can_return_loss: bool
+    label_smoother: LabelSmoother | None
+    num_params: int  # without embeddings, for ``floating_point_ops``
+
+
+def inspect_model(model: nn.Module, args: Any) -> ModelFacts:
+    """:class:`ModelFacts` of ``model`` under ``args`` (``label_names``, ``label_smoothing_factor``)."""
+    if hasattr(model, "accepts_loss_kwargs"):
+        accepts_loss_kwargs = model.accepts_loss_kwargs
+    else:
+        params = inspect.signature(model.forward).parameters.values()
+        accepts_loss_kwargs = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
+    label_names = find_labels(type(model)) if args.label_names is None else list(args.label_names)
+    eps = args.label_smoothing_factor
+    return ModelFacts(
+        accepts_loss_kwargs=accepts_loss_kwargs,
+        label_names=label_names,
+        can_return_loss=can_return_loss(type(model)),
+        label_smoother=LabelSmoother(epsilon=eps) if eps != 0 else None,
+        num_params=model.num_parameters(exclude_embeddings=True) if hasattr(model, "num_parameters") else 0,
+    )
+
+
+def default_collator(processing_class: Any) -> Callable:
+    """transformers' default: padding with a tokenizer or feature extractor, ``default_data_collator`` otherwise."""
+    if isinstance(processing_class, (PreTrainedTokenizerBase, SequenceFeatureExtractor)):
+        return DataCollatorWithPadding(processing_class)
+    return default_data_collator
+
+
+def call_model_init(model_init: Callable[..., nn.Module], trial: Any = None) -> nn.Module:
+    """``model_init()``, or ``model_init(trial)`` when it takes an argument (transformers' rule)."""
+    n_args = len(inspect.signature(model_init).parameters)
+    model = model_init() if n_args == 0 else model_init(trial)
+    if model is None:
+        raise RuntimeError("model_init should not return None.")
+    return model
+
+
+def enable_activation_checkpointing(model: nn.Module, args: Any) -> None:
+    """``gradient_checkpointing_enable`` with ``args.gradient_checkpointing_kwargs`` when asked and supported."""
+    if args.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
+
+
+def floating_point_ops(model: nn.Module, inputs: dict[str, Any], num_params: int) -> int:
+    """transformers' estimate of a batch's training FLOPs: 6 x tokens x parameters (embeddings excluded)."""
+    main_input = getattr(model, "main_input_name", "input_ids")
+    if main_input in inputs and num_params:
+        return 6 * inputs[main_input].numel() * num_params
+    return 0
