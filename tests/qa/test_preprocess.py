@@ -332,6 +332,47 @@ def test_left_padding_tokenizer_puts_the_context_first(synthetic_files, tiny_wor
     assert padded > 0
 
 
+def test_no_answer_label_is_the_cls_token_else_the_bos_token_else_0(tiny_wordpiece, tmp_path):
+    """Windows without the answer are labelled with the CLS token's index; a tokenizer that has no CLS token
+    uses its BOS token's, and one with neither uses 0. Left padding moves the CLS token off index 0."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tiny_wordpiece.save_pretrained(tmp_path)
+    with_cls = AutoTokenizer.from_pretrained(tmp_path, padding_side="left")
+
+    def without_cls(**special):
+        backend = Tokenizer.from_str(with_cls.backend_tokenizer.to_str())  # a copy: the fixture stays untouched
+        return PreTrainedTokenizerFast(
+            tokenizer_object=backend, pad_token="[PAD]", padding_side="left", model_max_length=512, **special
+        )
+
+    context = CTX + " She works as a baker." * 6 + " She plays the violin."
+    examples = batch(
+        ("violin", "What does Anna play?", context, ["violin"], [context.index("violin")]),
+        ("none", "Where was Olga born?", context, [], []),
+        ("short", "Where was Olga born?", CTX, [], []),  # one window, padded
+    )
+    reference = prepare_train_features(examples, with_cls, 32, 8)
+    labels = list(zip(reference["start_positions"], reference["end_positions"]))
+    cls = [ids.index(with_cls.cls_token_id) for ids in reference["input_ids"]]
+    assert any(c > 0 and label == (c, c) for c, label in zip(cls, labels))  # a padded window without the answer
+    assert any(label != (c, c) for c, label in zip(cls, labels))  # and the answer somewhere
+
+    bos_only = without_cls(bos_token="[CLS]")
+    assert bos_only.cls_token_id is None and bos_only.bos_token_id == with_cls.cls_token_id
+    by_bos = prepare_train_features(examples, bos_only, 32, 8)
+    assert by_bos["input_ids"] == reference["input_ids"]
+    assert list(zip(by_bos["start_positions"], by_bos["end_positions"])) == labels
+
+    neither = without_cls()
+    assert neither.cls_token_id is None and neither.bos_token_id is None
+    by_zero = prepare_train_features(examples, neither, 32, 8)
+    assert by_zero["input_ids"] == reference["input_ids"]
+    expected = [(0, 0) if label == (c, c) else label for c, label in zip(cls, labels)]
+    assert list(zip(by_zero["start_positions"], by_zero["end_positions"])) == expected
+
+
 # ---- argument checks ------------------------------------------------------------------------------------------
 def test_slow_tokenizer_is_a_type_error(tiny_wordpiece):
     from transformers import BertTokenizerLegacy  # the Python ("slow") BERT tokenizer of transformers 5

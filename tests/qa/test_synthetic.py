@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections import Counter
@@ -46,6 +47,33 @@ def test_same_seed_gives_byte_identical_files(tmp_path):
     assert [p.read_bytes() for p in first] == [p.read_bytes() for p in second]
     other = write_squad_files(tmp_path / "c", **SMALL, seed=4)
     assert [p.read_bytes() for p in other] != [p.read_bytes() for p in first]
+
+
+# The data set is pinned: its documented sizes and learnability figures are for these exact files, so a change to
+# the generator (even a reordering of its random draws) must show up here. Update the digests only on purpose.
+_PINNED_SHA256 = {
+    False: (
+        "ec6efeb2dcb66687584a9b9dd820d6ef378222c9c5c1b2e491c7596251e97698",
+        "0bd367595c501a44ef8d220c7afd6aa7ac6257c905c9a3987b008ec3f2c76863",
+    ),
+    True: (
+        "3acbdaad27c6cb8afc3e40dbbf5a04c044b6fb71ba8e2cff02455006d7b8c87d",
+        "59279da9bea6c8f6ea39f1339b35741f6ecbdb5a67ffb1d5ddbca712754c9af1",
+    ),
+}
+
+
+@pytest.mark.parametrize("v2", [False, True])
+def test_generated_files_are_pinned(v2):
+    squads = generate_squad(**SMALL, seed=3, version_2_with_negative=v2)
+    digests = tuple(hashlib.sha256(squad_to_json(s).encode("utf-8")).hexdigest() for s in squads)
+    assert digests == _PINNED_SHA256[v2]
+
+
+@pytest.mark.parametrize("v2, sizes", [(False, (12_482, 850)), (True, (18_744, 1_254))])
+def test_default_sizes_are_the_documented_ones(v2, sizes):
+    train, validation = generate_squad(version_2_with_negative=v2)
+    assert (len(questions(train)), len(questions(validation))) == sizes
 
 
 def test_files_hold_what_generate_returns(tmp_path, small):

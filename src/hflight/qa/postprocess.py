@@ -611,8 +611,21 @@ def compute_qa_predictions(
     ranked = _rank_per_question(candidates, inputs, n)
     null = _null_answers(start, end, inputs.feat2ex, inputs.n_examples) if v2 else None
     entries = _nbest_entries(ranked, null, n, dtype)
-    texts, score_diff = _answers(entries, null, inputs.contexts, null_score_diff_threshold)
+    return _ranked_result(entries, ranked, null, inputs, null_score_diff_threshold, with_nbest)
 
+
+def _ranked_result(
+    entries: _Entries,
+    ranked: _Ranked,
+    null: _Null | None,
+    inputs: QAInputs,
+    null_score_diff_threshold: float,
+    with_nbest: bool,
+) -> QAPostprocessResult:
+    """The answers from the n-best lists; the lists themselves if asked for; SQuAD 2.0 (``null`` given): the null
+    odds and no-answer probabilities."""
+    ids = inputs.example_ids
+    texts, score_diff = _answers(entries, null, inputs.contexts, null_score_diff_threshold)
     nbest = None
     if with_nbest:
         probabilities = _grouped_softmax(entries.score, entries.wide, entries.first, entries.count)
@@ -624,7 +637,7 @@ def compute_qa_predictions(
         no_answer_probability=None
         if null is None
         else collections.OrderedDict(zip(ids, _no_answer_probability(null.score, ranked).tolist())),
-        version_2_with_negative=v2,
+        version_2_with_negative=null is not None,
     )
 
 

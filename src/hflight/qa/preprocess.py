@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 from bisect import bisect_left, bisect_right
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 logger = logging.getLogger(__name__)
 
@@ -204,42 +204,16 @@ def prepare_train_features(
     contexts_in = examples[context_column]
     answers_in = examples[answer_column]
 
-    questions: list[str] = []
-    contexts: list[str] = []
-    spans: list[tuple[int, int] | None] = []
-    kept_ids: list[Any] = []
-    excluded: list[str] = []
-    for i, (question, context, answers) in enumerate(zip(questions_in, contexts_in, answers_in)):
-        if len(answers["text"]) == 0:
-            span = None  # unanswerable: labelled with the CLS index
-        else:
-            span = _training_span(context, answers)
-            if span is None:
-                excluded.append(str(ids[i]) if ids is not None else f"#{i}")
-                continue
-        questions.append(question.lstrip())
-        contexts.append(context)
-        spans.append(span)
-        if ids is not None:
-            kept_ids.append(ids[i])
-    if excluded:
-        shown = ", ".join(excluded[:_MAX_IDS_IN_LOG]) + (
-            f", ... and {len(excluded) - _MAX_IDS_IN_LOG} more" if len(excluded) > _MAX_IDS_IN_LOG else ""
-        )
-        logger.warning(
-            "prepare_train_features: %d question(s) in this batch of %d excluded from training because none of "
-            "their answers could be located in the context (answer_start == -1 or not pointing at the text): %s",
-            len(excluded),
-            len(questions_in),
-            shown,
-        )
-    if not questions:
+    kept = _training_examples(questions_in, contexts_in, answers_in, ids)
+    if kept.excluded:
+        _log_excluded(kept.excluded, len(questions_in))
+    if not kept.questions:
         return _empty_features(tokenizer, ["start_positions", "end_positions"])
 
     enc, pad_on_right = _tokenize(
-        questions,
-        contexts,
-        kept_ids if ids is not None else None,
+        kept.questions,
+        kept.contexts,
+        kept.ids if ids is not None else None,
         tokenizer,
         max_seq_length,
         doc_stride,
@@ -247,42 +221,118 @@ def prepare_train_features(
     )
     sample_mapping = enc.pop("overflow_to_sample_mapping")
     offset_mapping = enc.pop("offset_mapping")
-    context_seq = 1 if pad_on_right else 0
+    start_positions, end_positions = _label_windows(
+        enc, offset_mapping, sample_mapping, kept.spans, 1 if pad_on_right else 0, tokenizer
+    )
+    features = dict(enc)
+    features["start_positions"] = start_positions
+    features["end_positions"] = end_positions
+    return features
+
+
+class _TrainingExamples(NamedTuple):
+    """The examples of a batch that get training features, and the ids of those that do not."""
+
+    questions: list[str]  # ``lstrip``-ped
+    contexts: list[str]
+    spans: list[tuple[int, int] | None]  # answer character span; ``None``: unanswerable
+    ids: list[Any]  # empty when the batch has no ``id`` column
+    excluded: list[str]  # ids (or ``#<index in batch>``) of questions whose answers cannot be located
+
+
+def _training_examples(
+    questions_in: Sequence[str],
+    contexts_in: Sequence[str],
+    answers_in: Sequence[Mapping[str, Sequence]],
+    ids: Sequence[Any] | None,
+) -> _TrainingExamples:
+    """Keep unanswerable questions and those with a locatable answer; set aside the rest."""
+    kept = _TrainingExamples([], [], [], [], [])
+    for i, (question, context, answers) in enumerate(zip(questions_in, contexts_in, answers_in)):
+        if len(answers["text"]) == 0:
+            span = None  # unanswerable: labelled with the CLS index
+        else:
+            span = _training_span(context, answers)
+            if span is None:
+                kept.excluded.append(str(ids[i]) if ids is not None else f"#{i}")
+                continue
+        kept.questions.append(question.lstrip())
+        kept.contexts.append(context)
+        kept.spans.append(span)
+        if ids is not None:
+            kept.ids.append(ids[i])
+    return kept
+
+
+def _log_excluded(excluded: list[str], batch_size: int) -> None:
+    """Warn about the questions left out of training, naming the first few."""
+    shown = ", ".join(excluded[:_MAX_IDS_IN_LOG]) + (
+        f", ... and {len(excluded) - _MAX_IDS_IN_LOG} more" if len(excluded) > _MAX_IDS_IN_LOG else ""
+    )
+    logger.warning(
+        "prepare_train_features: %d question(s) in this batch of %d excluded from training because none of "
+        "their answers could be located in the context (answer_start == -1 or not pointing at the text): %s",
+        len(excluded),
+        batch_size,
+        shown,
+    )
+
+
+def _label_windows(
+    enc: Any,
+    offset_mapping: Sequence[Sequence[Sequence[int]]],
+    sample_mapping: Sequence[int],
+    spans: Sequence[tuple[int, int] | None],
+    context_seq: int,
+    tokenizer: Any,
+) -> tuple[list[int], list[int]]:
+    """``(start_positions, end_positions)``: per window the answer's token span, or the CLS index twice."""
     cls_id = tokenizer.cls_token_id
     bos_id = tokenizer.bos_token_id
     start_positions: list[int] = []
     end_positions: list[int] = []
     all_input_ids = enc["input_ids"]
     for i, offsets in enumerate(offset_mapping):
-        input_ids = all_input_ids[i]
-        if cls_id is not None and cls_id in input_ids:
-            cls_index = input_ids.index(cls_id)
-        elif bos_id is not None and bos_id in input_ids:
-            cls_index = input_ids.index(bos_id)
-        else:
-            cls_index = 0
+        cls_index = _cls_index(all_input_ids[i], cls_id, bos_id)
         span = spans[sample_mapping[i]]
         if span is None:
             start_positions.append(cls_index)
             end_positions.append(cls_index)
             continue
-        start_char, end_char = span
-        seq_ids = enc.sequence_ids(i)
-        ctx_start = seq_ids.index(context_seq)
-        ctx_end = len(seq_ids) - 1 - seq_ids[::-1].index(context_seq)
-        if not (offsets[ctx_start][0] <= start_char and offsets[ctx_end][1] >= end_char):
-            # The answer is not fully inside this window.
-            start_positions.append(cls_index)
-            end_positions.append(cls_index)
-            continue
-        # Last context token starting at or before the answer start; first one ending at or after its end.
-        start_positions.append(bisect_right(offsets, start_char, ctx_start, ctx_end + 1, key=_first) - 1)
-        end_positions.append(bisect_left(offsets, end_char, ctx_start, ctx_end + 1, key=_second))
+        start, end = _answer_tokens(offsets, enc.sequence_ids(i), context_seq, span, cls_index)
+        start_positions.append(start)
+        end_positions.append(end)
+    return start_positions, end_positions
 
-    features = dict(enc)
-    features["start_positions"] = start_positions
-    features["end_positions"] = end_positions
-    return features
+
+def _cls_index(input_ids: list[int], cls_id: int | None, bos_id: int | None) -> int:
+    """Where a window's CLS token is (else its BOS token, else 0): the label of "no answer here"."""
+    if cls_id is not None and cls_id in input_ids:
+        return input_ids.index(cls_id)
+    if bos_id is not None and bos_id in input_ids:
+        return input_ids.index(bos_id)
+    return 0
+
+
+def _answer_tokens(
+    offsets: Sequence[Sequence[int]],
+    seq_ids: list[int | None],
+    context_seq: int,
+    span: tuple[int, int],
+    cls_index: int,
+) -> tuple[int, int]:
+    """The first and last token of the answer ``span`` in one window; ``cls_index`` twice if it is not all inside."""
+    start_char, end_char = span
+    ctx_start = seq_ids.index(context_seq)
+    ctx_end = len(seq_ids) - 1 - seq_ids[::-1].index(context_seq)
+    if not (offsets[ctx_start][0] <= start_char and offsets[ctx_end][1] >= end_char):
+        # The answer is not fully inside this window.
+        return cls_index, cls_index
+    # Last context token starting at or before the answer start; first one ending at or after its end.
+    return (
+        bisect_right(offsets, start_char, ctx_start, ctx_end + 1, key=_first) - 1,
+        bisect_left(offsets, end_char, ctx_start, ctx_end + 1, key=_second),
+    )
 
 
 def _first(pair: Sequence[int]) -> int:

@@ -328,6 +328,10 @@ _FACTS: tuple[tuple[str, tuple[str, ...], dict[str, tuple[str, ...]]], ...] = (
 
 _FACT_BY_NAME = {f[0]: f for f in _FACTS}
 
+# A sentence of a paragraph: (text, {slot: start within the text}, owner "main" / "other" / None for a filler,
+# the fact it states or None).
+_Sentence = tuple[str, dict[str, int], str | None, str | None]
+
 
 def _slot_values(p: _Person) -> dict[str, str]:
     return {
@@ -400,14 +404,36 @@ class _Generator:
     def paragraph(
         self, version_2: bool, unanswerable_fraction: float, max_questions: int, qid_prefix: str
     ) -> dict[str, Any]:
+        """One biography paragraph with its questions, ids ``{qid_prefix}-q0``, ``-q1``, ..."""
         rng = self.rng
         main = self.person()
         n_facts = rng.randint(3, 6)
         facts = rng.sample([f[0] for f in _FACTS], n_facts)
-        main_values = _slot_values(main)
+        sentences = self._fact_sentences(main, facts)
+        other, other_facts = self._add_distractor(sentences, main, facts)
+        for _ in range(rng.choice(_FILLER_COUNTS)):
+            sentences.insert(rng.randint(0, len(sentences)), (self.filler(), {}, None, None))
+        context, offsets = _assemble(sentences)
 
-        # Sentences: (text, {slot: start within sentence}, owner) with owner "main", "other" or None.
-        sentences: list[tuple[str, dict[str, int], str | None, str | None]] = []
+        chosen = self._choose_questions(main, facts, other, other_facts, max_questions)
+        qas = [
+            self._answerable_qa(person, fact, slot, "main" if person is main else "other", context, offsets, version_2)
+            for person, fact, slot in chosen
+        ]
+        if version_2 and unanswerable_fraction > 0:
+            qas += self._unanswerable_qas(len(qas), unanswerable_fraction, main, other, facts)
+            rng.shuffle(qas)
+
+        for k, qa in enumerate(qas):
+            qa["id"] = f"{qid_prefix}-q{k}"
+        return {"context": context, "qas": qas}
+
+    def _fact_sentences(self, main: _Person, facts: list[str]) -> list[_Sentence]:
+        """One sentence per fact about ``main``: the first introduces the person by full name, the others
+        (subject: pronoun, last name or full name) follow in random order."""
+        rng = self.rng
+        main_values = _slot_values(main)
+        sentences: list[_Sentence] = []
         for k, fact in enumerate(facts):
             templates = _FACT_BY_NAME[fact][1]
             if k == 0:
@@ -416,13 +442,17 @@ class _Generator:
                 subject = rng.choice((main.pron, main.pron, main.last, main.name))
             text, where = _render(rng.choice(templates), {**main_values, "S": subject})
             sentences.append((text, where, "main", fact))
-        # The first fact introduces the person by full name; the others follow in random order.
         tail = sentences[1:]
         rng.shuffle(tail)
-        sentences = sentences[:1] + tail
+        return sentences[:1] + tail
 
-        # A distractor person with one or two facts of kinds the paragraph does not state for the
-        # main person: they mention other cities, years, companies, ... and can be asked about too.
+    def _add_distractor(
+        self, sentences: list[_Sentence], main: _Person, facts: list[str]
+    ) -> tuple[_Person | None, list[str]]:
+        """Maybe insert (after the first sentence) one or two facts about a distractor person, of kinds the
+        paragraph does not state for ``main``: they mention other cities, years, companies, ... and can be asked
+        about too. Returns the distractor (``None`` if none) and its facts."""
+        rng = self.rng
         other: _Person | None = None
         other_facts: list[str] = []
         absent = [f[0] for f in _FACTS if f[0] not in facts]
@@ -438,24 +468,15 @@ class _Generator:
                 pos = rng.randint(lo, len(sentences))
                 sentences.insert(pos, (text, where, "other", fact))
                 lo = pos + 1
-        for _ in range(rng.choice(_FILLER_COUNTS)):
-            sentences.insert(rng.randint(0, len(sentences)), (self.filler(), {}, None, None))
+        return other, other_facts
 
-        # Assemble the context and remember where every answer slot starts.
-        offsets: dict[tuple[str, str, str], int] = {}
-        parts: list[str] = []
-        pos = 0
-        for text, where, owner, fact in sentences:
-            if owner is not None:
-                for slot, start in where.items():
-                    offsets.setdefault((owner, fact, slot), pos + start)
-            parts.append(text)
-            pos += len(text) + 1
-        context = " ".join(parts)
-
-        # Questions: about different facts of the main person (sometimes both slots of one fact),
-        # sometimes about the distractor. Slots whose answer type also occurs elsewhere in the
-        # paragraph (cities, years, companies) need actual reading and are asked more often.
+    def _choose_questions(
+        self, main: _Person, facts: list[str], other: _Person | None, other_facts: list[str], max_questions: int
+    ) -> list[tuple[_Person, str, str]]:
+        """``(person, fact, slot)`` to ask about: different facts of the main person (sometimes both slots of one
+        fact), sometimes the distractor. Slots whose answer type also occurs elsewhere in the paragraph (cities,
+        years, companies) need actual reading and are asked more often."""
+        rng = self.rng
         candidates = [(fact, slot) for fact in facts for slot in _FACT_BY_NAME[fact][2]]
         chosen: list[tuple[_Person, str, str]] = []
         while candidates and len(chosen) < max_questions:
@@ -465,45 +486,70 @@ class _Generator:
         if other is not None and rng.random() < _ASK_DISTRACTOR_PROB:
             fact = rng.choice(other_facts)
             chosen.append((other, fact, rng.choice(list(_FACT_BY_NAME[fact][2]))))
+        return chosen
 
+    def _answerable_qa(
+        self,
+        person: _Person,
+        fact: str,
+        slot: str,
+        owner: str,
+        context: str,
+        offsets: dict[tuple[str, str, str], int],
+        version_2: bool,
+    ) -> dict[str, Any]:
+        """A question about ``slot`` of ``person``'s ``fact``, with its answer located in ``context`` (id unset)."""
+        values = _slot_values(person)
+        answer = values["university"] if slot == "university" else values[slot]
+        slot_key = "ucity" if slot == "university" else slot
+        start = offsets[(owner, fact, slot_key)]
+        if slot == "university":
+            start -= len("University of ")
+        assert context[start : start + len(answer)] == answer, (context, answer, start)
+        question = self.rng.choice(_FACT_BY_NAME[fact][2][slot]).format(N=person.name, **values)
+        qa: dict[str, Any] = {"id": "", "question": question, "answers": [{"text": answer, "answer_start": start}]}
+        if version_2:
+            qa["is_impossible"] = False
+        return qa
+
+    def _unanswerable_qas(
+        self, n_answerable: int, unanswerable_fraction: float, main: _Person, other: _Person | None, facts: list[str]
+    ) -> list[dict[str, Any]]:
+        """About ``unanswerable_fraction`` of all questions, unanswerable: half ask about a kind of fact the
+        paragraph does not state for ``main``, half about a person who is not in the paragraph (ids unset)."""
+        rng = self.rng
+        expected = n_answerable * unanswerable_fraction / (1.0 - unanswerable_fraction)
+        n_neg = int(expected) + (1 if rng.random() < expected - int(expected) else 0)
+        absent = [f[0] for f in _FACTS if f[0] not in facts]
         qas: list[dict[str, Any]] = []
-        for person, fact, slot in chosen:
-            owner = "main" if person is main else "other"
+        for _ in range(n_neg):
+            if absent and rng.random() < 0.5:
+                # An attribute the paragraph does not state for the main person.
+                fact = rng.choice(absent)
+                person = main
+            else:
+                # A person who is not in the paragraph, asked about a fact kind that is present.
+                fact = rng.choice(facts)
+                person = self.person(exclude=(main, other) if other else (main,))
+            slot = rng.choice(list(_FACT_BY_NAME[fact][2]))
             values = _slot_values(person)
-            answer = values["university"] if slot == "university" else values[slot]
-            slot_key = "ucity" if slot == "university" else slot
-            start = offsets[(owner, fact, slot_key)]
-            if slot == "university":
-                start -= len("University of ")
-            assert context[start : start + len(answer)] == answer, (context, answer, start)
             question = rng.choice(_FACT_BY_NAME[fact][2][slot]).format(N=person.name, **values)
-            qa: dict[str, Any] = {"id": "", "question": question, "answers": [{"text": answer, "answer_start": start}]}
-            if version_2:
-                qa["is_impossible"] = False
-            qas.append(qa)
+            qas.append({"id": "", "question": question, "answers": [], "is_impossible": True})
+        return qas
 
-        if version_2 and unanswerable_fraction > 0:
-            expected = len(qas) * unanswerable_fraction / (1.0 - unanswerable_fraction)
-            n_neg = int(expected) + (1 if rng.random() < expected - int(expected) else 0)
-            absent = [f[0] for f in _FACTS if f[0] not in facts]
-            for _ in range(n_neg):
-                if absent and rng.random() < 0.5:
-                    # An attribute the paragraph does not state for the main person.
-                    fact = rng.choice(absent)
-                    person = main
-                else:
-                    # A person who is not in the paragraph, asked about a fact kind that is present.
-                    fact = rng.choice(facts)
-                    person = self.person(exclude=(main, other) if other else (main,))
-                slot = rng.choice(list(_FACT_BY_NAME[fact][2]))
-                values = _slot_values(person)
-                question = rng.choice(_FACT_BY_NAME[fact][2][slot]).format(N=person.name, **values)
-                qas.append({"id": "", "question": question, "answers": [], "is_impossible": True})
-            rng.shuffle(qas)
 
-        for k, qa in enumerate(qas):
-            qa["id"] = f"{qid_prefix}-q{k}"
-        return {"context": context, "qas": qas}
+def _assemble(sentences: list[_Sentence]) -> tuple[str, dict[tuple[str, str, str], int]]:
+    """The context (sentences joined by spaces) and where each ``(owner, fact, slot)`` value starts in it."""
+    offsets: dict[tuple[str, str, str], int] = {}
+    parts: list[str] = []
+    pos = 0
+    for text, where, owner, fact in sentences:
+        if owner is not None:
+            for slot, start in where.items():
+                offsets.setdefault((owner, fact, slot), pos + start)
+        parts.append(text)
+        pos += len(text) + 1
+    return " ".join(parts), offsets
 
 
 def _split(

@@ -53,7 +53,18 @@ def train_wordpiece_tokenizer(
         clean_text=True, handle_chinese_chars=True, strip_accents=lowercase, lowercase=lowercase
     )
     pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    vocab = _learn_vocabulary(texts, normalizer, pre_tokenizer, vocab_size, min_frequency)
+    wrapped = _bert_tokenizer(_bert_pipeline(vocab, normalizer, pre_tokenizer), lowercase, model_max_length)
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _save_in_place(wrapped, vocab, out)
+    return AutoTokenizer.from_pretrained(str(out))
 
+
+def _learn_vocabulary(
+    texts: list[str], normalizer: Any, pre_tokenizer: Any, vocab_size: int, min_frequency: int
+) -> dict[str, int]:
+    """Train WordPiece on ``texts``; the learnt vocabulary with canonical, reproducible ids."""
     # Determinism. The trainer numbers the continuation characters ("##x") in hash-map order, which
     # changes from run to run, and breaks ties between equally frequent merges by token id: so the
     # learnt vocabulary itself (not only its order) would vary. Numbering every continuation character
@@ -78,8 +89,12 @@ def train_wordpiece_tokenizer(
         (t for t in trained if t not in SPECIAL_TOKENS),
         key=lambda t: (len(t[2:] if t.startswith("##") else t) > 1, t.startswith("##"), t),
     )
-    vocab = {t: i for i, t in enumerate(list(SPECIAL_TOKENS) + rest)}
+    return {t: i for i, t in enumerate(list(SPECIAL_TOKENS) + rest)}
 
+
+def _bert_pipeline(vocab: dict[str, int], normalizer: Any, pre_tokenizer: Any) -> Tokenizer:
+    """The ``tokenizers`` pipeline of BERT around ``vocab``: WordPiece model and decoder, special tokens, and the
+    ``[CLS] A [SEP] B [SEP]`` post-processor with token type ids."""
     tok = Tokenizer(
         models.WordPiece(vocab=vocab, unk_token="[UNK]", continuing_subword_prefix="##", max_input_chars_per_word=100)
     )
@@ -93,8 +108,12 @@ def train_wordpiece_tokenizer(
         pair="[CLS] $A [SEP] $B:1 [SEP]:1",
         special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
     )
+    return tok
 
-    wrapped = BertTokenizerFast(
+
+def _bert_tokenizer(tok: Tokenizer, lowercase: bool, model_max_length: int) -> BertTokenizerFast:
+    """``tok`` as a transformers ``BertTokenizerFast`` (special tokens, casing, maximum length, right padding)."""
+    return BertTokenizerFast(
         tokenizer_object=tok,
         do_lower_case=lowercase,
         strip_accents=lowercase,
@@ -108,10 +127,14 @@ def train_wordpiece_tokenizer(
         padding_side="right",
         truncation_side="right",
     )
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    # Saved in a private folder, then each file renamed into place: processes launched together (torchrun) build
-    # the same tokenizer into the same folder, and none may load another's half-written file.
+
+
+def _save_in_place(wrapped: BertTokenizerFast, vocab: dict[str, int], out: Path) -> None:
+    """``save_pretrained`` plus a ``vocab.txt`` into ``out``, each file appearing whole.
+
+    Saved in a private folder, then each file renamed into place: processes launched together (torchrun) build
+    the same tokenizer into the same folder, and none may load another's half-written file.
+    """
     with tempfile.TemporaryDirectory(dir=out, prefix=".tokenizer-") as staging:
         wrapped.save_pretrained(staging)
         # A WordPiece vocab.txt too, so a slow BERT tokenizer can be built from the same vocabulary.
@@ -120,7 +143,6 @@ def train_wordpiece_tokenizer(
         )
         for name in sorted(os.listdir(staging)):
             os.replace(os.path.join(staging, name), out / name)
-    return AutoTokenizer.from_pretrained(str(out))
 
 
 def _word_characters(texts: list[str], normalizer: Any, pre_tokenizer: Any) -> list[str]:
