@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from torch.utils.data import SequentialSampler
@@ -36,9 +38,12 @@ def test_sharded_batches_drop_last():
 
 def test_accumulation_cycles_tag_micro_batches_like_hf():
     loader = [{"labels": torch.tensor([1, -100, 2])} for _ in range(5)]
-    cycles = AccumulationCycles(
-        loader, 2, lambda batches: sum(int(b["labels"].ne(-100).sum()) for b in batches), epoch_fn=lambda: 0
-    )
+
+    def batch_samples(iterator, num_batches):  # a cycle and its label items, as Trainer.get_batch_samples returns
+        batches = list(itertools.islice(iterator, num_batches))
+        return batches, sum(int(b["labels"].ne(-100).sum()) for b in batches)
+
+    cycles = AccumulationCycles(loader, 2, batch_samples, epoch_fn=lambda: 0)
     tagged = list(cycles)
     assert [(m.index, m.cycle_size, m.num_items_in_batch, m.step_in_epoch) for m in tagged] == [
         (0, 2, 4, 0),

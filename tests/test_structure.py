@@ -5,8 +5,9 @@ package's imports form a DAG, and sizes stay small.
   transformers' protected override points listed once in ``hflight.surface.OVERRIDE_POINTS``. A "facade" is any
   expression other than ``self``/``cls`` of a class that is not a facade (``facade._x``, ``self.facade._x``,
   ``trainer._x``, ``getattr(trainer, "_x")``), and ``self``/``super()`` inside a subclass of the facade
-  (``MRCTrainer``, ``IPUTrainer``, ``ORTTrainer``), for the facade's own private names. A subclass may not override
-  a private facade method either (that couples it to internals the same way).
+  (``MRCTrainer``, ``IPUTrainer``, ``ORTTrainer``) or a mixin the facade is built from (``optim.OptimizerMixin``,
+  ...), for the facade's own private names. A subclass may not override a private facade method either (that couples
+  it to internals the same way).
 - Every ``import`` statement inside ``hflight`` (type-only and function-level ones included) is an edge; the graph
   has no cycle, and the layers hold: backends and the Lightning pieces import neither ``hflight.run`` nor
   ``hflight.trainer``.
@@ -120,11 +121,14 @@ def private_facade_accesses(source: str, private: set[str], facade_classes: set[
 
 
 def _facade_subclasses(path: Path) -> set[str]:
+    """The classes of the module that are part of a facade: its subclasses and the mixins it is built from."""
     module = importlib.import_module(_module_name(path))
     return {
         name
         for name, value in vars(module).items()
-        if inspect.isclass(value) and issubclass(value, Trainer) and value.__module__ == module.__name__
+        if inspect.isclass(value)
+        and value.__module__ == module.__name__
+        and (issubclass(value, Trainer) or (value is not object and value in Trainer.__mro__))
     }
 
 

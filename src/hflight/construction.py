@@ -135,3 +135,33 @@ def floating_point_ops(model: nn.Module, inputs: dict[str, Any], num_params: int
     if main_input in inputs and num_params:
         return 6 * inputs[main_input].numel() * num_params
     return 0
+
+
+def _strategy_name(args: Any) -> str:
+    strategy = args.strategy
+    if isinstance(strategy, str):
+        return strategy
+    name = getattr(strategy, "strategy_name", None)
+    return (name() if callable(name) else name) or type(strategy).__name__.lower()
+
+
+def transformers_attributes(args: Any, model: nn.Module) -> dict[str, Any]:
+    """The public attributes a ``transformers.Trainer`` has after its constructor that describe how the model is
+    placed and sharded, with hflight's values: Lightning places and wraps the model when a run starts (so
+    ``model_wrapped`` is the model itself until then), its FSDP/DeepSpeed strategies shard it, and nothing is
+    model-parallel or sharded at load time by transformers."""
+    strategy = _strategy_name(args).lower()
+    devices = {d for d in (getattr(model, "hf_device_map", None) or {}).values() if d not in ("cpu", "disk")}
+    return {
+        "deepspeed": None,
+        "is_deepspeed_enabled": "deepspeed" in strategy,
+        "is_fsdp_enabled": "fsdp" in strategy,
+        "is_fsdp_xla_enabled": False,
+        "is_fsdp_xla_v1_enabled": False,
+        "is_fsdp_xla_v2_enabled": False,
+        "is_distributed_loading_by_transformers": False,
+        "is_model_parallel": len(devices) > 1,
+        "model_wrapped": model,
+        "place_model_on_device": getattr(args, "place_model_on_device", None) is not False,
+        "hub_model_id": None,
+    }

@@ -131,18 +131,20 @@ class MicroBatch:
 
 class AccumulationCycles:
     """Iterates a training loader as HF's loop does: ``accumulation`` batches at a time, each tagged as a
-    ``MicroBatch``. ``skip_batches`` drops the first batches of the next pass (used to resume mid-epoch)."""
+    ``MicroBatch``. ``batch_samples(iterator, n)`` reads a cycle and counts its label items (the facade's
+    ``get_batch_samples``, as transformers calls it once per cycle). ``skip_batches`` drops the first batches of the
+    next pass (used to resume mid-epoch)."""
 
     def __init__(
         self,
         loader: Any,
         accumulation: int,
-        count_items: Callable[[list[Any]], torch.Tensor | int | None],
+        batch_samples: Callable[[Iterator, int], tuple[list[Any], torch.Tensor | int | None]],
         epoch_fn: Callable[[], int],
     ) -> None:
         self.loader = loader
         self.accumulation = accumulation
-        self.count_items = count_items
+        self.batch_samples = batch_samples
         self.epoch_fn = epoch_fn
         self.skip_batches = 0
         self.restore_rng: Callable[[], None] | None = None
@@ -167,15 +169,9 @@ class AccumulationCycles:
             restore()
         step = skip - 1
         while True:
-            cycle = []
-            for _ in range(self.accumulation):
-                try:
-                    cycle.append(next(iterator))
-                except StopIteration:
-                    break
+            cycle, num_items = self.batch_samples(iterator, self.accumulation)
             if not cycle:
                 return
-            num_items = self.count_items(cycle)
             for index, inputs in enumerate(cycle):
                 step += 1
                 yield MicroBatch(inputs, index, len(cycle), num_items, step)
@@ -214,7 +210,7 @@ class HFDataModule(L.LightningDataModule):
         self.cycles = AccumulationCycles(
             self.train_loader,
             self.geometry.accumulation,
-            lambda batches: facade._get_num_items_in_batch(batches, None),
+            lambda iterator, num_batches: facade.get_batch_samples(iterator, num_batches, None),
             epoch_fn=lambda: self.run.epochs_offset + self.trainer.current_epoch,
         )
 

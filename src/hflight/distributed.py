@@ -99,8 +99,16 @@ class World:
     def gather(self, value: Any, pad_dim: int | None = None) -> Any:
         return gather(self.strategy, value, pad_dim)
 
-    def pad_across_processes(self, value: Any) -> Any:
-        return pad_across_processes(self.strategy, value)
+    def pad_across_processes(self, value: Any, dim: int = 1, pad_index: int = -100) -> Any:
+        return pad_across_processes(self.strategy, value, dim=dim, pad_index=pad_index)
+
+    def gather_objects(self, values: list[Any]) -> list[Any]:
+        """Every process's list of picklable objects, concatenated in rank order (``values`` itself with one)."""
+        if not is_distributed(self.strategy):
+            return values
+        gathered: list[Any] = [None] * self.size
+        torch.distributed.all_gather_object(gathered, values)
+        return [item for part in gathered for item in part]
 
     def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
         return reduce_mean(self.strategy, value)

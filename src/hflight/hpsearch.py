@@ -32,12 +32,13 @@ def _optuna():
 
 
 def _run_optuna(
-    trainer: TrainerSurface, n_trials: int, direction: str | list[str], **kwargs: Any
+    trainer: TrainerSurface, base_args: Any, n_trials: int, direction: str | list[str], **kwargs: Any
 ) -> BestRun | list[BestRun]:
     optuna = _optuna()
 
     def objective(trial: Any) -> float | list[float]:
         trainer.objective = None
+        trainer.args = apply_trial(trainer, base_args, trial)
         trainer.train(trial=trial)
         if trainer.objective is None:
             trainer.objective = trainer.compute_objective(trainer.evaluate())
@@ -80,7 +81,7 @@ def hyperparameter_search(
     trainer.hp_search_backend = name
     base_args = trainer.args
     try:
-        return spec["run"](trainer, n_trials, direction, **kwargs)
+        return spec["run"](trainer, base_args, n_trials, direction, **kwargs)
     finally:
         trainer.args = base_args
         trainer.hp_search_backend = None
@@ -108,3 +109,20 @@ def report(trainer: TrainerSurface, trial: Any, step: int, metrics: dict[str, fl
         if trial.should_prune():
             trainer.control = trainer.callback_handler.on_train_end(trainer.args, trainer.state, trainer.control)
             raise _optuna().TrialPruned()
+
+
+class HyperparameterSearchMixin:
+    """``Trainer.hyperparameter_search`` (see :func:`hyperparameter_search`)."""
+
+    def hyperparameter_search(
+        self,
+        hp_space: Callable[[Any], dict[str, Any]] | None = None,
+        compute_objective: Callable[[dict[str, float]], float] | None = None,
+        n_trials: int = 20,
+        direction: str | list[str] = "minimize",
+        backend: str | None = None,
+        hp_name: Callable[[Any], str] | None = None,
+        **kwargs: Any,
+    ) -> BestRun | list[BestRun]:
+        """Search hyperparameters with optuna (transformers' semantics; needs ``model_init``)."""
+        return hyperparameter_search(self, hp_space, compute_objective, n_trials, direction, backend, hp_name, **kwargs)

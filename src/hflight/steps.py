@@ -7,7 +7,9 @@ LightningModule calls those methods, never these functions directly.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -16,7 +18,11 @@ from torch import nn
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.trainer_pt_utils import nested_detach
 
+from hflight.datamodule import loader_length
+from hflight.plan import plan_training
 from hflight.surface import TrainerSurface
+
+logger = logging.getLogger(__name__)
 
 
 def prepare_inputs(inputs: dict[str, Any], device: torch.device | None, signature_columns: list[str]) -> dict[str, Any]:
@@ -172,3 +178,83 @@ def count_items_in_cycle(trainer: TrainerSurface, batches: list[Any], backend: A
     if trainer.args.average_tokens_across_devices and world.size > 1:
         count = world.reduce_sum(count.float())
     return count
+
+
+class StepsMixin:
+    """transformers' step-level ``Trainer`` utilities, over the facade's public surface.
+
+    ``get_batch_samples`` is what the training loop calls once per accumulation cycle (``hflight.datamodule``), so a
+    subclass's override takes effect there as in transformers. Mixed precision is Lightning's (its precision plugin
+    wraps every step), so, as in transformers (where accelerate does it), the autocast context managers are empty.
+    Model, tensor, context and sequence parallelism are not hflight's (Lightning's FSDP/DeepSpeed strategies shard
+    data-parallel replicas), so their sizes are 1.
+    """
+
+    def compute_loss_context_manager(self) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        autocast = self.autocast_smart_context_manager()
+        if not isinstance(autocast, contextlib.nullcontext):
+            stack.enter_context(autocast)
+        return stack
+
+    def autocast_smart_context_manager(self, cache_enabled: bool | None = True) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def get_batch_samples(
+        self, epoch_iterator: Iterator, num_batches: int, device: torch.device | None
+    ) -> tuple[list, torch.Tensor | int | None]:
+        """Up to ``num_batches`` batches from ``epoch_iterator`` and the label items they hold (the loss normaliser,
+        from ``_get_num_items_in_batch``)."""
+        batch_samples = []
+        for _ in range(num_batches):
+            try:
+                batch_samples.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        return batch_samples, self._get_num_items_in_batch(batch_samples, device)
+
+    def get_tp_size(self) -> int:
+        return 1
+
+    def get_cp_size(self) -> int:
+        return 1
+
+    def get_sp_size(self) -> int:
+        return 1
+
+    def get_total_train_batch_size(self, args: Any) -> int:
+        """Samples per optimizer step: batch x accumulation x data-parallel processes."""
+        data_parallel = args.world_size // self.get_tp_size() // self.get_cp_size() // self.get_sp_size()
+        return args.train_batch_size * args.gradient_accumulation_steps * data_parallel
+
+    def set_initial_training_values(
+        self, args: Any, dataloader: Any
+    ) -> tuple[int, int, int, int, int, int | None, int]:
+        """transformers' run arithmetic: (num_train_epochs, num_update_steps_per_epoch, num_examples,
+        num_train_samples, total_train_batch_size, steps_in_epoch, max_steps) for ``dataloader``."""
+        length = loader_length(dataloader)
+        num_examples = self.num_examples(dataloader) if length else None
+        plan = plan_training(args, length, num_examples, args.world_size)
+        return (
+            plan.num_train_epochs,
+            plan.num_update_steps_per_epoch,
+            plan.num_examples,
+            plan.num_train_samples,
+            self.get_total_train_batch_size(args),
+            plan.steps_in_epoch,
+            plan.max_steps,
+        )
+
+    @staticmethod
+    def num_tokens(train_dl: Any, max_steps: int | None = None) -> int:
+        """Tokens (``input_ids`` elements) in ``train_dl``; with ``max_steps``, the first batch's tokens times it."""
+        tokens = 0
+        try:
+            for batch in train_dl:
+                count = batch["input_ids"].numel()
+                if max_steps is not None:
+                    return count * max_steps
+                tokens += count
+        except KeyError:
+            logger.warning("Cannot get num_tokens from dataloader")
+        return tokens

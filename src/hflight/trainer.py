@@ -34,20 +34,24 @@ from transformers.trainer_utils import (
     set_seed,
 )
 
-from hflight import checkpoint, construction, evaluation, hpsearch, optim, resume, steps
+from hflight import checkpoint, construction, evaluation, resume, steps
+from hflight.accelerator_compat import RunAccelerator
 from hflight.backend import HFBackend, backend_of
 from hflight.callbacks.hooks import new_trainer_state
 from hflight.construction import default_collator
 from hflight.datamodule import facade_dataloader, remove_unused_columns, train_sampler
 from hflight.distributed import World
+from hflight.hpsearch import HyperparameterSearchMixin
 from hflight.lightning_kwargs import split_callbacks
+from hflight.optim import OptimizerMixin
 from hflight.run import Run
+from hflight.steps import StepsMixin
 from hflight.training_args import TrainingArguments, coerce_training_args
 
 DEFAULT_CALLBACKS = [DefaultFlowCallback]
 
 
-class Trainer:
+class Trainer(OptimizerMixin, StepsMixin, HyperparameterSearchMixin):
     """The transformers ``Trainer`` API, running on PyTorch Lightning.
 
     Same constructor (parameter names, order and defaults as transformers 5.x), same methods and return types;
@@ -62,6 +66,9 @@ class Trainer:
     #: The Lightning strategy of every run (a name or a ``Strategy``); None: ``args.strategy``. The compat trainers
     #: (``IPUTrainer``, ``ORTTrainer``) set their strategy object here.
     lightning_strategy: Any = None
+    #: Whether ``compute_loss`` returns a loss already scaled for gradient accumulation (None: decided as in
+    #: transformers, from ``model_accepts_loss_kwargs`` and ``compute_loss_func``).
+    loss_is_scaled_for_ga: bool | None = None
 
     def __init__(
         self,
@@ -89,8 +96,10 @@ class Trainer:
         construction.check_inputs(
             self.args, model, model_init, train_dataset, eval_dataset, callbacks, optimizers, compute_metrics
         )
+        self.create_accelerator_and_postprocess()
         self.model_init = model_init
         self.model = model if model is not None else self.call_model_init()
+        vars(self).update(construction.transformers_attributes(self.args, self.model))
         self.processing_class = processing_class
         self._inspect_model(self.model)
         self.data_collator = data_collator if data_collator is not None else default_collator(processing_class)
@@ -100,7 +109,6 @@ class Trainer:
         self.optimizer, self.lr_scheduler = optimizers
         self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
         self._user_scheduler = self.lr_scheduler is not None
-        self.loss_is_scaled_for_ga: bool | None = None
         self.current_gradient_accumulation_steps = 1
         self.current_flos = 0
         self.is_in_train = False
@@ -112,6 +120,11 @@ class Trainer:
         self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
 
     # ---- construction helpers ----------------------------------------------------------------------------------
+    def create_accelerator_and_postprocess(self) -> None:
+        """transformers builds its accelerate ``Accelerator`` here; hflight's answers from the run in progress."""
+        self.accelerator = RunAccelerator(lambda: self._run, self.args)
+        self.gather_function = self.accelerator.gather_for_metrics
+
     def _seed(self) -> None:
         enable_full_determinism(self.args.seed) if self.args.full_determinism else set_seed(self.args.seed)
 
@@ -233,25 +246,6 @@ class Trainer:
         columns = self._signature_columns or []
         return steps.prepare_inputs(inputs, self._run.device() if self._run is not None else None, columns)
 
-    # ---- optimizer and scheduler -------------------------------------------------------------------------------
-    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
-        if self.optimizer is None:
-            opt_model = self.model if model is None else model
-            self.optimizer = optim.build_optimizer(self.args, opt_model, self.optimizer_cls_and_kwargs)
-        return self.optimizer
-
-    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
-        if self.lr_scheduler is None:
-            self.lr_scheduler = optim.build_scheduler(self.args, optimizer or self.optimizer, num_training_steps)
-        return self.lr_scheduler
-
-    def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
-        self.create_optimizer()
-        self.create_scheduler(num_training_steps=num_training_steps, optimizer=self.optimizer)
-
-    def _get_learning_rate(self) -> float:
-        return optim.current_learning_rate(self.lr_scheduler, self.optimizer)
-
     # ---- per-batch override points -----------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         world_size = self._world().size
@@ -283,8 +277,6 @@ class Trainer:
         resume_from_checkpoint = resume.requested(resume_from_checkpoint, self.args)
         self.is_in_train = True
         self._trial = trial
-        if trial is not None and self.hp_search_backend is not None:
-            self.args = hpsearch.apply_trial(self, self._hp_base_args, trial)
         self._prepare_model_for_training()
         point = resume.resolve_resume(self, resume_from_checkpoint)
         run = self._new_run(True, resume=point, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval)
@@ -304,22 +296,6 @@ class Trainer:
         elif not self._user_scheduler:
             self.lr_scheduler = None  # HF rebuilds its own scheduler for every train() call
         construction.enable_activation_checkpointing(self.model, self.args)
-
-    def hyperparameter_search(
-        self,
-        hp_space: Callable[[Any], dict[str, Any]] | None = None,
-        compute_objective: Callable[[dict[str, float]], float] | None = None,
-        n_trials: int = 20,
-        direction: str | list[str] = "minimize",
-        backend: str | None = None,
-        hp_name: Callable[[Any], str] | None = None,
-        **kwargs: Any,
-    ):
-        """Search hyperparameters with optuna (HF's semantics; needs ``model_init``). See ``hflight.hpsearch``."""
-        self._hp_base_args = self.args
-        return hpsearch.hyperparameter_search(
-            self, hp_space, compute_objective, n_trials, direction, backend, hp_name, **kwargs
-        )
 
     # ---- evaluation --------------------------------------------------------------------------------------------
     def _evaluate(self, trial: Any, ignore_keys_for_eval: list[str] | None, skip_scheduler: bool = False) -> dict:
