@@ -44,9 +44,14 @@ def _source_files() -> list[Path]:
 
 
 def facade_private_names() -> set[str]:
-    """Private (single-underscore) names of the facade: its methods and class attributes, and every ``self._x``
-    attribute ``trainer.py`` assigns."""
-    names = {n for n in dir(Trainer) if n.startswith("_") and not n.startswith("__")}
+    """Private (single-underscore) names of the facade's own state: the methods and class attributes ``trainer.py``
+    defines, and every ``self._x`` attribute it assigns. (A mixin's own helpers, such as ``hub.HubMixin``'s
+    ``_finish_current_push``, belong to the mixin.)"""
+    names = {
+        n
+        for n in dir(Trainer)
+        if n.startswith("_") and not n.startswith("__") and next(k for k in Trainer.__mro__ if n in vars(k)) is Trainer
+    }
     for node in ast.walk(ast.parse(FACADE_FILE.read_text())):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
             if node.attr.startswith("_") and not node.attr.startswith("__"):

@@ -10,8 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from hflight._lazy import lazy_exports
-
-__version__ = "0.1.0"
+from hflight.version import __version__ as __version__
 
 _EXPORTS = {
     "Trainer": "hflight.trainer",

@@ -76,6 +76,13 @@ def check_inputs(
         )
     if compute_metrics is not None and not callable(compute_metrics):
         raise TypeError(f"Trainer: `compute_metrics` must be callable, got {type(compute_metrics).__name__}.")
+    if args.batch_eval_metrics and compute_metrics is not None:
+        if "compute_result" not in inspect.signature(compute_metrics).parameters:
+            raise ValueError(
+                "When using `batch_eval_metrics`, your `compute_metrics` function must take a `compute_result` boolean "
+                "argument which will be triggered after the last batch of the eval set to signal that the summary "
+                "statistics should be returned by the function."
+            )
 
 
 @dataclass(frozen=True)

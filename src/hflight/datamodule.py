@@ -28,6 +28,7 @@ import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch.utils.data import DataLoader, IterableDataset, Sampler, SequentialSampler
 
+from hflight import console
 from hflight.backend import StepGeometry, backend_of
 from hflight.surface import RunView, TrainerSurface
 
@@ -229,13 +230,18 @@ def loader_length(loader: Any) -> int | None:
 
 
 # ---- loaders the facade's getters build ----------------------------------------------------------------------
-def remove_unused_columns(dataset: Any, signature_columns: list[str], description: str | None = None) -> Any:
-    """Drop the columns of a ``datasets.Dataset`` that the model's ``forward`` does not take (HF's rule)."""
+def remove_unused_columns(
+    dataset: Any, signature_columns: list[str], description: str | None = None, model_name: str = "model"
+) -> Any:
+    """Drop the columns of a ``datasets.Dataset`` that the model's ``forward`` does not take (HF's rule, with its
+    note naming them; ``model_name``: the model's class name, for the note)."""
     import datasets
 
     if not isinstance(dataset, datasets.Dataset):
         return dataset
     ignored = [c for c in dataset.column_names if c not in signature_columns]
+    if ignored:
+        console.columns_ignored(ignored, description, model_name)
     if len(ignored) == len(dataset.column_names):
         raise ValueError(
             f"No columns in the {description or ''} dataset match the model's forward method signature: "

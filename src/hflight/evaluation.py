@@ -27,7 +27,7 @@ from transformers.trainer_utils import (
     speed_metrics,
 )
 
-from hflight import hpsearch
+from hflight import console, hpsearch
 from hflight.checkpoint import metric_key
 from hflight.interrupt import sigterm_exits_non_zero
 from hflight.lightning_kwargs import quiet_lightning
@@ -84,7 +84,13 @@ class Accumulator:
 
 
 class Evaluator:
-    """Runs ``prediction_step`` batch by batch and turns the pieces into an ``EvalLoopOutput``."""
+    """Runs ``prediction_step`` batch by batch and turns the pieces into an ``EvalLoopOutput``.
+
+    With ``args.batch_eval_metrics``, ``compute_metrics(EvalPrediction, compute_result=...)`` sees every batch (its
+    gathered tensors) and ``compute_result=True`` for the last one, whose result are the metrics, as in transformers;
+    predictions are then not kept (except for ``predict``). The batch is scored when the next one arrives (or at the
+    end), so the last batch is known without knowing the loader's length.
+    """
 
     def __init__(
         self,
@@ -104,6 +110,10 @@ class Evaluator:
         self.losses, self.preds, self.labels, self.inputs = (Accumulator() for _ in range(4))
         self.observed = 0
         self.model: Any = None  # what prediction_step calls: the backend's evaluation model
+        self.batch_metrics = bool(facade.args.batch_eval_metrics)
+        self.keep_outputs = not self.batch_metrics or description == "Prediction"
+        self.pending: EvalPrediction | None = None  # batch_eval_metrics: the last batch, not scored yet
+        self.metrics: dict | None = None
 
     def step(self, inputs: dict[str, Any]) -> None:
         facade = self.facade
@@ -115,8 +125,9 @@ class Evaluator:
         )
         gather = self.world.gather
         if loss is not None:
-            self.losses.add(gather(loss.repeat(batch_size or 1)))
-        if "inputs" in facade.args.include_for_metrics:
+            loss = gather(loss.repeat(batch_size or 1))
+            self.losses.add(loss)
+        if "inputs" in facade.args.include_for_metrics and self.keep_outputs:
             main_input = getattr(facade.model, "main_input_name", "input_ids")
             self.inputs.add(gather(inputs[main_input], pad_dim=1))
         if labels is not None:
@@ -125,10 +136,28 @@ class Evaluator:
             logits = self.world.pad_across_processes(logits)
             if facade.preprocess_logits_for_metrics is not None:
                 logits = facade.preprocess_logits_for_metrics(logits, labels)
-            self.preds.add(gather(logits))
+            logits = gather(logits)
+            if self.keep_outputs:
+                self.preds.add(logits)
         if labels is not None:
-            self.labels.add(gather(labels))
+            labels = gather(labels)
+            if self.keep_outputs:
+                self.labels.add(labels)
         facade.control = facade.callback_handler.on_prediction_step(facade.args, facade.state, facade.control)
+        if self.batch_metrics and self.compute_metrics is not None and logits is not None and labels is not None:
+            include = facade.args.include_for_metrics
+            self._score_pending(last=False)
+            self.pending = EvalPrediction(
+                predictions=logits,
+                label_ids=labels,
+                losses=loss if "loss" in include else None,
+                inputs=inputs if "inputs" in include else None,
+            )
+
+    def _score_pending(self, last: bool) -> None:
+        if self.pending is not None:
+            self.metrics = self.compute_metrics(self.pending, compute_result=last)
+            self.pending = None
 
     def finish(self, num_samples: int | None, metric_key_prefix: str) -> EvalLoopOutput:
         facade = self.facade
@@ -139,7 +168,10 @@ class Evaluator:
         labels = self.labels.result(num_samples)
         inputs = self.inputs.result(num_samples)
 
-        if self.compute_metrics is not None and preds is not None and labels is not None:
+        if self.batch_metrics:
+            self._score_pending(last=True)
+            metrics = self.metrics
+        elif self.compute_metrics is not None and preds is not None and labels is not None:
             extra = {
                 "losses": losses if "loss" in facade.args.include_for_metrics else None,
                 "inputs": inputs if "inputs" in facade.args.include_for_metrics else None,
@@ -174,6 +206,14 @@ def _evaluate_in_fit(evaluator: Evaluator, run: RunView, dataloader: Any) -> Non
         model.train(was_training)
 
 
+def _num_examples(facade: TrainerSurface, dataloader: Any) -> int | None:
+    try:
+        len(dataloader)
+    except TypeError:
+        return None
+    return facade.num_examples(dataloader)
+
+
 def run_evaluation_loop(
     facade: TrainerSurface,
     run: RunView,
@@ -190,6 +230,7 @@ def run_evaluation_loop(
     ``compute_metrics`` defaults to the facade's; pass ``None`` to collect predictions without scoring them (the
     QA trainer scores after post-processing)."""
     metrics_fn = facade.compute_metrics if compute_metrics is ... else compute_metrics
+    console.evaluation_started(description, _num_examples(facade, dataloader), facade.args.eval_batch_size)
     evaluator = Evaluator(facade, run.world, description, prediction_loss_only, ignore_keys, metrics_fn)
     facade.callback_handler.eval_dataloader = dataloader
     with run.evaluating(evaluator), run.evaluation_weights():

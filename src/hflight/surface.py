@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 #: Every name is a method of ``transformers.Trainer`` with transformers' signature.
 OVERRIDE_POINTS: frozenset[str] = frozenset(
     {
+        "_maybe_log_save_evaluate",  # (tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time, lr)
         "_evaluate",  # (trial, ignore_keys_for_eval, skip_scheduler=False): evaluation during training
         "_determine_best_metric",  # (metrics, trial): best metric and step
         "_save_checkpoint",  # (model, trial): write checkpoint-N

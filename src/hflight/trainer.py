@@ -34,7 +34,7 @@ from transformers.trainer_utils import (
     set_seed,
 )
 
-from hflight import checkpoint, construction, evaluation, resume, steps
+from hflight import checkpoint, console, construction, evaluation, resume, steps
 from hflight.accelerator_compat import RunAccelerator
 from hflight.backend import HFBackend, backend_of
 from hflight.callbacks.hooks import new_trainer_state
@@ -42,6 +42,7 @@ from hflight.construction import default_collator
 from hflight.datamodule import facade_dataloader, remove_unused_columns, train_sampler
 from hflight.distributed import World
 from hflight.hpsearch import HyperparameterSearchMixin
+from hflight.hub import HubMixin
 from hflight.lightning_kwargs import split_callbacks
 from hflight.optim import OptimizerMixin
 from hflight.run import Run
@@ -51,7 +52,7 @@ from hflight.training_args import TrainingArguments, coerce_training_args
 DEFAULT_CALLBACKS = [DefaultFlowCallback]
 
 
-class Trainer(OptimizerMixin, StepsMixin, HyperparameterSearchMixin):
+class Trainer(OptimizerMixin, StepsMixin, HyperparameterSearchMixin, HubMixin):
     """The transformers ``Trainer`` API, running on PyTorch Lightning.
 
     Same constructor (parameter names, order and defaults as transformers 5.x), same methods and return types;
@@ -89,6 +90,7 @@ class Trainer(OptimizerMixin, StepsMixin, HyperparameterSearchMixin):
         tokenizer: Any = None,
     ) -> None:
         self.args = coerce_training_args(args)
+        console.set_process_log_level(self.args)
         self._run: Run | None = None  # the run of the call in progress, or of the last one
         self._signature_columns: list[str] | None = None
         processing_class = construction.processing_class_of(processing_class, tokenizer)
@@ -191,7 +193,7 @@ class Trainer(OptimizerMixin, StepsMixin, HyperparameterSearchMixin):
         if not self.args.remove_unused_columns:
             return dataset
         self._set_signature_columns_if_needed()
-        return remove_unused_columns(dataset, self._signature_columns, description)
+        return remove_unused_columns(dataset, self._signature_columns, description, type(self.model).__name__)
 
     def _get_dataloader(
         self,
@@ -270,10 +272,7 @@ class Trainer(OptimizerMixin, StepsMixin, HyperparameterSearchMixin):
         resume_from_checkpoint: str | bool | None = None,
         trial: Any = None,
         ignore_keys_for_eval: list[str] | None = None,
-        **kwargs: Any,
     ) -> TrainOutput:
-        if kwargs:
-            raise TypeError(f"train() got unexpected keyword arguments: {', '.join(kwargs)}.")
         resume_from_checkpoint = resume.requested(resume_from_checkpoint, self.args)
         self.is_in_train = True
         self._trial = trial
@@ -300,6 +299,12 @@ class Trainer(OptimizerMixin, StepsMixin, HyperparameterSearchMixin):
     # ---- evaluation --------------------------------------------------------------------------------------------
     def _evaluate(self, trial: Any, ignore_keys_for_eval: list[str] | None, skip_scheduler: bool = False) -> dict:
         return evaluation.evaluate_in_training(self, trial, ignore_keys_for_eval, skip_scheduler)
+
+    def _maybe_log_save_evaluate(
+        self, tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time, learning_rate=None
+    ) -> None:
+        bridge = self._run.bridge
+        bridge.log_save_evaluate(tr_loss, grad_norm, model, trial, ignore_keys_for_eval, start_time, learning_rate)
 
     def _determine_best_metric(self, metrics: dict[str, float], trial: Any) -> bool:
         return checkpoint.update_best_metric(self.args, self.state, metrics)
@@ -362,6 +367,10 @@ class Trainer(OptimizerMixin, StepsMixin, HyperparameterSearchMixin):
 
     def _load_best_model(self) -> None:
         resume.load_best_model(self)
+
+    def end(self) -> None:
+        """Finish the loggers and destroy the process group (after everything that needs the other processes)."""
+        self.accelerator.end_training()
 
     def is_local_process_zero(self) -> bool:
         return self.args.local_process_index == 0

@@ -31,7 +31,7 @@ import torch
 from transformers.trainer_utils import SaveStrategy, TrainOutput, speed_metrics
 from typing_extensions import override
 
-from hflight import checkpoint, resume
+from hflight import checkpoint, console, resume
 from hflight.callbacks.hooks import new_trainer_state
 from hflight.datamodule import loader_length
 from hflight.interrupt import StopRequest, signal_name, stopped
@@ -97,6 +97,8 @@ class HFEventBridge(L.Callback):
         epochs_trained, skip = resume.restore_state(facade, run)
         facade.state.init_training_references(facade, plan.max_steps, plan.num_train_epochs, self.trial)
         run.epochs_offset = epochs_trained
+        resumed_at = facade.state.global_step if run.resume is not None else None
+        console.training_started(facade.args, plan, facade.model, resumed_at, epochs_trained, skip)
         resume.clean_output_dir(facade, run)
         cycles = trainer.datamodule.cycles
         cycles.skip_batches = skip
@@ -183,31 +185,55 @@ class HFEventBridge(L.Callback):
 
     # -- HF's _maybe_log_save_evaluate -------------------------------------------------------------------------
     def maybe_log_save_evaluate(self) -> None:
+        """After a step or an epoch: the facade's ``_maybe_log_save_evaluate`` with transformers' arguments (a
+        subclass's override takes effect; the facade's own comes back to :meth:`log_save_evaluate`)."""
+        facade = self.facade
+        facade._maybe_log_save_evaluate(
+            self.tr_loss,
+            self.grad_norm,
+            facade.model,
+            self.trial,
+            self._epoch_index(),  # transformers passes its epoch counter, not state.epoch
+            self.ignore_keys_for_eval,
+            self.start_time,
+            learning_rate=self.learning_rate,
+        )
+
+    def log_save_evaluate(
+        self,
+        tr_loss: torch.Tensor,
+        grad_norm: torch.Tensor | float | None,
+        model: torch.nn.Module,
+        trial: Any,
+        ignore_keys_for_eval: list[str] | None,
+        start_time: float,
+        learning_rate: float | None = None,
+    ) -> None:
+        """transformers' ``_maybe_log_save_evaluate``: log the running loss (``tr_loss`` is reset in place), evaluate
+        and track the best metric, save a checkpoint, as the control flags ask."""
         facade = self.facade
         control, state = facade.control, facade.state
         if control.should_log and state.global_step > self.globalstep_last_logged:
-            tr_loss_scalar = self.run.world.reduce_mean(self.tr_loss).item()
-            self.tr_loss -= self.tr_loss
+            tr_loss_scalar = self.run.world.reduce_mean(tr_loss).item()
+            tr_loss -= tr_loss
             logs: dict[str, float] = {"loss": tr_loss_scalar / (state.global_step - self.globalstep_last_logged)}
-            if self.grad_norm is not None:
-                logs["grad_norm"] = self.grad_norm.item() if torch.is_tensor(self.grad_norm) else self.grad_norm
-            logs["learning_rate"] = (
-                self.learning_rate if self.learning_rate is not None else facade._get_learning_rate()
-            )
+            if grad_norm is not None:
+                logs["grad_norm"] = grad_norm.item() if torch.is_tensor(grad_norm) else grad_norm
+            logs["learning_rate"] = learning_rate if learning_rate is not None else facade._get_learning_rate()
             self.total_loss_scalar += tr_loss_scalar
             self.globalstep_last_logged = state.global_step
             facade.store_flos()
             self._warn_if_nonfinite(logs)
-            facade.log(logs, self.start_time)
+            facade.log(logs, start_time)
 
         if facade.control.should_evaluate:
-            metrics = facade._evaluate(self.trial, self.ignore_keys_for_eval)
-            is_new_best = facade._determine_best_metric(metrics, self.trial)
+            metrics = facade._evaluate(trial, ignore_keys_for_eval)
+            is_new_best = facade._determine_best_metric(metrics, trial)
             if facade.args.save_strategy == SaveStrategy.BEST:
                 facade.control.should_save = is_new_best
 
         if facade.control.should_save:
-            facade._save_checkpoint(facade.model, self.trial)
+            facade._save_checkpoint(model, trial)
             self.saved_step = state.global_step
             self._fire("on_save")
 
@@ -256,6 +282,7 @@ class HFEventBridge(L.Callback):
     def finish_training(self) -> TrainOutput:
         """After ``fit``: HF's train metrics and log entry, the best model, final rotation, on_train_end."""
         facade = self.facade
+        console.training_completed()
         train_loss = self.train_loss()
         steps_run = facade.state.global_step - self.initial_global_step
         metrics = speed_metrics(

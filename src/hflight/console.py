@@ -1,0 +1,71 @@
+"""The INFO lines a transformers user reads on the console, at transformers' moments, with transformers' wording.
+
+They go through ``transformers.trainer``'s logger, the one ``transformers.Trainer`` writes to, so whatever a script
+does to transformers' logging (``transformers.logging.set_verbosity_info()``, ``TRANSFORMERS_VERBOSITY``, the
+explicit format, disabling the default handler) applies to hflight's run the same way; the facade sets transformers'
+verbosity from ``args.log_level``/``log_level_replica`` (``args.get_process_log_level()``) as transformers'
+``Trainer.__init__`` does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers.trainer_pt_utils import get_model_param_count
+from transformers.utils import logging as hf_logging
+
+logger = hf_logging.get_logger("transformers.trainer")
+
+
+def set_process_log_level(args: Any) -> None:
+    """transformers' verbosity for this process: ``log_level`` on the logging process, ``log_level_replica`` on the
+    others (``passive`` keeps the current level)."""
+    hf_logging.set_verbosity(args.get_process_log_level())
+
+
+def training_started(
+    args: Any, plan: Any, model: Any, resumed_at: int | None, epochs_trained: int, skipped: int
+) -> None:
+    """The "***** Running training *****" block, before the first step; ``resumed_at``: the global step a resumed
+    run continues from (None for a fresh run)."""
+    logger.info("***** Running training *****")
+    logger.info(f"  Num examples = {plan.num_examples:,}")
+    logger.info(f"  Num Epochs = {plan.num_train_epochs:,}")
+    logger.info(f"  Num update steps per epoch = {plan.num_update_steps_per_epoch:,}")
+    logger.info(f"  Instantaneous batch size per device = {args.per_device_train_batch_size:,}")
+    logger.info(f"  Total train batch size (w. parallel, distributed & accumulation) = {plan.total_train_batch_size:,}")
+    logger.info(f"  Gradient Accumulation steps = {args.gradient_accumulation_steps}")
+    logger.info(f"  Total optimization steps = {plan.max_steps:,}")
+    logger.info(f"  Number of trainable parameters = {get_model_param_count(model, trainable_only=True):,}")
+    if resumed_at is not None:
+        logger.info(f"  Resuming training from checkpoint with epoch {epochs_trained} and global step {resumed_at}")
+        if not args.ignore_data_skip:
+            logger.info(
+                f"  Fast-forwarding the dataloader past {epochs_trained} epochs and {skipped} batches to resume from "
+                "the exact training state."
+            )
+
+
+def training_completed() -> None:
+    logger.info("\n\nTraining completed. Do not forget to share your model on huggingface.co/models =)\n\n")
+
+
+def evaluation_started(description: str, num_examples: int | None, batch_size: int) -> None:
+    """The "***** Running Evaluation *****" (or Prediction) block."""
+    logger.info(f"\n***** Running {description} *****")
+    logger.info(f"  Num examples = {num_examples}" if num_examples is not None else "  Num examples: Unknown")
+    logger.info(f"  Batch size = {batch_size}")
+
+
+def columns_ignored(columns: list[str], description: str | None, model_name: str) -> None:
+    """The note about dataset columns the model's ``forward`` does not take (they are removed)."""
+    where = "" if description is None else f"in the {description} set"
+    names = ", ".join(columns)
+    logger.info(
+        f"The following columns {where} don't have a corresponding argument in `{model_name}.forward` and have been "
+        f"ignored: {names}. If {names} are not expected by `{model_name}.forward`,  you can safely ignore this message."
+    )
+
+
+def saving_checkpoint(folder: str) -> None:
+    logger.info(f"Saving model checkpoint to {folder}")

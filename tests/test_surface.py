@@ -1,0 +1,228 @@
+"""hflight.Trainer has transformers.Trainer's public surface (issue 16): every public method with the same parameters
+(names, kinds, defaults) and every public attribute, except the differences README.md lists with their reasons.
+Also: the protected methods subclasses override are called at transformers' moments, and the behaviours that come
+with the surface (batch_eval_metrics, get_batch_samples, accelerator.backward)."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+import hflight
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+COMMON = dict(
+    per_device_train_batch_size=4,
+    per_device_eval_batch_size=8,
+    num_train_epochs=1,
+    learning_rate=1e-3,
+    logging_steps=1,
+    train_sampling_strategy="sequential",
+    report_to="none",
+    save_strategy="no",
+    disable_tqdm=True,
+    seed=0,
+)
+
+
+def listed_differences() -> dict[str, str]:
+    """README "Coming from transformers": the table of Trainer differences, ``name -> reason``."""
+    text = README.read_text(encoding="utf-8")
+    section = text.split("### Differences from transformers.Trainer", 1)[1].split("\n#", 1)[0]
+    rows = re.findall(r"^\| `([A-Za-z_][\w.]*)`[^|]*\| (.+?) \|\s*$", section, flags=re.M)
+    return {name: reason for name, reason in rows}
+
+
+def _parameters(fn) -> list[tuple[str, object, object]]:
+    return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+
+def test_every_public_method_has_transformers_parameters():
+    listed = listed_differences()
+    problems = []
+    for name in sorted(n for n in dir(transformers.Trainer) if not n.startswith("_")):
+        theirs = inspect.getattr_static(transformers.Trainer, name)
+        if name in listed:
+            continue
+        if not hasattr(hflight.Trainer, name):
+            problems.append(f"{name}: missing")
+            continue
+        if callable(getattr(transformers.Trainer, name)):
+            ours = getattr(hflight.Trainer, name)
+            if isinstance(theirs, staticmethod) != isinstance(
+                inspect.getattr_static(hflight.Trainer, name), staticmethod
+            ):
+                problems.append(f"{name}: static in one class only")
+            elif _parameters(getattr(transformers.Trainer, name)) != _parameters(ours):
+                problems.append(f"{name}: {inspect.signature(ours)} != {inspect.signature(theirs)}")
+    assert problems == [], "\n".join(problems)
+
+
+def test_listed_differences_are_real_and_explained():
+    """Every row of the table names something transformers has and says why it differs."""
+    for name, reason in listed_differences().items():
+        assert hasattr(transformers.Trainer, name.split(".")[0]) or name.startswith("args"), name
+        assert len(reason.split()) >= 4, f"{name}: say why ({reason!r})"
+
+
+def test_every_public_attribute_after_construction(factory, tmp_path):
+    model = factory.qa_model()
+    theirs = transformers.Trainer(model, transformers.TrainingArguments(str(tmp_path / "hf"), report_to="none"))
+    ours = hflight.Trainer(model, hflight.TrainingArguments(str(tmp_path / "hl"), report_to="none"))
+    listed = listed_differences()
+    missing = sorted(n for n in vars(theirs) if not n.startswith("_") and not hasattr(ours, n) and n not in listed)
+    assert missing == []
+    assert ours.model_wrapped is model and ours.hub_model_id is None and ours.is_model_parallel is False
+    assert ours.loss_is_scaled_for_ga is None and hflight.Trainer.loss_is_scaled_for_ga is None
+
+
+# ---- behaviour that comes with the surface -------------------------------------------------------------------
+def _pair(tmp_path, factory, trainer_kwargs=None, **args):
+    runs = []
+    for name, trainer_cls, args_cls in (
+        ("hf", transformers.Trainer, transformers.TrainingArguments),
+        ("hl", hflight.Trainer, hflight.TrainingArguments),
+    ):
+        trainer = trainer_cls(
+            model=factory.cls_model(),
+            args=args_cls(output_dir=str(tmp_path / name), **{**COMMON, **args}),
+            train_dataset=factory.cls_dataset(24),
+            eval_dataset=factory.cls_dataset(20, seed=1),
+            **(trainer_kwargs or {}),
+        )
+        runs.append(trainer)
+    return runs
+
+
+def test_batch_eval_metrics_calls_compute_metrics_per_batch_as_transformers(tmp_path, factory):
+    calls = {"hf": [], "hl": []}
+
+    def metrics_for(name):
+        correct = {"n": 0, "total": 0}
+
+        def compute_metrics(prediction, compute_result):
+            predicted = torch.as_tensor(prediction.predictions).argmax(-1)
+            labels = torch.as_tensor(prediction.label_ids)
+            correct["n"] += int((predicted == labels).sum())
+            correct["total"] += len(labels)
+            calls[name].append((len(labels), compute_result, torch.is_tensor(prediction.predictions)))
+            if compute_result:
+                result = {"accuracy": correct["n"] / correct["total"]}
+                correct.update(n=0, total=0)
+                return result
+            return {}
+
+        return compute_metrics
+
+    runs = []
+    for name, trainer in zip(("hf", "hl"), _pair(tmp_path, factory, batch_eval_metrics=True)):
+        trainer.compute_metrics = metrics_for(name)
+        runs.append(trainer.evaluate())
+    assert calls["hl"] == calls["hf"] == [(8, False, True), (8, False, True), (4, True, True)]
+    assert runs[1]["eval_accuracy"] == runs[0]["eval_accuracy"]
+    assert abs(runs[1]["eval_loss"] - runs[0]["eval_loss"]) < 1e-6
+
+
+def test_batch_eval_metrics_requires_compute_result(tmp_path, factory):
+    args = hflight.TrainingArguments(str(tmp_path), batch_eval_metrics=True, report_to="none")
+    with pytest.raises(ValueError, match="compute_result"):
+        hflight.Trainer(factory.cls_model(), args, compute_metrics=lambda prediction: {})
+
+
+def test_overridden_protected_methods_are_called_at_transformers_moments(tmp_path, factory):
+    """A subclass overriding _maybe_log_save_evaluate and get_batch_samples sees the same calls, with the same
+    arguments, under both trainers."""
+
+    def subclass(base, record):
+        class Recording(base):
+            def _maybe_log_save_evaluate(self, tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval,
+                                         start_time, learning_rate=None):  # fmt: skip
+                record.append(("log_save_evaluate", self.state.global_step, round(epoch, 6), learning_rate))
+                super()._maybe_log_save_evaluate(
+                    tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time, learning_rate
+                )
+
+            def get_batch_samples(self, epoch_iterator, num_batches, device):
+                batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+                record.append(("batch_samples", self.state.global_step, len(batches)))
+                return batches, num_items
+
+        return Recording
+
+    records = {}
+    losses = {}
+    for name, base, args_cls in (
+        ("hf", transformers.Trainer, transformers.TrainingArguments),
+        ("hl", hflight.Trainer, hflight.TrainingArguments),
+    ):
+        records[name] = []
+        args = args_cls(str(tmp_path / name), **{**COMMON, "gradient_accumulation_steps": 2})
+        trainer = subclass(base, records[name])(factory.cls_model(), args, train_dataset=factory.cls_dataset(20))
+        trainer.train()
+        losses[name] = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    batch_calls = [r for r in records["hf"] if r[0] == "batch_samples"]
+    assert [r[2] for r in batch_calls] == [2, 2, 1]  # 5 batches, accumulation 2: the short last cycle
+    assert records["hl"] == records["hf"]
+    assert losses["hl"] == losses["hf"]
+
+
+def test_accelerator_backward_in_a_custom_training_step(tmp_path, factory):
+    """A training_step written for transformers (self.accelerator.backward) trains the same under hflight."""
+
+    def subclass(base):
+        class Custom(base):
+            def training_step(self, model, inputs, num_items_in_batch=None):
+                model.train()
+                with self.compute_loss_context_manager():
+                    loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+                self.accelerator.backward(loss)
+                return loss.detach()
+
+        return Custom
+
+    losses = {}
+    for name, base, args_cls in (
+        ("hf", transformers.Trainer, transformers.TrainingArguments),
+        ("hl", hflight.Trainer, hflight.TrainingArguments),
+    ):
+        args = args_cls(str(tmp_path / name), **COMMON)
+        trainer = subclass(base)(factory.cls_model(), args, train_dataset=factory.cls_dataset(16))
+        trainer.train()
+        losses[name] = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+        assert trainer.accelerator.is_main_process and trainer.accelerator.num_processes == 1
+    assert len(losses["hl"]) == 4
+    for a, b in zip(losses["hf"], losses["hl"]):
+        assert abs(a - b) <= 1e-5 * max(abs(a), 1.0)
+
+
+def test_optimizer_surface(tmp_path, factory):
+    trainer = hflight.Trainer(factory.cls_model(), hflight.TrainingArguments(str(tmp_path), report_to="none"))
+    reference = transformers.Trainer(
+        factory.cls_model(), transformers.TrainingArguments(str(tmp_path), report_to="none")
+    )
+    assert trainer.get_decay_parameter_names(trainer.model) == reference.get_decay_parameter_names(reference.model)
+    assert trainer.get_num_trainable_parameters() == reference.get_num_trainable_parameters()
+    with pytest.raises(ValueError, match="optimizer is None"):
+        trainer.get_learning_rates()
+    trainer.create_optimizer()
+    assert trainer.get_learning_rates() == [trainer.args.learning_rate] * 2
+    first = trainer.optimizer.param_groups[0]["params"][0]
+    assert trainer.get_optimizer_group(first) is trainer.optimizer.param_groups[0]
+    assert [len(g) for g in trainer.get_optimizer_group()] == [len(g["params"]) for g in trainer.optimizer.param_groups]
+    cls, kwargs = hflight.Trainer.get_optimizer_cls_and_kwargs(trainer.args)
+    assert cls.__name__ == "AdamW" and kwargs["lr"] == trainer.args.learning_rate
+
+
+def test_set_initial_training_values_equals_transformers(tmp_path, factory):
+    values = []
+    for trainer_cls, args_cls in ((transformers.Trainer, transformers.TrainingArguments),
+                                  (hflight.Trainer, hflight.TrainingArguments)):  # fmt: skip
+        args = args_cls(str(tmp_path), **{**COMMON, "gradient_accumulation_steps": 3, "num_train_epochs": 2.5})
+        trainer = trainer_cls(factory.cls_model(), args, train_dataset=factory.cls_dataset(30))
+        values.append(trainer.set_initial_training_values(args, trainer.get_train_dataloader()))
+    assert values[1] == values[0]
