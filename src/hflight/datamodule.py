@@ -18,6 +18,7 @@ Three pieces:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections.abc import Callable, Iterator, Sized
 from dataclasses import dataclass
@@ -283,25 +284,6 @@ def train_sampler(dataset: Any, args: Any, processing_class: Any) -> Sampler[int
     return TRAIN_SAMPLERS[strategy](dataset, args, processing_class, seed)
 
 
-def facade_dataloader(
-    facade: TrainerSurface,
-    dataset: Any,
-    description: str,
-    batch_size: int,
-    sampler_fn: Callable[[Any], Sampler[int]] | None,
-    world: Any,
-) -> DataLoader:
-    """The body of ``Trainer._get_dataloader``: unused columns removed (through the facade's override point), the
-    sampler from ``sampler_fn`` (none for iterable datasets), batches dealt across the processes of ``world``."""
-    if dataset is None:
-        raise ValueError(f"Trainer: {description.lower()} requires a dataset.")
-    dataset = facade._remove_unused_columns(dataset, description)
-    sampler = None
-    if not isinstance(dataset, IterableDataset) and sampler_fn is not None:
-        sampler = sampler_fn(dataset)
-    return make_dataloader(dataset, facade.args, facade.data_collator, batch_size, sampler, world.size, world.rank)
-
-
 def make_dataloader(
     dataset: Any,
     args: Any,
@@ -325,3 +307,74 @@ def make_dataloader(
         batches = ShardedBatchSampler(sampler, batch_size, args.dataloader_drop_last, world_size, rank)
         return DataLoader(dataset, batch_sampler=batches, **params)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=args.dataloader_drop_last, **params)
+
+
+class DataLoadersMixin:
+    """transformers' data surface of the ``Trainer`` (loader getters, samplers, column pruning), over its public
+    attributes; the processes to shard across come from ``self.accelerator`` (the run's world)."""
+
+    _signature_columns: list[str] | None = None  # the model's forward arguments and label names, found once
+
+    def _set_signature_columns_if_needed(self) -> None:
+        if self._signature_columns is None:
+            columns = list(inspect.signature(self.model.forward).parameters)
+            self._signature_columns = columns + list({"label", "label_ids", *self.label_names})
+
+    def _remove_unused_columns(self, dataset: Any, description: str | None = None) -> Any:
+        if not self.args.remove_unused_columns:
+            return dataset
+        self._set_signature_columns_if_needed()
+        return remove_unused_columns(dataset, self._signature_columns, description, type(self.model).__name__)
+
+    def _get_dataloader(
+        self,
+        dataset: Any,
+        description: str,
+        batch_size: int,
+        sampler_fn: Callable[[Any], Sampler[int]] | None = None,
+        is_training: bool = False,
+        dataloader_key: str | None = None,
+    ) -> DataLoader:
+        """``dataset`` in batches of ``batch_size``: unused columns removed (``_remove_unused_columns``), the sampler
+        from ``sampler_fn`` (none for iterable datasets), batches dealt across the processes."""
+        if dataset is None:
+            raise ValueError(f"Trainer: {description.lower()} requires a dataset.")
+        dataset = self._remove_unused_columns(dataset, description)
+        sampler = None
+        if not isinstance(dataset, IterableDataset) and sampler_fn is not None:
+            sampler = sampler_fn(dataset)
+        processes, rank = self.accelerator.num_processes, self.accelerator.process_index
+        return make_dataloader(dataset, self.args, self.data_collator, batch_size, sampler, processes, rank)
+
+    def _get_train_sampler(self, train_dataset: Any = None) -> Sampler[int]:
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        return train_sampler(dataset, self.args, self.processing_class)
+
+    def _get_eval_sampler(self, eval_dataset: Any) -> Sampler[int]:
+        return SequentialSampler(eval_dataset)
+
+    def get_train_dataloader(self) -> DataLoader:
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        return self._get_dataloader(
+            self.train_dataset, "Training", self.args.train_batch_size, self._get_train_sampler, is_training=True
+        )
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
+        if eval_dataset is None and self.eval_dataset is None:
+            raise ValueError(
+                "Trainer: evaluation requires an eval_dataset. Pass `eval_dataset=` to the Trainer or to evaluate()."
+            )
+        if isinstance(eval_dataset, str):
+            eval_dataset = self.eval_dataset[eval_dataset]
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        return self._get_dataloader(dataset, "Evaluation", self.args.eval_batch_size, self._get_eval_sampler)
+
+    def get_test_dataloader(self, test_dataset: Any) -> DataLoader:
+        return self._get_dataloader(test_dataset, "test", self.args.eval_batch_size, self._get_eval_sampler)
+
+    def num_examples(self, dataloader: DataLoader) -> int:
+        try:
+            return len(dataloader.dataset)
+        except (NameError, AttributeError, TypeError):
+            return len(dataloader) * self.args.per_device_train_batch_size

@@ -126,3 +126,8 @@ class HyperparameterSearchMixin:
     ) -> BestRun | list[BestRun]:
         """Search hyperparameters with optuna (transformers' semantics; needs ``model_init``)."""
         return hyperparameter_search(self, hp_space, compute_objective, n_trials, direction, backend, hp_name, **kwargs)
+
+    def _get_output_dir(self, trial: Any) -> str:
+        """Where this run writes: during a search, the trial's ``run-{n}`` folder is already ``args.output_dir``
+        (see :func:`apply_trial`)."""
+        return self.args.output_dir

@@ -181,7 +181,9 @@ def count_items_in_cycle(trainer: TrainerSurface, batches: list[Any], backend: A
 
 
 class StepsMixin:
-    """transformers' step-level ``Trainer`` utilities, over the facade's public surface.
+    """transformers' per-batch ``Trainer`` methods (``compute_loss``, ``training_step``, ``prediction_step``,
+    ``_prepare_inputs``) and step-level utilities, over the facade's public surface: the backward pass, the device and
+    the number of processes come from ``self.accelerator`` (the run's), as in transformers.
 
     ``get_batch_samples`` is what the training loop calls once per accumulation cycle (``hflight.datamodule``), so a
     subclass's override takes effect there as in transformers. Mixed precision is Lightning's (its precision plugin
@@ -189,6 +191,20 @@ class StepsMixin:
     Model, tensor, context and sequence parallelism are not hflight's (Lightning's FSDP/DeepSpeed strategies shard
     data-parallel replicas), so their sizes are 1.
     """
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return compute_loss(self, model, inputs, return_outputs, num_items_in_batch, self.accelerator.num_processes)
+
+    def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
+        return training_step(self, model, inputs, num_items_in_batch, self.accelerator.backward)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        return prediction_step(self, model, inputs, prediction_loss_only, ignore_keys)
+
+    def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        if len(inputs) == 0:
+            self._set_signature_columns_if_needed()
+        return prepare_inputs(inputs, self.accelerator.device, self._signature_columns or [])
 
     def compute_loss_context_manager(self) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()

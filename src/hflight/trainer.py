@@ -9,14 +9,13 @@ Lightning side of that call); the collaborators (``module``, ``datamodule``, ``c
 
 from __future__ import annotations
 
-import inspect
 import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, IterableDataset, SequentialSampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 from transformers.trainer_callback import (
     CallbackHandler,
     DefaultFlowCallback,
@@ -39,7 +38,7 @@ from hflight.accelerator_compat import RunAccelerator
 from hflight.backend import HFBackend, backend_of
 from hflight.callbacks.hooks import new_trainer_state
 from hflight.construction import default_collator
-from hflight.datamodule import facade_dataloader, remove_unused_columns, train_sampler
+from hflight.datamodule import DataLoadersMixin
 from hflight.distributed import World
 from hflight.hpsearch import HyperparameterSearchMixin
 from hflight.hub import HubMixin
@@ -52,7 +51,7 @@ from hflight.training_args import TrainingArguments, coerce_training_args
 DEFAULT_CALLBACKS = [DefaultFlowCallback]
 
 
-class Trainer(OptimizerMixin, StepsMixin, HyperparameterSearchMixin, HubMixin):
+class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearchMixin, HubMixin):
     """The transformers ``Trainer`` API, running on PyTorch Lightning.
 
     Same constructor (parameter names, order and defaults as transformers 5.x), same methods and return types;
@@ -92,7 +91,6 @@ class Trainer(OptimizerMixin, StepsMixin, HyperparameterSearchMixin, HubMixin):
         self.args = coerce_training_args(args)
         console.set_process_log_level(self.args)
         self._run: Run | None = None  # the run of the call in progress, or of the last one
-        self._signature_columns: list[str] | None = None
         processing_class = construction.processing_class_of(processing_class, tokenizer)
         self._seed()
         construction.check_inputs(
@@ -183,81 +181,9 @@ class Trainer(OptimizerMixin, StepsMixin, HyperparameterSearchMixin, HubMixin):
             return self._run.backend
         return backend_of(self.lightning_strategy if self.lightning_strategy is not None else self.args.strategy)
 
-    # ---- data --------------------------------------------------------------------------------------------------
-    def _set_signature_columns_if_needed(self) -> None:
-        if self._signature_columns is None:
-            columns = list(inspect.signature(self.model.forward).parameters)
-            self._signature_columns = columns + list({"label", "label_ids", *self.label_names})
-
-    def _remove_unused_columns(self, dataset: Any, description: str | None = None) -> Any:
-        if not self.args.remove_unused_columns:
-            return dataset
-        self._set_signature_columns_if_needed()
-        return remove_unused_columns(dataset, self._signature_columns, description, type(self.model).__name__)
-
-    def _get_dataloader(
-        self,
-        dataset: Any,
-        description: str,
-        batch_size: int,
-        sampler_fn: Callable[[Any], torch.utils.data.Sampler] | None = None,
-        is_training: bool = False,
-        dataloader_key: str | None = None,
-    ) -> DataLoader:
-        return facade_dataloader(self, dataset, description, batch_size, sampler_fn, self._world())
-
-    def _get_train_sampler(self, train_dataset: Any = None) -> torch.utils.data.Sampler:
-        dataset = train_dataset if train_dataset is not None else self.train_dataset
-        return train_sampler(dataset, self.args, self.processing_class)
-
-    def _get_eval_sampler(self, eval_dataset: Any) -> torch.utils.data.Sampler:
-        return SequentialSampler(eval_dataset)
-
-    def get_train_dataloader(self) -> DataLoader:
-        if self.train_dataset is None:
-            raise ValueError("Trainer: training requires a train_dataset.")
-        return self._get_dataloader(
-            self.train_dataset, "Training", self.args.train_batch_size, self._get_train_sampler, is_training=True
-        )
-
-    def get_eval_dataloader(self, eval_dataset: str | Dataset | None = None) -> DataLoader:
-        if eval_dataset is None and self.eval_dataset is None:
-            raise ValueError(
-                "Trainer: evaluation requires an eval_dataset. Pass `eval_dataset=` to the Trainer or to evaluate()."
-            )
-        if isinstance(eval_dataset, str):
-            eval_dataset = self.eval_dataset[eval_dataset]
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        return self._get_dataloader(dataset, "Evaluation", self.args.eval_batch_size, self._get_eval_sampler)
-
-    def get_test_dataloader(self, test_dataset: Dataset) -> DataLoader:
-        return self._get_dataloader(test_dataset, "test", self.args.eval_batch_size, self._get_eval_sampler)
-
-    def num_examples(self, dataloader: DataLoader) -> int:
-        try:
-            return len(dataloader.dataset)
-        except (NameError, AttributeError, TypeError):
-            return len(dataloader) * self.args.per_device_train_batch_size
-
+    # ---- per-batch pieces that need the run ---------------------------------------------------------------------
     def _get_num_items_in_batch(self, batch_samples: list[Any], device: torch.device | None) -> torch.Tensor | None:
         return steps.count_items_in_cycle(self, batch_samples, self._backend(), self._world())
-
-    def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
-        if len(inputs) == 0:
-            self._set_signature_columns_if_needed()
-        columns = self._signature_columns or []
-        return steps.prepare_inputs(inputs, self._run.device() if self._run is not None else None, columns)
-
-    # ---- per-batch override points -----------------------------------------------------------------------------
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        world_size = self._world().size
-        return steps.compute_loss(self, model, inputs, return_outputs, num_items_in_batch, world_size)
-
-    def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
-        return steps.training_step(self, model, inputs, num_items_in_batch, self._run.module.manual_backward)
-
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        return steps.prediction_step(self, model, inputs, prediction_loss_only, ignore_keys)
 
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:
         return construction.floating_point_ops(self.model, inputs, self._num_params)
