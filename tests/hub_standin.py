@@ -4,7 +4,8 @@ It serves, on 127.0.0.1, the endpoints ``huggingface_hub.HfApi`` calls to create
 to it (``create_repo``, ``upload_folder``/``create_commit`` with small files), with the Hub's documented request and
 response shapes: ``POST /api/repos/create`` (409 when the repository exists, 401 without a token),
 ``POST /api/models/{repo}/preupload/{revision}`` (every file "regular": its content travels in the commit) and
-``POST /api/models/{repo}/commit/{revision}`` (an NDJSON body: a header, then one line per file, base64 content).
+``POST /api/models/{repo}/commit/{revision}`` (an NDJSON body: a header, then one line per file, base64 content) and
+``POST /api/validate-yaml`` (a README's metadata block: 400 with the errors when it is not a YAML mapping).
 Repositories live in a folder (``<root>/<namespace>/<name>/<path in repo>``) and every commit is recorded, so tests can
 read what a trainer pushed. Requests to any other endpoint are answered 404 and recorded in ``unknown``, so a test
 sees exactly which part of the API was used. Point a client at it with ``HF_ENDPOINT`` (and ``HF_HUB_OFFLINE=0``).
@@ -75,6 +76,19 @@ class HubStandIn:
         files = [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in body.get("files", [])]
         return 200, {"files": files, "commitOid": None}
 
+    def _validate_yaml(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        import yaml
+
+        content = body.get("content", "")
+        block = content.split("---", 2)[1] if content.startswith("---") and content.count("---") >= 2 else ""
+        try:
+            metadata = yaml.safe_load(block) if block.strip() else {}
+        except yaml.YAMLError as err:
+            return 400, {"error": "Invalid metadata", "errors": [{"message": str(err)}]}
+        if not isinstance(metadata, dict):
+            return 400, {"error": "Invalid metadata", "errors": [{"message": "the metadata is not a YAML mapping"}]}
+        return 200, {"warnings": [] if metadata else [{"message": "empty or missing yaml metadata in repo card"}]}
+
     def _commit(self, repo_id: str, revision: str, raw: bytes) -> tuple[int, dict[str, Any]]:
         if repo_id not in self.repos:
             return 404, {"error": f"Repository not found: {repo_id}"}
@@ -122,6 +136,8 @@ class HubStandIn:
                     self._reply(*hub._preupload(match["repo"], json.loads(raw)))
                 elif match := _COMMIT.match(path):
                     self._reply(*hub._commit(match["repo"], match["revision"], raw))
+                elif path == "/api/validate-yaml":
+                    self._reply(*hub._validate_yaml(json.loads(raw)))
                 else:
                     hub.unknown.append(f"POST {path}")
                     self._reply(404, {"error": f"the stand-in does not serve POST {path}"})

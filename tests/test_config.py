@@ -101,7 +101,7 @@ def test_every_config_composes_and_every_target_binds(overrides, tmp_path):
     """Each config builds valid arguments, and (torchtune-style) each `_target_` is resolved and the node's keys
     are bound to its signature, building nothing; `_partial_` nodes may leave arguments to the caller."""
     cfg = compose(overrides, output_dir=tmp_path)
-    args = OmegaConf.to_object(cfg.args)  # runs TrainingArguments.__post_init__: choices, combinations
+    args = TrainingArguments.from_config(cfg.args)  # runs TrainingArguments.__post_init__: choices, combinations
     assert isinstance(args, TrainingArguments)
     assert args.output_dir == str(tmp_path)
     assert isinstance(OmegaConf.to_object(cfg.model), ModelArguments)
@@ -123,7 +123,7 @@ def test_mrc_experiment_targets_what_the_recipe_needs():
     assert cfg.data.synthetic._target_ == "hflight.qa.synthetic.write_squad_files"
     assert cfg.model.tokenizer_trainer._target_ == "hflight.qa.tokenizer.train_wordpiece_tokenizer"
     assert cfg.model.model_name_or_path is None and cfg.data.train_file is None
-    args = OmegaConf.to_object(cfg.args)
+    args = TrainingArguments.from_config(cfg.args)
     assert args.eval_strategy.value == "epoch" and args.do_train and args.do_eval
     assert cfg.task.version_2_with_negative is False
     v2 = compose(["+experiment=mrc", "data.version_2_with_negative=true"])
@@ -149,7 +149,7 @@ def test_trainer_options_only_set_hardware_in_args(option, expected, default_arg
     defaults in hardware keys only."""
     base = default_args
     cfg = compose([f"trainer={option}"])
-    args = OmegaConf.to_object(cfg.args)
+    args = TrainingArguments.from_config(cfg.args)
     for key, value in expected.items():
         assert getattr(args, key) == value, key
     assert "trainer" not in cfg, "trainer writes into args: one source of truth"
@@ -169,7 +169,7 @@ def test_trainer_and_logger_tables_cover_every_option():
     [("csv", ["csv"]), ("tensorboard", ["tensorboard"]), ("mlflow", ["mlflow"]), ("wandb", ["wandb"]), ("none", [])],
 )
 def test_logger_options_select_report_to(option, report_to):
-    assert OmegaConf.to_object(compose([f"logger={option}"]).args).report_to == report_to
+    assert TrainingArguments.from_config(compose([f"logger={option}"]).args).report_to == report_to
 
 
 def test_hparams_search_preset_maximizes_the_optimized_metric():

@@ -116,10 +116,10 @@ def _json(path: Path) -> dict:
 
 def test_the_same_metrics(runs):
     theirs, ours = (_json(runs[k] / "out" / "eval_results.json") for k in ("transformers", "hflight"))
-    assert ours["eval_exact_match"] == theirs["eval_exact_match"]
-    assert ours["eval_f1"] == theirs["eval_f1"]
-    assert abs(ours["eval_loss"] - theirs["eval_loss"]) <= 1e-5
-    assert ours["eval_samples"] == theirs["eval_samples"]
+    assert set(ours) == set(theirs)
+    timings = {"eval_runtime", "eval_samples_per_second", "eval_steps_per_second"}
+    assert {k: v for k, v in ours.items() if k not in timings} == {k: v for k, v in theirs.items() if k not in timings}
+    assert ours["eval_f1"] > 0 and ours["eval_samples"] == 66
     assert _json(runs["hflight"] / "out" / "eval_predictions.json") == _json(
         runs["transformers"] / "out" / "eval_predictions.json"
     )

@@ -38,6 +38,7 @@ import torch
 from transformers.trainer_callback import ExportableState, TrainerState
 from transformers.trainer_utils import SaveStrategy, rotate_checkpoints
 
+from hflight import console
 from hflight.surface import RunView, TrainerSurface
 
 logger = logging.getLogger(__name__)
@@ -185,7 +186,7 @@ def save_model_files(model: torch.nn.Module, processing_class: Any, output_dir: 
         save_file(state, os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})
     if processing_class is not None and hasattr(processing_class, "save_pretrained"):
         processing_class.save_pretrained(output_dir)
-    torch.save(args.to_picklable(), os.path.join(output_dir, "training_args.bin"))
+    torch.save(args.to_transformers(), os.path.join(output_dir, "training_args.bin"))
 
 
 def save_model(facade: TrainerSurface, output_dir: str, backend: Any) -> None:
@@ -193,6 +194,7 @@ def save_model(facade: TrainerSurface, output_dir: str, backend: Any) -> None:
     process, the model files and the backend's own files."""
     backend.hf_sync_to_host()
     if facade.is_world_process_zero():
+        console.saving_checkpoint(output_dir)
         save_model_files(facade.model, facade.processing_class, output_dir, facade.args)
         backend.hf_save_files(output_dir)
 
@@ -229,6 +231,7 @@ def save_checkpoint(facade: TrainerSurface, run: RunView) -> str:
     tmp_dir = os.path.join(run_dir, f"{TMP_PREFIX}{name}")
     is_main = facade.is_world_process_zero()
     if is_main:
+        console.saving_checkpoint(final_dir)
         shutil.rmtree(tmp_dir, ignore_errors=True)
     _write_model_files(facade, run, tmp_dir, is_main)
     world.barrier()

@@ -29,7 +29,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import CompactHydraException, HydraException
 from hydra.types import RunMode
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from hflight.config import PRIMARY_CONFIG, VERSION_BASE, find_config_dir
@@ -73,7 +73,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     """
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     log.info(f"Instantiating training arguments <{TrainingArguments.__module__}.TrainingArguments>")
-    args: TrainingArguments = OmegaConf.to_object(cfg.args)
+    args = TrainingArguments.from_config(cfg.args)
 
     from transformers import set_seed
     from transformers.trainer_pt_utils import metrics_format

@@ -1,7 +1,8 @@
 """The Hydra config tree of hflight: its schemas, where it lives, and ``compose`` for notebooks and tests.
 
 Three groups have a structured schema, so a misspelt key or a wrongly typed value fails while the config is
-composed, before anything is built: ``args`` is ``hflight.TrainingArguments`` itself, ``model`` is
+composed, before anything is built: ``args`` has the fields of ``hflight.TrainingArguments`` typed for OmegaConf
+(:func:`hflight.training_args.config_schema`; ``TrainingArguments.from_config`` builds the arguments), ``model`` is
 :class:`ModelArguments` and ``data`` is :class:`DataTrainingArguments` (the field names of HF's ``run_qa.py``).
 The schemas are registered in Hydra's ``ConfigStore`` as ``schema/args``, ``schema/model`` and ``schema/data``
 when this module is imported; each group's YAML starts from its schema (``defaults: [/schema/args@_here_]``).
@@ -37,7 +38,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from hflight.training_args import TrainingArguments
+from hflight.training_args import TrainingArguments, config_schema
 
 __all__ = [
     "CONFIG_DIR_ENV",
@@ -120,7 +121,7 @@ class DataTrainingArguments:
 
 #: ConfigStore name -> schema; referenced from the group YAMLs as ``/schema/<name>@_here_``.
 SCHEMAS: dict[str, type] = {
-    "args": TrainingArguments,
+    "args": config_schema(TrainingArguments),
     "model": ModelArguments,
     "data": DataTrainingArguments,
 }

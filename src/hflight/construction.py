@@ -161,8 +161,8 @@ def transformers_attributes(args: Any, model: nn.Module) -> dict[str, Any]:
     devices = {d for d in (getattr(model, "hf_device_map", None) or {}).values() if d not in ("cpu", "disk")}
     return {
         "deepspeed": None,
-        "is_deepspeed_enabled": "deepspeed" in strategy,
-        "is_fsdp_enabled": "fsdp" in strategy,
+        "is_deepspeed_enabled": "deepspeed" in strategy or bool(getattr(args, "deepspeed", None)),
+        "is_fsdp_enabled": "fsdp" in strategy or bool(getattr(args, "fsdp", None)),
         "is_fsdp_xla_enabled": False,
         "is_fsdp_xla_v1_enabled": False,
         "is_fsdp_xla_v2_enabled": False,

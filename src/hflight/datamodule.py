@@ -301,6 +301,9 @@ def make_dataloader(
         "persistent_workers": args.dataloader_persistent_workers and args.dataloader_num_workers > 0,
         "prefetch_factor": args.dataloader_prefetch_factor,
     }
+    if args.dataloader_num_workers > 0:  # only worker processes have a start method and an order to keep
+        params["multiprocessing_context"] = args.dataloader_multiprocessing_context
+        params["in_order"] = args.dataloader_in_order
     if isinstance(dataset, IterableDataset) or sampler is None:
         return DataLoader(dataset, batch_size=batch_size, **params)
     if world_size > 1:
@@ -352,13 +355,6 @@ class DataLoadersMixin:
 
     def _get_eval_sampler(self, eval_dataset: Any) -> Sampler[int]:
         return SequentialSampler(eval_dataset)
-
-    def get_train_dataloader(self) -> DataLoader:
-        if self.train_dataset is None:
-            raise ValueError("Trainer: training requires a train_dataset.")
-        return self._get_dataloader(
-            self.train_dataset, "Training", self.args.train_batch_size, self._get_train_sampler, is_training=True
-        )
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
         if eval_dataset is None and self.eval_dataset is None:

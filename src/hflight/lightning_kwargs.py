@@ -21,6 +21,7 @@ import lightning as L
 from transformers.trainer_callback import TrainerCallback
 
 from hflight.backend import DEFAULT_STRATEGIES, STRATEGY_ACCELERATORS
+from hflight.strategy_settings import strategy_from_args
 
 # (fp16, bf16) -> Lightning precision
 PRECISION: dict[tuple[bool, bool], str] = {
@@ -118,12 +119,14 @@ def _devices(value: Any) -> Any:
     return value
 
 
-def strategy_for(args: Any) -> Any:
+def strategy_for(args: Any, model: Any = None) -> Any:
     """``args.strategy``; for "auto", the strategy a backend accelerator needs (``accelerator="ipu"`` runs the IPU
-    strategy, which Lightning 2.x no longer picks by itself)."""
-    if args.strategy == "auto" and isinstance(args.accelerator, str):
-        return DEFAULT_STRATEGIES.get(args.accelerator, "auto")
-    return args.strategy
+    strategy, which Lightning 2.x no longer picks by itself); transformers' ``ddp_*``, ``fsdp`` and ``deepspeed``
+    arguments as Lightning's DDP, FSDP and DeepSpeed strategies (``hflight.strategy_settings``; ``model``: the model
+    the FSDP wrap policy names its layers of)."""
+    if args.strategy == "auto" and isinstance(args.accelerator, str) and args.accelerator in DEFAULT_STRATEGIES:
+        return DEFAULT_STRATEGIES[args.accelerator]
+    return strategy_from_args(args.strategy, args, model)
 
 
 def accelerator_for(args: Any, strategy: Any) -> Any:
@@ -138,11 +141,12 @@ def accelerator_for(args: Any, strategy: Any) -> Any:
 
 
 def lightning_trainer_kwargs(
-    args: Any, callbacks: list[L.Callback], fitting: bool, strategy: Any = None
+    args: Any, callbacks: list[L.Callback], fitting: bool, strategy: Any = None, model: Any = None
 ) -> dict[str, Any]:
     """Keyword arguments for ``lightning.Trainer`` for a ``fit`` (``fitting``) or an evaluation; ``strategy``
-    replaces ``args.strategy`` (a compat trainer such as ``IPUTrainer`` brings its own instance)."""
-    strategy = strategy_for(args) if strategy is None else strategy
+    replaces ``args.strategy`` (a compat trainer such as ``IPUTrainer`` brings its own instance); ``model``: the
+    model the run trains (for an FSDP wrap policy)."""
+    strategy = strategy_for(args, model) if strategy is None else strategy
     return {
         "accelerator": accelerator_for(args, strategy),
         "devices": _devices(args.devices),

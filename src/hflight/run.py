@@ -43,6 +43,8 @@ class Run:
     - ``world``: rank, size and collectives of the processes, through the strategy (derived, read when used).
     - ``backend``: the running strategy's :class:`~hflight.backend.HFBackend` hooks (derived).
     - ``resume``: the checked checkpoint a training run resumes from, or None (the facade, before creating the run).
+    - ``train_batch_size``: the training batch size per device of this run (the facade: ``args.train_batch_size``, or
+      what ``auto_find_batch_size`` lowered it to; recorded in ``TrainerState.train_batch_size``).
     - ``bridge``: the :class:`~hflight.callbacks.bridge.HFEventBridge` firing HF events (training runs, at creation).
     - ``datamodule``: the :class:`~hflight.datamodule.HFDataModule` (training runs, at creation).
     - ``plan``: the :class:`~hflight.plan.TrainingPlan` (the bridge, once Lightning launched the processes).
@@ -60,8 +62,10 @@ class Run:
         resume: ResumePoint | None = None,
         trial: Any = None,
         ignore_keys_for_eval: list[str] | None = None,
+        train_batch_size: int | None = None,
     ) -> None:
         self.facade = facade
+        self.train_batch_size = train_batch_size if train_batch_size is not None else facade.args.train_batch_size
         self.fitting = fitting
         self.resume = resume
         self.plan: TrainingPlan | None = None
@@ -69,7 +73,9 @@ class Run:
         self.evaluator: Any = None
         self.bridge = HFEventBridge(facade, self, trial, ignore_keys_for_eval) if fitting else None
         callbacks = [*(lightning_callbacks or []), *([self.bridge] if self.bridge is not None else [])]
-        kwargs = lightning_trainer_kwargs(facade.args, callbacks, fitting=fitting, strategy=strategy)
+        kwargs = lightning_trainer_kwargs(
+            facade.args, callbacks, fitting=fitting, strategy=strategy, model=facade.model
+        )
         with quiet_lightning():
             self.lightning_trainer = L.Trainer(**kwargs)
         self.world = World(self.lightning_trainer)

@@ -18,6 +18,7 @@ from torch import nn
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.trainer_pt_utils import nested_detach
 
+from hflight import memory
 from hflight.datamodule import loader_length
 from hflight.plan import plan_training
 from hflight.surface import TrainerSurface
@@ -97,6 +98,9 @@ def training_step(
     if hasattr(trainer.optimizer, "train") and callable(trainer.optimizer.train):
         trainer.optimizer.train()
     loss = trainer.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+    every = trainer.args.torch_empty_cache_steps
+    if every is not None and trainer.state.global_step % every == 0:
+        memory.empty_device_cache()
     if loss.dim() > 0:  # one loss per replica or device micro-batch (DataParallel, IPU output_mode="all")
         loss = loss.mean()
     if trainer.loss_is_scaled_for_ga is not None:

@@ -45,6 +45,8 @@ OVERRIDE_POINTS: frozenset[str] = frozenset(
         "_remove_unused_columns",  # (dataset, description=None): drop what the model's forward does not take
         "_get_train_sampler",  # (train_dataset=None)
         "_get_eval_sampler",  # (eval_dataset)
+        "_push_from_checkpoint",  # (checkpoint_folder): hub_strategy uploads after a checkpoint save
+        "_finish_current_push",  # (): wait for the checkpoint uploads still running
     }
 )
 
@@ -144,6 +146,7 @@ class RunView(Protocol):
     bridge: Any  # hflight.callbacks.bridge.HFEventBridge (training runs)
     plan: Any  # hflight.plan.TrainingPlan, set by the bridge when the fit starts
     epochs_offset: int
+    train_batch_size: int
     evaluator: Any  # hflight.evaluation.Evaluator while an evaluation runs
 
     @property

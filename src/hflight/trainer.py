@@ -33,7 +33,7 @@ from transformers.trainer_utils import (
     set_seed,
 )
 
-from hflight import checkpoint, console, construction, evaluation, resume, steps
+from hflight import checkpoint, console, construction, evaluation, memory, resume, steps, training_hooks
 from hflight.accelerator_compat import RunAccelerator
 from hflight.backend import HFBackend, backend_of
 from hflight.callbacks.hooks import new_trainer_state
@@ -108,16 +108,22 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self.optimizer, self.lr_scheduler = optimizers
         self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
+        self.neftune_noise_alpha = self.args.neftune_noise_alpha
         self._user_scheduler = self.lr_scheduler is not None
+        self._train_batch_size = self.args.train_batch_size  # auto_find_batch_size may lower it
         self.current_gradient_accumulation_steps = 1
         self.current_flos = 0
         self.is_in_train = False
         self.hp_name, self.hp_search_backend, self._trial = None, None, None
         self.objective: Any = None
         self._setup_callbacks(callbacks or [])
+        if self.args.push_to_hub:
+            self.init_hf_repo()
         if self.args.should_save:
             os.makedirs(self.args.output_dir, exist_ok=True)
         self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
+        if getattr(self.model, "config", None) is not None:
+            self.model.config.use_cache = self.args.use_cache
 
     # ---- construction helpers ----------------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
@@ -200,16 +206,39 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
         ignore_keys_for_eval: list[str] | None = None,
     ) -> TrainOutput:
         resume_from_checkpoint = resume.requested(resume_from_checkpoint, self.args)
-        self.is_in_train = True
         self._trial = trial
         self._prepare_model_for_training()
         point = resume.resolve_resume(self, resume_from_checkpoint)
-        run = self._new_run(True, resume=point, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval)
+        if point is not None and self.args.auto_find_batch_size and point.state.train_batch_size is not None:
+            self._train_batch_size = point.state.train_batch_size  # the size the checkpoint's run found
+        with training_hooks.installed(self.model, self.args):
+            return memory.find_executable_batch_size(
+                lambda batch_size: self._train_once(batch_size, point, trial, ignore_keys_for_eval),
+                self._train_batch_size,
+                self.args.auto_find_batch_size,
+            )
+
+    def _train_once(self, batch_size: int, point: Any, trial: Any, ignore_keys: list[str] | None) -> TrainOutput:
+        """One Lightning run of ``train()`` with training batches of ``batch_size``."""
+        self._train_batch_size = batch_size
+        self.is_in_train = True
+        run = self._new_run(
+            True, resume=point, trial=trial, ignore_keys_for_eval=ignore_keys, train_batch_size=batch_size
+        )
         try:
             run.fit()
         finally:
             self.is_in_train = False
-        return run.finish_training()
+        output = run.finish_training()
+        self._finish_current_push()  # the checkpoint uploads still running, as transformers after on_train_end
+        return output
+
+    def get_train_dataloader(self) -> DataLoader:
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        return self._get_dataloader(
+            self.train_dataset, "Training", self._train_batch_size, self._get_train_sampler, is_training=True
+        )
 
     def _prepare_model_for_training(self) -> None:
         """A fresh model from ``model_init`` (and a fresh optimizer), or a fresh schedule; activation checkpointing."""
@@ -287,9 +316,13 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         checkpoint.save_model(self, output_dir if output_dir is not None else self.args.output_dir, self._backend())
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
-        checkpoint.save_checkpoint(self, self._run)
+        folder = checkpoint.save_checkpoint(self, self._run)
+        if self.args.push_to_hub:
+            self._push_from_checkpoint(folder)
 
     def _load_best_model(self) -> None:
         resume.load_best_model(self)

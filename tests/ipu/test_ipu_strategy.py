@@ -212,7 +212,8 @@ def test_checkpoints_and_saved_model_hold_the_device_weights(factory, tmp_path, 
     assert not torch.equal(final.qa_outputs.weight, at_three.qa_outputs.weight)
     assert json.loads((tmp_path / "final" / "ipu_config.json").read_text())["output_mode"] == "final"
     args = torch.load(folder / "training_args.bin", weights_only=False)
-    assert args.strategy == "ipu"  # the live strategy (model, executables) is not pickled
+    # a plain transformers.TrainingArguments: the live strategy (model, executables) is not pickled
+    assert type(args).__module__ == "transformers.training_args" and not hasattr(args, "strategy")
     manifest = json.loads((folder / "checkpoint_manifest.json").read_text())
     assert "ipu_config.json" in str(manifest["files"])  # part of what makes the folder complete
 

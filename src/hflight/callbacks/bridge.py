@@ -92,7 +92,7 @@ class HFEventBridge(L.Callback):
             is_local_process_zero=facade.is_local_process_zero(),
             is_world_process_zero=facade.is_world_process_zero(),
         )
-        facade.state.train_batch_size = facade.args.train_batch_size
+        facade.state.train_batch_size = run.train_batch_size
         facade.state.compute_steps(facade.args, plan.max_steps)
         epochs_trained, skip = resume.restore_state(facade, run)
         facade.state.init_training_references(facade, plan.max_steps, plan.num_train_epochs, self.trial)

@@ -1,0 +1,78 @@
+"""Device memory as ``TrainingArguments`` manage it: ``auto_find_batch_size`` and ``torch_empty_cache_steps``.
+
+``auto_find_batch_size``: train, and on an out-of-memory error halve the batch size and train again.
+transformers wraps its inner training loop in accelerate's ``find_executable_batch_size``; hflight wraps one
+``train()`` run (a fresh Lightning run each time) the same way: the first batch size is ``args.train_batch_size``
+(or the one a resumed checkpoint recorded), each out-of-memory error halves it, and a batch size of zero gives up.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Messages by which allocators report that memory ran out (CUDA, cuDNN, the CPU allocator, XPU/NPU/MPS).
+OUT_OF_MEMORY_MESSAGES = (
+    "CUDA out of memory.",
+    "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED.",
+    "DefaultCPUAllocator: can't allocate memory",
+    "XPU out of memory.",
+    "NPU out of memory.",
+    "MPS backend out of memory",
+)
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` (or an error it was raised from) says that device or host memory ran out."""
+    while error is not None:
+        if isinstance(error, torch.OutOfMemoryError):
+            return True
+        if isinstance(error, RuntimeError) and any(m in str(error) for m in OUT_OF_MEMORY_MESSAGES):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def empty_device_cache() -> None:
+    """Return the device allocator's cached blocks (``torch_empty_cache_steps``; a no-op on the CPU)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    if torch.backends.mps.is_available():
+        torch.mps.empty_cache()
+    if hasattr(torch, "xpu") and torch.xpu.is_available():
+        torch.xpu.empty_cache()
+
+
+def release_memory() -> None:
+    """Free what the failed attempt left behind before the next one."""
+    gc.collect()
+    empty_device_cache()
+
+
+def find_executable_batch_size(run: Callable[[int], T], batch_size: int, enabled: bool) -> T:
+    """``run(batch_size)``; when ``enabled``, an out-of-memory error retries it with half the batch size.
+
+    Raises:
+        RuntimeError: the batch size reached zero without a run that fits in memory.
+    """
+    if not enabled:
+        return run(batch_size)
+    while True:
+        if batch_size == 0:
+            raise RuntimeError("auto_find_batch_size: no executable batch size found, reached zero.")
+        try:
+            return run(batch_size)
+        except Exception as error:  # noqa: BLE001 - only out-of-memory errors are retried
+            if not is_out_of_memory(error):
+                raise
+            logger.warning(f"Out of memory with a training batch size of {batch_size}; trying {batch_size // 2}.")
+            batch_size //= 2
+            release_memory()

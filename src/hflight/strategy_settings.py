@@ -1,0 +1,152 @@
+"""transformers' DDP, FSDP and DeepSpeed arguments as Lightning strategies.
+
+transformers hands ``ddp_*``, ``fsdp``/``fsdp_config`` and ``deepspeed`` to accelerate; hflight gives the same settings
+to Lightning's ``DDPStrategy``, ``FSDPStrategy`` and ``DeepSpeedStrategy``, where Lightning has the same setting:
+
+- ``ddp_find_unused_parameters``, ``ddp_bucket_cap_mb``, ``ddp_broadcast_buffers``, ``ddp_static_graph``: the
+  ``DistributedDataParallel`` keyword arguments ``DDPStrategy`` passes on;
+- ``ddp_backend``, ``ddp_timeout``: ``process_group_backend``, ``timeout`` (DDP, FSDP and DeepSpeed);
+- ``fsdp`` + ``fsdp_config`` (as transformers normalises them): ``FSDPStrategy``'s ``sharding_strategy``,
+  ``cpu_offload``, ``auto_wrap_policy``, ``activation_checkpointing_policy``, ``state_dict_type``, prefetching,
+  ``use_orig_params``, ``sync_module_states`` and ``limit_all_gathers``;
+- ``deepspeed`` (a dict or a JSON file): ``DeepSpeedStrategy(config=...)``.
+
+The DDP settings apply to a DDP strategy named by ``strategy`` ("ddp", "ddp_spawn", ...) and to ``strategy="auto"``
+in a multi-process launch (torchrun, SLURM), where Lightning would pick DDP itself; in a single process, as in
+transformers, they change nothing. ``fsdp``/``deepspeed`` choose the strategy, so they need ``strategy="auto"``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+from collections.abc import Iterable
+from typing import Any
+
+from torch import nn
+
+#: Lightning's default process-group timeout (and transformers' ``ddp_timeout`` default), in seconds.
+DEFAULT_TIMEOUT = 1800
+
+#: transformers' DDP argument -> ``DistributedDataParallel`` keyword (Lightning's ``DDPStrategy`` passes them on).
+DDP_MODULE_KWARGS = {
+    "ddp_find_unused_parameters": "find_unused_parameters",
+    "ddp_bucket_cap_mb": "bucket_cap_mb",
+    "ddp_broadcast_buffers": "broadcast_buffers",
+    "ddp_static_graph": "static_graph",
+}
+
+#: transformers' ``fsdp_config["state_dict_type"]`` -> Lightning's.
+STATE_DICT_TYPES = {"FULL_STATE_DICT": "full", "SHARDED_STATE_DICT": "sharded"}
+
+
+def process_group_settings(args: Any) -> dict[str, Any]:
+    """``process_group_backend``/``timeout`` for a DDP or FSDP strategy, where ``args`` differs from the default."""
+    settings: dict[str, Any] = {}
+    if args.ddp_backend is not None:
+        settings["process_group_backend"] = args.ddp_backend
+    if args.ddp_timeout != DEFAULT_TIMEOUT:
+        settings["timeout"] = datetime.timedelta(seconds=args.ddp_timeout)
+    return settings
+
+
+def ddp_settings(args: Any) -> dict[str, Any]:
+    """Keyword arguments for ``DDPStrategy`` from the ``ddp_*`` arguments set (empty when none is)."""
+    settings = {
+        kwarg: getattr(args, name) for name, kwarg in DDP_MODULE_KWARGS.items() if getattr(args, name) is not None
+    }
+    return {**settings, **process_group_settings(args)}
+
+
+def ddp_strategy(name: str, args: Any) -> Any:
+    """The registered DDP strategy ``name`` ("ddp", "ddp_spawn", ...) with the ``ddp_*`` settings, or ``name``
+    itself when none is set (or when ``name`` is no DDP strategy)."""
+    from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+
+    settings = ddp_settings(args)
+    entry = StrategyRegistry.get(name) if name in StrategyRegistry else None
+    if not settings or entry is None or not issubclass(entry["strategy"], DDPStrategy):
+        return name
+    return entry["strategy"](**{**entry["init_params"], **settings})
+
+
+def _module_classes(model: nn.Module, names: Iterable[str], field: str) -> set[type[nn.Module]]:
+    """The classes of ``model``'s submodules called ``names``; a name no submodule has is an error naming it."""
+    wanted = set(names)
+    found = {type(m) for m in model.modules() if type(m).__name__ in wanted}
+    missing = wanted - {cls.__name__ for cls in found}
+    if missing:
+        raise ValueError(
+            f"fsdp_config[{field!r}] names {sorted(missing)}, which {type(model).__name__} has no submodule of."
+        )
+    return found
+
+
+def _wrap_policy(plugin: dict[str, Any], model: nn.Module) -> Any:
+    """Lightning's ``auto_wrap_policy`` for transformers' policy name: transformer layers by class (the listed ones,
+    else the model's ``_no_split_modules``), by size, or none."""
+    policy = plugin.get("auto_wrap_policy", "TRANSFORMER_BASED_WRAP")
+    if policy == "SIZE_BASED_WRAP":
+        from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+
+        return functools.partial(size_based_auto_wrap_policy, min_num_params=plugin.get("min_num_params", int(1e8)))
+    if policy == "TRANSFORMER_BASED_WRAP":
+        names = plugin.get("transformer_cls_names_to_wrap")
+        names = names.split(",") if names else getattr(model, "_no_split_modules", None) or []
+        return _module_classes(model, names, "transformer_layer_cls_to_wrap") or None
+    return None
+
+
+def fsdp_settings(args: Any, model: nn.Module) -> dict[str, Any]:
+    """Keyword arguments for Lightning's ``FSDPStrategy`` from transformers' normalised FSDP settings
+    (``args.fsdp_plugin_args``, which transformers' ``__post_init__`` derives from ``fsdp``/``fsdp_config``)."""
+    plugin = dict(args.fsdp_plugin_args or {})
+    reshard = plugin.get("reshard_after_forward", True)
+    if isinstance(reshard, bool):  # FSDP2's switch: full sharding, or gradients and optimizer state only
+        sharding = "FULL_SHARD" if reshard else "SHARD_GRAD_OP"
+    else:
+        sharding = str(reshard).upper()
+    wrap = _wrap_policy(plugin, model)
+    settings: dict[str, Any] = {
+        "sharding_strategy": sharding,
+        "cpu_offload": bool(plugin.get("cpu_offload", False)),
+        "auto_wrap_policy": wrap,
+        "state_dict_type": STATE_DICT_TYPES.get(plugin.get("state_dict_type", "FULL_STATE_DICT"), "full"),
+        **process_group_settings(args),
+    }
+    if plugin.get("activation_checkpointing"):
+        settings["activation_checkpointing_policy"] = wrap if isinstance(wrap, set) else {type(model)}
+    for name in ("forward_prefetch", "use_orig_params", "sync_module_states", "limit_all_gathers"):
+        if name in plugin:
+            settings[name] = plugin[name]
+    if plugin.get("backward_prefetch", "NO_PREFETCH") != "NO_PREFETCH":
+        from torch.distributed.fsdp import BackwardPrefetch
+
+        settings["backward_prefetch"] = BackwardPrefetch[plugin["backward_prefetch"]]
+    return settings
+
+
+def fsdp_strategy(args: Any, model: nn.Module) -> Any:
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    return FSDPStrategy(**fsdp_settings(args, model))
+
+
+def deepspeed_strategy(args: Any) -> Any:
+    """Lightning's ``DeepSpeedStrategy`` on the DeepSpeed config ``args.deepspeed`` (a dict or a JSON file path)."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    return DeepSpeedStrategy(config=args.deepspeed, **process_group_settings(args))
+
+
+def strategy_from_args(strategy: Any, args: Any, model: nn.Module | None) -> Any:
+    """The Lightning strategy for ``strategy`` (a name or an object) under transformers' distributed arguments."""
+    if isinstance(strategy, str) and strategy == "auto":
+        if args.fsdp and model is not None:
+            return fsdp_strategy(args, model)
+        if args.deepspeed:
+            return deepspeed_strategy(args)
+        if args.world_size > 1 and ddp_settings(args):
+            return ddp_strategy("ddp", args)
+        return strategy
+    return ddp_strategy(strategy, args) if isinstance(strategy, str) else strategy
