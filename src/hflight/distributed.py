@@ -55,6 +55,25 @@ def gather(strategy: Strategy | None, value: Any, pad_dim: int | None = None) ->
     return tree_map(gather_one, value)
 
 
+def join_parts(parts: list[Any]) -> Any:
+    """Per-process values of one structure joined along the first axis: tensors and arrays concatenated (on the
+    first part's device), lists extended, tuples and dicts joined item by item."""
+    import numpy as np
+
+    first = parts[0]
+    if torch.is_tensor(first):
+        return torch.cat([torch.atleast_1d(p).to(first.device) for p in parts])
+    if isinstance(first, np.ndarray):
+        return np.concatenate([np.atleast_1d(p) for p in parts])
+    if isinstance(first, list):
+        return [item for part in parts for item in part]
+    if isinstance(first, tuple):
+        return type(first)(join_parts([p[i] for p in parts]) for i in range(len(first)))
+    if isinstance(first, dict):
+        return type(first)({k: join_parts([p[k] for p in parts]) for k in first})
+    return list(parts)
+
+
 def reduce_mean(strategy: Strategy | None, value: torch.Tensor) -> torch.Tensor:
     if not is_distributed(strategy):
         return value
@@ -109,6 +128,18 @@ class World:
         gathered: list[Any] = [None] * self.size
         torch.distributed.all_gather_object(gathered, values)
         return [item for part in gathered for item in part]
+
+    def gather_as_objects(self, value: Any, pad_dim: int | None = None) -> Any:
+        """``gather`` through pickling (``eval_use_gather_object``): every process's ``value`` (tensors, arrays,
+        lists or dicts of them) joined in rank order (``pad_dim`` padded first, as ``gather``); ``value`` itself with
+        one process."""
+        if not is_distributed(self.strategy):
+            return value
+        if pad_dim is not None:
+            value = self.pad_across_processes(value, dim=pad_dim)
+        parts: list[Any] = [None] * self.size
+        torch.distributed.all_gather_object(parts, value)
+        return join_parts(parts)
 
     def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
         return reduce_mean(self.strategy, value)

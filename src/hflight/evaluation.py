@@ -123,7 +123,7 @@ class Evaluator:
         loss, logits, labels = facade.prediction_step(
             self.model, inputs, self.prediction_loss_only, ignore_keys=self.ignore_keys
         )
-        gather = self.world.gather
+        gather = self.world.gather_as_objects if facade.args.eval_use_gather_object else self.world.gather
         if loss is not None:
             loss = gather(loss.repeat(batch_size or 1))
             self.losses.add(loss)

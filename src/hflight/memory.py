@@ -1,9 +1,9 @@
 """Device memory as ``TrainingArguments`` manage it: ``auto_find_batch_size`` and ``torch_empty_cache_steps``.
 
-``auto_find_batch_size``: train, and on an out-of-memory error halve the batch size and train again.
-transformers wraps its inner training loop in accelerate's ``find_executable_batch_size``; hflight wraps one
-``train()`` run (a fresh Lightning run each time) the same way: the first batch size is ``args.train_batch_size``
-(or the one a resumed checkpoint recorded), each out-of-memory error halves it, and a batch size of zero gives up.
+``auto_find_batch_size``: transformers wraps its inner training loop in accelerate's ``find_executable_batch_size``,
+which, on an out-of-memory error, frees the device cache and retries with 90% of the batch size (rounded down) until
+one fits or the size reaches zero. hflight wraps one ``train()`` run (a fresh Lightning run each time) the same way,
+starting from ``args.train_batch_size`` (or the size a resumed checkpoint recorded).
 """
 
 from __future__ import annotations
@@ -19,24 +19,25 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: Messages by which allocators report that memory ran out (CUDA, cuDNN, the CPU allocator, XPU/NPU/MPS).
+#: Messages by which allocators report that memory ran out (CUDA/HIP/XPU, MPS, cuDNN, the CPU allocator, HPU): the
+#: ones accelerate's ``should_reduce_batch_size`` recognises.
 OUT_OF_MEMORY_MESSAGES = (
-    "CUDA out of memory.",
+    " out of memory.",
+    "MPS backend out of memory",
     "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED.",
     "DefaultCPUAllocator: can't allocate memory",
-    "XPU out of memory.",
-    "NPU out of memory.",
-    "MPS backend out of memory",
+    "FATAL ERROR :: MODULE:PT_DEVMEM Allocation failed",
 )
+#: Each retry after an out-of-memory error uses this share of the batch size (rounded down), as accelerate's.
+REDUCTION = 0.9
 
 
 def is_out_of_memory(error: BaseException) -> bool:
     """Whether ``error`` (or an error it was raised from) says that device or host memory ran out."""
     while error is not None:
-        if isinstance(error, torch.OutOfMemoryError):
-            return True
-        if isinstance(error, RuntimeError) and any(m in str(error) for m in OUT_OF_MEMORY_MESSAGES):
-            return True
+        if isinstance(error, RuntimeError) and len(error.args) == 1 and isinstance(error.args[0], str):
+            if any(message in error.args[0] for message in OUT_OF_MEMORY_MESSAGES):
+                return True
         error = error.__cause__ or error.__context__
     return False
 
@@ -58,7 +59,7 @@ def release_memory() -> None:
 
 
 def find_executable_batch_size(run: Callable[[int], T], batch_size: int, enabled: bool) -> T:
-    """``run(batch_size)``; when ``enabled``, an out-of-memory error retries it with half the batch size.
+    """``run(batch_size)``; when ``enabled``, an out-of-memory error retries it with 90% of the batch size.
 
     Raises:
         RuntimeError: the batch size reached zero without a run that fits in memory.
@@ -67,12 +68,13 @@ def find_executable_batch_size(run: Callable[[int], T], batch_size: int, enabled
         return run(batch_size)
     while True:
         if batch_size == 0:
-            raise RuntimeError("auto_find_batch_size: no executable batch size found, reached zero.")
+            raise RuntimeError("No executable batch size found, reached zero.")
         try:
             return run(batch_size)
         except Exception as error:  # noqa: BLE001 - only out-of-memory errors are retried
             if not is_out_of_memory(error):
                 raise
-            logger.warning(f"Out of memory with a training batch size of {batch_size}; trying {batch_size // 2}.")
-            batch_size //= 2
+            smaller = int(batch_size * REDUCTION)
+            logger.warning(f"Out of memory with a training batch size of {batch_size}; trying {smaller}.")
+            batch_size = smaller
             release_memory()

@@ -35,6 +35,7 @@ class HFModule(L.LightningModule):
         self.facade = facade
         self.run = run
         self._evaluation = contextlib.ExitStack()
+        self._compiled: torch.nn.Module | None = None  # args.torch_compile: the model as torch.compile returned it
 
     @property
     def backend(self) -> HFBackend:
@@ -60,6 +61,9 @@ class HFModule(L.LightningModule):
         # also spares every run of a from_pretrained model (loaded in eval mode) Lightning's "module(s) in eval mode
         # at the start of training" warning.
         self.model.train()
+        args = self.facade.args
+        if args.torch_compile:
+            self._compiled = torch.compile(self.model, backend=args.torch_compile_backend, mode=args.torch_compile_mode)
 
     @override
     def on_train_batch_start(self, batch: MicroBatch, batch_idx: int) -> int | None:
@@ -75,6 +79,8 @@ class HFModule(L.LightningModule):
             loop.step_begin()
         facade.current_gradient_accumulation_steps = batch.cycle_size
         model = self.backend.hf_training_model(self.model)
+        if self._compiled is not None and model is self.model:  # a backend that runs its own graph is not compiled
+            model = self._compiled
         loss = facade.training_step(model, batch.inputs, batch.num_items_in_batch)
         loop.add_loss(loss, batch.inputs)
         if batch.is_last:

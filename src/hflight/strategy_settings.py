@@ -64,7 +64,7 @@ def ddp_strategy(name: str, args: Any) -> Any:
     from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
     settings = ddp_settings(args)
-    entry = StrategyRegistry.get(name) if name in StrategyRegistry else None
+    entry = StrategyRegistry[name] if name in StrategyRegistry else None  # the registration, not an instance
     if not settings or entry is None or not issubclass(entry["strategy"], DDPStrategy):
         return name
     return entry["strategy"](**{**entry["init_params"], **settings})

@@ -221,6 +221,8 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
     def _train_once(self, batch_size: int, point: Any, trial: Any, ignore_keys: list[str] | None) -> TrainOutput:
         """One Lightning run of ``train()`` with training batches of ``batch_size``."""
         self._train_batch_size = batch_size
+        if not self._user_scheduler:
+            self.lr_scheduler = None  # HF rebuilds its own scheduler for every run (and every batch-size retry)
         self.is_in_train = True
         run = self._new_run(
             True, resume=point, trial=trial, ignore_keys_for_eval=ignore_keys, train_batch_size=batch_size
@@ -247,8 +249,6 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
             self.model = self.call_model_init(self._trial)
             self._inspect_model(self.model)
             self.optimizer, self.lr_scheduler = None, None
-        elif not self._user_scheduler:
-            self.lr_scheduler = None  # HF rebuilds its own scheduler for every train() call
         construction.enable_activation_checkpointing(self.model, self.args)
 
     # ---- evaluation --------------------------------------------------------------------------------------------
@@ -292,6 +292,8 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
         in the training run; otherwise in a run of its own (Lightning's ``validate``)."""
         if prediction_loss_only is None:
             prediction_loss_only = self.args.prediction_loss_only
+        if not self.is_in_train:
+            construction.cast_for_full_eval(self.model, self.args)
         run = self._run if self.is_in_train else self._new_run(False)
         return evaluation.run_evaluation_loop(
             self, run, dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix, compute_metrics

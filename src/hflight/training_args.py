@@ -136,9 +136,10 @@ class TrainingArguments(HFTrainingArguments):
 
     def _validate_args(self) -> None:
         """transformers' checks; its bf16 check asks for a bf16 GPU unless ``use_cpu``, but Lightning also runs
-        bf16-mixed on the CPU, so a run that resolves to the CPU is checked as ``use_cpu`` would be."""
+        bf16-mixed on the CPU, so only a run on a CUDA GPU that is present is held to it (asking for a GPU where there
+        is none is Lightning's error, when the run starts)."""
         use_cpu = self.use_cpu
-        self.use_cpu = use_cpu or _resolved_device_type(self) == "cpu"
+        self.use_cpu = use_cpu or not (_resolved_device_type(self) == "cuda" and torch.cuda.is_available())
         try:
             super()._validate_args()
         finally:
@@ -282,21 +283,29 @@ class TrainingArguments(HFTrainingArguments):
 
 # ---------------------------------------------------------------------- what hflight adds around __post_init__
 
+
 # Choice tables: field -> (transformers enum or None, function returning the valid values).
+@functools.cache
+def _values(enum_cls: type[Enum]) -> tuple[str, ...]:
+    return tuple(member.value for member in enum_cls)
+
+
 _CHOICES: dict[str, tuple[type | None, Callable[[], tuple[str, ...]]]] = {
-    "lr_scheduler_type": (SchedulerType, lambda: tuple(s.value for s in SchedulerType)),
+    "lr_scheduler_type": (SchedulerType, lambda: _values(SchedulerType)),
     "optim": (OptimizerNames, supported_optimizers),
-    "logging_strategy": (IntervalStrategy, lambda: tuple(s.value for s in IntervalStrategy)),
-    "eval_strategy": (IntervalStrategy, lambda: tuple(s.value for s in IntervalStrategy)),
-    "save_strategy": (SaveStrategy, lambda: tuple(s.value for s in SaveStrategy)),
-    "hub_strategy": (HubStrategy, lambda: tuple(s.value for s in HubStrategy)),
+    "logging_strategy": (IntervalStrategy, lambda: _values(IntervalStrategy)),
+    "eval_strategy": (IntervalStrategy, lambda: _values(IntervalStrategy)),
+    "save_strategy": (SaveStrategy, lambda: _values(SaveStrategy)),
+    "hub_strategy": (HubStrategy, lambda: _values(HubStrategy)),
     "train_sampling_strategy": (None, lambda: SUPPORTED_TRAIN_SAMPLING_STRATEGIES),
     "include_num_input_tokens_seen": (None, lambda: ("all", "non_padding", "no")),
-    "log_level": (None, lambda: tuple(trainer_log_levels)),
-    "log_level_replica": (None, lambda: tuple(trainer_log_levels)),
+    "log_level": (None, lambda: _LOG_LEVELS),
+    "log_level_replica": (None, lambda: _LOG_LEVELS),
     "accelerator": (None, supported_accelerators),
     "strategy": (None, supported_strategies),
 }
+
+_LOG_LEVELS = tuple(trainer_log_levels)
 
 # Lower bounds: field -> (smallest valid value, wording for the error).
 _LOWER_BOUNDS: dict[str, tuple[float, str]] = {
@@ -324,11 +333,28 @@ def _extra_types() -> dict[str, tuple[type, ...]]:
 
 def _coerce_field_types(args: TrainingArguments) -> None:
     """Every init field converted to its annotation (command-line strings, OmegaConf containers), else a
-    ``TypeError`` naming the field, the expected type and the value."""
+    ``TypeError`` naming the field, the expected type and the value. Values whose type the annotation names as it
+    is (the common case) are taken without conversion."""
     hints = _type_hints(type(args))
-    for f in dataclasses.fields(args):
-        if f.init:
-            setattr(args, f.name, _check_type(f.name, getattr(args, f.name), hints[f.name]))
+    values = vars(args)
+    for name, exact in _exact_types(type(args)).items():
+        value = values[name]
+        if type(value) not in exact:
+            setattr(args, name, _check_type(name, value, hints[name]))
+
+
+@functools.cache
+def _exact_types(cls: type) -> dict[str, frozenset[type]]:
+    """Init field -> the value types its annotation accepts without conversion (containers excluded: their items
+    are checked)."""
+    hints = _type_hints(cls)
+    return {f.name: frozenset(_plain_members(hints[f.name])) for f in dataclasses.fields(cls) if f.init}
+
+
+def _plain_members(hint: Any) -> list[type]:
+    members = typing.get_args(hint) if _is_union(hint) else (hint,)
+    plain = [m for m in members if isinstance(m, type) and typing.get_origin(m) is None and m not in (list, dict)]
+    return plain + ([int] if float in plain else [])  # an int is a valid float, as transformers takes it
 
 
 def _normalise_hflight_values(args: TrainingArguments) -> None:
@@ -364,31 +390,44 @@ def _check_choice(name: str, value: Any, enum_cls: type | None, choices: tuple[s
     """``value`` as a member of ``enum_cls`` (or the plain string); an unknown value raises ``ValueError``."""
     if not isinstance(value, str):  # a Lightning Accelerator/Strategy instance, or a boolean token count
         return value
-    lookup: dict[str, Any] = {c: c for c in choices}
-    if enum_cls is not None:
-        for member in enum_cls:
-            if member.value in lookup:
-                # Values, and the names OmegaConf writes for enums ("IntervalStrategy.STEPS", "STEPS").
-                for key in (member.value, member.name, f"{enum_cls.__name__}.{member.name}"):
-                    lookup[key] = member
+    lookup = _choice_lookup(enum_cls, choices)
     key = value.value if isinstance(value, Enum) else value
     if key not in lookup:
         raise ValueError(f"Unknown {name} {key!r}; valid choices are: {', '.join(choices)}")
     return lookup[key]
 
 
+@functools.cache
+def _choice_lookup(enum_cls: type | None, choices: tuple[str, ...]) -> dict[str, Any]:
+    """Accepted spelling -> value: the choices, and for an enum its members under their values and the names
+    OmegaConf writes for enums ("IntervalStrategy.STEPS", "STEPS")."""
+    lookup: dict[str, Any] = {c: c for c in choices}
+    if enum_cls is not None:
+        for member in enum_cls:
+            if member.value in lookup:
+                for key in (member.value, member.name, f"{enum_cls.__name__}.{member.name}"):
+                    lookup[key] = member
+    return lookup
+
+
 def _default_accelerator_config(args: TrainingArguments) -> bool:
     value = args.accelerator_config
     if value is None:
         return True
-    from transformers.trainer_pt_utils import AcceleratorConfig
 
     # transformers' device setup pops `use_configured_state` (an accelerate-only switch) from the config.
-    return _without_configured_state(value) == _without_configured_state(AcceleratorConfig())
+    return _without_configured_state(value) == _default_accelerator_settings()
 
 
 def _without_configured_state(config: Any) -> dict[str, Any]:
     return {k: v for k, v in config.to_dict().items() if k != "use_configured_state"}
+
+
+@functools.cache
+def _default_accelerator_settings() -> dict[str, Any]:
+    from transformers.trainer_pt_utils import AcceleratorConfig
+
+    return _without_configured_state(AcceleratorConfig())
 
 
 #: transformers fields that have no Lightning equivalent: field -> (still at its default?, what to do instead). Set to
@@ -450,10 +489,16 @@ def _resolved_device_type(args: TrainingArguments) -> str:
         name = type(accelerator).__name__.lower()
         accelerator = next((kind for kind in ("cuda", "mps", "cpu") if kind in name), "auto")
     if accelerator == "auto":
-        if torch.cuda.is_available():
-            return "cuda"
-        return "mps" if torch.backends.mps.is_available() else "cpu"
+        return _auto_device_type()
     return {"gpu": "cuda", "cuda": "cuda", "mps": "mps"}.get(accelerator, "cpu")
+
+
+@functools.cache
+def _auto_device_type() -> str:
+    """What Lightning's ``accelerator="auto"`` picks on this machine: CUDA, else MPS, else the CPU."""
+    if torch.cuda.is_available():
+        return "cuda"
+    return "mps" if torch.backends.mps.is_available() else "cpu"
 
 
 def _device_for(args: TrainingArguments) -> torch.device:
@@ -707,6 +752,8 @@ def config_schema(cls: type[TrainingArguments] = TrainingArguments) -> type:
     """
     hints = _type_hints(cls)
     fields = [(f.name, _schema_type(hints[f.name]), _schema_default(f)) for f in dataclasses.fields(cls) if f.init]
-    schema = dataclasses.make_dataclass(f"{cls.__name__}Config", fields)
+    # Named like the class, so that composition errors read "Key 'learnin_rate' not in 'TrainingArguments'".
+    schema = dataclasses.make_dataclass(cls.__name__, fields)
     schema.__module__ = __name__
+    schema.__qualname__ = f"config_schema.<{cls.__name__}>"
     return schema

@@ -1,0 +1,281 @@
+"""transformers' training arguments that hflight makes work on Lightning (issue 16, point 1), each compared with
+transformers.Trainer on the same model and data where both can run here (CPU): auto_find_batch_size, neftune,
+debug=underflow_overflow, torch_empty_cache_steps, use_cache, bf16_full_eval, torch_compile, dataloader settings,
+log_level_replica/save_on_each_node, eval_use_gather_object, and the ddp_*/fsdp/deepspeed arguments as Lightning
+strategies."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+import transformers
+from transformers.debug_utils import DebugUnderflowOverflow
+
+import hflight
+from hflight import lightning_kwargs, memory, strategy_settings
+from hflight.distributed import join_parts
+
+COMMON = dict(
+    per_device_train_batch_size=4,
+    per_device_eval_batch_size=8,
+    num_train_epochs=1,
+    learning_rate=1e-3,
+    logging_steps=1,
+    train_sampling_strategy="sequential",
+    report_to="none",
+    save_strategy="no",
+    disable_tqdm=True,
+    seed=0,
+)
+PAIRS = (
+    ("hf", transformers.Trainer, transformers.TrainingArguments),
+    ("hl", hflight.Trainer, hflight.TrainingArguments),
+)
+
+
+def _losses(trainer) -> list[float]:
+    return [e["loss"] for e in trainer.state.log_history if "loss" in e]
+
+
+def _train_both(tmp_path, model_fn, dataset_fn, **args):
+    trainers = {}
+    for name, trainer_cls, args_cls in PAIRS:
+        trainer = trainer_cls(
+            model=model_fn(),
+            args=args_cls(output_dir=str(tmp_path / name), **{**COMMON, **args}),
+            train_dataset=dataset_fn(),
+        )
+        trainer.train()
+        trainers[name] = trainer
+    return trainers
+
+
+# ---- auto_find_batch_size ------------------------------------------------------------------------------------------
+class _SmallMemoryModel(transformers.BertForSequenceClassification):
+    """Runs out of memory (as CUDA reports it) on batches of more than ``limit`` samples."""
+
+    limit = 11
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None):
+        if input_ids is not None and input_ids.shape[0] > self.limit:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (stand-in for a small GPU)")
+        return super().forward(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+
+
+def test_auto_find_batch_size_shrinks_the_batch_as_transformers(tmp_path, factory):
+    def model():
+        torch.manual_seed(0)
+        return _SmallMemoryModel(factory.config(num_labels=3))
+
+    trainers = _train_both(
+        tmp_path, model, lambda: factory.cls_dataset(40), auto_find_batch_size=True, per_device_train_batch_size=16
+    )
+    hf, hl = trainers["hf"], trainers["hl"]
+    assert hf.state.train_batch_size == hl.state.train_batch_size == 10  # 16 -> 14 -> 12 -> 10 (90% each time)
+    assert _losses(hl) == pytest.approx(_losses(hf), rel=1e-5)
+    assert hl.state.global_step == hf.state.global_step
+
+
+def test_auto_find_batch_size_off_reports_the_error(tmp_path, factory):
+    torch.manual_seed(0)
+    args = hflight.TrainingArguments(str(tmp_path), **{**COMMON, "per_device_train_batch_size": 16})
+    trainer = hflight.Trainer(
+        _SmallMemoryModel(factory.config(num_labels=3)), args, train_dataset=factory.cls_dataset(40)
+    )
+    with pytest.raises(torch.OutOfMemoryError):
+        trainer.train()
+
+
+def test_find_executable_batch_size_gives_up_at_zero_and_passes_other_errors():
+    sizes = []
+
+    def always_out_of_memory(batch_size):
+        sizes.append(batch_size)
+        raise RuntimeError("CUDA out of memory. Tried to allocate 1 GiB")
+
+    with pytest.raises(RuntimeError, match="No executable batch size found, reached zero"):
+        memory.find_executable_batch_size(always_out_of_memory, 4, enabled=True)
+    assert sizes == [4, 3, 2, 1]
+    with pytest.raises(ValueError, match="unrelated"):
+        memory.find_executable_batch_size(lambda b: (_ for _ in ()).throw(ValueError("unrelated")), 8, enabled=True)
+    assert memory.is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried 1 TB"))
+    assert not memory.is_out_of_memory(RuntimeError("shape mismatch"))
+
+
+# ---- neftune, debug, empty cache -----------------------------------------------------------------------------------
+def test_neftune_noise_trains_as_transformers_and_is_removed_after(tmp_path, factory):
+    trainers = _train_both(tmp_path, factory.cls_model, lambda: factory.cls_dataset(16), neftune_noise_alpha=5.0)
+    hf, hl = trainers["hf"], trainers["hl"]
+    assert _losses(hl) == pytest.approx(_losses(hf), rel=1e-6)
+    plain = _train_both(tmp_path / "plain", factory.cls_model, lambda: factory.cls_dataset(16))["hl"]
+    assert _losses(hl)[1:] != pytest.approx(_losses(plain)[1:], rel=1e-6)  # the noise changed training
+    embeddings = hl.model.get_input_embeddings()
+    assert not embeddings._forward_hooks  # removed when train() returned, as transformers removes it
+    assert hl.neftune_noise_alpha == 5.0
+
+
+def test_debug_underflow_overflow_reports_the_first_inf_as_transformers(tmp_path, factory):
+    errors = {}
+    for name, trainer_cls, args_cls in PAIRS:
+        model = factory.cls_model()
+        with torch.no_grad():
+            model.bert.encoder.layer[1].output.dense.weight[0, 0] = float("inf")
+        args = args_cls(str(tmp_path / name), **{**COMMON, "debug": "underflow_overflow"})
+        trainer = trainer_cls(model, args, train_dataset=factory.cls_dataset(8))
+        with pytest.raises(ValueError) as info:
+            trainer.train()
+        errors[name] = str(info.value)
+        assert any(
+            isinstance(getattr(h, "__self__", None), DebugUnderflowOverflow) for h in model._forward_hooks.values()
+        )
+    assert "inf/nan detected" in errors["hl"] and errors["hl"] == errors["hf"]
+
+
+def test_torch_empty_cache_steps_empties_when_transformers_does(tmp_path, factory, monkeypatch):
+    calls = {"hf": [], "hl": []}
+    current = {}
+    monkeypatch.setattr(
+        transformers.trainer, "clear_device_cache", lambda *a, **k: calls["hf"].append(current["t"].state.global_step)
+    )
+    monkeypatch.setattr(memory, "empty_device_cache", lambda: calls["hl"].append(current["t"].state.global_step))
+    for name, trainer_cls, args_cls in PAIRS:
+        args = args_cls(
+            str(tmp_path / name), **{**COMMON, "torch_empty_cache_steps": 2, "gradient_accumulation_steps": 2}
+        )
+        current["t"] = trainer_cls(factory.cls_model(), args, train_dataset=factory.cls_dataset(24))
+        current["t"].train()
+    assert calls["hl"] == calls["hf"] and calls["hl"]  # per micro-batch, on the steps divisible by 2
+
+
+def test_use_cache_is_written_to_the_model_config(tmp_path, factory):
+    for value in (False, True):
+        hf_model, hl_model = factory.cls_model(), factory.cls_model()
+        transformers.Trainer(hf_model, transformers.TrainingArguments(str(tmp_path), use_cache=value, report_to="none"))
+        hflight.Trainer(hl_model, hflight.TrainingArguments(str(tmp_path), use_cache=value, report_to="none"))
+        assert hl_model.config.use_cache is hf_model.config.use_cache is value
+
+
+def test_bf16_full_eval_evaluates_in_bfloat16_as_transformers(tmp_path, factory):
+    results = {}
+    for name, trainer_cls, args_cls in PAIRS:
+        model = factory.cls_model()
+        args = args_cls(str(tmp_path / name), **{**COMMON, "bf16_full_eval": True, "use_cpu": True})
+        results[name] = trainer_cls(model, args, eval_dataset=factory.cls_dataset(16)).evaluate()["eval_loss"]
+        assert next(model.parameters()).dtype == torch.bfloat16  # as transformers, the model stays cast
+    assert results["hl"] == pytest.approx(results["hf"], rel=1e-3)
+
+
+def test_torch_compile_trains_through_the_compiled_model(tmp_path, factory):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    compiled = _train_both(
+        tmp_path, factory.cls_model, lambda: factory.cls_dataset(16), torch_compile=True, torch_compile_backend="eager"
+    )["hl"]
+    frames = torch._dynamo.utils.counters["frames"]["ok"]
+    plain = _train_both(tmp_path / "plain", factory.cls_model, lambda: factory.cls_dataset(16))["hl"]
+    assert frames > 0  # dynamo traced the training forward
+    assert _losses(compiled) == pytest.approx(_losses(plain), rel=1e-5)
+
+
+# ---- data loading, processes --------------------------------------------------------------------------------------
+def test_dataloader_multiprocessing_context_and_order_reach_the_loader(tmp_path, factory):
+    args = hflight.TrainingArguments(
+        str(tmp_path), dataloader_num_workers=2, dataloader_multiprocessing_context="spawn",
+        dataloader_in_order=False, report_to="none",
+    )  # fmt: skip
+    loader = hflight.Trainer(factory.cls_model(), args, train_dataset=factory.cls_dataset(8)).get_train_dataloader()
+    assert loader.multiprocessing_context.get_start_method() == "spawn" and loader.in_order is False
+
+
+def test_process_roles_follow_log_on_each_node_and_save_on_each_node(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")  # the main process of the second node
+    args = hflight.TrainingArguments("o")
+    assert (args.process_index, args.local_process_index, args.world_size) == (2, 0, 4)
+    assert args.should_log and not args.should_save
+    assert hflight.TrainingArguments("o", save_on_each_node=True).should_save
+    assert not hflight.TrainingArguments("o", log_on_each_node=False).should_log
+    assert hflight.TrainingArguments("o").parallel_mode == transformers.training_args.ParallelMode.DISTRIBUTED
+
+
+def test_log_level_replica_sets_transformers_verbosity_on_replicas(tmp_path, factory, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    before = transformers.logging.get_verbosity()
+    try:
+        args = hflight.TrainingArguments(str(tmp_path), log_level="info", log_level_replica="error", report_to="none")
+        hflight.Trainer(factory.cls_model(), args)
+        assert transformers.logging.get_verbosity() == transformers.logging.ERROR
+    finally:
+        transformers.logging.set_verbosity(before)
+
+
+def test_join_parts_for_eval_use_gather_object():
+    joined = join_parts([(torch.ones(2, 3), ["a"]), (torch.zeros(1, 3), ["b", "c"])])
+    assert joined[0].shape == (3, 3) and joined[1] == ["a", "b", "c"]
+    assert join_parts([{"x": torch.tensor(1.0)}, {"x": torch.tensor(2.0)}])["x"].tolist() == [1.0, 2.0]
+
+
+# ---- distributed arguments as Lightning strategies ----------------------------------------------------------------
+def test_ddp_arguments_configure_lightning_s_ddp_strategy(monkeypatch):
+    from lightning.pytorch.strategies import DDPStrategy
+
+    args = hflight.TrainingArguments(
+        "o", strategy="ddp_spawn", ddp_find_unused_parameters=True, ddp_bucket_cap_mb=50, ddp_static_graph=False,
+        ddp_broadcast_buffers=False, ddp_backend="gloo", ddp_timeout=60,
+    )  # fmt: skip
+    strategy = lightning_kwargs.strategy_for(args)
+    assert isinstance(strategy, DDPStrategy) and strategy._start_method == "spawn"
+    assert strategy._ddp_kwargs == {"find_unused_parameters": True, "bucket_cap_mb": 50, "static_graph": False,
+                                    "broadcast_buffers": False}  # fmt: skip
+    assert strategy._process_group_backend == "gloo" and strategy._timeout == datetime.timedelta(seconds=60)
+    # One process: as in transformers, the DDP arguments change nothing; under torchrun they make the DDP strategy.
+    single = hflight.TrainingArguments("o", ddp_find_unused_parameters=True)
+    assert lightning_kwargs.strategy_for(single) == "auto"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert isinstance(lightning_kwargs.strategy_for(single), DDPStrategy)
+    assert lightning_kwargs.strategy_for(hflight.TrainingArguments("o", strategy="ddp")) == "ddp"
+
+
+def test_fsdp_arguments_configure_lightning_s_fsdp_strategy(factory):
+    from lightning.pytorch.strategies import FSDPStrategy
+    from transformers.models.bert.modeling_bert import BertLayer
+
+    model = factory.cls_model()
+    args = hflight.TrainingArguments(
+        "o", fsdp="shard_grad_op offload", fsdp_config={"transformer_layer_cls_to_wrap": ["BertLayer"],
+                                                        "activation_checkpointing": True}, ddp_timeout=120,
+    )  # fmt: skip
+    strategy = lightning_kwargs.strategy_for(args, model)
+    assert isinstance(strategy, FSDPStrategy)
+    assert strategy.sharding_strategy.name == "SHARD_GRAD_OP" and strategy.cpu_offload.offload_params
+    assert strategy.kwargs["auto_wrap_policy"]._module_classes == {BertLayer}
+    assert strategy._activation_checkpointing_kwargs  # BertLayer, as fsdp_config["activation_checkpointing"] asks
+    assert strategy._timeout == datetime.timedelta(seconds=120)
+    size_based = hflight.TrainingArguments("o", fsdp=True, fsdp_config={"auto_wrap_policy": "SIZE_BASED_WRAP",
+                                                                         "min_num_params": 1000})  # fmt: skip
+    assert strategy_settings.fsdp_settings(size_based, model)["auto_wrap_policy"].keywords == {"min_num_params": 1000}
+    with pytest.raises(ValueError, match="NoSuchLayer"):
+        lightning_kwargs.strategy_for(
+            hflight.TrainingArguments("o", fsdp=True, fsdp_config={"transformer_layer_cls_to_wrap": ["NoSuchLayer"]}),
+            model,
+        )
+    with pytest.raises(ValueError, match="each choose the Lightning strategy"):
+        hflight.TrainingArguments("o", fsdp=True, strategy="ddp")
+
+
+def test_deepspeed_argument_asks_lightning_for_its_deepspeed_strategy():
+    from types import SimpleNamespace
+
+    config = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto"}
+    args = SimpleNamespace(deepspeed=config, ddp_backend=None, ddp_timeout=1800)
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        with pytest.raises(Exception, match="deepspeed"):  # Lightning's own "install deepspeed" error
+            strategy_settings.deepspeed_strategy(args)
+    else:
+        assert strategy_settings.deepspeed_strategy(args).config == config
