@@ -40,6 +40,24 @@ class Factory:
     """Builds tiny BERT models from configs and small random datasets, deterministically."""
 
     VOCAB = 100
+    #: Arguments of short runs compared between transformers.Trainer and hflight.Trainer (one log entry per step).
+    PAIR_ARGS = dict(
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=8,
+        num_train_epochs=1,
+        learning_rate=1e-3,
+        logging_steps=1,
+        train_sampling_strategy="sequential",
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
+
+    @staticmethod
+    def pair_args(**overrides):
+        """:attr:`PAIR_ARGS` with ``overrides``."""
+        return {**Factory.PAIR_ARGS, **overrides}
 
     @staticmethod
     def config(dropout: float = 0.0, **overrides):

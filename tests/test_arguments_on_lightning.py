@@ -17,18 +17,6 @@ import hflight
 from hflight import lightning_kwargs, memory, strategy_settings
 from hflight.distributed import join_parts
 
-COMMON = dict(
-    per_device_train_batch_size=4,
-    per_device_eval_batch_size=8,
-    num_train_epochs=1,
-    learning_rate=1e-3,
-    logging_steps=1,
-    train_sampling_strategy="sequential",
-    report_to="none",
-    save_strategy="no",
-    disable_tqdm=True,
-    seed=0,
-)
 PAIRS = (
     ("hf", transformers.Trainer, transformers.TrainingArguments),
     ("hl", hflight.Trainer, hflight.TrainingArguments),
@@ -39,12 +27,12 @@ def _losses(trainer) -> list[float]:
     return [e["loss"] for e in trainer.state.log_history if "loss" in e]
 
 
-def _train_both(tmp_path, model_fn, dataset_fn, **args):
+def _train_both(tmp_path, factory, model_fn, dataset_fn, **args):
     trainers = {}
     for name, trainer_cls, args_cls in PAIRS:
         trainer = trainer_cls(
             model=model_fn(),
-            args=args_cls(output_dir=str(tmp_path / name), **{**COMMON, **args}),
+            args=args_cls(output_dir=str(tmp_path / name), **factory.pair_args(**args)),
             train_dataset=dataset_fn(),
         )
         trainer.train()
@@ -70,7 +58,12 @@ def test_auto_find_batch_size_shrinks_the_batch_as_transformers(tmp_path, factor
         return _SmallMemoryModel(factory.config(num_labels=3))
 
     trainers = _train_both(
-        tmp_path, model, lambda: factory.cls_dataset(40), auto_find_batch_size=True, per_device_train_batch_size=16
+        tmp_path,
+        factory,
+        model,
+        lambda: factory.cls_dataset(40),
+        auto_find_batch_size=True,
+        per_device_train_batch_size=16,
     )
     hf, hl = trainers["hf"], trainers["hl"]
     assert hf.state.train_batch_size == hl.state.train_batch_size == 10  # 16 -> 14 -> 12 -> 10 (90% each time)
@@ -80,7 +73,7 @@ def test_auto_find_batch_size_shrinks_the_batch_as_transformers(tmp_path, factor
 
 def test_auto_find_batch_size_off_reports_the_error(tmp_path, factory):
     torch.manual_seed(0)
-    args = hflight.TrainingArguments(str(tmp_path), **{**COMMON, "per_device_train_batch_size": 16})
+    args = hflight.TrainingArguments(str(tmp_path), **factory.pair_args(per_device_train_batch_size=16))
     trainer = hflight.Trainer(
         _SmallMemoryModel(factory.config(num_labels=3)), args, train_dataset=factory.cls_dataset(40)
     )
@@ -106,10 +99,12 @@ def test_find_executable_batch_size_gives_up_at_zero_and_passes_other_errors():
 
 # ---- neftune, debug, empty cache -----------------------------------------------------------------------------------
 def test_neftune_noise_trains_as_transformers_and_is_removed_after(tmp_path, factory):
-    trainers = _train_both(tmp_path, factory.cls_model, lambda: factory.cls_dataset(16), neftune_noise_alpha=5.0)
+    trainers = _train_both(
+        tmp_path, factory, factory.cls_model, lambda: factory.cls_dataset(16), neftune_noise_alpha=5.0
+    )
     hf, hl = trainers["hf"], trainers["hl"]
     assert _losses(hl) == pytest.approx(_losses(hf), rel=1e-6)
-    plain = _train_both(tmp_path / "plain", factory.cls_model, lambda: factory.cls_dataset(16))["hl"]
+    plain = _train_both(tmp_path / "plain", factory, factory.cls_model, lambda: factory.cls_dataset(16))["hl"]
     assert _losses(hl)[1:] != pytest.approx(_losses(plain)[1:], rel=1e-6)  # the noise changed training
     embeddings = hl.model.get_input_embeddings()
     assert not embeddings._forward_hooks  # removed when train() returned, as transformers removes it
@@ -122,7 +117,7 @@ def test_debug_underflow_overflow_reports_the_first_inf_as_transformers(tmp_path
         model = factory.cls_model()
         with torch.no_grad():
             model.bert.encoder.layer[1].output.dense.weight[0, 0] = float("inf")
-        args = args_cls(str(tmp_path / name), **{**COMMON, "debug": "underflow_overflow"})
+        args = args_cls(str(tmp_path / name), **factory.pair_args(debug="underflow_overflow"))
         trainer = trainer_cls(model, args, train_dataset=factory.cls_dataset(8))
         with pytest.raises(ValueError) as info:
             trainer.train()
@@ -142,7 +137,7 @@ def test_torch_empty_cache_steps_empties_when_transformers_does(tmp_path, factor
     monkeypatch.setattr(memory, "empty_device_cache", lambda: calls["hl"].append(current["t"].state.global_step))
     for name, trainer_cls, args_cls in PAIRS:
         args = args_cls(
-            str(tmp_path / name), **{**COMMON, "torch_empty_cache_steps": 2, "gradient_accumulation_steps": 2}
+            str(tmp_path / name), **factory.pair_args(torch_empty_cache_steps=2, gradient_accumulation_steps=2)
         )
         current["t"] = trainer_cls(factory.cls_model(), args, train_dataset=factory.cls_dataset(24))
         current["t"].train()
@@ -161,7 +156,7 @@ def test_bf16_full_eval_evaluates_in_bfloat16_as_transformers(tmp_path, factory)
     results = {}
     for name, trainer_cls, args_cls in PAIRS:
         model = factory.cls_model()
-        args = args_cls(str(tmp_path / name), **{**COMMON, "bf16_full_eval": True, "use_cpu": True})
+        args = args_cls(str(tmp_path / name), **factory.pair_args(bf16_full_eval=True, use_cpu=True))
         results[name] = trainer_cls(model, args, eval_dataset=factory.cls_dataset(16)).evaluate()["eval_loss"]
         assert next(model.parameters()).dtype == torch.bfloat16  # as transformers, the model stays cast
     assert results["hl"] == pytest.approx(results["hf"], rel=1e-3)
@@ -172,10 +167,15 @@ def test_torch_compile_trains_through_the_compiled_model(tmp_path, factory):
 
     torch._dynamo.reset()
     compiled = _train_both(
-        tmp_path, factory.cls_model, lambda: factory.cls_dataset(16), torch_compile=True, torch_compile_backend="eager"
+        tmp_path,
+        factory,
+        factory.cls_model,
+        lambda: factory.cls_dataset(16),
+        torch_compile=True,
+        torch_compile_backend="eager",
     )["hl"]
     frames = torch._dynamo.utils.counters["frames"]["ok"]
-    plain = _train_both(tmp_path / "plain", factory.cls_model, lambda: factory.cls_dataset(16))["hl"]
+    plain = _train_both(tmp_path / "plain", factory, factory.cls_model, lambda: factory.cls_dataset(16))["hl"]
     assert frames > 0  # dynamo traced the training forward
     assert _losses(compiled) == pytest.approx(_losses(plain), rel=1e-5)
 

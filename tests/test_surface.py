@@ -16,18 +16,6 @@ import transformers
 import hflight
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-COMMON = dict(
-    per_device_train_batch_size=4,
-    per_device_eval_batch_size=8,
-    num_train_epochs=1,
-    learning_rate=1e-3,
-    logging_steps=1,
-    train_sampling_strategy="sequential",
-    report_to="none",
-    save_strategy="no",
-    disable_tqdm=True,
-    seed=0,
-)
 
 
 def listed_differences() -> dict[str, str]:
@@ -90,7 +78,7 @@ def _pair(tmp_path, factory, trainer_kwargs=None, **args):
     ):
         trainer = trainer_cls(
             model=factory.cls_model(),
-            args=args_cls(output_dir=str(tmp_path / name), **{**COMMON, **args}),
+            args=args_cls(output_dir=str(tmp_path / name), **factory.pair_args(**args)),
             train_dataset=factory.cls_dataset(24),
             eval_dataset=factory.cls_dataset(20, seed=1),
             **(trainer_kwargs or {}),
@@ -161,7 +149,7 @@ def test_overridden_protected_methods_are_called_at_transformers_moments(tmp_pat
         ("hl", hflight.Trainer, hflight.TrainingArguments),
     ):
         records[name] = []
-        args = args_cls(str(tmp_path / name), **{**COMMON, "gradient_accumulation_steps": 2})
+        args = args_cls(str(tmp_path / name), **factory.pair_args(gradient_accumulation_steps=2))
         trainer = subclass(base, records[name])(factory.cls_model(), args, train_dataset=factory.cls_dataset(20))
         trainer.train()
         losses[name] = [e["loss"] for e in trainer.state.log_history if "loss" in e]
@@ -190,7 +178,7 @@ def test_accelerator_backward_in_a_custom_training_step(tmp_path, factory):
         ("hf", transformers.Trainer, transformers.TrainingArguments),
         ("hl", hflight.Trainer, hflight.TrainingArguments),
     ):
-        args = args_cls(str(tmp_path / name), **COMMON)
+        args = args_cls(str(tmp_path / name), **factory.pair_args())
         trainer = subclass(base)(factory.cls_model(), args, train_dataset=factory.cls_dataset(16))
         trainer.train()
         losses[name] = [e["loss"] for e in trainer.state.log_history if "loss" in e]
@@ -222,7 +210,7 @@ def test_set_initial_training_values_equals_transformers(tmp_path, factory):
     values = []
     for trainer_cls, args_cls in ((transformers.Trainer, transformers.TrainingArguments),
                                   (hflight.Trainer, hflight.TrainingArguments)):  # fmt: skip
-        args = args_cls(str(tmp_path), **{**COMMON, "gradient_accumulation_steps": 3, "num_train_epochs": 2.5})
+        args = args_cls(str(tmp_path), **factory.pair_args(gradient_accumulation_steps=3, num_train_epochs=2.5))
         trainer = trainer_cls(factory.cls_model(), args, train_dataset=factory.cls_dataset(30))
         values.append(trainer.set_initial_training_values(args, trainer.get_train_dataloader()))
     assert values[1] == values[0]
