@@ -131,7 +131,14 @@ class TrainingArguments(HFTrainingArguments):
         for name, (enum_cls, choices) in _CHOICES.items():
             setattr(self, name, _check_choice(name, getattr(self, name), enum_cls, choices()))
         _check_lower_bounds(self)
+        # An optimizer a backend registered (e.g. ONNX Runtime's "adamw_ort_fused") is no transformers
+        # OptimizerNames member; transformers' __post_init__ converts `optim` to that enum, so it sees a stand-in.
+        backend_optim = None if isinstance(self.optim, OptimizerNames) else self.optim
+        if backend_optim is not None:
+            self.optim = OptimizerNames.ADAMW_TORCH
         super().__post_init__()
+        if backend_optim is not None:
+            self.optim = backend_optim
         _reject_unsupported(self)
 
     def _validate_args(self) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hflight import cli
+from hflight import TrainingArguments, cli
 from hflight.config import compose
 from hflight.qa.recipe import MRCRecipe, MRCRun
 from hflight.qa.synthetic import write_squad_files
@@ -118,11 +118,10 @@ def test_the_task_node_builds_the_recipe(tmp_path):
     overrides = ["data.synthetic.num_train_articles=2", "data.synthetic.num_validation_articles=1", *SMALL_MODEL]
     cfg = compose(["+experiment=mrc", *overrides], output_dir=tmp_path)
     from hydra.utils import instantiate
-    from omegaconf import OmegaConf
 
     recipe = instantiate(cfg.task)
     assert isinstance(recipe, MRCRecipe) and recipe.settings["n_best_size"] == 20
-    run = recipe.setup(cfg, OmegaConf.to_object(cfg.args), [])
+    run = recipe.setup(cfg, TrainingArguments.from_config(cfg.args), [])
     assert isinstance(run, MRCRun)
     assert run.trainer.eval_examples is run.examples["validation"]
     assert run.num_samples("validation") == len(run.features["validation"]) >= len(run.examples["validation"])
