@@ -1,4 +1,4 @@
-"""The quickstart: train and evaluate a small BERT with hflight, offline, on CPU, in about 20 seconds.
+"""The quickstart: train and evaluate a small BERT with hflight, offline, on CPU, in under a minute.
 
     python examples/quickstart.py
 
@@ -30,7 +30,7 @@ def accuracy(prediction) -> dict[str, float]:
 def main() -> None:
     config = BertConfig(vocab_size=200, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                         intermediate_size=64, max_position_embeddings=64, num_labels=3)  # fmt: skip
-    args = TrainingArguments(output_dir="outputs/quickstart", per_device_train_batch_size=32, num_train_epochs=4,
+    args = TrainingArguments(output_dir="outputs/quickstart", per_device_train_batch_size=32, num_train_epochs=3,
                              learning_rate=2e-3, warmup_steps=0.1, weight_decay=0.01, eval_strategy="epoch",
                              logging_steps=8, save_strategy="no", report_to="none", accelerator="auto",
                              devices="auto")  # fmt: skip
