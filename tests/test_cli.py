@@ -1,11 +1,11 @@
-"""The Hydra entry point: train.py / hflight-train in child processes (single run, multirun, Optuna sweep, mistakes)
-and ``hflight.cli.train`` on a composed config, as a notebook uses it. Every run is tiny: a few synthetic
-articles, a 32-wide BERT and a handful of steps."""
+"""The Hydra entry point: train.py / hflight-train in child processes (an explicit sweep folder, mistakes, signals)
+and ``hflight.cli.train`` on a composed config, as a notebook uses it; the backend check before any data work and
+the backend named under the final metrics. Every run is tiny: a few synthetic articles, a 32-wide BERT and a
+handful of steps. The README's own commands run in tests/test_readme_commands.py."""
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import signal
@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from hflight import cli
 from hflight.checkpoint import verify_checkpoint
@@ -83,22 +82,8 @@ def _check_run_dir(run_dir: Path, v2: bool = False, hydra: bool = True) -> dict:
 
 
 # ---- the real entry points, in child processes ---------------------------------------------------------------------
-@pytest.mark.subprocess
-@pytest.mark.slow
-def test_single_run_writes_results_into_the_hydra_run_dir(tmp_path):
-    run_dir = tmp_path / "run"
-    proc = _run(*TINY, f"hydra.run.dir={run_dir}")
-    results = _check_run_dir(run_dir)
-    assert 0 <= results["eval_f1"] <= 100 and 0 <= results["eval_exact_match"] <= 100
-    config = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())
-    assert config["task_name"] == "mrc" and config["args"]["num_train_epochs"] == 2  # the override
-    assert "args.num_train_epochs=2" in (run_dir / ".hydra" / "overrides.yaml").read_text()
-    assert (run_dir / "data" / "train.json").is_file()  # the synthetic data, generated into the run
-    assert "Final metrics" in proc.stdout and "eval_exact_match" in proc.stdout
-    log = (run_dir / "mrc.log").read_text()
-    assert "Instantiating trainer <hflight.qa.trainer.MRCTrainer>" in log
-
-
+# The README's own commands (main job, sweep, Optuna, trainer=ort/ipu, torchrun, hflight-train from another folder)
+# run as written in tests/test_readme_commands.py; these are the cases the README does not show.
 @pytest.mark.subprocess
 @pytest.mark.slow
 def test_multirun_gives_each_job_its_own_directory_and_results(tmp_path):
@@ -113,26 +98,6 @@ def test_multirun_gives_each_job_its_own_directory_and_results(tmp_path):
     assert (sweep / "1" / "eval_null_odds.json").is_file() and not (sweep / "0" / "eval_null_odds.json").exists()
     squad = json.loads((sweep / "1" / "data" / "validation.json").read_text())
     assert any(qa.get("is_impossible") for article in squad["data"] for p in article["paragraphs"] for qa in p["qas"])
-
-
-@pytest.mark.subprocess
-@pytest.mark.slow
-def test_optuna_sweep_reports_the_best_trial(tmp_path):
-    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="pip install 'hflight[optuna]'")
-    sweep = tmp_path / "optuna"
-    proc = _run(
-        *TINY,
-        "args.num_train_epochs=1",
-        "+hparams_search=mrc_optuna",
-        "hydra.sweeper.n_trials=2",
-        "hydra.sweeper.sampler.n_startup_trials=2",
-        f"hydra.sweep.dir={sweep}",
-    )
-    best = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
-    assert best["name"] == "optuna" and "args.learning_rate" in best["best_params"]
-    values = [json.loads((sweep / job / "eval_results.json").read_text())["eval_f1"] for job in "01"]
-    assert math.isclose(best["best_value"], max(values), rel_tol=1e-6)
-    assert "Best value" in proc.stdout + proc.stderr
 
 
 @pytest.mark.subprocess
@@ -190,6 +155,46 @@ def test_metrics_table_is_readable():
     assert lines[0] == "Final metrics"
     assert len({len(line) for line in lines[1:]}) == 1  # aligned box
     assert any("eval_f1" in line and "91.25" in line for line in lines)
+
+
+def test_a_backend_that_cannot_start_fails_before_any_data_work(tmp_path):
+    """trainer=ipu without poptorch: the IPU backend's own message, and no data generated or tokenized yet."""
+    from hflight.ipu.runtime import poptorch_available
+
+    if poptorch_available():
+        pytest.skip("poptorch is importable here")
+    cfg = compose(["+experiment=mrc", "trainer=ipu"], output_dir=tmp_path)
+    with pytest.raises(ModuleNotFoundError, match="The IPU backend needs poptorch"):
+        cli.train(cfg)
+    assert not (tmp_path / "data").exists() and not (tmp_path / "tokenizer").exists()
+
+
+def test_no_gpu_fails_before_any_data_work_as_one_message(tmp_path):
+    import torch
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is available here")
+    cfg = compose(["+experiment=mrc", "trainer=gpu"], output_dir=tmp_path)
+    with pytest.raises(MisconfigurationException) as raised:
+        cli.train(cfg)
+    assert isinstance(raised.value, cli.USER_ERRORS)  # reported as its message, without a traceback
+    assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.parametrize(
+    ("strategy", "named"),
+    [
+        ("ort", "Evaluated with strategy 'ort' (ONNX Runtime evaluation, ORTModule training where installed"),
+        ("auto", "Evaluated with strategy 'single_device', accelerator 'cpu', precision 32-true"),
+    ],
+)
+def test_final_metrics_name_the_backend_that_evaluated(tmp_path, capsys, strategy, named):
+    pytest.importorskip("onnxruntime")
+    overrides = [*TINY, "args.num_train_epochs=1", "args.accelerator=cpu", f"args.strategy={strategy}"]
+    cli.train(compose(overrides, output_dir=tmp_path))
+    table = capsys.readouterr().out
+    assert f"Final metrics ({tmp_path})\n{named}" in table
 
 
 def test_no_data_is_a_clear_error(tmp_path):

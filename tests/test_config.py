@@ -256,7 +256,34 @@ def test_compose_gives_a_self_contained_config(tmp_path):
     assert first.args.output_dir == str(tmp_path / "a")  # unaffected by the second compose
     assert second.model.tokenizer_trainer.output_dir == str(tmp_path / "b" / "tokenizer")
     default = compose([])
-    assert Path(default.paths.output_dir).parent == Path(default.paths.log_dir) / "train" / "runs"
+    assert Path(default.paths.output_dir).parent == Path(default.paths.log_dir).resolve() / "train" / "runs"
+
+
+# ---- where runs go -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("overrides", [["+experiment=mrc"], ["+experiment=mrc", "+hparams_search=mrc_optuna"]])
+def test_sweep_folder_resolves_where_hydra_resolves_it(tmp_path, monkeypatch, overrides):
+    """Hydra's launcher and the Optuna sweeper read hydra.sweep.dir outside of any job, before Hydra's runtime
+    config is set: the folders may depend on nothing that only a job has (``${hydra:runtime.cwd}`` did)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    monkeypatch.chdir(tmp_path)
+    with initialize_config_dir(config_dir=str(CONF), version_base=VERSION_BASE):
+        cfg = hydra_compose("train", overrides=overrides, return_hydra_config=True)
+    monkeypatch.setattr(HydraConfig.instance(), "cfg", None)  # as in the launcher, before the first job
+    sweep = Path(cfg.hydra.sweep.dir)
+    assert not sweep.is_absolute() and sweep.parent == Path("outputs/mrc/multiruns")
+    monkeypatch.setenv("HFLIGHT_ROOT", str(tmp_path / "elsewhere"))
+    assert Path(cfg.hydra.sweep.dir).parent == tmp_path / "elsewhere" / "outputs" / "mrc" / "multiruns"
+
+
+def test_compose_puts_runs_where_the_command_line_does(tmp_path, monkeypatch):
+    """``outputs/<task_name>/runs/<date>_<time>`` below the working directory, or below ``$HFLIGHT_ROOT``."""
+    monkeypatch.chdir(tmp_path)
+    cfg = compose(["+experiment=mrc"])
+    assert Path(cfg.paths.output_dir).parent == tmp_path / "outputs" / "mrc" / "runs"
+    assert cfg.args.output_dir == cfg.paths.output_dir == cfg.model.tokenizer_trainer.output_dir[: -len("/tokenizer")]
+    monkeypatch.setenv("HFLIGHT_ROOT", str(tmp_path / "root"))
+    assert Path(compose([]).paths.output_dir).parent == tmp_path / "root" / "outputs" / "train" / "runs"
 
 
 def test_model_revision_accepts_both_names():

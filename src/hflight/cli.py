@@ -29,11 +29,13 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import CompactHydraException, HydraException
 from hydra.types import RunMode
 from hydra.utils import instantiate
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from hflight.config import PRIMARY_CONFIG, VERSION_BASE, find_config_dir
 from hflight.interrupt import TrainingInterrupted, signal_name, terminate_on_signals
+from hflight.lightning_kwargs import check_hardware, describe_backend
 from hflight.training_args import TrainingArguments
 
 __all__ = ["TaskRun", "main", "run", "train"]
@@ -79,6 +81,9 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     from transformers.trainer_pt_utils import metrics_format
 
     _set_cpu_threads(cfg.get("cpu_threads"))
+    # A backend that cannot start here (no poptorch for trainer=ipu, no GPU for trainer=gpu) fails now, with its own
+    # message, not after the data has been generated and tokenized.
+    check_hardware(args)
     set_seed(args.seed)  # before the model is initialised, as run_qa.py
     log.info(f"Instantiating task <{cfg.task._target_}>")
     task = instantiate(cfg.task)
@@ -108,7 +113,9 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
         metrics.update(predict_metrics)
 
     if metrics and trainer.is_world_process_zero():
-        print(format_metrics_table(metrics_format(metrics), f"Final metrics ({args.output_dir})"))
+        ran = "Evaluated" if args.do_eval or args.do_predict else "Trained"
+        title = f"Final metrics ({args.output_dir})\n{ran} with {describe_backend(trainer.lightning_trainer)}"
+        print(format_metrics_table(metrics_format(metrics), title))
     objects = dict(args=args, callbacks=callbacks, task=task, trainer=trainer, **built.objects)
     return metrics, objects
 
@@ -205,7 +212,7 @@ def optimized_value(metrics: Mapping[str, float], name: str | None) -> float | N
 
 
 def format_metrics_table(metrics: Mapping[str, Any], title: str) -> str:
-    """A boxed two-column table of ``metrics`` under ``title``."""
+    """A boxed two-column table of ``metrics`` under ``title`` (which may span several lines)."""
     rows = [(str(k), str(v)) for k, v in metrics.items()]
     kw = max(len("metric"), *(len(k) for k, _ in rows))
     vw = max(len("value"), *(len(v) for _, v in rows))
@@ -232,7 +239,16 @@ def _run_dir(cfg: DictConfig) -> Path:
 
 
 #: Failures caused by the configuration, the data or a checkpoint (reported by their message, not a traceback).
-USER_ERRORS = (ValueError, TypeError, KeyError, OSError, ImportError, OmegaConfBaseException, HydraException)
+USER_ERRORS = (
+    ValueError,
+    TypeError,
+    KeyError,
+    OSError,
+    ImportError,
+    OmegaConfBaseException,
+    HydraException,
+    MisconfigurationException,  # Lightning's: e.g. trainer=gpu where no GPU is available
+)
 
 
 class RunFailed(CompactHydraException):

@@ -188,11 +188,11 @@ def compose(
     directory = find_config_dir(config_dir)
     with initialize_config_dir(config_dir=str(directory), version_base=VERSION_BASE, job_name=config_name):
         cfg = hydra_compose(config_name=config_name, overrides=list(overrides), return_hydra_config=True)
-    HydraConfig.instance().set_config(cfg)  # resolves ${hydra:runtime.cwd} and friends below
+    # hydra.run.dir is relative to the working directory, made absolute here as Hydra's run_job does
     run_dir = os.path.abspath(output_dir if output_dir is not None else cfg.hydra.run.dir)
     with read_write(cfg.hydra.runtime):
         cfg.hydra.runtime.output_dir = run_dir
-    HydraConfig.instance().set_config(cfg)
+    HydraConfig.instance().set_config(cfg)  # resolves ${hydra:runtime.output_dir} (paths.output_dir) below
     with open_dict(cfg):
         if "paths" in cfg:
             cfg.paths = OmegaConf.create(OmegaConf.to_container(cfg.paths, resolve=True))

