@@ -23,3 +23,19 @@ def poptorch_double(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     monkeypatch.setitem(sys.modules, "poptorch.optim", module.optim)
     monkeypatch.setitem(sys.modules, "poptorch.enums", module.enums)
     yield module
+
+
+@pytest.fixture
+def executors(poptorch_double, monkeypatch):
+    """Every PoplarExecutor the run creates, kept after teardown for inspection."""
+    created = []
+    for name in ("trainingModel", "inferenceModel"):
+        original = getattr(poptorch_double, name)
+
+        def spy(*args, _original=original, **kwargs):
+            executor = _original(*args, **kwargs)
+            created.append(executor)
+            return executor
+
+        monkeypatch.setattr(poptorch_double, name, spy)
+    return created
