@@ -107,6 +107,11 @@ def test_float16_by_default(poptorch_double, factory, tmp_path):
     trainer.train()
     assert next(model.parameters()).dtype == torch.float16  # halved on the host, as optimum-graphcore does
     assert trainer.optimizer.accum_type == torch.float16
+    assert trainer.optimizer.second_order_momentum_accum_type == torch.float32  # optimum-graphcore's
+    # float32 second moments: with float16 ones, Adam's eps=1e-8 underflows and unused embedding rows became NaN
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert losses and all(0 < loss < 10 for loss in losses)
 
 
 def test_compile_only_compiles_offline_and_stops(poptorch_double, factory, tmp_path, monkeypatch):
