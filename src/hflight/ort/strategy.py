@@ -51,8 +51,8 @@ class _ORTModuleTraining(nn.Module):
         self.wrapped = model
         self.ort_module = ortmodule_cls(model)
 
-    def forward(self, **inputs: Any) -> Any:
-        return _clone_tensors(self.ort_module(**inputs))
+    def forward(self, *args: Any, **inputs: Any) -> Any:
+        return _clone_tensors(self.ort_module(*args, **inputs))
 
 
 def _clone_tensors(value: Any) -> Any:
@@ -80,6 +80,8 @@ class ORTStrategy(SingleDeviceStrategy, HFBackend):
         exporter: ``"torchscript"`` (default) or ``"dynamo"``.
         providers: ONNX Runtime execution providers (default: CUDA when the model is on a GPU and ORT has it).
         device: the device (default: the accelerator's first; several devices need a DDP strategy).
+        loss_module: ``model -> module`` that training runs instead of the model (``ORTTrainer``'s
+            ``ModuleWithLoss``, whose forward computes the loss: ORTModule then exports the loss too).
     """
 
     strategy_name = "ort"
@@ -92,6 +94,7 @@ class ORTStrategy(SingleDeviceStrategy, HFBackend):
         exporter: str = "torchscript",
         providers: list[str] | None = None,
         device: str | torch.device | None = None,
+        loss_module: Callable[[nn.Module], nn.Module] | None = None,
         accelerator: Any = None,
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
@@ -117,6 +120,7 @@ class ORTStrategy(SingleDeviceStrategy, HFBackend):
         self.quantize = quantize
         self.exporter = exporter
         self.providers = providers
+        self.loss_module = loss_module
         self._device = torch.device(device) if device is not None else None
         self._training_model: _ORTModuleTraining | None = None
 
@@ -146,18 +150,30 @@ class ORTStrategy(SingleDeviceStrategy, HFBackend):
 
     @override
     def hf_training_model(self, model: nn.Module) -> Callable[..., Any]:
+        trained = self.loss_module(model) if self.loss_module is not None else model
         if self.ortmodule is None:
-            return model
-        if self._training_model is None or self._training_model.wrapped is not model:
+            return trained
+        if self._training_model is None or self._training_model.wrapped is not trained:
             config = getattr(model, "config", None)
             if getattr(config, "_attn_implementation", None) == "sdpa" and _attention_dropout(config) > 0:
                 # ORTModule cannot export SDPA with attention dropout; eager attention computes the same function.
                 log.info("ORTStrategy: switching %s to eager attention for ORTModule.", type(model).__name__)
                 model.set_attn_implementation("eager")
-            self._training_model = _ORTModuleTraining(model, self.ortmodule)
+            self._training_model = _ORTModuleTraining(trained, self.ortmodule)
         return self._training_model
 
     # ---- evaluation --------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def inference_through_ort(self, enabled: bool) -> Iterator[None]:
+        """Evaluate and predict through ONNX Runtime (True) or in eager PyTorch (False) inside this context."""
+        if enabled:
+            require_onnxruntime()
+        previous, self.inference = self.inference, enabled
+        try:
+            yield
+        finally:
+            self.inference = previous
+
     @override
     @contextlib.contextmanager
     def hf_evaluation_model(self, model: nn.Module, label_names: list[str]) -> Iterator[Callable[..., Any]]:
