@@ -3,8 +3,9 @@
 Evaluation and prediction (``inference=True``): at each evaluation the model's current weights (the averaged ones
 when an ``EMACallback`` is attached: the facade swaps them in first) are exported to ONNX, only when they changed
 since the last export, and the batches run in an ``onnxruntime.InferenceSession``; the torch module is untouched
-and the loss is computed in torch from the session's logits (see ``hflight.ort.session``). ``quantize="dynamic"``
-evaluates an int8 copy of the graph.
+and the loss is computed in torch from the session's logits (see ``hflight.ort.session``). The session's outputs are
+compared with the eager model's on the first batch after each export and on the first batch of each new input shape
+(``check_outputs``; ``hflight.ort.checks``). ``quantize="dynamic"`` evaluates an int8 copy of the graph.
 
 Training (``training="auto"``): where ``onnxruntime.training`` is importable (the torch-2.6 environment of
 ``requirements/ortmodule.txt``), the fit runs the model through ``ORTModule``; the facade keeps the plain model, so
@@ -82,6 +83,8 @@ class ORTStrategy(SingleDeviceStrategy, HFBackend):
         device: the device (default: the accelerator's first; several devices need a DDP strategy).
         loss_module: ``model -> module`` that training runs instead of the model (``ORTTrainer``'s
             ``ModuleWithLoss``, whose forward computes the loss: ORTModule then exports the loss too).
+        check_outputs: compare ONNX Runtime's outputs with eager PyTorch's after each export (see
+            ``hflight.ort.checks``); a difference beyond the tolerance raises ``ORTMismatchError``.
     """
 
     strategy_name = "ort"
@@ -95,6 +98,7 @@ class ORTStrategy(SingleDeviceStrategy, HFBackend):
         providers: list[str] | None = None,
         device: str | torch.device | None = None,
         loss_module: Callable[[nn.Module], nn.Module] | None = None,
+        check_outputs: bool = True,
         accelerator: Any = None,
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
@@ -121,6 +125,7 @@ class ORTStrategy(SingleDeviceStrategy, HFBackend):
         self.exporter = exporter
         self.providers = providers
         self.loss_module = loss_module
+        self.check_outputs = check_outputs
         self._device = torch.device(device) if device is not None else None
         self._training_model: _ORTModuleTraining | None = None
 
@@ -188,6 +193,7 @@ class ORTStrategy(SingleDeviceStrategy, HFBackend):
                 model, label_names, exporter=self.exporter, quantize=self.quantize, providers=self.providers
             )
         session.refresh()  # re-export on the first batch if training (or an average) changed the weights
+        session.check_outputs = self.check_outputs
         yield session
 
     @classmethod
