@@ -105,8 +105,9 @@ def test_tracer_warnings_are_reported_once(tmp_path, caplog):
 
 
 def test_every_new_input_shape_is_checked_once(factory, tmp_path):
-    """Dynamic padding: each new sequence length gets one eager comparison; repeated lengths are not compared
-    again; the traced batch reuses the eager outputs of the export."""
+    """Dynamic padding: each new sequence length gets one eager comparison, the traced batch reuses the export's eager
+    outputs; after a re-export (new weights) only the traced batch is compared again: a branch on shapes is the same
+    in every export, so known lengths are not compared again."""
     model = factory.cls_model()
     dataset = Rows(lengths=[8, 12, 8, 12, 20], values=[5, 6, 7, 8, 9])
     ort = predict(model, dataset, tmp_path)
@@ -116,6 +117,12 @@ def test_every_new_input_shape_is_checked_once(factory, tmp_path):
     assert (session.export_count, session.check_count) == (1, 3)
     predict(model, dataset, tmp_path)
     assert session.check_count == 3  # same export, shapes already compared
+    with torch.no_grad():
+        model.classifier.bias.add_(0.5)
+    predict(model, dataset, tmp_path)
+    assert (session.export_count, session.check_count) == (2, 4)
+    predict(model, Rows(lengths=[16], values=[5]), tmp_path)
+    assert session.check_count == 5
 
 
 def test_quantized_sessions_check_their_float32_graph(factory, tmp_path):
@@ -126,15 +133,15 @@ def test_quantized_sessions_check_their_float32_graph(factory, tmp_path):
     assert session.check_count == 2 and session._reference is not session.session
 
 
-def test_an_operator_onnx_cannot_express_is_named_once(tmp_path, capfd):
+def test_an_operator_onnx_cannot_express_is_named_once(tmp_path, monkeypatch):
+    dumped = []  # torch's ONNX log, which prints the whole graph to stderr when an export fails
+    monkeypatch.setattr(torch._C, "_jit_onnx_log", lambda *args: dumped.append(args))
     with pytest.raises(ORTExportError) as raised:
         predict(EighModel(), Rows(lengths=[6], values=[3]), tmp_path)
     message = str(raised.value)
-    assert message.startswith(
-        "EighModel cannot be evaluated through ONNX Runtime: it uses the operator aten::linalg_eigh"
-    )
+    assert message.startswith("EighModel cannot be evaluated through ONNX Runtime: it uses the operator aten::linalg_")
     assert "ORTStrategy(inference=False) or strategy='auto'" in message
-    assert "Torch IR graph at exception" not in capfd.readouterr().err  # torch's graph dump stays off the console
+    assert dumped == []  # no "Torch IR graph at exception: ..." dump before the one message
 
 
 def test_the_tolerance_scales_with_the_output():

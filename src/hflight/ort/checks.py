@@ -2,11 +2,12 @@
 and how hflight says so.
 
 - **Outputs compared with eager PyTorch.** The TorchScript exporter records one run of the model: Python control flow
-  on tensor values (``if input_ids.sum() > 1000:``), or on shapes, is frozen into the branch that run took. After every
-  export, :class:`~hflight.ort.session.ORTEvaluationModel` runs the eager model on the first batch and on the first
-  batch of each new input shape (a new sequence length) and compares: :func:`check_outputs` raises
-  :class:`ORTMismatchError`, naming the model, the output and the largest difference, when any value differs by more
-  than :data:`TOLERANCES` allow.
+  on tensor values (``if input_ids.sum() > 1000:``), or on shapes, is frozen into the branch that run took.
+  :class:`~hflight.ort.session.ORTEvaluationModel` compares the session with the eager model on the traced batch of
+  every export and on the first batch of each input shape (sequence length) it has not compared before: a branch on
+  shapes is the same in every export of a model, so a shape is compared once, not once per export.
+  :func:`check_outputs` raises :class:`ORTMismatchError`, naming the model, the output and the largest difference,
+  when any value differs by more than :data:`TOLERANCES` allow.
 - **Tracer warnings kept.** The exporter's ``TracerWarning``s name the lines where the trace may be incomplete; they
   are reported once per model class and warning site (:func:`report_tracer_warnings`), not silenced.
 - **Operators ONNX cannot express** (``torch.linalg.eigh``, ...) give one :class:`ORTExportError` naming the

@@ -10,9 +10,9 @@ Exporters: ``"torchscript"`` (``dynamo=False``; about 1 s for MiniLM, and with e
 gives the fastest graph) or ``"dynamo"`` (``torch.export``; 7-13 s, and its SDPA graph ran about 2x slower).
 ``quantize="dynamic"`` runs the session on an int8 copy (``quantize_dynamic``, QInt8 weights, per channel).
 
-The session is checked, not trusted (``hflight.ort.checks``): after every export the eager model answers the first
-batch and the first batch of each new input shape too, and a difference beyond the tolerance stops with an error
-naming the model and the largest difference (for ``quantize="dynamic"`` the float32 graph is the one compared: int8
+The session is checked, not trusted (``hflight.ort.checks``): the eager model answers the traced batch of every
+export and the first batch of each input shape not compared before too, and a difference beyond the tolerance stops
+with an error naming the model and the largest difference (for ``quantize="dynamic"`` the float32 graph is the one compared: int8
 weights differ by design). The exporter's tracer warnings are reported once; an operator ONNX cannot express gives
 one error naming it.
 """
@@ -234,9 +234,9 @@ class ORTEvaluationModel:
         providers: ONNX Runtime execution providers; default CUDA when the model is on a GPU and ORT has it, else CPU.
         intra_op_threads: ORT's intra-op threads; default ``torch.get_num_threads()``.
         export_dir: where the ``.onnx`` files go (default: a temporary directory removed with this object).
-        check_outputs: compare the session's outputs with the eager model's on the first batch after each export and
-            on the first batch of each new input shape, and raise ``ORTMismatchError`` on a difference beyond
-            ``hflight.ort.checks.TOLERANCES`` (on by default; the cost is one eager forward per checked batch).
+        check_outputs: compare the session's outputs with the eager model's on the traced batch of every export (free:
+            the export ran the model on it) and on the first batch of each input shape not compared before (one eager
+            forward each), and raise ``ORTMismatchError`` on a difference beyond ``hflight.ort.checks.TOLERANCES``.
     """
 
     def __init__(
@@ -273,7 +273,10 @@ class ORTEvaluationModel:
         self.check_outputs = check_outputs
         self.check_count = 0  # batches compared with eager since this object was built
         self.check_seconds = 0.0
-        self._checked: set[tuple] = set()  # input shapes (batch axis aside) compared since the last export
+        self.largest_difference = 0.0  # the largest |ORT - eager| those comparisons found
+        # input shapes (batch axis aside) already compared: a branch on shapes is the same in every export, so a shape
+        # is compared once per model; the traced batch is compared after every export
+        self._checked: set[tuple] = set()
         self._reference: Any = None  # what the check compares: the session, or the float32 graph's when quantized
         self._export_outputs: Mapping[str, torch.Tensor] = {}
         self._snapshot: dict[str, torch.Tensor] | None = None
@@ -303,7 +306,6 @@ class ORTEvaluationModel:
         self.session = self._reference = self._open(path, device)
         if self.quantize == "dynamic":
             self.session = self._open(self._quantized(path), device)
-        self._checked.clear()
         self._export_outputs = graph.eager_outputs
         self._snapshot = state_snapshot(self.model)
         self.export_count += 1
@@ -358,10 +360,10 @@ class ORTEvaluationModel:
     def _check(
         self, batch: Mapping[str, Any], feed: dict[str, np.ndarray], outputs: dict[str, torch.Tensor], device: Any
     ) -> None:
-        """Compare with the eager model on the first batch of each input shape since the export (the traced batch's
-        eager outputs come from the export itself)."""
+        """Compare with the eager model on the traced batch of every export (its eager outputs come from the export
+        itself) and on the first batch of each input shape not compared before."""
         shapes = tuple(feed[name].shape[1:] for name in self.input_names)
-        if shapes in self._checked:
+        if shapes in self._checked and not self._export_outputs:
             return
         start = time.perf_counter()
         eager = self._export_outputs
@@ -372,7 +374,8 @@ class ORTEvaluationModel:
         self._export_outputs = {}
         checked = outputs if self._reference is self.session else self._run(self._reference, feed, device)
         described = {name: tuple(feed[name].shape) for name in self.input_names}
-        check_outputs(type(self.model).__name__, eager, checked, described)
+        difference = check_outputs(type(self.model).__name__, eager, checked, described)
+        self.largest_difference = max(self.largest_difference, difference)
         self._checked.add(shapes)
         self.check_count += 1
         self.check_seconds += time.perf_counter() - start

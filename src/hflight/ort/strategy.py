@@ -4,8 +4,8 @@ Evaluation and prediction (``inference=True``): at each evaluation the model's c
 when an ``EMACallback`` is attached: the facade swaps them in first) are exported to ONNX, only when they changed
 since the last export, and the batches run in an ``onnxruntime.InferenceSession``; the torch module is untouched
 and the loss is computed in torch from the session's logits (see ``hflight.ort.session``). The session's outputs are
-compared with the eager model's on the first batch after each export and on the first batch of each new input shape
-(``check_outputs``; ``hflight.ort.checks``). ``quantize="dynamic"`` evaluates an int8 copy of the graph.
+compared with the eager model's on the traced batch of each export and on the first batch of each input shape not
+compared before (``check_outputs``; ``hflight.ort.checks``). ``quantize="dynamic"`` evaluates an int8 copy of the graph.
 
 Training (``training="auto"``): where ``onnxruntime.training`` is importable (the torch-2.6 environment of
 ``requirements/ortmodule.txt``), the fit runs the model through ``ORTModule``; the facade keeps the plain model, so
