@@ -10,6 +10,14 @@ for --rounds rounds (the best time of each kept): eager PyTorch, ORT fp32 (``str
 (``ORTStrategy(quantize="dynamic")``). The ONNX export and quantization happen once, before timing, and are
 reported separately. Prints seconds, the ratio to eager, EM/F1 and how many answers equal eager's.
 
+Then what the check of ORT against eager costs (issue 17: the session's outputs are compared with the eager model's
+on the traced batch of every export, free since the export ran the model on it, and on the first batch of each
+sequence length not compared before, one eager forward each). MRCTrainer trims each batch to its longest window, so
+nearly every batch of a first evaluation has a new length. On ``--check-questions`` questions, with the check on and
+off (separate model copies, each exporting its own graph): the first evaluation (export + a comparison per new
+length), an evaluation after the weights changed (re-export; only the traced batch is compared) and one with nothing
+new (no export, no comparison).
+
 OMP_WAIT_POLICY=PASSIVE is set before torch loads: with the default (spinning) policy, torch's idle OpenMP threads
 competed with ONNX Runtime's and ORT ran ~20% slower right after torch in the same process.
 """
@@ -23,6 +31,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import argparse  # noqa: E402
+import copy  # noqa: E402
 import functools  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -34,6 +43,7 @@ from transformers import AutoModelForQuestionAnswering, AutoTokenizer  # noqa: E
 
 from hflight import TrainingArguments  # noqa: E402
 from hflight.ort import ORTStrategy  # noqa: E402
+from hflight.ort.checks import TOLERANCES  # noqa: E402
 from hflight.ort.strategy import evaluation_sessions  # noqa: E402
 from hflight.qa import MRCTrainer, load_squad_json, prepare_train_features, prepare_validation_features  # noqa: E402
 
@@ -71,6 +81,48 @@ def fine_tuned_model(opts: argparse.Namespace, tokenizer, tmp: Path) -> Path:
     return cache
 
 
+def _trainer(model, strategy, tmp: Path, name: str, tokenizer, examples, batch_size: int, **kwargs) -> MRCTrainer:
+    args = TrainingArguments(
+        output_dir=str(tmp / name), per_device_eval_batch_size=batch_size, report_to="none", disable_tqdm=True,
+        save_strategy="no", accelerator="cpu", strategy=strategy,
+    )  # fmt: skip
+    return MRCTrainer(model, args, processing_class=tokenizer, eval_examples=examples, **kwargs)
+
+
+def check_cost(opts: argparse.Namespace, model, tokenizer, tmp: Path) -> None:
+    """Evaluations through ORT with the check of ORT against eager on and off: the first one after an export, one
+    after the weights changed, one with nothing new."""
+    examples = load_squad_json(squad_subset(opts.data, tmp / "check.json", questions=opts.check_questions))
+    windows = examples.map(
+        functools.partial(prepare_validation_features, tokenizer=tokenizer, max_seq_length=384, doc_stride=128),
+        batched=True,
+        remove_columns=examples.column_names,
+    )
+    stages = ("first evaluation", "weights changed", "nothing new")
+    times: dict[str, list[float]] = {}
+    for name, check in (("unchecked", False), ("checked", True)):
+        copied = copy.deepcopy(model)  # its own session: each run exports its own graph
+        trainer = _trainer(copied, ORTStrategy(check_outputs=check), tmp, name, tokenizer, examples, opts.batch_size)
+        for stage in stages:
+            if stage == "weights changed":
+                with torch.no_grad():
+                    copied.qa_outputs.bias.add_(1e-3)  # as a training epoch would: the next evaluation re-exports
+            start = time.perf_counter()
+            trainer.predict(windows, examples)
+            times.setdefault(name, []).append(time.perf_counter() - start)
+        (session,) = evaluation_sessions(copied)
+        if check:
+            checked = session
+    print(
+        f"\ncheck of ORT against eager ({len(examples)} questions, {len(windows)} windows, batch {opts.batch_size}): "
+        f"{checked.check_count} batches compared in {checked.check_seconds:.2f} s over {checked.export_count} "
+        f"exports, largest difference {checked.largest_difference:.2g}"
+    )
+    for i, stage in enumerate(stages):
+        on, off = times["checked"][i], times["unchecked"][i]
+        print(f"  {stage:17} {on:7.2f} s checked vs {off:7.2f} s unchecked ({100 * (on - off) / off:+.1f}%)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
@@ -79,6 +131,7 @@ def main() -> None:
     parser.add_argument("--train-articles", type=int, default=10, help="train on the last N articles of dev")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--check-questions", type=int, default=200, help="questions of the check-cost runs")
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "hflight-ort-eval-minilm-qa")
     opts = parser.parse_args()
     if not opts.data.is_file():
@@ -97,20 +150,7 @@ def main() -> None:
         )
         strategies = {"eager": "auto", "ORT fp32": ORTStrategy(), "ORT int8": ORTStrategy(quantize="dynamic")}
         trainers = {
-            name: MRCTrainer(
-                model,
-                TrainingArguments(
-                    output_dir=str(tmp / name.replace(" ", "_")),
-                    per_device_eval_batch_size=opts.batch_size,
-                    report_to="none",
-                    disable_tqdm=True,
-                    save_strategy="no",
-                    accelerator="cpu",
-                    strategy=strategy,
-                ),  # fmt: skip
-                processing_class=tokenizer,
-                eval_examples=examples,
-            )
+            name: _trainer(model, strategy, tmp, name.replace(" ", "_"), tokenizer, examples, opts.batch_size)
             for name, strategy in strategies.items()
         }
         print(
@@ -132,8 +172,10 @@ def main() -> None:
                 start = time.perf_counter()
                 results[name] = trainer.predict(windows, examples)
                 times[name] = min(times.get(name, float("inf")), time.perf_counter() - start)
-        exports = [s.export_count for s in evaluation_sessions(model)]
+        sessions = evaluation_sessions(model)
+        exports = [s.export_count for s in sessions]
         assert exports == [1, 1], f"the weights never changed: one export per session, got {exports}"
+        check_cost(opts, model, tokenizer, tmp)
 
     eager = results["eager"]
     print(f"{'':10} {'seconds':>8} {'vs eager':>9} {'EM':>7} {'F1':>7} {'answers = eager':>16}")
@@ -144,6 +186,14 @@ def main() -> None:
             f"{name:10} {times[name]:8.2f} {times['eager'] / times[name]:8.2f}x {metrics['test_exact_match']:7.2f} "
             f"{metrics['test_f1']:7.2f} {same:>9}/{len(eager.predictions)}"
         )
+    for session in sessions:
+        kind = "int8 (its float32 graph)" if session.quantize else "fp32"
+        print(
+            f"check, ORT {kind}: {session.check_count} batches compared with eager in {session.check_seconds:.2f} s "
+            f"(the export took {session.export_seconds:.1f} s), largest difference {session.largest_difference:.2g}"
+        )
+    tolerance = TOLERANCES[torch.float32]
+    print(f"tolerance (float32): {tolerance.atol:g} x max(1, max|eager|) + {tolerance.rtol:g} x |eager|")
     f1_lost = eager.metrics["test_f1"] - results["ORT int8"].metrics["test_f1"]
     print(
         f"targets: fp32 answers identical ({results['ORT fp32'].predictions == eager.predictions}), fp32 time "

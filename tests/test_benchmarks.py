@@ -76,8 +76,11 @@ def test_ort_eval_gives_eager_answers_in_fp32(shared_data, tmp_path):
     pytest.importorskip("onnxruntime", reason="pip install 'hflight[ort]'")
     out = _real_qa_benchmark(
         shared_data, "ort_eval.py", "--questions", "8", "--train-questions", "16", "--train-articles", "1",
-        "--rounds", "1", "--batch-size", "4", "--cache", str(tmp_path / "model"),
+        "--rounds", "1", "--batch-size", "4", "--cache", str(tmp_path / "model"), "--check-questions", "8",
     )  # fmt: skip
     assert re.search(r"^ORT fp32\s+\d+\.\d+\s+\d+\.\d+x .* 8/8$", out, re.M), out
     assert re.search(r"^ORT int8\s+\d+\.\d+", out, re.M), out
     assert "fp32 answers identical (True)" in out, out
+    assert re.search(r"^check of ORT against eager \(8 questions, .* batches compared in", out, re.M), out
+    for stage in ("first evaluation", "weights changed", "nothing new"):
+        assert re.search(rf"^  {stage} +\d+\.\d+ s checked vs +\d+\.\d+ s unchecked", out, re.M), out

@@ -21,7 +21,7 @@ import logging
 import os
 import pickle
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -100,8 +100,9 @@ def _type_ok(value: Any, accepted: tuple[Any, ...]) -> bool:
     return any(t is not None and isinstance(value, t) for t in accepted)
 
 
-def read_trainer_state(path: str | os.PathLike) -> TrainerState:
-    """``TrainerState`` from ``path`` after checking JSON syntax, required keys and the type of every known key.
+def read_trainer_state(path: str | os.PathLike, state_class: type[TrainerState] = TrainerState) -> TrainerState:
+    """A ``state_class`` (``TrainerState`` or a subclass with fields of its own, such as ``IPUTrainerState``) from
+    ``path`` after checking JSON syntax, required keys and the type of every known key.
 
     Raises:
         ValueError: naming the file and the key (unknown keys are dropped with a warning instead).
@@ -130,10 +131,12 @@ def read_trainer_state(path: str | os.PathLike) -> TrainerState:
         entries = entry if isinstance(entry, list) else [entry]
         if not all(isinstance(e, dict) and isinstance(e.get("attributes", {}), dict) for e in entries):
             raise ValueError(f"{path}: 'stateful_callbacks'[{name!r}] must be an object with an 'attributes' object.")
-    unknown = [key for key in data if key not in _STATE_FIELDS]
+    own = {f.name for f in fields(state_class)} - {f.name for f in fields(TrainerState)}  # a subclass's fields
+    known = set(_STATE_FIELDS) | own
+    unknown = [key for key in data if key not in known]
     if unknown:
         logger.warning(f"{path}: ignoring key(s) this TrainerState does not know: {', '.join(unknown)}.")
-    return TrainerState(**{k: v for k, v in data.items() if k in _STATE_FIELDS})
+    return state_class(**{k: v for k, v in data.items() if k in known})
 
 
 # ---- choosing and checking the folder -----------------------------------------------------------------------------
@@ -161,7 +164,7 @@ def resolve_resume(facade: TrainerSurface, resume: str | bool | None) -> ResumeP
     if not folder.is_dir():
         raise ValueError(f"resume_from_checkpoint={str(resume)!r} is not a folder.")
     manifest = verify_checkpoint(folder)
-    state = read_trainer_state(folder / TRAINER_STATE_NAME)
+    state = read_trainer_state(folder / TRAINER_STATE_NAME, type(facade.state))
     model_only = _is_model_only(folder, manifest)
     copy_weights = checked_weights(facade.model, folder)
     training_states = {}

@@ -1,4 +1,5 @@
-"""The ``poptorch_double`` fixture: installs the CPU double of poptorch for one test (tests/ipu/poptorch_double.py)."""
+"""Fixtures of the IPU tests: the CPU double of poptorch installed for one test (tests/ipu/poptorch_double.py), and
+the executors a run creates (see double_runner.py)."""
 
 from __future__ import annotations
 
@@ -9,17 +10,19 @@ from types import ModuleType
 
 import pytest
 
-DOUBLE_PATH = Path(__file__).with_name("poptorch_double.py")
+_spec = importlib.util.spec_from_file_location("ipu_double_runner", Path(__file__).with_name("double_runner.py"))
+double_runner = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(double_runner)
 
 
 @pytest.fixture
 def poptorch_double(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     """A fresh copy of the double (its own IPU pool, wrapper registry and options) installed as ``poptorch``,
     ``poptorch.optim`` and ``poptorch.enums`` for this test only."""
-    spec = importlib.util.spec_from_file_location("poptorch", DOUBLE_PATH)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "poptorch", module)  # before executing it: its dataclasses look it up
-    spec.loader.exec_module(module)
-    monkeypatch.setitem(sys.modules, "poptorch.optim", module.optim)
-    monkeypatch.setitem(sys.modules, "poptorch.enums", module.enums)
-    yield module
+    yield double_runner.install(lambda name, module: monkeypatch.setitem(sys.modules, name, module))
+
+
+@pytest.fixture
+def executors(poptorch_double, monkeypatch):
+    """Every PoplarExecutor the run creates, kept after teardown for inspection."""
+    return double_runner.record_executors(poptorch_double, monkeypatch.setattr)

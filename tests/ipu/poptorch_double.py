@@ -1238,32 +1238,40 @@ def _init_adam_family(opt: Any, loss_scaling, accum_type, first_order, second_or
     opt._check_accum_types(opt.accum_type, opt.first_order_momentum_accum_type, opt.second_order_momentum_accum_type)
 
 
-def _lamb_step(optimizer: torch.optim.Optimizer, bias_correction: bool) -> None:
+def _moments(p: torch.Tensor, state: dict[str, Any], dtypes: tuple[torch.dtype, torch.dtype]) -> None:
+    """Adam-family moments, held in the optimizer's first/second order accumulation dtypes as PopART holds them
+    (a float16 model with float32 second moments: eps=1e-8 would underflow to 0 in float16)."""
+    if not state:
+        state["step"] = 0
+        state["exp_avg"] = torch.zeros_like(p, dtype=dtypes[0], memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtypes[1], memory_format=torch.preserve_format)
+
+
+def _lamb_step(
+    optimizer: torch.optim.Optimizer, bias_correction: bool, dtypes: tuple[torch.dtype, torch.dtype]
+) -> None:
     """One LAMB update (biased or bias-corrected), trust ratio ``min(|w|, max_weight_norm) / |update|``."""
     for group in optimizer.param_groups:
         beta1, beta2 = group["betas"]
         for p in group["params"]:
             if p.grad is None:
                 continue
-            grad = p.grad.detach()
+            grad = p.grad.detach().float()
             state = optimizer.state[p]
-            if not state:
-                state["step"] = 0
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            _moments(p, state, dtypes)
             state["step"] += 1
             exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-            exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+            exp_avg.mul_(beta1).add_(grad.to(exp_avg.dtype), alpha=1 - beta1)
             exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
             correction1 = 1 - beta1 ** state["step"] if bias_correction else 1.0
             correction2 = 1 - beta2 ** state["step"] if bias_correction else 1.0
-            denominator = (exp_avg_sq.sqrt() / math.sqrt(correction2)).add_(group["eps"])
-            update = (exp_avg / correction1) / denominator + group["weight_decay"] * p.detach()
-            weight_norm = p.detach().norm().clamp(max=group["max_weight_norm"])
+            denominator = (exp_avg_sq.float().sqrt() / math.sqrt(correction2)).add_(group["eps"])
+            update = (exp_avg.float() / correction1) / denominator + group["weight_decay"] * p.detach().float()
+            weight_norm = p.detach().float().norm().clamp(max=group["max_weight_norm"])
             update_norm = update.norm()
             trust = 1.0 if weight_norm == 0 or update_norm == 0 else float(weight_norm / update_norm)
             with torch.no_grad():
-                p.add_(update, alpha=-group["lr"] * trust)
+                p.add_(update.to(p.dtype), alpha=-group["lr"] * trust)
 
 
 class LAMB(Optimizer, torch.optim.Optimizer):
@@ -1315,7 +1323,8 @@ class LAMB(Optimizer, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        _lamb_step(self, self.bias_correction)
+        dtypes = (self.first_order_momentum_accum_type, self.second_order_momentum_accum_type)
+        _lamb_step(self, self.bias_correction, dtypes)
         return loss
 
 
@@ -1501,22 +1510,27 @@ def _hyperparameters(device_vars: dict[str, tuple[Any, bool]]) -> dict[str, Any]
 
 
 class _DeviceLAMB(torch.optim.Optimizer):
-    def __init__(self, groups: list[dict[str, Any]], bias_correction: bool) -> None:
+    def __init__(
+        self, groups: list[dict[str, Any]], bias_correction: bool, dtypes: tuple[torch.dtype, torch.dtype]
+    ) -> None:
         super().__init__(
             groups, dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, max_weight_norm=65500.0)
         )
         self.bias_correction = bias_correction
+        self.moment_dtypes = dtypes
 
     @torch.no_grad()
     def step(self, closure=None):
-        _lamb_step(self, self.bias_correction)
+        _lamb_step(self, self.bias_correction, self.moment_dtypes)
 
 
 class _DeviceAdamWNoBias(torch.optim.Optimizer):
-    """AdamW without bias correction (poptorch's ``AdamW(bias_correction=False)``)."""
+    """AdamW without bias correction (poptorch's ``AdamW(bias_correction=False)``), its moments in the optimizer's
+    accumulation dtypes."""
 
-    def __init__(self, groups: list[dict[str, Any]]) -> None:
+    def __init__(self, groups: list[dict[str, Any]], dtypes: tuple[torch.dtype, torch.dtype]) -> None:
         super().__init__(groups, dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2))
+        self.moment_dtypes = dtypes
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -1526,30 +1540,30 @@ class _DeviceAdamWNoBias(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
+                _moments(p, state, self.moment_dtypes)
                 state["step"] += 1
+                grad = p.grad.float()
                 p.mul_(1 - group["lr"] * group["weight_decay"])
-                state["exp_avg"].lerp_(p.grad, 1 - beta1)
-                state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-                p.addcdiv_(state["exp_avg"], state["exp_avg_sq"].sqrt().add_(group["eps"]), value=-group["lr"])
+                state["exp_avg"].lerp_(grad.to(state["exp_avg"].dtype), 1 - beta1)
+                state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                update = state["exp_avg"].float() / state["exp_avg_sq"].float().sqrt().add_(group["eps"])
+                p.add_(update.to(p.dtype), alpha=-group["lr"])
 
 
-def _make_device_optimizer(kind: str, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+def _make_device_optimizer(kind: str, groups: list[dict[str, Any]], attrs: dict[str, Any]) -> torch.optim.Optimizer:
     family = _FAMILY_OF_KIND[kind]
     if family == "SGD":
         return torch.optim.SGD(groups)
     if kind == "ADAMW":
         return torch.optim.AdamW(groups)
+    moments = tuple(attrs.get(f"{o}_order_momentum_accum_type", torch.float32) for o in ("first", "second"))
     if kind == "ADAMW_NO_BIAS":
-        return _DeviceAdamWNoBias(groups)
+        return _DeviceAdamWNoBias(groups, moments)
     if family == "ADAM":
         return torch.optim.Adam(groups)
     if family == "RMSPROP":
         return torch.optim.RMSprop(groups, centered=kind == "RMSPROP_CENTERED")
-    return _DeviceLAMB(groups, bias_correction=kind == "LAMB")
+    return _DeviceLAMB(groups, bias_correction=kind == "LAMB", dtypes=moments)
 
 
 # ---- model wrapping ---------------------------------------------------------------------------------------------
@@ -2107,7 +2121,9 @@ class PoplarExecutor:
             "use_tf_variant"
         ):
             raise _error("poptorch double: RMSprop(use_tf_variant=True) is not simulated")
-        executable.optimizer = _make_device_optimizer(self._dict_optimizer["type"], groups)
+        executable.optimizer = _make_device_optimizer(
+            self._dict_optimizer["type"], groups, self._dict_optimizer["attrs"]
+        )
         executable.optimizer_dict = self._dict_optimizer
 
     def _trace(self, executable: _Executable, inputs: _Inputs) -> Any:

@@ -65,28 +65,81 @@ def test_batch_size_factor():
 
 def test_modes_switch_the_inference_variants():
     config = IPUConfig(layers_per_ipu=[2, 2], inference_layers_per_ipu=[4], matmul_proportion=[0.1, 0.2])
+    assert IPUConfig.modes == ("training", "inference")  # optimum-graphcore's class attribute
     assert config.train()._layers_per_ipu == [2, 2] and config._ipus_per_replica == 2
     assert config.eval()._layers_per_ipu == [4] and config._ipus_per_replica == 1
     config._layers_per_ipu = [5]  # writes the inference field in inference mode
     assert config.inference_layers_per_ipu == [5] and config.layers_per_ipu == [2, 2]
-    with pytest.raises(ValueError, match="mode"):
+    assert config._get_managed_attr_mode_name("layers_per_ipu") == "inference_layers_per_ipu"
+    assert config._get_managed_attr_mode_name("seed") == "seed"  # no inference variant
+    with pytest.raises(ValueError) as raised:
         config.mode = "testing"
+    assert str(raised.value) == (
+        "`IPUConfig` mode can only take values in ('training', 'inference'). You provided: value='testing'. "
+        "Use the `train` and `eval` methods instead to avoid error."
+    )
+
+
+def test_a_subclass_validates_in_its_own_modes():
+    """optimum-graphcore's validation loops over ``self.modes``: a subclass that adds a mode gets it accepted and
+    checked (a mode other than inference reads the training fields)."""
+
+    class ThreeModes(IPUConfig):
+        modes = ("training", "inference", "compile")
+
+    config = ThreeModes(layers_per_ipu=[1, 1])
+    config.mode = "compile"
+    assert config._layers_per_ipu == [1, 1]
+    with pytest.raises(ValueError, match="mode can only take values in"):
+        IPUConfig().mode = "compile"
+
+
+# optimum-graphcore's messages, word for word (scripts and tests match on them).
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"replication_factor": 0}, ValueError,
+         "`IPUConfig` attribute `replication_factor` must be >= 1. You provided value=0"),
+        ({"layers_per_ipu": [2, -2]}, ValueError,
+         "`IPUConfig` attribute `layers_per_ipu` must have all elements >= -1. You provided value=[2, -2]"),
+        ({"output_mode": "every"}, ValueError, "`IPUConfig` attribute `output_mode` can only take values in "
+         "('all', 'sum', 'final', 'default'). You provided: value='every'"),
+        ({"gradient_accumulation_steps": 2.0}, TypeError, "Setting `IPUConfig` attribute: gradient_accumulation_steps, "
+         "type: <class 'int'> with value=2.0, type: <class 'float'> is invalid."),
+        ({"enable_half_partials": "yes"}, TypeError, "Setting `IPUConfig` attribute: enable_half_partials, type: "
+         "<class 'bool'> with value='yes', type: <class 'str'> is invalid."),
+        ({"replication_factor": 2.0}, ValueError,
+         "replication_factor must be of type `int`. You provided: replication_factor=2.0, <class 'float'>."),
+        ({"serialized_embedding_splits_per_ipu": [3, 0, 2, 0], "ipus_per_replica": 4}, ValueError,
+         "`IPUConfig` attribute `serialized_embedding_splits_per_ipu=[3, 0, 2, 0]` must have its splits on "
+         "consecutive IPUs."),
+        ({"serialized_projection_splits_per_ipu": [0, 0]}, ValueError,
+         "`IPUConfig` attribute `serialized_projection_splits_per_ipu=[0, 0]` must have atleast 1 split on 1 IPU."),
+    ],
+)  # fmt: skip
+def test_invalid_values_raise_optimum_graphcores_errors(kwargs, error, message):
+    with pytest.raises(error) as raised:
+        IPUConfig(**kwargs)
+    assert str(raised.value) == message
 
 
 @pytest.mark.parametrize(
-    "kwargs, message",
+    "field",
     [
-        ({"replication_factor": 0}, "replication_factor must be >= 1"),
-        ({"layers_per_ipu": [2, -2]}, "layers_per_ipu must be >= -1"),
-        ({"output_mode": "every"}, "output_mode must be one of"),
-        ({"gradient_accumulation_steps": 2.0}, "gradient_accumulation_steps must be int"),
-        ({"enable_half_partials": "yes"}, "enable_half_partials must be bool"),
-        ({"serialized_embedding_splits_per_ipu": [3, 0, 2, 0], "ipus_per_replica": 4}, "consecutive"),
+        "serialized_embedding_splits_per_ipu", "inference_serialized_embedding_splits_per_ipu",
+        "serialized_projection_splits_per_ipu", "inference_serialized_projection_splits_per_ipu",
     ],
-)
-def test_invalid_values_name_the_field(kwargs, message):
-    with pytest.raises((TypeError, ValueError), match=message):
-        IPUConfig(**kwargs)
+)  # fmt: skip
+def test_negative_splits_are_rejected(field):
+    """[2, -1] sums to 1 split and passed the old checks; optimum-graphcore requires every entry >= 0."""
+    with pytest.raises(ValueError) as raised:
+        IPUConfig(**{field: [2, -1], "layers_per_ipu": [1, 1]})
+    assert (
+        str(raised.value) == f"`IPUConfig` attribute `{field}` must have all elements >= 0. You provided value=[2, -1]"
+    )
+    config = IPUConfig(layers_per_ipu=[1, 1])
+    with pytest.raises(ValueError, match="must have all elements >= 0"):
+        setattr(config, field, [-1, 3])  # assignments are checked too
 
 
 def test_incoherent_values_and_unknown_keys():
@@ -94,13 +147,49 @@ def test_incoherent_values_and_unknown_keys():
         IPUConfig(layers_per_ipu=[1, 1, 1], matmul_proportion=[0.1, 0.2])
     with pytest.raises(IncompatibleIPUConfigError, match="inference_layers_per_ipu=.*inference_ipus_per_replica=2"):
         IPUConfig(inference_layers_per_ipu=[1, 1, 1], inference_ipus_per_replica=2)
-    with pytest.raises(IncompatibleIPUConfigError, match="replication_factr=2"):
+    with pytest.raises(IncompatibleIPUConfigError) as raised:
         IPUConfig(replication_factr=2)
+    assert str(raised.value) == "IPUConfig received unknown arguments:\n  replication_factr=2"
     with pytest.raises(ValueError, match="Only one of `embedding_serialization_factor`"):
         IPUConfig(embedding_serialization_factor=2, serialized_embedding_splits_per_ipu=[1], ipus_per_replica=1)
     config = IPUConfig()
-    with pytest.raises(ValueError, match="device_iterations must be >= 1"):
+    with pytest.raises(ValueError, match="`device_iterations` must be >= 1"):
         config.device_iterations = 0  # assignments are checked too
+
+
+def test_model_config_keys_are_ignored_as_optimum_graphcore_does(tmp_path):
+    """An ipu_config.json saved with model-config keys (optimum-graphcore's IPUConfig is a PretrainedConfig) loads;
+    the keys are dropped, any other unknown key still raises."""
+    (tmp_path / "ipu_config.json").write_text(
+        json.dumps({"device_iterations": 2, "return_dict": True, "architectures": ["BertForQuestionAnswering"],
+                    "num_beams": 1, "torchscript": False, "transformers_version": "4.29.2"})
+    )  # fmt: skip
+    config = IPUConfig.from_pretrained(tmp_path)
+    assert config.device_iterations == 2 and "return_dict" not in config.to_dict()
+    assert not hasattr(config, "return_dict")
+    assert IPUConfig(output_hidden_states=True) == IPUConfig()
+    with pytest.raises(IncompatibleIPUConfigError, match="unknown arguments:\n  device_iteration=2"):
+        IPUConfig(device_iteration=2, return_dict=True)
+
+
+def test_from_pretrained_accepts_use_auth_token(tmp_path, monkeypatch):
+    """optimum-graphcore's run_qa.py passes use_auth_token=; a Hub download hands it on as the token."""
+    IPUConfig(device_iterations=3).save_pretrained(tmp_path)
+    assert (
+        IPUConfig.from_pretrained(tmp_path, cache_dir=None, revision="main", use_auth_token=None).device_iterations == 3
+    )
+    calls = []
+
+    def download(repo_id, filename, **kwargs):
+        calls.append((repo_id, filename, kwargs["token"], kwargs["revision"]))
+        return str(tmp_path / "ipu_config.json")
+
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    config = IPUConfig.from_pretrained("Graphcore/bert-base-ipu", revision="main", use_auth_token="hf_x")
+    assert config.device_iterations == 3
+    assert calls == [("Graphcore/bert-base-ipu", "ipu_config.json", "hf_x", "main")]
 
 
 def test_graphcore_published_config_round_trips(tmp_path):
@@ -127,7 +216,7 @@ def test_graphcore_published_config_round_trips(tmp_path):
 def test_bad_files_name_the_file_and_key(tmp_path):
     bad = tmp_path / "ipu_config.json"
     bad.write_text(json.dumps({"replication_factor": 1, "layers_per_ipux": [1]}))
-    with pytest.raises(IncompatibleIPUConfigError, match=rf"{bad}.*layers_per_ipux"):
+    with pytest.raises(IncompatibleIPUConfigError, match=rf"(?s){bad}.*layers_per_ipux"):
         IPUConfig.from_pretrained(bad)
     bad.write_text("{not json")
     with pytest.raises(ValueError, match=rf"{bad} is not valid JSON"):
@@ -142,9 +231,9 @@ def test_update_from_string():
     config.update_from_string("recompute_checkpoint_every_layer=true,seed=7,output_mode=all")
     assert (config.device_iterations, config.gradient_accumulation_steps) == (4, 64)
     assert config.matmul_proportion == [0.1, 0.3] and config.recompute_checkpoint_every_layer and config.seed == 7
-    with pytest.raises(ValueError, match="'device_iteration' is not an IPUConfig field"):
+    with pytest.raises(ValueError, match="Key device_iteration isn't in the original config dict"):
         config.update_from_string("device_iteration=2")
-    with pytest.raises(ValueError, match="expected true or false"):
+    with pytest.raises(ValueError, match=r"Can't derive true or false from maybe \(key replicated_tensor_sharding\)"):
         config.update_from_string("replicated_tensor_sharding=maybe")
 
 

@@ -49,22 +49,6 @@ class Events(TrainerCallback):
         return object.__getattribute__(self, name)
 
 
-@pytest.fixture
-def executors(poptorch_double, monkeypatch):
-    """Every PoplarExecutor the run creates, kept after teardown for inspection."""
-    created = []
-    for name in ("trainingModel", "inferenceModel"):
-        original = getattr(poptorch_double, name)
-
-        def spy(*args, _original=original, **kwargs):
-            executor = _original(*args, **kwargs)
-            created.append(executor)
-            return executor
-
-        monkeypatch.setattr(poptorch_double, name, spy)
-    return created
-
-
 def ipu(**config) -> IPUStrategy:
     return IPUStrategy(IPUConfig(**config), accelerator=IPUAccelerator())
 

@@ -107,6 +107,11 @@ def test_float16_by_default(poptorch_double, factory, tmp_path):
     trainer.train()
     assert next(model.parameters()).dtype == torch.float16  # halved on the host, as optimum-graphcore does
     assert trainer.optimizer.accum_type == torch.float16
+    assert trainer.optimizer.second_order_momentum_accum_type == torch.float32  # optimum-graphcore's
+    # float32 second moments: with float16 ones, Adam's eps=1e-8 underflows and unused embedding rows became NaN
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert losses and all(0 < loss < 10 for loss in losses)
 
 
 def test_compile_only_compiles_offline_and_stops(poptorch_double, factory, tmp_path, monkeypatch):
@@ -147,3 +152,100 @@ def test_plain_training_arguments_are_converted(poptorch_double, factory, tmp_pa
     assert trainer.args.fp32 is False and trainer.args.ipu_precision == "16-true"  # optimum-graphcore's defaults
     with pytest.raises(TypeError, match="IPUTrainer: args must be IPUTrainingArguments or TrainingArguments, got dict"):
         IPUTrainer(factory.qa_model(), IPUConfig(), {"learning_rate": 1e-3})
+
+
+# ---- issue 16: what optimum-graphcore users rely on ----------------------------------------------------------------
+def _parsed(argv: list[str]) -> IPUTrainingArguments:
+    from transformers import HfArgumentParser
+
+    (parsed,) = HfArgumentParser(IPUTrainingArguments).parse_args_into_dataclasses(argv)
+    return parsed
+
+
+@pytest.mark.parametrize(
+    "argv, device_accumulation",
+    [([], 8), (["--gradient_accumulation_steps", "1"], 1), (["--gradient_accumulation_steps", "2"], 2)],
+)
+def test_an_explicit_gradient_accumulation_overrides_the_ipu_config(
+    poptorch_double, executors, factory, tmp_path, argv, device_accumulation
+):
+    """optimum-graphcore's field defaults to None: a value on the command line (even 1) is appended to
+    ipu_config_overrides and wins over ipu_config.json's 8; no value leaves the config's and reads as 1."""
+    arguments = _parsed(["--output_dir", str(tmp_path / "out"), "--per_device_train_batch_size", "1", "--fp32",
+                         "--report_to", "none", "--save_strategy", "no", "--max_steps", "1", *argv])  # fmt: skip
+    assert arguments.gradient_accumulation_steps == (int(argv[1]) if argv else 1)
+    assert ("gradient_accumulation_steps" in (arguments.ipu_config_overrides or "")) is bool(argv)
+    trainer = IPUTrainer(
+        factory.qa_model(), IPUConfig(gradient_accumulation_steps=8), arguments, train_dataset=factory.qa_dataset(16)
+    )
+    assert trainer.ipu_config.gradient_accumulation_steps == device_accumulation
+    trainer.train()
+    (training,) = [e for e in executors if e.calls and e.calls[0].training]
+    assert training.options.Training.gradient_accumulation == device_accumulation
+    (call,) = training.calls
+    assert call.micro_batches == device_accumulation and call.input_shapes["input_ids"][0] == device_accumulation
+
+
+def test_plain_training_arguments_leave_the_ipu_configs_accumulation(poptorch_double, factory, tmp_path):
+    plain = TrainingArguments(str(tmp_path / "out"), report_to="none")
+    assert (
+        IPUTrainer(
+            factory.qa_model(), IPUConfig(gradient_accumulation_steps=8), plain
+        ).ipu_config.gradient_accumulation_steps
+        == 8
+    )
+    plain = TrainingArguments(str(tmp_path / "out"), report_to="none", gradient_accumulation_steps=4)
+    assert (
+        IPUTrainer(
+            factory.qa_model(), IPUConfig(gradient_accumulation_steps=8), plain
+        ).ipu_config.gradient_accumulation_steps
+        == 4
+    )
+
+
+def test_n_ipu_smaller_than_a_replica_raises(poptorch_double, factory, tmp_path):
+    """optimum-graphcore computes replication_factor = n_ipu // ipus_per_replica = 0, which its validator refuses;
+    hflight used to clamp it to 1 silently."""
+    with pytest.raises(
+        ValueError, match=r"n_ipu=2 is smaller .*`replication_factor` must be >= 1\. You provided value=0"
+    ):
+        IPUTrainer(factory.qa_model(), IPUConfig(layers_per_ipu=[1, 1, 1, 1]), args(tmp_path, n_ipu=2))
+    trainer = IPUTrainer(factory.qa_model(), IPUConfig(layers_per_ipu=[1, 1, 1, 1]), args(tmp_path, n_ipu=8))
+    assert trainer.ipu_config.replication_factor == 2
+
+
+def test_dataloader_getters_return_combined_batches(poptorch_double, factory, tmp_path):
+    config = IPUConfig(replication_factor=2, gradient_accumulation_steps=3, device_iterations=2,
+                       inference_replication_factor=2, inference_device_iterations=3)  # fmt: skip
+    trainer = IPUTrainer(
+        factory.qa_model(), config, args(tmp_path, per_device_train_batch_size=2, per_device_eval_batch_size=1),
+        train_dataset=factory.qa_dataset(30), eval_dataset=factory.qa_dataset(13, seed=1),
+    )  # fmt: skip
+    train = trainer.get_train_dataloader()
+    assert isinstance(train, poptorch_double.DataLoader) and train.combinedBatchSize == 2 * 2 * 3 * 2
+    assert [b["input_ids"].shape[0] for b in train] == [24]  # 30 samples: one complete combined batch
+    for loader in (trainer.get_eval_dataloader(), trainer.get_test_dataloader(factory.qa_dataset(13, seed=1))):
+        assert isinstance(loader, poptorch_double.DataLoader) and loader.combinedBatchSize == 1 * 2 * 3
+        assert loader.options.replication_factor == 2 and loader.options.device_iterations == 3
+        assert [b["input_ids"].shape[0] for b in loader] == [6, 6, 1]
+
+
+def test_the_state_is_an_ipu_trainer_state_kept_across_resume(poptorch_double, factory, tmp_path):
+    from hflight.ipu import IPUTrainerState
+
+    trainer = IPUTrainer(factory.qa_model(), IPUConfig(), args(tmp_path, save_strategy="steps", save_steps=2),
+                         train_dataset=factory.qa_dataset(8))  # fmt: skip
+    assert type(trainer.state) is IPUTrainerState and trainer.state.start_time == -1.0
+    trainer.train()
+    started = trainer.state.start_time
+    assert type(trainer.state) is IPUTrainerState and started > 0
+    saved = json.loads((tmp_path / "out" / "checkpoint-4" / "trainer_state.json").read_text())
+    assert saved["start_time"] == started
+    # poptorch's trainingModel renames the model's class until it is destroyed: the checkpoint names the real one
+    config = json.loads((tmp_path / "out" / "checkpoint-4" / "config.json").read_text())
+    assert config["architectures"] == ["BertForQuestionAnswering"]
+    resumed = IPUTrainer(factory.qa_model(), IPUConfig(), args(tmp_path, save_strategy="steps", save_steps=2,
+                         num_train_epochs=2), train_dataset=factory.qa_dataset(8))  # fmt: skip
+    resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-4"))
+    assert type(resumed.state) is IPUTrainerState and resumed.state.global_step == 8
+    assert resumed.state.start_time == started  # the first start, as optimum-graphcore keeps it

@@ -84,3 +84,20 @@ def test_sdpa_with_attention_dropout_trains_with_eager_attention(factory, tmp_pa
     trainer.train()
     assert model.config._attn_implementation == "eager"
     assert all(torch.isfinite(torch.tensor(e["loss"])) for e in trainer.state.log_history if "loss" in e)
+
+
+def test_module_with_loss_runs_the_loss_inside_ortmodule(factory, tmp_path):
+    """optimum's use_module_with_loss: ORTModule wraps ModuleWithLoss (the loss is part of the exported graph);
+    the losses are eager's."""
+    from hflight.ort import ModuleWithLoss, ORTTrainer, ORTTrainingArguments
+
+    model = factory.qa_model(seed=0)
+    eager = _fit(copy.deepcopy(model), "auto", tmp_path, "eager", factory)
+    settings = {**COMMON, "eval_strategy": "no"}
+    args = ORTTrainingArguments(str(tmp_path / "ort"), **settings, use_module_with_loss=True, ort_training="true",
+                                ort_inference=False)  # fmt: skip
+    trainer = ORTTrainer(model, args, train_dataset=factory.qa_dataset(40))
+    trainer.train()
+    assert isinstance(trainer.ort_strategy._training_model.wrapped, ModuleWithLoss)
+    losses = [[e["loss"] for e in t.state.log_history if "loss" in e] for t in (eager, trainer)]
+    assert len(losses[1]) == 10 and losses[1] == pytest.approx(losses[0], abs=1e-5)

@@ -19,6 +19,7 @@ _EXPORTS = {
     "IPUPrecision": "hflight.ipu.precision",
     "IPUStrategy": "hflight.ipu.strategy",
     "IPUTrainer": "hflight.ipu.trainer",
+    "IPUTrainerState": "hflight.ipu.trainer",
     "IPUTrainingArguments": "hflight.ipu.trainer",
     "pad_on_batch_axis": "hflight.ipu.data",
 }
@@ -29,6 +30,7 @@ __all__ = [
     "IPUPrecision",
     "IPUStrategy",
     "IPUTrainer",
+    "IPUTrainerState",
     "IPUTrainingArguments",
     "IncompatibleIPUConfigError",
     "pad_on_batch_axis",
@@ -40,7 +42,7 @@ if TYPE_CHECKING:
     from hflight.ipu.data import pad_on_batch_axis
     from hflight.ipu.precision import IPUPrecision
     from hflight.ipu.strategy import IPUStrategy
-    from hflight.ipu.trainer import IPUTrainer, IPUTrainingArguments
+    from hflight.ipu.trainer import IPUTrainer, IPUTrainerState, IPUTrainingArguments
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)

@@ -8,7 +8,10 @@ poptorch is imported only by ``to_options``.
 Training and inference have separate values for the layout fields (``layers_per_ipu`` and
 ``inference_layers_per_ipu``, ...). :meth:`train` and :meth:`eval` choose which one the mode-dependent accessors
 (``_layers_per_ipu``, ``_ipus_per_replica``, ``_matmul_proportion``, ...) read and write, as optimum-graphcore's
-managed attributes do.
+managed attributes do; ``IPUConfig.modes`` lists the modes (a subclass may list its own) and coherence is checked in
+each of them. Validation errors carry optimum-graphcore's wording, so code that matches on them keeps working. Keys of
+a transformers model config found in ``ipu_config.json`` or passed as keywords (``return_dict``, ``architectures``,
+...) are ignored, as optimum-graphcore ignores them; any other unknown key raises.
 
 Example:
     >>> config = IPUConfig(replication_factor=2, gradient_accumulation_steps=8, device_iterations=4)
@@ -21,13 +24,17 @@ Example:
 from __future__ import annotations
 
 import copy
+import functools
 import json
+import logging
 import os
 import tempfile
 import typing
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Union
+
+log = logging.getLogger(__name__)
 
 __all__ = ["IPU_CONFIG_NAME", "IPUConfig", "IncompatibleIPUConfigError"]
 
@@ -100,6 +107,7 @@ _FLOORS: Dict[str, float] = {
 }
 
 _OUTPUT_MODES = ("all", "sum", "final", "default")
+_REPLICATION_FIELDS = ("replication_factor", "inference_replication_factor")
 _SPLIT_FIELDS = tuple(
     f"{prefix}serialized_{layer}_splits_per_ipu"
     for prefix in ("", "inference_")
@@ -112,7 +120,27 @@ _DEPRECATED_KEYS = {
 }
 # Keys optimum's BaseConfig writes into ipu_config.json besides the fields: read and ignored.
 _METADATA_KEYS = ("optimum_version", "transformers_version")
-_MODES = ("training", "inference")
+# optimum-graphcore ignores every key of a transformers model config (its IPUConfig derives from PretrainedConfig):
+# the keys of transformers 4.29's PretrainedConfig().to_dict(), the version optimum-graphcore wrote its files with;
+# the installed transformers' keys are added at run time (see _model_config_keys).
+_TRANSFORMERS_4_29_CONFIG_KEYS = frozenset(
+    """return_dict output_hidden_states output_attentions torchscript torch_dtype use_bfloat16 tf_legacy_loss
+    pruned_heads tie_word_embeddings is_encoder_decoder is_decoder cross_attention_hidden_size add_cross_attention
+    tie_encoder_decoder max_length min_length do_sample early_stopping num_beams num_beam_groups diversity_penalty
+    temperature top_k top_p typical_p repetition_penalty length_penalty no_repeat_ngram_size
+    encoder_no_repeat_ngram_size bad_words_ids num_return_sequences chunk_size_feed_forward output_scores
+    return_dict_in_generate forced_bos_token_id forced_eos_token_id remove_invalid_values
+    exponential_decay_length_penalty suppress_tokens begin_suppress_tokens architectures finetuning_task id2label
+    label2id tokenizer_class prefix bos_token_id pad_token_id eos_token_id sep_token_id decoder_start_token_id
+    task_specific_params problem_type _name_or_path""".split()
+)
+
+
+@functools.lru_cache(maxsize=1)
+def _model_config_keys() -> frozenset[str]:
+    from transformers import PretrainedConfig
+
+    return _TRANSFORMERS_4_29_CONFIG_KEYS | frozenset(PretrainedConfig().to_dict())
 
 
 def _type_ok(value: Any, hint: Any) -> bool:
@@ -132,12 +160,9 @@ def _type_ok(value: Any, hint: Any) -> bool:
     return isinstance(value, hint)
 
 
-def _describe(hint: Any) -> str:
-    return getattr(hint, "__name__", None) if isinstance(hint, type) else str(hint).replace("typing.", "")
-
-
 class _ModeField:
-    """Reads and writes ``name`` in training mode and ``inference_name`` in inference mode."""
+    """Reads and writes ``name`` in inference mode as ``inference_name``, and as ``name`` in every other mode (the
+    semantics of optimum-graphcore's ``ManagedAttribute``)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -158,12 +183,14 @@ class IPUConfig:
     """The IPU configuration of optimum-graphcore: batching, pipelining, memory and precision settings.
 
     Every field of optimum-graphcore's ``IPUConfig`` with its default; see its documentation for what each
-    controls. Values are checked on construction and on assignment: a wrong type or an out-of-range value raises a
-    ``TypeError``/``ValueError`` naming the field, incoherent values an :class:`IncompatibleIPUConfigError`, and an
-    unknown keyword an :class:`IncompatibleIPUConfigError` naming it.
+    controls. Values are checked on construction and on assignment with optimum-graphcore's rules and messages: a
+    wrong type raises ``TypeError``, an out-of-range value ``ValueError``, incoherent values and unknown keywords an
+    :class:`IncompatibleIPUConfigError`; keys of a transformers model config are ignored.
     """
 
     CONFIG_NAME = IPU_CONFIG_NAME
+    #: The modes of the mode-dependent accessors; coherence is validated in each (a subclass may add its own).
+    modes: tuple[str, ...] = ("training", "inference")
 
     _layers_per_ipu = _ModeField("layers_per_ipu")
     _ipus_per_replica = _ModeField("ipus_per_replica")
@@ -176,32 +203,15 @@ class IPUConfig:
 
     def __init__(self, **kwargs: Any) -> None:
         object.__setattr__(self, "_mode", "training")
-        for key, reason in _DEPRECATED_KEYS.items():
-            if kwargs.pop(key, None):
-                warnings.warn(f"IPUConfig: the {key!r} parameter is deprecated: {reason}.", FutureWarning, stacklevel=2)
-        for key in _METADATA_KEYS:
-            kwargs.pop(key, None)
-        unknown = sorted(set(kwargs) - set(_FIELDS))
-        if unknown:
-            raise IncompatibleIPUConfigError(
-                "IPUConfig received unknown arguments: " + ", ".join(f"{k}={kwargs[k]!r}" for k in unknown)
-            )
+        kwargs = _known_arguments(kwargs)
+        for name in _REPLICATION_FIELDS:
+            value = kwargs.get(name, 1)
+            if not isinstance(value, int):
+                raise ValueError(f"{name} must be of type `int`. You provided: {name}={value}, {type(value)}.")
         values = {name: copy.deepcopy(kwargs.get(name, default)) for name, (_, default) in _FIELDS.items()}
-        # Derived defaults, in optimum-graphcore's order.
-        values["inference_layers_per_ipu"] = values["inference_layers_per_ipu"] or values["layers_per_ipu"]
-        ipus = values["ipus_per_replica"] or len(values["layers_per_ipu"])
-        values["ipus_per_replica"] = ipus
-        fallback_ipus = ipus
-        if fallback_ipus == len(values["layers_per_ipu"]) or values["inference_layers_per_ipu"] != [-1]:
-            fallback_ipus = len(values["inference_layers_per_ipu"])
-        values["inference_ipus_per_replica"] = values["inference_ipus_per_replica"] or fallback_ipus
-        fallback_matmul = values["matmul_proportion"]
-        if isinstance(fallback_matmul, list) and len(fallback_matmul) != values["inference_ipus_per_replica"]:
-            fallback_matmul = 0.2
-        values["inference_matmul_proportion"] = values["inference_matmul_proportion"] or fallback_matmul
-        values["parallelize_kwargs"] = values["parallelize_kwargs"] or {}
-        values["inference_parallelize_kwargs"] = values["inference_parallelize_kwargs"] or {}
-        for name, value in values.items():
+        for name, value in values.items():  # as given, before anything is derived from them
+            _check_field(name, value)
+        for name, value in _derived_defaults(values).items():
             setattr(self, name, value)
         self._validate_ipu_config()
 
@@ -212,8 +222,11 @@ class IPUConfig:
 
     @mode.setter
     def mode(self, value: str) -> None:
-        if value not in _MODES:
-            raise ValueError(f"IPUConfig mode can only take values in {_MODES}, got {value!r}; use train() or eval().")
+        if value not in self.modes:
+            raise ValueError(
+                f"`IPUConfig` mode can only take values in {self.modes}. You provided: {value=}. Use the `train` and "
+                "`eval` methods instead to avoid error."
+            )
         object.__setattr__(self, "_mode", value)
 
     def train(self) -> IPUConfig:
@@ -226,6 +239,13 @@ class IPUConfig:
         self.mode = "inference"
         return self
 
+    def _get_managed_attr_mode_name(self, attr: str) -> str:
+        """The field a mode-dependent accessor of ``attr`` reaches in the current mode (optimum-graphcore's helper:
+        ``attr`` in training mode, ``inference_<attr>`` in the others; ``attr`` itself when it has no variant)."""
+        if attr in _FIELDS and f"inference_{attr}" in _FIELDS:
+            return attr if self.mode == "training" else f"inference_{attr}"
+        return attr
+
     # ---- validation --------------------------------------------------------------------------------------------
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _FIELDS:
@@ -233,12 +253,12 @@ class IPUConfig:
         object.__setattr__(self, name, value)
 
     def _validate_ipu_config(self) -> IPUConfig:
-        """Coherence of the fields in both modes (optimum-graphcore's checks); fills serialization defaults."""
+        """Coherence of the fields in every mode (optimum-graphcore's checks); fills serialization defaults."""
         if self.replicated_tensor_sharding and self.replication_factor == 1:
-            warnings.warn("IPUConfig: replicated_tensor_sharding is not used when replication_factor=1", stacklevel=3)
+            log.warning("`replicated_tensor_sharding` is not used when `replication_factor=1`")
         previous = self.mode
         try:
-            for mode in _MODES:
+            for mode in self.modes:
                 self.mode = mode
                 self._validate_mode()
         finally:
@@ -246,35 +266,33 @@ class IPUConfig:
         return self
 
     def _validate_mode(self) -> None:
-        prefix = "inference_" if self.mode == "inference" else ""
+        ipus_name = self._get_managed_attr_mode_name("ipus_per_replica")
         ipus = self._ipus_per_replica
-        matmul = self._matmul_proportion
-        if isinstance(matmul, list) and len(matmul) != ipus:
-            raise IncompatibleIPUConfigError(
-                f"{prefix}matmul_proportion={matmul} should use the same number of IPUs as "
-                f"{prefix}ipus_per_replica={ipus}."
-            )
-        layers = self._layers_per_ipu
-        if -1 not in layers and len(layers) != ipus:
-            raise IncompatibleIPUConfigError(
-                f"{prefix}layers_per_ipu={layers} should use the same number of IPUs as "
-                f"{prefix}ipus_per_replica={ipus}."
-            )
+        for attr, value in (("matmul_proportion", self._matmul_proportion), ("layers_per_ipu", self._layers_per_ipu)):
+            wildcard = attr == "layers_per_ipu" and -1 in value  # model.parallelize resolves wildcards
+            if isinstance(value, list) and not wildcard and len(value) != ipus:
+                raise IncompatibleIPUConfigError(
+                    f"{self._get_managed_attr_mode_name(attr)}={value} should use the same number of IPUs as "
+                    f"{ipus_name}={ipus}."
+                )
         for layer in ("embedding", "projection"):
-            splits_name = f"{prefix}serialized_{layer}_splits_per_ipu"
-            factor_name = f"{prefix}{layer}_serialization_factor"
-            splits, factor = getattr(self, splits_name), getattr(self, factor_name)
-            if not (splits or factor):
-                setattr(self, factor_name, 1)
-            if splits and factor:
-                raise ValueError(
-                    f"Only one of `{factor_name}` and `{splits_name}` should be used at once: `{factor_name}` "
-                    f"serialises the {layer} layer on one IPU, `{splits_name}` splits it across the IPUs you choose."
-                )
-            if splits and len(splits) != ipus:
-                raise ValueError(
-                    f"{splits_name}={splits} should use the same number of IPUs as {prefix}ipus_per_replica={ipus}."
-                )
+            self._validate_serialization(layer, ipus_name, ipus)
+
+    def _validate_serialization(self, layer: str, ipus_name: str, ipus: int) -> None:
+        splits_name = self._get_managed_attr_mode_name(f"serialized_{layer}_splits_per_ipu")
+        factor_name = self._get_managed_attr_mode_name(f"{layer}_serialization_factor")
+        splits, factor = getattr(self, splits_name), getattr(self, factor_name)
+        if not (splits or factor):
+            setattr(self, factor_name, 1)
+        if splits and factor:
+            raise ValueError(
+                f"Only one of `{factor_name}` and `{splits_name}` should be used at once. `{factor_name}` should be "
+                f"used when you want your {layer} layer serialised on the same IPU (which IPU depends on the model). "
+                f"`{splits_name}` should be used when you want your {layer} layer to be split across multiple IPUs "
+                "of your choice (or to choose which single IPU the layer is serialised on)."
+            )
+        if splits and len(splits) != ipus:
+            raise ValueError(f"{splits_name}={splits} should use the same number of IPUs as {ipus_name}={ipus}.")
 
     # ---- batching ----------------------------------------------------------------------------------------------
     def batch_size_factor(self, for_inference: bool = False) -> int:
@@ -403,13 +421,18 @@ class IPUConfig:
         cache_dir: str | None = None,
         revision: str | None = None,
         token: str | bool | None = None,
+        use_auth_token: str | bool | None = None,
+        force_download: bool = False,
+        local_files_only: bool = False,
+        subfolder: str = "",
         **kwargs: Any,
     ) -> IPUConfig:
         """Load ``ipu_config.json`` from a folder, a JSON file, or a Hub repository (e.g. ``Graphcore/bert-base-ipu``).
 
-        ``kwargs`` override values of the loaded config, as in optimum-graphcore.
+        The download arguments are ``huggingface_hub``'s; ``use_auth_token`` is the older name of ``token`` that
+        optimum-graphcore's scripts pass. ``kwargs`` override values of the loaded config, as in optimum-graphcore.
         """
-        path = Path(pretrained_model_name_or_path)
+        path = Path(pretrained_model_name_or_path) / subfolder
         if path.is_dir():
             path = path / IPU_CONFIG_NAME
             if not path.is_file():
@@ -417,8 +440,18 @@ class IPUConfig:
         elif not path.is_file():
             from huggingface_hub import hf_hub_download
 
-            name = str(pretrained_model_name_or_path)
-            path = Path(hf_hub_download(name, IPU_CONFIG_NAME, cache_dir=cache_dir, revision=revision, token=token))
+            path = Path(
+                hf_hub_download(
+                    str(pretrained_model_name_or_path),
+                    IPU_CONFIG_NAME,
+                    subfolder=subfolder or None,
+                    cache_dir=cache_dir,
+                    revision=revision,
+                    token=token if token is not None else use_auth_token,
+                    force_download=force_download,
+                    local_files_only=local_files_only,
+                )
+            )
         return cls.from_json_file(path, **kwargs)
 
     def update_from_string(self, update_str: str) -> None:
@@ -432,7 +465,7 @@ class IPUConfig:
             if not sep:
                 raise ValueError(f"IPUConfig override {item!r} is not of the form key=value (in {update_str!r}).")
             if key not in _FIELDS:
-                raise ValueError(f"IPUConfig override: {key!r} is not an IPUConfig field (in {update_str!r}).")
+                raise ValueError(f"Key {key} isn't in the original config dict")
             setattr(self, key, _parse_override(key, text, getattr(self, key)))
         self._validate_ipu_config()
 
@@ -443,23 +476,97 @@ class IPUConfig:
         return f"{type(self).__name__} {self.to_json_string()}"
 
 
+def _known_arguments(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The field values among constructor keywords: deprecated keys warned about and dropped, optimum's metadata
+    and the keys of a transformers model config dropped (optimum-graphcore ignores them), any other unknown key an
+    error naming it."""
+    kwargs = dict(kwargs)
+    for key, reason in _DEPRECATED_KEYS.items():
+        if kwargs.pop(key, None):
+            warnings.warn(f"The {key!r} parameter is deprecated: {reason}.", FutureWarning, stacklevel=3)
+    ignored = sorted(key for key in kwargs if key not in _FIELDS and key in _model_config_keys())
+    if ignored:
+        log.info("IPUConfig: ignoring keys of a transformers model config: %s", ", ".join(ignored))
+    unknown = [key for key in kwargs if key not in _FIELDS and key not in _METADATA_KEYS and key not in ignored]
+    if unknown:
+        raise IncompatibleIPUConfigError(
+            "IPUConfig received unknown arguments:\n" + "\n".join(f"  {k}={kwargs[k]}" for k in unknown)
+        )
+    return {key: value for key, value in kwargs.items() if key in _FIELDS}
+
+
+def _derived_defaults(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` with the inference fields left unset derived from the training ones, in optimum-graphcore's
+    order."""
+    values["inference_layers_per_ipu"] = values["inference_layers_per_ipu"] or values["layers_per_ipu"]
+    ipus = values["ipus_per_replica"] or len(values["layers_per_ipu"])
+    values["ipus_per_replica"] = ipus
+    fallback_ipus = ipus
+    if fallback_ipus == len(values["layers_per_ipu"]) or values["inference_layers_per_ipu"] != [-1]:
+        fallback_ipus = len(values["inference_layers_per_ipu"])
+    values["inference_ipus_per_replica"] = values["inference_ipus_per_replica"] or fallback_ipus
+    fallback_matmul = values["matmul_proportion"]
+    if isinstance(fallback_matmul, list) and len(fallback_matmul) != values["inference_ipus_per_replica"]:
+        fallback_matmul = 0.2
+    values["inference_matmul_proportion"] = values["inference_matmul_proportion"] or fallback_matmul
+    values["parallelize_kwargs"] = values["parallelize_kwargs"] or {}
+    values["inference_parallelize_kwargs"] = values["inference_parallelize_kwargs"] or {}
+    return values
+
+
+def _at_least(floor: float) -> Callable[[str, Any], None]:
+    """optimum-graphcore's ``_contents_geq_value_validator``: a scalar, or every element of a list, >= ``floor``."""
+
+    def check(name: str, value: Any) -> None:
+        if value is None:
+            return
+        if isinstance(value, list):
+            if not all(item >= floor for item in value):
+                raise ValueError(
+                    f"`IPUConfig` attribute `{name}` must have all elements >= {floor}. You provided {value=}"
+                )
+        elif not value >= floor:
+            raise ValueError(f"`IPUConfig` attribute `{name}` must be >= {floor}. You provided {value=}")
+
+    return check
+
+
+def _output_mode_ok(name: str, value: Any) -> None:
+    if value not in _OUTPUT_MODES:
+        raise ValueError(
+            f"`IPUConfig` attribute `output_mode` can only take values in {_OUTPUT_MODES}. You provided: {value=}"
+        )
+
+
+def _splits_ok(name: str, value: Any) -> None:
+    """Serialized-layer splits: no negative entry, at least one split, splits on consecutive IPUs."""
+    if value is None:
+        return
+    _at_least(0)(name, value)
+    if sum(value) < 1:
+        raise ValueError(f"`IPUConfig` attribute `{name}={value}` must have atleast 1 split on 1 IPU.")
+    for i, splits in enumerate(value[:-1]):
+        if splits and value[i + 1] == 0 and sum(value[i + 1 :]) != 0:
+            raise ValueError(f"`IPUConfig` attribute `{name}={value}` must have its splits on consecutive IPUs.")
+
+
+#: Field -> its value checks beyond the type (optimum-graphcore's ``attribute_validators``).
+_VALIDATORS: Dict[str, Callable[[str, Any], None]] = {
+    **{name: _at_least(floor) for name, floor in _FLOORS.items()},
+    **{name: _splits_ok for name in _SPLIT_FIELDS},
+    "output_mode": _output_mode_ok,
+}
+
+
 def _check_field(name: str, value: Any) -> None:
     hint = _FIELDS[name][0]
     if not _type_ok(value, hint):
-        raise TypeError(f"IPUConfig.{name} must be {_describe(hint)}, got {value!r} ({type(value).__name__}).")
-    floor = _FLOORS.get(name)
-    if floor is not None and value is not None:
-        items = value if isinstance(value, list) else [value]
-        if any(item < floor for item in items):
-            raise ValueError(f"IPUConfig.{name} must be >= {floor} (every element for a list), got {value!r}.")
-    if name == "output_mode" and value not in _OUTPUT_MODES:
-        raise ValueError(f"IPUConfig.output_mode must be one of {_OUTPUT_MODES}, got {value!r}.")
-    if name in _SPLIT_FIELDS and value is not None:
-        if sum(value) < 1:
-            raise ValueError(f"IPUConfig.{name}={value} must have at least 1 split on 1 IPU.")
-        for i, splits in enumerate(value[:-1]):
-            if splits and value[i + 1] == 0 and sum(value[i + 1 :]) != 0:
-                raise ValueError(f"IPUConfig.{name}={value} must have its splits on consecutive IPUs.")
+        raise TypeError(
+            f"Setting `IPUConfig` attribute: {name}, type: {hint} with {value=}, type: {type(value)} is invalid."
+        )
+    validator = _VALIDATORS.get(name)
+    if validator is not None:
+        validator(name, value)
 
 
 def _parse_override(key: str, text: str, current: Any) -> Any:
@@ -476,7 +583,7 @@ def _parse_override(key: str, text: str, current: Any) -> Any:
             return True
         if lowered in ("false", "0", "n", "no"):
             return False
-        raise ValueError(f"IPUConfig override {key}={text!r}: expected true or false.")
+        raise ValueError(f"Can't derive true or false from {text} (key {key})")
     try:
         if isinstance(current, int):
             return int(text)
@@ -489,6 +596,5 @@ def _parse_override(key: str, text: str, current: Any) -> Any:
     if isinstance(current, str):
         return text
     raise ValueError(
-        f"IPUConfig override {key}={text!r}: only int, float, bool, list or string fields can be overridden "
-        f"(current value {current!r})."
+        f"You can only update int, float, bool, list or string values in the config, got {text} for key {key}"
     )

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import os
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -122,6 +123,7 @@ class IPUStrategy(SingleDeviceStrategy, HFBackend):
         self.training_model: Any = None
         self.inference_model: Any = None
         self._options: dict[bool, Any] = {}
+        self._model_class_name: str | None = None  # the model's own class, which trainingModel replaces
 
     # ---- precision: Lightning builds a plain plugin from `precision=`; the IPU needs its own -------------------
     @property
@@ -202,6 +204,7 @@ class IPUStrategy(SingleDeviceStrategy, HFBackend):
             facade.optimizer = facade.callback_handler.optimizer = optimizer
         model = self.lightning_module.model
         options = self.options(for_inference=False)
+        self._model_class_name = type(model).__name__
         self.training_model = self.poptorch.trainingModel(model.train(), options=options, optimizer=optimizer)
 
     def to_poptorch_optimizer(self, optimizer: torch.optim.Optimizer, max_grad_norm: float | None) -> Any:
@@ -278,6 +281,20 @@ class IPUStrategy(SingleDeviceStrategy, HFBackend):
     @override
     def hf_save_files(self, output_dir: str) -> None:
         self.ipu_config.save_pretrained(output_dir)
+        self._restore_architectures(output_dir)
+
+    def _restore_architectures(self, output_dir: str) -> None:
+        """Until its executable is destroyed, ``poptorch.trainingModel`` gives the model a ``Poptorch<Name>``
+        subclass, and transformers' ``save_pretrained`` writes that name into ``config.json``; a checkpoint must name
+        the model's own class (resuming and ``from_pretrained`` check it)."""
+        model = getattr(self.lightning_module, "model", None)
+        config = getattr(model, "config", None)
+        name = self._model_class_name
+        if name is None or getattr(config, "architectures", None) != [f"Poptorch{name}"]:
+            return
+        config.architectures = [name]
+        if os.path.isfile(os.path.join(output_dir, "config.json")):
+            config.save_pretrained(output_dir)
 
     # ---- compile_only ------------------------------------------------------------------------------------------------
     def compile_executables(self, facade: TrainerSurface, training: bool, evaluation: bool) -> None:

@@ -10,8 +10,10 @@ Code written for optimum-graphcore changes one import::
 The trainer is the facade with an :class:`~hflight.ipu.IPUStrategy` built from the ``IPUConfig`` and the IPU
 arguments (``n_ipu``, ``ipu_config_overrides``, ``fp32``, ``loss_scaling``, ``pad_on_batch_axis``, ...); every
 transformers callback event, checkpoint file and metric key is the facade's. As in optimum-graphcore, the default
-optimizer is poptorch's AdamW without bias correction (LAMB with ``lamb=True``) and models train in float16 unless
-``fp32=True``. Differences: ``grad_norm`` is not logged (gradients exist only on the device, where
+optimizer is poptorch's AdamW without bias correction (LAMB with ``lamb=True``), models train in float16 unless
+``fp32=True``, the dataloader getters return ``poptorch.DataLoader``s of combined batches, the state is an
+:class:`IPUTrainerState`, and a ``gradient_accumulation_steps`` given in the arguments (even 1) overrides the
+``IPUConfig``'s. Differences: ``grad_norm`` is not logged (gradients exist only on the device, where
 ``max_grad_norm`` clips them), and ``compile_only=True`` returns from ``train()``/``evaluate()`` after compiling
 instead of exiting the process.
 """
@@ -19,7 +21,9 @@ instead of exiting the process.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -27,6 +31,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
+from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import TrainOutput
 
 from hflight import optim
@@ -39,7 +44,7 @@ from hflight.training_args import TrainingArguments
 
 log = logging.getLogger(__name__)
 
-__all__ = ["IPUTrainer", "IPUTrainingArguments"]
+__all__ = ["IPUTrainer", "IPUTrainerState", "IPUTrainingArguments"]
 
 # ruff: noqa: UP045 - dataclass field types stay parser-friendly (HfArgumentParser, OmegaConf)
 
@@ -49,14 +54,32 @@ DATALOADER_MODES = ("sync", "async", "async_rebatched")
 
 
 @dataclass
+class IPUTrainerState(TrainerState):
+    """optimum-graphcore's trainer state: transformers' ``TrainerState`` plus ``start_time``, the ``time.time()`` at
+    which training first started (-1 before; kept in ``trainer_state.json``, so a resumed run keeps the first start).
+    """
+
+    start_time: float = -1.0
+
+
+@dataclass
 class IPUTrainingArguments(TrainingArguments):
     """hflight's ``TrainingArguments`` plus optimum-graphcore's IPU fields.
 
-    ``gradient_accumulation_steps`` (when not 1) and ``auto_loss_scaling`` override the ``IPUConfig``'s, as in
-    optimum-graphcore; ``fp16=True`` selects ``16-mixed`` (float32 optimizer state), ``fp32=True`` ``32-true``, and
-    the default is optimum-graphcore's float16 (``16-true``).
+    As in optimum-graphcore, ``gradient_accumulation_steps`` defaults to None (not given): a value given, even 1,
+    overrides the ``IPUConfig``'s, None leaves the ``IPUConfig``'s and reads as 1 afterwards. It, ``auto_loss_scaling``
+    and ``gradient_checkpointing`` are appended to ``ipu_config_overrides``, which ``IPUTrainer`` applies to its
+    ``IPUConfig``. ``fp16=True`` selects ``16-mixed`` (float32 optimizer state), ``fp32=True`` ``32-true``, and the
+    default is optimum-graphcore's float16 (``16-true``).
     """
 
+    gradient_accumulation_steps: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "Number of update steps to accumulate before performing a backward/update pass (on the IPU). "
+            "When given, it overrides the IPU config's value."
+        },
+    )
     ipu_config_name: Optional[str] = field(
         default=None, metadata={"help": "Pretrained IPU config name or path, if not the same as the model's."}
     )
@@ -83,6 +106,9 @@ class IPUTrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self) -> None:
+        accumulation_given = self.gradient_accumulation_steps is not None
+        if not accumulation_given:
+            self.gradient_accumulation_steps = 1
         super().__post_init__()
         if self.dataloader_mode not in DATALOADER_MODES:
             raise ValueError(
@@ -95,6 +121,22 @@ class IPUTrainingArguments(TrainingArguments):
             raise ValueError("IPUTrainingArguments: bf16 is not available on the IPU; use fp16=True or fp32=True.")
         if self.fp32 and self.fp16:
             raise ValueError("IPUTrainingArguments: fp32=True and fp16=True contradict each other; choose one.")
+        overrides = [f"gradient_accumulation_steps={self.gradient_accumulation_steps}"] if accumulation_given else []
+        if self.auto_loss_scaling:
+            overrides.append(f"auto_loss_scaling={self.auto_loss_scaling}")
+        if self.gradient_checkpointing:
+            overrides.append("recompute_checkpoint_every_layer=True")
+        if overrides:
+            self.ipu_config_overrides = ",".join(filter(None, [self.ipu_config_overrides, *overrides]))
+
+    @classmethod
+    def from_args(cls, args: TrainingArguments | None, owner: str) -> IPUTrainingArguments:
+        """``args`` as IPU arguments; plain ``TrainingArguments`` are copied field by field, their default
+        ``gradient_accumulation_steps=1`` read as not given (it then leaves the ``IPUConfig``'s value)."""
+        if isinstance(args, TrainingArguments) and not isinstance(args, cls) and args.gradient_accumulation_steps == 1:
+            fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
+            return cls(**{**fields, "gradient_accumulation_steps": None})
+        return super().from_args(args, owner)
 
     @property
     def ipu_precision(self) -> str:
@@ -105,22 +147,29 @@ class IPUTrainingArguments(TrainingArguments):
 
 
 def resolve_ipu_config(ipu_config: IPUConfig | None, args: IPUTrainingArguments) -> IPUConfig:
-    """The run's IPUConfig: the given one (or ``args.ipu_config_name``), then ``n_ipu``, the overrides, the seed."""
+    """The run's IPUConfig, in optimum-graphcore's order: the given one (or ``args.ipu_config_name``), then the
+    replication factors from ``n_ipu``, then ``args.ipu_config_overrides``, then the seed.
+
+    Raises:
+        ValueError: ``n_ipu`` is smaller than the IPUs one replica needs (replication factor 0, as optimum-graphcore).
+    """
     if ipu_config is None:
         ipu_config = IPUConfig.from_pretrained(args.ipu_config_name) if args.ipu_config_name else IPUConfig()
     config = copy.deepcopy(ipu_config)
     if args.n_ipu is not None:
         if config.replication_factor > 1 or config.inference_replication_factor > 1:
             log.warning("IPUTrainer: n_ipu=%d overrides the IPUConfig's replication factors.", args.n_ipu)
-        config.replication_factor = max(args.n_ipu // config.ipus_per_replica, 1)
-        config.inference_replication_factor = max(args.n_ipu // config.inference_ipus_per_replica, 1)
-    overrides = [args.ipu_config_overrides] if args.ipu_config_overrides else []
-    if args.auto_loss_scaling:
-        overrides.append("auto_loss_scaling=true")
-    if args.gradient_checkpointing:
-        overrides.append("recompute_checkpoint_every_layer=true")
-    if overrides:
-        config.update_from_string(",".join(overrides))
+        try:
+            config.replication_factor = args.n_ipu // config.ipus_per_replica
+            config.inference_replication_factor = args.n_ipu // config.inference_ipus_per_replica
+        except ValueError as exc:
+            raise ValueError(
+                f"n_ipu={args.n_ipu} is smaller than the IPUs one replica uses (ipus_per_replica="
+                f"{config.ipus_per_replica}, inference_ipus_per_replica={config.inference_ipus_per_replica}): {exc}"
+            ) from exc
+    if args.ipu_config_overrides:
+        log.info("Overriding IPU config: %s", args.ipu_config_overrides)
+        config.update_from_string(args.ipu_config_overrides)
     config.seed = args.seed
     return config
 
@@ -186,6 +235,36 @@ class IPUTrainer(Trainer):
         if not is_training:
             loader.collate_fn = self.eval_data_collator
         return loader
+
+    # ---- loaders of combined batches, as optimum-graphcore's getters return them ------------------------------------
+    def get_train_dataloader(self) -> DataLoader:
+        """A ``poptorch.DataLoader`` whose batches are combined (micro-batch x replication x gradient accumulation x
+        device iterations): what one call of the training executable consumes."""
+        return self.ipu_strategy.hf_prepare_loader(super().get_train_dataloader(), training=True)
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
+        """A ``poptorch.DataLoader`` of combined inference batches (micro-batch x inference replication x inference
+        device iterations), collated by ``eval_data_collator``."""
+        return self.ipu_strategy.hf_prepare_loader(super().get_eval_dataloader(eval_dataset), training=False)
+
+    def get_test_dataloader(self, test_dataset: Any) -> DataLoader:
+        """As :meth:`get_eval_dataloader`, for ``test_dataset``."""
+        return self.ipu_strategy.hf_prepare_loader(super().get_test_dataloader(test_dataset), training=False)
+
+    # ---- the state: optimum-graphcore's IPUTrainerState ------------------------------------------------------------
+    @property
+    def state(self) -> IPUTrainerState:
+        return self.ipu_trainer_state
+
+    @state.setter
+    def state(self, state: TrainerState) -> None:
+        if type(state) is TrainerState:
+            # the facade builds plain states; the IPU state only adds `start_time` (its class default: -1), so the
+            # object itself becomes one and whoever holds it keeps holding the trainer's state
+            state.__class__ = IPUTrainerState
+        if getattr(self, "is_in_train", False) and getattr(state, "start_time", 0.0) < 0:
+            state.start_time = time.time()
+        self.ipu_trainer_state = state
 
     # ---- optimizer: poptorch's, as optimum-graphcore builds it ------------------------------------------------------
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:

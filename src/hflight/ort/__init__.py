@@ -1,8 +1,9 @@
 """ONNX Runtime for hflight: ORT evaluation on the current stack, ORTModule training where onnxruntime-training is
 installed, and optimum's ``ORTTrainer`` API.
 
-``from hflight.ort import ORTStrategy, ORTTrainer, ORTTrainingArguments``. Importing this package does not import
-onnxruntime; building a strategy does, and a missing package raises one error that says what to install.
+``from hflight.ort import ORTStrategy, ORTTrainer, ORTTrainingArguments``; optimum's module paths work too
+(``hflight.ort.trainer``, ``hflight.ort.training_args``). Importing this package does not import onnxruntime;
+evaluating through ONNX Runtime does, and a missing package raises one error that says what to install.
 """
 
 from __future__ import annotations
@@ -12,18 +13,28 @@ from typing import TYPE_CHECKING
 from hflight._lazy import lazy_exports
 
 _EXPORTS = {
+    "ModuleWithLoss": "hflight.ort.trainer",
+    "ORTEvaluationModel": "hflight.ort.session",
+    "ORTOptimizerNames": "hflight.ort.training_args",
     "ORTStrategy": "hflight.ort.strategy",
     "ORTTrainer": "hflight.ort.trainer",
-    "ORTTrainingArguments": "hflight.ort.trainer",
-    "ORTEvaluationModel": "hflight.ort.session",
+    "ORTTrainingArguments": "hflight.ort.training_args",
 }
 
-__all__ = ["ORTEvaluationModel", "ORTStrategy", "ORTTrainer", "ORTTrainingArguments"]
+__all__ = [
+    "ModuleWithLoss",
+    "ORTEvaluationModel",
+    "ORTOptimizerNames",
+    "ORTStrategy",
+    "ORTTrainer",
+    "ORTTrainingArguments",
+]
 
 if TYPE_CHECKING:
     from hflight.ort.session import ORTEvaluationModel
     from hflight.ort.strategy import ORTStrategy
-    from hflight.ort.trainer import ORTTrainer, ORTTrainingArguments
+    from hflight.ort.trainer import ModuleWithLoss, ORTTrainer
+    from hflight.ort.training_args import ORTOptimizerNames, ORTTrainingArguments
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 
-def _adamw_ort_fused(args: Any) -> tuple[type, dict[str, Any]]:
+def adamw_ort_fused(args: Any) -> tuple[type, dict[str, Any]]:
     """onnxruntime-training's FusedAdam (what transformers 4.x mapped ``adamw_ort_fused`` to)."""
     try:
         from onnxruntime.training.optim import FusedAdam
@@ -24,4 +24,4 @@ def register(accelerator_registry: Any, strategy_registry: Any) -> None:
     from hflight.ort.strategy import ORTStrategy
 
     ORTStrategy.register_strategies(strategy_registry)
-    OPTIMIZERS.setdefault("adamw_ort_fused", _adamw_ort_fused)
+    OPTIMIZERS.setdefault("adamw_ort_fused", adamw_ort_fused)

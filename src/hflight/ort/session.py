@@ -9,14 +9,22 @@ from the session's logits with transformers' own loss functions, so ``eval_loss`
 Exporters: ``"torchscript"`` (``dynamo=False``; about 1 s for MiniLM, and with eager attention during the export it
 gives the fastest graph) or ``"dynamo"`` (``torch.export``; 7-13 s, and its SDPA graph ran about 2x slower).
 ``quantize="dynamic"`` runs the session on an int8 copy (``quantize_dynamic``, QInt8 weights, per channel).
+
+The session is checked, not trusted (``hflight.ort.checks``): the eager model answers the traced batch of every
+export and the first batch of each input shape not compared before too, and a difference beyond the tolerance stops
+with an error naming the model and the largest difference (for ``quantize="dynamic"`` the float32 graph is the one compared: int8
+weights differ by design). The exporter's tracer warnings are reported once; an operator ONNX cannot express gives
+one error naming it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 import os
+import re
 import tempfile
 import time
 import warnings
@@ -36,6 +44,13 @@ from transformers.loss.loss_utils import (
     ForTokenClassification,
 )
 
+from hflight.ort.checks import (
+    check_outputs,
+    quiet_graph_dump,
+    report_tracer_warnings,
+    tracer_note,
+    unsupported_operator,
+)
 from hflight.ort.runtime import require_onnxruntime
 
 log = logging.getLogger(__name__)
@@ -125,12 +140,15 @@ def same_weights(model: nn.Module, snapshot: Mapping[str, torch.Tensor]) -> bool
 
 @dataclass(frozen=True)
 class ExportedGraph:
-    """What an export wrote: the graph's input and output names, and the model's output class."""
+    """What an export wrote: the graph's input and output names, the model's output class, the tracer's warnings
+    (``"file:line: message"``) and the eager model's outputs on the traced batch (the first check's reference)."""
 
     path: str
     input_names: list[str]
     output_names: list[str]
     output_class: type
+    tracer_warnings: tuple[str, ...] = ()
+    eager_outputs: Mapping[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 def export_logits(
@@ -172,23 +190,37 @@ def export_logits(
             axes: dict[str, Any] = {"dynamic_shapes": (shapes,), "external_data": False}  # one entry: *tensors
         else:
             axes = {"dynamic_axes": dynamic_axes}
-        with torch.no_grad(), _eager_attention(model, exporter), warnings.catch_warnings():
-            # tracing notes about Python control flow in transformers' masking code: the graph is checked by tests
-            warnings.simplefilter("ignore", torch.jit.TracerWarning)
-            warnings.filterwarnings("ignore", message=".*aten::index.*", category=UserWarning)
-            torch.onnx.export(
-                wrapper,
-                args,
-                path,
-                input_names=input_names,
-                output_names=output_names,
-                opset_version=OPSETS[exporter],
-                dynamo=exporter == "dynamo",
-                **axes,
-            )
+        export = dict(input_names=input_names, output_names=output_names, opset_version=OPSETS[exporter], **axes)
+        with torch.no_grad(), _eager_attention(model, exporter):
+            notes = _export(wrapper, args, path, type(model).__name__, exporter, export)
     finally:
         model.train(was_training)
-    return ExportedGraph(path, input_names, output_names, type(sample))
+    eager = {name: sample[name] for name in output_names}
+    return ExportedGraph(path, input_names, output_names, type(sample), tuple(notes), eager)
+
+
+def _export(
+    wrapper: nn.Module, args: tuple, path: str, model_name: str, exporter: str, options: dict[str, Any]
+) -> list[str]:
+    """``torch.onnx.export``, keeping its tracer warnings (returned as notes; every other warning is re-emitted,
+    except the exporter's notes on how it lowers ``aten::index``) and turning an operator ONNX cannot express into
+    one error."""
+    with warnings.catch_warnings(record=True) as caught, quiet_graph_dump():
+        warnings.simplefilter("always", torch.jit.TracerWarning)
+        try:
+            torch.onnx.export(wrapper, args, path, dynamo=exporter == "dynamo", **options)
+        except Exception as exc:
+            error = unsupported_operator(exc, model_name, exporter, options["opset_version"])
+            if error is None:
+                raise
+            raise error from exc
+    notes = []
+    for warning in caught:
+        if issubclass(warning.category, torch.jit.TracerWarning):
+            notes.append(tracer_note(warning))
+        elif not re.search(r"aten::index", str(warning.message)):
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+    return notes
 
 
 class ORTEvaluationModel:
@@ -202,6 +234,9 @@ class ORTEvaluationModel:
         providers: ONNX Runtime execution providers; default CUDA when the model is on a GPU and ORT has it, else CPU.
         intra_op_threads: ORT's intra-op threads; default ``torch.get_num_threads()``.
         export_dir: where the ``.onnx`` files go (default: a temporary directory removed with this object).
+        check_outputs: compare the session's outputs with the eager model's on the traced batch of every export (free:
+            the export ran the model on it) and on the first batch of each input shape not compared before (one eager
+            forward each), and raise ``ORTMismatchError`` on a difference beyond ``hflight.ort.checks.TOLERANCES``.
     """
 
     def __init__(
@@ -213,6 +248,7 @@ class ORTEvaluationModel:
         providers: list[str] | None = None,
         intra_op_threads: int | None = None,
         export_dir: str | None = None,
+        check_outputs: bool = True,
     ) -> None:
         if exporter not in EXPORTERS:
             raise ValueError(f"ORT exporter must be one of {EXPORTERS}, got {exporter!r}")
@@ -234,6 +270,15 @@ class ORTEvaluationModel:
         self.output_class: type | None = None
         self.export_count = 0
         self.export_seconds = 0.0
+        self.check_outputs = check_outputs
+        self.check_count = 0  # batches compared with eager since this object was built
+        self.check_seconds = 0.0
+        self.largest_difference = 0.0  # the largest |ORT - eager| those comparisons found
+        # input shapes (batch axis aside) already compared: a branch on shapes is the same in every export, so a shape
+        # is compared once per model; the traced batch is compared after every export
+        self._checked: set[tuple] = set()
+        self._reference: Any = None  # what the check compares: the session, or the float32 graph's when quantized
+        self._export_outputs: Mapping[str, torch.Tensor] = {}
         self._snapshot: dict[str, torch.Tensor] | None = None
 
     @property
@@ -254,11 +299,14 @@ class ORTEvaluationModel:
         start = time.perf_counter()
         path = os.path.join(self.export_dir, f"model-{self.export_count}.onnx")
         graph = export_logits(self.model, batch, path, self.label_names, self.exporter)
+        report_tracer_warnings(type(self.model).__name__, list(graph.tracer_warnings))
         self.input_names, self.output_names = graph.input_names, graph.output_names
         self.output_class = graph.output_class
+        device = batch[self.input_names[0]].device
+        self.session = self._reference = self._open(path, device)
         if self.quantize == "dynamic":
-            path = self._quantized(path)
-        self.session = self._open(path, batch[self.input_names[0]].device)
+            self.session = self._open(self._quantized(path), device)
+        self._export_outputs = graph.eager_outputs
         self._snapshot = state_snapshot(self.model)
         self.export_count += 1
         self.export_seconds += time.perf_counter() - start
@@ -297,12 +345,40 @@ class ORTEvaluationModel:
         if missing:
             raise ValueError(f"ORT evaluation: the batch lacks {missing}, inputs of the exported graph.")
         feed = {name: batch[name].detach().cpu().numpy() for name in self.input_names}
-        results = self.session.run(self.output_names, feed)
         device = batch[self.input_names[0]].device
-        outputs = {name: torch.from_numpy(np.asarray(out)).to(device) for name, out in zip(self.output_names, results)}
+        outputs = self._run(self.session, feed, device)
+        if self.check_outputs:
+            self._check(batch, feed, outputs, device)
         labels = {name: batch[name] for name in self.label_names if batch.get(name) is not None}
         loss = self._loss(outputs, labels) if labels else None
         return self.output_class(loss=loss, **outputs) if loss is not None else self.output_class(**outputs)
+
+    def _run(self, session: Any, feed: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
+        results = session.run(self.output_names, feed)
+        return {name: torch.from_numpy(np.asarray(out)).to(device) for name, out in zip(self.output_names, results)}
+
+    def _check(
+        self, batch: Mapping[str, Any], feed: dict[str, np.ndarray], outputs: dict[str, torch.Tensor], device: Any
+    ) -> None:
+        """Compare with the eager model on the traced batch of every export (its eager outputs come from the export
+        itself) and on the first batch of each input shape not compared before."""
+        shapes = tuple(feed[name].shape[1:] for name in self.input_names)
+        if shapes in self._checked and not self._export_outputs:
+            return
+        start = time.perf_counter()
+        eager = self._export_outputs
+        if not eager:
+            with torch.no_grad():
+                result = _call(self.model, {name: batch[name] for name in self.input_names})
+            eager = {name: result[name] for name in self.output_names}
+        self._export_outputs = {}
+        checked = outputs if self._reference is self.session else self._run(self._reference, feed, device)
+        described = {name: tuple(feed[name].shape) for name in self.input_names}
+        difference = check_outputs(type(self.model).__name__, eager, checked, described)
+        self.largest_difference = max(self.largest_difference, difference)
+        self._checked.add(shapes)
+        self.check_count += 1
+        self.check_seconds += time.perf_counter() - start
 
     def _loss(self, outputs: Mapping[str, torch.Tensor], labels: Mapping[str, torch.Tensor]) -> torch.Tensor:
         loss_type = getattr(self.model, "loss_type", None)
@@ -316,6 +392,6 @@ class ORTEvaluationModel:
         return compute(self.model, outputs, labels)
 
     def close(self) -> None:
-        self.session = None
+        self.session = self._reference = None
         if self._tmp is not None:
             self._tmp.cleanup()

@@ -3,8 +3,9 @@
 Evaluation and prediction (``inference=True``): at each evaluation the model's current weights (the averaged ones
 when an ``EMACallback`` is attached: the facade swaps them in first) are exported to ONNX, only when they changed
 since the last export, and the batches run in an ``onnxruntime.InferenceSession``; the torch module is untouched
-and the loss is computed in torch from the session's logits (see ``hflight.ort.session``). ``quantize="dynamic"``
-evaluates an int8 copy of the graph.
+and the loss is computed in torch from the session's logits (see ``hflight.ort.session``). The session's outputs are
+compared with the eager model's on the traced batch of each export and on the first batch of each input shape not
+compared before (``check_outputs``; ``hflight.ort.checks``). ``quantize="dynamic"`` evaluates an int8 copy of the graph.
 
 Training (``training="auto"``): where ``onnxruntime.training`` is importable (the torch-2.6 environment of
 ``requirements/ortmodule.txt``), the fit runs the model through ``ORTModule``; the facade keeps the plain model, so
@@ -51,8 +52,8 @@ class _ORTModuleTraining(nn.Module):
         self.wrapped = model
         self.ort_module = ortmodule_cls(model)
 
-    def forward(self, **inputs: Any) -> Any:
-        return _clone_tensors(self.ort_module(**inputs))
+    def forward(self, *args: Any, **inputs: Any) -> Any:
+        return _clone_tensors(self.ort_module(*args, **inputs))
 
 
 def _clone_tensors(value: Any) -> Any:
@@ -80,6 +81,10 @@ class ORTStrategy(SingleDeviceStrategy, HFBackend):
         exporter: ``"torchscript"`` (default) or ``"dynamo"``.
         providers: ONNX Runtime execution providers (default: CUDA when the model is on a GPU and ORT has it).
         device: the device (default: the accelerator's first; several devices need a DDP strategy).
+        loss_module: ``model -> module`` that training runs instead of the model (``ORTTrainer``'s
+            ``ModuleWithLoss``, whose forward computes the loss: ORTModule then exports the loss too).
+        check_outputs: compare ONNX Runtime's outputs with eager PyTorch's after each export (see
+            ``hflight.ort.checks``); a difference beyond the tolerance raises ``ORTMismatchError``.
     """
 
     strategy_name = "ort"
@@ -92,6 +97,8 @@ class ORTStrategy(SingleDeviceStrategy, HFBackend):
         exporter: str = "torchscript",
         providers: list[str] | None = None,
         device: str | torch.device | None = None,
+        loss_module: Callable[[nn.Module], nn.Module] | None = None,
+        check_outputs: bool = True,
         accelerator: Any = None,
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
@@ -117,6 +124,8 @@ class ORTStrategy(SingleDeviceStrategy, HFBackend):
         self.quantize = quantize
         self.exporter = exporter
         self.providers = providers
+        self.loss_module = loss_module
+        self.check_outputs = check_outputs
         self._device = torch.device(device) if device is not None else None
         self._training_model: _ORTModuleTraining | None = None
 
@@ -146,18 +155,30 @@ class ORTStrategy(SingleDeviceStrategy, HFBackend):
 
     @override
     def hf_training_model(self, model: nn.Module) -> Callable[..., Any]:
+        trained = self.loss_module(model) if self.loss_module is not None else model
         if self.ortmodule is None:
-            return model
-        if self._training_model is None or self._training_model.wrapped is not model:
+            return trained
+        if self._training_model is None or self._training_model.wrapped is not trained:
             config = getattr(model, "config", None)
             if getattr(config, "_attn_implementation", None) == "sdpa" and _attention_dropout(config) > 0:
                 # ORTModule cannot export SDPA with attention dropout; eager attention computes the same function.
                 log.info("ORTStrategy: switching %s to eager attention for ORTModule.", type(model).__name__)
                 model.set_attn_implementation("eager")
-            self._training_model = _ORTModuleTraining(model, self.ortmodule)
+            self._training_model = _ORTModuleTraining(trained, self.ortmodule)
         return self._training_model
 
     # ---- evaluation --------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def inference_through_ort(self, enabled: bool) -> Iterator[None]:
+        """Evaluate and predict through ONNX Runtime (True) or in eager PyTorch (False) inside this context."""
+        if enabled:
+            require_onnxruntime()
+        previous, self.inference = self.inference, enabled
+        try:
+            yield
+        finally:
+            self.inference = previous
+
     @override
     @contextlib.contextmanager
     def hf_evaluation_model(self, model: nn.Module, label_names: list[str]) -> Iterator[Callable[..., Any]]:
@@ -172,6 +193,7 @@ class ORTStrategy(SingleDeviceStrategy, HFBackend):
                 model, label_names, exporter=self.exporter, quantize=self.quantize, providers=self.providers
             )
         session.refresh()  # re-export on the first batch if training (or an average) changed the weights
+        session.check_outputs = self.check_outputs
         yield session
 
     @classmethod
