@@ -12,9 +12,9 @@ gives the fastest graph) or ``"dynamo"`` (``torch.export``; 7-13 s, and its SDPA
 
 The session is checked, not trusted (``hflight.ort.checks``): the eager model answers the traced batch of every
 export and the first batch of each input shape not compared before too, and a difference beyond the tolerance stops
-with an error naming the model and the largest difference (for ``quantize="dynamic"`` the float32 graph is the one compared: int8
-weights differ by design). The exporter's tracer warnings are reported once; an operator ONNX cannot express gives
-one error naming it.
+with an error naming the model and the largest difference (for ``quantize="dynamic"`` the float32 graph is the one
+compared: int8 weights differ by design). The exporter's tracer warnings are reported once; an operator ONNX cannot
+express gives one error naming it.
 """
 
 from __future__ import annotations
