@@ -122,11 +122,17 @@ def refresh_manifest(folder: Path) -> None:
 
 
 # ---- the folder format -----------------------------------------------------------------------------------------------
-def test_manifest_lists_every_file_with_its_size(saved):
+def test_manifest_lists_every_file_with_its_size_and_checksum(saved):
+    import xxhash
+
     folder = saved / "checkpoint-6"
     manifest = json.loads((folder / MANIFEST_NAME).read_text())
-    on_disk = {p.name: p.stat().st_size for p in folder.iterdir() if p.name != MANIFEST_NAME}
-    assert manifest["files"] == on_disk
+    on_disk = {
+        p.name: {"size": p.stat().st_size, "xxh3_128": xxhash.xxh3_128(p.read_bytes()).hexdigest()}
+        for p in folder.iterdir()
+        if p.name != MANIFEST_NAME
+    }
+    assert manifest["files"] == on_disk and manifest["version"] == 2
     assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"} <= set(on_disk)
     assert manifest["global_step"] == 6 and manifest["save_only_model"] is False
     assert manifest["run"] == {
@@ -154,12 +160,12 @@ def test_incomplete_folders_are_never_picked(saved, tmp_path, caplog):
     (out / "checkpoint-12").mkdir()  # an empty folder
     shutil.copytree(saved / "checkpoint-6", out / "checkpoint-15")
     (out / "checkpoint-15" / MANIFEST_NAME).write_text('{"format": "hflight-checkpoint", "files": [')  # cut short
-    with caplog.at_level(logging.WARNING, logger="hflight.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="hflight"):
         assert get_last_checkpoint(out) == str(out / "checkpoint-3")
     text = caplog.text
     assert "checkpoint-6" in text and "no optimizer.pt" in text
     assert "checkpoint-9" in text and "model.safetensors is corrupt or truncated (100 bytes" in text
-    assert "checkpoint-12" in text and "no trainer_state.json" in text
+    assert "checkpoint-12 has no model weights" in text
     assert f"Checkpoint manifest {out / 'checkpoint-15' / MANIFEST_NAME} is unreadable" in text
 
 
@@ -349,7 +355,7 @@ def test_unknown_trainer_state_keys_are_dropped_with_a_warning(tmp_path, caplog)
 def test_a_missing_empty_or_crafted_optimizer_file_is_named(saved, tmp_path, factory):
     folder = copy_checkpoint(saved, tmp_path)
     (folder / "optimizer.pt").unlink()
-    with pytest.raises(ValueError, match=r"checkpoint-6 is incomplete: no optimizer\.pt"):
+    with pytest.raises(ValueError, match=r"checkpoint-6 is incomplete or damaged: no optimizer\.pt"):
         make_trainer(tmp_path / "a", factory).train(resume_from_checkpoint=str(folder))
 
     (folder / "optimizer.pt").write_bytes(b"")

@@ -47,6 +47,7 @@ from hflight.optim import OptimizerMixin
 from hflight.run import Run
 from hflight.steps import StepsMixin
 from hflight.training_args import TrainingArguments, coerce_training_args
+from hflight.writelock import output_dir_lock
 
 DEFAULT_CALLBACKS = [DefaultFlowCallback]
 
@@ -200,16 +201,18 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
         ignore_keys_for_eval: list[str] | None = None,
     ) -> TrainOutput:
         resume_from_checkpoint = resume.requested(resume_from_checkpoint, self.args)
-        self.is_in_train = True
-        self._trial = trial
-        self._prepare_model_for_training()
-        point = resume.resolve_resume(self, resume_from_checkpoint)
-        run = self._new_run(True, resume=point, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval)
-        try:
-            run.fit()
-        finally:
-            self.is_in_train = False
-        return run.finish_training()
+        # One writer per output folder, from before the folder is read until the last checkpoint is rotated.
+        with output_dir_lock(self.args.output_dir, enabled=self.is_world_process_zero()):
+            self.is_in_train = True
+            self._trial = trial
+            self._prepare_model_for_training()
+            point = resume.resolve_resume(self, resume_from_checkpoint)
+            run = self._new_run(True, resume=point, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval)
+            try:
+                run.fit()
+            finally:
+                self.is_in_train = False
+            return run.finish_training()
 
     def _prepare_model_for_training(self) -> None:
         """A fresh model from ``model_init`` (and a fresh optimizer), or a fresh schedule; activation checkpointing."""
