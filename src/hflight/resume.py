@@ -49,7 +49,7 @@ from hflight.checkpoint import (
     run_arguments,
     verify_checkpoint,
 )
-from hflight.manifest import inside, regular_file
+from hflight.manifest import CHECKPOINT_RE, inside, regular_file
 from hflight.optim_state import check_training_states, planned_optimizer, planned_scheduler
 from hflight.surface import RunView, TrainerSurface
 from hflight.weights import UnsafeCheckpointFile, checked_weights, load_model_weights, refused_pickle
@@ -190,11 +190,12 @@ def resolve_resume(facade: TrainerSurface, resume: str | bool | None) -> ResumeP
         raise ValueError(f"Can't find a valid checkpoint at {resume}")  # transformers' words: scripts match on them
     manifest = verify_checkpoint(folder, full=True)
     state = read_trainer_state(regular_file(folder, TRAINER_STATE_NAME) or folder / TRAINER_STATE_NAME)
-    check_best_checkpoint(state.best_model_checkpoint, facade.args.output_dir, folder / TRAINER_STATE_NAME)
+    where = folder / TRAINER_STATE_NAME
+    state.best_model_checkpoint = check_best_checkpoint(state.best_model_checkpoint, facade.args.output_dir, where)
     model_only = _is_model_only(folder, manifest)
     copy_weights = checked_weights(facade.model, folder)
     training_states = {} if model_only else _read_training_states(facade, folder, manifest, state)
-    rebuilt = _rebuilt_callbacks(facade, state, folder / TRAINER_STATE_NAME)
+    rebuilt = _rebuilt_callbacks(facade, state, where)
     callbacks = facade.callback_handler.callbacks
     for callback in weight_hooks(callbacks, "check_checkpoint_state"):
         callback.check_checkpoint_state(str(folder), facade.model)
@@ -211,11 +212,23 @@ def resolve_resume(facade: TrainerSurface, resume: str | bool | None) -> ResumeP
     return ResumePoint(str(folder), state, manifest, model_only, training_states, rebuilt)
 
 
-def check_best_checkpoint(best: str | None, output_dir: str, source: Path | str) -> None:
-    """A best checkpoint that exists must lie inside ``output_dir`` (its weights are loaded at the end of
-    training); ``source``: where the path was read, for the message. A missing one is only warned about later."""
-    if best is None or not os.path.isdir(best) or inside(best, output_dir):
-        return
+def check_best_checkpoint(best: str | None, output_dir: str, source: Path | str) -> str | None:
+    """The best checkpoint to use, inside ``output_dir`` (its weights are loaded at the end of training); ``source``:
+    where the path was read, for messages.
+
+    A recorded path outside ``output_dir`` whose folder name exists inside it (the run folder was copied or moved)
+    is taken from ``output_dir``, with a warning; one that does not exist is returned as it is (the resumed run
+    warns and ignores it, as transformers does); any other path outside ``output_dir`` is an error.
+    """
+    if best is None or inside(best, output_dir) or not os.path.isdir(best):
+        return best
+    here = os.path.join(output_dir, os.path.basename(os.path.normpath(best)))
+    if CHECKPOINT_RE.match(os.path.basename(here)) and os.path.isdir(here):
+        logger.warning(
+            f"{source}: best_model_checkpoint {best!r} lies outside output_dir (the run folder was copied or moved?); "
+            f"using {here} instead."
+        )
+        return here
     raise ValueError(
         f"{source}: best_model_checkpoint {best!r} lies outside output_dir ({output_dir}); hflight loads a best model "
         "only from a checkpoint of the run's own output_dir. Resume with output_dir set to the folder that holds it, "
@@ -511,7 +524,6 @@ def load_rng_state(run: RunView) -> None:
 def load_best_model(facade: TrainerSurface) -> None:
     """``load_best_model_at_end``: the best checkpoint's weights (single file or shards), checked first: inside
     ``output_dir``, the model files' sizes and checksums as saved, keys and shapes as the model's."""
-    best = facade.state.best_model_checkpoint
-    check_best_checkpoint(best, facade.args.output_dir, "TrainerState")
+    best = check_best_checkpoint(facade.state.best_model_checkpoint, facade.args.output_dir, "TrainerState")
     verify_checkpoint(best, full=True, model_files_only=True)
     load_model_weights(facade.model, best)
