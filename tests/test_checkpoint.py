@@ -328,6 +328,12 @@ GOOD_STATE = {"global_step": 6, "epoch": 1.2, "max_steps": 12, "log_history": []
         (json.dumps({**GOOD_STATE, "log_history": [1]}), "'log_history' entry 0 must be an object"),
         (json.dumps({**GOOD_STATE, "global_step": -1}), "must not be negative"),
         (json.dumps({**GOOD_STATE, "stateful_callbacks": {"X": 3}}), r"'stateful_callbacks'\['X'\]"),
+        (json.dumps({**GOOD_STATE, "stateful_callbacks": {"X": {"args": 1}}}), r"with 'args' and 'attributes' objects"),
+        ('{"global_step": 6, "epoch": NaN, "max_steps": 12, "log_history": []}',
+         "key 'epoch' must be a finite number, got NaN"),
+        (json.dumps({**GOOD_STATE, "best_metric": float("inf"), "best_global_step": 3}),
+         "key 'best_metric' must be a finite number, got Infinity"),
+        (json.dumps({**GOOD_STATE, "total_flos": float("-inf")}), "key 'total_flos' must be a finite number"),
     ],
 )
 def test_trainer_state_json_is_validated(tmp_path, content, message):
@@ -347,6 +353,14 @@ def test_an_invalid_trainer_state_is_rejected_before_the_model_is_touched(saved,
     with pytest.raises(ValueError, match=r"trainer_state\.json lacks the key\(s\) 'global_step'"):
         trainer.train(resume_from_checkpoint=str(folder))
     assert all(torch.equal(before[k], v) for k, v in params(trainer).items())
+
+
+def test_transformers_starting_point_for_the_best_metric_means_no_best_yet(tmp_path):
+    """transformers starts best_metric at -inf/+inf and writes it as such when no evaluation improved on it (a NaN
+    metric): that is read as "no best yet"; hflight writes null instead."""
+    path = tmp_path / "trainer_state.json"
+    path.write_text(json.dumps({**GOOD_STATE, "best_metric": float("-inf"), "best_global_step": None}))
+    assert read_trainer_state(path).best_metric is None
 
 
 def test_unknown_trainer_state_keys_are_dropped_with_a_warning(tmp_path, caplog):
@@ -748,7 +762,7 @@ def test_a_copied_run_folder_takes_its_best_checkpoint_from_the_copy(saved, tmp_
     shutil.copytree(saved / "checkpoint-3", copy / "checkpoint-3")
     shutil.copytree(saved / "checkpoint-6", copy / "checkpoint-6")
     state = json.loads((copy / "checkpoint-6" / "trainer_state.json").read_text())
-    state["best_model_checkpoint"], state["best_global_step"], state["best_metric"] = str(saved / "checkpoint-3"), 3, 1.0
+    state.update(best_model_checkpoint=str(saved / "checkpoint-3"), best_global_step=3, best_metric=1.0)
     (copy / "checkpoint-6" / "trainer_state.json").write_text(json.dumps(state))
     refresh_manifest(copy / "checkpoint-6")
     trainer = make_trainer(copy, factory, max_steps=7, save_strategy="no")
@@ -908,3 +922,108 @@ def test_a_missing_checkpoint_path_raises_transformers_error_text(tmp_path, fact
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match=f"^Can't find a valid checkpoint at {tmp_path / 'empty'}"):
         load_model_weights(factory.qa_model(), tmp_path / "empty")
+
+
+def test_weights_saved_again_after_the_save_resume_with_a_warning_and_a_killed_resave_is_refused(
+    reference, tmp_path, factory, monkeypatch, caplog
+):
+    """A user re-shards a checkpoint's weights (``save_pretrained(max_shard_size=...)``: new shard names, a new index,
+    the old shards deleted first). The complete re-save resumes, with a warning that names what changed, and
+    continues exactly; every state a kill during that re-save leaves (old shards gone, some new ones written, the old
+    index still there), or a new shard cut short, is refused and changes nothing."""
+    import transformers.modeling_utils as modeling_utils
+
+    make_trainer(tmp_path, factory, model=ShardedBert.build(factory), stop_at=6).train()
+    folder = tmp_path / "checkpoint-6"
+    before = sorted(p.name for p in folder.glob("model-*-of-*.safetensors"))
+    snapshots, real_save = tmp_path / "killed", modeling_utils.safe_save_file
+
+    def snapshot_then_save(tensors, filename, *args, **kwargs):
+        shutil.copytree(folder, snapshots / f"{len(list(snapshots.glob('*'))):02d}" / "checkpoint-6")
+        return real_save(tensors, filename, *args, **kwargs)
+
+    resaver = ShardedBert.build(factory, seed=3)
+    load_model_weights(resaver, folder)
+    monkeypatch.setattr(modeling_utils, "safe_save_file", snapshot_then_save)
+    resaver.save_pretrained(folder, max_shard_size="60KB")
+    monkeypatch.undo()
+    after = sorted(p.name for p in folder.glob("model-*-of-*.safetensors"))
+    assert after and not set(after) & set(before)
+
+    resumed = make_trainer(tmp_path / "resumed", factory, model=ShardedBert.build(factory, seed=42))
+    with caplog.at_level(logging.WARNING, logger="hflight"):
+        resumed.train(resume_from_checkpoint=str(folder))
+    assert_same(reference, resumed, from_step=6)
+    warning = next(r.getMessage() for r in caplog.records if "saved again" in r.getMessage())
+    assert warning.startswith(f"Checkpoint {folder}: its model weights were saved again after the checkpoint was")
+    assert f"new: {after[0]}" in warning and "rewritten: model.safetensors.index.json" in warning
+    assert f"no longer there: {before[0]}" in warning
+
+    killed = sorted(snapshots.iterdir())
+    assert len(killed) == len(after)
+    cut = tmp_path / "cut" / "checkpoint-6"
+    shutil.copytree(folder, cut)
+    with open(cut / after[-1], "r+b") as handle:
+        handle.truncate((cut / after[-1]).stat().st_size // 2)
+    for copy in [*(k / "checkpoint-6" for k in killed), cut]:
+        assert get_last_checkpoint(copy.parent) is None, copy
+        victim = make_trainer(tmp_path / "victim", factory, model=ShardedBert.build(factory, seed=42))
+        untouched = params(victim)
+        with pytest.raises(ValueError, match=r"checkpoint-6 is incomplete or damaged: (no model-|model-.* is corrupt)"):
+            victim.train(resume_from_checkpoint=str(copy))
+        assert all(torch.equal(untouched[k], v) for k, v in params(victim).items())
+
+
+def test_shards_written_beside_a_single_weights_file_are_ignored_with_a_warning(saved, tmp_path, factory, caplog):
+    """save_pretrained(max_shard_size=...) into a checkpoint holding model.safetensors writes shards and an index but
+    leaves model.safetensors, which transformers loads first: so does hflight, and says so."""
+    folder = copy_checkpoint(saved, tmp_path)
+    other = factory.qa_model(seed=11, dropout=0.1)  # the same configuration: config.json is written unchanged
+    other.save_pretrained(folder, max_shard_size="30KB")
+    assert (folder / "model.safetensors.index.json").is_file()
+    trainer = make_trainer(tmp_path / "out", factory, max_steps=7, save_strategy="no")
+    with caplog.at_level(logging.WARNING, logger="hflight"):
+        trainer.train(resume_from_checkpoint=str(folder))
+    assert "does not list (model-00001-of-" in caplog.text
+    assert "They are ignored: the weights are read from model.safetensors, as saved." in caplog.text
+
+
+def test_weights_go_in_through_the_model_own_load_state_dict(saved, tmp_path, factory):
+    """On resume and on best-model loading, after hflight's header checks, as transformers loads them."""
+    from transformers import BertForQuestionAnswering
+
+    calls = []
+
+    class RemappingBertForQuestionAnswering(BertForQuestionAnswering):  # the name tells HF its labels
+        def load_state_dict(self, state_dict, strict=True, assign=False):
+            calls.append((len(state_dict), strict))
+            state_dict = {k: (v + 1 if k == "qa_outputs.bias" else v) for k, v in state_dict.items()}
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    torch.manual_seed(0)
+    model = RemappingBertForQuestionAnswering(factory.config(dropout=0.1))
+    folder = copy_checkpoint(saved, tmp_path)
+    saved_bias = load_file(folder / "model.safetensors")["qa_outputs.bias"]
+    config = json.loads((folder / "config.json").read_text())
+    config["architectures"] = ["RemappingBertForQuestionAnswering"]
+    (folder / "config.json").write_text(json.dumps(config))
+    refresh_manifest(folder)
+    loaded = {}
+
+    class AtStart(hflight.TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            loaded["bias"] = model.qa_outputs.bias.detach().clone()
+
+    trainer = make_trainer(tmp_path / "out", factory, model=model, max_steps=7, save_strategy="no",
+                           callbacks=[AtStart()])  # fmt: skip
+    trainer.train(resume_from_checkpoint=str(folder))
+    assert calls == [(len(model.state_dict()), False)]
+    assert torch.equal(loaded["bias"], saved_bias + 1)
+
+    calls.clear()
+    best = make_trainer(tmp_path / "best", factory, model=model, max_steps=6, eval_strategy="steps", eval_steps=3,
+                        load_best_model_at_end=True, metric_for_best_model="score")  # fmt: skip
+    scores = iter([2.0, 1.0])
+    best.compute_metrics = lambda prediction: {"score": next(scores)}
+    best.train()
+    assert calls == [(len(model.state_dict()), False)] and best.state.best_global_step == 3
