@@ -25,7 +25,6 @@ from safetensors.torch import load_file, save_file
 import hflight
 from hflight import checkpoint
 from hflight.checkpoint import MANIFEST_NAME, get_last_checkpoint, verify_checkpoint, write_manifest
-from hflight.manifest import regular_file
 from hflight.resume import load_rng_file, read_trainer_state
 from hflight.weights import load_model_weights
 
@@ -703,6 +702,8 @@ def test_a_weights_file_linked_from_outside_the_folder_is_refused(saved, tmp_pat
     (folder / "model.safetensors").unlink()
     shutil.copy(elsewhere, folder / "weights-copy")
     (folder / "model.safetensors").symlink_to("weights-copy")  # a link inside the folder is only another name
+    from hflight.manifest import regular_file
+
     assert regular_file(folder, "model.safetensors") == folder / "model.safetensors"
 
 

@@ -19,7 +19,6 @@ import transformers
 
 import hflight
 from hflight import get_last_checkpoint
-from hflight.writelock import LOCK_NAME, OutputDirInUse
 
 JOB = Path(__file__).parent / "jobs" / "resume_job.py"
 
@@ -158,6 +157,8 @@ def test_one_writer_per_output_folder_and_a_dead_writer_lock_is_taken_over(tmp_p
     """Two runs writing one output_dir overwrote each other's checkpoints (two resumes at once: one died with
     FileNotFoundError on the other's .tmp-checkpoint-N): the second fails at once, naming the folder and the process
     that holds it; after that process is killed, its lock is taken over with a warning."""
+    from hflight.writelock import LOCK_NAME, OutputDirInUse
+
     out = tmp_path / "run"
     process = start_job(out, "--save-steps", "1", "--step-sleep", "0.3")
     for line in process.stdout:

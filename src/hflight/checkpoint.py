@@ -52,6 +52,7 @@ from hflight.manifest import (
     TMP_PREFIX,
     TRAINER_STATE_NAME,
     WEIGHT_FILES,
+    Checksums,
     IncompleteCheckpointError,
     get_last_checkpoint,
     read_manifest,
@@ -296,19 +297,26 @@ def save_checkpoint(facade: TrainerSurface, run: RunView) -> str:
     is_main = facade.is_world_process_zero()
     if is_main:
         shutil.rmtree(tmp_dir, ignore_errors=True)
-    with writing(tmp_dir, f"checkpoint {final_dir}", discard=is_main) as tracker:
-        _write_model_files(facade, run, tmp_dir, is_main)
-        world.barrier()
-        os.makedirs(tmp_dir, exist_ok=True)
+    run.backend.hf_sync_to_host()
+    with writing(tmp_dir, f"checkpoint {final_dir}", discard=is_main) as tracker, Checksums() as checksums:
+        if is_main:
+            os.makedirs(tmp_dir, exist_ok=True)
+        world.barrier()  # the folder exists for every process
         if not args.save_only_model:
+            # The largest file first: its checksum is computed (in the background) while the model is written.
             _write_training_state(facade, run, tracker, is_main)
+            checksums.add_new(tmp_dir)
+        if is_main:
+            tracker.file = None  # save_pretrained's files: found afterwards if one fails
+            _write_model_files(facade, run, tmp_dir)
+            checksums.add_new(tmp_dir)
         _update_best_checkpoint(args, state, run_dir)
         world.barrier()
         if is_main:
             _write_trainer_state(facade, tracker)
             tracker.file = MANIFEST_NAME
             run_args = run_arguments(args, world.size, run.plan)
-            write_manifest(tmp_dir, state.global_step, bool(args.save_only_model), run_args)
+            write_manifest(tmp_dir, state.global_step, bool(args.save_only_model), run_args, checksums)
             publish(tmp_dir, final_dir)
     if is_main:
         rotate_checkpoints(run_dir, args.save_total_limit, state.best_model_checkpoint)
@@ -323,12 +331,10 @@ def _update_best_checkpoint(args: Any, state: TrainerState, run_dir: str) -> Non
             state.best_model_checkpoint = best_dir
 
 
-def _write_model_files(facade: TrainerSurface, run: RunView, folder: str, is_main: bool) -> None:
-    """The model (with the weights evaluation uses), the backend's files and the weight-protocol callbacks' files."""
+def _write_model_files(facade: TrainerSurface, run: RunView, folder: str) -> None:
+    """The model (with the weights evaluation uses), the backend's files and the weight-protocol callbacks' files
+    (main process; the host weights are current)."""
     backend = run.backend
-    backend.hf_sync_to_host()
-    if not is_main:
-        return
     with run.evaluation_weights():
         save_model_files(facade.model, facade.processing_class, folder, facade.args)
     backend.hf_save_files(folder)

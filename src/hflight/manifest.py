@@ -24,8 +24,10 @@ with its size and an xxh3-128 checksum, and the arguments that fix the data posi
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
+import mmap
 import os
 import re
 import stat
@@ -115,16 +117,51 @@ def regular_file(folder: str | os.PathLike, name: str, where: str | None = None)
 
 
 def file_digest(path: str | os.PathLike) -> str:
-    """The xxh3-128 checksum of a file (hex), read in 8 MiB chunks (~10 GB/s of hashing: small next to writing)."""
+    """The xxh3-128 checksum of a file (hex). The file is mapped, not copied, so the hash reads the page cache
+    directly (~10-18 GB/s here: small next to writing the file)."""
     import xxhash
 
     digest = xxhash.xxh3_128()
-    buffer = bytearray(_CHUNK)
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as handle:
-        while read := handle.readinto(buffer):
-            digest.update(view[:read])
+    with open(path, "rb") as handle:
+        if os.fstat(handle.fileno()).st_size == 0:
+            return digest.hexdigest()
+        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped, memoryview(mapped) as view:
+            for start in range(0, len(view), _CHUNK):
+                digest.update(view[start : start + _CHUNK])
     return digest.hexdigest()
+
+
+class Checksums:
+    """Checksums computed in a background thread as soon as each file of a folder being written is complete, so that
+    hashing one file overlaps writing the next (``with Checksums() as checksums``; :meth:`add_new` after writing,
+    :meth:`digest` when the manifest is written). A file changed after it was submitted is hashed again."""
+
+    def __init__(self) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hflight-checksum")
+        self._pending: dict[Path, tuple[tuple[int, int], concurrent.futures.Future]] = {}
+
+    def __enter__(self) -> Checksums:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    @staticmethod
+    def _stamp(path: Path) -> tuple[int, int]:
+        info = path.stat()
+        return info.st_size, info.st_mtime_ns
+
+    def add_new(self, folder: str | os.PathLike) -> None:
+        """Start hashing every file of ``folder`` not submitted yet."""
+        for path in sorted(Path(folder).rglob("*")):
+            if path.is_file() and path.name != MANIFEST_NAME and path not in self._pending:
+                self._pending[path] = (self._stamp(path), self._pool.submit(file_digest, path))
+
+    def digest(self, path: Path) -> str:
+        stamp, future = self._pending.get(path, (None, None))
+        if future is not None and stamp == self._stamp(path):
+            return future.result()
+        return file_digest(path)
 
 
 def is_weight_file(name: str) -> bool:
@@ -159,12 +196,15 @@ def weights_in_use(folder: str | os.PathLike) -> list[str]:
 
 
 # ---- the manifest ---------------------------------------------------------------------------------------------------
-def write_manifest(folder: str, global_step: int, save_only_model: bool, run: dict[str, Any]) -> None:
-    """List every file of ``folder`` with its size and checksum; written last, so its presence means the rest is
-    there."""
+def write_manifest(
+    folder: str, global_step: int, save_only_model: bool, run: dict[str, Any], checksums: Checksums | None = None
+) -> None:
+    """List every file of ``folder`` with its size and checksum (``checksums``: those computed while the folder was
+    written); written last, so its presence means the rest is there."""
     root = Path(folder)
+    digest = checksums.digest if checksums is not None else file_digest
     files = {
-        p.relative_to(root).as_posix(): {"size": p.stat().st_size, CHECKSUM: file_digest(p)}
+        p.relative_to(root).as_posix(): {"size": p.stat().st_size, CHECKSUM: digest(p)}
         for p in sorted(root.rglob("*"))
         if p.is_file() and p.name != MANIFEST_NAME
     }
