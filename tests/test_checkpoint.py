@@ -362,6 +362,21 @@ def test_transformers_starting_point_for_the_best_metric_means_no_best_yet(tmp_p
     assert read_trainer_state(path).best_metric is None
 
 
+def test_a_run_whose_metric_never_improved_writes_a_finite_state_and_resumes(tmp_path, factory):
+    """A NaN evaluation metric never beats transformers' starting point (-inf for greater_is_better): hflight keeps it
+    in memory as transformers does (EarlyStoppingCallback compares with it), but writes null, not -Infinity."""
+    trainer = make_trainer(tmp_path, factory, stop_at=3, eval_strategy="steps", eval_steps=3,
+                           metric_for_best_model="score", greater_is_better=True)  # fmt: skip
+    trainer.compute_metrics = lambda prediction: {"score": float("nan")}
+    trainer.train()
+    assert trainer.state.best_metric == float("-inf")
+    written = json.loads((tmp_path / "checkpoint-3" / "trainer_state.json").read_text())
+    assert written["best_metric"] is None and written["best_global_step"] is None
+    resumed = make_trainer(tmp_path / "resumed", factory, max_steps=4, save_strategy="no")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
+    assert resumed.state.global_step == 4
+
+
 def test_unknown_trainer_state_keys_are_dropped_with_a_warning(tmp_path, caplog):
     path = tmp_path / "trainer_state.json"
     path.write_text(json.dumps({**GOOD_STATE, "from_the_future": 1}))

@@ -305,8 +305,8 @@ def save_checkpoint(facade: TrainerSurface, run: RunView) -> str:
         if not args.save_only_model:
             # The largest file first: its checksum is computed (in the background) while the model is written.
             _write_training_state(facade, run, tracker, is_main)
-            checksums.add_new(tmp_dir)
         if is_main:
+            checksums.add_new(tmp_dir)
             tracker.file = None  # save_pretrained's files: found afterwards if one fails
             _write_model_files(facade, run, tmp_dir)
             checksums.add_new(tmp_dir)
