@@ -360,14 +360,19 @@ def _warn_changed_arguments(facade: TrainerSurface, point: ResumePoint, now: dic
 # ---- stateful callbacks (ExportableState) ---------------------------------------------------------------------------
 def _saved_states(state: TrainerState, callbacks: list[Any]) -> tuple[list[tuple[Any, dict]], list[str]]:
     """Pairs (callback in use, its saved state): the saved states of one class go to the callbacks of that class in
-    order (several instances are saved as a list, as transformers does); and the saved classes no callback has."""
+    order (several instances are saved as a list, as transformers does); and the saved classes no callback has.
+
+    transformers appends the current states to that list at every save, after the states the callbacks had when
+    training started, and reads back the first entries; the *last* entries are the states at the save, so those are
+    the ones used here (hflight writes exactly one entry per instance)."""
     pairs, not_found = [], []
     for name, data in (state.stateful_callbacks or {}).items():
         entries = data if isinstance(data, list) else [data]
         matching = [cb for cb in callbacks if type(cb).__name__ == name]
         if not matching:
             not_found.append(name)
-        pairs += [(callback, entry) for callback, entry in zip(matching, entries) if entry]
+            continue
+        pairs += [(callback, entry) for callback, entry in zip(matching, entries[-len(matching) :]) if entry]
     return pairs, not_found
 
 
@@ -403,12 +408,12 @@ def _restore_callback_states(facade: TrainerSurface, point: ResumePoint) -> None
     ``TrainerControl`` becomes ``facade.control``); by default (hflight's), the saved attributes are set on the
     callbacks in use, so that, e.g., an ``EarlyStoppingCallback``'s patience counter survives a resume."""
     if facade.args.restore_callback_states_from_checkpoint:
-        handler = facade.callback_handler
+        callbacks = facade.callback_handler.callbacks
         for old, new in point.rebuilt_callbacks:
             if old is facade.control:
                 facade.control = new
-            else:
-                handler.callbacks[next(i for i, cb in enumerate(handler.callbacks) if cb is old)] = new
+            for i in [i for i, cb in enumerate(callbacks) if cb is old]:
+                callbacks[i] = new
         if point.rebuilt_callbacks:
             logger.info("Continuing training from checkpoint, restoring any callbacks that were passed in")
         return
