@@ -8,7 +8,8 @@ process for the length of ``Trainer.train`` (the facade takes it before anything
   start time; a second writer fails at once with :class:`OutputDirInUse`, naming the folder and that process;
 - the operating system releases an ``flock`` when its process dies (killed included), so a lock file left by a dead
   process is taken over, with a warning naming it; the file is removed when training ends;
-- one process may take it again (``train()`` twice, a hyperparameter search's trials): nested holds count.
+- one process may take it again (``train()`` twice, a hyperparameter search's trials): nested holds count;
+- a folder created to hold the lock is removed again if nothing else was written into it.
 
 POSIX only (``fcntl``); where it is missing, training goes on unlocked with a warning. On network filesystems
 ``flock`` is only as good as the filesystem's lock support.
@@ -28,7 +29,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 LOCK_NAME = ".hflight-writer.lock"
-_HELD: dict[str, list[int]] = {}  # real path of a lock file -> [file descriptor, nesting depth] in this process
+# Real path of a lock file -> [file descriptor, nesting depth, whether taking the lock created the folder].
+_HELD: dict[str, list[int]] = {}
 
 
 class OutputDirInUse(OSError):
@@ -78,6 +80,7 @@ def _lock(path: Path, fcntl) -> int:
 def _acquire(folder: Path) -> str:
     import fcntl
 
+    created = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK_NAME
     key = os.path.realpath(path)
@@ -95,7 +98,7 @@ def _acquire(folder: Path) -> str:
     os.ftruncate(fd, 0)
     os.lseek(fd, 0, os.SEEK_SET)
     os.write(fd, (json.dumps(me) + "\n").encode())
-    _HELD[key] = [fd, 1]
+    _HELD[key] = [fd, 1, created]
     return key
 
 
@@ -108,6 +111,9 @@ def _release(key: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(key)  # while still locked: a process waiting on this file finds it gone and retries
     os.close(held[0])  # releases the flock
+    if held[2]:  # a run that wrote nothing (save_strategy="no") leaves no folder behind, as before the lock
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(key))
 
 
 @contextlib.contextmanager
