@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -278,3 +279,65 @@ def test_unknown_metric_for_best_model_names_the_available_metrics(tmp_path, fac
     )
     with pytest.raises(KeyError, match="'eval_f1', which is not found.*eval_loss"):
         trainer.train()
+
+
+# ---- callback state across a resume (ExportableState) --------------------------------------------------------------
+class Counting(TrainerCallback, transformers.trainer_callback.ExportableState):
+    """A stateful callback with a constructor argument (``every``) and an attribute (``seen``: steps it saw)."""
+
+    def __init__(self, every: int = 1):
+        self.every, self.seen = every, 0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.seen += 1
+
+    def state(self) -> dict:
+        return {"args": {"every": self.every}, "attributes": {"seen": self.seen}}
+
+
+def _counting(trainer) -> list[tuple[int, int]]:
+    return [(cb.every, cb.seen) for cb in trainer.callback_handler.callbacks if isinstance(cb, Counting)]
+
+
+def test_callbacks_are_rebuilt_from_their_saved_args_and_attributes_as_transformers_does(tmp_path, factory, caplog):
+    """restore_callback_states_from_checkpoint=True: each stateful callback is rebuilt from the saved args and
+    attributes (hflight restored only the attributes: an EarlyStoppingCallback saved with patience 5 came back with the
+    new instance's 1); two instances of one class keep their own states, in order (they overwrote each other); a
+    saved state without a matching callback is named in transformers' warning (it was dropped silently)."""
+    train = factory.qa_dataset(40)
+
+    def run(trainer_cls, args_cls, out, callbacks, resume=None, **kwargs):
+        values = {**BASE, "max_steps": 3, "save_steps": 3, "logging_steps": 1, **kwargs}
+        values["output_dir"] = str(tmp_path / out)
+        trainer = trainer_cls(factory.qa_model(), args_cls(**values), train_dataset=train, callbacks=callbacks)
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    run(hflight.Trainer, hflight.TrainingArguments, "ours", [Counting(5), Counting(7)])
+    run(transformers.Trainer, transformers.TrainingArguments, "theirs", [Counting(5), Counting(7)])
+    ours, theirs = tmp_path / "ours" / "checkpoint-3", tmp_path / "theirs" / "checkpoint-3"
+    one_more = dict(max_steps=4, save_strategy="no")
+
+    rebuilt = run(hflight.Trainer, hflight.TrainingArguments, "a", [Counting(1), Counting(2)], str(ours),
+                  restore_callback_states_from_checkpoint=True, **one_more)  # fmt: skip
+    assert _counting(rebuilt) == [(5, 4), (7, 4)]
+    names = [type(cb).__name__ for cb in rebuilt.callback_handler.callbacks]
+    assert names == ["DefaultFlowCallback", "Counting", "Counting", "PrinterCallback"]  # in place, in order
+
+    default = run(hflight.Trainer, hflight.TrainingArguments, "b", [Counting(1), Counting(2)], str(ours), **one_more)
+    assert _counting(default) == [(1, 4), (2, 4)]  # hflight's default: the attributes onto the callbacks in use
+
+    # A checkpoint written by transformers: its list holds the states the callbacks had when training started, then
+    # those at each save. transformers reads back the first (seen 0: one more step gives 1); hflight the last.
+    from_theirs = [
+        _counting(run(cls, args_cls, f"{cls.__module__}-resumed", [Counting(1), Counting(2)], str(theirs),
+                      restore_callback_states_from_checkpoint=True, **one_more))
+        for cls, args_cls in ((transformers.Trainer, transformers.TrainingArguments),
+                              (hflight.Trainer, hflight.TrainingArguments))
+    ]  # fmt: skip
+    assert from_theirs == [[(5, 1), (7, 1)], [(5, 4), (7, 4)]]
+
+    with caplog.at_level(logging.WARNING):
+        run(hflight.Trainer, hflight.TrainingArguments, "c", [], str(ours),
+            restore_callback_states_from_checkpoint=True, **one_more)  # fmt: skip
+    assert "Checkpoint included callbacks not included in current configuration. Ignoring. (Counting)" in caplog.text

@@ -79,6 +79,37 @@ def test_on_the_command_line_a_user_error_becomes_one_compact_message(cfg, tmp_p
         cli.main(cfg)
 
 
+def test_a_failed_checkpoint_write_is_one_compact_message(cfg, tmp_path, monkeypatch):
+    """torch reports a full disk as RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs
+    0"), which the command line printed with its traceback; hflight's CheckpointWriteError is a user error."""
+    import shutil
+
+    from hydra.errors import CompactHydraException
+
+    from hflight import checkpoint
+
+    folder = tmp_path / ".tmp-checkpoint-6"
+    folder.mkdir()
+    real_usage = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real_usage(p)._replace(free=0))  # the disk is full
+
+    def train(cfg):
+        with checkpoint.writing(str(folder), f"checkpoint {tmp_path / 'checkpoint-6'}", discard=True) as tracker:
+            tracker.file = "optimizer.pt"
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.setattr(cli, "_on_command_line", lambda: True)
+    monkeypatch.setattr(cli, "train", train)
+    with pytest.raises(CompactHydraException) as error:
+        cli.main(cfg)
+    assert str(error.value) == (
+        f"CheckpointWriteError: Could not save checkpoint {tmp_path / 'checkpoint-6'}: writing optimizer.pt failed: no "
+        f"space left on device. The unfinished folder was removed; the checkpoints already in {tmp_path} are unchanged."
+    )
+    assert not folder.exists()
+
+
 def test_in_a_multirun_a_job_logs_one_line_for_a_user_error_and_the_traceback_otherwise(cfg, monkeypatch, caplog):
     monkeypatch.setattr(cli, "_in_multirun", lambda: True)
     monkeypatch.setattr(cli, "train", fail_with(ValueError("bad data")))

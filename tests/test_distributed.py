@@ -76,6 +76,15 @@ def test_ddp_checkpoints_and_events_match_one_process(runs):
     }
     assert not any(p.name.startswith(".tmp-checkpoint") for p in two.iterdir())
     assert json.loads((folder / "trainer_state.json").read_text())["global_step"] == 6
+    # The manifest (checksums of every rank's files) verifies, and a resume reads the RNG files of both ranks by the
+    # names a 2-process run writes; the writer lock (rank 0's) is gone.
+    from hflight.checkpoint import verify_checkpoint
+    from hflight.resume import _rng_files
+
+    manifest = verify_checkpoint(folder, full=True)
+    assert manifest["run"]["world_size"] == 2
+    assert [p.name for p in _rng_files(folder, manifest)] == ["rng_state_0.pth", "rng_state_1.pth"]
+    assert not (two / ".hflight-writer.lock").exists()
 
 
 class FakeStrategy:

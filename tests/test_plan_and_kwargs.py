@@ -21,6 +21,7 @@ from hflight.plan import plan_training
         (40, 4, 2, 2.0, 7),
         (40, 8, 1, 1.0, 12),
         (5, 8, 1, 1.0, -1),
+        (40, 4, 2, 2.0, 0),
     ],
 )
 def test_plan_equals_transformers(tmp_path, factory, n, batch, accumulation, epochs, max_steps):
@@ -48,6 +49,22 @@ def test_plan_equals_transformers(tmp_path, factory, n, batch, accumulation, epo
         plan.steps_in_epoch,
         plan.max_steps,
     ) == tuple(expected)
+
+
+def test_max_steps_zero_trains_one_step_as_transformers(tmp_path, factory):
+    """transformers 5 treats only a negative max_steps as "use num_train_epochs": with max_steps=0 its state's
+    max_steps is 0 and DefaultFlowCallback stops after the first optimizer step (hflight trained whole epochs)."""
+    common = dict(max_steps=0, num_train_epochs=2, per_device_train_batch_size=4, logging_steps=1, save_strategy="no",
+                  report_to="none", disable_tqdm=True, seed=0)  # fmt: skip
+    logs = []
+    for trainer_cls, args_cls in ((transformers.Trainer, transformers.TrainingArguments), (Trainer, TrainingArguments)):
+        args = args_cls(output_dir=str(tmp_path / trainer_cls.__module__), **common)
+        trainer = trainer_cls(factory.qa_model(), args, train_dataset=factory.qa_dataset(16))
+        result = trainer.train()
+        assert (result.global_step, trainer.state.max_steps) == (1, 0)
+        logs.append([{k: v for k, v in e.items() if "runtime" not in k and "per_second" not in k}
+                     for e in trainer.state.log_history])  # fmt: skip
+    assert logs[0] == logs[1]
 
 
 def test_plan_for_iterable_data_needs_max_steps(tmp_path):

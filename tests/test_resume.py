@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
@@ -142,10 +143,43 @@ def test_resume_after_sigterm_is_exact(tmp_path, uninterrupted):
 
 def test_partial_checkpoint_is_never_picked(tmp_path):
     (tmp_path / "checkpoint-4").mkdir()
-    (tmp_path / "checkpoint-4" / "trainer_state.json").write_text("{}")
+    (tmp_path / "checkpoint-4" / "trainer_state.json").write_text("{}")  # no weights: what a killed deletion leaves
     (tmp_path / "checkpoint-9").mkdir()  # interrupted: no trainer_state.json
+    (tmp_path / "checkpoint-9" / "model.safetensors").write_bytes(b"")
     (tmp_path / ".tmp-checkpoint-12").mkdir()
+    assert get_last_checkpoint(tmp_path) is None
+    (tmp_path / "checkpoint-4" / "model.safetensors").write_bytes(b"")  # a transformers folder: weights, state
     assert get_last_checkpoint(tmp_path) == str(tmp_path / "checkpoint-4")
+
+
+@pytest.mark.subprocess
+def test_one_writer_per_output_folder_and_a_dead_writer_lock_is_taken_over(tmp_path, factory, caplog):
+    """Two runs writing one output_dir overwrote each other's checkpoints (two resumes at once: one died with
+    FileNotFoundError on the other's .tmp-checkpoint-N): the second fails at once, naming the folder and the process
+    that holds it; after that process is killed, its lock is taken over with a warning."""
+    from hflight.writelock import LOCK_NAME, OutputDirInUse
+
+    out = tmp_path / "run"
+    process = start_job(out, "--save-steps", "1", "--step-sleep", "0.3")
+    for line in process.stdout:
+        if line.strip() == "step 1":
+            break
+    args = hflight.TrainingArguments(**_args(out, max_steps=2, save_steps=1))
+    second = hflight.Trainer(factory.qa_model(), args, train_dataset=factory.qa_dataset(8))
+    for resume in (None, True):
+        with pytest.raises(OutputDirInUse) as error:
+            second.train(resume_from_checkpoint=resume)
+        assert str(error.value).startswith(
+            f"Output folder {out} is in use by another training run: process {process.pid} on host "
+        ), str(error.value)
+    assert not second.is_in_train and second.state.global_step == 0
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=60)
+    assert (out / LOCK_NAME).is_file()  # a killed process cannot remove it
+    with caplog.at_level(logging.WARNING, logger="hflight"):
+        second.train()
+    assert f"Took over {out / LOCK_NAME}, left by process {process.pid} on host" in caplog.text
+    assert not (out / LOCK_NAME).exists() and second.state.global_step == 2
 
 
 def _args(tmp_path, **kwargs):

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -139,3 +142,20 @@ def test_sigterm_during_evaluate_exits_non_zero(tmp_path, factory):
     with pytest.raises(TrainingInterrupted, match="Evaluation stopped by SIGTERM") as stopped:
         trainer.evaluate()
     assert stopped.value.code == 143
+
+
+@pytest.mark.subprocess
+def test_a_second_sigint_while_the_stopped_process_exits_prints_no_traceback(tmp_path):
+    """After hflight's message, Python printed "Exception ignored in atexit callback ... KeyboardInterrupt" with a
+    traceback when a second SIGINT arrived during the exit callbacks; now the process exits at once, with one line."""
+    job = Path(__file__).parent / "jobs" / "sigint_at_exit.py"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, str(job), str(tmp_path)], capture_output=True, text=True, env=env,
+                          timeout=300)  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert "Training stopped by SIGINT after step 2 of 4; checkpoint saved in" in output, output[-3000:]
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-3000:]
+    assert "Exception ignored" not in output
+    assert output.rstrip().endswith("SIGINT received while exiting after the run was stopped: exiting now.")
+    assert proc.returncode == 130
+    assert verify_checkpoint(tmp_path / "checkpoint-2")["global_step"] == 2

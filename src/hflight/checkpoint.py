@@ -1,16 +1,18 @@
 """``checkpoint-N`` folders: HF-loadable model files plus everything needed to continue exactly, written so that a
-checkpoint is complete or does not exist.
+checkpoint is complete or does not exist, and removed so that no reader ever sees one half-deleted.
 
 Writing (:func:`save_checkpoint`): every file goes into ``.tmp-checkpoint-N``; ``checkpoint_manifest.json`` (each
-file with its size, and the arguments that fix the data position) is written last; then the folder is renamed to
-``checkpoint-N``. Re-saving an existing ``checkpoint-N`` moves the old folder aside (``.tmp-checkpoint-N.replaced``),
-renames the new one in and only then deletes the old one. A process killed at any point therefore leaves
-``checkpoint-N`` either complete (old or new) or absent, never partial; leftover ``.tmp-checkpoint-*`` folders are
-removed when the next training starts (:func:`remove_stale_folders`).
+file with its size and checksum, and the arguments that fix the data position; see ``hflight.manifest``) is written
+last; then the folder is renamed to ``checkpoint-N``. Re-saving an existing ``checkpoint-N`` moves the old folder
+aside (``.tmp-checkpoint-N.replaced``), renames the new one in and only then deletes the old one. Removing a
+checkpoint (rotation, the end of training) renames it aside (``.tmp-checkpoint-N.deleting``) before deleting
+anything in it. A process killed at any point therefore leaves ``checkpoint-N`` either complete (old or new) or
+absent, never partial; leftover ``.tmp-checkpoint-*`` folders are removed when the next training starts
+(:func:`remove_stale_folders`). A write that fails (full disk, permissions, I/O) raises one
+:class:`CheckpointWriteError` naming the folder, the file and the cause, and leaves the earlier checkpoints as they
+were.
 
-Reading (:func:`verify_checkpoint`): a folder with a manifest counts only when every file it lists is there with
-its recorded size. A folder without one (written by ``transformers.Trainer``, which writes ``trainer_state.json``
-last, or by an older hflight) counts when it has ``trainer_state.json``.
+Reading is ``hflight.manifest``'s (:func:`verify_checkpoint`, :func:`get_last_checkpoint`, re-exported here).
 
 Folder contents, the names transformers uses, so folders written by either trainer resume in both:
 
@@ -24,40 +26,53 @@ Folder contents, the names transformers uses, so folders written by either train
 
 from __future__ import annotations
 
-import json
+import contextlib
+import errno
 import logging
+import math
 import os
 import random
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from transformers.trainer_callback import ExportableState, TrainerState
-from transformers.trainer_utils import SaveStrategy, rotate_checkpoints
+from transformers.trainer_utils import SaveStrategy, sort_checkpoints
 
 from hflight import console
+from hflight.manifest import (
+    CHECKPOINT_RE,
+    MANIFEST_FORMAT,
+    MANIFEST_NAME,
+    MANIFEST_VERSION,
+    PREFIX,
+    TMP_PREFIX,
+    TRAINER_STATE_NAME,
+    WEIGHT_FILES,
+    Checksums,
+    IncompleteCheckpointError,
+    get_last_checkpoint,
+    read_manifest,
+    verify_checkpoint,
+    write_manifest,
+)
 from hflight.surface import RunView, TrainerSurface
 
 logger = logging.getLogger(__name__)
 
-PREFIX = "checkpoint"
-TRAINER_STATE_NAME = "trainer_state.json"
-MANIFEST_NAME = "checkpoint_manifest.json"
-MANIFEST_FORMAT = "hflight-checkpoint"
-MANIFEST_VERSION = 1
-TMP_PREFIX = ".tmp-"
+__all__ = [
+    "CHECKPOINT_RE", "MANIFEST_FORMAT", "MANIFEST_NAME", "MANIFEST_VERSION", "PREFIX", "TMP_PREFIX",
+    "TRAINER_STATE_NAME", "WEIGHT_FILES", "CheckpointWriteError", "IncompleteCheckpointError", "get_last_checkpoint",
+    "read_manifest", "remove_checkpoint", "save_checkpoint", "verify_checkpoint", "write_manifest",
+]  # fmt: skip
+
 REPLACED_SUFFIX = ".replaced"
+DELETING_SUFFIX = ".deleting"
 OPTIMIZER_NAME, SCHEDULER_NAME, SCALER_NAME = "optimizer.pt", "scheduler.pt", "scaler.pt"
-_CHECKPOINT_RE = re.compile(rf"^{PREFIX}-(\d+)$")
-WEIGHT_FILES = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-)
 # The arguments that decide which examples a resumed run sees next and how global steps map onto batches.
 RUN_ARGUMENTS = (
     "per_device_train_batch_size",
@@ -71,95 +86,23 @@ RUN_ARGUMENTS = (
 )
 
 
-class IncompleteCheckpointError(ValueError):
-    """A checkpoint folder lacks files (or has truncated ones): interrupted while saving, or damaged since."""
-
-
-# ---- what counts as a checkpoint ----------------------------------------------------------------------------------
-def read_manifest(folder: str | os.PathLike) -> dict[str, Any] | None:
-    """The folder's manifest, or None when it has none; a manifest that cannot be read raises, naming the file."""
-    path = Path(folder) / MANIFEST_NAME
-    if not path.is_file():
-        return None
+# ---- removing ------------------------------------------------------------------------------------------------------
+def remove_checkpoint(folder: str | os.PathLike) -> None:
+    """Delete a checkpoint folder so that no reader sees it half-deleted: it leaves its ``checkpoint-N`` name
+    (renamed to ``.tmp-checkpoint-N.deleting``) before anything in it is deleted."""
+    folder = Path(folder)
+    aside = folder.with_name(f"{TMP_PREFIX}{folder.name}{DELETING_SUFFIX}")
+    shutil.rmtree(aside, ignore_errors=True)  # left by a deletion that was interrupted
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise IncompleteCheckpointError(f"Checkpoint manifest {path} is unreadable: {exc}") from exc
-    files = manifest.get("files") if isinstance(manifest, dict) else None
-    if (
-        not isinstance(manifest, dict)
-        or manifest.get("format") != MANIFEST_FORMAT
-        or not isinstance(files, dict)
-        or not all(isinstance(k, str) and type(v) is int for k, v in files.items())
-    ):
-        raise IncompleteCheckpointError(
-            f"Checkpoint manifest {path} is not an hflight manifest (expected format {MANIFEST_FORMAT!r} and a "
-            "'files' mapping of file name to size)."
-        )
-    version = manifest.get("version")
-    if type(version) is not int or version > MANIFEST_VERSION:
-        raise IncompleteCheckpointError(
-            f"Checkpoint manifest {path} has version {version!r}; this hflight reads versions 1 to "
-            f"{MANIFEST_VERSION} (a newer hflight wrote it?)."
-        )
-    return manifest
-
-
-def verify_checkpoint(folder: str | os.PathLike) -> dict[str, Any] | None:
-    """Check that ``folder`` is a complete checkpoint; return its manifest (None for a folder without one).
-
-    Raises:
-        IncompleteCheckpointError: naming every missing or truncated file (or the missing ``trainer_state.json``
-            of a folder without a manifest).
-    """
-    folder = Path(folder)
-    manifest = read_manifest(folder)
-    if manifest is None:
-        if not (folder / TRAINER_STATE_NAME).is_file():
-            raise IncompleteCheckpointError(
-                f"Checkpoint {folder} has no {TRAINER_STATE_NAME}: it is incomplete (interrupted while saving?) or "
-                "not a Trainer checkpoint."
-            )
-        return None
-    problems = []
-    for name, size in manifest["files"].items():
-        path = folder / name
-        if not path.is_file():
-            problems.append(f"no {name}")
-        elif path.stat().st_size != size:
-            problems.append(f"{name} is corrupt or truncated ({path.stat().st_size} bytes, {size} when saved)")
-    if problems:
-        raise IncompleteCheckpointError(
-            f"Checkpoint {folder} is incomplete: {'; '.join(problems)} (files listed in its {MANIFEST_NAME}; if "
-            "they were changed on purpose, delete the manifest to resume from the folder as it is)."
-        )
-    return manifest
-
-
-def get_last_checkpoint(folder: str | os.PathLike) -> str | None:
-    """The complete ``checkpoint-N`` folder with the largest N in ``folder``, or None.
-
-    Incomplete folders (see :func:`verify_checkpoint`) are skipped with a warning that says what they lack.
-    """
-    folder = Path(folder)
-    if not folder.is_dir():
-        return None
-    candidates = sorted(
-        ((int(m.group(1)), p) for p in folder.iterdir() if (m := _CHECKPOINT_RE.match(p.name)) and p.is_dir()),
-        reverse=True,
-    )
-    for _, path in candidates:
-        try:
-            verify_checkpoint(path)
-        except IncompleteCheckpointError as exc:
-            logger.warning(f"Skipping {path.name}: {exc}")
-            continue
-        return str(path)
-    return None
+        os.replace(folder, aside)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def remove_stale_folders(output_dir: str | os.PathLike, keep: str | None = None) -> list[str]:
-    """Delete the ``.tmp-checkpoint-*`` folders an interrupted save left in ``output_dir`` (except ``keep``)."""
+    """Delete the ``.tmp-checkpoint-*`` folders an interrupted save or deletion left in ``output_dir`` (except
+    ``keep``)."""
     folder = Path(output_dir)
     if not folder.is_dir():
         return []
@@ -168,12 +111,130 @@ def remove_stale_folders(output_dir: str | os.PathLike, keep: str | None = None)
     for path in sorted(folder.glob(f"{TMP_PREFIX}{PREFIX}-*")):
         if path.is_dir() and path.resolve() != keep_path:
             shutil.rmtree(path, ignore_errors=True)
-            logger.warning(f"Removed {path}: left behind by a checkpoint save that was interrupted.")
+            logger.warning(f"Removed {path}: left behind by a checkpoint save or deletion that was interrupted.")
             removed.append(str(path))
     return removed
 
 
-# ---- writing --------------------------------------------------------------------------------------------------------
+def rotate_checkpoints(output_dir: str, save_total_limit: int | None, best_model_checkpoint: str | None) -> None:
+    """transformers' rotation (keep at most ``save_total_limit`` checkpoints, never the newest nor the best),
+    removing each folder with :func:`remove_checkpoint`."""
+    if save_total_limit is None or save_total_limit <= 0:
+        return
+    checkpoints = sort_checkpoints(output_dir, PREFIX, use_mtime=False)
+    if len(checkpoints) <= save_total_limit:
+        return
+    protected = {os.path.realpath(checkpoints[-1])}  # the newest, to resume from
+    if best_model_checkpoint is not None:
+        protected.add(os.path.realpath(best_model_checkpoint))
+    remaining = len(checkpoints)
+    for folder in checkpoints:
+        if remaining <= max(save_total_limit, len(protected)):
+            break
+        if os.path.realpath(folder) not in protected:
+            remove_checkpoint(folder)
+            remaining -= 1
+
+
+# ---- write errors --------------------------------------------------------------------------------------------------
+class CheckpointWriteError(OSError):
+    """Writing a checkpoint (or the model) failed: the message names the folder, the file and the cause."""
+
+
+# What an error's text says when it carries no errno (safetensors' Rust errors, torch's C++ writer).
+_CAUSE_TEXTS = (
+    ("No space left on device", "no space left on device"),
+    ("StorageFull", "no space left on device"),
+    ("Disk quota exceeded", "disk quota exceeded"),
+    ("Permission denied", "permission denied"),
+    ("Read-only file system", "read-only file system"),
+    ("Input/output error", "input/output error"),
+)
+# torch's zip writer reports a failed write as "[enforce fail at inline_container.cc:...] unexpected pos ..." or
+# "basic_ios::clear: iostream error", without the operating system's reason.
+_WRITE_FAILURE = re.compile(r"inline_container|iostream|PytorchStreamWriter|file write failed|I/O error|IoError")
+_NEARLY_FULL = 1 << 20
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    found: list[BaseException] = []
+    while exc is not None and exc not in found:
+        found.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return found
+
+
+def _existing_dir(path: str) -> str:
+    while path and not os.path.isdir(path):
+        path = os.path.dirname(path)
+    return path or "."
+
+
+def write_failure_cause(exc: BaseException, folder: str) -> str | None:
+    """Why writing into ``folder`` failed ("no space left on device", "permission denied", ...), or None when
+    ``exc`` is not a write failure (a bug elsewhere is not disguised as one)."""
+    chain = _chain(exc)
+    code = next((e.errno for e in chain if isinstance(e, OSError) and e.errno), None)
+    if code is not None:
+        return os.strerror(code).lower()
+    text = " ".join(str(e) for e in chain)
+    cause = next((cause for marker, cause in _CAUSE_TEXTS if marker in text), None)
+    if cause is not None:
+        return cause
+    if not any(isinstance(e, OSError) for e in chain) and not _WRITE_FAILURE.search(text):
+        return None
+    where = _existing_dir(folder)
+    if shutil.disk_usage(where).free < _NEARLY_FULL:
+        return os.strerror(errno.ENOSPC).lower()
+    if not os.access(where, os.W_OK):
+        return os.strerror(errno.EACCES).lower()
+    first_line = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    return f"I/O error ({type(exc).__name__}: {first_line})"
+
+
+class WriteTracker:
+    """The file being written into ``folder`` (None: whichever ``save_pretrained`` was writing, found afterwards)."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self.file: str | None = None
+
+    def failed_file(self, exc: BaseException) -> str:
+        named = next((e.filename for e in _chain(exc) if isinstance(e, OSError) and e.filename), None)
+        if named:
+            return os.path.relpath(os.fspath(named), self.folder) if os.path.isabs(os.fspath(named)) else named
+        if self.file is not None:
+            return self.file
+        written = [p for p in Path(self.folder).rglob("*") if p.is_file()] if os.path.isdir(self.folder) else []
+        if not written:
+            return "its first file"
+        return max(written, key=lambda p: p.stat().st_mtime_ns).relative_to(self.folder).as_posix()
+
+
+@contextlib.contextmanager
+def writing(folder: str, what: str, discard: bool) -> Iterator[WriteTracker]:
+    """Turn a failed write into ``folder`` into one :class:`CheckpointWriteError` naming ``what`` (the checkpoint or
+    model being saved), the file and the cause; ``discard``: delete the unfinished ``folder`` first."""
+    tracker = WriteTracker(folder)
+    try:
+        yield tracker
+    except Exception as exc:
+        cause = write_failure_cause(exc, folder)
+        if cause is None:
+            raise
+        file = tracker.failed_file(exc)
+        if discard:
+            shutil.rmtree(folder, ignore_errors=True)
+        after = (
+            f" The unfinished folder was removed; the checkpoints already in {os.path.dirname(folder) or '.'} are "
+            "unchanged."
+            if discard
+            else ""
+        )
+        raise CheckpointWriteError(f"Could not save {what}: writing {file} failed: {cause}.{after}") from exc
+
+
+# ---- writing -------------------------------------------------------------------------------------------------------
 def save_model_files(model: torch.nn.Module, processing_class: Any, output_dir: str, args: Any) -> None:
     """``save_pretrained`` (safetensors) for transformers models, a bare safetensors state dict otherwise."""
     os.makedirs(output_dir, exist_ok=True)
@@ -191,12 +252,13 @@ def save_model_files(model: torch.nn.Module, processing_class: Any, output_dir: 
 
 def save_model(facade: TrainerSurface, output_dir: str, backend: Any) -> None:
     """``Trainer.save_model``: the host weights made current (``backend``: the strategy's hooks), then, on the main
-    process, the model files and the backend's own files."""
+    process, the model files and the backend's own files (a failed write raises :class:`CheckpointWriteError`)."""
     backend.hf_sync_to_host()
     if facade.is_world_process_zero():
         console.saving_checkpoint(output_dir)
-        save_model_files(facade.model, facade.processing_class, output_dir, facade.args)
-        backend.hf_save_files(output_dir)
+        with writing(output_dir, f"the model in {output_dir}", discard=False):
+            save_model_files(facade.model, facade.processing_class, output_dir, facade.args)
+            backend.hf_save_files(output_dir)
 
 
 def _rng_states() -> dict[str, Any]:
@@ -222,7 +284,12 @@ def run_arguments(args: Any, world_size: int, plan: Any) -> dict[str, Any]:
 
 
 def save_checkpoint(facade: TrainerSurface, run: RunView) -> str:
-    """Write ``checkpoint-{global_step}`` atomically, update the best checkpoint, rotate old ones."""
+    """Write ``checkpoint-{global_step}`` atomically, update the best checkpoint, rotate old ones.
+
+    Raises:
+        CheckpointWriteError: a write failed (full disk, permissions, I/O); the unfinished folder is removed and the
+            earlier checkpoints are as they were.
+    """
     args, state, world = facade.args, facade.state, run.world
     facade.store_flos()
     run_dir = args.output_dir
@@ -233,35 +300,44 @@ def save_checkpoint(facade: TrainerSurface, run: RunView) -> str:
     if is_main:
         console.saving_checkpoint(final_dir)
         shutil.rmtree(tmp_dir, ignore_errors=True)
-    _write_model_files(facade, run, tmp_dir, is_main)
-    world.barrier()
-    os.makedirs(tmp_dir, exist_ok=True)
-    if not args.save_only_model:
-        _write_training_state(facade, run, tmp_dir, is_main)
-    if args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) and state.best_global_step:
-        best_dir = os.path.join(run_dir, f"{PREFIX}-{state.best_global_step}")
-        if state.best_global_step == state.global_step or os.path.exists(best_dir):
-            state.best_model_checkpoint = best_dir
-    world.barrier()
+    run.backend.hf_sync_to_host()
+    with writing(tmp_dir, f"checkpoint {final_dir}", discard=is_main) as tracker, Checksums() as checksums:
+        if is_main:
+            os.makedirs(tmp_dir, exist_ok=True)
+        world.barrier()  # the folder exists for every process
+        if not args.save_only_model:
+            # The largest file first: its checksum is computed (in the background) while the model is written.
+            _write_training_state(facade, run, tracker, is_main)
+        if is_main:
+            checksums.add_new(tmp_dir)
+            tracker.file = None  # save_pretrained's files: found afterwards if one fails
+            _write_model_files(facade, run, tmp_dir)
+            checksums.add_new(tmp_dir)
+        _update_best_checkpoint(args, state, run_dir)
+        world.barrier()
+        if is_main:
+            _write_trainer_state(facade, tracker)
+            tracker.file = MANIFEST_NAME
+            run_args = run_arguments(args, world.size, run.plan)
+            write_manifest(tmp_dir, state.global_step, bool(args.save_only_model), run_args, checksums)
+            publish(tmp_dir, final_dir)
     if is_main:
-        for callback in facade.callback_handler.callbacks + [facade.control]:
-            if isinstance(callback, ExportableState):
-                _store_callback_state(state, callback)
-        state.save_to_json(os.path.join(tmp_dir, TRAINER_STATE_NAME))
-        run_args = run_arguments(args, world.size, run.plan)
-        write_manifest(tmp_dir, state.global_step, bool(args.save_only_model), run_args)
-        publish(tmp_dir, final_dir)
-        rotate_checkpoints(run_dir, args.save_total_limit, state.best_model_checkpoint, use_mtime=False)
+        rotate_checkpoints(run_dir, args.save_total_limit, state.best_model_checkpoint)
     world.barrier()
     return final_dir
 
 
-def _write_model_files(facade: TrainerSurface, run: RunView, folder: str, is_main: bool) -> None:
-    """The model (with the weights evaluation uses), the backend's files and the weight-protocol callbacks' files."""
+def _update_best_checkpoint(args: Any, state: TrainerState, run_dir: str) -> None:
+    if args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) and state.best_global_step:
+        best_dir = os.path.join(run_dir, f"{PREFIX}-{state.best_global_step}")
+        if state.best_global_step == state.global_step or os.path.exists(best_dir):
+            state.best_model_checkpoint = best_dir
+
+
+def _write_model_files(facade: TrainerSurface, run: RunView, folder: str) -> None:
+    """The model (with the weights evaluation uses), the backend's files and the weight-protocol callbacks' files
+    (main process; the host weights are current)."""
     backend = run.backend
-    backend.hf_sync_to_host()
-    if not is_main:
-        return
     with run.evaluation_weights():
         save_model_files(facade.model, facade.processing_class, folder, facade.args)
     backend.hf_save_files(folder)
@@ -269,34 +345,44 @@ def _write_model_files(facade: TrainerSurface, run: RunView, folder: str, is_mai
         callback.save_checkpoint_state(folder, facade.model)
 
 
-def _write_training_state(facade: TrainerSurface, run: RunView, folder: str, is_main: bool) -> None:
+def _write_training_state(facade: TrainerSurface, run: RunView, tracker: WriteTracker, is_main: bool) -> None:
     """Optimizer, scheduler and scaler (main process), and this process's RNG states."""
+    files = {}
     if is_main:
-        torch.save(facade.optimizer.state_dict(), os.path.join(folder, OPTIMIZER_NAME))
-        torch.save(facade.lr_scheduler.state_dict(), os.path.join(folder, SCHEDULER_NAME))
+        files[OPTIMIZER_NAME] = facade.optimizer.state_dict
+        files[SCHEDULER_NAME] = facade.lr_scheduler.state_dict
         scaler = getattr(run.lightning_trainer.precision_plugin, "scaler", None)
         if scaler is not None:
-            torch.save(scaler.state_dict(), os.path.join(folder, SCALER_NAME))
-    torch.save(_rng_states(), os.path.join(folder, rng_file_name(run.world.size, run.world.rank)))
+            files[SCALER_NAME] = scaler.state_dict
+    files[rng_file_name(run.world.size, run.world.rank)] = _rng_states
+    for name, state in files.items():
+        tracker.file = name
+        torch.save(state(), os.path.join(tracker.folder, name))
 
 
-def write_manifest(folder: str, global_step: int, save_only_model: bool, run: dict[str, Any]) -> None:
-    """List every file of ``folder`` with its size; written last, so its presence means the rest is there."""
-    root = Path(folder)
-    files = {
-        p.relative_to(root).as_posix(): p.stat().st_size
-        for p in sorted(root.rglob("*"))
-        if p.is_file() and p.name != MANIFEST_NAME
+def _write_trainer_state(facade: TrainerSurface, tracker: WriteTracker) -> None:
+    """``trainer_state.json``, with the current state of every stateful callback (several instances of one class
+    as a list, in order, as transformers reads them back)."""
+    state = facade.state
+    stateful: dict[str, list[dict[str, Any]]] = {}
+    for callback in facade.callback_handler.callbacks + [facade.control]:
+        if isinstance(callback, ExportableState):
+            stateful.setdefault(type(callback).__name__, []).append(callback.state())
+    # States of callbacks this run does not have stay as they were (transformers keeps them too).
+    state.stateful_callbacks = {
+        **(state.stateful_callbacks or {}),
+        **{name: states[0] if len(states) == 1 else states for name, states in stateful.items()},
     }
-    manifest = {
-        "format": MANIFEST_FORMAT,
-        "version": MANIFEST_VERSION,
-        "global_step": global_step,
-        "save_only_model": save_only_model,
-        "run": run,
-        "files": files,
-    }
-    (root / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    tracker.file = TRAINER_STATE_NAME
+    best = state.best_metric
+    if best is not None and not math.isfinite(best):
+        # transformers' starting point (±inf until an evaluation gives a better value) is written as null: a file
+        # holds finite numbers only, and the next evaluation starts from the same point again.
+        state.best_metric = None
+    try:
+        state.save_to_json(os.path.join(tracker.folder, TRAINER_STATE_NAME))
+    finally:
+        state.best_metric = best
 
 
 def publish(tmp_dir: str, final_dir: str) -> None:
@@ -307,15 +393,6 @@ def publish(tmp_dir: str, final_dir: str) -> None:
         os.replace(final_dir, replaced)
     os.replace(tmp_dir, final_dir)
     shutil.rmtree(replaced, ignore_errors=True)
-
-
-def _store_callback_state(state: TrainerState, callback: ExportableState) -> None:
-    name = type(callback).__name__
-    existing = state.stateful_callbacks.get(name)
-    if isinstance(existing, list):
-        existing.append(callback.state())
-    else:
-        state.stateful_callbacks[name] = callback.state()
 
 
 # ---- best model -------------------------------------------------------------------------------------------------
@@ -354,4 +431,4 @@ def finalize_rotation(args: Any, state: TrainerState, is_main: bool) -> None:
         return
     for folder in Path(args.output_dir).glob(f"{PREFIX}-*"):
         if folder.is_dir() and not os.path.samefile(folder, state.best_model_checkpoint):
-            shutil.rmtree(folder, ignore_errors=True)
+            remove_checkpoint(folder)

@@ -15,13 +15,20 @@ ranks agree on that boundary (:meth:`StopRequest.agreed`), so they all save and 
 
 Outside of training, :func:`terminate_on_signals` (used by the command line) turns both signals into
 :class:`TrainingInterrupted` at once, so that the failure is recorded instead of the process vanishing.
+
+Once a signal has stopped a run, the process is on its way out: if another SIGTERM/SIGINT arrives while the
+interpreter runs its exit callbacks (a logger or library shutting down), the process exits at once with one line
+instead of Python's "Exception ignored in atexit callback ... KeyboardInterrupt" traceback.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
+import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -57,9 +64,40 @@ class TrainingInterrupted(SystemExit):
 def stopped(
     signum: int, message: str, global_step: int | None = None, checkpoint: str | None = None
 ) -> TrainingInterrupted:
-    """Log ``message`` (a plain script shows nothing else: the exit is a ``SystemExit``) and build the exception."""
+    """Log ``message`` (a plain script shows nothing else: the exit is a ``SystemExit``) and build the exception;
+    a signal arriving during the exit that follows ends the process quietly (:func:`_quiet_at_exit`)."""
     logger.warning(message)
+    _quiet_at_exit.register()
     return TrainingInterrupted(signum, message, global_step, checkpoint)
+
+
+def _exit_now(signum: int, frame: Any) -> None:
+    """A signal during interpreter exit, after a run was stopped: one line, then exit at once (128 + signal)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os.write(2, f"{signal_name(signum)} received while exiting after the run was stopped: exiting now.\n".encode())
+    os._exit(128 + int(signum))
+
+
+class _QuietAtExit:
+    """An exit callback, registered when the first stop happens (so it runs before the exit callbacks registered
+    earlier: ``atexit`` runs them last-in, first-out), that makes SIGTERM/SIGINT end the exit quietly."""
+
+    registered = False
+
+    def register(self) -> None:
+        if not self.registered:
+            self.registered = True
+            atexit.register(self)
+
+    def __call__(self) -> None:
+        if _main_thread():
+            for signum in SIGNALS:
+                signal.signal(signum, _exit_now)
+
+
+_quiet_at_exit = _QuietAtExit()
 
 
 def signal_name(signum: int) -> str:

@@ -73,12 +73,13 @@ def _plan_sized(args: Any, len_dataloader: int, num_examples: int | None, geomet
     """A loader with a length: ``max_steps`` (when positive) or ``num_train_epochs`` decides the run's length."""
     accumulation, total_train_batch_size = geometry.accumulation, geometry.samples_per_step
     steps_per_epoch = max(len_dataloader // accumulation + int(len_dataloader % accumulation > 0), 1)
+    # As transformers 5: only a negative max_steps means "use num_train_epochs". max_steps=0 plans the epochs, but
+    # the run's max_steps is 0, so DefaultFlowCallback stops training after its first optimizer step.
+    max_steps = args.max_steps if args.max_steps >= 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
     if args.max_steps > 0:
-        max_steps = args.max_steps
         num_train_epochs = max_steps // steps_per_epoch + int(max_steps % steps_per_epoch > 0)
         num_train_samples: float = max_steps * total_train_batch_size
     else:
-        max_steps = math.ceil(args.num_train_epochs * steps_per_epoch)
         num_train_epochs = math.ceil(args.num_train_epochs)
         num_train_samples = num_examples * args.num_train_epochs
     return TrainingPlan(

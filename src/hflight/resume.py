@@ -1,12 +1,16 @@
 """Resuming from a ``checkpoint-N`` folder: everything is checked before the model is touched, nothing is unpickled
 beyond plain tensors and the RNG states' numpy arrays.
 
-Order of :func:`resolve_resume`: the folder is complete (its manifest, see ``hflight.checkpoint``), its
-``trainer_state.json`` is valid (types and required keys), its weights fit the model (keys and shapes), its RNG,
-optimizer, scheduler and scaler files load safely; only then are weights copied in. Once Lightning has built the
-optimizer, :func:`restore_state` positions the run (and warns about every argument that changes the data position
-or the step arithmetic), :func:`restore_optimizer` and :func:`load_rng_state` restore the rest. Every error names
-the file (and the key) at fault.
+Order of :func:`resolve_resume`: the folder is complete and undamaged (its manifest's sizes and checksums, see
+``hflight.manifest``), its ``trainer_state.json`` is valid (types, required keys, finite numbers, a best checkpoint
+inside ``output_dir``), its weights fit the model (keys and shapes), its RNG, optimizer, scheduler and scaler files
+load safely and fit what they will be loaded into (``hflight.optim_state``: the optimizer and scheduler the run will
+build), stateful callbacks can be rebuilt from their saved arguments; only then are weights copied in. Once
+Lightning has built the optimizer, :func:`restore_state` positions the run (and warns about every argument that
+changes the data position or the step arithmetic), :func:`restore_optimizer` and :func:`load_rng_state` restore the
+rest. Every error names the file (and the key) at fault. Files are read only through
+``hflight.manifest.regular_file`` (no path outside the folder, no named pipe or device), RNG files only by the names
+the run that wrote the checkpoint used.
 
 Security: checkpoints are shared and downloaded, so no file in one may run code. ``optimizer.pt``, ``scheduler.pt``,
 ``scaler.pt`` and ``.bin`` weights load with ``torch.load(weights_only=True)``; ``rng_state*.pth`` does too, with
@@ -18,9 +22,11 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import pickle
 import random
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -43,6 +49,8 @@ from hflight.checkpoint import (
     run_arguments,
     verify_checkpoint,
 )
+from hflight.manifest import CHECKPOINT_RE, inside, regular_file
+from hflight.optim_state import check_training_states, planned_optimizer, planned_scheduler
 from hflight.surface import RunView, TrainerSurface
 from hflight.weights import UnsafeCheckpointFile, checked_weights, load_model_weights, refused_pickle
 
@@ -60,6 +68,8 @@ class ResumePoint:
     manifest: dict[str, Any] | None
     model_only: bool
     training_states: dict[str, Any] = field(default_factory=dict)
+    #: With ``restore_callback_states_from_checkpoint``: (callback in use, callback rebuilt from its saved state).
+    rebuilt_callbacks: list[tuple[Any, Any]] = field(default_factory=list)
 
 
 # ---- trainer_state.json ---------------------------------------------------------------------------------------------
@@ -124,19 +134,37 @@ def read_trainer_state(path: str | os.PathLike, state_class: type[TrainerState] 
             raise ValueError(f"{path}: key {key!r} must be {wanted}, got {json.dumps(value)[:80]}.")
     if data["global_step"] < 0 or data["max_steps"] < 0:
         raise ValueError(f"{path}: 'global_step' and 'max_steps' must not be negative.")
+    _check_finite(path, data)
     bad = next((i for i, entry in enumerate(data["log_history"]) if not isinstance(entry, dict)), None)
     if bad is not None:
         raise ValueError(f"{path}: 'log_history' entry {bad} must be an object.")
     for name, entry in (data.get("stateful_callbacks") or {}).items():
         entries = entry if isinstance(entry, list) else [entry]
-        if not all(isinstance(e, dict) and isinstance(e.get("attributes", {}), dict) for e in entries):
-            raise ValueError(f"{path}: 'stateful_callbacks'[{name!r}] must be an object with an 'attributes' object.")
+        if not all(
+            isinstance(e, dict) and isinstance(e.get("attributes", {}), dict) and isinstance(e.get("args", {}), dict)
+            for e in entries
+        ):
+            raise ValueError(
+                f"{path}: 'stateful_callbacks'[{name!r}] must be an object with 'args' and 'attributes' objects."
+            )
     own = {f.name for f in fields(state_class)} - {f.name for f in fields(TrainerState)}  # a subclass's fields
     known = set(_STATE_FIELDS) | own
     unknown = [key for key in data if key not in known]
     if unknown:
         logger.warning(f"{path}: ignoring key(s) this TrainerState does not know: {', '.join(unknown)}.")
     return state_class(**{k: v for k, v in data.items() if k in known})
+
+
+def _check_finite(path: Path, data: dict[str, Any]) -> None:
+    """The state's numbers must be finite (``epoch: NaN``, ``best_metric: Infinity`` are errors). transformers'
+    starting point for ``best_metric`` (-inf or +inf until an evaluation improves on it, so with no
+    ``best_global_step``) means "no best yet" and is read as null."""
+    best = data.get("best_metric")
+    if isinstance(best, float) and math.isinf(best) and data.get("best_global_step") is None:
+        data["best_metric"] = None
+    for key, value in data.items():
+        if key in _STATE_FIELDS and isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{path}: key {key!r} must be a finite number, got {json.dumps(value)}.")
 
 
 # ---- choosing and checking the folder -----------------------------------------------------------------------------
@@ -162,17 +190,17 @@ def resolve_resume(facade: TrainerSurface, resume: str | bool | None) -> ResumeP
         resume = found
     folder = Path(resume)
     if not folder.is_dir():
-        raise ValueError(f"resume_from_checkpoint={str(resume)!r} is not a folder.")
-    manifest = verify_checkpoint(folder)
-    state = read_trainer_state(folder / TRAINER_STATE_NAME, type(facade.state))
+        raise ValueError(f"Can't find a valid checkpoint at {resume}")  # transformers' words: scripts match on them
+    manifest = verify_checkpoint(folder, full=True)
+    state = read_trainer_state(
+        regular_file(folder, TRAINER_STATE_NAME) or folder / TRAINER_STATE_NAME, type(facade.state)
+    )
+    where = folder / TRAINER_STATE_NAME
+    state.best_model_checkpoint = check_best_checkpoint(state.best_model_checkpoint, facade.args.output_dir, where)
     model_only = _is_model_only(folder, manifest)
     copy_weights = checked_weights(facade.model, folder)
-    training_states = {}
-    if not model_only:
-        for rng_file in sorted(folder.glob("rng_state*.pth")):
-            load_rng_file(rng_file)  # a crafted file is rejected here, before anything changes
-        names = (OPTIMIZER_NAME, SCHEDULER_NAME, SCALER_NAME)
-        training_states = {name: _load_tensors_file(folder / name) for name in names if (folder / name).is_file()}
+    training_states = {} if model_only else _read_training_states(facade, folder, manifest, state)
+    rebuilt = _rebuilt_callbacks(facade, state, where)
     callbacks = facade.callback_handler.callbacks
     for callback in weight_hooks(callbacks, "check_checkpoint_state"):
         callback.check_checkpoint_state(str(folder), facade.model)
@@ -186,14 +214,84 @@ def resolve_resume(facade: TrainerSurface, resume: str | bool | None) -> ResumeP
             f"{state.global_step} with a fresh optimizer and learning-rate schedule; reproducibility is not "
             "guaranteed."
         )
-    return ResumePoint(str(folder), state, manifest, model_only, training_states)
+    return ResumePoint(str(folder), state, manifest, model_only, training_states, rebuilt)
+
+
+def check_best_checkpoint(best: str | None, output_dir: str, source: Path | str) -> str | None:
+    """The best checkpoint to use, inside ``output_dir`` (its weights are loaded at the end of training); ``source``:
+    where the path was read, for messages.
+
+    A recorded path outside ``output_dir`` whose folder name exists inside it (the run folder was copied or moved)
+    is taken from ``output_dir``, with a warning; one that does not exist is returned as it is (the resumed run
+    warns and ignores it, as transformers does); any other path outside ``output_dir`` is an error.
+    """
+    if best is None or inside(best, output_dir) or not os.path.isdir(best):
+        return best
+    here = os.path.join(output_dir, os.path.basename(os.path.normpath(best)))
+    if CHECKPOINT_RE.match(os.path.basename(here)) and os.path.isdir(here):
+        logger.warning(
+            f"{source}: best_model_checkpoint {best!r} lies outside output_dir (the run folder was copied or moved?); "
+            f"using {here} instead."
+        )
+        return here
+    raise ValueError(
+        f"{source}: best_model_checkpoint {best!r} lies outside output_dir ({output_dir}); hflight loads a best model "
+        "only from a checkpoint of the run's own output_dir. Resume with output_dir set to the folder that holds it, "
+        "or set best_model_checkpoint to null in the file."
+    )
+
+
+_RNG_RE = re.compile(r"^rng_state(?:_(\d+))?\.pth$")
+
+
+def _rng_files(folder: Path, manifest: dict[str, Any] | None) -> list[Path]:
+    """The RNG files of the checkpoint, by the names the run that wrote it used: for an hflight folder those its
+    manifest lists for its number of processes; for a transformers folder ``rng_state.pth``/``rng_state_{rank}.pth``
+    (each must be a regular file)."""
+    if manifest is not None:
+        world = (manifest.get("run") or {}).get("world_size") or 1
+        world = world if type(world) is int else 1
+        expected = [name for name in manifest["files"] if _written_for(name, world)]
+    else:
+        expected = sorted(n for n in os.listdir(folder) if _RNG_RE.match(n))
+    return [path for name in expected if (path := regular_file(folder, name)) is not None]
+
+
+def _written_for(name: str, world: int) -> bool:
+    """Whether ``name`` is an RNG file a run of ``world`` processes writes."""
+    match = _RNG_RE.match(name)
+    if match is None:
+        return False
+    rank = match.group(1)
+    return rank is None if world <= 1 else rank is not None and int(rank) < world
+
+
+def _read_training_states(
+    facade: TrainerSurface, folder: Path, manifest: dict[str, Any] | None, state: TrainerState
+) -> dict[str, Any]:
+    """RNG, optimizer, scheduler and scaler files, loaded safely and checked against the optimizer and scheduler the
+    run will build (before anything is copied anywhere)."""
+    for rng_file in _rng_files(folder, manifest):
+        load_rng_file(rng_file)  # a crafted file is rejected here, before anything changes
+    names = (OPTIMIZER_NAME, SCHEDULER_NAME, SCALER_NAME)
+    states = {name: _load_tensors_file(path) for name in names if (path := regular_file(folder, name)) is not None}
+    optimizer = planned_optimizer(facade)
+    targets = {OPTIMIZER_NAME: optimizer}
+    if SCHEDULER_NAME in states:
+        targets[SCHEDULER_NAME] = planned_scheduler(facade, optimizer, state.max_steps)
+    check_training_states(folder, states, targets, parameter_names(facade.model))
+    return states
+
+
+def parameter_names(model: torch.nn.Module) -> dict[int, str]:
+    return {id(p): name for name, p in model.named_parameters()}
 
 
 def _is_model_only(folder: Path, manifest: dict[str, Any] | None) -> bool:
     if manifest is not None:
         return bool(manifest.get("save_only_model"))
     # A transformers.Trainer folder: optimizer and scheduler come as a pair, or not at all (save_only_model).
-    present = {name: (folder / name).is_file() for name in (OPTIMIZER_NAME, SCHEDULER_NAME)}
+    present = {name: regular_file(folder, name) is not None for name in (OPTIMIZER_NAME, SCHEDULER_NAME)}
     if len(set(present.values())) > 1:
         have = next(n for n, p in present.items() if p)
         lack = next(n for n, p in present.items() if not p)
@@ -229,7 +327,7 @@ def restore_state(facade: TrainerSurface, run: RunView) -> tuple[int, int]:
         )
         state.best_model_checkpoint = None
     facade.state = state
-    _restore_callback_states(facade)
+    _restore_callback_states(facade, point)
     return run.plan.resume_position(state.global_step, facade.args.ignore_data_skip)
 
 
@@ -264,18 +362,70 @@ def _warn_changed_arguments(facade: TrainerSurface, point: ResumePoint, now: dic
         )
 
 
-def _restore_callback_states(facade: TrainerSurface) -> None:
-    saved = facade.state.stateful_callbacks or {}
-    for callback in facade.callback_handler.callbacks + [facade.control]:
-        if not isinstance(callback, ExportableState):
+# ---- stateful callbacks (ExportableState) ---------------------------------------------------------------------------
+def _saved_states(state: TrainerState, callbacks: list[Any]) -> tuple[list[tuple[Any, dict]], list[str]]:
+    """Pairs (callback in use, its saved state): the saved states of one class go to the callbacks of that class in
+    order (several instances are saved as a list, as transformers does); and the saved classes no callback has.
+
+    transformers appends the current states to that list at every save, after the states the callbacks had when
+    training started, and reads back the first entries; the *last* entries are the states at the save, so those are
+    the ones used here (hflight writes exactly one entry per instance)."""
+    pairs, not_found = [], []
+    for name, data in (state.stateful_callbacks or {}).items():
+        entries = data if isinstance(data, list) else [data]
+        matching = [cb for cb in callbacks if type(cb).__name__ == name]
+        if not matching:
+            not_found.append(name)
             continue
-        entry = saved.get(type(callback).__name__)
-        if isinstance(entry, list):
-            entry = entry[-1] if entry else None
-        if not entry:
-            continue
+        pairs += [(callback, entry) for callback, entry in zip(matching, entries[-len(matching) :]) if entry]
+    return pairs, not_found
+
+
+def _rebuilt_callbacks(facade: TrainerSurface, state: TrainerState, source: Path) -> list[tuple[Any, Any]]:
+    """With ``restore_callback_states_from_checkpoint=True``, transformers' way: each stateful callback rebuilt from
+    its saved ``args`` and ``attributes`` (built here, before anything is loaded, so bad ``args`` change nothing);
+    a warning names the saved states that match no callback."""
+    if not facade.args.restore_callback_states_from_checkpoint:
+        return []
+    pairs, not_found = _saved_states(state, facade.callback_handler.callbacks + [facade.control])
+    if not_found:
+        logger.warning(
+            f"Checkpoint included callbacks not included in current configuration. Ignoring. ({', '.join(not_found)})"
+        )
+    rebuilt = []
+    for callback, entry in pairs:
+        try:
+            new = type(callback)(**entry.get("args", {}))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(
+                f"{source}: 'stateful_callbacks' cannot rebuild {type(callback).__name__} from its saved args "
+                f"{entry.get('args', {})}: {exc}"
+            ) from exc
         for key, value in entry.get("attributes", {}).items():
-            setattr(callback, key, value)
+            setattr(new, key, value)
+        rebuilt.append((callback, new))
+    return rebuilt
+
+
+def _restore_callback_states(facade: TrainerSurface, point: ResumePoint) -> None:
+    """The callbacks rebuilt from the checkpoint take the place of those in use (the same position in the list;
+    ``TrainerControl`` becomes ``facade.control``); by default (hflight's), the saved attributes are set on the
+    callbacks in use, so that, e.g., an ``EarlyStoppingCallback``'s patience counter survives a resume."""
+    if facade.args.restore_callback_states_from_checkpoint:
+        callbacks = facade.callback_handler.callbacks
+        for old, new in point.rebuilt_callbacks:
+            if old is facade.control:
+                facade.control = new
+            for i in [i for i, cb in enumerate(callbacks) if cb is old]:
+                callbacks[i] = new
+        if point.rebuilt_callbacks:
+            logger.info("Continuing training from checkpoint, restoring any callbacks that were passed in")
+        return
+    pairs, _ = _saved_states(facade.state, facade.callback_handler.callbacks + [facade.control])
+    for callback, entry in pairs:
+        if isinstance(callback, ExportableState):
+            for key, value in entry.get("attributes", {}).items():
+                setattr(callback, key, value)
 
 
 # ---- optimizer, scheduler, scaler ----------------------------------------------------------------------------------
@@ -296,7 +446,8 @@ def _load_tensors_file(path: Path) -> Any:
 
 
 def restore_optimizer(facade: TrainerSurface, run: RunView) -> None:
-    """Optimizer, scheduler and scaler states, once Lightning built them (HF file names)."""
+    """Optimizer, scheduler and scaler states, once Lightning built them (HF file names): checked against the real
+    objects (they were checked against the planned ones before the weights were loaded), then loaded."""
     point: ResumePoint | None = run.resume
     if point is None or point.model_only:
         return
@@ -305,6 +456,7 @@ def restore_optimizer(facade: TrainerSurface, run: RunView) -> None:
     scaler = getattr(run.lightning_trainer.precision_plugin, "scaler", None)
     if scaler is not None and SCALER_NAME in states:
         targets[SCALER_NAME] = scaler
+    check_training_states(point.folder, {n: s for n, s in states.items() if n in targets}, targets, {})
     for name, target in targets.items():
         path = Path(point.folder) / name
         try:
@@ -357,10 +509,11 @@ def load_rng_state(run: RunView) -> None:
     point: ResumePoint | None = run.resume
     if point is None or point.model_only:
         return
-    path = Path(point.folder) / rng_file_name(run.world.size, run.world.rank)
-    if not path.is_file():
+    name = rng_file_name(run.world.size, run.world.rank)
+    path = regular_file(point.folder, name)
+    if path is None:
         logger.warning(
-            f"Didn't find {path.name} in {point.folder} (the checkpoint was written by a different number of "
+            f"Didn't find {name} in {point.folder} (the checkpoint was written by a different number of "
             "processes?): the random number generators are not restored, reproducibility is not guaranteed."
         )
         return
@@ -378,5 +531,8 @@ def load_rng_state(run: RunView) -> None:
 
 # ---- best model -----------------------------------------------------------------------------------------------------
 def load_best_model(facade: TrainerSurface) -> None:
-    """``load_best_model_at_end``: the best checkpoint's weights (single file or shards), checked first."""
-    load_model_weights(facade.model, facade.state.best_model_checkpoint)
+    """``load_best_model_at_end``: the best checkpoint's weights (single file or shards), checked first: inside
+    ``output_dir``, the model files' sizes and checksums as saved, keys and shapes as the model's."""
+    best = check_best_checkpoint(facade.state.best_model_checkpoint, facade.args.output_dir, "TrainerState")
+    verify_checkpoint(best, full=True, model_files_only=True)
+    load_model_weights(facade.model, best)

@@ -47,6 +47,7 @@ from hflight.optim import OptimizerMixin
 from hflight.run import Run
 from hflight.steps import StepsMixin
 from hflight.training_args import TrainingArguments, coerce_training_args
+from hflight.writelock import output_dir_lock
 
 DEFAULT_CALLBACKS = [DefaultFlowCallback]
 
@@ -206,17 +207,19 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
         ignore_keys_for_eval: list[str] | None = None,
     ) -> TrainOutput:
         resume_from_checkpoint = resume.requested(resume_from_checkpoint, self.args)
-        self._trial = trial
-        self._prepare_model_for_training()
-        point = resume.resolve_resume(self, resume_from_checkpoint)
-        if point is not None and self.args.auto_find_batch_size and point.state.train_batch_size is not None:
-            self._train_batch_size = point.state.train_batch_size  # the size the checkpoint's run found
-        with training_hooks.installed(self.model, self.args):
-            return memory.find_executable_batch_size(
-                lambda batch_size: self._train_once(batch_size, point, trial, ignore_keys_for_eval),
-                self._train_batch_size,
-                self.args.auto_find_batch_size,
-            )
+        # One writer per output folder, from before the folder is read until the last checkpoint is rotated.
+        with output_dir_lock(self.args.output_dir, enabled=self.is_world_process_zero()):
+            self._trial = trial
+            self._prepare_model_for_training()
+            point = resume.resolve_resume(self, resume_from_checkpoint)
+            if point is not None and self.args.auto_find_batch_size and point.state.train_batch_size is not None:
+                self._train_batch_size = point.state.train_batch_size  # the size the checkpoint's run found
+            with training_hooks.installed(self.model, self.args):
+                return memory.find_executable_batch_size(
+                    lambda batch_size: self._train_once(batch_size, point, trial, ignore_keys_for_eval),
+                    self._train_batch_size,
+                    self.args.auto_find_batch_size,
+                )
 
     def _train_once(self, batch_size: int, point: Any, trial: Any, ignore_keys: list[str] | None) -> TrainOutput:
         """One Lightning run of ``train()`` with training batches of ``batch_size``."""

@@ -4,7 +4,11 @@ Key names and shapes are compared with the model first (read from the safetensor
 loaded for the check); only when every file, key and shape matches are the weights copied in. A rejected
 checkpoint therefore leaves the model exactly as it was, and the error names the file. Single files
 (``model.safetensors``, ``pytorch_model.bin``) and shards with their index (``model.safetensors.index.json``,
-``pytorch_model.bin.index.json``) are supported; ``.bin`` files are read with ``weights_only=True``.
+``pytorch_model.bin.index.json``) are supported, in transformers' order of preference; ``.bin`` files are read with
+``weights_only=True``. Every file is reached through ``hflight.manifest.regular_file``: a shard index naming a path
+outside the folder, a symbolic link leading out of it or a file that is not a regular one is refused before it is
+opened. The tensors then go in through the model's own ``load_state_dict`` (``strict=False``, one shard at a time, as
+transformers loads them), so a model that overrides it is not bypassed.
 
 Keys the file leaves out because the model ties them to another parameter (``save_pretrained`` writes a tied
 decoder weight once, as the embedding) are not missing: a key counts as present when any parameter sharing its
@@ -21,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from hflight.checkpoint import WEIGHT_FILES
+from hflight.manifest import WEIGHT_FILES, UnsafeCheckpointFile, regular_file, shard_names, weights_in_use
 
 _MAX_LISTED = 8
 
@@ -37,10 +41,6 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(str(path))
-
-
-class UnsafeCheckpointFile(ValueError):
-    """A checkpoint file holds pickled objects beyond tensors and plain values; it is never unpickled."""
 
 
 def refused_pickle(path: Path, exc: pickle.UnpicklingError, holds: str) -> UnsafeCheckpointFile:
@@ -91,27 +91,25 @@ class _Source:
 
 
 def _weights_file(folder: Path) -> Path:
-    for name in WEIGHT_FILES:
-        if (folder / name).is_file():
-            return folder / name
-    raise ValueError(f"Can't find a model weights file in {folder} (looked for {', '.join(WEIGHT_FILES)}).")
+    """The weights a load reads (transformers' order of preference); transformers' error text when there are none."""
+    in_use = weights_in_use(folder)
+    if not in_use:
+        raise ValueError(
+            f"Can't find a valid checkpoint at {folder}: no model weights file (looked for {', '.join(WEIGHT_FILES)})."
+        )
+    return folder / in_use[0]
 
 
 def _shard_sources(index_file: Path) -> list[_Source]:
-    try:
-        index = json.loads(index_file.read_text(encoding="utf-8"))
-        weight_map = index["weight_map"]
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise TypeError("'weight_map' must map parameter names to shard file names")
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"Checkpoint index {index_file} is unreadable: {exc!r}") from exc
-    shards = sorted(set(weight_map.values()))
-    missing = [s for s in shards if not (index_file.parent / s).is_file()]
+    shards = shard_names(index_file)  # names checked to lie inside the folder before any shard is opened
+    paths = {shard: regular_file(index_file.parent, shard, str(index_file)) for shard in shards}
+    missing = [shard for shard, path in paths.items() if path is None]
     if missing:
         raise ValueError(f"Checkpoint index {index_file} names shard files that are not there: {missing}.")
-    sources = [_Source(index_file.parent / s) for s in shards]
-    for source in sources:
-        listed = {k for k, shard in weight_map.items() if shard == source.path.name}
+    weight_map = json.loads(index_file.read_text(encoding="utf-8"))["weight_map"]
+    sources = [_Source(path) for path in paths.values()]
+    for shard, source in zip(shards, sources):
+        listed = {k for k, name in weight_map.items() if name == shard}
         if listed != set(source.shapes):
             raise ValueError(
                 f"Shard {source.path} does not hold the keys {index_file.name} assigns to it "
@@ -156,9 +154,9 @@ def check_weights(model: torch.nn.Module, sources: list[_Source], described: Pat
 
 
 def _check_architecture(model: torch.nn.Module, folder: Path) -> None:
-    config_file = folder / "config.json"
+    config_file = regular_file(folder, "config.json")
     config = getattr(model, "config", None)
-    if config is None or not config_file.is_file():
+    if config is None or config_file is None:
         return
     try:
         saved = json.loads(config_file.read_text(encoding="utf-8"))
@@ -188,7 +186,7 @@ def checked_weights(model: torch.nn.Module, folder: str | Path) -> Callable[[], 
 
     def copy_in() -> None:
         for tensors in _each(sources):
-            with torch.no_grad():
+            with torch.no_grad():  # the model's own load_state_dict, as transformers calls it
                 model.load_state_dict(tensors, strict=False)
 
     return copy_in

@@ -287,6 +287,20 @@ def test_deep_nesting_names_the_file(tmp_path, where):
         load_squad_json(path)
 
 
+def test_an_integer_too_long_for_python_names_the_file_and_the_key(tmp_path):
+    """Python refuses to parse integers of more than 4,300 digits (``sys.set_int_max_str_digits``); json.loads then
+    raised a bare ValueError naming no file."""
+    squad = v1_squad()
+    _qa(squad, 0, 0, 0)["answers"][0]["answer_start"] = 7
+    text = json.dumps(squad).replace('"answer_start": 7', '"answer_start": ' + "1" * 4301, 1)
+    path = write(tmp_path, text, "huge.json")
+    with pytest.raises(SquadFormatError) as error:
+        load_squad_json(path)
+    message = str(error.value)
+    assert message.startswith(f"{path}: not valid SQuAD JSON: a number of 4,301 digits at byte "), message
+    assert "(key 'answer_start')" in message and "limited to 4,300 digits" in message
+
+
 def test_top_level_must_be_an_object(tmp_path):
     path = write(tmp_path, [1, 2])
     with pytest.raises(SquadFormatError, match="top level must be an object"):

@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 from collections.abc import Iterator
 
 import torch
 from transformers.trainer_callback import TrainerCallback
+
+from hflight.manifest import regular_file
+from hflight.weights import refused_pickle
 
 STATE_FILE = "ema_state.pt"
 
@@ -119,11 +123,14 @@ class EMACallback(TrainerCallback):
         self.num_updates = int(saved["num_updates"])
 
     def _read_state(self, folder: str, model: torch.nn.Module) -> dict | None:
-        path = os.path.join(folder, STATE_FILE)
-        if not os.path.isfile(path):
+        path = regular_file(folder, STATE_FILE)  # a regular file inside the folder, or None
+        if path is None:
             return None
         try:
             saved = torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:  # refers to objects beyond tensors: never unpickled
+            raise refused_pickle(path, exc, "tensors and plain values") from None
+        try:
             raw, num_updates = saved["raw"], int(saved["num_updates"])
         except Exception as exc:
             raise ValueError(f"Cannot read the moving-average state {path}: {type(exc).__name__}: {exc}") from exc

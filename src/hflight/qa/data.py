@@ -30,6 +30,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -248,11 +250,26 @@ def _read_json(path: Path, name: str) -> Any:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise SquadFormatError(f"{name}: not valid JSON ({e})") from e
+    except ValueError as e:  # Python's limit on integer digits (4,300 by default), e.g. a crafted answer_start
+        raise SquadFormatError(f"{name}: not valid SQuAD JSON: {_huge_number(raw, e)}") from None
     except RecursionError:
         raise SquadFormatError(
             f"{name}: not valid SQuAD JSON: nested too deeply to parse (a SQuAD file is 6 levels deep: "
             "data, article, paragraphs, paragraph, qas, answers)"
         ) from None
+
+
+def _huge_number(raw: bytes, error: ValueError) -> str:
+    """Where the integer too long to parse is (the byte offset and the key before it), for the message."""
+    match = re.search(rb"\d{%d,}" % (sys.get_int_max_str_digits() + 1), raw) if sys.get_int_max_str_digits() else None
+    if match is None:
+        return str(error)
+    key = re.findall(rb'"([^"\\]{1,64})"\s*:\s*$', raw[max(0, match.start() - 200) : match.start()])
+    where = f" (key {key[-1].decode('utf-8', 'replace')!r})" if key else ""
+    return (
+        f"a number of {match.end() - match.start():,} digits at byte {match.start()}{where}; integers are limited to "
+        f"{sys.get_int_max_str_digits():,} digits"
+    )
 
 
 def _articles(top: Any, name: str) -> list:

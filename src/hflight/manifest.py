@@ -1,0 +1,406 @@
+"""What a ``checkpoint-N`` folder holds, and how it is read: only through the regular files it should hold.
+
+The manifest (``checkpoint_manifest.json``, written last by ``hflight.checkpoint``) lists every file of the folder
+with its size and an xxh3-128 checksum, and the arguments that fix the data position. Reading checks:
+
+- **Paths stay inside the folder.** A name in the manifest or in a shard index that is absolute or contains ``..``
+  is refused; a file that is a symbolic link leading outside the folder, a named pipe, a device or a socket is
+  refused (:class:`UnsafeCheckpointFile`) before anything opens it.
+- **Complete** (:func:`verify_checkpoint`): every listed file is there with its recorded size; when the folder is
+  about to be loaded (``full=True``: resume, best-model loading) its checksum matches too, so flipped bytes are
+  found and the file is named.
+- **Re-saved weights are told from damaged ones.** The weights in use are found as transformers finds them
+  (``model.safetensors``, else ``model.safetensors.index.json`` and its shards, else the ``.bin`` forms). When a
+  file of those is not in the manifest at all, the weights were written again after the save (for example
+  ``save_pretrained(max_shard_size=...)``, which re-shards under new names): the manifest's model files
+  (weights, ``config.json``, ``generation_config.json``) are then not compared, the new files are checked for
+  structure (complete safetensors headers; every shard the index names is there), and the caller is told what
+  changed. A file the manifest *does* list by name must match its size and checksum: a damaged or truncated file
+  keeps its name, so it is refused. (A re-save under the very same names cannot be told from damage: delete the
+  manifest to accept it.)
+- A folder without a manifest (written by ``transformers.Trainer``) counts when it holds ``trainer_state.json``
+  (which transformers writes last) and model weights; no folder without weights is ever offered.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import mmap
+import os
+import re
+import stat
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "checkpoint"
+TMP_PREFIX = ".tmp-"
+TRAINER_STATE_NAME = "trainer_state.json"
+MANIFEST_NAME = "checkpoint_manifest.json"
+MANIFEST_FORMAT = "hflight-checkpoint"
+MANIFEST_VERSION = 2  # 1: sizes only; 2: sizes and checksums
+CHECKSUM = "xxh3_128"
+CHECKPOINT_RE = re.compile(rf"^{PREFIX}-(\d+)$")
+# In transformers' order of preference: the first one present is the one loaded.
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+# Written by ``save_pretrained`` beside the weights, so rewritten by a re-save.
+CONFIG_FILES = ("config.json", "generation_config.json")
+_SHARD_RE = re.compile(r"^(?:model|pytorch_model)(?:-[\w.]+)?-\d{5}-of-\d{5}\.(?:safetensors|bin)$")
+_CHUNK = 8 << 20
+_MAX_LISTED = 6
+_NOT_REGULAR = (
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISFIFO, "a named pipe (FIFO)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+class IncompleteCheckpointError(ValueError):
+    """A checkpoint folder lacks files (or has truncated or damaged ones): interrupted while saving, or damaged
+    since."""
+
+
+class UnsafeCheckpointFile(ValueError):
+    """A checkpoint file that is not read: pickled objects beyond tensors and plain values, a path leading outside
+    the folder, or something other than a regular file."""
+
+
+# ---- reading only what a checkpoint should hold -------------------------------------------------------------------
+def relative_name(name: Any, where: str) -> str:
+    """``name`` if it names a file inside a folder (relative, no ``..``); otherwise UnsafeCheckpointFile naming
+    ``where`` (the file that lists the name)."""
+    if not isinstance(name, str) or not name.strip() or "\x00" in name or "\\" in name:
+        raise UnsafeCheckpointFile(f"{where} lists {name!r}, which is not a file name inside the checkpoint folder.")
+    pure = PurePosixPath(name)
+    if pure.is_absolute() or ".." in pure.parts or re.match(r"^[A-Za-z]:", name):
+        raise UnsafeCheckpointFile(
+            f"{where} lists {name!r}: a path outside the checkpoint folder. A checkpoint only refers to its own files."
+        )
+    return name
+
+
+def regular_file(folder: str | os.PathLike, name: str, where: str | None = None) -> Path | None:
+    """The path of file ``name`` of checkpoint ``folder``, None when there is none (a broken link counts as none).
+
+    Raises:
+        UnsafeCheckpointFile: ``name`` leads outside the folder (``..``, an absolute path, a symbolic link to a file
+            elsewhere) or is not a regular file (a named pipe, a device, a socket, a folder); nothing was opened.
+    """
+    folder = Path(folder)
+    relative_name(name, where or str(folder))
+    path = folder / name
+    if not os.path.lexists(path):
+        return None
+    root, real = os.path.realpath(folder), os.path.realpath(path)
+    if os.path.commonpath([root, real]) != root:
+        raise UnsafeCheckpointFile(
+            f"{path} leads outside the checkpoint folder (to {real}): a checkpoint is read only from its own files."
+        )
+    try:
+        mode = os.stat(real).st_mode
+    except FileNotFoundError:
+        return None
+    kind = next((what for test, what in _NOT_REGULAR if test(mode)), None)
+    if kind is not None:
+        raise UnsafeCheckpointFile(f"{path} is {kind}, not a regular file: it is not read.")
+    return path
+
+
+def file_digest(path: str | os.PathLike) -> str:
+    """The xxh3-128 checksum of a file (hex). The file is mapped, not copied, so the hash reads the page cache
+    directly (~10-18 GB/s here: small next to writing the file)."""
+    import xxhash
+
+    digest = xxhash.xxh3_128()
+    with open(path, "rb") as handle:
+        if os.fstat(handle.fileno()).st_size == 0:
+            return digest.hexdigest()
+        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped, memoryview(mapped) as view:
+            for start in range(0, len(view), _CHUNK):
+                digest.update(view[start : start + _CHUNK])
+    return digest.hexdigest()
+
+
+class Checksums:
+    """Checksums computed in a background thread as soon as each file of a folder being written is complete, so that
+    hashing one file overlaps writing the next (``with Checksums() as checksums``; :meth:`add_new` after writing,
+    :meth:`digest` when the manifest is written). A file changed after it was submitted is hashed again."""
+
+    def __init__(self) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hflight-checksum")
+        self._pending: dict[Path, tuple[tuple[int, int], concurrent.futures.Future]] = {}
+
+    def __enter__(self) -> Checksums:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    @staticmethod
+    def _stamp(path: Path) -> tuple[int, int]:
+        info = path.stat()
+        return info.st_size, info.st_mtime_ns
+
+    def add_new(self, folder: str | os.PathLike) -> None:
+        """Start hashing every file of ``folder`` not submitted yet."""
+        for path in sorted(Path(folder).rglob("*")):
+            if path.is_file() and path.name != MANIFEST_NAME and path not in self._pending:
+                self._pending[path] = (self._stamp(path), self._pool.submit(file_digest, path))
+
+    def digest(self, path: Path) -> str:
+        stamp, future = self._pending.get(path, (None, None))
+        if future is not None and stamp == self._stamp(path):
+            return future.result()
+        return file_digest(path)
+
+
+def is_weight_file(name: str) -> bool:
+    return name in WEIGHT_FILES or bool(_SHARD_RE.match(PurePosixPath(name).name))
+
+
+def is_model_file(name: str) -> bool:
+    """Weights (single, index or shard) or a file ``save_pretrained`` writes beside them."""
+    return is_weight_file(name) or name in CONFIG_FILES
+
+
+def shard_names(index_file: Path) -> list[str]:
+    """The shard files a ``*.index.json`` names (sorted), each checked to lie inside its folder."""
+    try:
+        index = json.loads(index_file.read_text(encoding="utf-8"))
+        weight_map = index["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise TypeError("'weight_map' must map parameter names to shard file names")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise IncompleteCheckpointError(f"Checkpoint index {index_file} is unreadable: {exc!r}") from exc
+    return sorted({relative_name(shard, str(index_file)) for shard in weight_map.values()})
+
+
+def weights_in_use(folder: str | os.PathLike) -> list[str]:
+    """The weight files a load reads, transformers' way: the first of :data:`WEIGHT_FILES` present (an index with
+    the shards it names); empty when the folder has none."""
+    for name in WEIGHT_FILES:
+        path = regular_file(folder, name)
+        if path is not None:
+            return [name, *shard_names(path)] if name.endswith(".index.json") else [name]
+    return []
+
+
+# ---- the manifest ---------------------------------------------------------------------------------------------------
+def write_manifest(
+    folder: str, global_step: int, save_only_model: bool, run: dict[str, Any], checksums: Checksums | None = None
+) -> None:
+    """List every file of ``folder`` with its size and checksum (``checksums``: those computed while the folder was
+    written); written last, so its presence means the rest is there."""
+    root = Path(folder)
+    digest = checksums.digest if checksums is not None else file_digest
+    files = {
+        p.relative_to(root).as_posix(): {"size": p.stat().st_size, CHECKSUM: digest(p)}
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != MANIFEST_NAME
+    }
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "version": MANIFEST_VERSION,
+        "global_step": global_step,
+        "save_only_model": save_only_model,
+        "run": run,
+        "files": files,
+    }
+    (root / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _entry(value: Any) -> dict[str, Any] | None:
+    """A manifest's file entry as ``{"size", CHECKSUM}`` (version 1 recorded the size alone); None if malformed."""
+    if type(value) is int:
+        return {"size": value}
+    if isinstance(value, dict) and type(value.get("size")) is int:
+        digest = value.get(CHECKSUM)
+        if digest is None or (isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{32}", digest)):
+            return value
+    return None
+
+
+def read_manifest(folder: str | os.PathLike) -> dict[str, Any] | None:
+    """The folder's manifest (file entries as ``{"size", "xxh3_128"}``), or None when it has none; a manifest that
+    cannot be read, or that lists a path outside the folder, raises naming the file."""
+    path = regular_file(folder, MANIFEST_NAME)
+    if path is None:
+        return None
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise IncompleteCheckpointError(f"Checkpoint manifest {path} is unreadable: {exc}") from exc
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    entries = {k: _entry(v) for k, v in files.items()} if isinstance(files, dict) else {}
+    if not isinstance(files, dict) or manifest.get("format") != MANIFEST_FORMAT or None in entries.values():
+        raise IncompleteCheckpointError(
+            f"Checkpoint manifest {path} is not an hflight manifest (expected format {MANIFEST_FORMAT!r} and a "
+            "'files' mapping of file name to its size and checksum)."
+        )
+    version = manifest.get("version")
+    if type(version) is not int or version > MANIFEST_VERSION:
+        raise IncompleteCheckpointError(
+            f"Checkpoint manifest {path} has version {version!r}; this hflight reads versions 1 to "
+            f"{MANIFEST_VERSION} (a newer hflight wrote it?)."
+        )
+    for name in entries:
+        relative_name(name, str(path))
+    return {**manifest, "files": entries}
+
+
+# ---- what counts as a checkpoint ----------------------------------------------------------------------------------
+def _file_problem(folder: Path, name: str, entry: dict[str, Any], full: bool) -> str | None:
+    """What is wrong with listed file ``name`` (None: nothing); ``full`` also compares the checksum."""
+    path = regular_file(folder, name)
+    if path is None:
+        return f"no {name}"
+    size = path.stat().st_size
+    if size != entry["size"]:
+        return f"{name} is corrupt or truncated ({size} bytes, {entry['size']} when saved)"
+    saved = entry.get(CHECKSUM)
+    if full and saved is not None and (now := file_digest(path)) != saved:
+        return (
+            f"{name} is damaged: its content differs from the checksum recorded when it was saved ({CHECKSUM} {now}, "
+            f"{saved} when saved)"
+        )
+    return None
+
+
+def _structure_problems(folder: Path, names: list[str]) -> list[str]:
+    """Re-saved weight files: each safetensors file has a complete header covering the file; every shard is there."""
+    from safetensors import safe_open
+
+    problems = []
+    for name in names:
+        path = regular_file(folder, name)
+        if path is None:
+            problems.append(f"no {name} (named by the re-saved weights' index)")
+        elif name.endswith(".safetensors"):
+            try:
+                with safe_open(str(path), framework="pt"):
+                    pass
+            except Exception as exc:  # safetensors' own error for a truncated or foreign file
+                problems.append(f"{name} is corrupt or truncated ({exc})")
+    return problems
+
+
+def _listed(names: list[str]) -> str:
+    more = len(names) - _MAX_LISTED
+    return ", ".join(names[:_MAX_LISTED]) + (f" and {more} more" if more > 0 else "")
+
+
+def resave_report(folder: Path, manifest: dict[str, Any], in_use: list[str]) -> str:
+    """What changed in the model files of ``folder`` since the manifest was written (for the warning)."""
+    listed = manifest["files"]
+    new = [n for n in in_use if n not in listed]
+    gone = [n for n in listed if is_weight_file(n) and regular_file(folder, n) is None]
+    changed = []
+    for name in [n for n in listed if is_model_file(n) and n not in gone]:
+        path = regular_file(folder, name)
+        if path is not None and _file_problem(folder, name, listed[name], full=True) is not None:
+            changed.append(name)
+    parts = [f"{label}: {_listed(items)}" for label, items in
+             (("new", new), ("rewritten", changed), ("no longer there", gone)) if items]  # fmt: skip
+    return (
+        f"Checkpoint {folder}: its model weights were saved again after the checkpoint was written ({'; '.join(parts)})"
+        f". Resuming from the weights as they are now ({in_use[0]}, checked against the model); the optimizer, "
+        "scheduler and trainer state are those saved with the original weights."
+    )
+
+
+def verify_checkpoint(folder: str | os.PathLike, full: bool = False, model_files_only: bool = False) -> dict | None:
+    """Check that ``folder`` is a complete checkpoint; return its manifest (None for a folder without one).
+
+    Args:
+        folder: the ``checkpoint-N`` folder.
+        full: also compare every checked file's checksum, and warn when the weights were re-saved (for a folder
+            about to be loaded); without it, sizes only (cheap: what ``get_last_checkpoint`` uses).
+        model_files_only: check only the weights and their config (what best-model loading reads).
+
+    Raises:
+        IncompleteCheckpointError: naming every missing, truncated or damaged file, or a folder without model weights
+            or (without a manifest) without ``trainer_state.json``.
+        UnsafeCheckpointFile: a listed file leads outside the folder or is not a regular file.
+    """
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    in_use = weights_in_use(folder)
+    if not in_use:
+        raise IncompleteCheckpointError(
+            f"Checkpoint {folder} has no model weights (looked for {', '.join(WEIGHT_FILES)}): it is incomplete "
+            "(interrupted while saving or deleting?) or not a Trainer checkpoint."
+        )
+    if manifest is None:
+        if regular_file(folder, TRAINER_STATE_NAME) is None:
+            raise IncompleteCheckpointError(
+                f"Checkpoint {folder} has no {TRAINER_STATE_NAME}: it is incomplete (interrupted while saving?) or "
+                "not a Trainer checkpoint."
+            )
+        return None
+    listed = manifest["files"]
+    resaved = any(name not in listed for name in in_use)
+    names = [n for n in listed if not (resaved and is_model_file(n)) and (is_model_file(n) or not model_files_only)]
+    problems = [p for n in names if (p := _file_problem(folder, n, listed[n], full)) is not None]
+    if resaved:
+        problems += _structure_problems(folder, in_use)
+    if problems:
+        raise IncompleteCheckpointError(
+            f"Checkpoint {folder} is incomplete or damaged: {'; '.join(problems)} (checked against its "
+            f"{MANIFEST_NAME}; if files were changed on purpose, delete the manifest to resume from the folder as it "
+            "is)."
+        )
+    if full:
+        _warn_about_changes(folder, manifest, in_use, resaved)
+    return manifest
+
+
+def _warn_about_changes(folder: Path, manifest: dict[str, Any], in_use: list[str], resaved: bool) -> None:
+    """For a folder about to be loaded: re-saved weights, or weight files written beside the saved ones."""
+    if resaved:
+        logger.warning(resave_report(folder, manifest, in_use))
+        return
+    extra = sorted(n for n in os.listdir(folder) if is_weight_file(n) and n not in manifest["files"])
+    if extra:
+        logger.warning(
+            f"Checkpoint {folder} holds weight files its {MANIFEST_NAME} does not list ({_listed(extra)}; written "
+            f"after the checkpoint?). They are ignored: the weights are read from {in_use[0]}, as saved."
+        )
+
+
+def get_last_checkpoint(folder: str | os.PathLike) -> str | None:
+    """The complete ``checkpoint-N`` folder with the largest N in ``folder``, or None.
+
+    Incomplete folders (see :func:`verify_checkpoint`; sizes are compared, checksums when the folder is loaded) are
+    skipped with a warning that says what they lack.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return None
+    candidates = sorted(
+        ((int(m.group(1)), p) for p in folder.iterdir() if (m := CHECKPOINT_RE.match(p.name)) and p.is_dir()),
+        reverse=True,
+    )
+    for _, path in candidates:
+        try:
+            verify_checkpoint(path)
+        except (IncompleteCheckpointError, UnsafeCheckpointFile) as exc:
+            logger.warning(f"Skipping {path.name}: {exc}")
+            continue
+        return str(path)
+    return None
+
+
+def inside(path: str | os.PathLike, folder: str | os.PathLike) -> bool:
+    """Whether ``path`` lies inside ``folder`` (links and ``..`` resolved)."""
+    root, real = os.path.realpath(folder), os.path.realpath(path)
+    return real != root and os.path.commonpath([root, real]) == root

@@ -1,0 +1,210 @@
+"""Optimizer, scheduler and scaler states checked against what they will be loaded into, before anything is.
+
+torch's ``Optimizer.load_state_dict`` compares only the number of parameter groups and their sizes, and an LR
+scheduler's ``load_state_dict`` copies any dict into the scheduler's attributes: a ``scheduler.pt`` of ``{}`` or with
+a ``base_lrs`` of the wrong length is accepted and fails at the first scheduler step (``zip() argument 2 is shorter
+than argument 1``), naming no file. Here every field is checked first, and an error names the file and the field:
+
+- optimizer: ``state`` and ``param_groups``; as many groups as the optimizer the run builds, each with as many
+  parameters and a numeric ``lr``; every per-parameter state belongs to a listed parameter, and the state tensors
+  that follow their parameter's shape (Adam's ``exp_avg``/``exp_avg_sq``, SGD's ``momentum_buffer``, ...) have it;
+- scheduler: the fields the run's scheduler writes (``last_epoch``, ``base_lrs``, ``_last_lr``, ``_step_count``)
+  present, every field of the same kind as the scheduler's own, lists as long (one entry per parameter group); a key
+  that would overwrite one of the scheduler's other attributes (``optimizer``) is refused;
+- scaler: ``GradScaler``'s numeric fields.
+
+Before the fit builds the optimizer and scheduler, they are checked against the ones the run will build
+(:func:`planned_optimizer`, :func:`planned_scheduler`: the facade's own ``create_optimizer``/``create_scheduler``
+run on a shallow copy, so a subclass's override counts); once built, against the real ones again.
+"""
+
+from __future__ import annotations
+
+import copy
+import numbers
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hflight.surface import TrainerSurface
+
+# Per-parameter state entries shaped like their parameter, across torch's optimizers and transformers' Adafactor.
+PARAM_SHAPED_STATE = frozenset(
+    {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "sum", "square_avg", "grad_avg", "acc_delta",
+     "exp_inf", "prev", "step_size", "ax"}
+)  # fmt: skip
+# Fields every torch LR scheduler has written for years; others may come and go between torch versions.
+SCHEDULER_REQUIRED = ("last_epoch", "base_lrs", "_last_lr", "_step_count")
+SCALER_FIELDS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+_MAX_SHOWN = 80
+
+
+class IncompatibleTrainingState(ValueError):
+    """An ``optimizer.pt``, ``scheduler.pt`` or ``scaler.pt`` that does not fit what it would be loaded into."""
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= _MAX_SHOWN else text[:_MAX_SHOWN] + "..."
+
+
+def _is_number(value: Any) -> bool:
+    return (isinstance(value, numbers.Real) and not isinstance(value, bool)) or (
+        torch.is_tensor(value) and value.numel() == 1 and not value.dtype.is_complex
+    )
+
+
+# ---- what the run will build ---------------------------------------------------------------------------------------
+def planned_optimizer(facade: TrainerSurface) -> torch.optim.Optimizer:
+    """The optimizer the fit will use: the facade's, or one built the way the fit builds it (``create_optimizer``,
+    overrides included) on a shallow copy of the facade, which is then dropped."""
+    if facade.optimizer is not None:
+        return facade.optimizer
+    probe = copy.copy(facade)
+    probe.optimizer = None
+    return probe.create_optimizer()
+
+
+def planned_scheduler(facade: TrainerSurface, optimizer: torch.optim.Optimizer, num_training_steps: int) -> Any:
+    """The scheduler the fit will use: the facade's own (passed in ``optimizers=``), or one built by
+    ``create_scheduler`` over a stand-in optimizer with ``optimizer``'s groups (building a scheduler sets the
+    learning rates of the optimizer it is given)."""
+    if facade.lr_scheduler is not None:
+        return facade.lr_scheduler
+    stand_in = torch.optim.SGD(
+        [{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": group["lr"]} for group in optimizer.param_groups]
+    )
+    probe = copy.copy(facade)
+    probe.lr_scheduler = None
+    return probe.create_scheduler(num_training_steps=max(num_training_steps, 1), optimizer=stand_in)
+
+
+# ---- optimizer -----------------------------------------------------------------------------------------------------
+def _groups(path: Path, saved: Any, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    if not isinstance(saved, Mapping) or "state" not in saved or "param_groups" not in saved:
+        found = sorted(map(str, saved)) if isinstance(saved, Mapping) else type(saved).__name__
+        raise IncompatibleTrainingState(
+            f"{path} does not hold an optimizer state ('state' and 'param_groups'); found {_shown(found)}."
+        )
+    groups = saved["param_groups"]
+    if not isinstance(groups, list) or not all(isinstance(g, Mapping) for g in groups):
+        raise IncompatibleTrainingState(f"{path}: 'param_groups' must be a list of objects, got {_shown(groups)}.")
+    if len(groups) != len(optimizer.param_groups):
+        raise IncompatibleTrainingState(
+            f"{path}: 'param_groups' has {len(groups)} group(s), the {type(optimizer).__name__} this run builds has "
+            f"{len(optimizer.param_groups)}. Was it saved for another optimizer or weight-decay grouping?"
+        )
+    for i, (group, ours) in enumerate(zip(groups, optimizer.param_groups)):
+        params = group.get("params")
+        if not isinstance(params, list) or not all(type(p) is int for p in params):
+            raise IncompatibleTrainingState(f"{path}: 'param_groups'[{i}]['params'] must be a list of parameter ids.")
+        if len(params) != len(ours["params"]):
+            raise IncompatibleTrainingState(
+                f"{path}: 'param_groups'[{i}] lists {len(params)} parameters, the optimizer's group {i} has "
+                f"{len(ours['params'])}. Was it saved for another model?"
+            )
+        if not _is_number(group.get("lr")):
+            raise IncompatibleTrainingState(
+                f"{path}: 'param_groups'[{i}]['lr'] must be a number, got {_shown(group.get('lr'))}."
+            )
+    return groups
+
+
+def check_optimizer_state(
+    path: Path, saved: Any, optimizer: torch.optim.Optimizer, names: Mapping[int, str] | None = None
+) -> None:
+    """Raise :class:`IncompatibleTrainingState` naming ``path`` and the field unless ``saved`` fits ``optimizer``;
+    ``names`` maps ``id(parameter)`` to its name, for the message."""
+    groups = _groups(path, saved, optimizer)
+    ids = [pid for group in groups for pid in group["params"]]
+    params = dict(zip(ids, (p for group in optimizer.param_groups for p in group["params"])))
+    state = saved["state"]
+    if not isinstance(state, Mapping):
+        raise IncompatibleTrainingState(f"{path}: 'state' must be an object, got {type(state).__name__}.")
+    for pid, entry in state.items():
+        if pid not in params:
+            raise IncompatibleTrainingState(
+                f"{path}: 'state' has an entry for parameter id {pid!r}, which no parameter group lists."
+            )
+        if not isinstance(entry, Mapping):
+            raise IncompatibleTrainingState(f"{path}: 'state'[{pid}] must be an object, got {type(entry).__name__}.")
+        param = params[pid]
+        for key, value in entry.items():
+            if key in PARAM_SHAPED_STATE and (not torch.is_tensor(value) or value.shape != param.shape):
+                got = list(value.shape) if torch.is_tensor(value) else type(value).__name__
+                name = (names or {}).get(id(param), f"#{ids.index(pid)}")
+                raise IncompatibleTrainingState(
+                    f"{path}: 'state'[{pid}][{key!r}] is {got}, parameter {name} has shape {list(param.shape)}. Was "
+                    "it saved for another model?"
+                )
+
+
+# ---- scheduler and scaler ------------------------------------------------------------------------------------------
+def _same_kind(value: Any, ours: Any) -> bool:
+    if ours is None or isinstance(ours, Mapping):
+        return True  # transformers' lambda placeholders, nested states: torch's own load checks them
+    if isinstance(ours, bool):
+        return isinstance(value, bool)
+    if _is_number(ours):
+        return _is_number(value)
+    if isinstance(ours, (list, tuple)):
+        return isinstance(value, (list, tuple))
+    return isinstance(value, type(ours))
+
+
+def check_scheduler_state(path: Path, saved: Any, scheduler: Any) -> None:
+    """Raise :class:`IncompatibleTrainingState` naming ``path`` and the field unless ``saved`` fits ``scheduler``."""
+    ours = scheduler.state_dict()
+    if not isinstance(saved, Mapping):
+        raise IncompatibleTrainingState(f"{path} must hold a scheduler state (an object), not {type(saved).__name__}.")
+    missing = [key for key in SCHEDULER_REQUIRED if key in ours and key not in saved]
+    if missing:
+        raise IncompatibleTrainingState(
+            f"{path} lacks the field(s) {', '.join(map(repr, missing))} of {type(scheduler).__name__}: it is not a "
+            "state this scheduler wrote."
+        )
+    for key, value in saved.items():
+        if key not in ours:
+            if hasattr(scheduler, key):
+                raise IncompatibleTrainingState(
+                    f"{path}: field {key!r} is not part of {type(scheduler).__name__}'s state; loading it would "
+                    "replace the scheduler's own attribute."
+                )
+            continue  # a field of another torch version: harmless
+        if not _same_kind(value, ours[key]):
+            raise IncompatibleTrainingState(
+                f"{path}: field {key!r} must be like {_shown(ours[key])} ({type(ours[key]).__name__}), got "
+                f"{_shown(value)}."
+            )
+        if isinstance(ours[key], (list, tuple)) and len(value) != len(ours[key]):
+            raise IncompatibleTrainingState(
+                f"{path}: field {key!r} has {len(value)} entries, {type(scheduler).__name__} has {len(ours[key])} (one "
+                "per parameter group). Was it saved for another optimizer?"
+            )
+
+
+def check_scaler_state(path: Path, saved: Any) -> None:
+    """Raise :class:`IncompatibleTrainingState` unless ``saved`` is a ``GradScaler`` state (empty: a disabled one)."""
+    if not isinstance(saved, Mapping):
+        raise IncompatibleTrainingState(f"{path} must hold a gradient scaler state, not {type(saved).__name__}.")
+    for key in SCALER_FIELDS if saved else ():
+        if not _is_number(saved.get(key)):
+            raise IncompatibleTrainingState(f"{path}: field {key!r} must be a number, got {_shown(saved.get(key))}.")
+
+
+_CHECKS = {
+    "optimizer.pt": lambda path, saved, target, names: check_optimizer_state(path, saved, target, names),
+    "scheduler.pt": lambda path, saved, target, names: check_scheduler_state(path, saved, target),
+    "scaler.pt": lambda path, saved, target, names: check_scaler_state(path, saved),
+}
+
+
+def check_training_states(
+    folder: str | Path, states: Mapping[str, Any], targets: Mapping[str, Any], names: Mapping[int, str]
+) -> None:
+    """Every state of ``states`` (file name -> loaded content) against its target in ``targets`` (file name ->
+    optimizer or scheduler; the scaler needs none); ``names``: ``id(parameter)`` -> name, for messages."""
+    for name, saved in states.items():
+        _CHECKS[name](Path(folder) / name, saved, targets.get(name), names)
