@@ -966,6 +966,7 @@ def test_weights_saved_again_after_the_save_resume_with_a_warning_and_a_killed_r
         return real_save(tensors, filename, *args, **kwargs)
 
     resaver = ShardedBert.build(factory, seed=3)
+    resaver.config.use_cache = False  # as in the checkpoint's config.json (the Trainer sets args.use_cache)
     load_model_weights(resaver, folder)
     monkeypatch.setattr(modeling_utils, "safe_save_file", snapshot_then_save)
     resaver.save_pretrained(folder, max_shard_size="60KB")
@@ -1002,6 +1003,7 @@ def test_shards_written_beside_a_single_weights_file_are_ignored_with_a_warning(
     leaves model.safetensors, which transformers loads first: so does hflight, and says so."""
     folder = copy_checkpoint(saved, tmp_path)
     other = factory.qa_model(seed=11, dropout=0.1)  # the same configuration: config.json is written unchanged
+    other.config.use_cache = False  # as the Trainer set it (args.use_cache) before the checkpoint was written
     other.save_pretrained(folder, max_shard_size="30KB")
     assert (folder / "model.safetensors.index.json").is_file()
     trainer = make_trainer(tmp_path / "out", factory, max_steps=7, save_strategy="no")

@@ -214,3 +214,41 @@ def test_set_initial_training_values_equals_transformers(tmp_path, factory):
         trainer = trainer_cls(factory.cls_model(), args, train_dataset=factory.cls_dataset(30))
         values.append(trainer.set_initial_training_values(args, trainer.get_train_dataloader()))
     assert values[1] == values[0]
+
+
+def _saving_subclass(base, calls: list, out: Path):
+    class Custom(base):
+        def _save(self, output_dir=None, state_dict=None):
+            # hflight writes a checkpoint into .tmp-checkpoint-N and renames it when complete
+            where = "output_dir" if Path(output_dir) == out else Path(output_dir).name.replace(".tmp-", "")
+            calls.append(("save", where))
+            super()._save(output_dir, state_dict=state_dict)
+            (Path(output_dir) / "extra.txt").write_text("written by the subclass")
+
+        def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+            calls.append(("load", Path(resume_from_checkpoint).name))
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    return Custom
+
+
+def test_save_and_load_from_checkpoint_overrides_take_effect(tmp_path, factory):
+    """A subclass overriding ``_save`` (extra files beside the weights) and ``_load_from_checkpoint`` is called at
+    transformers' moments: every checkpoint and ``save_model`` write, and once on resume."""
+    records = {}
+    for name, base, args_cls in (
+        ("hf", transformers.Trainer, transformers.TrainingArguments),
+        ("hl", hflight.Trainer, hflight.TrainingArguments),
+    ):
+        out, calls = tmp_path / name, []
+        custom = _saving_subclass(base, calls, out)
+        args = factory.pair_args(save_strategy="steps", save_steps=2, max_steps=4)
+        custom(factory.cls_model(), args_cls(str(out), **args), train_dataset=factory.cls_dataset(16)).train()
+        args["max_steps"] = 6
+        resumed = custom(factory.cls_model(seed=1), args_cls(str(out), **args), train_dataset=factory.cls_dataset(16))
+        resumed.train(resume_from_checkpoint=str(out / "checkpoint-4"))
+        resumed.save_model()
+        assert all((out / f / "extra.txt").is_file() for f in ("checkpoint-2", "checkpoint-4", "checkpoint-6", "."))
+        records[name] = calls
+    assert records["hl"] == records["hf"]
+    assert ("load", "checkpoint-4") in records["hl"] and records["hl"].count(("save", "checkpoint-6")) == 1

@@ -235,15 +235,19 @@ def writing(folder: str, what: str, discard: bool) -> Iterator[WriteTracker]:
 
 
 # ---- writing -------------------------------------------------------------------------------------------------------
-def save_model_files(model: torch.nn.Module, processing_class: Any, output_dir: str, args: Any) -> None:
-    """``save_pretrained`` (safetensors) for transformers models, a bare safetensors state dict otherwise."""
+def save_model_files(
+    model: torch.nn.Module, processing_class: Any, output_dir: str, args: Any, state_dict: dict | None = None
+) -> None:
+    """The body of ``Trainer._save``: ``save_pretrained`` (safetensors) for transformers models, a bare safetensors
+    state dict otherwise (``state_dict``: the weights to write instead of the model's own), the processing class and
+    ``training_args.bin``."""
     os.makedirs(output_dir, exist_ok=True)
     if hasattr(model, "save_pretrained"):
-        model.save_pretrained(output_dir, safe_serialization=True)
+        model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
     else:
         from safetensors.torch import save_file
 
-        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        state = {k: v.contiguous() for k, v in (state_dict or model.state_dict()).items()}
         save_file(state, os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})
     if processing_class is not None and hasattr(processing_class, "save_pretrained"):
         processing_class.save_pretrained(output_dir)
@@ -257,7 +261,7 @@ def save_model(facade: TrainerSurface, output_dir: str, backend: Any) -> None:
     if facade.is_world_process_zero():
         console.saving_checkpoint(output_dir)
         with writing(output_dir, f"the model in {output_dir}", discard=False):
-            save_model_files(facade.model, facade.processing_class, output_dir, facade.args)
+            facade._save(output_dir)
             backend.hf_save_files(output_dir)
 
 
@@ -339,7 +343,7 @@ def _write_model_files(facade: TrainerSurface, run: RunView, folder: str) -> Non
     (main process; the host weights are current)."""
     backend = run.backend
     with run.evaluation_weights():
-        save_model_files(facade.model, facade.processing_class, folder, facade.args)
+        facade._save(folder)
     backend.hf_save_files(folder)
     for callback in run.weight_hooks("save_checkpoint_state"):
         callback.save_checkpoint_state(folder, facade.model)

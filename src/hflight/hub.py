@@ -26,12 +26,13 @@ from transformers.trainer_utils import HubStrategy, SaveStrategy
 from transformers.utils import PushInProgress
 
 from hflight.version import __version__
+from hflight.writelock import LOCK_NAME
 
 #: What a checkpoint push copies from the checkpoint folder into the output folder before uploading it.
 MODELING_FILES = ("config.json", "generation_config.json", "pytorch_model.bin", "model.safetensors")
 INDEX_FILES = ("pytorch_model.bin.index.json", "model.safetensors.index.json")
-#: Never uploaded with the output folder: private files and the checkpoint folders.
-IGNORED = ["_*", "checkpoint-*", ".tmp-checkpoint-*"]
+#: Never uploaded with the output folder: private files, the checkpoint folders and the writer lock.
+IGNORED = ["_*", "checkpoint-*", ".tmp-checkpoint-*", LOCK_NAME]
 
 _api: HfApi | None = None
 

@@ -117,9 +117,16 @@ class StopRequest:
     def __init__(self) -> None:
         self.signum: int | None = None
         self.lightning_trainer: Any = None
+        self.handed_over: dict[int, Any] = {}  # signal -> the handler that owns it (e.g. transformers' JIT checkpoint)
         self.global_step: int | None = None  # kept current by the caller, for the message of a second signal
 
     def __call__(self, signum: int, frame: Any) -> None:
+        if signum in self.handed_over:
+            self._keep_lightning_going()
+            owner = self.handed_over[signum]
+            if callable(owner):
+                owner(signum, frame)
+            return
         name = signal_name(signum)
         if self.signum is not None:
             raise stopped(
@@ -129,9 +136,7 @@ class StopRequest:
                 self.global_step,
             )
         self.signum = signum
-        connector = getattr(self.lightning_trainer, "_signal_connector", None)
-        if connector is not None:
-            connector.received_sigterm = False  # Lightning would stop after this micro-batch; we stop after the step
+        self._keep_lightning_going()
         logger.warning(f"Received {name}: stopping after the current optimizer step (send it again to stop at once).")
 
     def agreed(self, strategy: Any) -> int | None:
@@ -143,11 +148,18 @@ class StopRequest:
         stop = int(strategy.reduce(local, reduce_op="max").item())
         return stop or None
 
+    def _keep_lightning_going(self) -> None:
+        connector = getattr(self.lightning_trainer, "_signal_connector", None)
+        if connector is not None:
+            connector.received_sigterm = False  # Lightning would stop after this micro-batch; we stop after the step
+
     @contextlib.contextmanager
-    def handling_signals(self, lightning_trainer: Any) -> Iterator[StopRequest]:
+    def handling_signals(self, lightning_trainer: Any, handed_over: tuple[int, ...] = ()) -> Iterator[StopRequest]:
         """Install this request as the SIGTERM/SIGINT handler for the duration (main thread only); convert what
-        Lightning raises for SIGTERM into :class:`TrainingInterrupted`."""
+        Lightning raises for SIGTERM into :class:`TrainingInterrupted`. The ``handed_over`` signals go to the handler
+        installed before (which decides what they mean), with Lightning kept from stopping on them."""
         self.lightning_trainer = lightning_trainer
+        self.handed_over = {signum: signal.getsignal(signum) for signum in handed_over} if _main_thread() else {}
         with _handlers(self), sigterm_exits_non_zero("Training"):
             yield self
         if self.signum is not None:  # arrived after the last step boundary: training had finished
@@ -157,6 +169,13 @@ class StopRequest:
                 "before its remaining work.",
                 self.global_step,
             )
+
+
+def handed_over_signals(args: Any) -> tuple[int, ...]:
+    """The signals whose handling ``args`` gives to another owner during training: SIGTERM with
+    ``enable_jit_checkpoint`` (transformers' ``JITCheckpointCallback`` checkpoints at the next step and ends the run
+    normally, as with transformers.Trainer)."""
+    return (signal.SIGTERM,) if args.enable_jit_checkpoint else ()
 
 
 @contextlib.contextmanager

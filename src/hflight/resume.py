@@ -198,13 +198,13 @@ def resolve_resume(facade: TrainerSurface, resume: str | bool | None) -> ResumeP
     where = folder / TRAINER_STATE_NAME
     state.best_model_checkpoint = check_best_checkpoint(state.best_model_checkpoint, facade.args.output_dir, where)
     model_only = _is_model_only(folder, manifest)
-    copy_weights = checked_weights(facade.model, folder)
+    checked_weights(facade.model, folder)  # refused here, before anything changes, if they do not fit
     training_states = {} if model_only else _read_training_states(facade, folder, manifest, state)
     rebuilt = _rebuilt_callbacks(facade, state, where)
     callbacks = facade.callback_handler.callbacks
     for callback in weight_hooks(callbacks, "check_checkpoint_state"):
         callback.check_checkpoint_state(str(folder), facade.model)
-    copy_weights()
+    facade._load_from_checkpoint(str(folder))  # transformers' override point; hflight's loads the checked weights
     for callback in weight_hooks(callbacks, "load_checkpoint_state"):
         callback.load_checkpoint_state(str(folder), facade.model)
     if model_only:

@@ -24,6 +24,7 @@ from hflight.callbacks.bridge import HFEventBridge
 from hflight.callbacks.hooks import evaluation_weights, weight_hooks
 from hflight.datamodule import HFDataModule
 from hflight.distributed import World
+from hflight.interrupt import handed_over_signals
 from hflight.lightning_kwargs import lightning_trainer_kwargs, quiet_lightning
 from hflight.module import HFModule
 from hflight.plan import TrainingPlan
@@ -99,7 +100,8 @@ class Run:
     # ---- running -----------------------------------------------------------------------------------------------------
     def fit(self) -> None:
         """``lightning.Trainer.fit``, with SIGTERM/SIGINT stopping at the next step boundary (``hflight.interrupt``)."""
-        with quiet_lightning(), self.bridge.stop.handling_signals(self.lightning_trainer):
+        handed_over = handed_over_signals(self.facade.args)
+        with quiet_lightning(), self.bridge.stop.handling_signals(self.lightning_trainer, handed_over):
             self.lightning_trainer.fit(self.module, datamodule=self.datamodule)
 
     def finish_training(self) -> TrainOutput:

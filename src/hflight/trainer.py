@@ -24,6 +24,7 @@ from transformers.trainer_callback import (
     TrainerCallback,
     TrainerControl,
 )
+from transformers.trainer_jit_checkpoint import JITCheckpointCallback
 from transformers.trainer_pt_utils import log_metrics, metrics_format, save_metrics, save_state
 from transformers.trainer_utils import (
     EvalLoopOutput,
@@ -33,7 +34,7 @@ from transformers.trainer_utils import (
     set_seed,
 )
 
-from hflight import checkpoint, console, construction, evaluation, memory, resume, steps, training_hooks
+from hflight import checkpoint, console, construction, evaluation, memory, resume, steps, training_hooks, weights
 from hflight.accelerator_compat import RunAccelerator
 from hflight.backend import HFBackend, backend_of
 from hflight.callbacks.hooks import new_trainer_state
@@ -143,8 +144,12 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
 
     def _setup_callbacks(self, callbacks: list[Any]) -> None:
         hf_callbacks, self._lightning_callbacks = split_callbacks(callbacks)
+        defaults: list[Any] = list(DEFAULT_CALLBACKS)
+        if self.args.enable_jit_checkpoint:  # transformers' own callback: SIGTERM -> checkpoint at the next step
+            defaults.append(JITCheckpointCallback())
+            defaults[-1].set_trainer(self)
         self.callback_handler = CallbackHandler(
-            DEFAULT_CALLBACKS + hf_callbacks, self.model, self.processing_class, self.optimizer, self.lr_scheduler
+            defaults + hf_callbacks, self.model, self.processing_class, self.optimizer, self.lr_scheduler
         )
         self.add_callback(PrinterCallback if self.args.disable_tqdm else ProgressCallback)
         self.control = TrainerControl()
@@ -323,6 +328,13 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
         checkpoint.save_model(self, output_dir if output_dir is not None else self.args.output_dir, self._backend())
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        checkpoint.save_model_files(self.model, self.processing_class, output_dir, self.args, state_dict)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        weights.load_model_weights(model if model is not None else self.model, resume_from_checkpoint)
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
         folder = checkpoint.save_checkpoint(self, self._run)

@@ -34,6 +34,9 @@ def main() -> None:
                 hub_model_id=f"team/{name}-run",
                 hub_token="hf_standin",
                 hub_strategy=strategy,
+                # every save pushes: otherwise a save is skipped while the previous upload still runs, which depends
+                # on timing (the same rule in both trainers, but not the same timing)
+                hub_always_push=True,
                 max_steps=4,
                 save_steps=2,
                 per_device_train_batch_size=4,
