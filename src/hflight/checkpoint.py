@@ -258,7 +258,7 @@ def save_model(facade: TrainerSurface, output_dir: str, backend: Any) -> None:
     """``Trainer.save_model``: the host weights made current (``backend``: the strategy's hooks), then, on the main
     process, the model files and the backend's own files (a failed write raises :class:`CheckpointWriteError`)."""
     backend.hf_sync_to_host()
-    if facade.is_world_process_zero():
+    if facade.args.should_save:
         console.saving_checkpoint(output_dir)
         with writing(output_dir, f"the model in {output_dir}", discard=False):
             facade._save(output_dir)
@@ -300,7 +300,7 @@ def save_checkpoint(facade: TrainerSurface, run: RunView) -> str:
     name = f"{PREFIX}-{state.global_step}"
     final_dir = os.path.join(run_dir, name)
     tmp_dir = os.path.join(run_dir, f"{TMP_PREFIX}{name}")
-    is_main = facade.is_world_process_zero()
+    is_main = args.should_save  # the main process; with save_on_each_node, the main process of each node
     if is_main:
         console.saving_checkpoint(final_dir)
         shutil.rmtree(tmp_dir, ignore_errors=True)

@@ -299,7 +299,7 @@ class HFEventBridge(L.Callback):
             lightning_logger.save()
         if facade.args.load_best_model_at_end and facade.state.best_model_checkpoint is not None:
             facade._load_best_model()
-        checkpoint.finalize_rotation(facade.args, facade.state, facade.is_world_process_zero())
+        checkpoint.finalize_rotation(facade.args, facade.state, facade.args.should_save)
         self._fire("on_train_end")
         return TrainOutput(facade.state.global_step, train_loss, metrics)
 
