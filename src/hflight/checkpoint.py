@@ -44,6 +44,7 @@ from transformers.trainer_callback import ExportableState, TrainerState
 from transformers.trainer_utils import SaveStrategy, sort_checkpoints
 
 from hflight import console
+from hflight._errors import exception_chain
 from hflight.manifest import (
     CHECKPOINT_RE,
     MANIFEST_FORMAT,
@@ -156,14 +157,6 @@ _WRITE_FAILURE = re.compile(r"inline_container|iostream|PytorchStreamWriter|file
 _NEARLY_FULL = 1 << 20
 
 
-def _chain(exc: BaseException) -> list[BaseException]:
-    found: list[BaseException] = []
-    while exc is not None and exc not in found:
-        found.append(exc)
-        exc = exc.__cause__ or exc.__context__
-    return found
-
-
 def _existing_dir(path: str) -> str:
     while path and not os.path.isdir(path):
         path = os.path.dirname(path)
@@ -173,7 +166,7 @@ def _existing_dir(path: str) -> str:
 def write_failure_cause(exc: BaseException, folder: str) -> str | None:
     """Why writing into ``folder`` failed ("no space left on device", "permission denied", ...), or None when
     ``exc`` is not a write failure (a bug elsewhere is not disguised as one)."""
-    chain = _chain(exc)
+    chain = list(exception_chain(exc))
     code = next((e.errno for e in chain if isinstance(e, OSError) and e.errno), None)
     if code is not None:
         return os.strerror(code).lower()
@@ -200,7 +193,7 @@ class WriteTracker:
         self.file: str | None = None
 
     def failed_file(self, exc: BaseException) -> str:
-        named = next((e.filename for e in _chain(exc) if isinstance(e, OSError) and e.filename), None)
+        named = next((e.filename for e in exception_chain(exc) if isinstance(e, OSError) and e.filename), None)
         if named:
             return os.path.relpath(os.fspath(named), self.folder) if os.path.isabs(os.fspath(named)) else named
         if self.file is not None:

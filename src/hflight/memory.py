@@ -15,12 +15,14 @@ from typing import TypeVar
 
 import torch
 
+from hflight._errors import exception_chain
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 #: Messages by which allocators report that memory ran out (CUDA/HIP/XPU, MPS, cuDNN, the CPU allocator, HPU): the
-#: ones accelerate's ``should_reduce_batch_size`` recognises.
+#: ones accelerate's ``should_reduce_batch_size`` recognises (accelerate is not a dependency of hflight).
 OUT_OF_MEMORY_MESSAGES = (
     " out of memory.",
     "MPS backend out of memory",
@@ -34,12 +36,13 @@ REDUCTION = 0.9
 
 def is_out_of_memory(error: BaseException) -> bool:
     """Whether ``error`` (or an error it was raised from) says that device or host memory ran out."""
-    while error is not None:
-        if isinstance(error, RuntimeError) and len(error.args) == 1 and isinstance(error.args[0], str):
-            if any(message in error.args[0] for message in OUT_OF_MEMORY_MESSAGES):
-                return True
-        error = error.__cause__ or error.__context__
-    return False
+    return any(
+        isinstance(e, RuntimeError)
+        and len(e.args) == 1
+        and isinstance(e.args[0], str)
+        and any(message in e.args[0] for message in OUT_OF_MEMORY_MESSAGES)
+        for e in exception_chain(error)
+    )
 
 
 def empty_device_cache() -> None:

@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from hflight._errors import exception_chain
+
 log = logging.getLogger(__name__)
 
 __all__ = [
@@ -155,7 +157,7 @@ _OPERATOR_PATTERNS = (
 def unsupported_operator(error: BaseException, model_name: str, exporter: str, opset: int) -> ORTExportError | None:
     """The one error to raise for an export that failed on an operator ONNX cannot express, or None when ``error``
     is something else."""
-    text = "\n".join(str(e) for e in _chain(error))
+    text = "\n".join(str(e) for e in exception_chain(error))
     for pattern in _OPERATOR_PATTERNS:
         match = pattern.search(text)
         if match:
@@ -165,14 +167,6 @@ def unsupported_operator(error: BaseException, model_name: str, exporter: str, o
                 f"{exporter} exporter cannot express in ONNX (opset {opset}). {EAGER_ADVICE}"
             )
     return None
-
-
-def _chain(error: BaseException) -> Iterator[BaseException]:
-    seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        yield error
-        error = error.__cause__ or error.__context__
 
 
 @contextlib.contextmanager
