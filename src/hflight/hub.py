@@ -12,7 +12,6 @@ tagged with hflight's name and version (``HF_ENDPOINT`` and ``HF_TOKEN`` apply a
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -25,6 +24,7 @@ from transformers.modelcard import TrainingSummary
 from transformers.trainer_utils import HubStrategy, SaveStrategy
 from transformers.utils import PushInProgress
 
+from hflight.manifest import shard_names
 from hflight.version import __version__
 from hflight.writelock import LOCK_NAME
 
@@ -51,8 +51,7 @@ def _modeling_files(checkpoint_folder: str) -> list[str]:
         index_path = os.path.join(checkpoint_folder, index_file)
         if os.path.isfile(index_path):
             files.append(index_file)
-            with open(index_path, encoding="utf-8") as handle:
-                files.extend(sorted(set(json.load(handle)["weight_map"].values())))
+            files.extend(shard_names(Path(index_path)))
     return files
 
 

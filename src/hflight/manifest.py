@@ -173,8 +173,9 @@ def is_model_file(name: str) -> bool:
     return is_weight_file(name) or name in CONFIG_FILES
 
 
-def shard_names(index_file: Path) -> list[str]:
-    """The shard files a ``*.index.json`` names (sorted), each checked to lie inside its folder."""
+def read_weight_map(index_file: Path) -> dict[str, str]:
+    """The ``weight_map`` of a ``*.index.json`` (parameter name -> shard file), every shard name checked to lie
+    inside the index's folder."""
     try:
         index = json.loads(index_file.read_text(encoding="utf-8"))
         weight_map = index["weight_map"]
@@ -182,7 +183,14 @@ def shard_names(index_file: Path) -> list[str]:
             raise TypeError("'weight_map' must map parameter names to shard file names")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise IncompleteCheckpointError(f"Checkpoint index {index_file} is unreadable: {exc!r}") from exc
-    return sorted({relative_name(shard, str(index_file)) for shard in weight_map.values()})
+    for shard in set(weight_map.values()):
+        relative_name(shard, str(index_file))
+    return weight_map
+
+
+def shard_names(index_file: Path) -> list[str]:
+    """The shard files a ``*.index.json`` names (sorted), each checked to lie inside its folder."""
+    return sorted(set(read_weight_map(index_file).values()))
 
 
 def weights_in_use(folder: str | os.PathLike) -> list[str]:

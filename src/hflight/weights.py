@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from hflight.manifest import WEIGHT_FILES, UnsafeCheckpointFile, regular_file, shard_names, weights_in_use
+from hflight.manifest import WEIGHT_FILES, UnsafeCheckpointFile, read_weight_map, regular_file, weights_in_use
 
 _MAX_LISTED = 8
 
@@ -101,12 +101,12 @@ def _weights_file(folder: Path) -> Path:
 
 
 def _shard_sources(index_file: Path) -> list[_Source]:
-    shards = shard_names(index_file)  # names checked to lie inside the folder before any shard is opened
+    weight_map = read_weight_map(index_file)  # shard names checked to lie inside the folder before any is opened
+    shards = sorted(set(weight_map.values()))
     paths = {shard: regular_file(index_file.parent, shard, str(index_file)) for shard in shards}
     missing = [shard for shard, path in paths.items() if path is None]
     if missing:
         raise ValueError(f"Checkpoint index {index_file} names shard files that are not there: {missing}.")
-    weight_map = json.loads(index_file.read_text(encoding="utf-8"))["weight_map"]
     sources = [_Source(path) for path in paths.values()]
     for shard, source in zip(shards, sources):
         listed = {k for k, name in weight_map.items() if name == shard}
