@@ -25,8 +25,6 @@ __all__ = ["ORT_LOG_LEVELS", "ORTOptimizerNames", "ORTTrainingArguments", "TRAIN
 ORT_LOG_LEVELS = {"VERBOSE": 0, "INFO": 1, "WARNING": 2, "ERROR": 3, "FATAL": 4}
 #: ort_training -> ORTStrategy's ``training``.
 TRAINING_CHOICES: dict[str, Any] = {"auto": "auto", "true": True, "false": False}
-# A transformers optimizer name the parent's validation accepts while an ORT name is set aside (see __post_init__).
-_PLACEHOLDER_OPTIM = "adamw_torch"
 
 
 class ORTOptimizerNames(ExplicitEnum):
@@ -77,11 +75,10 @@ class ORTTrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self) -> None:
-        # optimum tries ORTOptimizerNames before transformers' OptimizerNames; the parent knows only the latter.
-        ort_optim = ort_optimizer_name(self.optim)
-        if ort_optim is not None:
-            self.optim = _PLACEHOLDER_OPTIM
+        # "adamw_ort_fused" is a registered backend optimizer, which the parent accepts as a string; optimum gives it
+        # as an ORTOptimizerNames member.
         super().__post_init__()
+        ort_optim = ort_optimizer_name(self.optim)
         if ort_optim is not None:
             self.optim = ort_optim
         if self.save_onnx and not self.onnx_prefix:
