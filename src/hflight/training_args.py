@@ -254,12 +254,10 @@ class TrainingArguments(HFTrainingArguments):
         """
         if not isinstance(hf_args, HFTrainingArguments) or isinstance(hf_args, TrainingArguments):
             raise TypeError(f"from_hf expects a transformers.TrainingArguments, got {type(hf_args).__name__}")
-        ours = {f.name for f in dataclasses.fields(cls) if f.init}
-        theirs = {f.name: getattr(hf_args, f.name) for f in dataclasses.fields(hf_args) if f.init}
-        args = cls(**{name: _copied(value) for name, value in theirs.items() if name in ours})
-        for name, value in theirs.items():
-            if name not in ours:
-                setattr(args, name, value)
+        values, others = field_values(cls, hf_args)
+        args = cls(**values)
+        for name, value in others.items():
+            setattr(args, name, value)
         return args
 
     @classmethod
@@ -276,9 +274,7 @@ class TrainingArguments(HFTrainingArguments):
         if isinstance(args, cls):
             return args
         if isinstance(args, HFTrainingArguments):
-            ours = {f.name for f in dataclasses.fields(cls) if f.init}
-            values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init and f.name in ours}
-            return cls(**{name: _copied(value) for name, value in values.items()})
+            return cls(**field_values(cls, args)[0])
         raise TypeError(f"{owner}: args must be {cls.__name__} or TrainingArguments, got {type(args).__name__}")
 
     @classmethod
@@ -514,7 +510,7 @@ def _device_for(args: TrainingArguments) -> torch.device:
     kind = "cpu" if args.use_cpu else _resolved_device_type(args)
     if kind != "cuda":
         return torch.device(kind)
-    devices, local_rank = args.devices, int(os.environ.get("LOCAL_RANK", "0"))
+    devices, local_rank = args.devices, args.local_process_index
     if isinstance(devices, str) and "," in devices:
         devices = [int(d) for d in devices.split(",") if d.strip()]
     index = devices[local_rank] if isinstance(devices, list) and local_rank < len(devices) else local_rank
@@ -687,6 +683,15 @@ def _parse_json_dict(name: str, text: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise TypeError(f"TrainingArguments.{name} expects a dict or a JSON object string, got {text!r}")
     return _convert_str_dict(value)
+
+
+def field_values(cls: type, source: HFTrainingArguments) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The init fields of ``source`` split into those ``cls`` has (containers copied, ready for ``cls(**...)``) and
+    the others (fields of a ``source`` subclass)."""
+    ours = {f.name for f in dataclasses.fields(cls) if f.init}
+    theirs = {f.name: getattr(source, f.name) for f in dataclasses.fields(source) if f.init}
+    values = {name: _copied(value) for name, value in theirs.items() if name in ours}
+    return values, {name: value for name, value in theirs.items() if name not in ours}
 
 
 def _copied(value: Any) -> Any:

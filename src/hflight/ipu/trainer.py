@@ -21,7 +21,6 @@ instead of exiting the process.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -40,7 +39,7 @@ from hflight.ipu.config import IPUConfig
 from hflight.ipu.precision import IPUPrecision
 from hflight.ipu.strategy import IPUStrategy
 from hflight.trainer import Trainer
-from hflight.training_args import TrainingArguments
+from hflight.training_args import TrainingArguments, field_values
 
 log = logging.getLogger(__name__)
 
@@ -134,8 +133,7 @@ class IPUTrainingArguments(TrainingArguments):
         """``args`` as IPU arguments; plain ``TrainingArguments`` are copied field by field, their default
         ``gradient_accumulation_steps=1`` read as not given (it then leaves the ``IPUConfig``'s value)."""
         if isinstance(args, TrainingArguments) and not isinstance(args, cls) and args.gradient_accumulation_steps == 1:
-            fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
-            return cls(**{**fields, "gradient_accumulation_steps": None})
+            return cls(**{**field_values(cls, args)[0], "gradient_accumulation_steps": None})
         return super().from_args(args, owner)
 
     @property
