@@ -202,6 +202,24 @@ def test_process_roles_follow_log_on_each_node_and_save_on_each_node(monkeypatch
     assert hflight.TrainingArguments("o").parallel_mode == transformers.training_args.ParallelMode.DISTRIBUTED
 
 
+@pytest.mark.parametrize("save_on_each_node", [False, True])
+def test_the_writers_of_each_node_clean_their_stale_folders(tmp_path, monkeypatch, save_on_each_node):
+    """The processes that write checkpoints (args.should_save) are the ones that clean what an interrupted save left;
+    with save_on_each_node that includes the main process of the second node."""
+    from types import SimpleNamespace
+
+    from hflight.resume import clean_output_dir
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    stale = tmp_path / ".tmp-checkpoint-3"
+    stale.mkdir()
+    args = hflight.TrainingArguments(str(tmp_path), save_on_each_node=save_on_each_node)
+    clean_output_dir(SimpleNamespace(args=args), SimpleNamespace(resume=None))
+    assert stale.exists() is not save_on_each_node
+
+
 def test_log_level_replica_sets_transformers_verbosity_on_replicas(tmp_path, factory, monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")
     before = transformers.logging.get_verbosity()

@@ -302,8 +302,9 @@ def _is_model_only(folder: Path, manifest: dict[str, Any] | None) -> bool:
 
 
 def clean_output_dir(facade: TrainerSurface, run: RunView) -> None:
-    """Main process: delete ``.tmp-checkpoint-*`` left by interrupted saves (not the folder being resumed)."""
-    if facade.is_world_process_zero():
+    """The processes that write checkpoints (``args.should_save``): delete ``.tmp-checkpoint-*`` left by interrupted
+    saves (not the folder being resumed)."""
+    if facade.args.should_save:
         point = run.resume
         remove_stale_folders(facade.args.output_dir, keep=point.folder if point is not None else None)
 

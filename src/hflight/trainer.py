@@ -213,7 +213,7 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
     ) -> TrainOutput:
         resume_from_checkpoint = resume.requested(resume_from_checkpoint, self.args)
         # One writer per output folder, from before the folder is read until the last checkpoint is rotated.
-        with output_dir_lock(self.args.output_dir, enabled=self.is_world_process_zero()):
+        with output_dir_lock(self.args.output_dir, enabled=self.args.should_save):  # the processes that write
             self._trial = trial
             self._prepare_model_for_training()
             point = resume.resolve_resume(self, resume_from_checkpoint)

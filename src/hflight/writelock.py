@@ -1,8 +1,10 @@
 """One writer per output folder: the process that writes a run's checkpoints holds a lock on its ``output_dir``.
 
 Two trainings writing into one folder overwrite each other's checkpoints, and the second one's start-up deletes the
-first one's ``.tmp-checkpoint-*`` folder while it is being written. :func:`output_dir_lock` is held by the main
-process for the length of ``Trainer.train`` (the facade takes it before anything in the folder is read or written):
+first one's ``.tmp-checkpoint-*`` folder while it is being written. :func:`output_dir_lock` is held by the process
+that writes checkpoints (``args.should_save``: the main process; with ``save_on_each_node``, the main process of each
+node, into its own disk) for the length of ``Trainer.train`` (the facade takes it before anything in the folder is
+read or written):
 
 - the lock is an ``flock`` on ``output_dir/.hflight-writer.lock``, which records the holder's process id, host and
   start time; a second writer fails at once with :class:`OutputDirInUse`, naming the folder and that process;
