@@ -123,7 +123,40 @@ class Factory:
             {"input_ids": ids.tolist(), "attention_mask": np.ones((n, length), dtype=int).tolist(), "labels": labels}
         )
 
+    @staticmethod
+    def run_qa_inputs(root: Path, dropout: float) -> dict[str, Path]:
+        """What a script written as run_qa.py reads: synthetic SQuAD train/validation files as flat records under
+        "data" (``load_dataset("json", field="data")``), and a tiny BERT QA model saved with a locally trained
+        tokenizer in ``root/"model"`` (loaded with ``from_pretrained``). Paths under "train", "validation", "model"."""
+        import json
 
-@pytest.fixture
+        import torch
+        from transformers import BertForQuestionAnswering
+
+        from hflight.qa import load_squad_json
+        from hflight.qa.synthetic import generate_squad
+        from hflight.qa.tokenizer import train_wordpiece_tokenizer
+
+        train, validation = generate_squad(
+            num_train_articles=8, num_validation_articles=3, paragraphs_per_article=3, seed=3
+        )
+        paths = {}
+        for name, squad in (("train", train), ("validation", validation)):
+            nested = root / f"{name}-squad.json"
+            nested.write_text(json.dumps(squad), encoding="utf-8")
+            paths[name] = root / f"{name}.json"
+            paths[name].write_text(json.dumps({"data": load_squad_json(nested).to_list()}), encoding="utf-8")
+        texts = [p["context"] for a in train["data"] for p in a["paragraphs"]]
+        texts += [q["question"] for a in train["data"] for p in a["paragraphs"] for q in p["qas"]]
+        tokenizer = train_wordpiece_tokenizer(texts, root / "tokenizer", vocab_size=600)
+        torch.manual_seed(0)
+        config = Factory.config(dropout, vocab_size=len(tokenizer), max_position_embeddings=128)
+        paths["model"] = root / "model"
+        BertForQuestionAnswering(config).save_pretrained(paths["model"])
+        tokenizer.save_pretrained(paths["model"])
+        return paths
+
+
+@pytest.fixture(scope="session")  # a stateless class: module-scoped fixtures use it too
 def factory() -> type[Factory]:
     return Factory

@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts" / "run_qa"
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -23,55 +22,11 @@ CHANGED_IMPORT = "from hflight import Trainer\n"
 pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
 
 
-def _flat_squad(squad: dict) -> dict:
-    """SQuAD's nested JSON as the flat records run_qa.py reads (``load_dataset("json", field="data")``)."""
-    rows = []
-    for article in squad["data"]:
-        for paragraph in article["paragraphs"]:
-            for qa in paragraph["qas"]:
-                rows.append(
-                    {
-                        "id": qa["id"],
-                        "title": article["title"],
-                        "context": paragraph["context"],
-                        "question": qa["question"],
-                        "answers": {
-                            "text": [a["text"] for a in qa["answers"]],
-                            "answer_start": [a["answer_start"] for a in qa["answers"]],
-                        },
-                    }
-                )
-    return {"version": "flat", "data": rows}
-
-
 @pytest.fixture(scope="module")
-def qa_inputs(tmp_path_factory) -> dict[str, Path]:
-    """Synthetic SQuAD data as run_qa.py reads it, and a tiny BERT QA model with a locally trained tokenizer, saved
-    with save_pretrained (run_qa.py loads it with from_pretrained)."""
-    from transformers import BertConfig, BertForQuestionAnswering
-
-    from hflight.qa.synthetic import generate_squad
-    from hflight.qa.tokenizer import train_wordpiece_tokenizer
-
-    root = tmp_path_factory.mktemp("run_qa_inputs")
-    train, validation = generate_squad(
-        num_train_articles=8, num_validation_articles=3, paragraphs_per_article=3, seed=3
-    )
-    paths = {}
-    for name, squad in (("train", train), ("validation", validation)):
-        paths[name] = root / f"{name}.json"
-        paths[name].write_text(json.dumps(_flat_squad(squad)), encoding="utf-8")
-    texts = [p["context"] for a in train["data"] for p in a["paragraphs"]]
-    texts += [q["question"] for a in train["data"] for p in a["paragraphs"] for q in p["qas"]]
-    tokenizer = train_wordpiece_tokenizer(texts, root / "tokenizer", vocab_size=600)
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=128, hidden_dropout_prob=0.0,
-                        attention_probs_dropout_prob=0.0)  # fmt: skip
-    paths["model"] = root / "model"
-    BertForQuestionAnswering(config).save_pretrained(paths["model"])
-    tokenizer.save_pretrained(paths["model"])
-    return paths
+def qa_inputs(tmp_path_factory, factory) -> dict[str, Path]:
+    """Synthetic SQuAD data as run_qa.py reads it, and a tiny BERT QA model (no dropout) with a locally trained
+    tokenizer, saved with save_pretrained (run_qa.py loads it with from_pretrained)."""
+    return factory.run_qa_inputs(tmp_path_factory.mktemp("run_qa_inputs"), dropout=0.0)
 
 
 def _run(tmp_path: Path, name: str, inputs: dict[str, Path], change_import: bool) -> Path:

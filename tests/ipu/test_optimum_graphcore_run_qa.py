@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "scripts" / "run_qa" / "run_qa.py"
@@ -42,34 +41,12 @@ MICRO_TRAIN, MICRO_EVAL, SEED = 2, 2, 7
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory) -> dict[str, Path]:
+def run(tmp_path_factory, factory) -> dict[str, Path]:
     """The script run once: its inputs (synthetic SQuAD as the script reads it, a tiny BERT saved with its tokenizer
     and ipu_config.json), its output folder, its console and the device record."""
-    from transformers import BertConfig, BertForQuestionAnswering
-
-    from hflight.qa import load_squad_json
-    from hflight.qa.synthetic import generate_squad
-    from hflight.qa.tokenizer import train_wordpiece_tokenizer
-
     root = tmp_path_factory.mktemp("ipu_run_qa")
-    train, validation = generate_squad(
-        num_train_articles=8, num_validation_articles=3, paragraphs_per_article=3, seed=3
-    )
-    paths = {}
-    for name, squad in (("train", train), ("validation", validation)):
-        nested = root / f"{name}-squad.json"
-        nested.write_text(json.dumps(squad), encoding="utf-8")
-        paths[name] = root / f"{name}.json"  # run_qa.py reads flat records: load_dataset("json", field="data")
-        paths[name].write_text(json.dumps({"data": load_squad_json(nested).to_list()}), encoding="utf-8")
-    texts = [p["context"] for a in train["data"] for p in a["paragraphs"]]
-    texts += [q["question"] for a in train["data"] for p in a["paragraphs"] for q in p["qas"]]
-    model_dir = root / "model"
-    tokenizer = train_wordpiece_tokenizer(texts, root / "tokenizer", vocab_size=600)
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=128)  # fmt: skip
-    BertForQuestionAnswering(config).save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
+    paths = factory.run_qa_inputs(root, dropout=0.1)
+    model_dir = paths["model"]
     (model_dir / "ipu_config.json").write_text(json.dumps(IPU_CONFIG), encoding="utf-8")
     out, record = root / "out", root / "device.json"
     command = [
