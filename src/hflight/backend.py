@@ -59,10 +59,12 @@ class HFBackend:
     #: whether the loss may be normalised by the label items counted on the host (transformers' ``num_items_in_batch``)
     hf_counts_loss_items: bool = True
 
-    def hf_geometry(self, args: Any, world_size: int) -> StepGeometry:
-        """Gradient accumulation on the host: ``gradient_accumulation_steps`` micro-batches per optimizer step."""
+    def hf_geometry(self, args: Any, world_size: int, batch_size: int) -> StepGeometry:
+        """Gradient accumulation on the host: ``gradient_accumulation_steps`` micro-batches of ``batch_size`` (the
+        run's per-device training batch: ``per_device_train_batch_size``, or less after ``auto_find_batch_size``) per
+        optimizer step."""
         accumulation = args.gradient_accumulation_steps
-        return StepGeometry(accumulation, args.per_device_train_batch_size * accumulation * world_size)
+        return StepGeometry(accumulation, batch_size * accumulation * world_size)
 
     def hf_prepare_loader(self, loader: Any, training: bool) -> Any:
         """The loader the loop iterates (a backend may re-batch it, e.g. into poptorch's combined batches)."""

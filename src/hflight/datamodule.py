@@ -207,11 +207,7 @@ class HFDataModule(L.LightningDataModule):
         if stage != "fit" or self.cycles is not None:
             return
         facade, backend = self.facade, backend_of(self.trainer.strategy)
-        geometry = backend.hf_geometry(facade.args, self.trainer.world_size)
-        if self.run.train_batch_size != facade.args.train_batch_size:  # auto_find_batch_size lowered it
-            samples = geometry.samples_per_step * self.run.train_batch_size // facade.args.train_batch_size
-            geometry = dataclasses.replace(geometry, samples_per_step=samples)
-        self.geometry = geometry
+        self.geometry = backend.hf_geometry(facade.args, self.trainer.world_size, self.run.train_batch_size)
         self.train_loader = backend.hf_prepare_loader(facade.get_train_dataloader(), training=True)
         self.cycles = AccumulationCycles(
             self.train_loader,

@@ -53,7 +53,8 @@ def plan_training(
         6
     """
     if geometry is None:
-        geometry = backend_of(None).hf_geometry(args, world_size)  # eager: accumulation on the host
+        # eager: accumulation on the host
+        geometry = backend_of(None).hf_geometry(args, world_size, args.per_device_train_batch_size)
     if len_dataloader == 0:
         raise ValueError(
             "The training dataloader is empty: the train_dataset has no examples (or fewer than one batch with "

@@ -159,9 +159,9 @@ class IPUStrategy(SingleDeviceStrategy, HFBackend):
 
     # ---- HFBackend hooks -------------------------------------------------------------------------------------------
     @override
-    def hf_geometry(self, args: Any, world_size: int) -> StepGeometry:
+    def hf_geometry(self, args: Any, world_size: int, batch_size: int) -> StepGeometry:
         self.use_host_accumulation(args.gradient_accumulation_steps)
-        return StepGeometry(1, args.per_device_train_batch_size * self.ipu_config.batch_size_factor())
+        return StepGeometry(1, batch_size * self.ipu_config.batch_size_factor())
 
     @override
     def hf_prepare_loader(self, loader: Any, training: bool) -> Any:
