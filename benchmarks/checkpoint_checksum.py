@@ -42,7 +42,8 @@ import torch  # noqa: E402
 from transformers import BertConfig, BertForQuestionAnswering  # noqa: E402
 
 import hflight  # noqa: E402
-from hflight import checkpoint, manifest, resume  # noqa: E402
+from hflight.checkpoints import folders as checkpoint  # noqa: E402
+from hflight.checkpoints import manifest, resume
 
 
 def build_trainer(out: Path) -> hflight.Trainer:

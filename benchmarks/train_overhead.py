@@ -40,7 +40,7 @@ import transformers  # noqa: E402
 from transformers import BertConfig, BertForQuestionAnswering, default_data_collator, get_scheduler  # noqa: E402
 
 import hflight  # noqa: E402
-from hflight.optim import grouped_parameters  # noqa: E402
+from hflight.arguments.optimizers import grouped_parameters  # noqa: E402
 
 RUNNERS = ("plain", "transformers", "hflight")
 

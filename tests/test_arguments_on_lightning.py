@@ -14,8 +14,10 @@ import transformers
 from transformers.debug_utils import DebugUnderflowOverflow
 
 import hflight
-from hflight import lightning_kwargs, memory, strategy_settings
-from hflight.distributed import join_parts
+from hflight.arguments import lightning_kwargs
+from hflight.arguments import strategies as strategy_settings
+from hflight.run.distributed import join_parts
+from hflight.trainer import memory
 
 PAIRS = (
     ("hf", transformers.Trainer, transformers.TrainingArguments),
@@ -208,7 +210,7 @@ def test_the_writers_of_each_node_clean_their_stale_folders(tmp_path, monkeypatc
     with save_on_each_node that includes the main process of the second node."""
     from types import SimpleNamespace
 
-    from hflight.resume import clean_output_dir
+    from hflight.checkpoints.resume import clean_output_dir
 
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "2")

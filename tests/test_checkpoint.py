@@ -23,10 +23,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import hflight
-from hflight import checkpoint
-from hflight.checkpoint import MANIFEST_NAME, get_last_checkpoint, verify_checkpoint, write_manifest
-from hflight.resume import load_rng_file, read_trainer_state
-from hflight.weights import load_model_weights
+from hflight.checkpoints import folders as checkpoint
+from hflight.checkpoints.folders import MANIFEST_NAME, get_last_checkpoint, verify_checkpoint, write_manifest
+from hflight.checkpoints.resume import load_rng_file, read_trainer_state
+from hflight.checkpoints.weights import load_model_weights
 
 
 class StopAt(hflight.TrainerCallback):
@@ -231,7 +231,7 @@ def test_stale_tmp_folders_are_removed_and_logged_when_training_starts(tmp_path,
     (tmp_path / ".tmp-checkpoint-4").mkdir(parents=True)
     (tmp_path / ".tmp-checkpoint-4" / "model.safetensors").write_bytes(b"partial")
     (tmp_path / ".tmp-checkpoint-6.replaced").mkdir()
-    with caplog.at_level(logging.WARNING, logger="hflight.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="hflight.checkpoints.folders"):
         make_trainer(tmp_path, factory, max_steps=1, save_strategy="no").train()
     assert not list(tmp_path.glob(".tmp-*"))
     assert ".tmp-checkpoint-4" in caplog.text and ".tmp-checkpoint-6.replaced" in caplog.text
@@ -384,7 +384,7 @@ def test_a_run_whose_metric_never_improved_writes_a_finite_state_and_resumes(tmp
 def test_unknown_trainer_state_keys_are_dropped_with_a_warning(tmp_path, caplog):
     path = tmp_path / "trainer_state.json"
     path.write_text(json.dumps({**GOOD_STATE, "from_the_future": 1}))
-    with caplog.at_level(logging.WARNING, logger="hflight.resume"):
+    with caplog.at_level(logging.WARNING, logger="hflight.checkpoints.resume"):
         assert read_trainer_state(path).global_step == 6
     assert "from_the_future" in caplog.text
 
@@ -419,7 +419,7 @@ def test_save_only_model_folders_resume_from_the_weights_with_a_warning(tmp_path
     folder = tmp_path / "checkpoint-3"
     assert not (folder / "optimizer.pt").exists() and verify_checkpoint(folder)["save_only_model"] is True
     resumed = make_trainer(tmp_path / "resumed", factory, model=factory.qa_model(seed=5, dropout=0.1), max_steps=5)
-    with caplog.at_level(logging.WARNING, logger="hflight.resume"):
+    with caplog.at_level(logging.WARNING, logger="hflight.checkpoints.resume"):
         resumed.train(resume_from_checkpoint=str(folder))
     assert "saved with save_only_model=True" in caplog.text and "reproducibility is not guaranteed" in caplog.text
     logged = {e["step"]: e for e in resumed.state.log_history if "loss" in e}
@@ -434,7 +434,7 @@ def test_changed_arguments_are_named_and_the_new_cadence_wins(saved, tmp_path, f
     trainer = make_trainer(
         out, factory, per_device_train_batch_size=8, gradient_accumulation_steps=1, data_seed=3, save_steps=5
     )
-    with caplog.at_level(logging.WARNING, logger="hflight.resume"):
+    with caplog.at_level(logging.WARNING, logger="hflight.checkpoints.resume"):
         trainer.train(resume_from_checkpoint=str(folder))
     text = caplog.text
     assert "change the data position or the step arithmetic" in text
@@ -721,7 +721,7 @@ def test_a_weights_file_linked_from_outside_the_folder_is_refused(saved, tmp_pat
     (folder / "model.safetensors").unlink()
     shutil.copy(elsewhere, folder / "weights-copy")
     (folder / "model.safetensors").symlink_to("weights-copy")  # a link inside the folder is only another name
-    from hflight.manifest import regular_file
+    from hflight.checkpoints.manifest import regular_file
 
     assert regular_file(folder, "model.safetensors") == folder / "model.safetensors"
 
@@ -789,7 +789,7 @@ def test_a_copied_run_folder_takes_its_best_checkpoint_from_the_copy(saved, tmp_
     (copy / "checkpoint-6" / "trainer_state.json").write_text(json.dumps(state))
     refresh_manifest(copy / "checkpoint-6")
     trainer = make_trainer(copy, factory, max_steps=7, save_strategy="no")
-    with caplog.at_level(logging.WARNING, logger="hflight.resume"):
+    with caplog.at_level(logging.WARNING, logger="hflight.checkpoints.resume"):
         trainer.train(resume_from_checkpoint=str(copy / "checkpoint-6"))
     assert trainer.state.best_model_checkpoint == str(copy / "checkpoint-3")
     assert f"using {copy / 'checkpoint-3'} instead" in caplog.text
@@ -923,7 +923,7 @@ def test_flipped_bytes_in_the_best_checkpoint_are_found_before_it_is_loaded(tmp_
 # ---- 8. smaller items ----------------------------------------------------------------------------------------------
 def test_a_crafted_ema_state_is_refused_as_unsafe(saved, tmp_path, factory):
     from hflight.callbacks.ema import STATE_FILE, EMACallback
-    from hflight.weights import UnsafeCheckpointFile
+    from hflight.checkpoints.weights import UnsafeCheckpointFile
 
     folder = copy_checkpoint(saved, tmp_path)
     marker = tmp_path / "pwned"

@@ -18,7 +18,7 @@ import pytest
 
 from hflight import cli
 from hflight.config import compose
-from hflight.interrupt import TrainingInterrupted
+from hflight.run.interrupt import TrainingInterrupted
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -86,7 +86,7 @@ def test_a_failed_checkpoint_write_is_one_compact_message(cfg, tmp_path, monkeyp
 
     from hydra.errors import CompactHydraException
 
-    from hflight import checkpoint
+    from hflight.checkpoints import folders as checkpoint
 
     folder = tmp_path / ".tmp-checkpoint-6"
     folder.mkdir()

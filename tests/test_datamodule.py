@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data import SequentialSampler
 
-from hflight.datamodule import AccumulationCycles, EpochSeededRandomSampler, ShardedBatchSampler
+from hflight.run.datamodule import AccumulationCycles, EpochSeededRandomSampler, ShardedBatchSampler
 
 
 def test_epoch_seeded_sampler_is_reproducible_and_changes_per_epoch():
@@ -60,7 +60,7 @@ def test_accumulation_cycles_tag_micro_batches_like_hf():
 
 
 def test_micro_batch_transfer_moves_only_tensors_and_keeps_cycle_tags():
-    from hflight.datamodule import HFDataModule, MicroBatch
+    from hflight.run.datamodule import HFDataModule, MicroBatch
 
     inputs = {"input_ids": torch.ones(2, 3, dtype=torch.long), "nested": [torch.zeros(2)], "tag": "x"}
     batch = MicroBatch(inputs=inputs, index=1, cycle_size=2, num_items_in_batch=torch.tensor(5), step_in_epoch=7)

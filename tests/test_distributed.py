@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from hflight import distributed
+from hflight.run import distributed
 
 JOB = Path(__file__).parent / "jobs" / "ddp_job.py"
 
@@ -78,8 +78,8 @@ def test_ddp_checkpoints_and_events_match_one_process(runs):
     assert json.loads((folder / "trainer_state.json").read_text())["global_step"] == 6
     # The manifest (checksums of every rank's files) verifies, and a resume reads the RNG files of both ranks by the
     # names a 2-process run writes; the writer lock (rank 0's) is gone.
-    from hflight.checkpoint import verify_checkpoint
-    from hflight.resume import _rng_files
+    from hflight.checkpoints.folders import verify_checkpoint
+    from hflight.checkpoints.resume import _rng_files
 
     manifest = verify_checkpoint(folder, full=True)
     assert manifest["run"]["world_size"] == 2

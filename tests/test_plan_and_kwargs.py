@@ -7,8 +7,8 @@ import torch
 import transformers
 
 from hflight import Trainer, TrainingArguments
-from hflight.lightning_kwargs import PRECISION, lightning_trainer_kwargs, split_callbacks
-from hflight.plan import plan_training
+from hflight.arguments.lightning_kwargs import PRECISION, lightning_trainer_kwargs, split_callbacks
+from hflight.run.plan import plan_training
 
 
 @pytest.mark.parametrize(

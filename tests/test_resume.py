@@ -157,7 +157,7 @@ def test_one_writer_per_output_folder_and_a_dead_writer_lock_is_taken_over(tmp_p
     """Two runs writing one output_dir overwrote each other's checkpoints (two resumes at once: one died with
     FileNotFoundError on the other's .tmp-checkpoint-N): the second fails at once, naming the folder and the process
     that holds it; after that process is killed, its lock is taken over with a warning."""
-    from hflight.writelock import LOCK_NAME, OutputDirInUse
+    from hflight.checkpoints.writelock import LOCK_NAME, OutputDirInUse
 
     out = tmp_path / "run"
     process = start_job(out, "--save-steps", "1", "--step-sleep", "0.3")

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 import hflight
-from hflight.checkpoint import get_last_checkpoint, verify_checkpoint
-from hflight.interrupt import StopRequest, TrainingInterrupted
+from hflight.checkpoints.folders import get_last_checkpoint, verify_checkpoint
+from hflight.run.interrupt import StopRequest, TrainingInterrupted
 
 
 class SendSignal(hflight.TrainerCallback):

@@ -26,7 +26,7 @@ import transformers
 
 import hflight
 from hflight.surface import OVERRIDE_POINTS
-from hflight.trainer import Trainer
+from hflight.trainer.facade import Trainer
 
 SRC = Path(hflight.__file__).parent
 FACADE_FILE = SRC / "trainer.py"
@@ -257,24 +257,24 @@ def test_find_cycle_reports_a_cycle():
 
 
 LIGHTNING_PIECES = (
-    "hflight.module",
-    "hflight.datamodule",
-    "hflight.callbacks.bridge",
-    "hflight.evaluation",
-    "hflight.checkpoint",
-    "hflight.manifest",
-    "hflight.resume",
-    "hflight.optim_state",
-    "hflight.weights",
-    "hflight.writelock",
-    "hflight.steps",
-    "hflight.plan",
-    "hflight.distributed",
-    "hflight.hpsearch",
-    "hflight.optim",
-    "hflight.lightning_kwargs",
+    "hflight.run.module",
+    "hflight.run.datamodule",
+    "hflight.run.events",
+    "hflight.run.evaluation",
+    "hflight.checkpoints.folders",
+    "hflight.checkpoints.manifest",
+    "hflight.checkpoints.resume",
+    "hflight.checkpoints.optim_state",
+    "hflight.checkpoints.weights",
+    "hflight.checkpoints.writelock",
+    "hflight.trainer.steps",
+    "hflight.run.plan",
+    "hflight.run.distributed",
+    "hflight.trainer.hpsearch",
+    "hflight.trainer.optim",
+    "hflight.arguments.lightning_kwargs",
 )
-BACKENDS = ("hflight.backend", "hflight.ipu.strategy", "hflight.ipu.accelerator", "hflight.ipu.precision",
+BACKENDS = ("hflight.run.backend", "hflight.ipu.strategy", "hflight.ipu.accelerator", "hflight.ipu.precision",
             "hflight.ort.strategy", "hflight.ort.session")  # fmt: skip
 
 
@@ -291,9 +291,9 @@ def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
 @pytest.mark.parametrize("module", LIGHTNING_PIECES + BACKENDS)
 def test_layers_pieces_and_backends_never_reach_up_to_the_run_or_the_facade(module):
     graph = import_graph()
-    above = {"hflight.trainer", "hflight.run"}
+    above = {"hflight.trainer", "hflight.run.run"}
     if module in BACKENDS:
-        above |= {"hflight.module", "hflight.callbacks.bridge"}
+        above |= {"hflight.run.module", "hflight.run.events"}
     assert not (_reachable(graph, module) & above), f"{module} reaches {sorted(_reachable(graph, module) & above)}"
 
 

@@ -388,7 +388,7 @@ def test_report_to_csv_writes_a_lightning_csv_log(tmp_path, factory):
 
 
 def test_report_to_maps_names_to_lightning_loggers(monkeypatch):
-    from hflight import lightning_kwargs
+    from hflight.arguments import lightning_kwargs
 
     assert lightning_kwargs.report_to_names("none") == []
     assert lightning_kwargs.report_to_names(["csv", "tensorboard"]) == ["csv", "tensorboard"]

@@ -32,7 +32,7 @@ from transformers.trainer_callback import (
 from transformers.trainer_utils import IntervalStrategy, SaveStrategy, SchedulerType
 from transformers.training_args import OptimizerNames
 
-from hflight.training_args import (
+from hflight.arguments.training_args import (
     LIGHTNING_FIELDS,
     SUPPORTED_ACCELERATORS,
     SUPPORTED_OPTIMIZERS,

@@ -1,36 +1,47 @@
 """hflight: the Hugging Face ``Trainer`` API, running on PyTorch Lightning.
 
-Callbacks, state and control objects are transformers' own classes, re-exported, so a ``TrainerCallback``
-written for ``transformers.Trainer`` works unchanged. Names are imported on first use (PEP 562). Importing the
-package registers hflight's backends (``hflight.ipu``, ``hflight.ort``) with Lightning's registries.
+Callbacks, state, control and result objects are transformers' own classes, re-exported, so a ``TrainerCallback``
+written for ``transformers.Trainer`` works unchanged. Names are imported on first use (PEP 562): ``import hflight``
+loads neither torch nor Lightning. hflight's backends (``hflight.ipu``, ``hflight.ort``) join Lightning's registries
+when the training arguments are first imported (``hflight.arguments.registry``).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hflight._lazy import lazy_exports
+from hflight._util import lazy_exports
 from hflight.version import __version__ as __version__
 
 _EXPORTS = {
-    "Trainer": "hflight.trainer",
-    "TrainingArguments": "hflight.training_args",
+    "Trainer": "hflight.trainer.facade",
+    "TrainingArguments": "hflight.arguments.training_args",
     "TrainerCallback": "transformers.trainer_callback",
     "TrainerState": "transformers.trainer_callback",
     "TrainerControl": "transformers.trainer_callback",
     "EarlyStoppingCallback": "transformers.trainer_callback",
-    "EvalPrediction": "hflight.outputs",
-    "TrainOutput": "hflight.outputs",
-    "EvalLoopOutput": "hflight.outputs",
-    "PredictionOutput": "hflight.outputs",
-    "get_last_checkpoint": "hflight.checkpoint",
+    "EvalPrediction": "transformers.trainer_utils",
+    "TrainOutput": "transformers.trainer_utils",
+    "EvalLoopOutput": "transformers.trainer_utils",
+    "PredictionOutput": "transformers.trainer_utils",
+    "get_last_checkpoint": "hflight.checkpoints.manifest",
+    "verify_checkpoint": "hflight.checkpoints.manifest",
+    "CheckpointWriteError": "hflight.checkpoints.folders",
+    "IncompatibleTrainingState": "hflight.checkpoints.optim_state",
+    "IncompleteCheckpointError": "hflight.checkpoints.manifest",
+    "OutputDirInUse": "hflight.checkpoints.writelock",
+    "UnsafeCheckpointFile": "hflight.checkpoints.manifest",
     "set_seed": "transformers.trainer_utils",
 }
 
 __all__ = [
+    "CheckpointWriteError",
     "EarlyStoppingCallback",
     "EvalLoopOutput",
     "EvalPrediction",
+    "IncompatibleTrainingState",
+    "IncompleteCheckpointError",
+    "OutputDirInUse",
     "PredictionOutput",
     "TrainOutput",
     "Trainer",
@@ -38,29 +49,27 @@ __all__ = [
     "TrainerControl",
     "TrainerState",
     "TrainingArguments",
+    "UnsafeCheckpointFile",
     "get_last_checkpoint",
     "set_seed",
+    "verify_checkpoint",
 ]
 
 if TYPE_CHECKING:
     from transformers.trainer_callback import EarlyStoppingCallback, TrainerCallback, TrainerControl, TrainerState
-    from transformers.trainer_utils import set_seed
+    from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, PredictionOutput, TrainOutput, set_seed
 
-    from hflight.checkpoint import get_last_checkpoint
-    from hflight.outputs import EvalLoopOutput, EvalPrediction, PredictionOutput, TrainOutput
-    from hflight.trainer import Trainer
-    from hflight.training_args import TrainingArguments
-
-
-def _register_backends() -> None:
-    # Explicit and idempotent: hflight's accelerators and strategies ("ipu", "ort") join Lightning's registries, so
-    # TrainingArguments(accelerator="ipu") and lightning.Trainer(strategy="ort") resolve them. No poptorch/onnxruntime.
-    from hflight.backend import register_backends
-
-    register_backends()
-
-
-_register_backends()
+    from hflight.arguments.training_args import TrainingArguments
+    from hflight.checkpoints.folders import CheckpointWriteError
+    from hflight.checkpoints.manifest import (
+        IncompleteCheckpointError,
+        UnsafeCheckpointFile,
+        get_last_checkpoint,
+        verify_checkpoint,
+    )
+    from hflight.checkpoints.optim_state import IncompatibleTrainingState
+    from hflight.checkpoints.writelock import OutputDirInUse
+    from hflight.trainer.facade import Trainer
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)

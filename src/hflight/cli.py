@@ -33,10 +33,10 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
+from hflight.arguments.hardware import check_hardware, describe_backend
+from hflight.arguments.training_args import TrainingArguments
 from hflight.config import PRIMARY_CONFIG, VERSION_BASE, find_config_dir
-from hflight.interrupt import TrainingInterrupted, signal_name, terminate_on_signals
-from hflight.lightning_kwargs import check_hardware, describe_backend
-from hflight.training_args import TrainingArguments
+from hflight.run.interrupt import TrainingInterrupted, signal_name, terminate_on_signals
 
 __all__ = ["TaskRun", "main", "run", "train"]
 

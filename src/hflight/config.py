@@ -38,7 +38,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from hflight.training_args import TrainingArguments, config_schema
+from hflight.arguments.training_args import TrainingArguments, config_schema
 
 __all__ = [
     "CONFIG_DIR_ENV",

@@ -21,8 +21,8 @@ from collections.abc import Iterator
 import torch
 from transformers.trainer_callback import TrainerCallback
 
-from hflight.manifest import regular_file
-from hflight.weights import refused_pickle
+from hflight.checkpoints.manifest import regular_file
+from hflight.checkpoints.weights import refused_pickle
 
 STATE_FILE = "ema_state.pt"
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hflight._lazy import lazy_exports
+from hflight._util import lazy_exports
+from hflight.arguments.registry import register_backends
 
 _EXPORTS = {
     "IPUConfig": "hflight.ipu.config",
@@ -44,5 +45,7 @@ if TYPE_CHECKING:
     from hflight.ipu.strategy import IPUStrategy
     from hflight.ipu.trainer import IPUTrainer, IPUTrainerState, IPUTrainingArguments
 
+
+register_backends()  # lightning.Trainer(strategy=...) resolves hflight's names once this package is imported
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)

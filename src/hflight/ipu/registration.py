@@ -6,7 +6,7 @@ from typing import Any
 
 
 def register(accelerator_registry: Any, strategy_registry: Any) -> None:
-    from hflight.backend import DEFAULT_STRATEGIES, STRATEGY_ACCELERATORS
+    from hflight.arguments.registry import DEFAULT_STRATEGIES, STRATEGY_ACCELERATORS
     from hflight.ipu.accelerator import IPUAccelerator
     from hflight.ipu.strategy import IPUStrategy
 

@@ -33,11 +33,11 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
-from hflight.backend import HFBackend, StepGeometry
 from hflight.ipu.config import IPUConfig
 from hflight.ipu.data import pad_on_batch_axis
 from hflight.ipu.precision import IPUPrecision
 from hflight.ipu.runtime import require_poptorch
+from hflight.run.backend import HFBackend, StepGeometry
 
 if TYPE_CHECKING:
     import lightning as L

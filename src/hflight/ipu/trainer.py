@@ -33,13 +33,13 @@ from torch.utils.data import DataLoader
 from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import TrainOutput
 
-from hflight import optim
+from hflight.arguments import optimizers as optim
+from hflight.arguments.training_args import TrainingArguments, field_values
 from hflight.ipu.accelerator import IPUAccelerator
 from hflight.ipu.config import IPUConfig
 from hflight.ipu.precision import IPUPrecision
 from hflight.ipu.strategy import IPUStrategy
-from hflight.trainer import Trainer
-from hflight.training_args import TrainingArguments, field_values
+from hflight.trainer.facade import Trainer
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hflight._lazy import lazy_exports
+from hflight._util import lazy_exports
+from hflight.arguments.registry import register_backends
 
 _EXPORTS = {
     "ModuleWithLoss": "hflight.ort.trainer",
@@ -36,5 +37,7 @@ if TYPE_CHECKING:
     from hflight.ort.trainer import ModuleWithLoss, ORTTrainer
     from hflight.ort.training_args import ORTOptimizerNames, ORTTrainingArguments
 
+
+register_backends()  # lightning.Trainer(strategy=...) resolves hflight's names once this package is imported
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)

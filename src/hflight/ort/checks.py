@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hflight._errors import exception_chain
+from hflight._util import exception_chain
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ def adamw_ort_fused(args: Any) -> tuple[type, dict[str, Any]]:
 
 
 def register(accelerator_registry: Any, strategy_registry: Any) -> None:
-    from hflight.optim import OPTIMIZERS
+    from hflight.arguments.optimizers import OPTIMIZERS
     from hflight.ort.strategy import ORTStrategy
 
     ORTStrategy.register_strategies(strategy_registry)

@@ -30,9 +30,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from typing_extensions import override
 
-from hflight.backend import HFBackend
 from hflight.ort.runtime import ortmodule_class, require_onnxruntime, require_ortmodule
 from hflight.ort.session import EXPORTERS, QUANTIZATIONS, ORTEvaluationModel
+from hflight.run.backend import HFBackend
 
 log = logging.getLogger(__name__)
 

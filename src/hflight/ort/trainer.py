@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from transformers.trainer_utils import PredictionOutput, TrainOutput
 
+from hflight.arguments.training_args import TrainingArguments
 from hflight.callbacks.hooks import evaluation_weights
 from hflight.ort.registration import adamw_ort_fused
 from hflight.ort.runtime import require_onnxruntime
@@ -39,8 +40,7 @@ from hflight.ort.training_args import (
     ORTTrainingArguments,
     ort_optimizer_name,
 )
-from hflight.trainer import Trainer
-from hflight.training_args import TrainingArguments
+from hflight.trainer.facade import Trainer
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from typing import Any, Optional
 
 from transformers.utils import ExplicitEnum
 
+from hflight.arguments.training_args import TrainingArguments
 from hflight.ort.session import EXPORTERS
-from hflight.training_args import TrainingArguments
 
 __all__ = ["ORT_LOG_LEVELS", "ORTOptimizerNames", "ORTTrainingArguments", "TRAINING_CHOICES"]
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hflight._lazy import lazy_exports
+from hflight._util import lazy_exports
 
 _EXPORTS = {
     "MRCTrainer": "hflight.qa.trainer",

@@ -20,10 +20,10 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 from transformers.trainer_utils import EvalPrediction, PredictionOutput
 
-from hflight.evaluation import evaluation_speed
 from hflight.qa.metrics import squad_metrics
 from hflight.qa.postprocess import postprocess_qa_predictions_with_scores
-from hflight.trainer import Trainer
+from hflight.run.evaluation import evaluation_speed
+from hflight.trainer.facade import Trainer
 
 # Columns post-processing needs that the model must never see.
 POSTPROCESS_COLUMNS = ("example_id", "offset_mapping")

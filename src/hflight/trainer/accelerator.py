@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hflight.distributed import World
+from hflight.run.distributed import World
 from hflight.surface import RunView
 
 

@@ -65,7 +65,3 @@ def columns_ignored(columns: list[str], description: str | None, model_name: str
         f"The following columns {where} don't have a corresponding argument in `{model_name}.forward` and have been "
         f"ignored: {names}. If {names} are not expected by `{model_name}.forward`,  you can safely ignore this message."
     )
-
-
-def saving_checkpoint(folder: str) -> None:
-    logger.info(f"Saving model checkpoint to {folder}")

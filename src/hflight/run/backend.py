@@ -1,4 +1,4 @@
-"""How a Lightning strategy takes part in hflight's HF loop, and how hflight's own backends are registered.
+"""How a Lightning strategy takes part in hflight's HF loop.
 
 hflight's loop (``module``, ``datamodule``, ``evaluation``, ``checkpoint``) is written for eager PyTorch under any
 Lightning strategy (single device, DDP, FSDP, DeepSpeed): Lightning places the model and wraps it, hflight runs the
@@ -8,17 +8,11 @@ evaluation runs an exported graph and training may run through ``ORTModule``. Su
 :class:`HFBackend` and overrides the hooks it needs. The loop asks :func:`backend_of` for the running strategy's
 hooks and never tests which backend it runs on; every other strategy gets the defaults below, which are exactly
 the eager behaviour.
-
-Registration (:func:`register_backends`, run when ``hflight`` is imported) adds hflight's accelerators and strategy
-names to Lightning's registries, so ``TrainingArguments(accelerator="ipu")``, ``strategy="ipu"``, ``strategy="ort"``
-and the Hydra options ``trainer=ipu`` / ``trainer=ort`` select them. It imports neither poptorch nor onnxruntime:
-those are needed only when a backend is constructed, which then fails with one message saying what to install.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -31,13 +25,9 @@ if TYPE_CHECKING:
     from hflight.surface import TrainerSurface
 
 __all__ = [
-    "BACKEND_PACKAGES",
-    "DEFAULT_STRATEGIES",
-    "STRATEGY_ACCELERATORS",
     "HFBackend",
     "StepGeometry",
     "backend_of",
-    "register_backends",
 ]
 
 
@@ -109,21 +99,3 @@ _EAGER = HFBackend()
 def backend_of(strategy: Any) -> HFBackend:
     """The hooks of ``strategy``: its own when it is an :class:`HFBackend`, the eager defaults otherwise."""
     return strategy if isinstance(strategy, HFBackend) else _EAGER
-
-
-#: accelerator name -> the strategy hflight selects for it when ``strategy="auto"`` (filled by registration).
-DEFAULT_STRATEGIES: dict[str, str] = {}
-#: strategy name -> the accelerator hflight selects for it when ``accelerator="auto"`` (filled by registration).
-STRATEGY_ACCELERATORS: dict[str, str] = {}
-
-#: hflight's backend modules; each has ``register(accelerator_registry, strategy_registry)``.
-BACKEND_PACKAGES: tuple[str, ...] = ("hflight.ipu.registration", "hflight.ort.registration")
-
-
-def register_backends() -> None:
-    """Add hflight's accelerators and strategies to Lightning's registries (idempotent)."""
-    from lightning.pytorch.accelerators import AcceleratorRegistry
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    for name in BACKEND_PACKAGES:
-        importlib.import_module(name).register(AcceleratorRegistry, StrategyRegistry)

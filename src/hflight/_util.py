@@ -1,9 +1,9 @@
-"""Lazy package exports (PEP 562): a package lists ``name -> module`` and gets ``__getattr__``/``__dir__``."""
+"""Small helpers any layer may use: lazy package exports (PEP 562) and walking an exception's chain."""
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 
@@ -24,3 +24,12 @@ def lazy_exports(
         return sorted({*vars(importlib.import_module(package)), *names})
 
     return __getattr__, __dir__
+
+
+def exception_chain(error: BaseException | None) -> Iterator[BaseException]:
+    """``error``, then the exception it was raised from or during, and so on (each once, even in a cycle)."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__

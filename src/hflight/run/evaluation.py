@@ -27,11 +27,12 @@ from transformers.trainer_utils import (
     speed_metrics,
 )
 
-from hflight import console, hpsearch
-from hflight.checkpoint import metric_key
-from hflight.interrupt import sigterm_exits_non_zero
-from hflight.lightning_kwargs import quiet_lightning
+from hflight.arguments.lightning_kwargs import quiet_lightning
+from hflight.checkpoints.folders import metric_key
+from hflight.run import console
+from hflight.run.interrupt import sigterm_exits_non_zero
 from hflight.surface import RunView, TrainerSurface
+from hflight.trainer import hpsearch
 
 
 def _pad_concat(arrays: list[np.ndarray], padding_index: int) -> np.ndarray:

@@ -18,10 +18,10 @@ from torch import nn
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.trainer_pt_utils import nested_detach
 
-from hflight import memory
-from hflight.datamodule import loader_length
-from hflight.plan import plan_training
+from hflight.run.datamodule import loader_length
+from hflight.run.plan import plan_training
 from hflight.surface import TrainerSurface
+from hflight.trainer import memory
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,6 @@ Three pieces:
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 from collections.abc import Callable, Iterator, Sized
 from dataclasses import dataclass
@@ -27,10 +26,9 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
-from torch.utils.data import DataLoader, IterableDataset, Sampler, SequentialSampler
+from torch.utils.data import Sampler
 
-from hflight import console
-from hflight.backend import StepGeometry, backend_of
+from hflight.run.backend import StepGeometry, backend_of
 from hflight.surface import RunView, TrainerSurface
 
 
@@ -228,149 +226,3 @@ def loader_length(loader: Any) -> int | None:
         return len(loader) if isinstance(loader, Sized) or hasattr(loader, "__len__") else None
     except TypeError:
         return None
-
-
-# ---- loaders the facade's getters build ----------------------------------------------------------------------
-def remove_unused_columns(
-    dataset: Any, signature_columns: list[str], description: str | None = None, model_name: str = "model"
-) -> Any:
-    """Drop the columns of a ``datasets.Dataset`` that the model's ``forward`` does not take (HF's rule, with its
-    note naming them; ``model_name``: the model's class name, for the note)."""
-    import datasets
-
-    if not isinstance(dataset, datasets.Dataset):
-        return dataset
-    ignored = [c for c in dataset.column_names if c not in signature_columns]
-    if ignored:
-        console.columns_ignored(ignored, description, model_name)
-    if len(ignored) == len(dataset.column_names):
-        raise ValueError(
-            f"No columns in the {description or ''} dataset match the model's forward method signature: "
-            f"({', '.join(signature_columns)}). The following columns have been ignored: [{', '.join(ignored)}]. "
-            "Please check the dataset and model. "
-            "You may need to set `remove_unused_columns=False` in `TrainingArguments`."
-        )
-    return dataset.remove_columns(ignored) if ignored else dataset
-
-
-def _group_by_length(dataset: Any, args: Any, processing_class: Any, seed: int) -> Sampler[int]:
-    import datasets
-    from transformers.trainer_pt_utils import LengthGroupedSampler
-
-    lengths = None
-    if isinstance(dataset, datasets.Dataset) and args.length_column_name in dataset.column_names:
-        lengths = dataset[args.length_column_name]
-    input_name = processing_class.model_input_names[0] if processing_class is not None else None
-    return LengthGroupedSampler(
-        args.train_batch_size * args.gradient_accumulation_steps,
-        dataset=dataset,
-        lengths=lengths,
-        model_input_name=input_name,
-        generator=torch.Generator().manual_seed(seed),
-    )
-
-
-TRAIN_SAMPLERS: dict[str, Callable[[Any, Any, Any, int], Sampler[int]]] = {
-    "random": lambda dataset, args, processing_class, seed: EpochSeededRandomSampler(len(dataset), seed),
-    "sequential": lambda dataset, args, processing_class, seed: SequentialSampler(dataset),
-    "group_by_length": _group_by_length,
-}
-
-
-def train_sampler(dataset: Any, args: Any, processing_class: Any) -> Sampler[int]:
-    """The sampler ``args.train_sampling_strategy`` names, seeded with ``data_seed`` (else ``seed``)."""
-    strategy = str(getattr(args.train_sampling_strategy, "value", args.train_sampling_strategy))
-    seed = args.data_seed if args.data_seed is not None else args.seed
-    return TRAIN_SAMPLERS[strategy](dataset, args, processing_class, seed)
-
-
-def make_dataloader(
-    dataset: Any,
-    args: Any,
-    collator: Callable,
-    batch_size: int,
-    sampler: Sampler[int] | None,
-    world_size: int,
-    rank: int,
-) -> DataLoader:
-    """A DataLoader with ``args``' worker settings; under several processes, batches dealt round-robin."""
-    params: dict[str, Any] = {
-        "collate_fn": collator,
-        "num_workers": args.dataloader_num_workers,
-        "pin_memory": args.dataloader_pin_memory and torch.cuda.is_available(),
-        "persistent_workers": args.dataloader_persistent_workers and args.dataloader_num_workers > 0,
-        "prefetch_factor": args.dataloader_prefetch_factor,
-    }
-    if args.dataloader_num_workers > 0:  # only worker processes have a start method and an order to keep
-        params["multiprocessing_context"] = args.dataloader_multiprocessing_context
-        params["in_order"] = args.dataloader_in_order
-    if isinstance(dataset, IterableDataset) or sampler is None:
-        return DataLoader(dataset, batch_size=batch_size, **params)
-    if world_size > 1:
-        batches = ShardedBatchSampler(sampler, batch_size, args.dataloader_drop_last, world_size, rank)
-        return DataLoader(dataset, batch_sampler=batches, **params)
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=args.dataloader_drop_last, **params)
-
-
-class DataLoadersMixin:
-    """transformers' data surface of the ``Trainer`` (loader getters, samplers, column pruning), over its public
-    attributes; the processes to shard across come from ``self.accelerator`` (the run's world)."""
-
-    _signature_columns: list[str] | None = None  # the model's forward arguments and label names, found once
-
-    def _set_signature_columns_if_needed(self) -> None:
-        if self._signature_columns is None:
-            columns = list(inspect.signature(self.model.forward).parameters)
-            self._signature_columns = columns + list({"label", "label_ids", *self.label_names})
-
-    def _remove_unused_columns(self, dataset: Any, description: str | None = None) -> Any:
-        if not self.args.remove_unused_columns:
-            return dataset
-        self._set_signature_columns_if_needed()
-        return remove_unused_columns(dataset, self._signature_columns, description, type(self.model).__name__)
-
-    def _get_dataloader(
-        self,
-        dataset: Any,
-        description: str,
-        batch_size: int,
-        sampler_fn: Callable[[Any], Sampler[int]] | None = None,
-        is_training: bool = False,
-        dataloader_key: str | None = None,
-    ) -> DataLoader:
-        """``dataset`` in batches of ``batch_size``: unused columns removed (``_remove_unused_columns``), the sampler
-        from ``sampler_fn`` (none for iterable datasets), batches dealt across the processes."""
-        if dataset is None:
-            raise ValueError(f"Trainer: {description.lower()} requires a dataset.")
-        dataset = self._remove_unused_columns(dataset, description)
-        sampler = None
-        if not isinstance(dataset, IterableDataset) and sampler_fn is not None:
-            sampler = sampler_fn(dataset)
-        processes, rank = self.accelerator.num_processes, self.accelerator.process_index
-        return make_dataloader(dataset, self.args, self.data_collator, batch_size, sampler, processes, rank)
-
-    def _get_train_sampler(self, train_dataset: Any = None) -> Sampler[int]:
-        dataset = train_dataset if train_dataset is not None else self.train_dataset
-        return train_sampler(dataset, self.args, self.processing_class)
-
-    def _get_eval_sampler(self, eval_dataset: Any) -> Sampler[int]:
-        return SequentialSampler(eval_dataset)
-
-    def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
-        if eval_dataset is None and self.eval_dataset is None:
-            raise ValueError(
-                "Trainer: evaluation requires an eval_dataset. Pass `eval_dataset=` to the Trainer or to evaluate()."
-            )
-        if isinstance(eval_dataset, str):
-            eval_dataset = self.eval_dataset[eval_dataset]
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        return self._get_dataloader(dataset, "Evaluation", self.args.eval_batch_size, self._get_eval_sampler)
-
-    def get_test_dataloader(self, test_dataset: Any) -> DataLoader:
-        return self._get_dataloader(test_dataset, "test", self.args.eval_batch_size, self._get_eval_sampler)
-
-    def num_examples(self, dataloader: DataLoader) -> int:
-        try:
-            return len(dataloader.dataset)
-        except (NameError, AttributeError, TypeError):
-            return len(dataloader) * self.args.per_device_train_batch_size

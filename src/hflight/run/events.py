@@ -31,11 +31,13 @@ import torch
 from transformers.trainer_utils import SaveStrategy, TrainOutput, speed_metrics
 from typing_extensions import override
 
-from hflight import checkpoint, console, resume
 from hflight.callbacks.hooks import new_trainer_state
-from hflight.datamodule import loader_length
-from hflight.interrupt import StopRequest, signal_name, stopped
-from hflight.plan import plan_training
+from hflight.checkpoints import folders as checkpoint
+from hflight.checkpoints import resume
+from hflight.run import console
+from hflight.run.datamodule import loader_length
+from hflight.run.interrupt import StopRequest, signal_name, stopped
+from hflight.run.plan import plan_training
 from hflight.surface import RunView, TrainerSurface
 
 logger = logging.getLogger(__name__)

@@ -34,21 +34,25 @@ from transformers.trainer_utils import (
     set_seed,
 )
 
-from hflight import checkpoint, console, construction, evaluation, memory, resume, steps, training_hooks, weights
-from hflight.accelerator_compat import RunAccelerator
-from hflight.backend import HFBackend, backend_of
+from hflight.arguments.lightning_kwargs import split_callbacks
+from hflight.arguments.training_args import TrainingArguments, coerce_training_args
 from hflight.callbacks.hooks import new_trainer_state
-from hflight.construction import default_collator
-from hflight.datamodule import DataLoadersMixin
-from hflight.distributed import World
-from hflight.hpsearch import HyperparameterSearchMixin
-from hflight.hub import HubMixin
-from hflight.lightning_kwargs import split_callbacks
-from hflight.optim import OptimizerMixin
-from hflight.run import Run
-from hflight.steps import StepsMixin
-from hflight.training_args import TrainingArguments, coerce_training_args
-from hflight.writelock import output_dir_lock
+from hflight.checkpoints import folders as checkpoint
+from hflight.checkpoints import resume, weights
+from hflight.checkpoints.writelock import output_dir_lock
+from hflight.run import console, evaluation
+from hflight.run.backend import HFBackend, backend_of
+from hflight.run.distributed import World
+from hflight.run.run import Run
+from hflight.trainer import construction, memory, steps
+from hflight.trainer import model_hooks as training_hooks
+from hflight.trainer.accelerator import RunAccelerator
+from hflight.trainer.construction import default_collator
+from hflight.trainer.data import DataLoadersMixin
+from hflight.trainer.hpsearch import HyperparameterSearchMixin
+from hflight.trainer.hub import HubMixin
+from hflight.trainer.optim import OptimizerMixin
+from hflight.trainer.steps import StepsMixin
 
 DEFAULT_CALLBACKS = [DefaultFlowCallback]
 

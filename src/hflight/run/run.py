@@ -19,16 +19,16 @@ import lightning as L
 import torch
 from transformers.trainer_utils import TrainOutput
 
-from hflight.backend import HFBackend, backend_of
-from hflight.callbacks.bridge import HFEventBridge
+from hflight.arguments.lightning_kwargs import lightning_trainer_kwargs, quiet_lightning
 from hflight.callbacks.hooks import evaluation_weights, weight_hooks
-from hflight.datamodule import HFDataModule
-from hflight.distributed import World
-from hflight.interrupt import handed_over_signals
-from hflight.lightning_kwargs import lightning_trainer_kwargs, quiet_lightning
-from hflight.module import HFModule
-from hflight.plan import TrainingPlan
-from hflight.resume import ResumePoint
+from hflight.checkpoints.resume import ResumePoint
+from hflight.run.backend import HFBackend, backend_of
+from hflight.run.datamodule import HFDataModule
+from hflight.run.distributed import World
+from hflight.run.events import HFEventBridge
+from hflight.run.interrupt import handed_over_signals
+from hflight.run.module import HFModule
+from hflight.run.plan import TrainingPlan
 from hflight.surface import TrainerSurface
 
 

@@ -24,9 +24,9 @@ from transformers.modelcard import TrainingSummary
 from transformers.trainer_utils import HubStrategy, SaveStrategy
 from transformers.utils import PushInProgress
 
-from hflight.manifest import shard_names
+from hflight.checkpoints.manifest import shard_names
+from hflight.checkpoints.writelock import LOCK_NAME
 from hflight.version import __version__
-from hflight.writelock import LOCK_NAME
 
 #: What a checkpoint push copies from the checkpoint folder into the output folder before uploading it.
 MODELING_FILES = ("config.json", "generation_config.json", "pytorch_model.bin", "model.safetensors")

@@ -20,8 +20,8 @@ import torch
 from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from typing_extensions import override
 
-from hflight.backend import HFBackend, backend_of
-from hflight.datamodule import MicroBatch
+from hflight.run.backend import HFBackend, backend_of
+from hflight.run.datamodule import MicroBatch
 from hflight.surface import RunView, TrainerSurface
 
 

@@ -15,7 +15,7 @@ from typing import TypeVar
 
 import torch
 
-from hflight._errors import exception_chain
+from hflight._util import exception_chain
 
 logger = logging.getLogger(__name__)
 

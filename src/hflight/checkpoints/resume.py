@@ -36,7 +36,7 @@ import torch
 from transformers.trainer_callback import ExportableState, TrainerState
 
 from hflight.callbacks.hooks import weight_hooks
-from hflight.checkpoint import (
+from hflight.checkpoints.folders import (
     OPTIMIZER_NAME,
     RUN_ARGUMENTS,
     SCALER_NAME,
@@ -49,10 +49,10 @@ from hflight.checkpoint import (
     run_arguments,
     verify_checkpoint,
 )
-from hflight.manifest import CHECKPOINT_RE, inside, regular_file
-from hflight.optim_state import check_training_states, planned_optimizer, planned_scheduler
+from hflight.checkpoints.manifest import CHECKPOINT_RE, inside, regular_file
+from hflight.checkpoints.optim_state import check_training_states, planned_optimizer, planned_scheduler
+from hflight.checkpoints.weights import UnsafeCheckpointFile, checked_weights, load_model_weights, refused_pickle
 from hflight.surface import RunView, TrainerSurface
-from hflight.weights import UnsafeCheckpointFile, checked_weights, load_model_weights, refused_pickle
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from hflight.backend import StepGeometry, backend_of
+from hflight.run.backend import StepGeometry, backend_of
 
 
 @dataclass(frozen=True)

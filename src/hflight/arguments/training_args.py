@@ -1,0 +1,777 @@
+"""``TrainingArguments``: transformers' ``TrainingArguments`` (5.23) with Lightning's four hardware fields.
+
+The class subclasses ``transformers.TrainingArguments``, so every field (name, type, default, help), property and
+method of transformers' is hflight's by construction, and transformers' own ``__post_init__`` normalises, derives and
+validates. hflight adds, in this order around it:
+
+1. type checks that name the field (command-line strings and OmegaConf containers are converted first);
+2. the choices hflight can run (``optim``, ``train_sampling_strategy``, Lightning's ``accelerator``/``strategy``);
+3. transformers' ``__post_init__``, with the device answered by Lightning's side (no accelerate ``PartialState`` is
+   created: Lightning launches and connects the processes);
+4. the fields that have no Lightning equivalent, set to a non-default value: a ``ValueError`` that names each one and
+   says what to use instead (:data:`UNSUPPORTED`).
+
+Hydra composes ``args`` against :func:`config_schema`, a dataclass of the same fields with types OmegaConf
+understands; :meth:`TrainingArguments.from_config` builds the arguments from the composed node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import logging
+import numbers
+import os
+import types
+import typing
+from collections.abc import Callable
+from enum import Enum
+from functools import cached_property
+from typing import Any, Optional, Union
+
+import torch
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from transformers import TrainingArguments as HFTrainingArguments
+from transformers.debug_utils import DebugOption
+from transformers.trainer_utils import HubStrategy, IntervalStrategy, SaveStrategy, SchedulerType
+from transformers.training_args import OptimizerNames, ParallelMode, trainer_log_levels
+
+from hflight.arguments.registry import register_backends
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "LIGHTNING_FIELDS",
+    "SUPPORTED_ACCELERATORS",
+    "SUPPORTED_OPTIMIZERS",
+    "SUPPORTED_TRAIN_SAMPLING_STRATEGIES",
+    "UNSUPPORTED",
+    "TrainingArguments",
+    "coerce_training_args",
+    "config_schema",
+    "register_parser_types",
+    "supported_accelerators",
+    "supported_optimizers",
+    "supported_strategies",
+]
+
+#: ``optim`` values hflight can build (see ``hflight.optim``); all are transformers ``OptimizerNames`` values.
+SUPPORTED_OPTIMIZERS: tuple[str, ...] = ("adamw_torch", "adamw_torch_fused", "adafactor", "sgd", "adagrad", "rmsprop")
+#: ``train_sampling_strategy`` values hflight implements (transformers also has "batch_rebalance").
+SUPPORTED_TRAIN_SAMPLING_STRATEGIES: tuple[str, ...] = ("random", "sequential", "group_by_length")
+#: ``accelerator`` names accepted by hflight (Lightning's names).
+SUPPORTED_ACCELERATORS: tuple[str, ...] = ("auto", "cpu", "gpu", "cuda", "mps", "tpu")
+#: Fields that come from ``lightning.Trainer`` and have no transformers counterpart.
+LIGHTNING_FIELDS: tuple[str, ...] = ("accelerator", "devices", "strategy", "num_nodes")
+#: Dict fields that only take a dict or a JSON object string (transformers also reads a file path for its
+#: accelerate/FSDP/DeepSpeed configs; for these a path means nothing).
+_JSON_ONLY_DICT_FIELDS = ("lr_scheduler_kwargs", "activation_checkpointing_kwargs", "gradient_checkpointing_kwargs")
+_TRUE_STRINGS = ("true", "yes", "y", "t", "1")
+_FALSE_STRINGS = ("false", "no", "n", "f", "0")
+
+
+def supported_strategies() -> tuple[str, ...]:
+    """Valid ``strategy`` names: "auto" and Lightning's registered strategies (hflight's backends, such as "ipu" and
+    "ort", register there when ``hflight`` is imported)."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    return ("auto", *StrategyRegistry.available_strategies())
+
+
+def supported_accelerators() -> tuple[str, ...]:
+    """Valid ``accelerator`` names: Lightning's built-in ones and every registered accelerator (e.g. "ipu")."""
+    from lightning.pytorch.accelerators import AcceleratorRegistry
+
+    return tuple(dict.fromkeys((*SUPPORTED_ACCELERATORS, *sorted(AcceleratorRegistry.available_accelerators()))))
+
+
+def supported_optimizers() -> tuple[str, ...]:
+    """Valid ``optim`` names: the optimizers ``hflight.optim`` can build (backends may add their own)."""
+    from hflight.arguments.optimizers import OPTIMIZERS
+
+    return tuple(OPTIMIZERS)
+
+
+@dataclasses.dataclass
+class TrainingArguments(HFTrainingArguments):
+    """transformers' ``TrainingArguments`` plus Lightning's ``accelerator``, ``devices``, ``strategy`` and
+    ``num_nodes`` (names and defaults of ``lightning.Trainer``).
+
+    Every transformers field, property and method is here with transformers' meaning. What Lightning decides instead
+    of accelerate: ``device``, ``n_gpu``, ``parallel_mode``, ``world_size``, ``process_index`` and
+    ``local_process_index`` answer from the environment Lightning (or torchrun, SLURM) sets up; ``use_cpu=True`` means
+    ``accelerator="cpu"``; ``ddp_*``, ``fsdp``/``fsdp_config`` and ``deepspeed`` become the settings of Lightning's
+    DDP, FSDP and DeepSpeed strategies (``hflight.lightning_kwargs``). Fields without a Lightning equivalent are
+    listed in :data:`UNSUPPORTED`: left at their defaults they change nothing, set otherwise they raise.
+
+    Lightning extras: ``accelerator`` (one of ``SUPPORTED_ACCELERATORS``, a registered one such as "ipu", or a Lightning
+    ``Accelerator``), ``devices`` ("auto", a count, "0,1" or a list of indices; "2" becomes ``2``), ``strategy`` (see
+    ``supported_strategies()``, or a Lightning ``Strategy``) and ``num_nodes``.
+
+    Wrong types raise ``TypeError`` and unknown choices ``ValueError``, each naming the field.
+    """
+
+    accelerator: str = dataclasses.field(
+        default="auto",
+        metadata={"help": f"Lightning accelerator: {', '.join(SUPPORTED_ACCELERATORS)} or a registered one (ipu)."},
+    )
+    devices: str = dataclasses.field(
+        default="auto", metadata={"help": "Lightning devices: 'auto', a count (e.g. 2), or indices such as '0,1'."}
+    )
+    strategy: str = dataclasses.field(
+        default="auto", metadata={"help": "Lightning strategy, e.g. 'auto', 'ddp', 'fsdp', 'deepspeed', 'ipu', 'ort'."}
+    )
+    num_nodes: int = dataclasses.field(
+        default=1, metadata={"help": "Number of nodes (machines) for distributed training."}
+    )
+
+    def __post_init__(self) -> None:
+        _coerce_field_types(self)
+        _normalise_hflight_values(self)
+        for name, (enum_cls, choices) in _CHOICES.items():
+            setattr(self, name, _check_choice(name, getattr(self, name), enum_cls, choices()))
+        _check_lower_bounds(self)
+        # An optimizer a backend registered (e.g. ONNX Runtime's "adamw_ort_fused") is no transformers
+        # OptimizerNames member; transformers' __post_init__ converts `optim` to that enum, so it sees a stand-in.
+        backend_optim = None if isinstance(self.optim, OptimizerNames) else self.optim
+        if backend_optim is not None:
+            self.optim = OptimizerNames.ADAMW_TORCH
+        super().__post_init__()
+        if backend_optim is not None:
+            self.optim = backend_optim
+        _reject_unsupported(self)
+
+    def _validate_args(self) -> None:
+        """transformers' checks; its bf16 check asks for a bf16 GPU unless ``use_cpu``, but Lightning also runs
+        bf16-mixed on the CPU, so only a run on a CUDA GPU that is present is held to it (asking for a GPU where there
+        is none is Lightning's error, when the run starts)."""
+        use_cpu = self.use_cpu
+        self.use_cpu = use_cpu or not (_resolved_device_type(self) == "cuda" and torch.cuda.is_available())
+        try:
+            super()._validate_args()
+        finally:
+            self.use_cpu = use_cpu
+
+    # ---- devices and processes: Lightning's side, not accelerate's -------------------------------------------------
+    @cached_property
+    def _setup_devices(self) -> torch.device:
+        """The device of this process as Lightning will use it (no accelerate state is created)."""
+        self.distributed_state = None
+        if hasattr(self.accelerator_config, "pop"):  # as transformers' setup: accelerate's switch leaves the config
+            self.accelerator_config.pop("use_configured_state", False)
+        device = _device_for(self)
+        self._n_gpu = 1 if device.type == "cuda" else 0
+        return device
+
+    @property
+    def parallel_mode(self) -> ParallelMode:
+        """``DISTRIBUTED`` when several processes train together, else ``NOT_PARALLEL`` (hflight never runs
+        ``torch.nn.DataParallel``)."""
+        return ParallelMode.DISTRIBUTED if self.world_size > 1 else ParallelMode.NOT_PARALLEL
+
+    @property
+    def world_size(self) -> int:
+        """Number of processes: from ``torch.distributed`` once initialised, else ``WORLD_SIZE`` (default 1)."""
+        dist = _initialized_dist()
+        if dist is not None:
+            return dist.get_world_size()
+        return int(os.environ.get("WORLD_SIZE", "1"))
+
+    @property
+    def process_index(self) -> int:
+        """Global rank: ``torch.distributed``, else ``RANK`` (torchrun), else Lightning's node/local ranks."""
+        dist = _initialized_dist()
+        if dist is not None:
+            return dist.get_rank()
+        if "RANK" in os.environ:
+            return int(os.environ["RANK"])
+        per_node = max(1, self.world_size // max(1, self.num_nodes))
+        return int(os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0"))) * per_node + self.local_process_index
+
+    @property
+    def local_process_index(self) -> int:
+        """Rank of this process on its node (``LOCAL_RANK``, set by torchrun and Lightning; default 0)."""
+        return int(os.environ.get("LOCAL_RANK", "0"))
+
+    @contextlib.contextmanager
+    def main_process_first(self, local: bool = True, desc: str = "work"):
+        """Run the body on the main process first, then on the replicas (a no-op outside ``torch.distributed``).
+
+        Args:
+            local: main process of each node (True) or of the whole job (False).
+            desc: a description of the work, for debug logs.
+        """
+        dist = _initialized_dist()
+        if dist is None or self.world_size <= 1:
+            yield
+            return
+        is_main = (self.local_process_index if local else self.process_index) == 0
+        try:
+            if not is_main:
+                logger.debug(f"{self.process_index}: waiting for the main process to perform {desc}")
+                dist.barrier()
+            yield
+        finally:
+            if is_main:
+                dist.barrier()
+
+    # ---- conversions -----------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """transformers' ``to_dict`` (enums as values, tokens hidden); Lightning objects by their class name."""
+        d = super().to_dict()
+        for name in ("accelerator", "strategy"):
+            if name in d and not isinstance(d[name], str):
+                d[name] = type(d[name]).__name__
+        return d
+
+    def __str__(self) -> str:
+        shown = {k: f"<{k.upper()}>" if k.endswith("_token") else v for k, v in self.to_dict().items()}
+        return f"{type(self).__name__}(\n" + "".join(f"{k}={v},\n" for k, v in sorted(shown.items())) + ")"
+
+    __repr__ = __str__
+
+    def to_transformers(self) -> HFTrainingArguments:
+        """These arguments as a plain ``transformers.TrainingArguments`` (what ``training_args.bin`` holds, so that
+        the file loads without hflight): transformers' fields only, values as they are, no ``__post_init__`` rerun
+        (it would set up devices)."""
+        plain = HFTrainingArguments.__new__(HFTrainingArguments)
+        for f in dataclasses.fields(HFTrainingArguments):
+            setattr(plain, f.name, getattr(self, f.name))
+        for name in ("mixed_precision", "fsdp_plugin_args", "deepspeed_plugin", "hf_deepspeed_config"):
+            if name in vars(self):
+                setattr(plain, name, vars(self)[name])
+        return plain
+
+    @classmethod
+    def from_hf(cls, hf_args: HFTrainingArguments) -> TrainingArguments:
+        """hflight arguments from a ``transformers.TrainingArguments`` (or a subclass): every field copied, the
+        Lightning fields at their defaults (``use_cpu=True`` gives ``accelerator="cpu"``). Fields of a transformers
+        subclass (e.g. ``Seq2SeqTrainingArguments.predict_with_generate``) are kept as attributes.
+
+        Raises:
+            TypeError: ``hf_args`` is not a transformers ``TrainingArguments``.
+            ValueError: a field hflight cannot honour is set (see :data:`UNSUPPORTED`; all such fields are named).
+        """
+        if not isinstance(hf_args, HFTrainingArguments) or isinstance(hf_args, TrainingArguments):
+            raise TypeError(f"from_hf expects a transformers.TrainingArguments, got {type(hf_args).__name__}")
+        values, others = field_values(cls, hf_args)
+        args = cls(**values)
+        for name, value in others.items():
+            setattr(args, name, value)
+        return args
+
+    @classmethod
+    def from_args(cls, args: TrainingArguments | None, owner: str) -> TrainingArguments:
+        """``args`` as this class, for a trainer with its own arguments class (``IPUTrainer``, ``ORTTrainer``): None
+        gives the defaults, an instance of this class is used as it is, other hflight or transformers
+        ``TrainingArguments`` are copied field by field (the new class's own fields get their defaults).
+
+        Raises:
+            TypeError: ``args`` is no ``TrainingArguments`` (``owner`` names the trainer).
+        """
+        if args is None:
+            return cls()
+        if isinstance(args, cls):
+            return args
+        if isinstance(args, HFTrainingArguments):
+            return cls(**field_values(cls, args)[0])
+        raise TypeError(f"{owner}: args must be {cls.__name__} or TrainingArguments, got {type(args).__name__}")
+
+    @classmethod
+    def from_config(cls, node: Any) -> TrainingArguments:
+        """The arguments from a composed Hydra ``args`` node (or any mapping of field names)."""
+        values = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+        return cls(**values)
+
+
+# ---------------------------------------------------------------------- what hflight adds around __post_init__
+
+
+# Choice tables: field -> (transformers enum or None, function returning the valid values).
+@functools.cache
+def _values(enum_cls: type[Enum]) -> tuple[str, ...]:
+    return tuple(member.value for member in enum_cls)
+
+
+_CHOICES: dict[str, tuple[type | None, Callable[[], tuple[str, ...]]]] = {
+    "lr_scheduler_type": (SchedulerType, lambda: _values(SchedulerType)),
+    "optim": (OptimizerNames, supported_optimizers),
+    "logging_strategy": (IntervalStrategy, lambda: _values(IntervalStrategy)),
+    "eval_strategy": (IntervalStrategy, lambda: _values(IntervalStrategy)),
+    "save_strategy": (SaveStrategy, lambda: _values(SaveStrategy)),
+    "hub_strategy": (HubStrategy, lambda: _values(HubStrategy)),
+    "train_sampling_strategy": (None, lambda: SUPPORTED_TRAIN_SAMPLING_STRATEGIES),
+    "include_num_input_tokens_seen": (None, lambda: ("all", "non_padding", "no")),
+    "log_level": (None, lambda: _LOG_LEVELS),
+    "log_level_replica": (None, lambda: _LOG_LEVELS),
+    "accelerator": (None, supported_accelerators),
+    "strategy": (None, supported_strategies),
+}
+
+_LOG_LEVELS = tuple(trainer_log_levels)
+
+# Lower bounds: field -> (smallest valid value, wording for the error).
+_LOWER_BOUNDS: dict[str, tuple[float, str]] = {
+    "per_device_train_batch_size": (1, "a positive integer"),
+    "per_device_eval_batch_size": (1, "a positive integer"),
+    "gradient_accumulation_steps": (1, "a positive integer"),
+    "eval_accumulation_steps": (1, "a positive integer or None"),
+    "warmup_steps": (0, ">= 0 (an int, or a float in [0, 1) for a ratio)"),
+    "num_nodes": (1, "a positive integer"),
+    "dataloader_num_workers": (0, ">= 0"),
+}
+
+
+@functools.cache
+def _extra_types() -> dict[str, tuple[type, ...]]:
+    """Runtime values a field accepts beyond its annotation: Lightning's device forms, and the normal forms
+    transformers' own ``__post_init__`` leaves behind (so arguments built from another instance's values pass)."""
+    extra: dict[str, tuple[type, ...]] = {"devices": (int, list, tuple), "debug": (type(None),), "fsdp": (bool, list)}
+    with contextlib.suppress(ImportError):
+        from transformers.trainer_pt_utils import AcceleratorConfig
+
+        extra["accelerator_config"] = (AcceleratorConfig,)
+    return extra
+
+
+def _coerce_field_types(args: TrainingArguments) -> None:
+    """Every init field converted to its annotation (command-line strings, OmegaConf containers), else a
+    ``TypeError`` naming the field, the expected type and the value. Values whose type the annotation names as it
+    is (the common case) are taken without conversion."""
+    hints = _type_hints(type(args))
+    values = vars(args)
+    for name, exact in _exact_types(type(args)).items():
+        value = values[name]
+        if type(value) not in exact:
+            setattr(args, name, _check_type(name, value, hints[name]))
+
+
+@functools.cache
+def _exact_types(cls: type) -> dict[str, frozenset[type]]:
+    """Init field -> the value types its annotation accepts without conversion (containers excluded: their items
+    are checked)."""
+    hints = _type_hints(cls)
+    return {f.name: frozenset(_plain_members(hints[f.name])) for f in dataclasses.fields(cls) if f.init}
+
+
+def _plain_members(hint: Any) -> list[type]:
+    members = typing.get_args(hint) if _is_union(hint) else (hint,)
+    plain = [m for m in members if isinstance(m, type) and typing.get_origin(m) is None and m not in (list, dict)]
+    return plain + ([int] if float in plain else [])  # an int is a valid float, as transformers takes it
+
+
+def _normalise_hflight_values(args: TrainingArguments) -> None:
+    """Normal forms transformers leaves alone: booleans as strings, JSON dict strings checked, ``devices``."""
+    if isinstance(args.include_num_input_tokens_seen, str) and args.include_num_input_tokens_seen.lower() in (
+        "true",
+        "false",
+    ):
+        args.include_num_input_tokens_seen = args.include_num_input_tokens_seen.lower() == "true"
+    for name in _JSON_ONLY_DICT_FIELDS:
+        value = getattr(args, name)
+        if isinstance(value, str):
+            setattr(args, name, _parse_json_dict(name, value))
+    if isinstance(args.report_to, str) and "," in args.report_to:
+        args.report_to = [name.strip() for name in args.report_to.split(",") if name.strip()]
+    if args.report_to is None:
+        args.report_to = "none"
+    args.devices = _normalize_devices(args.devices)
+    if isinstance(args.warmup_steps, float) and args.warmup_steps >= 1 and args.warmup_steps.is_integer():
+        args.warmup_steps = int(args.warmup_steps)
+    if args.use_cpu and args.accelerator == "auto":
+        args.accelerator = "cpu"
+
+
+def _check_lower_bounds(args: TrainingArguments) -> None:
+    for name, (lower, description) in _LOWER_BOUNDS.items():
+        value = getattr(args, name)
+        if value is not None and value < lower:
+            raise ValueError(f"{name} must be {description}, got {value!r}")
+
+
+def _check_choice(name: str, value: Any, enum_cls: type | None, choices: tuple[str, ...]) -> Any:
+    """``value`` as a member of ``enum_cls`` (or the plain string); an unknown value raises ``ValueError``."""
+    if not isinstance(value, str):  # a Lightning Accelerator/Strategy instance, or a boolean token count
+        return value
+    lookup = _choice_lookup(enum_cls, choices)
+    key = value.value if isinstance(value, Enum) else value
+    if key not in lookup:
+        raise ValueError(f"Unknown {name} {key!r}; valid choices are: {', '.join(choices)}")
+    return lookup[key]
+
+
+@functools.cache
+def _choice_lookup(enum_cls: type | None, choices: tuple[str, ...]) -> dict[str, Any]:
+    """Accepted spelling -> value: the choices, and for an enum its members under their values and the names
+    OmegaConf writes for enums ("IntervalStrategy.STEPS", "STEPS")."""
+    lookup: dict[str, Any] = {c: c for c in choices}
+    if enum_cls is not None:
+        for member in enum_cls:
+            if member.value in lookup:
+                for key in (member.value, member.name, f"{enum_cls.__name__}.{member.name}"):
+                    lookup[key] = member
+    return lookup
+
+
+def _default_accelerator_config(args: TrainingArguments) -> bool:
+    value = args.accelerator_config
+    if value is None:
+        return True
+
+    # transformers' device setup pops `use_configured_state` (an accelerate-only switch) from the config.
+    return _without_configured_state(value) == _default_accelerator_settings()
+
+
+def _without_configured_state(config: Any) -> dict[str, Any]:
+    return {k: v for k, v in config.to_dict().items() if k != "use_configured_state"}
+
+
+@functools.cache
+def _default_accelerator_settings() -> dict[str, Any]:
+    from transformers.trainer_pt_utils import AcceleratorConfig
+
+    return _without_configured_state(AcceleratorConfig())
+
+
+#: transformers fields that have no Lightning equivalent: field -> (still at its default?, what to do instead). Set to
+#: anything else, they raise ``ValueError`` (all named at once) when the arguments are built.
+UNSUPPORTED: dict[str, tuple[Callable[[TrainingArguments], bool], str]] = {
+    "optim_target_modules": (
+        lambda a: a.optim_target_modules is None,
+        f"it only configures GaLore/APOLLO-style optimizers, and hflight builds {', '.join(SUPPORTED_OPTIMIZERS)}",
+    ),
+    "use_liger_kernel": (
+        lambda a: not a.use_liger_kernel,
+        "apply Liger kernels to the model before creating the Trainer (liger_kernel.transformers)",
+    ),
+    "liger_kernel_config": (lambda a: a.liger_kernel_config is None, "see use_liger_kernel"),
+    "accelerator_config": (
+        _default_accelerator_config,
+        "hflight has no accelerate Accelerator: batches are split and dispatched by Lightning's strategy "
+        "(set `strategy`/`devices`)",
+    ),
+    "parallelism_config": (
+        lambda a: a.parallelism_config is None,
+        "choose a Lightning strategy instead (strategy='fsdp', 'deepspeed', or a ModelParallelStrategy object)",
+    ),
+    "debug": (
+        lambda a: DebugOption.TPU_METRICS_DEBUG not in a.debug,
+        "tpu_metrics_debug prints torch_xla metrics, which only exist on TPUs; 'underflow_overflow' is supported",
+    ),
+}
+
+
+def _reject_unsupported(args: TrainingArguments) -> None:
+    """A ``ValueError`` naming every :data:`UNSUPPORTED` field set to a non-default value, and conflicting settings."""
+    found = [
+        f"{name}={getattr(args, name)!r} ({advice})"
+        for name, (default, advice) in UNSUPPORTED.items()
+        if not default(args)
+    ]
+    if found:
+        raise ValueError(
+            f"{type(args).__name__} sets fields that have no equivalent on Lightning: {'; '.join(found)}. Leave them "
+            "at their defaults to train with hflight."
+        )
+    if args.use_cpu and args.accelerator not in ("cpu",):
+        raise ValueError(f"use_cpu=True contradicts accelerator={args.accelerator!r}: set one of them.")
+    chosen = [name for name in ("fsdp", "deepspeed") if getattr(args, name)]
+    if len(chosen) > 1 or (chosen and args.strategy != "auto"):
+        raise ValueError(
+            f"{' and '.join(chosen)} and strategy={args.strategy!r} each choose the Lightning strategy: set only one."
+        )
+
+
+# ---------------------------------------------------------------------- devices
+
+
+def _resolved_device_type(args: TrainingArguments) -> str:
+    """The device type Lightning will pick for ``args.accelerator`` ("auto": CUDA, else MPS, else CPU)."""
+    accelerator = args.accelerator
+    if not isinstance(accelerator, str):
+        name = type(accelerator).__name__.lower()
+        accelerator = next((kind for kind in ("cuda", "mps", "cpu") if kind in name), "auto")
+    if accelerator == "auto":
+        return _auto_device_type()
+    return {"gpu": "cuda", "cuda": "cuda", "mps": "mps"}.get(accelerator, "cpu")
+
+
+@functools.cache
+def _auto_device_type() -> str:
+    """What Lightning's ``accelerator="auto"`` picks on this machine: CUDA, else MPS, else the CPU."""
+    if torch.cuda.is_available():
+        return "cuda"
+    return "mps" if torch.backends.mps.is_available() else "cpu"
+
+
+def _device_for(args: TrainingArguments) -> torch.device:
+    """This process's device: its local rank's GPU (among ``devices`` when they are indices), else MPS or the CPU
+    (also for accelerators whose model lives on the host between calls, such as the IPU)."""
+    kind = "cpu" if args.use_cpu else _resolved_device_type(args)
+    if kind != "cuda":
+        return torch.device(kind)
+    devices, local_rank = args.devices, args.local_process_index
+    if isinstance(devices, str) and "," in devices:
+        devices = [int(d) for d in devices.split(",") if d.strip()]
+    index = devices[local_rank] if isinstance(devices, list) and local_rank < len(devices) else local_rank
+    return torch.device("cuda", index)
+
+
+def _initialized_dist() -> Any:
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _normalize_devices(value: Any) -> Any:
+    """``"2"`` -> 2 and ``"-1"`` -> -1 for Lightning; "auto", "0,1", ints and lists stay as they are."""
+    if isinstance(value, str):
+        text = value.strip()
+        return int(text) if text.lstrip("-").isdigit() else text
+    return list(value) if isinstance(value, tuple) else value
+
+
+# ---------------------------------------------------------------------- types
+
+
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+_INVALID = object()
+_NONE = type(None)
+
+
+def _is_union(hint: Any) -> bool:
+    return typing.get_origin(hint) in (Union, types.UnionType)
+
+
+def _describe(hint: Any) -> str:
+    """A readable name for a type hint: ``float``, ``int or None``, ``list[str]``."""
+    if _is_union(hint):
+        return " or ".join(_describe(a) for a in typing.get_args(hint))
+    origin = typing.get_origin(hint)
+    if origin is typing.Literal:
+        return " or ".join(repr(a) for a in typing.get_args(hint))
+    if origin is not None:
+        return f"{origin.__name__}[{', '.join(_describe(a) for a in typing.get_args(hint))}]"
+    return "None" if hint is _NONE else getattr(hint, "__name__", str(hint))
+
+
+def _check_type(name: str, value: Any, hint: Any) -> Any:
+    """``value`` checked against ``hint`` (numeric and boolean strings converted), else a ``TypeError``."""
+    if isinstance(value, (DictConfig, ListConfig)):
+        value = OmegaConf.to_container(value, resolve=True)
+    extra = _extra_types().get(name, ())
+    if name in ("accelerator", "strategy") and not isinstance(value, str):
+        extra = _lightning_object_types(name)
+    if extra and isinstance(value, extra) and (bool in extra or not isinstance(value, bool)):
+        return list(value) if isinstance(value, tuple) else value
+    converted = _convert(value, hint)
+    if converted is _INVALID:
+        expected = " or ".join([_describe(hint), *(t.__name__ for t in extra)])
+        raise TypeError(f"TrainingArguments.{name} expects {expected}, got {value!r} ({type(value).__name__})")
+    return converted
+
+
+def _convert(value: Any, hint: Any) -> Any:
+    """``value`` as ``hint`` (a union tries its members in order, exact matches first), or ``_INVALID``."""
+    if _is_union(hint):
+        members = typing.get_args(hint)
+        if value is None:
+            return None if _NONE in members else _INVALID
+        exact = [m for m in members if isinstance(m, type) and m is not _NONE and type(value) is m]
+        for member in [*exact, *(m for m in members if m is not _NONE and m not in exact)]:
+            converted = _convert(value, member)
+            if converted is not _INVALID:
+                return converted
+        return _INVALID
+    origin, hint_args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return value
+    if origin is typing.Literal:
+        return value if value in hint_args else _INVALID
+    if origin is list or hint is list:
+        return _convert_list(value, hint_args[0] if hint_args else Any)
+    if origin is dict or hint is dict:
+        return dict(value) if isinstance(value, dict) else _INVALID
+    if hint in _SCALAR_CONVERTERS:
+        return _SCALAR_CONVERTERS[hint](value)
+    if isinstance(hint, type) and issubclass(hint, Enum):
+        return _to_enum(value, hint)
+    if isinstance(hint, type):
+        return value if isinstance(value, hint) else _INVALID
+    return value
+
+
+def _convert_list(value: Any, item_hint: Any) -> Any:
+    if not isinstance(value, (list, tuple)):
+        return _INVALID
+    items = [_convert(v, item_hint) for v in value]
+    return _INVALID if any(i is _INVALID for i in items) else items
+
+
+def _to_enum(value: Any, enum_cls: type[Enum]) -> Any:
+    try:
+        return enum_cls(value)
+    except ValueError:
+        return _INVALID
+
+
+def _to_bool(value: Any) -> Any:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in _TRUE_STRINGS + _FALSE_STRINGS:
+        return value.lower() in _TRUE_STRINGS
+    return _INVALID
+
+
+def _to_int(value: Any) -> Any:
+    if isinstance(value, str):
+        value = _number(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return _INVALID
+    return int(value) if float(value).is_integer() else _INVALID
+
+
+def _to_float(value: Any) -> Any:
+    if isinstance(value, str):
+        value = _number(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return _INVALID
+    return value if isinstance(value, (int, float)) else float(value)
+
+
+_SCALAR_CONVERTERS: dict[type, Callable[[Any], Any]] = {
+    bool: _to_bool,
+    int: _to_int,
+    float: _to_float,
+    str: lambda value: value if isinstance(value, str) else _INVALID,
+}
+
+
+def _number(text: str) -> Any:
+    """``"8"`` -> 8, ``"1e-3"`` -> 0.001; anything else unchanged (and then rejected)."""
+    for parse in (int, float):
+        try:
+            return parse(text.strip())
+        except ValueError:
+            pass
+    return text
+
+
+def _lightning_object_types(name: str) -> tuple[type, ...]:
+    """Lightning ``Accelerator``/``Strategy`` instances are accepted in place of their names."""
+    if name == "accelerator":
+        from lightning.pytorch.accelerators import Accelerator
+
+        return (Accelerator,)
+    from lightning.pytorch.strategies import Strategy
+
+    return (Strategy,)
+
+
+def _parse_json_dict(name: str, text: str) -> dict[str, Any]:
+    """A JSON object string as a dict, with string values converted as transformers does."""
+    from transformers.training_args import _convert_str_dict
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise TypeError(f"TrainingArguments.{name} expects a dict or a JSON object string, got {text!r}") from err
+    if not isinstance(value, dict):
+        raise TypeError(f"TrainingArguments.{name} expects a dict or a JSON object string, got {text!r}")
+    return _convert_str_dict(value)
+
+
+def field_values(cls: type, source: HFTrainingArguments) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The init fields of ``source`` split into those ``cls`` has (containers copied, ready for ``cls(**...)``) and
+    the others (fields of a ``source`` subclass)."""
+    ours = {f.name for f in dataclasses.fields(cls) if f.init}
+    theirs = {f.name: getattr(source, f.name) for f in dataclasses.fields(source) if f.init}
+    values = {name: _copied(value) for name, value in theirs.items() if name in ours}
+    return values, {name: value for name, value in theirs.items() if name not in ours}
+
+
+def _copied(value: Any) -> Any:
+    """Containers copied (so two argument objects never share a list or dict); other values as they are."""
+    if isinstance(value, list):
+        return list(value)
+    if isinstance(value, dict):
+        return dict(value)
+    return value
+
+
+# ---------------------------------------------------------------------- entry points for other code
+
+
+def coerce_training_args(args: Any) -> TrainingArguments:
+    """hflight ``TrainingArguments`` from ``args``: ours unchanged, a transformers one converted, None as default.
+
+    Raises:
+        TypeError: ``args`` is neither of these.
+        ValueError: a transformers instance sets fields hflight cannot honour (see ``TrainingArguments.from_hf``).
+    """
+    if isinstance(args, TrainingArguments):
+        return args
+    if args is None:
+        logger.info("No `TrainingArguments` passed, using `output_dir=tmp_trainer`.")
+        return TrainingArguments(output_dir="tmp_trainer")
+    if isinstance(args, HFTrainingArguments):
+        return TrainingArguments.from_hf(args)
+    raise TypeError(
+        "args must be an hflight.TrainingArguments, a transformers.TrainingArguments or None, "
+        f"got {type(args).__name__}"
+    )
+
+
+def register_parser_types(parser: Any) -> Any:
+    """Kept for scripts written against hflight 0.1: transformers' ``HfArgumentParser`` now parses every field of
+    :class:`TrainingArguments` itself (dict fields take a JSON object string). Returns ``parser``."""
+    return parser
+
+
+def _schema_type(hint: Any) -> Any:
+    """An OmegaConf-friendly type for a transformers field type: scalars stay, ``X | None`` becomes
+    ``Optional[X]``, enum-or-string becomes ``str``, containers and mixed unions ``Any``."""
+    optional = _is_union(hint) and _NONE in typing.get_args(hint)
+    members = [m for m in (typing.get_args(hint) if _is_union(hint) else (hint,)) if m is not _NONE]
+    if len(members) == 1 and members[0] in _SCALAR_CONVERTERS:
+        simple = members[0]
+    elif str in members and all(m is str or (isinstance(m, type) and issubclass(m, Enum)) for m in members):
+        simple = str
+    elif typing.get_origin(hint) is list and typing.get_args(hint) == (str,):
+        return list[str]
+    else:
+        return Any
+    return Optional[simple] if optional else simple  # noqa: UP045 - OmegaConf reads typing.Optional
+
+
+def _schema_default(f: dataclasses.Field) -> Any:
+    if f.default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=f.default_factory)
+    default = f.default.value if isinstance(f.default, Enum) else f.default
+    return dataclasses.field(default=default)
+
+
+@functools.cache
+def config_schema(cls: type[TrainingArguments] = TrainingArguments) -> type:
+    """A dataclass with the fields of ``cls`` (names, defaults) typed for OmegaConf: Hydra's ``schema/args``.
+
+    A misspelt key or a wrongly typed scalar fails while the config is composed; the values are checked again, with
+    transformers' rules, when :meth:`TrainingArguments.from_config` builds the arguments.
+    """
+    hints = _type_hints(cls)
+    fields = [(f.name, _schema_type(hints[f.name]), _schema_default(f)) for f in dataclasses.fields(cls) if f.init]
+    # Named like the class, so that composition errors read "Key 'learnin_rate' not in 'TrainingArguments'".
+    schema = dataclasses.make_dataclass(cls.__name__, fields)
+    schema.__module__ = __name__
+    schema.__qualname__ = f"config_schema.<{cls.__name__}>"
+    return schema
+
+
+# hflight's accelerators and strategies ("ipu", "ort") must be in Lightning's registries before any arguments name them.
+register_backends()

@@ -1,0 +1,436 @@
+"""``checkpoint-N`` folders: HF-loadable model files plus everything needed to continue exactly, written so that a
+checkpoint is complete or does not exist, and removed so that no reader ever sees one half-deleted.
+
+Writing (:func:`save_checkpoint`): every file goes into ``.tmp-checkpoint-N``; ``checkpoint_manifest.json`` (each
+file with its size and checksum, and the arguments that fix the data position; see ``hflight.manifest``) is written
+last; then the folder is renamed to ``checkpoint-N``. Re-saving an existing ``checkpoint-N`` moves the old folder
+aside (``.tmp-checkpoint-N.replaced``), renames the new one in and only then deletes the old one. Removing a
+checkpoint (rotation, the end of training) renames it aside (``.tmp-checkpoint-N.deleting``) before deleting
+anything in it. A process killed at any point therefore leaves ``checkpoint-N`` either complete (old or new) or
+absent, never partial; leftover ``.tmp-checkpoint-*`` folders are removed when the next training starts
+(:func:`remove_stale_folders`). A write that fails (full disk, permissions, I/O) raises one
+:class:`CheckpointWriteError` naming the folder, the file and the cause, and leaves the earlier checkpoints as they
+were.
+
+Reading is ``hflight.manifest``'s (:func:`verify_checkpoint`, :func:`get_last_checkpoint`, re-exported here).
+
+Folder contents, the names transformers uses, so folders written by either trainer resume in both:
+
+- ``model.safetensors`` (or shards and ``model.safetensors.index.json``) + ``config.json`` (``save_pretrained``),
+  the processing class files, ``training_args.bin`` (written for transformers; hflight never loads it)
+- ``trainer_state.json`` (``transformers.TrainerState.load_from_json`` reads it)
+- ``optimizer.pt``, ``scheduler.pt``, ``scaler.pt`` (mixed precision), ``rng_state.pth`` (``rng_state_{rank}.pth``
+  with several processes); none of them with ``save_only_model``
+- ``checkpoint_manifest.json`` (hflight's own)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import math
+import os
+import random
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers.trainer_callback import ExportableState, TrainerState
+from transformers.trainer_utils import SaveStrategy, sort_checkpoints
+from transformers.utils import logging as hf_logging
+
+from hflight._util import exception_chain
+from hflight.checkpoints.manifest import (
+    CHECKPOINT_RE,
+    MANIFEST_FORMAT,
+    MANIFEST_NAME,
+    MANIFEST_VERSION,
+    PREFIX,
+    TMP_PREFIX,
+    TRAINER_STATE_NAME,
+    WEIGHT_FILES,
+    Checksums,
+    IncompleteCheckpointError,
+    get_last_checkpoint,
+    read_manifest,
+    verify_checkpoint,
+    write_manifest,
+)
+from hflight.surface import RunView, TrainerSurface
+
+logger = logging.getLogger(__name__)
+_hf_logger = hf_logging.get_logger("transformers.trainer")  # transformers' own console line, as its Trainer writes it
+
+__all__ = [
+    "CHECKPOINT_RE", "MANIFEST_FORMAT", "MANIFEST_NAME", "MANIFEST_VERSION", "PREFIX", "TMP_PREFIX",
+    "TRAINER_STATE_NAME", "WEIGHT_FILES", "CheckpointWriteError", "IncompleteCheckpointError", "get_last_checkpoint",
+    "read_manifest", "remove_checkpoint", "save_checkpoint", "verify_checkpoint", "write_manifest",
+]  # fmt: skip
+
+REPLACED_SUFFIX = ".replaced"
+DELETING_SUFFIX = ".deleting"
+OPTIMIZER_NAME, SCHEDULER_NAME, SCALER_NAME = "optimizer.pt", "scheduler.pt", "scaler.pt"
+# The arguments that decide which examples a resumed run sees next and how global steps map onto batches.
+RUN_ARGUMENTS = (
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "world_size",
+    "seed",
+    "data_seed",
+    "train_sampling_strategy",
+    "dataloader_drop_last",
+    "num_examples",
+)
+
+
+# ---- removing ------------------------------------------------------------------------------------------------------
+def _saving_checkpoint(folder: str) -> None:
+    _hf_logger.info(f"Saving model checkpoint to {folder}")
+
+
+def remove_checkpoint(folder: str | os.PathLike) -> None:
+    """Delete a checkpoint folder so that no reader sees it half-deleted: it leaves its ``checkpoint-N`` name
+    (renamed to ``.tmp-checkpoint-N.deleting``) before anything in it is deleted."""
+    folder = Path(folder)
+    aside = folder.with_name(f"{TMP_PREFIX}{folder.name}{DELETING_SUFFIX}")
+    shutil.rmtree(aside, ignore_errors=True)  # left by a deletion that was interrupted
+    try:
+        os.replace(folder, aside)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def remove_stale_folders(output_dir: str | os.PathLike, keep: str | None = None) -> list[str]:
+    """Delete the ``.tmp-checkpoint-*`` folders an interrupted save or deletion left in ``output_dir`` (except
+    ``keep``)."""
+    folder = Path(output_dir)
+    if not folder.is_dir():
+        return []
+    removed = []
+    keep_path = Path(keep).resolve() if keep else None
+    for path in sorted(folder.glob(f"{TMP_PREFIX}{PREFIX}-*")):
+        if path.is_dir() and path.resolve() != keep_path:
+            shutil.rmtree(path, ignore_errors=True)
+            logger.warning(f"Removed {path}: left behind by a checkpoint save or deletion that was interrupted.")
+            removed.append(str(path))
+    return removed
+
+
+def rotate_checkpoints(output_dir: str, save_total_limit: int | None, best_model_checkpoint: str | None) -> None:
+    """transformers' rotation (keep at most ``save_total_limit`` checkpoints, never the newest nor the best),
+    removing each folder with :func:`remove_checkpoint`."""
+    if save_total_limit is None or save_total_limit <= 0:
+        return
+    checkpoints = sort_checkpoints(output_dir, PREFIX, use_mtime=False)
+    if len(checkpoints) <= save_total_limit:
+        return
+    protected = {os.path.realpath(checkpoints[-1])}  # the newest, to resume from
+    if best_model_checkpoint is not None:
+        protected.add(os.path.realpath(best_model_checkpoint))
+    remaining = len(checkpoints)
+    for folder in checkpoints:
+        if remaining <= max(save_total_limit, len(protected)):
+            break
+        if os.path.realpath(folder) not in protected:
+            remove_checkpoint(folder)
+            remaining -= 1
+
+
+# ---- write errors --------------------------------------------------------------------------------------------------
+class CheckpointWriteError(OSError):
+    """Writing a checkpoint (or the model) failed: the message names the folder, the file and the cause."""
+
+
+# What an error's text says when it carries no errno (safetensors' Rust errors, torch's C++ writer).
+_CAUSE_TEXTS = (
+    ("No space left on device", "no space left on device"),
+    ("StorageFull", "no space left on device"),
+    ("Disk quota exceeded", "disk quota exceeded"),
+    ("Permission denied", "permission denied"),
+    ("Read-only file system", "read-only file system"),
+    ("Input/output error", "input/output error"),
+)
+# torch's zip writer reports a failed write as "[enforce fail at inline_container.cc:...] unexpected pos ..." or
+# "basic_ios::clear: iostream error", without the operating system's reason.
+_WRITE_FAILURE = re.compile(r"inline_container|iostream|PytorchStreamWriter|file write failed|I/O error|IoError")
+_NEARLY_FULL = 1 << 20
+
+
+def _existing_dir(path: str) -> str:
+    while path and not os.path.isdir(path):
+        path = os.path.dirname(path)
+    return path or "."
+
+
+def write_failure_cause(exc: BaseException, folder: str) -> str | None:
+    """Why writing into ``folder`` failed ("no space left on device", "permission denied", ...), or None when
+    ``exc`` is not a write failure (a bug elsewhere is not disguised as one)."""
+    chain = list(exception_chain(exc))
+    code = next((e.errno for e in chain if isinstance(e, OSError) and e.errno), None)
+    if code is not None:
+        return os.strerror(code).lower()
+    text = " ".join(str(e) for e in chain)
+    cause = next((cause for marker, cause in _CAUSE_TEXTS if marker in text), None)
+    if cause is not None:
+        return cause
+    if not any(isinstance(e, OSError) for e in chain) and not _WRITE_FAILURE.search(text):
+        return None
+    where = _existing_dir(folder)
+    if shutil.disk_usage(where).free < _NEARLY_FULL:
+        return os.strerror(errno.ENOSPC).lower()
+    if not os.access(where, os.W_OK):
+        return os.strerror(errno.EACCES).lower()
+    first_line = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    return f"I/O error ({type(exc).__name__}: {first_line})"
+
+
+class WriteTracker:
+    """The file being written into ``folder`` (None: whichever ``save_pretrained`` was writing, found afterwards)."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self.file: str | None = None
+
+    def failed_file(self, exc: BaseException) -> str:
+        named = next((e.filename for e in exception_chain(exc) if isinstance(e, OSError) and e.filename), None)
+        if named:
+            return os.path.relpath(os.fspath(named), self.folder) if os.path.isabs(os.fspath(named)) else named
+        if self.file is not None:
+            return self.file
+        written = [p for p in Path(self.folder).rglob("*") if p.is_file()] if os.path.isdir(self.folder) else []
+        if not written:
+            return "its first file"
+        return max(written, key=lambda p: p.stat().st_mtime_ns).relative_to(self.folder).as_posix()
+
+
+@contextlib.contextmanager
+def writing(folder: str, what: str, discard: bool) -> Iterator[WriteTracker]:
+    """Turn a failed write into ``folder`` into one :class:`CheckpointWriteError` naming ``what`` (the checkpoint or
+    model being saved), the file and the cause; ``discard``: delete the unfinished ``folder`` first."""
+    tracker = WriteTracker(folder)
+    try:
+        yield tracker
+    except Exception as exc:
+        cause = write_failure_cause(exc, folder)
+        if cause is None:
+            raise
+        file = tracker.failed_file(exc)
+        if discard:
+            shutil.rmtree(folder, ignore_errors=True)
+        after = (
+            f" The unfinished folder was removed; the checkpoints already in {os.path.dirname(folder) or '.'} are "
+            "unchanged."
+            if discard
+            else ""
+        )
+        raise CheckpointWriteError(f"Could not save {what}: writing {file} failed: {cause}.{after}") from exc
+
+
+# ---- writing -------------------------------------------------------------------------------------------------------
+def save_model_files(
+    model: torch.nn.Module, processing_class: Any, output_dir: str, args: Any, state_dict: dict | None = None
+) -> None:
+    """The body of ``Trainer._save``: ``save_pretrained`` (safetensors) for transformers models, a bare safetensors
+    state dict otherwise (``state_dict``: the weights to write instead of the model's own), the processing class and
+    ``training_args.bin``."""
+    os.makedirs(output_dir, exist_ok=True)
+    if hasattr(model, "save_pretrained"):
+        model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
+    else:
+        from safetensors.torch import save_file
+
+        state = {k: v.contiguous() for k, v in (state_dict or model.state_dict()).items()}
+        save_file(state, os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})
+    if processing_class is not None and hasattr(processing_class, "save_pretrained"):
+        processing_class.save_pretrained(output_dir)
+    torch.save(args.to_transformers(), os.path.join(output_dir, "training_args.bin"))
+
+
+def save_model(facade: TrainerSurface, output_dir: str, backend: Any) -> None:
+    """``Trainer.save_model``: the host weights made current (``backend``: the strategy's hooks), then, on the main
+    process, the model files and the backend's own files (a failed write raises :class:`CheckpointWriteError`)."""
+    backend.hf_sync_to_host()
+    if facade.args.should_save:
+        _saving_checkpoint(output_dir)
+        with writing(output_dir, f"the model in {output_dir}", discard=False):
+            facade._save(output_dir)
+            backend.hf_save_files(output_dir)
+
+
+def _rng_states() -> dict[str, Any]:
+    states = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.random.get_rng_state_all()
+    return states
+
+
+def rng_file_name(world_size: int, rank: int) -> str:
+    return "rng_state.pth" if world_size <= 1 else f"rng_state_{rank}.pth"
+
+
+def run_arguments(args: Any, world_size: int, plan: Any) -> dict[str, Any]:
+    """The values of :data:`RUN_ARGUMENTS` for the running ``train()`` (recorded in the manifest); ``plan`` is the
+    run's ``TrainingPlan`` (None before the fit planned it)."""
+    values = {name: getattr(args, name, None) for name in RUN_ARGUMENTS}
+    strategy = args.train_sampling_strategy
+    values["train_sampling_strategy"] = str(getattr(strategy, "value", strategy))
+    values["world_size"] = world_size
+    values["num_examples"] = plan.num_examples if plan is not None else None
+    return values
+
+
+def save_checkpoint(facade: TrainerSurface, run: RunView) -> str:
+    """Write ``checkpoint-{global_step}`` atomically, update the best checkpoint, rotate old ones.
+
+    Raises:
+        CheckpointWriteError: a write failed (full disk, permissions, I/O); the unfinished folder is removed and the
+            earlier checkpoints are as they were.
+    """
+    args, state, world = facade.args, facade.state, run.world
+    facade.store_flos()
+    run_dir = args.output_dir
+    name = f"{PREFIX}-{state.global_step}"
+    final_dir = os.path.join(run_dir, name)
+    tmp_dir = os.path.join(run_dir, f"{TMP_PREFIX}{name}")
+    is_main = args.should_save  # the main process; with save_on_each_node, the main process of each node
+    if is_main:
+        _saving_checkpoint(final_dir)
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    run.backend.hf_sync_to_host()
+    with writing(tmp_dir, f"checkpoint {final_dir}", discard=is_main) as tracker, Checksums() as checksums:
+        if is_main:
+            os.makedirs(tmp_dir, exist_ok=True)
+        world.barrier()  # the folder exists for every process
+        if not args.save_only_model:
+            # The largest file first: its checksum is computed (in the background) while the model is written.
+            _write_training_state(facade, run, tracker, is_main)
+        if is_main:
+            checksums.add_new(tmp_dir)
+            tracker.file = None  # save_pretrained's files: found afterwards if one fails
+            _write_model_files(facade, run, tmp_dir)
+            checksums.add_new(tmp_dir)
+        _update_best_checkpoint(args, state, run_dir)
+        world.barrier()
+        if is_main:
+            _write_trainer_state(facade, tracker)
+            tracker.file = MANIFEST_NAME
+            run_args = run_arguments(args, world.size, run.plan)
+            write_manifest(tmp_dir, state.global_step, bool(args.save_only_model), run_args, checksums)
+            publish(tmp_dir, final_dir)
+    if is_main:
+        rotate_checkpoints(run_dir, args.save_total_limit, state.best_model_checkpoint)
+    world.barrier()
+    return final_dir
+
+
+def _update_best_checkpoint(args: Any, state: TrainerState, run_dir: str) -> None:
+    if args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) and state.best_global_step:
+        best_dir = os.path.join(run_dir, f"{PREFIX}-{state.best_global_step}")
+        if state.best_global_step == state.global_step or os.path.exists(best_dir):
+            state.best_model_checkpoint = best_dir
+
+
+def _write_model_files(facade: TrainerSurface, run: RunView, folder: str) -> None:
+    """The model (with the weights evaluation uses), the backend's files and the weight-protocol callbacks' files
+    (main process; the host weights are current)."""
+    backend = run.backend
+    with run.evaluation_weights():
+        facade._save(folder)
+    backend.hf_save_files(folder)
+    for callback in run.weight_hooks("save_checkpoint_state"):
+        callback.save_checkpoint_state(folder, facade.model)
+
+
+def _write_training_state(facade: TrainerSurface, run: RunView, tracker: WriteTracker, is_main: bool) -> None:
+    """Optimizer, scheduler and scaler (main process), and this process's RNG states."""
+    files = {}
+    if is_main:
+        files[OPTIMIZER_NAME] = facade.optimizer.state_dict
+        files[SCHEDULER_NAME] = facade.lr_scheduler.state_dict
+        scaler = getattr(run.lightning_trainer.precision_plugin, "scaler", None)
+        if scaler is not None:
+            files[SCALER_NAME] = scaler.state_dict
+    files[rng_file_name(run.world.size, run.world.rank)] = _rng_states
+    for name, state in files.items():
+        tracker.file = name
+        torch.save(state(), os.path.join(tracker.folder, name))
+
+
+def _write_trainer_state(facade: TrainerSurface, tracker: WriteTracker) -> None:
+    """``trainer_state.json``, with the current state of every stateful callback (several instances of one class
+    as a list, in order, as transformers reads them back)."""
+    state = facade.state
+    stateful: dict[str, list[dict[str, Any]]] = {}
+    for callback in facade.callback_handler.callbacks + [facade.control]:
+        if isinstance(callback, ExportableState):
+            stateful.setdefault(type(callback).__name__, []).append(callback.state())
+    # States of callbacks this run does not have stay as they were (transformers keeps them too).
+    state.stateful_callbacks = {
+        **(state.stateful_callbacks or {}),
+        **{name: states[0] if len(states) == 1 else states for name, states in stateful.items()},
+    }
+    tracker.file = TRAINER_STATE_NAME
+    best = state.best_metric
+    if best is not None and not math.isfinite(best):
+        # transformers' starting point (±inf until an evaluation gives a better value) is written as null: a file
+        # holds finite numbers only, and the next evaluation starts from the same point again.
+        state.best_metric = None
+    try:
+        state.save_to_json(os.path.join(tracker.folder, TRAINER_STATE_NAME))
+    finally:
+        state.best_metric = best
+
+
+def publish(tmp_dir: str, final_dir: str) -> None:
+    """Rename the complete ``tmp_dir`` to ``final_dir``; an existing ``final_dir`` is deleted only afterwards."""
+    replaced = os.path.join(os.path.dirname(final_dir), f"{TMP_PREFIX}{os.path.basename(final_dir)}{REPLACED_SUFFIX}")
+    if os.path.exists(final_dir):
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.replace(final_dir, replaced)
+    os.replace(tmp_dir, final_dir)
+    shutil.rmtree(replaced, ignore_errors=True)
+
+
+# ---- best model -------------------------------------------------------------------------------------------------
+def metric_key(key: str, metrics: dict[str, float]) -> str:
+    """``key`` if ``metrics`` has it, else a KeyError listing the metrics there are."""
+    if key not in metrics:
+        raise KeyError(
+            f"The `metric_for_best_model` training argument is set to '{key}', which is not found in the evaluation "
+            f"metrics. The available evaluation metrics are: {list(metrics.keys())}. Consider changing the "
+            "`metric_for_best_model` via the TrainingArguments."
+        )
+    return key
+
+
+def update_best_metric(args: Any, state: TrainerState, metrics: dict[str, float]) -> bool:
+    """HF's ``_determine_best_metric``: track the best value and its step; True if this evaluation is the best."""
+    if args.metric_for_best_model is None:
+        return False
+    key = args.metric_for_best_model
+    key = metric_key(key if key.startswith("eval_") else f"eval_{key}", metrics)
+    value = metrics[key]
+    better = np.greater if args.greater_is_better else np.less
+    if state.best_metric is None:
+        state.best_metric = float("-inf") if args.greater_is_better else float("inf")
+    if better(value, state.best_metric):
+        state.best_metric = value
+        if args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST):
+            state.best_global_step = state.global_step
+        return True
+    return False
+
+
+def finalize_rotation(args: Any, state: TrainerState, is_main: bool) -> None:
+    """With ``save_total_limit=1`` and a best checkpoint, HF keeps only the best one at the end (main process)."""
+    if not (is_main and state.best_model_checkpoint and args.save_total_limit == 1):
+        return
+    for folder in Path(args.output_dir).glob(f"{PREFIX}-*"):
+        if folder.is_dir() and not os.path.samefile(folder, state.best_model_checkpoint):
+            remove_checkpoint(folder)

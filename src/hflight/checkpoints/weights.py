@@ -1,0 +1,208 @@
+"""Loading a checkpoint's weights into a model: everything is checked before anything is copied.
+
+Key names and shapes are compared with the model first (read from the safetensors headers, so no tensor is
+loaded for the check); only when every file, key and shape matches are the weights copied in. A rejected
+checkpoint therefore leaves the model exactly as it was, and the error names the file. Single files
+(``model.safetensors``, ``pytorch_model.bin``) and shards with their index (``model.safetensors.index.json``,
+``pytorch_model.bin.index.json``) are supported, in transformers' order of preference; ``.bin`` files are read with
+``weights_only=True``. Every file is reached through ``hflight.manifest.regular_file``: a shard index naming a path
+outside the folder, a symbolic link leading out of it or a file that is not a regular one is refused before it is
+opened. The tensors then go in through the model's own ``load_state_dict`` (``strict=False``, one shard at a time, as
+transformers loads them), so a model that overrides it is not bypassed.
+
+Keys the file leaves out because the model ties them to another parameter (``save_pretrained`` writes a tied
+decoder weight once, as the embedding) are not missing: a key counts as present when any parameter sharing its
+storage is in the file.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+from hflight.checkpoints.manifest import (
+    WEIGHT_FILES,
+    UnsafeCheckpointFile,
+    read_weight_map,
+    regular_file,
+    weights_in_use,
+)
+
+_MAX_LISTED = 8
+
+
+def _safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        return {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def refused_pickle(path: Path, exc: pickle.UnpicklingError, holds: str) -> UnsafeCheckpointFile:
+    """The error for a file ``torch.load(weights_only=True)`` refused: it names the file and the object, and does
+    not repeat torch's advice to load it with ``weights_only=False``."""
+    unsafe = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+    what = f" (it refers to {unsafe.group(1)})" if unsafe else ""
+    return UnsafeCheckpointFile(
+        f"{path} cannot be loaded safely: it holds objects other than {holds}{what}. hflight never unpickles "
+        "arbitrary objects from a checkpoint."
+    )
+
+
+def _read_bin(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise refused_pickle(path, exc, "tensors") from None
+    if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
+        raise ValueError("it does not hold a state dict of tensors")
+    return state
+
+
+class _Source:
+    """One weights file of a checkpoint: its key shapes (cheap) and its tensors (on demand)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._tensors: dict[str, torch.Tensor] | None = None
+        try:
+            if path.suffix == ".safetensors":
+                self.shapes = _safetensors_shapes(path)
+            else:
+                self._tensors = _read_bin(path)
+                self.shapes = {k: tuple(v.shape) for k, v in self._tensors.items()}
+        except UnsafeCheckpointFile:
+            raise
+        except Exception as exc:  # a truncated or foreign file: say which one
+            raise ValueError(f"Checkpoint weights file {path} is corrupt or unreadable: {exc}") from exc
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        if self._tensors is not None:
+            return self._tensors
+        try:
+            return _read_safetensors(self.path)
+        except Exception as exc:
+            raise ValueError(f"Checkpoint weights file {self.path} is corrupt or unreadable: {exc}") from exc
+
+
+def _weights_file(folder: Path) -> Path:
+    """The weights a load reads (transformers' order of preference); transformers' error text when there are none."""
+    in_use = weights_in_use(folder)
+    if not in_use:
+        raise ValueError(
+            f"Can't find a valid checkpoint at {folder}: no model weights file (looked for {', '.join(WEIGHT_FILES)})."
+        )
+    return folder / in_use[0]
+
+
+def _shard_sources(index_file: Path) -> list[_Source]:
+    weight_map = read_weight_map(index_file)  # shard names checked to lie inside the folder before any is opened
+    shards = sorted(set(weight_map.values()))
+    paths = {shard: regular_file(index_file.parent, shard, str(index_file)) for shard in shards}
+    missing = [shard for shard, path in paths.items() if path is None]
+    if missing:
+        raise ValueError(f"Checkpoint index {index_file} names shard files that are not there: {missing}.")
+    sources = [_Source(path) for path in paths.values()]
+    for shard, source in zip(shards, sources):
+        listed = {k for k, name in weight_map.items() if name == shard}
+        if listed != set(source.shapes):
+            raise ValueError(
+                f"Shard {source.path} does not hold the keys {index_file.name} assigns to it "
+                f"(differing: {sorted(listed ^ set(source.shapes))[:_MAX_LISTED]})."
+            )
+    return sources
+
+
+def _tied_groups(model: torch.nn.Module) -> dict[str, set[str]]:
+    """For each state-dict key, the keys that share its storage (itself included)."""
+    state = model.state_dict(keep_vars=True)
+    by_storage: dict[tuple[int, int], set[str]] = {}
+    for key, tensor in state.items():
+        if tensor.device.type == "meta" or tensor.numel() == 0:
+            by_storage.setdefault((id(tensor), 0), set()).add(key)
+            continue
+        by_storage.setdefault((tensor.untyped_storage().data_ptr(), tensor.storage_offset()), set()).add(key)
+    return {key: group for group in by_storage.values() for key in group}
+
+
+def check_weights(model: torch.nn.Module, sources: list[_Source], described: Path) -> None:
+    """Raise a ValueError naming ``described`` unless the files' keys and shapes fit ``model`` exactly."""
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    found: dict[str, tuple[int, ...]] = {}
+    for source in sources:
+        found.update(source.shapes)
+    groups = _tied_groups(model)
+    missing = [k for k in expected if k not in found and not (groups.get(k, {k}) & found.keys())]
+    unexpected = [k for k in found if k not in expected]
+    mismatched = [f"{k}: {list(found[k])} in the file, {list(expected[k])} in the model"
+                  for k in expected if k in found and found[k] != expected[k]]  # fmt: skip
+    if missing or unexpected or mismatched:
+        parts = [
+            f"{label} {items[:_MAX_LISTED]}{' ...' if len(items) > _MAX_LISTED else ''}"
+            for label, items in (("missing keys", missing), ("unexpected keys", unexpected), ("shapes", mismatched))
+            if items
+        ]
+        raise ValueError(
+            f"Checkpoint {described} does not match {type(model).__name__}: {'; '.join(parts)}. Was it written for "
+            "another architecture or configuration? The model was left unchanged."
+        )
+
+
+def _check_architecture(model: torch.nn.Module, folder: Path) -> None:
+    config_file = regular_file(folder, "config.json")
+    config = getattr(model, "config", None)
+    if config is None or config_file is None:
+        return
+    try:
+        saved = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"Checkpoint config {config_file} is not valid JSON: {exc}") from exc
+    saved_arch = saved.get("architectures") if isinstance(saved, dict) else None
+    expected = getattr(config, "architectures", None) or [type(model).__name__]
+    if saved_arch and type(model).__name__ not in saved_arch and saved_arch != expected:
+        raise ValueError(
+            f"Checkpoint {folder} was written for {saved_arch}, not for {type(model).__name__}: "
+            "resume with the same model class the checkpoint was trained with."
+        )
+
+
+def checked_weights(model: torch.nn.Module, folder: str | Path) -> Callable[[], None]:
+    """Check the weights in ``folder`` against ``model`` without touching it; return a function that copies them in.
+
+    Raises:
+        ValueError: no weights file, an unreadable file, a config for another architecture, or keys/shapes that
+            do not fit (the message names the file).
+    """
+    folder = Path(folder)
+    weights = _weights_file(folder)
+    _check_architecture(model, folder)
+    sources = _shard_sources(weights) if weights.name.endswith(".index.json") else [_Source(weights)]
+    check_weights(model, sources, weights)
+
+    def copy_in() -> None:
+        for tensors in _each(sources):
+            with torch.no_grad():  # the model's own load_state_dict, as transformers calls it
+                model.load_state_dict(tensors, strict=False)
+
+    return copy_in
+
+
+def _each(sources: list[_Source]) -> Iterator[dict[str, torch.Tensor]]:
+    for source in sources:  # one shard in memory at a time
+        yield source.tensors()
+
+
+def load_model_weights(model: torch.nn.Module, folder: str | Path) -> None:
+    """Check, then load, a checkpoint's weights into ``model`` in place (see :func:`checked_weights`)."""
+    checked_weights(model, folder)()
