@@ -43,7 +43,7 @@ from transformers import BertConfig, BertForQuestionAnswering  # noqa: E402
 
 import hflight  # noqa: E402
 from hflight.checkpoints import folders as checkpoint  # noqa: E402
-from hflight.checkpoints import manifest, resume
+from hflight.checkpoints import manifest, resume  # noqa: E402
 
 
 def build_trainer(out: Path) -> hflight.Trainer:

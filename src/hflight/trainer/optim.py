@@ -1,4 +1,4 @@
-"""transformers' optimizer and scheduler surface of the ``Trainer`` (the factories are ``hflight.arguments.optimizers``)."""
+"""transformers' optimizer and scheduler surface of the ``Trainer``; the factories are ``hflight.arguments.optimizers``."""
 
 from __future__ import annotations
 
