@@ -47,6 +47,7 @@ OVERRIDE_POINTS: frozenset[str] = frozenset(
         "_remove_unused_columns",  # (dataset, description=None): drop what the model's forward does not take
         "_get_train_sampler",  # (train_dataset=None)
         "_get_eval_sampler",  # (eval_dataset)
+        "_report_to_hp_search",  # (trial, step, metrics): after an evaluation during a search
         "_push_from_checkpoint",  # (checkpoint_folder): hub_strategy uploads after a checkpoint save
         "_finish_current_push",  # (): wait for the checkpoint uploads still running
     }
@@ -134,6 +135,7 @@ class TrainerSurface(Protocol):
     def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]: ...
     def _get_num_items_in_batch(self, batch_samples: list[Any], device: torch.device | None) -> Any: ...
     def _remove_unused_columns(self, dataset: Any, description: str | None = None) -> Any: ...
+    def _report_to_hp_search(self, trial: Any, step: int, metrics: dict[str, float]) -> None: ...
 
 
 class RunView(Protocol):
@@ -146,12 +148,16 @@ class RunView(Protocol):
     lightning_trainer: L.Trainer
     module: Any  # hflight.module.HFModule
     world: Any  # hflight.distributed.World
-    resume: Any  # hflight.resume.ResumePoint | None
-    bridge: Any  # hflight.callbacks.bridge.HFEventBridge (training runs)
-    plan: Any  # hflight.plan.TrainingPlan, set by the bridge when the fit starts
-    epochs_offset: int
+    resume: Any  # hflight.checkpoints.resume.ResumePoint | None
+    loop: Any  # hflight.run.loop.TrainingLoop (training runs)
+    evaluator: Any  # hflight.run.evaluation.Evaluator while an evaluation runs
+
+    @property
+    def plan(self) -> Any: ...  # hflight.run.plan.TrainingPlan, set by the loop when the fit starts
+    @property
+    def epochs_offset(self) -> int: ...
+
     train_batch_size: int
-    evaluator: Any  # hflight.evaluation.Evaluator while an evaluation runs
 
     @property
     def backend(self) -> Any: ...  # hflight.backend.HFBackend

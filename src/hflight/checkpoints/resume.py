@@ -44,7 +44,6 @@ from hflight.checkpoints.folders import (
     TRAINER_STATE_NAME,
     IncompleteCheckpointError,
     get_last_checkpoint,
-    remove_stale_folders,
     rng_file_name,
     run_arguments,
     verify_checkpoint,
@@ -301,23 +300,13 @@ def _is_model_only(folder: Path, manifest: dict[str, Any] | None) -> bool:
     return not any(present.values())
 
 
-def clean_output_dir(facade: TrainerSurface, run: RunView) -> None:
-    """The processes that write checkpoints (``args.should_save``): delete ``.tmp-checkpoint-*`` left by interrupted
-    saves (not the folder being resumed)."""
-    if facade.args.should_save:
-        point = run.resume
-        remove_stale_folders(facade.args.output_dir, keep=point.folder if point is not None else None)
-
-
 # ---- positioning the run -------------------------------------------------------------------------------------------
-def restore_state(facade: TrainerSurface, run: RunView) -> tuple[int, int]:
-    """The checkpoint's progress in ``facade.state`` with this run's cadence and batch size; callback states
-    restored; returns (epochs already trained, micro-batches to skip in the current epoch)."""
-    point: ResumePoint | None = run.resume
-    if point is None:
-        return 0, 0
+def resumed_state(facade: TrainerSurface, point: ResumePoint, world_size: int, plan: Any) -> TrainerState:
+    """The checkpoint's ``TrainerState`` for the run being started (``facade.state``: its fresh state): the
+    checkpoint's progress with this run's cadence and batch size, a vanished best checkpoint dropped, the callbacks'
+    saved states restored into the facade's callbacks; warns when the run's arguments differ from the checkpoint's."""
     fresh, state = facade.state, point.state
-    _warn_changed_arguments(facade, point, run_arguments(facade.args, run.world.size, run.plan))
+    _warn_changed_arguments(facade, point, run_arguments(facade.args, world_size, plan))
     # HF keeps the checkpoint's logging/eval/save steps; the arguments of the run being started win here.
     for name in ("logging_steps", "eval_steps", "save_steps", "train_batch_size"):
         setattr(state, name, getattr(fresh, name))
@@ -327,9 +316,8 @@ def restore_state(facade: TrainerSurface, run: RunView) -> tuple[int, int]:
             "Ignoring it for this run."
         )
         state.best_model_checkpoint = None
-    facade.state = state
-    _restore_callback_states(facade, point)
-    return run.plan.resume_position(state.global_step, facade.args.ignore_data_skip)
+    _restore_callback_states(facade, point, state)
+    return state
 
 
 def _warn_changed_arguments(facade: TrainerSurface, point: ResumePoint, now: dict[str, Any]) -> None:
@@ -408,7 +396,7 @@ def _rebuilt_callbacks(facade: TrainerSurface, state: TrainerState, source: Path
     return rebuilt
 
 
-def _restore_callback_states(facade: TrainerSurface, point: ResumePoint) -> None:
+def _restore_callback_states(facade: TrainerSurface, point: ResumePoint, state: TrainerState) -> None:
     """The callbacks rebuilt from the checkpoint take the place of those in use (the same position in the list;
     ``TrainerControl`` becomes ``facade.control``); by default (hflight's), the saved attributes are set on the
     callbacks in use, so that, e.g., an ``EarlyStoppingCallback``'s patience counter survives a resume."""
@@ -422,7 +410,7 @@ def _restore_callback_states(facade: TrainerSurface, point: ResumePoint) -> None
         if point.rebuilt_callbacks:
             logger.info("Continuing training from checkpoint, restoring any callbacks that were passed in")
         return
-    pairs, _ = _saved_states(facade.state, facade.callback_handler.callbacks + [facade.control])
+    pairs, _ = _saved_states(state, facade.callback_handler.callbacks + [facade.control])
     for callback, entry in pairs:
         if isinstance(callback, ExportableState):
             for key, value in entry.get("attributes", {}).items():
@@ -505,12 +493,11 @@ def load_rng_file(path: str | os.PathLike) -> dict[str, Any]:
     return states
 
 
-def load_rng_state(run: RunView) -> None:
-    """Python, numpy and torch RNG streams as they were when the checkpoint was written."""
-    point: ResumePoint | None = run.resume
-    if point is None or point.model_only:
+def load_rng_state(point: ResumePoint, world: Any) -> None:
+    """Python, numpy and torch RNG streams as they were when ``point`` was written, for this process of ``world``."""
+    if point.model_only:
         return
-    name = rng_file_name(run.world.size, run.world.rank)
+    name = rng_file_name(world.size, world.rank)
     path = regular_file(point.folder, name)
     if path is None:
         logger.warning(

@@ -214,6 +214,12 @@ class HFDataModule(L.LightningDataModule):
             epoch_fn=lambda: self.run.epochs_offset + self.trainer.current_epoch,
         )
 
+    def resume_at(self, skip_batches: int, restore_rng: Callable[[], None]) -> None:
+        """A resumed run: skip the first ``skip_batches`` micro-batches of the first epoch, and call ``restore_rng``
+        (the checkpoint's RNG streams) once they are skipped, before the first batch trains."""
+        self.cycles.skip_batches = skip_batches
+        self.cycles.restore_rng = restore_rng
+
     def train_dataloader(self) -> AccumulationCycles:
         if self.cycles is None:
             raise RuntimeError("HFDataModule.setup('fit') must run before train_dataloader()")

@@ -30,9 +30,9 @@ from transformers.trainer_utils import (
 from hflight.arguments.lightning_kwargs import quiet_lightning
 from hflight.checkpoints.folders import metric_key
 from hflight.run import console
+from hflight.run.events import dispatch
 from hflight.run.interrupt import sigterm_exits_non_zero
 from hflight.surface import RunView, TrainerSurface
-from hflight.trainer import hpsearch
 
 
 def _pad_concat(arrays: list[np.ndarray], padding_index: int) -> np.ndarray:
@@ -144,7 +144,7 @@ class Evaluator:
             labels = gather(labels)
             if self.keep_outputs:
                 self.labels.add(labels)
-        facade.control = facade.callback_handler.on_prediction_step(facade.args, facade.state, facade.control)
+        dispatch(facade, "on_prediction_step")
         if self.batch_metrics and self.compute_metrics is not None and logits is not None and labels is not None:
             include = facade.args.include_for_metrics
             self._score_pending(last=False)
@@ -278,7 +278,7 @@ def evaluate(facade: TrainerSurface, eval_dataset: Any, ignore_keys: list[str] |
     )
     output.metrics.update(evaluation_speed(facade.args, prefix, start_time, output.num_samples))
     facade.log(output.metrics)
-    facade.control = facade.callback_handler.on_evaluate(facade.args, facade.state, facade.control, output.metrics)
+    dispatch(facade, "on_evaluate", output.metrics)
     return output.metrics
 
 
@@ -291,7 +291,7 @@ def predict(facade: TrainerSurface, test_dataset: Any, ignore_keys: list[str] | 
         dataloader, description="Prediction", ignore_keys=ignore_keys, metric_key_prefix=prefix
     )
     output.metrics.update(evaluation_speed(facade.args, prefix, start_time, output.num_samples))
-    facade.control = facade.callback_handler.on_predict(facade.args, facade.state, facade.control, output.metrics)
+    dispatch(facade, "on_predict", output.metrics)
     return PredictionOutput(predictions=output.predictions, label_ids=output.label_ids, metrics=output.metrics)
 
 
@@ -301,7 +301,7 @@ def evaluate_in_training(
     """The body of ``Trainer._evaluate``: evaluate, report the objective to a hyperparameter search, and step a
     ``ReduceLROnPlateau`` schedule on ``metric_for_best_model`` (unless ``skip_scheduler``)."""
     metrics = facade.evaluate(ignore_keys=ignore_keys)
-    hpsearch.report(facade, trial, facade.state.global_step, metrics)
+    facade._report_to_hp_search(trial, facade.state.global_step, metrics)
     if isinstance(facade.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) and not skip_scheduler:
         key = facade.args.metric_for_best_model
         key = key if key.startswith("eval_") else f"eval_{key}"

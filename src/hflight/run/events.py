@@ -1,313 +1,67 @@
-"""HF callback events on Lightning hooks, and ``TrainerControl`` applied back to Lightning.
+"""HF callback events: the one dispatcher, and the Lightning hooks that drive the training loop.
 
-``HFEventBridge`` is a Lightning ``Callback`` for the hooks Lightning has (train/epoch begin and end) and the
-step-level events the LightningModule reports to it (step begin, substep end, pre/post optimizer step, step
-end), so each HF event fires once, in HF's order, with HF's arguments (through transformers' own
-``CallbackHandler``). After every step and epoch it does what HF's ``_maybe_log_save_evaluate`` does: log the
-running loss, evaluate, update the best metric, save a checkpoint, as the control flags ask; then, if SIGTERM or
-SIGINT arrived (``hflight.interrupt``), it saves a checkpoint and stops training with ``TrainingInterrupted``.
+:func:`dispatch` is how every ``TrainerCallback`` event of hflight's core reaches the callbacks (training, evaluation,
+prediction, saving, hyperparameter search, hub pushes): it calls transformers' own ``CallbackHandler`` with the
+facade's ``args``, ``state`` and ``control`` and applies the ``TrainerControl`` the callbacks return. What a control
+flag then means for Lightning is the loop's business (``hflight.run.loop``): ``should_training_stop`` stops the fit,
+``should_epoch_stop`` ends the epoch (``HFModule.on_train_batch_start``), ``should_log``/``should_evaluate``/
+``should_save`` are acted on at the next step or epoch end.
 
-| HF event | fired from |
+:class:`LightningEvents` is the thin Lightning ``Callback`` of a training run: each Lightning hook it implements calls
+one method of the run's :class:`~hflight.run.loop.TrainingLoop`, and nothing else.
+
+| Lightning hook | the loop |
 |---|---|
-| on_train_begin / on_train_end | ``on_train_start`` / the facade after ``fit`` returns (after the train metrics) |
-| on_epoch_begin / on_epoch_end | ``on_train_epoch_start`` / ``on_train_epoch_end`` |
-| on_step_begin | the first micro-batch of an accumulation cycle |
-| on_substep_end | every other micro-batch |
-| on_pre_optimizer_step | ``on_before_optimizer_step`` after clipping (gradients already unscaled) |
-| on_optimizer_step | right after ``optimizer.step()`` |
-| on_step_end | after ``global_step`` moved, then log/evaluate/save |
+| ``setup("fit")`` | ``begin``: plan, state, resume position; Lightning's ``max_epochs`` from the plan |
+| ``on_train_start`` | ``train_begin`` (``on_train_begin``) |
+| ``on_train_epoch_start`` | ``epoch_begin`` (``on_epoch_begin``) |
+| ``on_train_epoch_end`` | ``epoch_end`` (``on_epoch_end``, log/evaluate/save); a stop ends the fit |
 """
 
 from __future__ import annotations
 
-import logging
-import math
-import os
-import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
-import torch
-from transformers.trainer_utils import SaveStrategy, TrainOutput, speed_metrics
+from transformers.trainer_callback import TrainerControl
 from typing_extensions import override
 
-from hflight.callbacks.hooks import new_trainer_state
-from hflight.checkpoints import folders as checkpoint
-from hflight.checkpoints import resume
-from hflight.run import console
-from hflight.run.datamodule import loader_length
-from hflight.run.interrupt import StopRequest, signal_name, stopped
-from hflight.run.plan import plan_training
-from hflight.surface import RunView, TrainerSurface
+from hflight.surface import TrainerSurface
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from hflight.run.loop import TrainingLoop
 
 
-class HFEventBridge(L.Callback):
-    """Owns the running-loss bookkeeping of one ``train()`` call and fires the HF events."""
+def dispatch(facade: TrainerSurface, event: str, *args: Any, **kwargs: Any) -> TrainerControl:
+    """Fire HF ``event`` (``"on_log"``, ``"on_evaluate"``, ...) on the facade's callbacks; the control they return
+    becomes the facade's ``control``, and is returned. ``args``/``kwargs``: the event's own arguments (``logs``,
+    ``metrics``)."""
+    handler = facade.callback_handler
+    facade.control = getattr(handler, event)(facade.args, facade.state, facade.control, *args, **kwargs)
+    return facade.control
 
-    def __init__(
-        self, facade: TrainerSurface, run: RunView, trial: Any = None, ignore_keys_for_eval: list[str] | None = None
-    ) -> None:
-        self.facade = facade
-        self.run = run
-        self.trial = trial
-        self.ignore_keys_for_eval = ignore_keys_for_eval
-        self.tr_loss = torch.tensor(0.0)
-        self.total_loss_scalar = 0.0
-        self.globalstep_last_logged = 0
-        self.initial_global_step = 0
-        self.start_time = time.time()
-        self.grad_norm: torch.Tensor | float | None = None
-        self.learning_rate: float | None = None
-        self.micro_steps_this_epoch = 0
-        self.stop = StopRequest()
-        self.saved_step: int | None = None
-        self.warned_nonfinite = False
 
-    # -- helpers -----------------------------------------------------------------------------------------------
-    def _fire(self, event: str, **kwargs: Any) -> None:
-        facade = self.facade
-        facade.control = getattr(facade.callback_handler, event)(facade.args, facade.state, facade.control, **kwargs)
+class LightningEvents(L.Callback):
+    """Lightning's fit hooks, mapped onto the training loop (see the module docstring's table)."""
 
-    def _epoch_index(self) -> int:
-        return self.run.epochs_offset + self.run.lightning_trainer.current_epoch
+    def __init__(self, loop: TrainingLoop) -> None:
+        self.loop = loop
 
-    # -- Lightning hooks ---------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if stage == "fit":
-            self.begin_fit(trainer)
-
-    def begin_fit(self, trainer: L.Trainer) -> None:
-        """Once Lightning launched the processes (loaders know their rank): plan the run, set up the state,
-        position a resumed run in its data and RNG streams."""
-        facade, run = self.facade, self.run
-        loader = trainer.datamodule.train_loader
-        length = loader_length(loader)
-        num_examples = facade.num_examples(loader) if length else None
-        geometry = trainer.datamodule.geometry  # the backend's, derived once with the loader
-        run.plan = plan = plan_training(facade.args, length, num_examples, run.world.size, geometry)
-        facade.state = new_trainer_state(
-            facade.callback_handler.callbacks,
-            facade.control,
-            is_local_process_zero=facade.is_local_process_zero(),
-            is_world_process_zero=facade.is_world_process_zero(),
-        )
-        facade.state.train_batch_size = run.train_batch_size
-        facade.state.compute_steps(facade.args, plan.max_steps)
-        epochs_trained, skip = resume.restore_state(facade, run)
-        facade.state.init_training_references(facade, plan.max_steps, plan.num_train_epochs, self.trial)
-        run.epochs_offset = epochs_trained
-        resumed_at = facade.state.global_step if run.resume is not None else None
-        console.training_started(facade.args, plan, facade.model, resumed_at, epochs_trained, skip)
-        resume.clean_output_dir(facade, run)
-        cycles = trainer.datamodule.cycles
-        cycles.skip_batches = skip
-        if run.resume is not None:
-            cycles.restore_rng = lambda: resume.load_rng_state(run)
-        unbounded = plan.num_train_epochs >= 10**9  # an iterable dataset: max_steps ends the run
-        trainer.fit_loop.max_epochs = -1 if unbounded else plan.num_train_epochs - epochs_trained
+        if stage == "fit":  # Lightning launched the processes: the loaders know their rank
+            epochs_left = self.loop.begin(trainer.datamodule)
+            trainer.fit_loop.max_epochs = epochs_left
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        facade = self.facade
-        handler = facade.callback_handler
-        handler.model, handler.optimizer, handler.lr_scheduler = facade.model, facade.optimizer, facade.lr_scheduler
-        handler.train_dataloader = trainer.datamodule.train_loader
-        resume.restore_optimizer(facade, self.run)
-        self.tr_loss = torch.tensor(0.0, device=pl_module.device)
-        self.start_time = time.time()
-        self.initial_global_step = self.globalstep_last_logged = facade.state.global_step
-        pl_module.model.zero_grad(set_to_none=True)
-        self._fire("on_train_begin")
-        if facade.args.eval_on_start:
-            facade._evaluate(self.trial, self.ignore_keys_for_eval, skip_scheduler=True)
+        self.loop.train_begin(trainer.datamodule.train_loader, pl_module.device)
 
     @override
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.micro_steps_this_epoch = 0
-        self._fire("on_epoch_begin")
+        self.loop.epoch_begin()
 
     @override
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.micro_steps_this_epoch == 0 and trainer.datamodule.cycles is not None:
-            # HF: an epoch that yields no batch (an exhausted iterable dataset) ends training.
-            self.facade.control.should_training_stop = True
-        self._fire("on_epoch_end")
-        self.maybe_log_save_evaluate()
-        self.stop_if_requested()
-        if self.facade.control.should_training_stop:
+        if self.loop.epoch_end(counts_batches=trainer.datamodule.cycles is not None):
             trainer.should_stop = True
-
-    # -- step-level events, reported by the LightningModule ----------------------------------------------------
-    def step_begin(self) -> None:
-        self._fire("on_step_begin")
-
-    def substep_end(self) -> None:
-        self._fire("on_substep_end")
-
-    def add_loss(self, loss: torch.Tensor, inputs: Any) -> None:
-        facade = self.facade
-        self.micro_steps_this_epoch += 1
-        if facade.args.logging_nan_inf_filter and not torch.isfinite(loss):
-            # HF: a non-finite loss is replaced by the average of the losses logged since the last log.
-            self.tr_loss += self.tr_loss / (1 + facade.state.global_step - self.globalstep_last_logged)
-        else:
-            self.tr_loss += loss.to(self.tr_loss.device)
-        facade.current_flos += float(facade.floating_point_ops(inputs))
-
-    def clip_and_pre_step(self, model: torch.nn.Module) -> None:
-        facade = self.facade
-        max_norm = facade.args.max_grad_norm
-        clip = getattr(model, "clip_grad_norm_", None)  # FSDP-wrapped modules clip their own shards
-        norm_limit = max_norm if max_norm and max_norm > 0 else float("inf")
-        if clip is not None:
-            grad_norm = clip(norm_limit)
-        else:
-            grad_norm = torch.nn.utils.clip_grad_norm_(facade.model.parameters(), norm_limit)
-        self.pre_optimizer_step(grad_norm)
-
-    def pre_optimizer_step(self, grad_norm: torch.Tensor | float | None) -> None:
-        """``on_pre_optimizer_step``; ``grad_norm`` is logged with the next loss (None: not known on the host)."""
-        self.grad_norm = grad_norm
-        self._fire("on_pre_optimizer_step")
-
-    def optimizer_stepped(self) -> None:
-        self._fire("on_optimizer_step")
-
-    def step_end(self, step_in_epoch: int, learning_rate: float) -> None:
-        facade = self.facade
-        self.learning_rate = learning_rate
-        facade.state.global_step += 1
-        facade.state.epoch = self._epoch_index() + (step_in_epoch + 1) / self.run.plan.steps_in_epoch
-        self._fire("on_step_end")
-        self.maybe_log_save_evaluate()
-        self.stop_if_requested()
-
-    # -- HF's _maybe_log_save_evaluate -------------------------------------------------------------------------
-    def maybe_log_save_evaluate(self) -> None:
-        """After a step or an epoch: the facade's ``_maybe_log_save_evaluate`` with transformers' arguments (a
-        subclass's override takes effect; the facade's own comes back to :meth:`log_save_evaluate`)."""
-        facade = self.facade
-        facade._maybe_log_save_evaluate(
-            self.tr_loss,
-            self.grad_norm,
-            facade.model,
-            self.trial,
-            self._epoch_index(),  # transformers passes its epoch counter, not state.epoch
-            self.ignore_keys_for_eval,
-            self.start_time,
-            learning_rate=self.learning_rate,
-        )
-
-    def log_save_evaluate(
-        self,
-        tr_loss: torch.Tensor,
-        grad_norm: torch.Tensor | float | None,
-        model: torch.nn.Module,
-        trial: Any,
-        ignore_keys_for_eval: list[str] | None,
-        start_time: float,
-        learning_rate: float | None = None,
-    ) -> None:
-        """transformers' ``_maybe_log_save_evaluate``: log the running loss (``tr_loss`` is reset in place), evaluate
-        and track the best metric, save a checkpoint, as the control flags ask."""
-        facade = self.facade
-        control, state = facade.control, facade.state
-        if control.should_log and state.global_step > self.globalstep_last_logged:
-            tr_loss_scalar = self.run.world.reduce_mean(tr_loss).item()
-            tr_loss -= tr_loss
-            logs: dict[str, float] = {"loss": tr_loss_scalar / (state.global_step - self.globalstep_last_logged)}
-            if grad_norm is not None:
-                logs["grad_norm"] = grad_norm.item() if torch.is_tensor(grad_norm) else grad_norm
-            logs["learning_rate"] = learning_rate if learning_rate is not None else facade._get_learning_rate()
-            self.total_loss_scalar += tr_loss_scalar
-            self.globalstep_last_logged = state.global_step
-            facade.store_flos()
-            self._warn_if_nonfinite(logs)
-            facade.log(logs, start_time)
-
-        if facade.control.should_evaluate:
-            metrics = facade._evaluate(trial, ignore_keys_for_eval)
-            is_new_best = facade._determine_best_metric(metrics, trial)
-            if facade.args.save_strategy == SaveStrategy.BEST:
-                facade.control.should_save = is_new_best
-
-        if facade.control.should_save:
-            facade._save_checkpoint(model, trial)
-            self.saved_step = state.global_step
-            self._fire("on_save")
-
-    def _warn_if_nonfinite(self, logs: dict[str, float]) -> None:
-        """Once per ``train()``: the first logged loss or gradient norm that is NaN or infinite."""
-        bad = [k for k in ("loss", "grad_norm") if isinstance(logs.get(k), float) and not math.isfinite(logs[k])]
-        if bad and not self.warned_nonfinite:
-            self.warned_nonfinite = True
-            values = ", ".join(f"{k}={logs[k]}" for k in bad)
-            logger.warning(
-                f"Step {self.facade.state.global_step}: logged {values}. Training continues, but the model may be "
-                "diverging (too high a learning rate, fp16 overflow, bad inputs); with fp16 the gradient scaler skips "
-                "steps whose gradients overflow. Only the first occurrence is reported."
-            )
-
-    def stop_if_requested(self) -> None:
-        """At a step boundary: if a stop signal arrived (on any rank), save a checkpoint and stop training."""
-        facade = self.facade
-        step = facade.state.global_step
-        self.stop.global_step = step
-        signum = self.stop.agreed(self.run.world.strategy)
-        if signum is None:
-            return
-        args, name = facade.args, signal_name(signum)
-        if args.save_strategy == SaveStrategy.NO:
-            raise stopped(
-                signum,
-                f"Training stopped by {name} after step {step} of {facade.state.max_steps}; no checkpoint was saved "
-                "(save_strategy='no').",
-                step,
-            )
-        if self.saved_step != step:
-            facade._save_checkpoint(facade.model, self.trial)
-            self.saved_step = step
-            self._fire("on_save")
-        folder = os.path.join(args.output_dir, f"{checkpoint.PREFIX}-{step}")
-        raise stopped(
-            signum,
-            f"Training stopped by {name} after step {step} of {facade.state.max_steps}; checkpoint saved in {folder}. "
-            f"Continue with train(resume_from_checkpoint={folder!r}) (args.resume_from_checkpoint={folder} on the "
-            "command line).",
-            step,
-            folder,
-        )
-
-    def finish_training(self) -> TrainOutput:
-        """After ``fit``: HF's train metrics and log entry, the best model, final rotation, on_train_end."""
-        facade = self.facade
-        console.training_completed()
-        train_loss = self.train_loss()
-        steps_run = facade.state.global_step - self.initial_global_step
-        metrics = speed_metrics(
-            "train",
-            self.start_time,
-            num_samples=self.run.plan.num_train_samples * steps_run / max(facade.state.max_steps, 1),
-            num_steps=steps_run,
-        )
-        facade.store_flos()
-        metrics["total_flos"] = facade.state.total_flos
-        metrics["train_loss"] = train_loss
-        facade.log(metrics)
-        for lightning_logger in self.run.lightning_trainer.loggers:  # fit has ended: flush what came after it
-            lightning_logger.save()
-        if facade.args.load_best_model_at_end and facade.state.best_model_checkpoint is not None:
-            facade._load_best_model()
-        checkpoint.finalize_rotation(facade.args, facade.state, facade.args.should_save)
-        self._fire("on_train_end")
-        return TrainOutput(facade.state.global_step, train_loss, metrics)
-
-    def train_loss(self) -> float:
-        """Mean loss over the optimizer steps of this ``train()`` call (HF's ``train_loss``)."""
-        self.total_loss_scalar += self.run.world.reduce_mean(self.tr_loss).item()
-        self.tr_loss -= self.tr_loss
-        steps = self.facade.state.global_step - self.initial_global_step
-        return self.total_loss_scalar / max(steps, 0.001)

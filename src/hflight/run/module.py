@@ -6,8 +6,8 @@ after unscaling and *then* ``on_pre_optimizer_step`` fires, and the scheduler st
 really stepped. Lightning still owns devices, precision (autocast, gradient scaling), strategy wrapping and
 the loop; the facade's override points (``training_step``, ``compute_loss``, ``create_optimizer``, ...) do the
 per-batch work, so subclasses of the facade keep working. What a backend changes in a step (the model that runs
-it, where the optimizer steps) comes from its hooks (``hflight.backend``). The step events go to the run's event
-bridge, evaluation batches to the run's evaluator (``hflight.run``).
+it, where the optimizer steps) comes from its hooks (``hflight.backend``). The step events go to the run's
+training loop (``hflight.run.loop``), evaluation batches to the run's evaluator (``hflight.run.evaluation``).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class HFModule(L.LightningModule):
 
     @override
     def training_step(self, batch: MicroBatch, batch_idx: int) -> None:
-        facade, loop = self.facade, self.run.bridge
+        facade, loop = self.facade, self.run.loop
         if batch.index == 0:
             loop.step_begin()
         facade.current_gradient_accumulation_steps = batch.cycle_size
@@ -91,7 +91,7 @@ class HFModule(L.LightningModule):
             self.trainer.should_stop = True
 
     def _optimizer_step(self, batch: MicroBatch) -> None:
-        facade, backend, loop = self.facade, self.backend, self.run.bridge
+        facade, backend, loop = self.facade, self.backend, self.run.loop
         stepped = backend.hf_optimizer_step(self)
         loop.optimizer_stepped()
         learning_rate = facade._get_learning_rate()
@@ -103,11 +103,11 @@ class HFModule(L.LightningModule):
 
     @override
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self.run.bridge.clip_and_pre_step(self.trainer.strategy.model)
+        self.run.loop.clip_and_pre_step(self.trainer.strategy.model)
 
     def pre_optimizer_step(self, grad_norm: torch.Tensor | float | None) -> None:
         """HF's ``on_pre_optimizer_step`` for a step whose gradients never reach the host (clipped elsewhere)."""
-        self.run.bridge.pre_optimizer_step(grad_norm)
+        self.run.loop.pre_optimizer_step(grad_norm)
 
     # Evaluation through Lightning's validate loop (``Trainer.evaluate``/``predict`` outside of ``fit``).
     @override

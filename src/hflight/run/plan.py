@@ -9,6 +9,9 @@ from typing import Any
 
 from hflight.run.backend import StepGeometry, backend_of
 
+#: ``num_train_epochs`` of a run that only ``max_steps`` bounds (as transformers: ``sys.maxsize``).
+UNBOUNDED = sys.maxsize
+
 
 @dataclass(frozen=True)
 class TrainingPlan:
@@ -22,6 +25,11 @@ class TrainingPlan:
     steps_in_epoch: int
     max_steps: int
     accumulation: int = 1  # loader batches per optimizer step
+
+    @property
+    def unbounded(self) -> bool:
+        """No epoch count: an iterable dataset, which ``max_steps`` ends (``num_train_epochs`` is :data:`UNBOUNDED`)."""
+        return self.num_train_epochs == UNBOUNDED
 
     def resume_position(self, global_step: int, ignore_data_skip: bool = False) -> tuple[int, int]:
         """(epochs already trained, micro-batches to skip in the current epoch) for a run resumed at
@@ -99,7 +107,7 @@ def _plan_unsized(args: Any, geometry: StepGeometry) -> TrainingPlan:
     """An iterable dataset without a length: ``max_steps`` steps in one unbounded "epoch"."""
     accumulation, total_train_batch_size = geometry.accumulation, geometry.samples_per_step
     return TrainingPlan(
-        num_train_epochs=sys.maxsize,
+        num_train_epochs=UNBOUNDED,
         num_update_steps_per_epoch=args.max_steps,
         num_examples=total_train_batch_size * args.max_steps,
         num_train_samples=args.max_steps * total_train_batch_size,

@@ -1,12 +1,10 @@
 """The Lightning side of one ``Trainer.train()``, or of one ``evaluate()``/``predict()`` outside training.
 
-The facade (``hflight.trainer.Trainer``) keeps transformers' surface and creates one :class:`Run` per call; everything
+The facade (``hflight.trainer``) keeps transformers' surface and creates one :class:`Run` per call; everything
 Lightning needs for that call lives here and is handed to the collaborators as an argument, so none of them reads
-the facade's private state. Layers (each imports only those below it)::
-
-    facade (trainer.py)  ->  run (run.py)  ->  Lightning pieces  ->  backends (backend.py; ipu/, ort/ strategies)
-                                               module, datamodule, callbacks.bridge, evaluation,
-                                               checkpoint, resume, steps, plan, distributed
+the facade's private state. A training step, top to bottom: ``Trainer.train`` -> :meth:`Run.fit` -> Lightning ->
+``HFModule.training_step`` (``hflight.run.module``) -> the facade's ``training_step`` -> the loop's bookkeeping
+(``hflight.run.loop``) -> ``dispatch`` (``hflight.run.events``) -> the callbacks -> ``TrainerControl`` applied.
 """
 
 from __future__ import annotations
@@ -16,7 +14,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import lightning as L
-import torch
 from transformers.trainer_utils import TrainOutput
 
 from hflight.arguments.lightning_kwargs import lightning_trainer_kwargs, quiet_lightning
@@ -25,8 +22,9 @@ from hflight.checkpoints.resume import ResumePoint
 from hflight.run.backend import HFBackend, backend_of
 from hflight.run.datamodule import HFDataModule
 from hflight.run.distributed import World
-from hflight.run.events import HFEventBridge
+from hflight.run.events import LightningEvents
 from hflight.run.interrupt import handed_over_signals
+from hflight.run.loop import TrainingLoop
 from hflight.run.module import HFModule
 from hflight.run.plan import TrainingPlan
 from hflight.surface import TrainerSurface
@@ -46,11 +44,13 @@ class Run:
     - ``resume``: the checked checkpoint a training run resumes from, or None (the facade, before creating the run).
     - ``train_batch_size``: the training batch size per device of this run (the facade: ``args.train_batch_size``, or
       what ``auto_find_batch_size`` lowered it to; recorded in ``TrainerState.train_batch_size``).
-    - ``bridge``: the :class:`~hflight.callbacks.bridge.HFEventBridge` firing HF events (training runs, at creation).
-    - ``datamodule``: the :class:`~hflight.datamodule.HFDataModule` (training runs, at creation).
-    - ``plan``: the :class:`~hflight.plan.TrainingPlan` (the bridge, once Lightning launched the processes).
-    - ``epochs_offset``: epochs a resumed run had already trained (the bridge, with the plan).
-    - ``evaluator``: the evaluation in progress, if any (``hflight.evaluation``, for the length of one evaluation).
+    - ``loop``: the :class:`~hflight.run.loop.TrainingLoop`, HF's training loop (training runs, at creation), driven by
+      Lightning's hooks through a :class:`~hflight.run.events.LightningEvents` callback.
+    - ``datamodule``: the :class:`~hflight.run.datamodule.HFDataModule` (training runs, at creation).
+    - ``plan``: the loop's :class:`~hflight.run.plan.TrainingPlan` (set by the loop once Lightning launched the
+      processes; None before, and outside training).
+    - ``epochs_offset``: epochs a resumed run had already trained (the loop's, with the plan).
+    - ``evaluator``: the evaluation in progress, if any (``hflight.run.evaluation``, for one evaluation).
     """
 
     def __init__(
@@ -69,11 +69,9 @@ class Run:
         self.train_batch_size = train_batch_size if train_batch_size is not None else facade.args.train_batch_size
         self.fitting = fitting
         self.resume = resume
-        self.plan: TrainingPlan | None = None
-        self.epochs_offset = 0
         self.evaluator: Any = None
-        self.bridge = HFEventBridge(facade, self, trial, ignore_keys_for_eval) if fitting else None
-        callbacks = [*(lightning_callbacks or []), *([self.bridge] if self.bridge is not None else [])]
+        self.loop = TrainingLoop(facade, self, trial, ignore_keys_for_eval) if fitting else None
+        callbacks = [*(lightning_callbacks or []), *([LightningEvents(self.loop)] if fitting else [])]
         kwargs = lightning_trainer_kwargs(
             facade.args, callbacks, fitting=fitting, strategy=strategy, model=facade.model
         )
@@ -82,6 +80,14 @@ class Run:
         self.world = World(self.lightning_trainer)
         self.module = HFModule(facade, self, facade.model)
         self.datamodule = HFDataModule(facade, self) if fitting else None
+
+    @property
+    def plan(self) -> TrainingPlan | None:
+        return self.loop.plan if self.loop is not None else None
+
+    @property
+    def epochs_offset(self) -> int:
+        return self.loop.epochs_offset if self.loop is not None else 0
 
     @property
     def backend(self) -> HFBackend:
@@ -101,12 +107,12 @@ class Run:
     def fit(self) -> None:
         """``lightning.Trainer.fit``, with SIGTERM/SIGINT stopping at the next step boundary (``hflight.interrupt``)."""
         handed_over = handed_over_signals(self.facade.args)
-        with quiet_lightning(), self.bridge.stop.handling_signals(self.lightning_trainer, handed_over):
+        with quiet_lightning(), self.loop.stop.handling_signals(self.lightning_trainer, handed_over):
             self.lightning_trainer.fit(self.module, datamodule=self.datamodule)
 
     def finish_training(self) -> TrainOutput:
-        """After ``fit``: train metrics, best model, final rotation, ``on_train_end`` (see the bridge)."""
-        return self.bridge.finish_training()
+        """After ``fit``: train metrics, best model, final rotation, ``on_train_end`` (see the loop)."""
+        return self.loop.finish(self.lightning_trainer.loggers)
 
     @contextlib.contextmanager
     def evaluating(self, evaluator: Any) -> Iterator[Any]:
@@ -118,7 +124,3 @@ class Run:
         finally:
             self.module.close_evaluation()
             self.evaluator = None
-
-    def device(self) -> torch.device:
-        """The device the model's inputs go to."""
-        return self.module.device

@@ -43,6 +43,7 @@ from hflight.checkpoints.writelock import output_dir_lock
 from hflight.run import console, evaluation
 from hflight.run.backend import HFBackend, backend_of
 from hflight.run.distributed import World
+from hflight.run.events import dispatch
 from hflight.run.run import Run
 from hflight.trainer import construction, memory, steps
 from hflight.trainer import model_hooks as training_hooks
@@ -127,7 +128,7 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
             self.init_hf_repo()
         if self.args.should_save:
             os.makedirs(self.args.output_dir, exist_ok=True)
-        self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
+        dispatch(self, "on_init_end")
         if getattr(self.model, "config", None) is not None:
             self.model.config.use_cache = self.args.use_cache
 
@@ -270,8 +271,8 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
     def _maybe_log_save_evaluate(
         self, tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time, learning_rate=None
     ) -> None:
-        bridge = self._run.bridge
-        bridge.log_save_evaluate(tr_loss, grad_norm, model, trial, ignore_keys_for_eval, start_time, learning_rate)
+        loop = self._run.loop
+        loop.log_save_evaluate(tr_loss, grad_norm, model, trial, ignore_keys_for_eval, start_time, learning_rate)
 
     def _determine_best_metric(self, metrics: dict[str, float], trial: Any) -> bool:
         return checkpoint.update_best_metric(self.args, self.state, metrics)
@@ -321,7 +322,7 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
             numbers = {k: v for k, v in logs.items() if isinstance(v, (int, float))}
             for logger in self._run.lightning_trainer.loggers:
                 logger.log_metrics(numbers, self.state.global_step)
-        self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
+        dispatch(self, "on_log", logs)
 
     log_metrics = log_metrics
     metrics_format = metrics_format

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from transformers.trainer_utils import BestRun, default_compute_objective, default_hp_space_optuna
 
+from hflight.run.events import dispatch
+
 if TYPE_CHECKING:
     from hflight.surface import TrainerSurface
 
@@ -107,7 +109,7 @@ def report(trainer: TrainerSurface, trial: Any, step: int, metrics: dict[str, fl
     if trainer.hp_search_backend == "optuna" and hasattr(trial, "report") and not isinstance(trainer.objective, list):
         trial.report(trainer.objective, step)
         if trial.should_prune():
-            trainer.control = trainer.callback_handler.on_train_end(trainer.args, trainer.state, trainer.control)
+            dispatch(trainer, "on_train_end")
             raise _optuna().TrialPruned()
 
 
@@ -126,6 +128,9 @@ class HyperparameterSearchMixin:
     ) -> BestRun | list[BestRun]:
         """Search hyperparameters with optuna (transformers' semantics; needs ``model_init``)."""
         return hyperparameter_search(self, hp_space, compute_objective, n_trials, direction, backend, hp_name, **kwargs)
+
+    def _report_to_hp_search(self, trial: Any, step: int, metrics: dict[str, float]) -> None:
+        report(self, trial, step, metrics)
 
     def _get_output_dir(self, trial: Any) -> str:
         """Where this run writes: during a search, the trial's ``run-{n}`` folder is already ``args.output_dir``

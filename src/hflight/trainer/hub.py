@@ -26,6 +26,7 @@ from transformers.utils import PushInProgress
 
 from hflight.checkpoints.manifest import shard_names
 from hflight.checkpoints.writelock import LOCK_NAME
+from hflight.run.events import dispatch
 from hflight.version import __version__
 
 #: What a checkpoint push copies from the checkpoint folder into the output folder before uploading it.
@@ -121,7 +122,7 @@ class HubMixin:
     ) -> CommitInfo:
         """Save the model, write the model card (``kwargs`` go to :meth:`create_model_card`) and upload the output
         folder (without checkpoint folders) to ``hub_model_id``; with ``blocking=False`` a future is returned."""
-        self.callback_handler.on_push_begin(self.args, self.state, self.control)
+        dispatch(self, "on_push_begin")
         model_name = kwargs.pop("model_name", None)
         if model_name is None and self.args.should_save:
             model_name = (self.args.hub_model_id or Path(self.args.output_dir).name).split("/")[-1]
@@ -156,7 +157,7 @@ class HubMixin:
             return
         if not args.hub_always_push and self.push_in_progress is not None and not self.push_in_progress.is_done():
             return
-        self.callback_handler.on_push_begin(args, self.state, self.control)
+        dispatch(self, "on_push_begin")
         for name in _modeling_files(checkpoint_folder):
             if os.path.isfile(os.path.join(checkpoint_folder, name)):
                 shutil.copy(os.path.join(checkpoint_folder, name), os.path.join(args.output_dir, name))
