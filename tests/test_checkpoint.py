@@ -24,8 +24,9 @@ from safetensors.torch import load_file, save_file
 
 import hflight
 from hflight.checkpoints import folders as checkpoint
-from hflight.checkpoints.folders import MANIFEST_NAME, get_last_checkpoint, verify_checkpoint, write_manifest
-from hflight.checkpoints.resume import load_rng_file, read_trainer_state
+from hflight.checkpoints import parts
+from hflight.checkpoints.manifest import MANIFEST_NAME, get_last_checkpoint, verify_checkpoint, write_manifest
+from hflight.checkpoints.parts import load_rng_file, read_trainer_state
 from hflight.checkpoints.weights import load_model_weights
 
 
@@ -721,7 +722,7 @@ def test_a_weights_file_linked_from_outside_the_folder_is_refused(saved, tmp_pat
     (folder / "model.safetensors").unlink()
     shutil.copy(elsewhere, folder / "weights-copy")
     (folder / "model.safetensors").symlink_to("weights-copy")  # a link inside the folder is only another name
-    from hflight.checkpoints.manifest import regular_file
+    from hflight.checkpoints.files import regular_file
 
     assert regular_file(folder, "model.safetensors") == folder / "model.safetensors"
 
@@ -862,7 +863,7 @@ def test_each_kind_of_write_failure_is_named(saved, tmp_path, factory, monkeypat
     out = tmp_path / "run"
     shutil.copytree(saved / "checkpoint-3", out / "checkpoint-3")
     before = digest(out / "checkpoint-3")
-    monkeypatch.setattr(checkpoint.torch, "save", _FailingWrite(name, error))
+    monkeypatch.setattr(parts.torch, "save", _FailingWrite(name, error))
     real_usage = shutil.disk_usage
     monkeypatch.setattr(shutil, "disk_usage", lambda p: real_usage(p)._replace(free=free))
     trainer = make_trainer(out, factory, stop_at=6)
@@ -878,7 +879,7 @@ def test_each_kind_of_write_failure_is_named(saved, tmp_path, factory, monkeypat
 
 
 def test_a_failure_that_is_not_a_write_is_not_disguised_as_one(saved, tmp_path, factory, monkeypatch):
-    monkeypatch.setattr(checkpoint.torch, "save", _FailingWrite("scheduler.pt", RuntimeError("a bug")))
+    monkeypatch.setattr(parts.torch, "save", _FailingWrite("scheduler.pt", RuntimeError("a bug")))
     with pytest.raises(RuntimeError, match="^a bug$"):
         make_trainer(tmp_path, factory, stop_at=3).train()
 
@@ -923,7 +924,7 @@ def test_flipped_bytes_in_the_best_checkpoint_are_found_before_it_is_loaded(tmp_
 # ---- 8. smaller items ----------------------------------------------------------------------------------------------
 def test_a_crafted_ema_state_is_refused_as_unsafe(saved, tmp_path, factory):
     from hflight.callbacks.ema import STATE_FILE, EMACallback
-    from hflight.checkpoints.weights import UnsafeCheckpointFile
+    from hflight.checkpoints.files import UnsafeCheckpointFile
 
     folder = copy_checkpoint(saved, tmp_path)
     marker = tmp_path / "pwned"
@@ -1052,3 +1053,19 @@ def test_weights_go_in_through_the_model_own_load_state_dict(saved, tmp_path, fa
     best.compute_metrics = lambda prediction: {"score": next(scores)}
     best.train()
     assert calls == [(len(model.state_dict()), False)] and best.state.best_global_step == 3
+
+
+@pytest.mark.parametrize("entry", [{"size": 7}, 7, {"size": 7, "xxh3_128": "not-hex"}])
+def test_a_version_2_manifest_entry_without_its_checksum_is_refused(saved, tmp_path, entry):
+    """From version 2 on, an entry without a valid checksum could only be accepted unchecked: it is refused, naming
+    the file (a version-1 manifest, sizes only, is still read: the test above)."""
+    folder = copy_checkpoint(saved, tmp_path)
+    manifest = json.loads((folder / MANIFEST_NAME).read_text())
+    assert manifest["version"] == 2
+    name = "trainer_state.json"
+    size = (folder / name).stat().st_size
+    manifest["files"][name] = entry if not isinstance(entry, dict) else {**entry, "size": size}
+    (folder / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match=rf"version 2\) has no valid size and xxh3_128 checksum for {name}"):
+        verify_checkpoint(folder)
+    assert get_last_checkpoint(folder.parent) is None

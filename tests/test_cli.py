@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from hflight import cli
-from hflight.checkpoints.folders import verify_checkpoint
+from hflight.checkpoints.manifest import verify_checkpoint
 from hflight.config import compose
 
 REPO = Path(__file__).resolve().parents[1]

@@ -78,7 +78,7 @@ def test_ddp_checkpoints_and_events_match_one_process(runs):
     assert json.loads((folder / "trainer_state.json").read_text())["global_step"] == 6
     # The manifest (checksums of every rank's files) verifies, and a resume reads the RNG files of both ranks by the
     # names a 2-process run writes; the writer lock (rank 0's) is gone.
-    from hflight.checkpoints.folders import verify_checkpoint
+    from hflight.checkpoints.manifest import verify_checkpoint
     from hflight.checkpoints.resume import _rng_files
 
     manifest = verify_checkpoint(folder, full=True)

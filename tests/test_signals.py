@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import hflight
-from hflight.checkpoints.folders import get_last_checkpoint, verify_checkpoint
+from hflight.checkpoints.manifest import get_last_checkpoint, verify_checkpoint
 from hflight.run.interrupt import StopRequest, TrainingInterrupted
 
 

@@ -60,13 +60,9 @@ if TYPE_CHECKING:
     from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, PredictionOutput, TrainOutput, set_seed
 
     from hflight.arguments.training_args import TrainingArguments
+    from hflight.checkpoints.files import IncompleteCheckpointError, UnsafeCheckpointFile
     from hflight.checkpoints.folders import CheckpointWriteError
-    from hflight.checkpoints.manifest import (
-        IncompleteCheckpointError,
-        UnsafeCheckpointFile,
-        get_last_checkpoint,
-        verify_checkpoint,
-    )
+    from hflight.checkpoints.manifest import get_last_checkpoint, verify_checkpoint
     from hflight.checkpoints.optim_state import IncompatibleTrainingState
     from hflight.checkpoints.writelock import OutputDirInUse
     from hflight.trainer.facade import Trainer

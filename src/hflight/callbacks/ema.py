@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import torch
 from transformers.trainer_callback import TrainerCallback
 
-from hflight.checkpoints.manifest import regular_file
+from hflight.checkpoints.files import regular_file
 from hflight.checkpoints.weights import refused_pickle
 
 STATE_FILE = "ema_state.pt"

@@ -14,14 +14,8 @@ were.
 
 Reading is ``hflight.manifest``'s (:func:`verify_checkpoint`, :func:`get_last_checkpoint`, re-exported here).
 
-Folder contents, the names transformers uses, so folders written by either trainer resume in both:
-
-- ``model.safetensors`` (or shards and ``model.safetensors.index.json``) + ``config.json`` (``save_pretrained``),
-  the processing class files, ``training_args.bin`` (written for transformers; hflight never loads it)
-- ``trainer_state.json`` (``transformers.TrainerState.load_from_json`` reads it)
-- ``optimizer.pt``, ``scheduler.pt``, ``scaler.pt`` (mixed precision), ``rng_state.pth`` (``rng_state_{rank}.pth``
-  with several processes); none of them with ``save_only_model``
-- ``checkpoint_manifest.json`` (hflight's own)
+Folder contents: the parts in ``hflight.checkpoints.parts`` (transformers' names, so folders written by either
+trainer resume in both), and ``checkpoint_manifest.json`` (hflight's own).
 """
 
 from __future__ import annotations
@@ -29,9 +23,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
-import math
 import os
-import random
 import re
 import shutil
 from collections.abc import Iterator
@@ -39,12 +31,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
-from transformers.trainer_callback import ExportableState, TrainerState
+from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import SaveStrategy, sort_checkpoints
 from transformers.utils import logging as hf_logging
 
 from hflight._util import exception_chain
+from hflight.checkpoints.files import IncompleteCheckpointError
 from hflight.checkpoints.manifest import (
     CHECKPOINT_RE,
     MANIFEST_FORMAT,
@@ -52,15 +44,14 @@ from hflight.checkpoints.manifest import (
     MANIFEST_VERSION,
     PREFIX,
     TMP_PREFIX,
-    TRAINER_STATE_NAME,
-    WEIGHT_FILES,
     Checksums,
-    IncompleteCheckpointError,
     get_last_checkpoint,
     read_manifest,
     verify_checkpoint,
     write_manifest,
 )
+from hflight.checkpoints.parts import TRAINER_STATE_NAME, write_trainer_state, write_training_states
+from hflight.checkpoints.weights import WEIGHT_FILES
 from hflight.surface import RunView, TrainerSurface
 
 logger = logging.getLogger(__name__)
@@ -74,7 +65,6 @@ __all__ = [
 
 REPLACED_SUFFIX = ".replaced"
 DELETING_SUFFIX = ".deleting"
-OPTIMIZER_NAME, SCHEDULER_NAME, SCALER_NAME = "optimizer.pt", "scheduler.pt", "scaler.pt"
 # The arguments that decide which examples a resumed run sees next and how global steps map onto batches.
 RUN_ARGUMENTS = (
     "per_device_train_batch_size",
@@ -233,23 +223,6 @@ def writing(folder: str, what: str, discard: bool) -> Iterator[WriteTracker]:
 
 
 # ---- writing -------------------------------------------------------------------------------------------------------
-def save_model_files(
-    model: torch.nn.Module, processing_class: Any, output_dir: str, args: Any, state_dict: dict | None = None
-) -> None:
-    """The body of ``Trainer._save``: ``save_pretrained`` (safetensors) for transformers models, a bare safetensors
-    state dict otherwise (``state_dict``: the weights to write instead of the model's own), the processing class and
-    ``training_args.bin``."""
-    os.makedirs(output_dir, exist_ok=True)
-    if hasattr(model, "save_pretrained"):
-        model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
-    else:
-        from safetensors.torch import save_file
-
-        state = {k: v.contiguous() for k, v in (state_dict or model.state_dict()).items()}
-        save_file(state, os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})
-    if processing_class is not None and hasattr(processing_class, "save_pretrained"):
-        processing_class.save_pretrained(output_dir)
-    torch.save(args.to_transformers(), os.path.join(output_dir, "training_args.bin"))
 
 
 def save_model(facade: TrainerSurface, output_dir: str, backend: Any) -> None:
@@ -261,17 +234,6 @@ def save_model(facade: TrainerSurface, output_dir: str, backend: Any) -> None:
         with writing(output_dir, f"the model in {output_dir}", discard=False):
             facade._save(output_dir)
             backend.hf_save_files(output_dir)
-
-
-def _rng_states() -> dict[str, Any]:
-    states = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["cuda"] = torch.cuda.random.get_rng_state_all()
-    return states
-
-
-def rng_file_name(world_size: int, rank: int) -> str:
-    return "rng_state.pth" if world_size <= 1 else f"rng_state_{rank}.pth"
 
 
 def run_arguments(args: Any, world_size: int, plan: Any) -> dict[str, Any]:
@@ -309,7 +271,7 @@ def save_checkpoint(facade: TrainerSurface, run: RunView) -> str:
         world.barrier()  # the folder exists for every process
         if not args.save_only_model:
             # The largest file first: its checksum is computed (in the background) while the model is written.
-            _write_training_state(facade, run, tracker, is_main)
+            write_training_states(facade, run, tracker, is_main)
         if is_main:
             checksums.add_new(tmp_dir)
             tracker.file = None  # save_pretrained's files: found afterwards if one fails
@@ -318,7 +280,7 @@ def save_checkpoint(facade: TrainerSurface, run: RunView) -> str:
         _update_best_checkpoint(args, state, run_dir)
         world.barrier()
         if is_main:
-            _write_trainer_state(facade, tracker)
+            write_trainer_state(facade, tracker)
             tracker.file = MANIFEST_NAME
             run_args = run_arguments(args, world.size, run.plan)
             write_manifest(tmp_dir, state.global_step, bool(args.save_only_model), run_args, checksums)
@@ -345,46 +307,6 @@ def _write_model_files(facade: TrainerSurface, run: RunView, folder: str) -> Non
     backend.hf_save_files(folder)
     for callback in run.weight_hooks("save_checkpoint_state"):
         callback.save_checkpoint_state(folder, facade.model)
-
-
-def _write_training_state(facade: TrainerSurface, run: RunView, tracker: WriteTracker, is_main: bool) -> None:
-    """Optimizer, scheduler and scaler (main process), and this process's RNG states."""
-    files = {}
-    if is_main:
-        files[OPTIMIZER_NAME] = facade.optimizer.state_dict
-        files[SCHEDULER_NAME] = facade.lr_scheduler.state_dict
-        scaler = getattr(run.lightning_trainer.precision_plugin, "scaler", None)
-        if scaler is not None:
-            files[SCALER_NAME] = scaler.state_dict
-    files[rng_file_name(run.world.size, run.world.rank)] = _rng_states
-    for name, state in files.items():
-        tracker.file = name
-        torch.save(state(), os.path.join(tracker.folder, name))
-
-
-def _write_trainer_state(facade: TrainerSurface, tracker: WriteTracker) -> None:
-    """``trainer_state.json``, with the current state of every stateful callback (several instances of one class
-    as a list, in order, as transformers reads them back)."""
-    state = facade.state
-    stateful: dict[str, list[dict[str, Any]]] = {}
-    for callback in facade.callback_handler.callbacks + [facade.control]:
-        if isinstance(callback, ExportableState):
-            stateful.setdefault(type(callback).__name__, []).append(callback.state())
-    # States of callbacks this run does not have stay as they were (transformers keeps them too).
-    state.stateful_callbacks = {
-        **(state.stateful_callbacks or {}),
-        **{name: states[0] if len(states) == 1 else states for name, states in stateful.items()},
-    }
-    tracker.file = TRAINER_STATE_NAME
-    best = state.best_metric
-    if best is not None and not math.isfinite(best):
-        # transformers' starting point (±inf until an evaluation gives a better value) is written as null: a file
-        # holds finite numbers only, and the next evaluation starts from the same point again.
-        state.best_metric = None
-    try:
-        state.save_to_json(os.path.join(tracker.folder, TRAINER_STATE_NAME))
-    finally:
-        state.best_metric = best
 
 
 def publish(tmp_dir: str, final_dir: str) -> None:

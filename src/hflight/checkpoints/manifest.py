@@ -30,90 +30,24 @@ import logging
 import mmap
 import os
 import re
-import stat
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
+
+from hflight.checkpoints.files import IncompleteCheckpointError, UnsafeCheckpointFile, regular_file, relative_name
+from hflight.checkpoints.parts import TRAINER_STATE_NAME
+from hflight.checkpoints.weights import WEIGHT_FILES, is_model_file, is_weight_file, weights_in_use
 
 logger = logging.getLogger(__name__)
 
 PREFIX = "checkpoint"
 TMP_PREFIX = ".tmp-"
-TRAINER_STATE_NAME = "trainer_state.json"
 MANIFEST_NAME = "checkpoint_manifest.json"
 MANIFEST_FORMAT = "hflight-checkpoint"
 MANIFEST_VERSION = 2  # 1: sizes only; 2: sizes and checksums
 CHECKSUM = "xxh3_128"
 CHECKPOINT_RE = re.compile(rf"^{PREFIX}-(\d+)$")
-# In transformers' order of preference: the first one present is the one loaded.
-WEIGHT_FILES = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-)
-# Written by ``save_pretrained`` beside the weights, so rewritten by a re-save.
-CONFIG_FILES = ("config.json", "generation_config.json")
-_SHARD_RE = re.compile(r"^(?:model|pytorch_model)(?:-[\w.]+)?-\d{5}-of-\d{5}\.(?:safetensors|bin)$")
 _CHUNK = 8 << 20
 _MAX_LISTED = 6
-_NOT_REGULAR = (
-    (stat.S_ISDIR, "a folder"),
-    (stat.S_ISFIFO, "a named pipe (FIFO)"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
-    (stat.S_ISSOCK, "a socket"),
-)
-
-
-class IncompleteCheckpointError(ValueError):
-    """A checkpoint folder lacks files (or has truncated or damaged ones): interrupted while saving, or damaged
-    since."""
-
-
-class UnsafeCheckpointFile(ValueError):
-    """A checkpoint file that is not read: pickled objects beyond tensors and plain values, a path leading outside
-    the folder, or something other than a regular file."""
-
-
-# ---- reading only what a checkpoint should hold -------------------------------------------------------------------
-def relative_name(name: Any, where: str) -> str:
-    """``name`` if it names a file inside a folder (relative, no ``..``); otherwise UnsafeCheckpointFile naming
-    ``where`` (the file that lists the name)."""
-    if not isinstance(name, str) or not name.strip() or "\x00" in name or "\\" in name:
-        raise UnsafeCheckpointFile(f"{where} lists {name!r}, which is not a file name inside the checkpoint folder.")
-    pure = PurePosixPath(name)
-    if pure.is_absolute() or ".." in pure.parts or re.match(r"^[A-Za-z]:", name):
-        raise UnsafeCheckpointFile(
-            f"{where} lists {name!r}: a path outside the checkpoint folder. A checkpoint only refers to its own files."
-        )
-    return name
-
-
-def regular_file(folder: str | os.PathLike, name: str, where: str | None = None) -> Path | None:
-    """The path of file ``name`` of checkpoint ``folder``, None when there is none (a broken link counts as none).
-
-    Raises:
-        UnsafeCheckpointFile: ``name`` leads outside the folder (``..``, an absolute path, a symbolic link to a file
-            elsewhere) or is not a regular file (a named pipe, a device, a socket, a folder); nothing was opened.
-    """
-    folder = Path(folder)
-    relative_name(name, where or str(folder))
-    path = folder / name
-    if not os.path.lexists(path):
-        return None
-    root, real = os.path.realpath(folder), os.path.realpath(path)
-    if os.path.commonpath([root, real]) != root:
-        raise UnsafeCheckpointFile(
-            f"{path} leads outside the checkpoint folder (to {real}): a checkpoint is read only from its own files."
-        )
-    try:
-        mode = os.stat(real).st_mode
-    except FileNotFoundError:
-        return None
-    kind = next((what for test, what in _NOT_REGULAR if test(mode)), None)
-    if kind is not None:
-        raise UnsafeCheckpointFile(f"{path} is {kind}, not a regular file: it is not read.")
-    return path
 
 
 def file_digest(path: str | os.PathLike) -> str:
@@ -164,45 +98,6 @@ class Checksums:
         return file_digest(path)
 
 
-def is_weight_file(name: str) -> bool:
-    return name in WEIGHT_FILES or bool(_SHARD_RE.match(PurePosixPath(name).name))
-
-
-def is_model_file(name: str) -> bool:
-    """Weights (single, index or shard) or a file ``save_pretrained`` writes beside them."""
-    return is_weight_file(name) or name in CONFIG_FILES
-
-
-def read_weight_map(index_file: Path) -> dict[str, str]:
-    """The ``weight_map`` of a ``*.index.json`` (parameter name -> shard file), every shard name checked to lie
-    inside the index's folder."""
-    try:
-        index = json.loads(index_file.read_text(encoding="utf-8"))
-        weight_map = index["weight_map"]
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise TypeError("'weight_map' must map parameter names to shard file names")
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise IncompleteCheckpointError(f"Checkpoint index {index_file} is unreadable: {exc!r}") from exc
-    for shard in set(weight_map.values()):
-        relative_name(shard, str(index_file))
-    return weight_map
-
-
-def shard_names(index_file: Path) -> list[str]:
-    """The shard files a ``*.index.json`` names (sorted), each checked to lie inside its folder."""
-    return sorted(set(read_weight_map(index_file).values()))
-
-
-def weights_in_use(folder: str | os.PathLike) -> list[str]:
-    """The weight files a load reads, transformers' way: the first of :data:`WEIGHT_FILES` present (an index with
-    the shards it names); empty when the folder has none."""
-    for name in WEIGHT_FILES:
-        path = regular_file(folder, name)
-        if path is not None:
-            return [name, *shard_names(path)] if name.endswith(".index.json") else [name]
-    return []
-
-
 # ---- the manifest ---------------------------------------------------------------------------------------------------
 def write_manifest(
     folder: str, global_step: int, save_only_model: bool, run: dict[str, Any], checksums: Checksums | None = None
@@ -227,13 +122,16 @@ def write_manifest(
     (root / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def _entry(value: Any) -> dict[str, Any] | None:
-    """A manifest's file entry as ``{"size", CHECKSUM}`` (version 1 recorded the size alone); None if malformed."""
-    if type(value) is int:
+def _entry(value: Any, version: Any) -> dict[str, Any] | None:
+    """A manifest's file entry as ``{"size", CHECKSUM}``; None if malformed. Version 1 recorded the size alone;
+    from version 2 on every entry must carry its checksum (an entry without one would be accepted unchecked)."""
+    if type(value) is int and version == 1:
         return {"size": value}
     if isinstance(value, dict) and type(value.get("size")) is int:
         digest = value.get(CHECKSUM)
-        if digest is None or (isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{32}", digest)):
+        if digest is None and version == 1:
+            return value
+        if isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{32}", digest):
             return value
     return None
 
@@ -249,17 +147,23 @@ def read_manifest(folder: str | os.PathLike) -> dict[str, Any] | None:
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise IncompleteCheckpointError(f"Checkpoint manifest {path} is unreadable: {exc}") from exc
     files = manifest.get("files") if isinstance(manifest, dict) else None
-    entries = {k: _entry(v) for k, v in files.items()} if isinstance(files, dict) else {}
-    if not isinstance(files, dict) or manifest.get("format") != MANIFEST_FORMAT or None in entries.values():
+    version = manifest.get("version") if isinstance(manifest, dict) else None
+    if isinstance(files, dict) and (type(version) is not int or not 1 <= version <= MANIFEST_VERSION):
+        raise IncompleteCheckpointError(
+            f"Checkpoint manifest {path} has version {version!r}; this hflight reads versions 1 to "
+            f"{MANIFEST_VERSION} (a newer hflight wrote it?)."
+        )
+    entries = {k: _entry(v, version) for k, v in files.items()} if isinstance(files, dict) else {}
+    if not isinstance(files, dict) or manifest.get("format") != MANIFEST_FORMAT:
         raise IncompleteCheckpointError(
             f"Checkpoint manifest {path} is not an hflight manifest (expected format {MANIFEST_FORMAT!r} and a "
             "'files' mapping of file name to its size and checksum)."
         )
-    version = manifest.get("version")
-    if type(version) is not int or version > MANIFEST_VERSION:
+    bad = [name for name, entry in entries.items() if entry is None]
+    if bad:
         raise IncompleteCheckpointError(
-            f"Checkpoint manifest {path} has version {version!r}; this hflight reads versions 1 to "
-            f"{MANIFEST_VERSION} (a newer hflight wrote it?)."
+            f"Checkpoint manifest {path} (version {version}) has no valid size and {CHECKSUM} checksum for "
+            f"{_listed(sorted(bad))}: the entry cannot be checked, so the checkpoint is not trusted."
         )
     for name in entries:
         relative_name(name, str(path))
@@ -406,9 +310,3 @@ def get_last_checkpoint(folder: str | os.PathLike) -> str | None:
             continue
         return str(path)
     return None
-
-
-def inside(path: str | os.PathLike, folder: str | os.PathLike) -> bool:
-    """Whether ``path`` lies inside ``folder`` (links and ``..`` resolved)."""
-    root, real = os.path.realpath(folder), os.path.realpath(path)
-    return real != root and os.path.commonpath([root, real]) == root

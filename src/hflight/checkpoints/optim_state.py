@@ -31,6 +31,8 @@ import torch
 from hflight.surface import TrainerSurface
 
 # Per-parameter state entries shaped like their parameter, across torch's optimizers and transformers' Adafactor.
+#: The files of the optimizer, scheduler and scaler parts (transformers' names).
+OPTIMIZER_NAME, SCHEDULER_NAME, SCALER_NAME = "optimizer.pt", "scheduler.pt", "scaler.pt"
 PARAM_SHAPED_STATE = frozenset(
     {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "sum", "square_avg", "grad_avg", "acc_delta",
      "exp_inf", "prev", "step_size", "ax"}
@@ -195,9 +197,9 @@ def check_scaler_state(path: Path, saved: Any) -> None:
 
 
 _CHECKS = {
-    "optimizer.pt": lambda path, saved, target, names: check_optimizer_state(path, saved, target, names),
-    "scheduler.pt": lambda path, saved, target, names: check_scheduler_state(path, saved, target),
-    "scaler.pt": lambda path, saved, target, names: check_scaler_state(path, saved),
+    OPTIMIZER_NAME: lambda path, saved, target, names: check_optimizer_state(path, saved, target, names),
+    SCHEDULER_NAME: lambda path, saved, target, names: check_scheduler_state(path, saved, target),
+    SCALER_NAME: lambda path, saved, target, names: check_scaler_state(path, saved),
 }
 
 

@@ -1,12 +1,17 @@
-"""Loading a checkpoint's weights into a model: everything is checked before anything is copied.
+"""The model part of a checkpoint: its file names, how it is written, checked and loaded.
+
+Names (:data:`WEIGHT_FILES`, shards, :data:`CONFIG_FILES`, :data:`TRAINING_ARGS_NAME`) as transformers writes
+and finds them; :func:`save_model_files` writes them (``save_pretrained`` or a plain safetensors file, the processing
+class, ``training_args.bin``). Loading (:func:`checked_weights`, :func:`load_model_weights`) checks everything before
+anything is copied.
 
 Key names and shapes are compared with the model first (read from the safetensors headers, so no tensor is
 loaded for the check); only when every file, key and shape matches are the weights copied in. A rejected
 checkpoint therefore leaves the model exactly as it was, and the error names the file. Single files
 (``model.safetensors``, ``pytorch_model.bin``) and shards with their index (``model.safetensors.index.json``,
 ``pytorch_model.bin.index.json``) are supported, in transformers' order of preference; ``.bin`` files are read with
-``weights_only=True``. Every file is reached through ``hflight.manifest.regular_file``: a shard index naming a path
-outside the folder, a symbolic link leading out of it or a file that is not a regular one is refused before it is
+``weights_only=True``. Every file is reached through ``hflight.checkpoints.files.regular_file``: a shard index naming a
+path outside the folder, a symbolic link leading out of it or a file that is not a regular one is refused before it is
 opened. The tensors then go in through the model's own ``load_state_dict`` (``strict=False``, one shard at a time, as
 transformers loads them), so a model that overrides it is not bypassed.
 
@@ -18,20 +23,94 @@ storage is in the file.
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import re
 from collections.abc import Callable, Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+from typing import Any
 
 import torch
 
-from hflight.checkpoints.manifest import (
-    WEIGHT_FILES,
-    UnsafeCheckpointFile,
-    read_weight_map,
-    regular_file,
-    weights_in_use,
+from hflight.checkpoints.files import IncompleteCheckpointError, UnsafeCheckpointFile, regular_file, relative_name
+
+# In transformers' order of preference: the first one present is the one loaded.
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
 )
+
+
+# Written by ``save_pretrained`` beside the weights, so rewritten by a re-save.
+CONFIG_FILES = ("config.json", "generation_config.json")
+
+
+_SHARD_RE = re.compile(r"^(?:model|pytorch_model)(?:-[\w.]+)?-\d{5}-of-\d{5}\.(?:safetensors|bin)$")
+
+
+def is_weight_file(name: str) -> bool:
+    return name in WEIGHT_FILES or bool(_SHARD_RE.match(PurePosixPath(name).name))
+
+
+def is_model_file(name: str) -> bool:
+    """Weights (single, index or shard) or a file ``save_pretrained`` writes beside them."""
+    return is_weight_file(name) or name in CONFIG_FILES
+
+
+def read_weight_map(index_file: Path) -> dict[str, str]:
+    """The ``weight_map`` of a ``*.index.json`` (parameter name -> shard file), every shard name checked to lie
+    inside the index's folder."""
+    try:
+        index = json.loads(index_file.read_text(encoding="utf-8"))
+        weight_map = index["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise TypeError("'weight_map' must map parameter names to shard file names")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise IncompleteCheckpointError(f"Checkpoint index {index_file} is unreadable: {exc!r}") from exc
+    for shard in set(weight_map.values()):
+        relative_name(shard, str(index_file))
+    return weight_map
+
+
+def shard_names(index_file: Path) -> list[str]:
+    """The shard files a ``*.index.json`` names (sorted), each checked to lie inside its folder."""
+    return sorted(set(read_weight_map(index_file).values()))
+
+
+def weights_in_use(folder: str | os.PathLike) -> list[str]:
+    """The weight files a load reads, transformers' way: the first of :data:`WEIGHT_FILES` present (an index with
+    the shards it names); empty when the folder has none."""
+    for name in WEIGHT_FILES:
+        path = regular_file(folder, name)
+        if path is not None:
+            return [name, *shard_names(path)] if name.endswith(".index.json") else [name]
+    return []
+
+
+#: transformers' ``TRAINING_ARGS_NAME``: the arguments, pickled, for transformers' tools (hflight never loads it).
+TRAINING_ARGS_NAME = "training_args.bin"
+
+
+def save_model_files(
+    model: torch.nn.Module, processing_class: Any, output_dir: str, args: Any, state_dict: dict | None = None
+) -> None:
+    """The body of ``Trainer._save``: ``save_pretrained`` (safetensors) for transformers models, a bare safetensors
+    state dict otherwise (``state_dict``: the weights to write instead of the model's own), the processing class and
+    ``training_args.bin``."""
+    os.makedirs(output_dir, exist_ok=True)
+    if hasattr(model, "save_pretrained"):
+        model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
+    else:
+        from safetensors.torch import save_file
+
+        state = {k: v.contiguous() for k, v in (state_dict or model.state_dict()).items()}
+        save_file(state, os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})
+    if processing_class is not None and hasattr(processing_class, "save_pretrained"):
+        processing_class.save_pretrained(output_dir)
+    torch.save(args.to_transformers(), os.path.join(output_dir, TRAINING_ARGS_NAME))
+
 
 _MAX_LISTED = 8
 

@@ -39,7 +39,7 @@ import torch
 from transformers.trainer_utils import SaveStrategy, TrainOutput, speed_metrics
 
 from hflight.callbacks.hooks import new_trainer_state
-from hflight.checkpoints import folders, resume
+from hflight.checkpoints import folders, parts, resume
 from hflight.checkpoints.manifest import PREFIX
 from hflight.run import console
 from hflight.run.datamodule import loader_length
@@ -99,7 +99,7 @@ class TrainingLoop:
         if run.resume is not None:
             facade.state = resume.resumed_state(facade, run.resume, run.world.size, plan)
             epochs_trained, skip = plan.resume_position(facade.state.global_step, facade.args.ignore_data_skip)
-            datamodule.resume_at(skip, lambda: resume.load_rng_state(run.resume, run.world))
+            datamodule.resume_at(skip, lambda: parts.load_rng_state(run.resume, run.world))
         facade.state.init_training_references(facade, plan.max_steps, plan.num_train_epochs, self.trial)
         self.epochs_offset = epochs_trained
         resumed_at = facade.state.global_step if run.resume is not None else None
@@ -114,7 +114,7 @@ class TrainingLoop:
         handler = facade.callback_handler
         handler.model, handler.optimizer, handler.lr_scheduler = facade.model, facade.optimizer, facade.lr_scheduler
         handler.train_dataloader = train_loader
-        resume.restore_optimizer(facade, self.run)
+        parts.restore_optimizer(facade, self.run)
         self.tr_loss = torch.tensor(0.0, device=device)
         self.start_time = time.time()
         self.initial_global_step = self.globalstep_last_logged = facade.state.global_step

@@ -37,16 +37,14 @@ from transformers.trainer_utils import (
 from hflight.arguments.lightning_kwargs import split_callbacks
 from hflight.arguments.training_args import TrainingArguments, coerce_training_args
 from hflight.callbacks.hooks import new_trainer_state
-from hflight.checkpoints import folders as checkpoint
-from hflight.checkpoints import resume, weights
+from hflight.checkpoints import folders, resume, weights
 from hflight.checkpoints.writelock import output_dir_lock
 from hflight.run import console, evaluation
 from hflight.run.backend import HFBackend, backend_of
 from hflight.run.distributed import World
 from hflight.run.events import dispatch
 from hflight.run.run import Run
-from hflight.trainer import construction, memory, steps
-from hflight.trainer import model_hooks as training_hooks
+from hflight.trainer import construction, memory, model_hooks, steps
 from hflight.trainer.accelerator import RunAccelerator
 from hflight.trainer.construction import default_collator
 from hflight.trainer.data import DataLoadersMixin
@@ -224,7 +222,7 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
             point = resume.resolve_resume(self, resume_from_checkpoint)
             if point is not None and self.args.auto_find_batch_size and point.state.train_batch_size is not None:
                 self._train_batch_size = point.state.train_batch_size  # the size the checkpoint's run found
-            with training_hooks.installed(self.model, self.args):
+            with model_hooks.installed(self.model, self.args):
                 return memory.find_executable_batch_size(
                     lambda batch_size: self._train_once(batch_size, point, trial, ignore_keys_for_eval),
                     self._train_batch_size,
@@ -275,7 +273,7 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
         loop.log_save_evaluate(tr_loss, grad_norm, model, trial, ignore_keys_for_eval, start_time, learning_rate)
 
     def _determine_best_metric(self, metrics: dict[str, float], trial: Any) -> bool:
-        return checkpoint.update_best_metric(self.args, self.state, metrics)
+        return folders.update_best_metric(self.args, self.state, metrics)
 
     def evaluate(
         self,
@@ -330,19 +328,19 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
     save_state = save_state
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        checkpoint.save_model(self, output_dir if output_dir is not None else self.args.output_dir, self._backend())
+        folders.save_model(self, output_dir if output_dir is not None else self.args.output_dir, self._backend())
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        checkpoint.save_model_files(self.model, self.processing_class, output_dir, self.args, state_dict)
+        weights.save_model_files(self.model, self.processing_class, output_dir, self.args, state_dict)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         weights.load_model_weights(model if model is not None else self.model, resume_from_checkpoint)
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
-        folder = checkpoint.save_checkpoint(self, self._run)
+        folder = folders.save_checkpoint(self, self._run)
         if self.args.push_to_hub:
             self._push_from_checkpoint(folder)
 

@@ -24,14 +24,12 @@ from transformers.modelcard import TrainingSummary
 from transformers.trainer_utils import HubStrategy, SaveStrategy
 from transformers.utils import PushInProgress
 
-from hflight.checkpoints.manifest import shard_names
+from hflight.checkpoints.parts import part_of
+from hflight.checkpoints.weights import TRAINING_ARGS_NAME
 from hflight.checkpoints.writelock import LOCK_NAME
 from hflight.run.events import dispatch
 from hflight.version import __version__
 
-#: What a checkpoint push copies from the checkpoint folder into the output folder before uploading it.
-MODELING_FILES = ("config.json", "generation_config.json", "pytorch_model.bin", "model.safetensors")
-INDEX_FILES = ("pytorch_model.bin.index.json", "model.safetensors.index.json")
 #: Never uploaded with the output folder: private files, the checkpoint folders and the writer lock.
 IGNORED = ["_*", "checkpoint-*", ".tmp-checkpoint-*", LOCK_NAME]
 
@@ -47,13 +45,9 @@ def hub_api() -> HfApi:
 
 
 def _modeling_files(checkpoint_folder: str) -> list[str]:
-    files = list(MODELING_FILES)
-    for index_file in INDEX_FILES:
-        index_path = os.path.join(checkpoint_folder, index_file)
-        if os.path.isfile(index_path):
-            files.append(index_file)
-            files.extend(shard_names(Path(index_path)))
-    return files
+    """What a checkpoint push copies from the checkpoint folder into the output folder before uploading it: the
+    files of the checkpoint's model part (weights, index and shards, ``config.json``, ``generation_config.json``)."""
+    return sorted(name for name in os.listdir(checkpoint_folder) if part_of(name) == "model")
 
 
 class HubMixin:
@@ -163,7 +157,7 @@ class HubMixin:
                 shutil.copy(os.path.join(checkpoint_folder, name), os.path.join(args.output_dir, name))
         if self.processing_class is not None:
             self.processing_class.save_pretrained(args.output_dir)
-        torch.save(args.to_transformers(), os.path.join(args.output_dir, "training_args.bin"))
+        torch.save(args.to_transformers(), os.path.join(args.output_dir, TRAINING_ARGS_NAME))
         if args.save_strategy == SaveStrategy.STEPS:
             message = f"Training in progress, step {self.state.global_step}"
         else:

@@ -1,4 +1,7 @@
-"""transformers' optimizer and scheduler surface of the ``Trainer``; the factories are ``hflight.arguments.optimizers``."""
+"""transformers' optimizer and scheduler surface of the ``Trainer``.
+
+The factories (``optim`` names -> optimizer classes, parameter groups, schedulers) are ``hflight.arguments.optimizers``.
+"""
 
 from __future__ import annotations
 
