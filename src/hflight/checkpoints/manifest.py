@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from hflight.checkpoints.files import IncompleteCheckpointError, UnsafeCheckpointFile, regular_file, relative_name
-from hflight.checkpoints.parts import TRAINER_STATE_NAME
-from hflight.checkpoints.weights import WEIGHT_FILES, is_model_file, is_weight_file, weights_in_use
+from hflight.checkpoints.parts import TRAINER_STATE_NAME, part_of
+from hflight.checkpoints.weights import WEIGHT_FILES, is_weight_file, weights_in_use
 
 logger = logging.getLogger(__name__)
 
@@ -217,7 +217,7 @@ def resave_report(folder: Path, manifest: dict[str, Any], in_use: list[str]) -> 
     new = [n for n in in_use if n not in listed]
     gone = [n for n in listed if is_weight_file(n) and regular_file(folder, n) is None]
     changed = []
-    for name in [n for n in listed if is_model_file(n) and n not in gone]:
+    for name in [n for n in listed if part_of(n) == "model" and n not in gone]:
         path = regular_file(folder, name)
         if path is not None and _file_problem(folder, name, listed[name], full=True) is not None:
             changed.append(name)
@@ -261,7 +261,8 @@ def verify_checkpoint(folder: str | os.PathLike, full: bool = False, model_files
         return None
     listed = manifest["files"]
     resaved = any(name not in listed for name in in_use)
-    names = [n for n in listed if not (resaved and is_model_file(n)) and (is_model_file(n) or not model_files_only)]
+    model = {n for n in listed if part_of(n) == "model"}
+    names = [n for n in listed if not (resaved and n in model) and (n in model or not model_files_only)]
     problems = [p for n in names if (p := _file_problem(folder, n, listed[n], full)) is not None]
     if resaved:
         problems += _structure_problems(folder, in_use)

@@ -54,11 +54,6 @@ def is_weight_file(name: str) -> bool:
     return name in WEIGHT_FILES or bool(_SHARD_RE.match(PurePosixPath(name).name))
 
 
-def is_model_file(name: str) -> bool:
-    """Weights (single, index or shard) or a file ``save_pretrained`` writes beside them."""
-    return is_weight_file(name) or name in CONFIG_FILES
-
-
 def read_weight_map(index_file: Path) -> dict[str, str]:
     """The ``weight_map`` of a ``*.index.json`` (parameter name -> shard file), every shard name checked to lie
     inside the index's folder."""

@@ -4,6 +4,9 @@ installed, and optimum's ``ORTTrainer`` API.
 ``from hflight.ort import ORTStrategy, ORTTrainer, ORTTrainingArguments``; optimum's module paths work too
 (``hflight.ort.trainer``, ``hflight.ort.training_args``). Importing this package does not import onnxruntime;
 evaluating through ONNX Runtime does, and a missing package raises one error that says what to install.
+
+May import: the Lightning side (``strategy``, ``session``, ``checks``, ``runtime``) only the run's backend hooks
+(``hflight.run.backend``), the arguments and the checkpoints; the optimum-compatible ``trainer`` also the facade.
 """
 
 from __future__ import annotations

@@ -11,6 +11,10 @@ squad_metrics`` loads the metrics module only, and ``from hflight.qa import MRCT
 * ``squad_metrics``, ``SquadMetric`` (``hflight.qa.metrics``): the official SQuAD scores;
 * ``MRCRecipe`` (``hflight.qa.recipe``): what ``python train.py +experiment=mrc`` builds.
 
+May import: data, features, post-processing and metrics nothing of hflight but ``hflight.surface``/``hflight._util``
+(no Lightning); the QA trainers the facade (``hflight.trainer``) and the run; the recipe the facade, the arguments,
+the callbacks and the config.
+
 Example:
     >>> from hflight.qa import squad_metrics
     >>> squad_metrics([{"id": "q", "prediction_text": "Denver Broncos"}],

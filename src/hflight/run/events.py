@@ -20,16 +20,13 @@ one method of the run's :class:`~hflight.run.loop.TrainingLoop`, and nothing els
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import lightning as L
 from transformers.trainer_callback import TrainerControl
 from typing_extensions import override
 
 from hflight.surface import TrainerSurface
-
-if TYPE_CHECKING:
-    from hflight.run.loop import TrainingLoop
 
 
 def dispatch(facade: TrainerSurface, event: str, *args: Any, **kwargs: Any) -> TrainerControl:
@@ -44,8 +41,8 @@ def dispatch(facade: TrainerSurface, event: str, *args: Any, **kwargs: Any) -> T
 class LightningEvents(L.Callback):
     """Lightning's fit hooks, mapped onto the training loop (see the module docstring's table)."""
 
-    def __init__(self, loop: TrainingLoop) -> None:
-        self.loop = loop
+    def __init__(self, loop: Any) -> None:
+        self.loop = loop  # the run's hflight.run.loop.TrainingLoop (which imports this module)
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:

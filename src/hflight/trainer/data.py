@@ -12,10 +12,22 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch.utils.data import DataLoader, IterableDataset, Sampler, SequentialSampler
 
 from hflight.run import console
 from hflight.run.datamodule import EpochSeededRandomSampler, ShardedBatchSampler
+
+
+def prepare_inputs(inputs: dict[str, Any], device: torch.device | None, signature_columns: list[str]) -> dict[str, Any]:
+    """The body of ``Trainer._prepare_inputs``: the batch's tensors on ``device`` (as they are when None); an empty
+    batch is transformers' error, listing the columns the model takes (``signature_columns``)."""
+    if len(inputs) == 0:
+        raise ValueError(
+            "The batch received was empty, your model won't be able to train on it. Double-check that your "
+            f"training dataset contains keys expected by the model: {','.join(signature_columns)}."
+        )
+    return move_data_to_device(inputs, device) if device is not None else inputs
 
 
 # ---- loaders the facade's getters build ----------------------------------------------------------------------
@@ -116,6 +128,11 @@ class DataLoadersMixin:
             return dataset
         self._set_signature_columns_if_needed()
         return remove_unused_columns(dataset, self._signature_columns, description, type(self.model).__name__)
+
+    def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        if len(inputs) == 0:
+            self._set_signature_columns_if_needed()
+        return prepare_inputs(inputs, self.accelerator.device, self._signature_columns or [])
 
     def _get_dataloader(
         self,

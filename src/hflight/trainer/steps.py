@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import nn
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.trainer_pt_utils import nested_detach
@@ -24,17 +23,6 @@ from hflight.surface import TrainerSurface
 from hflight.trainer import memory
 
 logger = logging.getLogger(__name__)
-
-
-def prepare_inputs(inputs: dict[str, Any], device: torch.device | None, signature_columns: list[str]) -> dict[str, Any]:
-    """The body of ``Trainer._prepare_inputs``: the batch's tensors on ``device`` (as they are when None); an empty
-    batch is transformers' error, listing the columns the model takes (``signature_columns``)."""
-    if len(inputs) == 0:
-        raise ValueError(
-            "The batch received was empty, your model won't be able to train on it. Double-check that your "
-            f"training dataset contains keys expected by the model: {','.join(signature_columns)}."
-        )
-    return move_data_to_device(inputs, device) if device is not None else inputs
 
 
 def compute_loss(
@@ -185,11 +173,11 @@ def count_items_in_cycle(trainer: TrainerSurface, batches: list[Any], backend: A
 
 
 class StepsMixin:
-    """transformers' per-batch ``Trainer`` methods (``compute_loss``, ``training_step``, ``prediction_step``,
-    ``_prepare_inputs``) and step-level utilities, over the facade's public surface: the backward pass, the device and
-    the number of processes come from ``self.accelerator`` (the run's), as in transformers.
+    """transformers' per-batch ``Trainer`` methods (``compute_loss``, ``training_step``, ``prediction_step``) and
+    step-level utilities, over the facade's public surface: the backward pass, the device and the number of processes
+    come from ``self.accelerator`` (the run's), as in transformers.
 
-    ``get_batch_samples`` is what the training loop calls once per accumulation cycle (``hflight.datamodule``), so a
+    ``get_batch_samples`` is what the training loop calls once per accumulation cycle (``hflight.run.datamodule``), so a
     subclass's override takes effect there as in transformers. Mixed precision is Lightning's (its precision plugin
     wraps every step), so, as in transformers (where accelerate does it), the autocast context managers are empty.
     Model, tensor, context and sequence parallelism are not hflight's (Lightning's FSDP/DeepSpeed strategies shard
@@ -204,11 +192,6 @@ class StepsMixin:
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         return prediction_step(self, model, inputs, prediction_loss_only, ignore_keys)
-
-    def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
-        if len(inputs) == 0:
-            self._set_signature_columns_if_needed()
-        return prepare_inputs(inputs, self.accelerator.device, self._signature_columns or [])
 
     def compute_loss_context_manager(self) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
