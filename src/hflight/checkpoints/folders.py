@@ -30,7 +30,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import SaveStrategy, sort_checkpoints
 from transformers.utils import logging as hf_logging
@@ -320,33 +319,6 @@ def publish(tmp_dir: str, final_dir: str) -> None:
 
 
 # ---- best model -------------------------------------------------------------------------------------------------
-def metric_key(key: str, metrics: dict[str, float]) -> str:
-    """``key`` if ``metrics`` has it, else a KeyError listing the metrics there are."""
-    if key not in metrics:
-        raise KeyError(
-            f"The `metric_for_best_model` training argument is set to '{key}', which is not found in the evaluation "
-            f"metrics. The available evaluation metrics are: {list(metrics.keys())}. Consider changing the "
-            "`metric_for_best_model` via the TrainingArguments."
-        )
-    return key
-
-
-def update_best_metric(args: Any, state: TrainerState, metrics: dict[str, float]) -> bool:
-    """HF's ``_determine_best_metric``: track the best value and its step; True if this evaluation is the best."""
-    if args.metric_for_best_model is None:
-        return False
-    key = args.metric_for_best_model
-    key = metric_key(key if key.startswith("eval_") else f"eval_{key}", metrics)
-    value = metrics[key]
-    better = np.greater if args.greater_is_better else np.less
-    if state.best_metric is None:
-        state.best_metric = float("-inf") if args.greater_is_better else float("inf")
-    if better(value, state.best_metric):
-        state.best_metric = value
-        if args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST):
-            state.best_global_step = state.global_step
-        return True
-    return False
 
 
 def finalize_rotation(args: Any, state: TrainerState, is_main: bool) -> None:

@@ -748,6 +748,17 @@ def postprocess_qa_predictions_with_scores(
     (answers, n-best lists, and for SQuAD 2.0 the null odds and a real no-answer probability per question).
     Writes HF's files too when ``output_dir`` is given.
     """
+    return _postprocess(
+        examples, features, predictions, version_2_with_negative, n_best_size, max_answer_length,
+        null_score_diff_threshold, output_dir, prefix, log_level, with_nbest=True,
+    )  # fmt: skip
+
+
+def _postprocess(
+    examples, features, predictions, version_2_with_negative, n_best_size, max_answer_length,
+    null_score_diff_threshold, output_dir, prefix, log_level, with_nbest: bool,
+) -> QAPostprocessResult:  # fmt: skip
+    """The two public functions' body: compute, then write HF's files when ``output_dir`` is given."""
     if log_level is not None:
         logger.setLevel(log_level)
     result = compute_qa_predictions(
@@ -758,7 +769,7 @@ def postprocess_qa_predictions_with_scores(
         n_best_size=n_best_size,
         max_answer_length=max_answer_length,
         null_score_diff_threshold=null_score_diff_threshold,
-        with_nbest=True,
+        with_nbest=with_nbest or output_dir is not None,
     )
     if output_dir is not None:
         write_qa_predictions(result, output_dir, prefix)
@@ -795,18 +806,7 @@ def postprocess_qa_predictions(
 
     Answers, n-best lists and null odds are identical to utils_qa's loop (see the module docstring).
     """
-    if log_level is not None:
-        logger.setLevel(log_level)
-    result = compute_qa_predictions(
-        examples,
-        features,
-        predictions,
-        version_2_with_negative=version_2_with_negative,
-        n_best_size=n_best_size,
-        max_answer_length=max_answer_length,
-        null_score_diff_threshold=null_score_diff_threshold,
-        with_nbest=output_dir is not None,
-    )
-    if output_dir is not None:
-        write_qa_predictions(result, output_dir, prefix)
-    return result.predictions
+    return _postprocess(
+        examples, features, predictions, version_2_with_negative, n_best_size, max_answer_length,
+        null_score_diff_threshold, output_dir, prefix, log_level, with_nbest=False,
+    ).predictions  # fmt: skip

@@ -22,7 +22,7 @@ from transformers.trainer_utils import EvalPrediction, PredictionOutput
 
 from hflight.qa.metrics import squad_metrics
 from hflight.qa.postprocess import postprocess_qa_predictions_with_scores
-from hflight.run.evaluation import evaluation_speed
+from hflight.run.evaluation import evaluation_speed, prefixed
 from hflight.trainer.facade import Trainer
 
 # Columns post-processing needs that the model must never see.
@@ -335,9 +335,7 @@ class MRCTrainer(Trainer):
         metrics: dict[str, float] = {}
         if self.compute_metrics is not None and predictions.label_ids is not None:
             metrics = dict(self.compute_metrics(predictions))
-        for key in list(metrics):
-            if not key.startswith(f"{prefix}_"):
-                metrics[f"{prefix}_{key}"] = metrics.pop(key)
+        prefixed(metrics, prefix)
         metrics.update(output.metrics)  # eval_loss when the windows carry labels
         metrics.update(evaluation_speed(self.args, prefix, start, output.num_samples))
         return predictions, metrics

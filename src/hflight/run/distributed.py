@@ -111,10 +111,6 @@ class World:
     def rank(self) -> int:
         return self.lightning_trainer.global_rank if self.lightning_trainer is not None else self.args.process_index
 
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
     def gather(self, value: Any, pad_dim: int | None = None) -> Any:
         return gather(self.strategy, value, pad_dim)
 

@@ -18,18 +18,20 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformers.trainer_callback import TrainerState
 from transformers.trainer_pt_utils import find_batch_size, nested_numpify
 from transformers.trainer_utils import (
     EvalLoopOutput,
     EvalPrediction,
     PredictionOutput,
+    SaveStrategy,
     denumpify_detensorize,
     speed_metrics,
 )
 
 from hflight.arguments.lightning_kwargs import quiet_lightning
-from hflight.checkpoints.folders import metric_key
 from hflight.run import console
+from hflight.run.datamodule import loader_length
 from hflight.run.events import dispatch
 from hflight.run.interrupt import sigterm_exits_non_zero
 from hflight.surface import RunView, TrainerSurface
@@ -186,9 +188,7 @@ class Evaluator:
             if facade.args.logging_nan_inf_filter and finite.any():
                 losses = losses[finite]
             metrics[f"{metric_key_prefix}_loss"] = losses.mean().item()
-        for key in list(metrics):
-            if not key.startswith(f"{metric_key_prefix}_"):
-                metrics[f"{metric_key_prefix}_{key}"] = metrics.pop(key)
+        prefixed(metrics, metric_key_prefix)
         return EvalLoopOutput(predictions=preds, label_ids=labels, metrics=metrics, num_samples=num_samples)
 
 
@@ -208,11 +208,7 @@ def _evaluate_in_fit(evaluator: Evaluator, run: RunView, dataloader: Any) -> Non
 
 
 def _num_examples(facade: TrainerSurface, dataloader: Any) -> int | None:
-    try:
-        len(dataloader)
-    except TypeError:
-        return None
-    return facade.num_examples(dataloader)
+    return facade.num_examples(dataloader) if loader_length(dataloader) is not None else None
 
 
 def run_evaluation_loop(
@@ -303,7 +299,42 @@ def evaluate_in_training(
     metrics = facade.evaluate(ignore_keys=ignore_keys)
     facade._report_to_hp_search(trial, facade.state.global_step, metrics)
     if isinstance(facade.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) and not skip_scheduler:
-        key = facade.args.metric_for_best_model
-        key = key if key.startswith("eval_") else f"eval_{key}"
-        facade.lr_scheduler.step(metrics[metric_key(key, metrics)])
+        facade.lr_scheduler.step(metrics[best_metric_key(facade.args.metric_for_best_model, metrics)])
     return metrics
+
+
+def prefixed(metrics: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """``metrics`` with every key that lacks it given ``{prefix}_`` (in place, as transformers renames them)."""
+    for key in list(metrics):
+        if not key.startswith(f"{prefix}_"):
+            metrics[f"{prefix}_{key}"] = metrics.pop(key)
+    return metrics
+
+
+def best_metric_key(name: str, metrics: dict[str, float]) -> str:
+    """The key of ``metric_for_best_model`` (``name``, ``eval_``-prefixed as transformers does) in ``metrics``; a
+    KeyError listing the metrics there are when it is not among them."""
+    key = name if name.startswith("eval_") else f"eval_{name}"
+    if key not in metrics:
+        raise KeyError(
+            f"The `metric_for_best_model` training argument is set to '{key}', which is not found in the evaluation "
+            f"metrics. The available evaluation metrics are: {list(metrics.keys())}. Consider changing the "
+            "`metric_for_best_model` via the TrainingArguments."
+        )
+    return key
+
+
+def update_best_metric(args: Any, state: TrainerState, metrics: dict[str, float]) -> bool:
+    """HF's ``_determine_best_metric``: track the best value and its step; True if this evaluation is the best."""
+    if args.metric_for_best_model is None:
+        return False
+    value = metrics[best_metric_key(args.metric_for_best_model, metrics)]
+    better = np.greater if args.greater_is_better else np.less
+    if state.best_metric is None:
+        state.best_metric = float("-inf") if args.greater_is_better else float("inf")
+    if better(value, state.best_metric):
+        state.best_metric = value
+        if args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST):
+            state.best_global_step = state.global_step
+        return True
+    return False

@@ -36,7 +36,9 @@ class RunAccelerator:
         self._args = args
 
     @property
-    def _world(self) -> World:
+    def world(self) -> World:
+        """hflight's own: the processes of the run in progress (or the last one); before any run, those the arguments
+        describe. The facade's ranks and collectives come from here."""
         run = self._current_run()
         return run.world if run is not None else World(args=self._args)
 
@@ -48,11 +50,11 @@ class RunAccelerator:
 
     @property
     def num_processes(self) -> int:
-        return self._world.size
+        return self.world.size
 
     @property
     def process_index(self) -> int:
-        return self._world.rank
+        return self.world.rank
 
     @property
     def local_process_index(self) -> int:
@@ -60,14 +62,14 @@ class RunAccelerator:
 
     @property
     def is_main_process(self) -> bool:
-        return self._world.rank == 0
+        return self.world.rank == 0
 
     @property
     def is_local_main_process(self) -> bool:
         return self.local_process_index == 0
 
     def wait_for_everyone(self) -> None:
-        self._world.barrier()
+        self.world.barrier()
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         if self.is_local_main_process:
@@ -115,24 +117,24 @@ class RunAccelerator:
 
     # ---- collectives -------------------------------------------------------------------------------------------
     def gather(self, tensor: Any) -> Any:
-        return self._world.gather(tensor)
+        return self.world.gather(tensor)
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """Every process's values concatenated along the first dimension (hflight's evaluation loop cuts the
         repeated samples of the last batch itself, after gathering)."""
         if use_gather_object:
-            return self._world.gather_objects(input_data)
-        return self._world.gather(input_data)
+            return self.world.gather_objects(input_data)
+        return self.world.gather(input_data)
 
     def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
         if pad_first:
             raise NotImplementedError("pad_across_processes(pad_first=True) is not available in hflight.")
-        return self._world.pad_across_processes(tensor, dim=dim, pad_index=pad_index)
+        return self.world.pad_across_processes(tensor, dim=dim, pad_index=pad_index)
 
     def reduce(self, tensor: torch.Tensor, reduction: str = "sum", scale: float = 1.0) -> torch.Tensor:
         if reduction not in ("sum", "mean"):
             raise ValueError(f"reduce: reduction must be 'sum' or 'mean', got {reduction!r}")
-        reduced = self._world.reduce_sum(tensor) if reduction == "sum" else self._world.reduce_mean(tensor)
+        reduced = self.world.reduce_sum(tensor) if reduction == "sum" else self.world.reduce_mean(tensor)
         return reduced * scale if scale != 1.0 else reduced
 
     def end_training(self) -> None:

@@ -145,14 +145,6 @@ def cast_for_full_eval(model: nn.Module, args: Any) -> None:
         model.to(dtype=dtype)
 
 
-def floating_point_ops(model: nn.Module, inputs: dict[str, Any], num_params: int) -> int:
-    """transformers' estimate of a batch's training FLOPs: 6 x tokens x parameters (embeddings excluded)."""
-    main_input = getattr(model, "main_input_name", "input_ids")
-    if main_input in inputs and num_params:
-        return 6 * inputs[main_input].numel() * num_params
-    return 0
-
-
 def _strategy_name(args: Any) -> str:
     strategy = args.strategy
     if isinstance(strategy, str):

@@ -188,7 +188,7 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
         return self._run.lightning_trainer if self._run is not None else None
 
     def _world(self) -> World:
-        return self._run.world if self._run is not None else World(args=self.args)
+        return self.accelerator.world
 
     def _backend(self) -> HFBackend:
         """The hooks of the running (or last) strategy; before any run, those of the configured one."""
@@ -201,7 +201,12 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
         return steps.count_items_in_cycle(self, batch_samples, self._backend(), self._world())
 
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:
-        return construction.floating_point_ops(self.model, inputs, self._num_params)
+        return steps.floating_point_ops(self.model, inputs, self._num_params)
+
+    def set_initial_training_values(
+        self, args: Any, dataloader: DataLoader
+    ) -> tuple[int, int, int, int, int, int | None, int]:
+        return steps.initial_training_values(self, args, dataloader, self._backend(), self._train_batch_size)
 
     def store_flos(self) -> None:
         self.state.total_flos += self.current_flos
@@ -273,7 +278,7 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
         loop.log_save_evaluate(tr_loss, grad_norm, model, trial, ignore_keys_for_eval, start_time, learning_rate)
 
     def _determine_best_metric(self, metrics: dict[str, float], trial: Any) -> bool:
-        return folders.update_best_metric(self.args, self.state, metrics)
+        return evaluation.update_best_metric(self.args, self.state, metrics)
 
     def evaluate(
         self,

@@ -172,6 +172,36 @@ def count_items_in_cycle(trainer: TrainerSurface, batches: list[Any], backend: A
     return count
 
 
+def floating_point_ops(model: nn.Module, inputs: dict[str, Any], num_params: int) -> int:
+    """transformers' estimate of a batch's training FLOPs: 6 x tokens x parameters (embeddings excluded)."""
+    main_input = getattr(model, "main_input_name", "input_ids")
+    if main_input in inputs and num_params:
+        return 6 * inputs[main_input].numel() * num_params
+    return 0
+
+
+def initial_training_values(
+    trainer: TrainerSurface, args: Any, dataloader: Any, backend: Any, batch_size: int
+) -> tuple[int, int, int, int, int, int | None, int]:
+    """The body of ``Trainer.set_initial_training_values``: transformers' run arithmetic (num_train_epochs,
+    num_update_steps_per_epoch, num_examples, num_train_samples, total_train_batch_size, steps_in_epoch, max_steps)
+    for ``dataloader``, planned as the run plans it: with the running ``backend``'s step geometry and the per-device
+    ``batch_size`` of the run (what ``auto_find_batch_size`` settled on)."""
+    length = loader_length(dataloader)
+    num_examples = trainer.num_examples(dataloader) if length else None
+    geometry = backend.hf_geometry(args, args.world_size, batch_size)
+    plan = plan_training(args, length, num_examples, args.world_size, geometry)
+    return (
+        plan.num_train_epochs,
+        plan.num_update_steps_per_epoch,
+        plan.num_examples,
+        plan.num_train_samples,
+        plan.total_train_batch_size,
+        plan.steps_in_epoch,
+        plan.max_steps,
+    )
+
+
 class StepsMixin:
     """transformers' per-batch ``Trainer`` methods (``compute_loss``, ``training_step``, ``prediction_step``) and
     step-level utilities, over the facade's public surface: the backward pass, the device and the number of processes
@@ -229,24 +259,6 @@ class StepsMixin:
         """Samples per optimizer step: batch x accumulation x data-parallel processes."""
         data_parallel = args.world_size // self.get_tp_size() // self.get_cp_size() // self.get_sp_size()
         return args.train_batch_size * args.gradient_accumulation_steps * data_parallel
-
-    def set_initial_training_values(
-        self, args: Any, dataloader: Any
-    ) -> tuple[int, int, int, int, int, int | None, int]:
-        """transformers' run arithmetic: (num_train_epochs, num_update_steps_per_epoch, num_examples,
-        num_train_samples, total_train_batch_size, steps_in_epoch, max_steps) for ``dataloader``."""
-        length = loader_length(dataloader)
-        num_examples = self.num_examples(dataloader) if length else None
-        plan = plan_training(args, length, num_examples, args.world_size)
-        return (
-            plan.num_train_epochs,
-            plan.num_update_steps_per_epoch,
-            plan.num_examples,
-            plan.num_train_samples,
-            self.get_total_train_batch_size(args),
-            plan.steps_in_epoch,
-            plan.max_steps,
-        )
 
     @staticmethod
     def num_tokens(train_dl: Any, max_steps: int | None = None) -> int:
