@@ -36,6 +36,8 @@ TINY = [
     "args.logging_steps=2",
     "args.disable_tqdm=true",
     "args.dataloader_pin_memory=false",
+    # one thread: CI's 2 cores are shared with the other test processes (torch's default would take both)
+    "cpu_threads=1",
 ]
 
 RESULT_FILES = (
