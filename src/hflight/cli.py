@@ -115,7 +115,7 @@ def _train_evaluate_predict(trainer: Any, built: TaskRun, args: TrainingArgument
     metrics: dict[str, float] = {}
     if args.do_train:
         log.info("Starting training")
-        result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+        result = trainer.train(resume_from_checkpoint=_resume_from(args.resume_from_checkpoint))
         trainer.save_model()
         train_metrics = {**result.metrics, "train_samples": built.num_samples("train")}
         trainer.save_metrics("train", train_metrics)
@@ -133,6 +133,14 @@ def _train_evaluate_predict(trainer: Any, built: TaskRun, args: TrainingArgument
         trainer.save_metrics("predict", predict_metrics)
         metrics.update(predict_metrics)
     return metrics
+
+
+def _resume_from(value: Any) -> str | bool | None:
+    """``args.resume_from_checkpoint`` as ``train()`` takes it: a path, or ``true`` (the config's string field holds
+    it as "True") for the last valid checkpoint of the output folder."""
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return True if value.lower() == "true" else None
+    return value
 
 
 def _draw_curves(trainer: Any, args: TrainingArguments) -> None:
@@ -379,7 +387,11 @@ class ConfigHyperparameters(L.Callback):
     def __init__(self, cfg: DictConfig) -> None:
         from omegaconf import OmegaConf
 
-        self.hyperparameters = {"config": OmegaConf.to_container(cfg, resolve=False)}
+        try:
+            config = OmegaConf.to_container(cfg, resolve=True)
+        except Exception:  # noqa: BLE001 - an interpolation only Hydra's job can resolve: log it as written
+            config = OmegaConf.to_container(cfg, resolve=False)
+        self.hyperparameters = {"config": config}
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         for logger in trainer.loggers:
