@@ -405,7 +405,7 @@ CHECKS: list[tuple[Callable[[list[str]], bool], Callable[[Ran], None]]] = [
     (lambda t: "trainer=ipu" in t and _poptorch_missing(), check_fails_before_data),
     (lambda t: t[0] == "torchrun", check_torchrun),
     (lambda t: any(x.startswith("+hparams_search=") for x in t), check_optuna),
-    (lambda t: "-m" in t, check_sweep),
+    (lambda t: "-m" in t[3 if t[1:3] == ["-m", "hflight"] else 1 :], check_sweep),
     (lambda t: True, check_run),
 ]
 
