@@ -161,3 +161,23 @@ def test_csv_logger_gets_the_training_arguments_as_hyperparameters(tmp_path):
 
     hparams = yaml.safe_load((tmp_path / "mine" / "version_0" / "hparams.yaml").read_text())
     assert hparams["training_args"]["learning_rate"] == 1e-4 and hparams["training_args"]["output_dir"] == str(tmp_path)
+
+
+def test_evaluate_and_predict_after_train_log_to_the_fits_loggers(tmp_path, factory):
+    """As with transformers' integrations, the loggers of train() outlive it: the evaluation after it lands in the
+    same CSV log (one version folder), not in a new one or nowhere; predict() runs with the same loggers (it logs no
+    metrics itself, as in transformers, but a callback's trainer.log during it goes there)."""
+    from hflight import Trainer
+
+    args = TrainingArguments(str(tmp_path), report_to="csv", max_steps=2, per_device_train_batch_size=4,
+                             logging_steps=1, save_strategy="no", dataloader_pin_memory=False)  # fmt: skip
+    data = factory.qa_dataset(8)
+    trainer = Trainer(factory.qa_model(), args, train_dataset=data, eval_dataset=data)
+    trainer.train()
+    (fit_logger,) = trainer.lightning_trainer.loggers
+    trainer.evaluate()
+    trainer.predict(data)
+    assert trainer.lightning_trainer.loggers == [fit_logger]
+    (log_dir,) = (tmp_path / "hflight").iterdir()
+    rows = list(csv.DictReader((log_dir / "metrics.csv").open()))
+    assert [r["step"] for r in rows if r.get("eval_loss")] == ["2"]
