@@ -1,18 +1,15 @@
 """Train with hflight from the Hydra config tree in ./conf:  python train.py +experiment=mrc [key=value ...]
 
-The same entry point is installed as the console script ``hflight-train``; the work is in ``hflight.cli``.
+The same command is installed as ``hflight-train`` and runs as ``python -m hflight``; the work is in ``hflight.cli``.
+This script reads the ``conf/`` beside it (unless ``HFLIGHT_CONFIG_DIR`` names another tree).
 """
 
-import hydra
-from omegaconf import DictConfig
+import os
+from pathlib import Path
 
-from hflight import cli
+os.environ.setdefault("HFLIGHT_CONFIG_DIR", str(Path(__file__).resolve().parent / "conf"))
 
-
-@hydra.main(version_base="1.3", config_path="conf", config_name="train")
-def main(cfg: DictConfig) -> float | None:
-    return cli.main(cfg)
-
+from hflight.cli import main  # noqa: E402 - after the config tree is chosen
 
 if __name__ == "__main__":
     main()

@@ -9,7 +9,7 @@ package, draws seeded random start/end logits (float32), and times
   ``datasets.Dataset`` (one row to find each feature's example, then per feature one ``features[i]
   ["offset_mapping"]`` and one ``features[i].get("token_is_max_context")``, each a full row read), ``tqdm`` over
   the examples, and the n-best lists cast to JSON-ready floats per example. Its time was checked against HF's own
-  ``utils_qa.py`` on the same inputs (see the README),
+  ``utils_qa.py`` on the same inputs (see docs/benchmarks.md),
 
 on the same inputs (examples and features as ``datasets.Dataset``, logits as numpy), checks that the answers (and,
 untimed, the n-best lists and null odds) are identical and prints best-of-N times (after a warm-up) and the

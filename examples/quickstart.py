@@ -4,8 +4,8 @@
 
 The model is built from a config (no download); the task is synthetic sequence classification whose label is the
 first token modulo 3, so accuracy visibly rises from chance (about 0.33) to above 0.9. The code is what a
-transformers.Trainer user already writes, with one import changed. README.md shows this file from the first import
-on, and the test suite checks that it is this file's code and runs it.
+transformers.Trainer user already writes, with one import changed. README.md shows its core lines,
+and the test suite checks that they are this file's and runs it.
 """
 
 import datasets

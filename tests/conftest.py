@@ -17,7 +17,7 @@ SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 
 @pytest.fixture(autouse=True)
 def _torch_threads_restored():
-    """A run with ``cpu_threads`` set (``+experiment=mrc`` sets 1) changes torch's threads for the whole process;
+    """A run with ``cpu_threads`` set (the tests' tiny runs set 1) changes torch's threads for the whole process;
     each test starts with the session's, so results never depend on which tests ran before."""
     import torch
 

@@ -1,7 +1,8 @@
-"""The commands README.md shows, read from its fenced ``bash`` blocks.
+"""The commands README.md and the guides in docs/ show, read from their fenced ``bash`` blocks.
 
 Standard library only: ``.ci/run`` calls it before any environment exists, to run the README's test line itself
-(``python3 tests/readme.py suite-command``); ``tests/test_readme_commands.py`` runs the Hydra commands.
+(``python3 tests/readme.py suite-command``); ``tests/test_readme_commands.py`` runs the Hydra commands of every
+document (:func:`documents`).
 
 A command is one line of a ``bash`` block (a line ending in ``\\`` continues on the next); ``#`` starts a comment
 (a whole line, or after a space); ``&&`` splits a command into steps, which is what the tests classify and run.
@@ -14,7 +15,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 
 _FENCE = re.compile(r"^(\s*)```(\w*)\s*$")
 _COMMENT = re.compile(r"(^|\s)#.*$")
@@ -25,8 +28,19 @@ class Step:
     """One ``&&``-separated step of a README command, as written (continuation lines joined by one space)."""
 
     text: str
-    line: int  # README line on which its command starts
+    line: int  # line of its document on which its command starts
     command: str  # the whole command it belongs to
+    document: str = "README.md"  # where it is shown, relative to the repository
+
+    @property
+    def where(self) -> str:
+        return f"{self.document}:{self.line}"
+
+
+def documents() -> dict[str, str]:
+    """``{path relative to the repository: text}`` of README.md and every ``docs/*.md``, README first."""
+    paths = [README, *sorted(DOCS.glob("*.md"))]
+    return {path.relative_to(ROOT).as_posix(): path.read_text(encoding="utf-8") for path in paths}
 
 
 def fenced_blocks(text: str, language: str) -> list[tuple[int, list[str]]]:
@@ -68,10 +82,10 @@ def commands(text: str) -> list[tuple[int, str]]:
     return found
 
 
-def steps(text: str) -> list[Step]:
-    """Every ``&&``-separated step of every command, in README order."""
+def steps(text: str, document: str = "README.md") -> list[Step]:
+    """Every ``&&``-separated step of every command of ``text`` (the document ``document``), in order."""
     return [
-        Step(part.strip(), line, command)
+        Step(part.strip(), line, command, document)
         for line, command in commands(text)
         for part in command.split("&&")
         if part.strip()

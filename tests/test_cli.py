@@ -36,6 +36,8 @@ TINY = [
     "args.logging_steps=2",
     "args.disable_tqdm=true",
     "args.dataloader_pin_memory=false",
+    # one thread: CI's 2 cores are shared with the other test processes (torch's default would take both)
+    "cpu_threads=1",
 ]
 
 RESULT_FILES = (
@@ -207,7 +209,8 @@ def test_no_data_is_a_clear_error(tmp_path):
 def test_sigterm_during_training_saves_a_checkpoint_records_it_and_exits_143(tmp_path, monkeypatch):
     """A preempted job (SIGTERM in the middle of step 3, sent by a callback for determinism) must not look
     successful: checkpoint-3 written, error.txt says what happened and how to resume, exit status 128 + 15."""
-    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent / "jobs"))  # for the callback's _target_
+    jobs = str(Path(__file__).parent / "jobs")  # for the callback's _target_
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [jobs, os.environ.get("PYTHONPATH")])))
     proc = _run(
         *TINY,
         "args.max_steps=6",
@@ -227,3 +230,73 @@ def test_sigterm_during_training_saves_a_checkpoint_records_it_and_exits_143(tmp
     assert verify_checkpoint(tmp_path / "checkpoint-3")["global_step"] == 3
     assert not (tmp_path / "train_results.json").exists()
     assert "Traceback" not in proc.stdout + proc.stderr
+    # the command that continues it, printed and recorded as it is to be typed
+    command = f"hflight-train resume={tmp_path}"
+    assert f"To continue this run: {command}\n" in proc.stderr and command in recorded
+    _resumes_in_its_folder(command, tmp_path)
+
+
+def _resumes_in_its_folder(command: str, run_dir: Path) -> None:
+    """The printed command finishes the interrupted run (6 steps) in its folder; then resuming the finished run
+    with a larger args.max_steps continues it to step 8: same folder, one log history, the composed config and the
+    arguments in the logger's hyperparameters, the final evaluation logged after training."""
+    folders_before = sorted(os.listdir(run_dir.parent))
+    entry = [sys.executable, "-m", "hflight"]
+    _run(*command.split()[1:], "args.save_steps=3", entry=entry, cwd=run_dir.parent)
+    state = json.loads((run_dir / "trainer_state.json").read_text())
+    assert state["global_step"] == 6 and (run_dir / "train_results.json").is_file()
+    assert verify_checkpoint(run_dir / "checkpoint-6")["global_step"] == 6  # the finished run's last checkpoint
+    _run(*command.split()[1:], "args.max_steps=8", entry=entry, cwd=run_dir.parent)
+    state = json.loads((run_dir / "trainer_state.json").read_text())
+    assert state["global_step"] == 8 and sorted(os.listdir(run_dir.parent)) == folders_before
+    assert [e["step"] for e in state["log_history"] if "loss" in e] == [2, 4, 6, 8]  # logging_steps=2, no repeats
+    overrides = (run_dir / ".hydra" / "overrides.yaml").read_text()
+    assert "args.max_steps=8" in overrides and "args.max_steps=6" not in overrides
+    assert (run_dir / "training_curves.png").stat().st_size > 5000
+
+
+@pytest.mark.subprocess
+def test_resume_keeps_best_model_tracking_and_logs_everything(tmp_path):
+    """resume= on a run with load_best_model_at_end (the mrc experiment): the best checkpoint, recorded inside the
+    run folder, is still tracked (no "outside output_dir" error) and still on disk after rotation; the CSV logger
+    holds the config and the TrainingArguments as hyperparameters and the evaluation run after training."""
+    run_dir = tmp_path / "run"
+    _run(*TINY, "args.save_total_limit=1", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    _run(f"resume={run_dir}", "args.num_train_epochs=3", cwd=tmp_path)
+    state = json.loads((run_dir / "trainer_state.json").read_text())
+    best = Path(state["best_model_checkpoint"])
+    assert best.parent == run_dir and best.is_dir() and state["global_step"] == 3 * 4  # 4 steps an epoch
+    import csv
+
+    import yaml
+
+    versions = sorted((run_dir / "hflight").glob("version_*"))
+    assert [v.name for v in versions] == ["version_0", "version_1"]  # the resumed run's logger: version_1
+    hparams = yaml.safe_load((versions[-1] / "hparams.yaml").read_text())
+    assert hparams["config"]["task_name"] == "mrc" and hparams["config"]["paths"]["output_dir"] == str(run_dir)
+    assert hparams["training_args"]["learning_rate"] == 2e-3 and hparams["training_args"]["num_train_epochs"] == 3
+
+    rows = list(csv.DictReader((versions[-1] / "metrics.csv").open()))
+    evaluations = [r["step"] for r in rows if r.get("eval_f1")]
+    assert evaluations[-2:] == ["12", "12"]  # the last epoch's evaluation, then evaluate() after training
+
+
+def test_resume_arguments_replace_saved_overrides_and_name_mistakes(tmp_path):
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "overrides.yaml").write_text("- +experiment=mrc\n- args.seed=1\n- args.max_steps=6\n")
+    assert cli.resume_arguments([f"resume={tmp_path}", "args.max_steps=9"]) == [
+        "+experiment=mrc",
+        "args.seed=1",
+        "args.max_steps=9",
+        f"hydra.run.dir={tmp_path}",
+        "args.resume_from_checkpoint=true",
+    ]
+    assert cli.resume_arguments(["args.seed=2"]) == ["args.seed=2"]
+    for argv, message in [
+        ([f"resume={tmp_path / 'nope'}"], "not a run folder"),
+        ([f"resume={tmp_path}", "-m"], "multirun"),
+        ([f"resume={tmp_path}", "hydra.run.dir=x"], "hydra.run.dir"),
+        ([f"resume={tmp_path}", f"resume={tmp_path}"], "one run folder"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            cli.resume_arguments(argv)

@@ -1,9 +1,10 @@
-"""README.md's own commands, run as a new user runs them.
+"""The commands of README.md and of the guides in docs/, run as a new user runs them.
 
-Every step of every ``bash`` block of README.md (see ``tests/readme.py``) is either run here or listed in
-:data:`SKIPPED` with the reason. A step that names ``train.py``, ``hflight-train`` or an example script runs from a
-fresh copy of the repository (``hflight-train`` from an empty folder beside it, as "from any folder"), exactly as
-written, with only :data:`TINY` appended: sizes and steps, never where outputs go. Then the test checks what the
+Every step of every ``bash`` block of README.md and docs/*.md (see ``tests/readme.py``) is either run here or listed
+in :data:`SKIPPED` with the reason. A step that names ``train.py``, ``hflight-train``, ``python -m hflight`` or an
+example script runs from a fresh copy of the repository (``hflight-train`` and ``python -m hflight`` from an empty
+folder beside it, as "from any folder"), exactly as written, with only :data:`TINY` appended (minus the keys the
+command sets itself): sizes and steps, never where outputs go. Then the test checks what the
 README says the command leaves behind. So a README edit that breaks a command breaks the suite, and a command added
 to the README is run (or must be skipped here, with a reason) without anyone remembering to write a test.
 """
@@ -31,7 +32,8 @@ from .test_cli import TINY as CLI_TINY
 
 REPO = Path(__file__).resolve().parents[1]
 README_TEXT = readme.README.read_text(encoding="utf-8")
-STEPS = readme.steps(README_TEXT)
+DOCUMENTS = readme.documents()
+STEPS = [step for name, text in DOCUMENTS.items() for step in readme.steps(text, name)]
 
 _SETUP = "setup: .ci/run runs the README's test line, this step included, in a fresh virtual environment"
 #: README steps no test runs, and why. Each must still be in README.md (a stale entry fails).
@@ -61,7 +63,7 @@ TINY_FOR = {"+hparams_search=mrc_optuna": ["hydra.sweeper.n_trials=2", "hydra.sw
 #: The commands the README must keep showing (issue 18): each needle is in one of the steps run here.
 REQUIRED = ("python train.py +experiment=mrc", " -m ", "+hparams_search=", "trainer=ort", "trainer=ipu", "torchrun ")
 
-_ENTRY = re.compile(r"^(python3? (train\.py|examples/\S+\.py)|hflight-train|torchrun) ?")
+_ENTRY = re.compile(r"^(python3? (train\.py|examples/\S+\.py|-m hflight)|hflight-train|torchrun) ?")
 
 
 def _runnable(step: str) -> bool:
@@ -73,12 +75,13 @@ RUN = list(dict.fromkeys(s.text for s in STEPS if _runnable(s.text)))
 
 # ---- the README's inventory ----------------------------------------------------------------------------------------
 def test_every_readme_step_is_run_or_skipped_with_a_reason():
-    unknown = [f"README.md:{s.line}: {s.text}" for s in STEPS if s.text not in SKIPPED and not _runnable(s.text)]
-    assert not unknown, "README steps neither run nor listed in SKIPPED (with the reason):\n" + "\n".join(unknown)
+    unknown = [f"{s.where}: {s.text}" for s in STEPS if s.text not in SKIPPED and not _runnable(s.text)]
+    assert not unknown, "documented steps neither run nor listed in SKIPPED (with the reason):\n" + "\n".join(unknown)
     stale = set(SKIPPED) - {s.text for s in STEPS}
-    assert not stale, f"SKIPPED lists steps README.md no longer shows: {stale}"
+    assert not stale, f"SKIPPED lists steps README.md and docs/ no longer show: {stale}"
     for needle in REQUIRED:
-        assert any(needle in step for step in RUN), f"no README command run here contains {needle!r}"
+        assert any(needle in step for step in RUN), f"no documented command run here contains {needle!r}"
+    assert len(README_TEXT.splitlines()) <= 250, "README.md: at most 250 lines; the rest belongs in docs/"
 
 
 def test_readme_top_sets_up_and_runs_the_main_job_and_the_tests():
@@ -109,9 +112,13 @@ def test_help_lists_only_groups_the_readme_describes():
 
 
 def test_readme_quickstart_is_examples_quickstart():
-    code = (REPO / "examples" / "quickstart.py").read_text()
-    shown = ["\n".join(lines) + "\n" for _, lines in readme.fenced_blocks(README_TEXT, "python")]
-    assert code[code.index("import datasets") :] in shown
+    """The README's quickstart block is examples/quickstart.py's own lines, in its order (indentation aside)."""
+    code = [line.strip() for line in (REPO / "examples" / "quickstart.py").read_text().splitlines()]
+    (shown,) = [lines for _, lines in readme.fenced_blocks(README_TEXT, "python") if "from hflight import" in lines[0]]
+    position = 0
+    for line in filter(None, (line.strip() for line in shown)):
+        assert line in code[position:], f"README's quickstart line is not in examples/quickstart.py (in order): {line}"
+        position = code.index(line, position) + 1
     assert "python examples/quickstart.py" in RUN
 
 
@@ -139,12 +146,23 @@ def _program(name: str) -> str:
     return found
 
 
+def _hydra_command(tokens: list[str]) -> bool:
+    return any(t.endswith("train.py") for t in tokens) or _from_any_folder(tokens)
+
+
+def _from_any_folder(tokens: list[str]) -> bool:
+    return tokens[0] == "hflight-train" or tokens[1:3] == ["-m", "hflight"]
+
+
 def as_written(step: str) -> list[str]:
-    """The step's argv with this interpreter, plus :data:`TINY` when it runs a Hydra config."""
+    """The step's argv with this interpreter, plus :data:`TINY` when it runs a Hydra config (minus the keys the step
+    sets itself, which it keeps)."""
     tokens = shlex.split(step)
     argv = [_program(tokens[0]), *tokens[1:]]
-    if any(t.endswith("train.py") for t in tokens) or tokens[0] == "hflight-train":
-        argv += TINY + [o for key, extra in TINY_FOR.items() if key in tokens for o in extra]
+    if _hydra_command(tokens):
+        own = {t.partition("=")[0] for t in tokens if "=" in t}
+        argv += [o for o in TINY if o.partition("=")[0] not in own]
+        argv += [o for key, extra in TINY_FOR.items() if key in tokens for o in extra]
     return argv
 
 
@@ -161,12 +179,22 @@ class Ran:
         return self.proc.stdout + self.proc.stderr
 
 
-def _provide_placeholders(clone: Path, tokens: list[str]) -> None:
-    """The README's placeholders for the user's own files (``train.json``, ``path/to/model``), made tiny."""
+def _provide_placeholders(cwd: Path, tokens: list[str], clone: Path) -> None:
+    """The placeholders for the user's own files (``train.json``, ``path/to/model``), made tiny, and the run a
+    ``resume=`` continues, made by a tiny main job of the clone."""
     for token in tokens:
         key, _, value = token.partition("=")
-        if key in PLACEHOLDERS:
-            PLACEHOLDERS[key](clone / value)
+        if key == "resume":
+            _finished_run(cwd / value, clone)
+        elif key in PLACEHOLDERS:
+            PLACEHOLDERS[key](cwd / value)
+
+
+def _finished_run(folder: Path, clone: Path) -> None:
+    """A finished tiny run of the main job (one epoch) in ``folder``."""
+    argv = [sys.executable, str(clone / "train.py"), "+experiment=mrc", *TINY, f"hydra.run.dir={folder}"]
+    proc = subprocess.run(argv, cwd=clone, env=_environment(clone), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def _squad_file(split: str) -> Callable[[Path], None]:
@@ -203,10 +231,10 @@ def run_step(step: str, tmp_path: Path) -> Ran:
     clone = fresh_clone(tmp_path / "hflight")
     tokens = shlex.split(step)
     cwd = clone
-    if tokens[0] == "hflight-train":  # "from any folder"
+    if _from_any_folder(tokens):  # "from any folder"
         cwd = tmp_path / "elsewhere"
         cwd.mkdir()
-    _provide_placeholders(cwd, tokens)
+    _provide_placeholders(cwd, tokens, clone)
     before = set(os.listdir(cwd))
     argv = as_written(step)
     proc = subprocess.run(argv, cwd=cwd, env=_environment(clone), capture_output=True, text=True, timeout=600)
@@ -232,9 +260,14 @@ def _results(job_dir: Path) -> dict:
 
 
 def readme_run_folder() -> list[str]:
-    """The entries of the README's run-folder list (the ``text`` block that starts with the final model)."""
-    blocks = [lines for _, lines in readme.fenced_blocks(README_TEXT, "text") if lines[0].startswith("model.")]
-    assert len(blocks) == 1, "README.md should list the run folder in one text block"
+    """The entries of the documented run-folder list (the ``text`` block that starts with the final model)."""
+    blocks = [
+        lines
+        for text in DOCUMENTS.values()
+        for _, lines in readme.fenced_blocks(text, "text")
+        if lines[0].startswith("model.")
+    ]
+    assert len(blocks) == 1, "README.md and docs/ should list the run folder in one text block"
     return [name for line in blocks[0] for name in re.split(r"\s{2,}", line.strip())[0].split(", ")]
 
 
@@ -252,7 +285,7 @@ def check_run(ran: Ran) -> None:
     _backend_line(ran, "ort" if "trainer=ort" in ran.tokens else "single_device")
     overrides = yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text())
     argv = as_written(ran.step)
-    script = next(i for i, t in enumerate(argv) if t.endswith(("train.py", "hflight-train")))
+    script = next(i for i, t in enumerate(argv) if t.endswith(("train.py", "hflight-train")) or t == "hflight")
     assert overrides == argv[script + 1 :]  # the README's overrides as written, then TINY's
     if any(t.startswith(("data.train_file=", "model.model_name_or_path=")) for t in ran.tokens):
         assert not (run_dir / "data").exists() and not (run_dir / "tokenizer").exists()  # the user's, not made
@@ -271,8 +304,9 @@ def check_sweep(ran: Ran) -> None:
     _succeeded(ran)
     sweep = _one("outputs/*/multiruns/*", ran.cwd)
     assert (sweep / "multirun.yaml").is_file()
-    jobs = sorted(p for p in sweep.iterdir() if p.is_dir())
+    jobs = sorted((p for p in sweep.iterdir() if p.is_dir()), key=lambda p: int(p.name))
     assert [p.name for p in jobs] == [str(i) for i in range(_sweep_size(ran.tokens))]
+    _check_summary(sweep, jobs)
     swept = [t.partition("=")[0] for t in ran.tokens if "," in t]
     combinations = set()
     for job in jobs:
@@ -280,6 +314,34 @@ def check_sweep(ran: Ran) -> None:
         config = yaml.safe_load((job / ".hydra" / "config.yaml").read_text())
         combinations.add(tuple(_select(config, key) for key in swept))
     assert len(combinations) == len(jobs)  # each job ran its own combination
+
+
+def _check_summary(sweep: Path, jobs: list[Path]) -> None:
+    """summary.csv: one row per job with its overrides, final eval_f1 and folder; the best by eval_f1 marked."""
+    import csv
+
+    rows = list(csv.DictReader((sweep / "summary.csv").open()))
+    assert [r["job"] for r in rows] == [p.name for p in jobs] and (sweep / "summary.md").is_file()
+    for row, job in zip(rows, jobs):
+        results = _results(job)
+        assert row["folder"].endswith(str(job.relative_to(sweep.parents[3])))
+        assert row["overrides"].split() == yaml.safe_load((job / ".hydra" / "overrides.yaml").read_text())
+        assert math.isclose(float(row["eval_f1"]), results["eval_f1"], rel_tol=1e-5, abs_tol=1e-6)
+    best = max(rows, key=lambda r: float(r["eval_f1"]))
+    assert [r["best"] for r in rows] == ["*" if r is best else "" for r in rows]
+
+
+def check_resume(ran: Ran) -> None:
+    """resume=<finished run> with more epochs: the same folder continues (no new run folder), to the new length."""
+    assert ran.proc.returncode == 0, f"{ran.step}\n{ran.proc.stdout[-3000:]}\n{ran.proc.stderr[-5000:]}"
+    folder = ran.cwd / next(t.partition("=")[2] for t in ran.tokens if t.startswith("resume="))
+    assert ran.created == set() and [p.name for p in folder.parent.iterdir()] == [folder.name]
+    epochs = int(next(t.partition("=")[2] for t in ran.tokens if t.startswith("args.num_train_epochs=")))
+    state = json.loads((folder / "trainer_state.json").read_text())
+    evaluations = [entry for entry in state["log_history"] if "eval_f1" in entry]
+    assert [entry["epoch"] for entry in evaluations] == list(range(1, epochs + 1))  # one run, continued
+    assert state["global_step"] == epochs * evaluations[0]["step"]
+    assert f"Final metrics ({folder})" in ran.proc.stdout and (folder / "training_curves.png").is_file()
 
 
 def _select(config: dict, dotted: str) -> object:
@@ -339,10 +401,11 @@ def _poptorch_missing() -> bool:
 #: (does the step match, what it must leave behind), first match wins.
 CHECKS: list[tuple[Callable[[list[str]], bool], Callable[[Ran], None]]] = [
     (lambda t: t[1].startswith("examples/"), check_example),
+    (lambda t: any(x.startswith("resume=") for x in t), check_resume),
     (lambda t: "trainer=ipu" in t and _poptorch_missing(), check_fails_before_data),
     (lambda t: t[0] == "torchrun", check_torchrun),
     (lambda t: any(x.startswith("+hparams_search=") for x in t), check_optuna),
-    (lambda t: "-m" in t, check_sweep),
+    (lambda t: "-m" in t[3 if t[1:3] == ["-m", "hflight"] else 1 :], check_sweep),
     (lambda t: True, check_run),
 ]
 
@@ -363,8 +426,8 @@ def test_readme_command_works_as_written(step, tmp_path):
 def test_readme_compose_block_runs_where_the_command_line_would(tmp_path):
     """The README's Python block (``config.compose`` then ``cli.train``), with TINY appended to its overrides: the
     run folder is found as on the command line, ``outputs/mrc/runs/<date>_<time>/`` under the working directory."""
-    blocks = ["\n".join(lines) for _, lines in readme.fenced_blocks(README_TEXT, "python") if "config.compose(" in
-              "\n".join(lines)]  # fmt: skip
+    blocks = ["\n".join(lines) for text in DOCUMENTS.values() for _, lines in readme.fenced_blocks(text, "python")
+              if "config.compose(" in "\n".join(lines)]  # fmt: skip
     assert len(blocks) == 1
     clone = fresh_clone(tmp_path / "hflight")
     (tmp_path / "block.py").write_text(blocks[0])

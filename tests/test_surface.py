@@ -1,5 +1,6 @@
 """hflight.Trainer has transformers.Trainer's public surface (issue 16): every public method with the same parameters
-(names, kinds, defaults) and every public attribute, except the differences README.md lists with their reasons.
+(names, kinds, defaults) and every public attribute, except the differences docs/coming-from-transformers.md lists
+with their reasons.
 Also: the protected methods subclasses override are called at transformers' moments, and the behaviours that come
 with the surface (batch_eval_metrics, get_batch_samples, accelerator.backward)."""
 
@@ -15,13 +16,13 @@ import transformers
 
 import hflight
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+GUIDE = Path(__file__).resolve().parents[1] / "docs" / "coming-from-transformers.md"
 
 
 def listed_differences() -> dict[str, str]:
-    """README "Coming from transformers": the table of Trainer differences, ``name -> reason``."""
-    text = README.read_text(encoding="utf-8")
-    section = text.split("### Differences from transformers.Trainer", 1)[1].split("\n#", 1)[0]
+    """docs/coming-from-transformers.md: the table of Trainer differences, ``name -> reason``."""
+    text = GUIDE.read_text(encoding="utf-8")
+    section = text.split("## Differences from transformers.Trainer", 1)[1].split("\n#", 1)[0]
     rows = re.findall(r"^\| `([A-Za-z_][\w.]*)`[^|]*\| (.+?) \|\s*$", section, flags=re.M)
     return {name: reason for name, reason in rows}
 

@@ -92,14 +92,14 @@ def test_a_subclass_of_transformers_with_lightnings_four_fields():
         assert ours[name].metadata == theirs.metadata, name
 
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+GUIDE = Path(__file__).resolve().parents[1] / "docs" / "coming-from-transformers.md"
 
 
 def listed_differences() -> dict[str, str]:
-    """README "Coming from transformers": the table of TrainingArguments differences, ``name -> reason`` (a row may
+    """docs/coming-from-transformers.md: the table of TrainingArguments differences, ``name -> reason`` (a row may
     name several)."""
-    text = README.read_text(encoding="utf-8")
-    section = text.split("### Differences from transformers.TrainingArguments", 1)[1].split("\n#", 1)[0]
+    text = GUIDE.read_text(encoding="utf-8")
+    section = text.split("## Differences from transformers.TrainingArguments", 1)[1].split("\n#", 1)[0]
     listed = {}
     for names, reason in re.findall(r"^\| ((?:`[\w.]+`(?:, )?)+) \| (.+?) \|\s*$", section, flags=re.M):
         for name in re.findall(r"`([\w.]+)`", names):
@@ -121,7 +121,7 @@ def test_every_difference_from_transformers_is_listed_in_the_readme():
     internal = {"_setup_devices": "device", "_validate_args": "bf16"}  # private overrides, listed by what they change
     own = set(vars(TrainingArguments)) - dataclass_machinery - conversions
     unlisted = sorted(name for name in own if internal.get(name, name) not in listed)
-    assert unlisted == [], f"differences missing from README's table: {unlisted}"
+    assert unlisted == [], f"differences missing from docs/coming-from-transformers.md's table: {unlisted}"
     assert set(UNSUPPORTED) <= set(listed)
     assert {"optim", "train_sampling_strategy", *LIGHTNING_FIELDS} <= set(listed)
     inherited = (

@@ -16,15 +16,17 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import traceback
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 import hydra
+import lightning as L
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import CompactHydraException, HydraException
 from hydra.types import RunMode
@@ -35,7 +37,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from hflight.arguments.hardware import check_hardware, describe_backend
 from hflight.arguments.training_args import TrainingArguments
-from hflight.config import PRIMARY_CONFIG, VERSION_BASE, find_config_dir
+from hflight.config import PRIMARY_CONFIG, VERSION_BASE, hydra_config_path
 from hflight.run.interrupt import TrainingInterrupted, signal_name, terminate_on_signals
 
 __all__ = ["TaskRun", "main", "run", "train"]
@@ -68,6 +70,9 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     ``metrics`` merges the ``train_*``, ``eval_*`` and ``predict_*`` results; ``objects`` holds what was built
     (``args``, ``callbacks``, ``task``, ``trainer`` and the task's own objects: for MRC ``model_args``,
     ``data_args``, ``tokenizer``, ``model``, ``examples``, ``features``) for a notebook to keep working with.
+    The composed config and the training arguments go to every logger of ``report_to`` as hyperparameters
+    (``logger.<name>.*`` options set the environment variables transformers' integrations read, for the length of
+    the call), and ``training_curves.png`` is drawn into the run folder from ``trainer.state.log_history``.
 
     Raises:
         TypeError, ValueError: invalid training arguments (before anything else is built), missing or empty data
@@ -76,9 +81,12 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     log.info(f"Instantiating training arguments <{TrainingArguments.__module__}.TrainingArguments>")
     args = TrainingArguments.from_config(cfg.args)
+    with logger_environment(cfg.get("logger"), args):
+        return _train(cfg, args)
 
+
+def _train(cfg: DictConfig, args: TrainingArguments) -> tuple[dict[str, float], dict[str, Any]]:
     from transformers import set_seed
-    from transformers.trainer_pt_utils import metrics_format
 
     _set_cpu_threads(cfg.get("cpu_threads"))
     # A backend that cannot start here (no poptorch for trainer=ipu, no GPU for trainer=gpu) fails now, with its own
@@ -88,13 +96,26 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     log.info(f"Instantiating task <{cfg.task._target_}>")
     task = instantiate(cfg.task)
     callbacks = instantiate_callbacks(cfg.get("callbacks"))
-    built: TaskRun = task.setup(cfg, args, callbacks)
+    built: TaskRun = task.setup(cfg, args, [*callbacks, ConfigHyperparameters(cfg)])
     trainer = built.trainer
+    metrics = _train_evaluate_predict(trainer, built, args)
+    if trainer.is_world_process_zero():
+        _draw_curves(trainer, args)
+    if metrics and trainer.is_world_process_zero():
+        from transformers.trainer_pt_utils import metrics_format
 
+        ran = "Evaluated" if args.do_eval or args.do_predict else "Trained"
+        title = f"Final metrics ({args.output_dir})\n{ran} with {describe_backend(trainer.lightning_trainer)}"
+        print(format_metrics_table(metrics_format(metrics), title))
+    objects = dict(args=args, callbacks=callbacks, task=task, trainer=trainer, **built.objects)
+    return metrics, objects
+
+
+def _train_evaluate_predict(trainer: Any, built: TaskRun, args: TrainingArguments) -> dict[str, float]:
     metrics: dict[str, float] = {}
     if args.do_train:
         log.info("Starting training")
-        result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+        result = trainer.train(resume_from_checkpoint=_resume_from(args.resume_from_checkpoint))
         trainer.save_model()
         train_metrics = {**result.metrics, "train_samples": built.num_samples("train")}
         trainer.save_metrics("train", train_metrics)
@@ -111,13 +132,25 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
         predict_metrics = {**output.metrics, "predict_samples": built.num_samples("test")}
         trainer.save_metrics("predict", predict_metrics)
         metrics.update(predict_metrics)
+    return metrics
 
-    if metrics and trainer.is_world_process_zero():
-        ran = "Evaluated" if args.do_eval or args.do_predict else "Trained"
-        title = f"Final metrics ({args.output_dir})\n{ran} with {describe_backend(trainer.lightning_trainer)}"
-        print(format_metrics_table(metrics_format(metrics), title))
-    objects = dict(args=args, callbacks=callbacks, task=task, trainer=trainer, **built.objects)
-    return metrics, objects
+
+def _resume_from(value: Any) -> str | bool | None:
+    """``args.resume_from_checkpoint`` as ``train()`` takes it: a path, or ``true`` (the config's string field holds
+    it as "True") for the last valid checkpoint of the output folder."""
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return True if value.lower() == "true" else None
+    return value
+
+
+def _draw_curves(trainer: Any, args: TrainingArguments) -> None:
+    from hflight.curves import FILE_NAME, plot_training_curves
+
+    path = plot_training_curves(trainer.state.log_history, Path(args.output_dir) / FILE_NAME, title=args.run_name)
+    if path is None:
+        log.info(f"No {FILE_NAME}: nothing was logged (log_history is empty)")
+    else:
+        log.info(f"Training curves: {path}")
 
 
 def run(cfg: DictConfig) -> float | None:
@@ -141,8 +174,11 @@ def run(cfg: DictConfig) -> float | None:
             metrics, _ = train(cfg)
             return optimized_value(metrics, cfg.get("optimized_metric"))
     except TrainingInterrupted as exc:
-        where = _record_failure(cfg, f"{exc}\n")
+        hint = f"To continue this run: {resume_command(_run_dir(cfg))}\n" if exc.checkpoint else ""
+        where = _record_failure(cfg, f"{exc}\n{hint}")
         log.error(f"Run stopped by {signal_name(exc.signum)}; recorded in {where}")
+        if hint:
+            print(hint, end="", file=sys.stderr, flush=True)
         raise
     except Exception as exc:
         where = _record_failure(cfg, traceback.format_exc())
@@ -161,17 +197,96 @@ def run(cfg: DictConfig) -> float | None:
         _close_loggers()
 
 
-def _config_path() -> str | None:
+def main(cfg: DictConfig | None = None) -> float | None:
+    """``hflight-train [overrides]`` (also ``python -m hflight``, ``python train.py``) on the command line, with
+    ``resume=<run folder>`` expanded first (:func:`resume_arguments`); ``main(cfg)`` runs a composed config (see
+    :func:`run`)."""
+    if cfg is not None:
+        return run(cfg)
     try:
-        return str(find_config_dir())
-    except FileNotFoundError:
-        return None  # a non-editable install: pass --config-dir (see hflight.config)
+        sys.argv[1:] = resume_arguments(sys.argv[1:])
+    except ValueError as exc:
+        raise SystemExit(f"hflight-train: {exc}") from None
+    return _hydra_main()
 
 
-@hydra.main(version_base=VERSION_BASE, config_path=_config_path(), config_name=PRIMARY_CONFIG)
-def main(cfg: DictConfig) -> float | None:
-    """``hflight-train [overrides]`` on the command line; ``main(cfg)`` runs a composed config (see :func:`run`)."""
+@hydra.main(version_base=VERSION_BASE, config_path=hydra_config_path(), config_name=PRIMARY_CONFIG)
+def _hydra_main(cfg: DictConfig) -> float | None:
     return run(cfg)
+
+
+# ---------------------------------------------------------------------------------------------------- resume
+#: The command-line key that continues a run in its own folder.
+RESUME_KEY = "resume"
+
+
+def _override_key(token: str) -> str | None:
+    """The key an override sets (``+experiment=mrc`` -> ``experiment``); None for a flag or its value."""
+    if token.startswith("-") or "=" not in token:
+        return None
+    return token.split("=", 1)[0].lstrip("+~")
+
+
+def resume_arguments(argv: list[str]) -> list[str]:
+    """``argv`` with ``resume=<run folder>`` replaced by that run's own command: its saved overrides
+    (``.hydra/overrides.yaml``; an override in ``argv`` replaces the saved one of the same key), its
+    ``--config-dir`` (from ``.hydra/hydra.yaml``, unless ``argv`` has one), ``hydra.run.dir=<the folder>`` (the
+    same folder again) and ``args.resume_from_checkpoint=true`` (its last valid checkpoint). Without ``resume=``,
+    ``argv`` unchanged.
+
+    Raises:
+        ValueError: ``resume=`` twice, with ``-m``, with ``hydra.run.dir``, or naming no run folder.
+    """
+    given = [token for token in argv if _override_key(token) == RESUME_KEY]
+    if not given:
+        return argv
+    if len(given) > 1 or given[0].startswith(("+", "~")):
+        raise ValueError(f"give one run folder as {RESUME_KEY}=<run folder>, got {' '.join(given)}")
+    folder = Path(given[0].split("=", 1)[1]).expanduser().resolve()
+    rest = [token for token in argv if token is not given[0]]
+    if {"-m", "--multirun"} & set(rest):
+        raise ValueError(f"{RESUME_KEY}= continues one run; it cannot be combined with -m/--multirun")
+    keys = {_override_key(token) for token in rest} - {None}
+    if "hydra.run.dir" in keys:
+        raise ValueError(f"{RESUME_KEY}= writes into the run folder itself; drop hydra.run.dir")
+    saved = _saved_overrides(folder)
+    kept = [token for token in saved if _override_key(token) not in keys | {"args.resume_from_checkpoint"}]
+    config_dir = [] if "--config-dir" in rest or "-cd" in rest else _saved_config_dirs(folder)
+    return [*config_dir, *kept, *rest, f"hydra.run.dir={folder}", "args.resume_from_checkpoint=true"]
+
+
+def _saved_overrides(folder: Path) -> list[str]:
+    import yaml
+
+    saved = folder / ".hydra" / "overrides.yaml"
+    if not saved.is_file():
+        raise ValueError(
+            f"{RESUME_KEY}={folder}: not a run folder (no .hydra/overrides.yaml there); pass the folder a run wrote, "
+            "e.g. outputs/mrc/runs/<date>_<time>"
+        )
+    overrides = yaml.safe_load(saved.read_text(encoding="utf-8")) or []
+    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+        raise ValueError(f"{saved} is not a list of overrides")
+    return overrides
+
+
+def _saved_config_dirs(folder: Path) -> list[str]:
+    """``--config-dir DIR`` when the run was started with one (Hydra records it in ``.hydra/hydra.yaml``)."""
+    import yaml
+
+    hydra_file = folder / ".hydra" / "hydra.yaml"
+    if not hydra_file.is_file():
+        return []
+    runtime = (yaml.safe_load(hydra_file.read_text(encoding="utf-8")) or {}).get("hydra", {}).get("runtime", {})
+    for source in runtime.get("config_sources") or []:
+        if source.get("provider") == "command-line" and source.get("schema") == "file":
+            return ["--config-dir", source["path"]]
+    return []
+
+
+def resume_command(run_dir: str | os.PathLike) -> str:
+    """The command that continues the run in ``run_dir`` (printed when a run is interrupted)."""
+    return f"hflight-train {RESUME_KEY}={run_dir}"
 
 
 # ---------------------------------------------------------------------------------------------------- building
@@ -199,6 +314,88 @@ def instantiate_callbacks(callbacks_cfg: DictConfig | None) -> list[Any]:
         elif node is not None:
             raise TypeError(f"callbacks.{name} must be a node with a _target_ (or null to disable it)")
     return callbacks
+
+
+# ---------------------------------------------------------------------------------------------------- loggers
+#: ``logger.<name>.<option>`` -> the environment variable transformers' integration for ``<name>`` reads (and
+#: ``hflight.lightning_kwargs`` passes to the Lightning logger's constructor).
+LOGGER_OPTIONS: dict[str, dict[str, str]] = {
+    "tensorboard": {"log_dir": "TENSORBOARD_LOGGING_DIR"},
+    "wandb": {"project": "WANDB_PROJECT", "entity": "WANDB_ENTITY", "tags": "WANDB_TAGS", "name": "WANDB_NAME"},
+    "mlflow": {
+        "experiment_name": "MLFLOW_EXPERIMENT_NAME",
+        "tracking_uri": "MLFLOW_TRACKING_URI",
+        "tags": "MLFLOW_TAGS",
+    },
+}
+
+
+def logger_variables(options: Mapping[str, Any] | None, report_to: list[str]) -> dict[str, str]:
+    """The environment variables the ``logger`` node's options stand for (null options set nothing).
+
+    Raises:
+        ValueError: an unknown logger or option, or options for a logger ``report_to`` does not use.
+    """
+    import json
+
+    variables: dict[str, str] = {}
+    for name, values in (options or {}).items():
+        if name not in LOGGER_OPTIONS:
+            raise ValueError(f"logger.{name}: unknown logger; options exist for {', '.join(LOGGER_OPTIONS)}")
+        if name not in report_to:
+            raise ValueError(f"logger.{name} is set but args.report_to={report_to} does not log to {name}")
+        for option, value in (values or {}).items():
+            if option not in LOGGER_OPTIONS[name]:
+                raise ValueError(
+                    f"logger.{name}.{option}: unknown option; {name} has {', '.join(LOGGER_OPTIONS[name])}"
+                )
+            if value is None or value == [] or value == {}:
+                continue
+            if isinstance(value, (list, tuple)):
+                value = ",".join(str(v) for v in value)
+            elif isinstance(value, Mapping):
+                value = json.dumps(dict(value))
+            variables[LOGGER_OPTIONS[name][option]] = str(value)
+    return variables
+
+
+@contextlib.contextmanager
+def logger_environment(options: Any, args: TrainingArguments) -> Iterator[None]:
+    """Set :func:`logger_variables` of ``options`` (the config's ``logger`` node) while the block runs."""
+    from omegaconf import OmegaConf
+
+    from hflight.arguments.lightning_kwargs import report_to_names
+
+    plain = OmegaConf.to_container(options, resolve=True) if isinstance(options, DictConfig) else options
+    variables = logger_variables(plain, report_to_names(args.report_to))
+    previous = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+class ConfigHyperparameters(L.Callback):
+    """Gives the composed config to every logger of a run as hyperparameters (``config/...``; the training
+    arguments go under ``training_args/...`` when the loggers are built)."""
+
+    def __init__(self, cfg: DictConfig) -> None:
+        from omegaconf import OmegaConf
+
+        try:
+            config = OmegaConf.to_container(cfg, resolve=True)
+        except Exception:  # noqa: BLE001 - an interpolation only Hydra's job can resolve: log it as written
+            config = OmegaConf.to_container(cfg, resolve=False)
+        self.hyperparameters = {"config": config}
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        for logger in trainer.loggers:
+            logger.log_hyperparams(self.hyperparameters)
 
 
 # ---------------------------------------------------------------------------------------------------- reporting

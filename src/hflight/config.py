@@ -13,10 +13,12 @@ Where the tree is found (:func:`find_config_dir`), first match wins:
 2. the ``HFLIGHT_CONFIG_DIR`` environment variable;
 3. ``conf/`` of the source checkout this package is imported from (``<repo>/src/hflight`` -> ``<repo>/conf``), which
    is where an editable install (``pip install -e .``) finds it, from any working directory: a notebook in
-   ``notebooks/`` composes the repository's ``conf/``.
+   ``notebooks/`` composes the repository's ``conf/``;
+4. the copy installed inside the package, ``hflight.conf`` (setup.py maps ``conf/`` to it), which is what a regular
+   install (a wheel, ``pip install .``) has; Hydra reads it through ``pkg://hflight.conf``.
 
-A regular (non-editable) install does not ship ``conf/``: copy the tree and point ``HFLIGHT_CONFIG_DIR`` (or Hydra's
-``--config-dir``) at it.
+Hydra's ``--config-dir DIR`` adds the user's own configs (``DIR/experiment/mine.yaml`` -> ``+experiment=mine``) in
+front of whichever tree was found.
 
 Example:
     >>> from hflight import cli, config  # doctest: +SKIP
@@ -55,6 +57,8 @@ CONFIG_DIR_ENV = "HFLIGHT_CONFIG_DIR"
 VERSION_BASE = "1.3"
 #: The primary config of the tree.
 PRIMARY_CONFIG = "train"
+#: The tree installed inside the package (setup.py maps ``conf/`` to ``hflight.conf``).
+CONFIG_PACKAGE = "hflight.conf"
 
 
 # Field types are spelt `Optional[...]` so that OmegaConf (which reads them on Python 3.10) understands them.
@@ -145,6 +149,7 @@ def find_config_dir(directory: str | os.PathLike | None = None) -> Path:
         ("argument", directory),
         (f"${CONFIG_DIR_ENV}", os.environ.get(CONFIG_DIR_ENV)),
         ("source checkout", Path(__file__).resolve().parents[2] / "conf"),
+        ("installed package", _installed_tree()),
     ]
     for origin, candidate in candidates:
         if not candidate:
@@ -153,12 +158,35 @@ def find_config_dir(directory: str | os.PathLike | None = None) -> Path:
         if (path / f"{PRIMARY_CONFIG}.yaml").is_file():
             return path
         tried.append(f"{path} ({origin})")
-        if origin != "source checkout":  # an explicit choice that is wrong is an error, not a fallback
+        if origin not in ("source checkout", "installed package"):  # an explicit choice that is wrong is an error
             break
     raise FileNotFoundError(
         f"hflight's Hydra config tree ({PRIMARY_CONFIG}.yaml) was not found in: {', '.join(tried)}. Pass "
-        f"config_dir=..., set {CONFIG_DIR_ENV}, or use an editable install of the repository (pip install -e .)."
+        f"config_dir=..., set {CONFIG_DIR_ENV}, or reinstall hflight (its wheel ships the tree as {CONFIG_PACKAGE})."
     )
+
+
+def _installed_tree() -> str | None:
+    """The folder of the installed ``hflight.conf`` package, if there is one on the file system."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(CONFIG_PACKAGE)
+    except ImportError:
+        return None
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    return locations[0] if locations else None
+
+
+def hydra_config_path() -> str:
+    """``config_path`` for ``@hydra.main``: the folder :func:`find_config_dir` finds, else Hydra's
+    ``pkg://hflight.conf`` (an install whose package is not a plain folder, e.g. a zip)."""
+    try:
+        return str(find_config_dir())
+    except FileNotFoundError:
+        if os.environ.get(CONFIG_DIR_ENV):
+            raise
+        return f"pkg://{CONFIG_PACKAGE}"
 
 
 def compose(

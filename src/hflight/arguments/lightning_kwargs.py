@@ -11,6 +11,8 @@ shard the data the way accelerate does).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import json
 import logging
 import os
 import warnings
@@ -31,40 +33,71 @@ PRECISION: dict[tuple[bool, bool], str] = {
 }
 
 
-def _csv(save_dir: str, name: str) -> Any:
-    from lightning.pytorch.loggers import CSVLogger
-
-    return CSVLogger(save_dir=save_dir, name=name)
+def _save_dir(args: Any) -> str:
+    return getattr(args, "logging_dir", None) or args.output_dir
 
 
-def _tensorboard(save_dir: str, name: str) -> Any:
-    from lightning.pytorch.loggers import TensorBoardLogger
-
-    return TensorBoardLogger(save_dir=save_dir, name=name)
+def _run_name(args: Any) -> str:
+    return args.run_name or "hflight"
 
 
-def _mlflow(save_dir: str, name: str) -> Any:
-    from lightning.pytorch.loggers import MLFlowLogger
-
-    return MLFlowLogger(experiment_name=name, save_dir=os.path.join(save_dir, "mlruns"))
+def _csv(args: Any) -> dict[str, Any]:
+    return {"save_dir": _save_dir(args), "name": _run_name(args)}
 
 
-def _wandb(save_dir: str, name: str) -> Any:
-    from lightning.pytorch.loggers import WandbLogger
+def _tensorboard(args: Any) -> dict[str, Any]:
+    # transformers' TensorBoardCallback reads TENSORBOARD_LOGGING_DIR
+    folder = os.environ.get("TENSORBOARD_LOGGING_DIR")
+    return {"save_dir": os.path.expanduser(folder) if folder else _save_dir(args), "name": _run_name(args)}
 
-    return WandbLogger(name=name, save_dir=save_dir)
+
+def _mlflow(args: Any) -> dict[str, Any]:
+    # transformers' MLflowCallback reads MLFLOW_EXPERIMENT_NAME, MLFLOW_TRACKING_URI and MLFLOW_TAGS (a JSON object)
+    env = os.environ
+    tags = json.loads(env["MLFLOW_TAGS"]) if env.get("MLFLOW_TAGS") else None
+    if tags is not None and not isinstance(tags, dict):
+        raise ValueError(f"MLFLOW_TAGS must be a JSON object of tag -> value, got {env['MLFLOW_TAGS']!r}")
+    return {
+        "experiment_name": env.get("MLFLOW_EXPERIMENT_NAME") or _run_name(args),
+        "run_name": args.run_name,
+        "tracking_uri": env.get("MLFLOW_TRACKING_URI") or None,  # None: a local ./mlruns in save_dir
+        "tags": tags,
+        "save_dir": os.path.join(_save_dir(args), "mlruns"),
+    }
 
 
-LOGGERS: dict[str, Callable[[str, str], Any]] = {
-    "csv": _csv,
-    "tensorboard": _tensorboard,
-    "mlflow": _mlflow,
-    "wandb": _wandb,
+def _wandb(args: Any) -> dict[str, Any]:
+    # transformers' WandbCallback: WANDB_PROJECT (default "huggingface"), the run named args.run_name; wandb itself
+    # reads WANDB_ENTITY, WANDB_NAME and WANDB_TAGS (comma-separated), passed on here explicitly
+    env = os.environ
+    tags = [tag.strip() for tag in env.get("WANDB_TAGS", "").split(",") if tag.strip()]
+    return {
+        "project": env.get("WANDB_PROJECT") or "huggingface",
+        "entity": env.get("WANDB_ENTITY") or None,
+        "name": args.run_name or env.get("WANDB_NAME") or None,
+        "tags": tags or None,
+        "save_dir": _save_dir(args),
+    }
+
+
+#: report_to name -> (Lightning logger class in lightning.pytorch.loggers, its keyword arguments from args and the
+#: environment, the package that must be importable: None for none).
+LOGGERS: dict[str, tuple[str, Callable[[Any], dict[str, Any]], tuple[str, ...]]] = {
+    "csv": ("CSVLogger", _csv, ()),
+    "tensorboard": ("TensorBoardLogger", _tensorboard, ("tensorboard", "tensorboardX")),
+    "mlflow": ("MLFlowLogger", _mlflow, ("mlflow",)),
+    "wandb": ("WandbLogger", _wandb, ("wandb",)),
 }
 
 
+def _installed(name: str) -> bool:
+    packages = LOGGERS[name][2]
+    return not packages or any(importlib.util.find_spec(package) is not None for package in packages)
+
+
 def report_to_names(report_to: Any) -> list[str]:
-    """Normalise ``report_to`` (None, "none", "all", a name, a comma list or a list) to logger names."""
+    """Normalise ``report_to`` (None, "none", "all", a name, a comma list or a list) to logger names. "all" means,
+    as in transformers, every integration that is installed (among those hflight maps; csv needs nothing)."""
     if report_to is None:
         return []
     names = report_to.split(",") if isinstance(report_to, str) else list(report_to)
@@ -72,22 +105,34 @@ def report_to_names(report_to: Any) -> list[str]:
     if names in (["none"], []):
         return []
     if names == ["all"]:
-        return ["csv", "tensorboard"]
+        return [name for name in LOGGERS if _installed(name)]
     unknown = [n for n in names if n not in LOGGERS]
     if unknown:
         raise ValueError(f"report_to: unknown logger(s) {unknown}; hflight supports {', '.join(LOGGERS)} or 'none'.")
     return names
 
 
+def logger_kwargs(name: str, args: Any) -> dict[str, Any]:
+    """The keyword arguments ``report_to``'s logger ``name`` is built with (see :data:`LOGGERS`)."""
+    return LOGGERS[name][1](args)
+
+
 def build_loggers(args: Any) -> list[Any]:
-    save_dir = getattr(args, "logging_dir", None) or args.output_dir
-    name = args.run_name or "hflight"
+    """One Lightning logger per ``report_to`` name, each given the ``TrainingArguments`` as hyperparameters."""
+    from lightning.pytorch import loggers as lightning_loggers
+
     loggers = []
     for logger_name in report_to_names(args.report_to):
+        class_name, _, packages = LOGGERS[logger_name]
         try:
-            loggers.append(LOGGERS[logger_name](save_dir, name))
+            loggers.append(getattr(lightning_loggers, class_name)(**logger_kwargs(logger_name, args)))
         except (ImportError, ModuleNotFoundError) as exc:
-            raise ImportError(f"report_to={logger_name!r} needs an extra package: {exc}") from exc
+            raise ImportError(
+                f'report_to={logger_name!r} needs {" or ".join(packages)}: pip install "hflight[{logger_name}]" ({exc})'
+            ) from exc
+    if loggers and hasattr(args, "to_sanitized_dict"):
+        for logger in loggers:
+            logger.log_hyperparams({"training_args": args.to_sanitized_dict()})
     return loggers
 
 
@@ -141,11 +186,17 @@ def accelerator_for(args: Any, strategy: Any) -> Any:
 
 
 def lightning_trainer_kwargs(
-    args: Any, callbacks: list[L.Callback], fitting: bool, strategy: Any = None, model: Any = None
+    args: Any,
+    callbacks: list[L.Callback],
+    fitting: bool,
+    strategy: Any = None,
+    model: Any = None,
+    loggers: list[Any] | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments for ``lightning.Trainer`` for a ``fit`` (``fitting``) or an evaluation; ``strategy``
     replaces ``args.strategy`` (a compat trainer such as ``IPUTrainer`` brings its own instance); ``model``: the
-    model the run trains (for an FSDP wrap policy)."""
+    model the run trains (for an FSDP wrap policy). A fit builds its loggers from ``report_to``; an evaluation or
+    prediction logs to ``loggers`` (those of the fit before it, which outlive it) or to none."""
     strategy = strategy_for(args, model) if strategy is None else strategy
     return {
         "accelerator": accelerator_for(args, strategy),
@@ -155,7 +206,7 @@ def lightning_trainer_kwargs(
         "precision": precision_for(args),
         "max_epochs": -1,  # the facade sets the real bound once the loader length is known
         "max_steps": -1,  # HF's TrainerControl stops the run (DefaultFlowCallback at max_steps)
-        "logger": build_loggers(args) if fitting else False,
+        "logger": build_loggers(args) if fitting else (loggers or False),
         "callbacks": callbacks,
         "enable_checkpointing": False,
         "enable_progress_bar": False,

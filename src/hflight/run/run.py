@@ -64,6 +64,7 @@ class Run:
         trial: Any = None,
         ignore_keys_for_eval: list[str] | None = None,
         train_batch_size: int | None = None,
+        loggers: list[Any] | None = None,
     ) -> None:
         self.facade = facade
         self.train_batch_size = train_batch_size if train_batch_size is not None else facade.args.train_batch_size
@@ -73,7 +74,7 @@ class Run:
         self.loop = TrainingLoop(facade, self, trial, ignore_keys_for_eval) if fitting else None
         callbacks = [*(lightning_callbacks or []), *([LightningEvents(self.loop)] if fitting else [])]
         kwargs = lightning_trainer_kwargs(
-            facade.args, callbacks, fitting=fitting, strategy=strategy, model=facade.model
+            facade.args, callbacks, fitting=fitting, strategy=strategy, model=facade.model, loggers=loggers
         )
         with quiet_lightning():
             self.lightning_trainer = L.Trainer(**kwargs)

@@ -7,7 +7,7 @@ owns devices, processes and precision), so :class:`RunAccelerator` offers that p
 call to the run in progress: backward through the ``LightningModule`` (precision scaling, strategy hooks), collectives
 through the run's :class:`~hflight.distributed.World`, autocast through Lightning's precision plugin. Outside a run it
 answers for a single process on ``args.device``. The rest of accelerate's API is not there (an ``AttributeError``
-names it); README "Coming from transformers" lists what is.
+names it); docs/coming-from-transformers.md lists what is.
 """
 
 from __future__ import annotations

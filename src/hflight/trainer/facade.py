@@ -179,7 +179,11 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
     # ---- the run: the Lightning side of the call in progress ---------------------------------------------------
     def _new_run(self, fitting: bool, **kwargs: Any) -> Run:
         strategy, callbacks = self.lightning_strategy, self._lightning_callbacks
-        self._run = Run(self, fitting=fitting, strategy=strategy, lightning_callbacks=callbacks, **kwargs)
+        # the loggers outlive a fit: evaluate()/predict() after train() log to the same ones, as in transformers
+        loggers = None if fitting or self._run is None else self._run.lightning_trainer.loggers
+        self._run = Run(
+            self, fitting=fitting, strategy=strategy, lightning_callbacks=callbacks, loggers=loggers, **kwargs
+        )
         return self._run
 
     @property
@@ -325,6 +329,8 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
             numbers = {k: v for k, v in logs.items() if isinstance(v, (int, float))}
             for logger in self._run.lightning_trainer.loggers:
                 logger.log_metrics(numbers, self.state.global_step)
+                if not self.is_in_train:  # evaluate()/predict() log after their Lightning run has finalized
+                    logger.save()
         dispatch(self, "on_log", logs)
 
     log_metrics = log_metrics

@@ -1,0 +1,129 @@
+"""A multirun's summary: ``summary.csv`` and ``summary.md`` at the sweep's root, one row per job.
+
+:class:`SweepSummary` is a Hydra callback (``conf/hydra/default.yaml`` configures it under ``hydra.callbacks``); at
+the end of a multirun it reads every job folder below the sweep folder (each has ``.hydra/overrides.yaml``, and
+``all_results.json`` when it finished, ``error.txt`` when it failed) and writes a row per job: its number, its
+overrides, its status, its final metrics (every ``eval_*``, ``predict_*`` and ``train_loss`` value) and its
+folder. The best finished job by ``optimized_metric`` is marked in the ``best`` column: highest, or lowest when the
+sweeper minimizes (``hydra.sweeper.direction``) or, without a direction, when the metric is a loss.
+It works for any sweeper (the basic one, Optuna) and any launcher, since it reads only what the jobs left on disk.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+__all__ = ["CSV_NAME", "MARKDOWN_NAME", "JobRow", "SweepSummary", "collect_jobs", "write_summary"]
+
+log = logging.getLogger(__name__)
+
+CSV_NAME = "summary.csv"
+MARKDOWN_NAME = "summary.md"
+_TRAINING_METRICS = ("train_loss",)
+
+
+@dataclass
+class JobRow:
+    """One job of the sweep, as it left its folder."""
+
+    folder: Path
+    overrides: list[str]
+    status: str  # "finished", "failed" or "unfinished"
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def number(self) -> str:
+        return self.folder.name
+
+
+def _final_metrics(results: dict[str, Any]) -> dict[str, float]:
+    return {
+        key: float(value)
+        for key, value in results.items()
+        if (key.startswith(("eval_", "predict_")) or key in _TRAINING_METRICS)
+        and isinstance(value, (int, float))
+        and not key.endswith(("_runtime", "_per_second", "_samples"))
+    }
+
+
+def collect_jobs(sweep_dir: str | Path) -> list[JobRow]:
+    """Every job folder below ``sweep_dir`` (one holding ``.hydra/overrides.yaml``), in job-number order."""
+    rows = []
+    for overrides_file in Path(sweep_dir).glob("**/.hydra/overrides.yaml"):
+        folder = overrides_file.parent.parent
+        overrides = yaml.safe_load(overrides_file.read_text(encoding="utf-8")) or []
+        results = folder / "all_results.json"
+        if results.is_file():
+            row = JobRow(folder, overrides, "finished", _final_metrics(json.loads(results.read_text("utf-8"))))
+        else:
+            row = JobRow(folder, overrides, "failed" if (folder / "error.txt").is_file() else "unfinished")
+        rows.append(row)
+    return sorted(rows, key=lambda r: (int(r.number) if r.number.isdigit() else math.inf, str(r.folder)))
+
+
+def best_job(rows: list[JobRow], metric: str | None, direction: str | None) -> JobRow | None:
+    """The finished job with the best ``metric`` (None without a metric or a job that has it)."""
+    if direction not in (None, "maximize", "minimize"):
+        raise ValueError(f"hydra.sweeper.direction must be 'maximize' or 'minimize', got {direction!r}")
+    scored = [r for r in rows if metric and math.isfinite(r.metrics.get(metric, math.nan))]
+    if not scored:
+        return None
+    minimize = direction == "minimize" or (direction is None and "loss" in metric)
+    return (min if minimize else max)(scored, key=lambda r: r.metrics[metric])
+
+
+def write_summary(sweep_dir: str | Path, metric: str | None = None, direction: str | None = None) -> list[Path]:
+    """Write ``summary.csv`` and ``summary.md`` into ``sweep_dir``; return their paths (none for no job)."""
+    sweep_dir = Path(sweep_dir)
+    rows = collect_jobs(sweep_dir)
+    if not rows:
+        return []
+    best = best_job(rows, metric, direction)
+    names = sorted({name for row in rows for name in row.metrics}, key=lambda n: (n != metric, n))
+    header = ["job", "best", "status", "overrides", *names, "folder"]
+    table = [
+        [
+            row.number,
+            "*" if row is best else "",
+            row.status,
+            " ".join(row.overrides),
+            *(f"{row.metrics[n]:.6g}" if n in row.metrics else "" for n in names),
+            str(row.folder),
+        ]
+        for row in rows
+    ]
+    with open(sweep_dir / CSV_NAME, "w", newline="", encoding="utf-8") as handle:
+        csv.writer(handle).writerows([header, *table])
+    (sweep_dir / MARKDOWN_NAME).write_text(_markdown(header, table, metric, best), encoding="utf-8")
+    return [sweep_dir / CSV_NAME, sweep_dir / MARKDOWN_NAME]
+
+
+def _markdown(header: list[str], table: list[list[str]], metric: str | None, best: JobRow | None) -> str:
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
+
+    lines = [f"# Sweep summary ({len(table)} jobs)", ""]
+    if best is not None:
+        lines += [f"Best by `{metric}`: job {best.number} ({best.metrics[metric]:.6g}), marked `*`.", ""]
+    lines += [line(header), line(["---"] * len(header)), *(line(row) for row in table)]
+    return "\n".join(lines) + "\n"
+
+
+class SweepSummary(Callback):
+    """Hydra callback: :func:`write_summary` at the end of every multirun."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweeper = config.hydra.get("sweeper") or {}
+        written = write_summary(config.hydra.sweep.dir, config.get("optimized_metric"), sweeper.get("direction"))
+        if written:
+            log.info(f"Sweep summary: {written[0]} and {written[1]}")

@@ -1,0 +1,184 @@
+"""What a run leaves to look at and where its numbers go: ``training_curves.png`` (``hflight.curves``), a multirun's
+``summary.csv``/``summary.md`` (``hflight.sweep_summary``), and the experiment loggers ``report_to`` and the
+``logger`` group build (``hflight.lightning_kwargs``, ``hflight.cli.logger_environment``).
+
+tensorboard, wandb and mlflow are not installed in the test environment: for them the tests check the keyword
+arguments the Lightning logger is built with; the CSV logger, which needs nothing, is built for real.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from hflight import cli
+from hflight.arguments import lightning_kwargs
+from hflight.arguments.training_args import TrainingArguments
+from hflight.config import compose
+from hflight.curves import curves, plot_training_curves
+from hflight.sweep_summary import write_summary
+
+LOG_HISTORY = [
+    {"loss": 5.0, "grad_norm": 2.0, "learning_rate": 1e-3, "epoch": 0.5, "step": 2},
+    {"loss": 4.0, "grad_norm": 2.0, "learning_rate": 5e-4, "epoch": 1.0, "step": 4},
+    {"eval_loss": 4.5, "eval_f1": 10.0, "eval_runtime": 0.1, "eval_samples_per_second": 9.0, "epoch": 1.0, "step": 4},
+    {"loss": 3.0, "grad_norm": 2.0, "learning_rate": 0.0, "epoch": 2.0, "step": 8},
+    {"eval_loss": 4.0, "eval_f1": 20.0, "eval_runtime": 0.1, "epoch": 2.0, "step": 8},
+    {"train_runtime": 3.0, "train_loss": 4.0, "epoch": 2.0, "step": 8},
+]
+
+
+# ---- training_curves.png -------------------------------------------------------------------------------------------
+def test_curves_are_the_logged_series_per_step_and_per_evaluation():
+    assert curves(LOG_HISTORY) == {
+        "training loss": [(2, 5.0), (4, 4.0), (8, 3.0)],
+        "learning rate": [(2, 1e-3), (4, 5e-4), (8, 0.0)],
+        "eval_loss": [(4, 4.5), (8, 4.0)],
+        "eval_f1": [(4, 10.0), (8, 20.0)],
+    }  # timings are not metrics; train_loss (the summary entry) is not a step's loss
+
+
+def test_training_curves_png_is_drawn_and_nothing_logged_draws_nothing(tmp_path):
+    import matplotlib
+
+    backend = matplotlib.get_backend()
+    path = plot_training_curves(LOG_HISTORY, tmp_path / "curves" / "training_curves.png", title="run")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from PIL import Image
+
+    width, height = Image.open(path).size
+    assert width > 3 * height // 2  # four panels: three columns, two rows
+    assert matplotlib.get_backend() == backend  # drawn on an Agg canvas of its own
+    assert plot_training_curves([{"train_runtime": 1.0, "step": 0}], tmp_path / "none.png") is None
+    assert not (tmp_path / "none.png").exists()
+
+
+# ---- summary.csv / summary.md -------------------------------------------------------------------------------------
+def _job(sweep: Path, number: int, overrides: list[str], results: dict | None, failed: bool = False) -> None:
+    folder = sweep / str(number)
+    (folder / ".hydra").mkdir(parents=True)
+    (folder / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    if results is not None:
+        (folder / "all_results.json").write_text(json.dumps(results))
+    if failed:
+        (folder / "error.txt").write_text("ValueError: boom\n")
+
+
+@pytest.mark.parametrize(("metric", "direction", "best"), [("eval_f1", None, "1"), ("eval_loss", None, "0"),
+                                                           ("eval_f1", "minimize", "0")])  # fmt: skip
+def test_summary_has_a_row_per_job_and_marks_the_best(tmp_path, metric, direction, best):
+    _job(tmp_path, 0, ["args.seed=1"], {"eval_f1": 10.0, "eval_loss": 1.0, "eval_runtime": 2.0, "train_loss": 3.0})
+    _job(tmp_path, 1, ["args.seed=2"], {"eval_f1": 30.0, "eval_loss": 2.0, "train_loss": 2.5})
+    _job(tmp_path, 10, ["args.seed=3"], None, failed=True)
+    write_summary(tmp_path, metric, direction)
+    rows = list(csv.DictReader((tmp_path / "summary.csv").open()))
+    assert [r["job"] for r in rows] == ["0", "1", "10"]  # job order, not text order
+    assert [r["status"] for r in rows] == ["finished", "finished", "failed"]
+    assert [r["best"] for r in rows] == ["*" if r["job"] == best else "" for r in rows]
+    assert rows[1]["overrides"] == "args.seed=2" and rows[1]["eval_f1"] == "30" and "eval_runtime" not in rows[1]
+    assert rows[0]["folder"] == str(tmp_path / "0")
+    markdown = (tmp_path / "summary.md").read_text()
+    assert f"Best by `{metric}`: job {best}" in markdown and markdown.count("\n| ") == 5  # header, rule, 3 rows
+
+
+def test_summary_rejects_an_unknown_direction(tmp_path):
+    _job(tmp_path, 0, [], {"eval_f1": 1.0})
+    with pytest.raises(ValueError, match="hydra.sweeper.direction"):
+        write_summary(tmp_path, "eval_f1", "upwards")
+
+
+# ---- loggers --------------------------------------------------------------------------------------------------------
+def _args(cfg) -> TrainingArguments:
+    return TrainingArguments.from_config(cfg.args)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "name", "expected"),
+    [
+        (["logger=wandb", "logger.wandb.project=qa", "logger.wandb.entity=team", "logger.wandb.tags=[mrc,base]",
+          "logger.wandb.name=first"],
+         "wandb", {"project": "qa", "entity": "team", "tags": ["mrc", "base"], "name": "first"}),
+        (["logger=wandb", "args.run_name=named"], "wandb", {"project": "huggingface", "entity": None, "name": "named"}),
+        (["logger=mlflow", "logger.mlflow.experiment_name=qa", "logger.mlflow.tracking_uri=http://mlflow:5000",
+          "+logger.mlflow.tags.team=nlp"],
+         "mlflow", {"experiment_name": "qa", "tracking_uri": "http://mlflow:5000", "tags": {"team": "nlp"}}),
+        (["logger=tensorboard", "logger.tensorboard.log_dir=/tmp/tb"], "tensorboard", {"save_dir": "/tmp/tb"}),
+    ],
+)  # fmt: skip
+def test_logger_options_reach_the_logger_constructors(tmp_path, monkeypatch, overrides, name, expected):
+    for variable in ("WANDB_PROJECT", "WANDB_ENTITY", "WANDB_TAGS", "WANDB_NAME", "MLFLOW_TRACKING_URI"):
+        monkeypatch.delenv(variable, raising=False)
+    cfg = compose(overrides, output_dir=tmp_path)
+    args = _args(cfg)
+    assert lightning_kwargs.report_to_names(args.report_to) == [name]
+    with cli.logger_environment(cfg.get("logger"), args):
+        built = lightning_kwargs.logger_kwargs(name, args)
+    assert {key: built[key] for key in expected} == expected
+    import os
+
+    assert "WANDB_PROJECT" not in os.environ and "MLFLOW_TRACKING_URI" not in os.environ  # restored afterwards
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["logger=wandb", "+logger.wandb.team=x"], r"logger.wandb.team: unknown option; wandb has project"),
+        (["logger=wandb", "args.report_to=[csv]", "logger.wandb.project=x"], "does not log to wandb"),
+        (["+logger.comet.project=x"], "logger.comet: unknown logger"),
+    ],
+)
+def test_logger_options_that_would_be_ignored_are_errors(tmp_path, overrides, message):
+    cfg = compose(overrides, output_dir=tmp_path)
+    with pytest.raises(ValueError, match=message), cli.logger_environment(cfg.get("logger"), _args(cfg)):
+        pass
+
+
+def test_report_to_all_means_every_installed_integration(monkeypatch):
+    installed = {"tensorboard"}
+    monkeypatch.setattr(lightning_kwargs, "_installed", lambda name: name == "csv" or name in installed)
+    assert lightning_kwargs.report_to_names("all") == ["csv", "tensorboard"]
+    installed |= {"wandb", "mlflow"}
+    assert lightning_kwargs.report_to_names(["all"]) == ["csv", "tensorboard", "mlflow", "wandb"]
+
+
+def test_a_missing_integration_names_its_extra(tmp_path, monkeypatch):
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    args = TrainingArguments(str(tmp_path), report_to="wandb")
+    with pytest.raises(ImportError, match=r'pip install "hflight\[wandb\]"'):
+        lightning_kwargs.build_loggers(args)
+
+
+def test_csv_logger_gets_the_training_arguments_as_hyperparameters(tmp_path):
+    args = TrainingArguments(str(tmp_path), report_to="csv", learning_rate=1e-4, run_name="mine")
+    (logger,) = lightning_kwargs.build_loggers(args)
+    logger.save()
+    import yaml
+
+    hparams = yaml.safe_load((tmp_path / "mine" / "version_0" / "hparams.yaml").read_text())
+    assert hparams["training_args"]["learning_rate"] == 1e-4 and hparams["training_args"]["output_dir"] == str(tmp_path)
+
+
+def test_evaluate_and_predict_after_train_log_to_the_fits_loggers(tmp_path, factory):
+    """As with transformers' integrations, the loggers of train() outlive it: the evaluation after it lands in the
+    same CSV log (one version folder), not in a new one or nowhere; predict() runs with the same loggers (it logs no
+    metrics itself, as in transformers, but a callback's trainer.log during it goes there)."""
+    from hflight import Trainer
+
+    args = TrainingArguments(str(tmp_path), report_to="csv", max_steps=2, per_device_train_batch_size=4,
+                             logging_steps=1, save_strategy="no", dataloader_pin_memory=False)  # fmt: skip
+    data = factory.qa_dataset(8)
+    trainer = Trainer(factory.qa_model(), args, train_dataset=data, eval_dataset=data)
+    trainer.train()
+    (fit_logger,) = trainer.lightning_trainer.loggers
+    trainer.evaluate()
+    trainer.predict(data)
+    assert trainer.lightning_trainer.loggers == [fit_logger]
+    (log_dir,) = (tmp_path / "hflight").iterdir()
+    rows = list(csv.DictReader((log_dir / "metrics.csv").open()))
+    assert [r["step"] for r in rows if r.get("eval_loss")] == ["2"]
