@@ -84,7 +84,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     ),  # fmt: skip
     # The top: the package's names, the entry points, and the old import paths kept for users.
     "hflight": ("hflight._util", "hflight.version"),  # __init__: lazy exports only
-    "hflight.cli": ("hflight.config", "hflight.run.interrupt", "hflight.arguments", *BOTTOM),
+    "hflight.cli": ("hflight.cli", "hflight.config", "hflight.run.interrupt", "hflight.arguments", *BOTTOM),
     "hflight.config": ("hflight.arguments", *BOTTOM),
     "hflight.__main__": ("hflight.cli",),
     "hflight.training_args": ("hflight.arguments.training_args",),

@@ -7,7 +7,11 @@ instance has ``setup(cfg, args, callbacks)`` returning a :class:`TaskRun` (for e
 ``hflight.qa.recipe.MRCRecipe``: data, tokenizer, model, windows and the ``MRCTrainer``, data checked before
 anything trains). Then it trains, evaluates and predicts as ``args.do_train``/``do_eval``/``do_predict`` ask,
 writing ``train_results.json``, ``eval_results.json``, ``all_results.json``, ``trainer_state.json`` and the model
-into ``args.output_dir`` (the Hydra run directory), and prints a table of the final metrics.
+into ``args.output_dir`` (the Hydra run directory), and prints a table of the final metrics. Beside it: ``curves``
+(``training_curves.png`` from ``log_history``) and ``sweep_summary`` (a multirun's ``summary.csv``/``summary.md``).
+
+May import: ``hflight.config``, ``hflight.arguments``, ``hflight.run.interrupt``, ``hflight.surface``,
+``hflight._util``; the task (``hflight.qa.recipe``) is instantiated from the config, never imported.
 
 Example:
     >>> from hflight import cli, config  # doctest: +SKIP
@@ -144,7 +148,7 @@ def _resume_from(value: Any) -> str | bool | None:
 
 
 def _draw_curves(trainer: Any, args: TrainingArguments) -> None:
-    from hflight.curves import FILE_NAME, plot_training_curves
+    from hflight.cli.curves import FILE_NAME, plot_training_curves
 
     path = plot_training_curves(trainer.state.log_history, Path(args.output_dir) / FILE_NAME, title=args.run_name)
     if path is None:

@@ -6,7 +6,7 @@ evaluation. Matplotlib's non-interactive ``Agg`` backend draws it, so it works w
 cluster, a sweep) and leaves an interactive session's backend alone.
 
 Example:
-    >>> from hflight.curves import plot_training_curves  # doctest: +SKIP
+    >>> from hflight.cli.curves import plot_training_curves  # doctest: +SKIP
     >>> plot_training_curves(trainer.state.log_history, "outputs/run/training_curves.png")  # doctest: +SKIP
 """
 
