@@ -17,9 +17,9 @@ import pytest
 from hflight import cli
 from hflight.arguments import lightning_kwargs
 from hflight.arguments.training_args import TrainingArguments
-from hflight.config import compose
 from hflight.cli.curves import curves, plot_training_curves
 from hflight.cli.sweep_summary import write_summary
+from hflight.config import compose
 
 LOG_HISTORY = [
     {"loss": 5.0, "grad_norm": 2.0, "learning_rate": 1e-3, "epoch": 0.5, "step": 2},
