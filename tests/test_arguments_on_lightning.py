@@ -208,9 +208,7 @@ def test_process_roles_follow_log_on_each_node_and_save_on_each_node(monkeypatch
 def test_the_writers_of_each_node_clean_their_stale_folders(tmp_path, monkeypatch, save_on_each_node):
     """The processes that write checkpoints (args.should_save) are the ones that clean what an interrupted save left;
     with save_on_each_node that includes the main process of the second node."""
-    from types import SimpleNamespace
-
-    from hflight.checkpoints.resume import clean_output_dir
+    from hflight.checkpoints.folders import clean_output_dir
 
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "2")
@@ -218,7 +216,7 @@ def test_the_writers_of_each_node_clean_their_stale_folders(tmp_path, monkeypatc
     stale = tmp_path / ".tmp-checkpoint-3"
     stale.mkdir()
     args = hflight.TrainingArguments(str(tmp_path), save_on_each_node=save_on_each_node)
-    clean_output_dir(SimpleNamespace(args=args), SimpleNamespace(resume=None))
+    clean_output_dir(args, None)
     assert stale.exists() is not save_on_each_node
 
 

@@ -111,6 +111,13 @@ def remove_stale_folders(output_dir: str | os.PathLike, keep: str | None = None)
     return removed
 
 
+def clean_output_dir(args: Any, resume_folder: str | None) -> None:
+    """On the processes that write checkpoints (``args.should_save``), when training starts: delete the
+    ``.tmp-checkpoint-*`` folders interrupted saves left (not ``resume_folder``, the checkpoint being resumed)."""
+    if args.should_save:
+        remove_stale_folders(args.output_dir, keep=resume_folder)
+
+
 def rotate_checkpoints(output_dir: str, save_total_limit: int | None, best_model_checkpoint: str | None) -> None:
     """transformers' rotation (keep at most ``save_total_limit`` checkpoints, never the newest nor the best),
     removing each folder with :func:`remove_checkpoint`."""

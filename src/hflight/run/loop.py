@@ -104,8 +104,7 @@ class TrainingLoop:
         self.epochs_offset = epochs_trained
         resumed_at = facade.state.global_step if run.resume is not None else None
         console.training_started(facade.args, plan, facade.model, resumed_at, epochs_trained, skip)
-        if facade.args.should_save:  # leftovers of interrupted saves, not the folder being resumed
-            folders.remove_stale_folders(facade.args.output_dir, keep=run.resume.folder if run.resume else None)
+        folders.clean_output_dir(facade.args, run.resume.folder if run.resume is not None else None)
         return -1 if plan.unbounded else plan.num_train_epochs - epochs_trained
 
     def train_begin(self, train_loader: Any, device: torch.device) -> None:
