@@ -492,3 +492,10 @@ def test_no_function_is_longer_than_60_lines():
                 if length > 60:
                     long.append(f"{path.relative_to(SRC.parent)}:{node.lineno} {node.name} ({length} lines)")
     assert long == [], "functions over 60 lines:\n" + "\n".join(long)
+
+
+def test_the_layout_page_lists_the_override_points_of_the_code():
+    """docs/layout.md lists the override points from the code's one list (``hflight.surface.OVERRIDE_POINTS``)."""
+    page = (SRC.parents[1] / "docs" / "layout.md").read_text()
+    listed = page.split("<!-- override-points -->")[1].split("<!-- /override-points -->")[0]
+    assert sorted(name.strip("`, \n") for name in listed.split(",")) == sorted(OVERRIDE_POINTS)
