@@ -402,3 +402,23 @@ def test_a_model_loaded_in_eval_mode_trains_without_lightnings_eval_mode_warning
     Trainer(model, _args(tmp_path, max_steps=1), train_dataset=factory.qa_dataset(8)).train()
     assert model.training  # as after transformers.Trainer.train()
     assert not [w for w in recwarn if "in eval mode at the start of training" in str(w.message)]
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        # import hflight loads neither torch nor Lightning; the backends join Lightning's registries with the arguments
+        "import sys, hflight\nassert not [m for m in ('torch', 'lightning') if m in sys.modules]\n"
+        "from hflight import TrainingArguments\nfrom lightning.pytorch.strategies import StrategyRegistry\n"
+        "assert 'ort' in StrategyRegistry and 'ipu' in StrategyRegistry",
+        # ... or when a backend package is imported, for lightning.Trainer(strategy=...) used directly
+        "import hflight.ort\nfrom lightning.pytorch.strategies import StrategyRegistry\n"
+        "assert 'ort' in StrategyRegistry",
+    ],
+)
+def test_import_hflight_is_light_and_backends_register_when_used(code):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -45,15 +45,16 @@ def test_unknown_name_is_an_attribute_error():
 
 
 def test_light_names_do_not_load_the_trainer():
-    """Data, post-processing and metrics load only their own modules; the trainer module loads on first use.
-
-    (``import hflight`` itself loads Lightning: it registers hflight's backends with Lightning's registries.)
-    """
+    """Data, post-processing and metrics load only their own modules (no Lightning); the trainer module loads on
+    first use."""
     code = (
         "import sys\n"
+        "import hflight\n"
+        "assert not [m for m in ('torch', 'lightning') if m in sys.modules]\n"
         "from hflight.qa import load_squad_json, postprocess_qa_predictions, prepare_validation_features, "
         "squad_metrics\n"
-        "heavy = [m for m in ('hflight.qa.trainer', 'hflight.qa.recipe', 'hflight.trainer') if m in sys.modules]\n"
+        "heavy = [m for m in ('hflight.qa.trainer', 'hflight.qa.recipe', 'hflight.trainer', 'lightning') "
+        "if m in sys.modules]\n"
         "assert not heavy, heavy\n"
         "from hflight.qa import MRCTrainer\n"
         "assert 'hflight.qa.trainer' in sys.modules\n"
