@@ -10,7 +10,8 @@ optimizer step with AdamW, so that ``optimizer.pt`` holds both moment estimates 
   outside the timing; one warm-up save first. Also timed: writing the manifest, where the save waits for the
   checksums still running (what they add to the save's critical path), and the hashing thread's own time;
 - **hash**: the checksums of the saved files alone;
-- **resume**: ``hflight.resume.resolve_resume`` (manifest with checksums, trainer state, weights checked and copied
+- **resume**: ``hflight.checkpoints.resume.resolve_resume`` (manifest with checksums, trainer state, weights checked and
+copied
   in, RNG/optimizer/scheduler files loaded and checked), and the checksum verification alone inside it.
 
 Files are read back from the page cache (they were just written); on a cold cache reading the files dominates both

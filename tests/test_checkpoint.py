@@ -837,7 +837,7 @@ def test_a_full_disk_during_a_save_is_one_error_and_the_previous_checkpoint_stay
 
 
 class _FailingWrite:
-    """Replaces torch.save in hflight.checkpoint: fails on ``name`` the way torch's zip writer does."""
+    """Replaces torch.save in hflight.checkpoints.folders: fails on ``name`` the way torch's zip writer does."""
 
     def __init__(self, name: str, error: Exception) -> None:
         self.name, self.error, self.real = name, error, torch.save

@@ -1,6 +1,6 @@
 """What a run leaves to look at and where its numbers go: ``training_curves.png`` (``hflight.cli.curves``), a multirun's
 ``summary.csv``/``summary.md`` (``hflight.cli.sweep_summary``), and the experiment loggers ``report_to`` and the
-``logger`` group build (``hflight.lightning_kwargs``, ``hflight.cli.logger_environment``).
+``logger`` group build (``hflight.arguments.lightning_kwargs``, ``hflight.cli.logger_environment``).
 
 tensorboard, wandb and mlflow are not installed in the test environment: for them the tests check the keyword
 arguments the Lightning logger is built with; the CSV logger, which needs nothing, is built for real.

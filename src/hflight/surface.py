@@ -1,9 +1,9 @@
 """What the rest of hflight sees of the facade: transformers' ``Trainer`` surface, and nothing private.
 
-``hflight.trainer.Trainer`` is the HF surface; the work runs in collaborators (``module``, ``callbacks.bridge``,
-``evaluation``, ``checkpoint``, ``resume``, ``steps``, ``datamodule``, ``hpsearch``, the backends). Each receives what
-it uses as arguments: the ``hflight.run.Run`` of the call (the Lightning side: ``lightning.Trainer``, module,
-datamodule, plan, resume point, bridge, world, backend hooks) and the facade as a :class:`TrainerSurface`, i.e. as a
+``hflight.trainer.Trainer`` is the HF surface; the work runs in collaborators (``hflight.run``: module, datamodule,
+loop, evaluation; ``hflight.checkpoints``; the backends). Each receives what it uses as arguments: the
+``hflight.run.run.Run`` of the call (the Lightning side: ``lightning.Trainer``, module, datamodule, loop, plan,
+resume point, world, backend hooks) and the facade as a :class:`TrainerSurface`, i.e. as a
 subclass of ``transformers.Trainer`` sees it: public attributes (``args``, ``state``, ``control``, ``model``,
 ``optimizer``, ``lr_scheduler``, ``callback_handler``, ...) and methods.
 
@@ -146,8 +146,8 @@ class RunView(Protocol):
     facade: TrainerSurface
     fitting: bool
     lightning_trainer: L.Trainer
-    module: Any  # hflight.module.HFModule
-    world: Any  # hflight.distributed.World
+    module: Any  # hflight.run.module.HFModule
+    world: Any  # hflight.run.distributed.World
     resume: Any  # hflight.checkpoints.resume.ResumePoint | None
     loop: Any  # hflight.run.loop.TrainingLoop (training runs)
     evaluator: Any  # hflight.run.evaluation.Evaluator while an evaluation runs
@@ -160,7 +160,7 @@ class RunView(Protocol):
     train_batch_size: int
 
     @property
-    def backend(self) -> Any: ...  # hflight.backend.HFBackend
+    def backend(self) -> Any: ...  # hflight.run.backend.HFBackend
     def weight_hooks(self, method: str) -> list[Any]: ...
     def evaluation_weights(self) -> contextlib.ExitStack: ...
     def evaluating(self, evaluator: Any) -> contextlib.AbstractContextManager[Any]: ...

@@ -167,7 +167,7 @@ def _devices(value: Any) -> Any:
 def strategy_for(args: Any, model: Any = None) -> Any:
     """``args.strategy``; for "auto", the strategy a backend accelerator needs (``accelerator="ipu"`` runs the IPU
     strategy, which Lightning 2.x no longer picks by itself); transformers' ``ddp_*``, ``fsdp`` and ``deepspeed``
-    arguments as Lightning's DDP, FSDP and DeepSpeed strategies (``hflight.strategy_settings``; ``model``: the model
+    arguments as Lightning's DDP, FSDP and DeepSpeed strategies (``hflight.arguments.strategies``; ``model``: the model
     the FSDP wrap policy names its layers of)."""
     if args.strategy == "auto" and isinstance(args.accelerator, str) and args.accelerator in DEFAULT_STRATEGIES:
         return DEFAULT_STRATEGIES[args.accelerator]

@@ -57,7 +57,8 @@ __all__ = [
     "supported_strategies",
 ]
 
-#: ``optim`` values hflight can build (see ``hflight.optim``); all are transformers ``OptimizerNames`` values.
+#: ``optim`` values hflight can build (see ``hflight.arguments.optimizers``); all are transformers ``OptimizerNames``
+# values.
 SUPPORTED_OPTIMIZERS: tuple[str, ...] = ("adamw_torch", "adamw_torch_fused", "adafactor", "sgd", "adagrad", "rmsprop")
 #: ``train_sampling_strategy`` values hflight implements (transformers also has "batch_rebalance").
 SUPPORTED_TRAIN_SAMPLING_STRATEGIES: tuple[str, ...] = ("random", "sequential", "group_by_length")
@@ -88,7 +89,7 @@ def supported_accelerators() -> tuple[str, ...]:
 
 
 def supported_optimizers() -> tuple[str, ...]:
-    """Valid ``optim`` names: the optimizers ``hflight.optim`` can build (backends may add their own)."""
+    """Valid ``optim`` names: the optimizers ``hflight.arguments.optimizers`` can build (backends may add their own)."""
     from hflight.arguments.optimizers import OPTIMIZERS
 
     return tuple(OPTIMIZERS)
@@ -103,8 +104,8 @@ class TrainingArguments(HFTrainingArguments):
     of accelerate: ``device``, ``n_gpu``, ``parallel_mode``, ``world_size``, ``process_index`` and
     ``local_process_index`` answer from the environment Lightning (or torchrun, SLURM) sets up; ``use_cpu=True`` means
     ``accelerator="cpu"``; ``ddp_*``, ``fsdp``/``fsdp_config`` and ``deepspeed`` become the settings of Lightning's
-    DDP, FSDP and DeepSpeed strategies (``hflight.lightning_kwargs``). Fields without a Lightning equivalent are
-    listed in :data:`UNSUPPORTED`: left at their defaults they change nothing, set otherwise they raise.
+    DDP, FSDP and DeepSpeed strategies (``hflight.arguments.lightning_kwargs``). Fields without a Lightning equivalent
+    are listed in :data:`UNSUPPORTED`: left at their defaults they change nothing, set otherwise they raise.
 
     Lightning extras: ``accelerator`` (one of ``SUPPORTED_ACCELERATORS``, a registered one such as "ipu", or a Lightning
     ``Accelerator``), ``devices`` ("auto", a count, "0,1" or a list of indices; "2" becomes ``2``), ``strategy`` (see

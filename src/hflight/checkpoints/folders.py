@@ -2,9 +2,9 @@
 checkpoint is complete or does not exist, and removed so that no reader ever sees one half-deleted.
 
 Writing (:func:`save_checkpoint`): every file goes into ``.tmp-checkpoint-N``; ``checkpoint_manifest.json`` (each
-file with its size and checksum, and the arguments that fix the data position; see ``hflight.manifest``) is written
-last; then the folder is renamed to ``checkpoint-N``. Re-saving an existing ``checkpoint-N`` moves the old folder
-aside (``.tmp-checkpoint-N.replaced``), renames the new one in and only then deletes the old one. Removing a
+file with its size and checksum, and the arguments that fix the data position; see ``hflight.checkpoints.manifest``) is
+written last; then the folder is renamed to ``checkpoint-N``. Re-saving an existing ``checkpoint-N`` moves the old
+folder aside (``.tmp-checkpoint-N.replaced``), renames the new one in and only then deletes the old one. Removing a
 checkpoint (rotation, the end of training) renames it aside (``.tmp-checkpoint-N.deleting``) before deleting
 anything in it. A process killed at any point therefore leaves ``checkpoint-N`` either complete (old or new) or
 absent, never partial; leftover ``.tmp-checkpoint-*`` folders are removed when the next training starts
@@ -12,7 +12,8 @@ absent, never partial; leftover ``.tmp-checkpoint-*`` folders are removed when t
 :class:`CheckpointWriteError` naming the folder, the file and the cause, and leaves the earlier checkpoints as they
 were.
 
-Reading is ``hflight.manifest``'s (:func:`verify_checkpoint`, :func:`get_last_checkpoint`, re-exported here).
+Reading is ``hflight.checkpoints.manifest``'s (:func:`verify_checkpoint`, :func:`get_last_checkpoint`, re-exported
+here).
 
 Folder contents: the parts in ``hflight.checkpoints.parts`` (transformers' names, so folders written by either
 trainer resume in both), and ``checkpoint_manifest.json`` (hflight's own).

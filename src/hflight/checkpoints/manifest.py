@@ -1,7 +1,7 @@
 """What a ``checkpoint-N`` folder holds, and how it is read: only through the regular files it should hold.
 
-The manifest (``checkpoint_manifest.json``, written last by ``hflight.checkpoint``) lists every file of the folder
-with its size and an xxh3-128 checksum, and the arguments that fix the data position. Reading checks:
+The manifest (``checkpoint_manifest.json``, written last by ``hflight.checkpoints.folders``) lists every file of the
+folder with its size and an xxh3-128 checksum, and the arguments that fix the data position. Reading checks:
 
 - **Paths stay inside the folder.** A name in the manifest or in a shard index that is absolute or contains ``..``
   is refused; a file that is a symbolic link leading outside the folder, a named pipe, a device or a socket is

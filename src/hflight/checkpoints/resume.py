@@ -2,15 +2,15 @@
 beyond plain tensors and the RNG states' numpy arrays.
 
 Order of :func:`resolve_resume`: the folder is complete and undamaged (its manifest's sizes and checksums, see
-``hflight.manifest``), its ``trainer_state.json`` is valid (types, required keys, finite numbers, a best checkpoint
-inside ``output_dir``), its weights fit the model (keys and shapes), its RNG, optimizer, scheduler and scaler files
-load safely and fit what they will be loaded into (``hflight.optim_state``: the optimizer and scheduler the run will
-build), stateful callbacks can be rebuilt from their saved arguments; only then are weights copied in. Once
-Lightning has built the optimizer, :func:`restore_state` positions the run (and warns about every argument that
-changes the data position or the step arithmetic), :func:`restore_optimizer` and :func:`load_rng_state` restore the
-rest. Every error names the file (and the key) at fault. Files are read only through
-``hflight.manifest.regular_file`` (no path outside the folder, no named pipe or device), RNG files only by the names
-the run that wrote the checkpoint used.
+``hflight.checkpoints.manifest``), its ``trainer_state.json`` is valid (types, required keys, finite numbers, a best
+checkpoint inside ``output_dir``), its weights fit the model (keys and shapes), its RNG, optimizer, scheduler and scaler
+files load safely and fit what they will be loaded into (``hflight.checkpoints.optim_state``: the optimizer and
+scheduler the run will build), stateful callbacks can be rebuilt from their saved arguments; only then are weights
+copied in. Once Lightning has built the optimizer, the loop positions the run (:func:`resumed_state`) (and warns about
+every argument that changes the data position or the step arithmetic), ``parts.restore_optimizer`` and
+``parts.load_rng_state`` restore the rest. Every error names the file (and the key) at fault. Files are read only
+through ``hflight.checkpoints.files.regular_file`` (no path outside the folder, no named pipe or device), RNG files only
+by the names the run that wrote the checkpoint used.
 
 Security: checkpoints are shared and downloaded, so no file in one may run code. ``optimizer.pt``, ``scheduler.pt``,
 ``scaler.pt`` and ``.bin`` weights load with ``torch.load(weights_only=True)``; ``rng_state*.pth`` does too, with

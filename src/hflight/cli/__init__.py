@@ -169,7 +169,7 @@ def run(cfg: DictConfig) -> float | None:
     ``hflight-train``) Hydra then prints a user error as one message, without a traceback
     (``HYDRA_FULL_ERROR=1`` shows it).
 
-    SIGTERM and SIGINT stop training at the next step boundary with a checkpoint (``hflight.interrupt``) and, at any
+    SIGTERM and SIGINT stop training at the next step boundary with a checkpoint (``hflight.run.interrupt``) and, at any
     other time, at once; either way ``error.txt`` says so and the process exits with 128 + the signal number, in a
     multirun too.
     """
@@ -322,7 +322,7 @@ def instantiate_callbacks(callbacks_cfg: DictConfig | None) -> list[Any]:
 
 # ---------------------------------------------------------------------------------------------------- loggers
 #: ``logger.<name>.<option>`` -> the environment variable transformers' integration for ``<name>`` reads (and
-#: ``hflight.lightning_kwargs`` passes to the Lightning logger's constructor).
+#: ``hflight.arguments.lightning_kwargs`` passes to the Lightning logger's constructor).
 LOGGER_OPTIONS: dict[str, dict[str, str]] = {
     "tensorboard": {"log_dir": "TENSORBOARD_LOGGING_DIR"},
     "wandb": {"project": "WANDB_PROJECT", "entity": "WANDB_ENTITY", "tags": "WANDB_TAGS", "name": "WANDB_NAME"},

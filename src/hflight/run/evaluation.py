@@ -105,7 +105,7 @@ class Evaluator:
         compute_metrics: Any = None,
     ):
         self.facade = facade
-        self.world = world  # hflight.distributed.World: gathering across processes
+        self.world = world  # hflight.run.distributed.World: gathering across processes
         self.compute_metrics = compute_metrics
         self.description = description
         self.prediction_loss_only = prediction_loss_only

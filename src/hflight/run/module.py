@@ -6,7 +6,7 @@ after unscaling and *then* ``on_pre_optimizer_step`` fires, and the scheduler st
 really stepped. Lightning still owns devices, precision (autocast, gradient scaling), strategy wrapping and
 the loop; the facade's override points (``training_step``, ``compute_loss``, ``create_optimizer``, ...) do the
 per-batch work, so subclasses of the facade keep working. What a backend changes in a step (the model that runs
-it, where the optimizer steps) comes from its hooks (``hflight.backend``). The step events go to the run's
+it, where the optimizer steps) comes from its hooks (``hflight.run.backend``). The step events go to the run's
 training loop (``hflight.run.loop``), evaluation batches to the run's evaluator (``hflight.run.evaluation``).
 """
 

@@ -51,7 +51,7 @@ def plan_training(
 
     ``geometry`` says how many loader batches make an optimizer step and how many samples that step consumes;
     by default ``gradient_accumulation_steps`` batches of ``per_device_train_batch_size`` on each of ``world_size``
-    processes (a backend that accumulates on its device passes its own, see ``hflight.backend``).
+    processes (a backend that accumulates on its device passes its own, see ``hflight.run.backend``).
 
     Example:
         >>> from types import SimpleNamespace

@@ -38,9 +38,9 @@ class Run:
     - ``facade``: the :class:`~hflight.surface.TrainerSurface` the run works for (the facade, at creation).
     - ``fitting``: True for ``train()``, False for an evaluation or prediction outside training (at creation).
     - ``lightning_trainer``: the ``lightning.Trainer``, built from ``args`` by ``lightning_kwargs`` (at creation).
-    - ``module``: the :class:`~hflight.module.HFModule` around ``facade.model`` (at creation).
+    - ``module``: the :class:`~hflight.run.module.HFModule` around ``facade.model`` (at creation).
     - ``world``: rank, size and collectives of the processes, through the strategy (derived, read when used).
-    - ``backend``: the running strategy's :class:`~hflight.backend.HFBackend` hooks (derived).
+    - ``backend``: the running strategy's :class:`~hflight.run.backend.HFBackend` hooks (derived).
     - ``resume``: the checked checkpoint a training run resumes from, or None (the facade, before creating the run).
     - ``train_batch_size``: the training batch size per device of this run (the facade: ``args.train_batch_size``, or
       what ``auto_find_batch_size`` lowered it to; recorded in ``TrainerState.train_batch_size``).
@@ -106,7 +106,8 @@ class Run:
 
     # ---- running -----------------------------------------------------------------------------------------------------
     def fit(self) -> None:
-        """``lightning.Trainer.fit``, with SIGTERM/SIGINT stopping at the next step boundary (``hflight.interrupt``)."""
+        """``lightning.Trainer.fit``, with SIGTERM/SIGINT stopping at the next step boundary
+        (``hflight.run.interrupt``)."""
         handed_over = handed_over_signals(self.facade.args)
         with quiet_lightning(), self.loop.stop.handling_signals(self.lightning_trainer, handed_over):
             self.lightning_trainer.fit(self.module, datamodule=self.datamodule)

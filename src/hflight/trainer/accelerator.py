@@ -5,8 +5,8 @@ transformers' ``Trainer`` keeps an ``accelerate.Accelerator`` in ``self.accelera
 ``is_main_process`` before writing a file, ``unwrap_model`` before saving. hflight has no accelerate state (Lightning
 owns devices, processes and precision), so :class:`RunAccelerator` offers that part of accelerate's API and routes each
 call to the run in progress: backward through the ``LightningModule`` (precision scaling, strategy hooks), collectives
-through the run's :class:`~hflight.distributed.World`, autocast through Lightning's precision plugin. Outside a run it
-answers for a single process on ``args.device``. The rest of accelerate's API is not there (an ``AttributeError``
+through the run's :class:`~hflight.run.distributed.World`, autocast through Lightning's precision plugin. Outside a run
+it answers for a single process on ``args.device``. The rest of accelerate's API is not there (an ``AttributeError``
 names it); docs/coming-from-transformers.md lists what is.
 """
 

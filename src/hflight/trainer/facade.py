@@ -1,10 +1,11 @@
 """``hflight.Trainer``: the transformers ``Trainer`` surface, wired to a ``lightning.Trainer``.
 
 The facade keeps HF's constructor, methods, override points, ``TrainerState``/``TrainerControl`` and files. Each
-``train()``, and each ``evaluate()``/``predict()`` outside training, creates one :class:`hflight.run.Run` (the
-Lightning side of that call); the collaborators (``module``, ``datamodule``, ``callbacks.bridge``, ``evaluation``,
-``checkpoint``, ``resume``, ``steps``, ``optim``, ...) get the run and the facade's public surface as arguments
-(``hflight.surface``). Only this module touches the facade's private state.
+``train()``, and each ``evaluate()``/``predict()`` outside training, creates one :class:`hflight.run.run.Run` (the
+Lightning side of that call: module, datamodule, HF's training loop, evaluation); the parts of this package
+(``data``, ``steps``, ``optim``, ``hpsearch``, ``hub``, ...) implement transformers' surface over public state, and
+the collaborators in ``hflight.run`` and ``hflight.checkpoints`` get the run and the facade's public surface as
+arguments (``hflight.surface``). Only this module touches the facade's private state.
 """
 
 from __future__ import annotations
