@@ -283,12 +283,14 @@ def test_resume_keeps_best_model_tracking_and_logs_everything(tmp_path):
 
 def test_resume_arguments_replace_saved_overrides_and_name_mistakes(tmp_path):
     (tmp_path / ".hydra").mkdir()
-    (tmp_path / ".hydra" / "overrides.yaml").write_text("- +experiment=mrc\n- args.seed=1\n- args.max_steps=6\n")
+    saved = "- +experiment=mrc\n- +hparams_search=mrc_optuna\n- args.seed=1\n- args.max_steps=6\n"
+    (tmp_path / ".hydra" / "overrides.yaml").write_text(saved)  # a job of an Optuna sweep
     assert cli.resume_arguments([f"resume={tmp_path}", "args.max_steps=9"]) == [
         "+experiment=mrc",
         "args.seed=1",
         "args.max_steps=9",
         f"hydra.run.dir={tmp_path}",
+        "hydra.mode=RUN",
         "args.resume_from_checkpoint=true",
     ]
     assert cli.resume_arguments(["args.seed=2"]) == ["args.seed=2"]

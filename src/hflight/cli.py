@@ -34,6 +34,7 @@ from hydra.utils import instantiate
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
+from typing_extensions import override
 
 from hflight.config import PRIMARY_CONFIG, VERSION_BASE, hydra_config_path
 from hflight.interrupt import TrainingInterrupted, signal_name, terminate_on_signals
@@ -231,8 +232,9 @@ def resume_arguments(argv: list[str]) -> list[str]:
     """``argv`` with ``resume=<run folder>`` replaced by that run's own command: its saved overrides
     (``.hydra/overrides.yaml``; an override in ``argv`` replaces the saved one of the same key), its
     ``--config-dir`` (from ``.hydra/hydra.yaml``, unless ``argv`` has one), ``hydra.run.dir=<the folder>`` (the
-    same folder again) and ``args.resume_from_checkpoint=true`` (its last valid checkpoint). Without ``resume=``,
-    ``argv`` unchanged.
+    same folder again) and ``args.resume_from_checkpoint=true`` (its last valid checkpoint). A job of a sweep
+    resumes as one run: its ``+hparams_search=`` preset is dropped (its trial's values are among its overrides) and
+    ``hydra.mode=RUN`` added. Without ``resume=``, ``argv`` unchanged.
 
     Raises:
         ValueError: ``resume=`` twice, with ``-m``, with ``hydra.run.dir``, or naming no run folder.
@@ -250,9 +252,12 @@ def resume_arguments(argv: list[str]) -> list[str]:
     if "hydra.run.dir" in keys:
         raise ValueError(f"{RESUME_KEY}= writes into the run folder itself; drop hydra.run.dir")
     saved = _saved_overrides(folder)
-    kept = [token for token in saved if _override_key(token) not in keys | {"args.resume_from_checkpoint"}]
-    config_dir = [] if "--config-dir" in rest or "-cd" in rest else _saved_config_dirs(folder)
-    return [*config_dir, *kept, *rest, f"hydra.run.dir={folder}", "args.resume_from_checkpoint=true"]
+    dropped = keys | {"args.resume_from_checkpoint", "hparams_search"}
+    kept = [token for token in saved if _override_key(token) not in dropped]
+    has_config_dir = any(token.startswith(("--config-dir", "-cd")) for token in rest)
+    config_dir = [] if has_config_dir else _saved_config_dirs(folder)
+    ending = [f"hydra.run.dir={folder}", "hydra.mode=RUN", "args.resume_from_checkpoint=true"]
+    return [*config_dir, *kept, *rest, *ending]
 
 
 def _saved_overrides(folder: Path) -> list[str]:
@@ -393,6 +398,7 @@ class ConfigHyperparameters(L.Callback):
             config = OmegaConf.to_container(cfg, resolve=False)
         self.hyperparameters = {"config": config}
 
+    @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         for logger in trainer.loggers:
             logger.log_hyperparams(self.hyperparameters)
