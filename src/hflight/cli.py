@@ -145,9 +145,15 @@ def _resume_from(value: Any) -> str | bool | None:
 
 
 def _draw_curves(trainer: Any, args: TrainingArguments) -> None:
+    """``training_curves.png`` in the run folder. The results are on disk by now, so a figure that cannot be drawn
+    (a full disk, say) is reported as an error in the log, not as a failed run."""
     from hflight.curves import FILE_NAME, plot_training_curves
 
-    path = plot_training_curves(trainer.state.log_history, Path(args.output_dir) / FILE_NAME, title=args.run_name)
+    try:
+        path = plot_training_curves(trainer.state.log_history, Path(args.output_dir) / FILE_NAME, args.run_name)
+    except (OSError, ValueError) as exc:
+        log.error(f"Could not draw {FILE_NAME} in {args.output_dir}: {_describe(exc)}")
+        return
     if path is None:
         log.info(f"No {FILE_NAME}: nothing was logged (log_history is empty)")
     else:
