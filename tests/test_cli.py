@@ -128,6 +128,17 @@ def test_compose_then_train_in_process(tmp_path):
     assert "start_positions" in objects["features"]["validation"].column_names  # labelled: hence eval_loss
     assert objects["tokenizer"].name_or_path == str(tmp_path / "tokenizer")
     assert objects["model"].config.vocab_size == len(objects["tokenizer"])
+    from hflight.curves import curves
+
+    assert (tmp_path / "training_curves.png").stat().st_size > 5000  # drawn from the run's log history:
+    assert set(curves(objects["trainer"].state.log_history)) >= {"training loss", "learning rate", "eval_f1"}
+
+
+def test_a_figure_that_cannot_be_written_is_an_error_in_the_log_not_a_failed_run(tmp_path, caplog):
+    (tmp_path / "training_curves.png").mkdir()  # the figure's path is taken by a folder
+    metrics, _ = cli.train(compose([*TINY, "args.num_train_epochs=1"], output_dir=tmp_path))
+    assert "eval_f1" in metrics and (tmp_path / "all_results.json").is_file()
+    assert f"Could not draw training_curves.png in {tmp_path}: IsADirectoryError" in caplog.text
 
 
 def test_failed_job_records_its_error_and_returns_none_in_a_multirun(tmp_path, monkeypatch):
@@ -283,12 +294,14 @@ def test_resume_keeps_best_model_tracking_and_logs_everything(tmp_path):
 
 def test_resume_arguments_replace_saved_overrides_and_name_mistakes(tmp_path):
     (tmp_path / ".hydra").mkdir()
-    (tmp_path / ".hydra" / "overrides.yaml").write_text("- +experiment=mrc\n- args.seed=1\n- args.max_steps=6\n")
+    saved = "- +experiment=mrc\n- +hparams_search=mrc_optuna\n- args.seed=1\n- args.max_steps=6\n"
+    (tmp_path / ".hydra" / "overrides.yaml").write_text(saved)  # a job of an Optuna sweep
     assert cli.resume_arguments([f"resume={tmp_path}", "args.max_steps=9"]) == [
         "+experiment=mrc",
         "args.seed=1",
         "args.max_steps=9",
         f"hydra.run.dir={tmp_path}",
+        "hydra.mode=RUN",
         "args.resume_from_checkpoint=true",
     ]
     assert cli.resume_arguments(["args.seed=2"]) == ["args.seed=2"]

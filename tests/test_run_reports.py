@@ -117,6 +117,12 @@ def test_logger_options_reach_the_logger_constructors(tmp_path, monkeypatch, ove
     with cli.logger_environment(cfg.get("logger"), args):
         built = lightning_kwargs.logger_kwargs(name, args)
     assert {key: built[key] for key in expected} == expected
+    # every keyword is one the Lightning logger's constructor takes (W&B's extra ones go on to wandb.init)
+    import inspect
+
+    from lightning.pytorch import loggers as lightning_loggers
+
+    inspect.signature(getattr(lightning_loggers, lightning_kwargs.LOGGERS[name][0])).bind(**built)
     import os
 
     assert "WANDB_PROJECT" not in os.environ and "MLFLOW_TRACKING_URI" not in os.environ  # restored afterwards

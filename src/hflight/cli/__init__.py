@@ -38,6 +38,7 @@ from hydra.utils import instantiate
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
+from typing_extensions import override
 
 from hflight.arguments.hardware import check_hardware, describe_backend
 from hflight.arguments.training_args import TrainingArguments
@@ -148,9 +149,15 @@ def _resume_from(value: Any) -> str | bool | None:
 
 
 def _draw_curves(trainer: Any, args: TrainingArguments) -> None:
+    """``training_curves.png`` in the run folder. The results are on disk by now, so a figure that cannot be drawn
+    (a full disk, say) is reported as an error in the log, not as a failed run."""
     from hflight.cli.curves import FILE_NAME, plot_training_curves
 
-    path = plot_training_curves(trainer.state.log_history, Path(args.output_dir) / FILE_NAME, title=args.run_name)
+    try:
+        path = plot_training_curves(trainer.state.log_history, Path(args.output_dir) / FILE_NAME, args.run_name)
+    except (OSError, ValueError) as exc:
+        log.error(f"Could not draw {FILE_NAME} in {args.output_dir}: {_describe(exc)}")
+        return
     if path is None:
         log.info(f"No {FILE_NAME}: nothing was logged (log_history is empty)")
     else:
@@ -235,8 +242,9 @@ def resume_arguments(argv: list[str]) -> list[str]:
     """``argv`` with ``resume=<run folder>`` replaced by that run's own command: its saved overrides
     (``.hydra/overrides.yaml``; an override in ``argv`` replaces the saved one of the same key), its
     ``--config-dir`` (from ``.hydra/hydra.yaml``, unless ``argv`` has one), ``hydra.run.dir=<the folder>`` (the
-    same folder again) and ``args.resume_from_checkpoint=true`` (its last valid checkpoint). Without ``resume=``,
-    ``argv`` unchanged.
+    same folder again) and ``args.resume_from_checkpoint=true`` (its last valid checkpoint). A job of a sweep
+    resumes as one run: its ``+hparams_search=`` preset is dropped (its trial's values are among its overrides) and
+    ``hydra.mode=RUN`` added. Without ``resume=``, ``argv`` unchanged.
 
     Raises:
         ValueError: ``resume=`` twice, with ``-m``, with ``hydra.run.dir``, or naming no run folder.
@@ -254,9 +262,12 @@ def resume_arguments(argv: list[str]) -> list[str]:
     if "hydra.run.dir" in keys:
         raise ValueError(f"{RESUME_KEY}= writes into the run folder itself; drop hydra.run.dir")
     saved = _saved_overrides(folder)
-    kept = [token for token in saved if _override_key(token) not in keys | {"args.resume_from_checkpoint"}]
-    config_dir = [] if "--config-dir" in rest or "-cd" in rest else _saved_config_dirs(folder)
-    return [*config_dir, *kept, *rest, f"hydra.run.dir={folder}", "args.resume_from_checkpoint=true"]
+    dropped = keys | {"args.resume_from_checkpoint", "hparams_search"}
+    kept = [token for token in saved if _override_key(token) not in dropped]
+    has_config_dir = any(token.startswith(("--config-dir", "-cd")) for token in rest)
+    config_dir = [] if has_config_dir else _saved_config_dirs(folder)
+    ending = [f"hydra.run.dir={folder}", "hydra.mode=RUN", "args.resume_from_checkpoint=true"]
+    return [*config_dir, *kept, *rest, *ending]
 
 
 def _saved_overrides(folder: Path) -> list[str]:
@@ -397,6 +408,7 @@ class ConfigHyperparameters(L.Callback):
             config = OmegaConf.to_container(cfg, resolve=False)
         self.hyperparameters = {"config": config}
 
+    @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         for logger in trainer.loggers:
             logger.log_hyperparams(self.hyperparameters)
