@@ -128,7 +128,7 @@ def test_compose_then_train_in_process(tmp_path):
     assert "start_positions" in objects["features"]["validation"].column_names  # labelled: hence eval_loss
     assert objects["tokenizer"].name_or_path == str(tmp_path / "tokenizer")
     assert objects["model"].config.vocab_size == len(objects["tokenizer"])
-    from hflight.curves import curves
+    from hflight.cli.curves import curves
 
     assert (tmp_path / "training_curves.png").stat().st_size > 5000  # drawn from the run's log history:
     assert set(curves(objects["trainer"].state.log_history)) >= {"training loss", "learning rate", "eval_f1"}
