@@ -15,6 +15,8 @@ from hflight.version import __version__ as __version__
 _EXPORTS = {
     "Trainer": "hflight.trainer",
     "TrainingArguments": "hflight.training_args",
+    "Seq2SeqTrainer": "hflight.seq2seq_trainer",
+    "Seq2SeqTrainingArguments": "hflight.seq2seq_args",
     "TrainerCallback": "transformers.trainer_callback",
     "TrainerState": "transformers.trainer_callback",
     "TrainerControl": "transformers.trainer_callback",
@@ -32,6 +34,8 @@ __all__ = [
     "EvalLoopOutput",
     "EvalPrediction",
     "PredictionOutput",
+    "Seq2SeqTrainer",
+    "Seq2SeqTrainingArguments",
     "TrainOutput",
     "Trainer",
     "TrainerCallback",
@@ -48,6 +52,8 @@ if TYPE_CHECKING:
 
     from hflight.checkpoint import get_last_checkpoint
     from hflight.outputs import EvalLoopOutput, EvalPrediction, PredictionOutput, TrainOutput
+    from hflight.seq2seq_args import Seq2SeqTrainingArguments
+    from hflight.seq2seq_trainer import Seq2SeqTrainer
     from hflight.trainer import Trainer
     from hflight.training_args import TrainingArguments
 
