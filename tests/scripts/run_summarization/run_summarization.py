@@ -23,8 +23,11 @@ from transformers import (
     HfArgumentParser,
     set_seed,
 )
-from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
+
+# isort: split
+# The trainer import, on a line of its own (the drop-in test swaps it for hflight's).
+from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
 
 logger = logging.getLogger(__name__)
 
@@ -252,7 +255,8 @@ def main():
             with open(os.path.join(training_args.output_dir, "generated_predictions.txt"), "w") as writer:
                 writer.write("\n".join(prediction.strip() for prediction in predictions))
 
-    kwargs = {"finetuned_from": model_args.model_name_or_path, "tasks": "translation" if translation else "summarization"}
+    tasks = "translation" if translation else "summarization"
+    kwargs = {"finetuned_from": model_args.model_name_or_path, "tasks": tasks}
     trainer.create_model_card(**kwargs)
 
 
