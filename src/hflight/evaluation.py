@@ -115,7 +115,9 @@ class Evaluator:
         self.pending: EvalPrediction | None = None  # batch_eval_metrics: the last batch, not scored yet
         self.metrics: dict | None = None
         # transformers' Seq2SeqTrainer sets ``gather_function = accelerator.gather`` ("we don't want to drop
-        # samples"): then every batch's loss counts ``eval_batch_size`` times and nothing gathered is cut.
+        # samples"): then every batch's loss counts ``eval_batch_size`` times, and no loss is cut. Predictions,
+        # labels and inputs are still cut to the dataset's samples (transformers also keeps the repeats that even
+        # out the processes' last batches; hflight returns each sample once, in dataset order).
         accelerator = getattr(facade, "accelerator", None)
         self.keep_all = accelerator is not None and getattr(facade, "gather_function", None) == accelerator.gather
 
@@ -167,9 +169,9 @@ class Evaluator:
         facade = self.facade
         if not num_samples:
             num_samples = self.observed
-        limit = None if self.keep_all else num_samples
-        losses, preds = self.losses.result(limit), self.preds.result(limit)
-        labels, inputs = self.labels.result(limit), self.inputs.result(limit)
+        losses = self.losses.result(None if self.keep_all else num_samples)
+        preds, labels = self.preds.result(num_samples), self.labels.result(num_samples)
+        inputs = self.inputs.result(num_samples)
 
         if self.batch_metrics:
             self._score_pending(last=True)
