@@ -84,3 +84,13 @@ def test_ort_eval_gives_eager_answers_in_fp32(shared_data, tmp_path):
     assert re.search(r"^check of ORT against eager \(8 questions, .* batches compared in", out, re.M), out
     for stage in ("first evaluation", "weights changed", "nothing new"):
         assert re.search(rf"^  {stage} +\d+\.\d+ s checked vs +\d+\.\d+ s unchecked", out, re.M), out
+
+
+def test_seq2seq_eval_compares_both_trainers():
+    """benchmarks/seq2seq_eval.py: both Seq2SeqTrainers evaluate with generation and must agree (tiny settings)."""
+    command = [sys.executable, str(ROOT / "benchmarks" / "seq2seq_eval.py"), "--examples", "6", "--rounds", "1",
+               "--max-length", "4"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "metrics equal" in done.stdout and re.search(r"ratio hflight / transformers: \d+\.\d\d", done.stdout)

@@ -72,8 +72,11 @@ LAYERS: dict[str, tuple[str, ...]] = {
         *BOTTOM,
     ),  # fmt: skip
     "hflight.ort.training_args": ("hflight.ort", "hflight.arguments", *BOTTOM),
+    "hflight.ort.trainer_seq2seq": ("hflight.ort", "hflight.trainer", "hflight.arguments", *BOTTOM),
+    "hflight.ipu.seq2seq": ("hflight.ipu", "hflight.trainer", "hflight.run", "hflight.arguments", *BOTTOM),
     "hflight.qa": ("hflight.qa", *BOTTOM),  # data, features, post-processing, metrics: no Lightning, no facade
     "hflight.qa.trainer": ("hflight.qa", "hflight.trainer", "hflight.run", *BOTTOM),
+    "hflight.qa.seq2seq_trainer": ("hflight.qa", "hflight.trainer", "hflight.run", *BOTTOM),
     "hflight.qa.recipe": (
         "hflight.qa",
         "hflight.trainer",

@@ -16,6 +16,8 @@ from hflight.version import __version__ as __version__
 _EXPORTS = {
     "Trainer": "hflight.trainer.facade",
     "TrainingArguments": "hflight.arguments.training_args",
+    "Seq2SeqTrainer": "hflight.trainer.seq2seq",
+    "Seq2SeqTrainingArguments": "hflight.arguments.seq2seq_args",
     "TrainerCallback": "transformers.trainer_callback",
     "TrainerState": "transformers.trainer_callback",
     "TrainerControl": "transformers.trainer_callback",
@@ -43,6 +45,8 @@ __all__ = [
     "IncompleteCheckpointError",
     "OutputDirInUse",
     "PredictionOutput",
+    "Seq2SeqTrainer",
+    "Seq2SeqTrainingArguments",
     "TrainOutput",
     "Trainer",
     "TrainerCallback",
@@ -59,6 +63,7 @@ if TYPE_CHECKING:
     from transformers.trainer_callback import EarlyStoppingCallback, TrainerCallback, TrainerControl, TrainerState
     from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, PredictionOutput, TrainOutput, set_seed
 
+    from hflight.arguments.seq2seq_args import Seq2SeqTrainingArguments
     from hflight.arguments.training_args import TrainingArguments
     from hflight.checkpoints.files import IncompleteCheckpointError, UnsafeCheckpointFile
     from hflight.checkpoints.folders import CheckpointWriteError
@@ -66,6 +71,7 @@ if TYPE_CHECKING:
     from hflight.checkpoints.optim_state import IncompatibleTrainingState
     from hflight.checkpoints.writelock import OutputDirInUse
     from hflight.trainer.facade import Trainer
+    from hflight.trainer.seq2seq import Seq2SeqTrainer
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)

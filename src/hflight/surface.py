@@ -70,6 +70,8 @@ class TrainerSurface(Protocol):
     optimizer: torch.optim.Optimizer | None
     lr_scheduler: Any
     callback_handler: CallbackHandler
+    accelerator: Any  # hflight.accelerator_compat.RunAccelerator
+    gather_function: Callable[..., Any]  # accelerator.gather_for_metrics, or .gather (transformers' Seq2SeqTrainer)
     compute_metrics: Callable[..., dict] | None
     compute_loss_func: Callable[..., Any] | None
     preprocess_logits_for_metrics: Callable[..., Any] | None

@@ -1,6 +1,7 @@
 """Graphcore IPUs for hflight: optimum-graphcore's ``IPUTrainer`` API on Lightning, through poptorch.
 
-``from hflight.ipu import IPUConfig, IPUAccelerator, IPUStrategy, IPUTrainer, IPUTrainingArguments``. Nothing here
+``from hflight.ipu import IPUConfig, IPUAccelerator, IPUStrategy, IPUTrainer, IPUTrainingArguments`` (and
+``IPUSeq2SeqTrainer``, ``IPUSeq2SeqTrainingArguments``; ``hflight.ipu.utils.check_min_version``). Nothing here
 imports poptorch until an accelerator, strategy or trainer is built; then a missing poptorch raises one error that
 says what to install. Built against poptorch's documented API and verified against a stand-in of it in the tests;
 never run on IPU hardware (the last public poptorch needs torch 2.0.1).
@@ -26,6 +27,8 @@ _EXPORTS = {
     "IPUTrainer": "hflight.ipu.trainer",
     "IPUTrainerState": "hflight.ipu.trainer",
     "IPUTrainingArguments": "hflight.ipu.trainer",
+    "IPUSeq2SeqTrainer": "hflight.ipu.seq2seq",
+    "IPUSeq2SeqTrainingArguments": "hflight.ipu.seq2seq",
     "pad_on_batch_axis": "hflight.ipu.data",
 }
 
@@ -33,6 +36,8 @@ __all__ = [
     "IPUAccelerator",
     "IPUConfig",
     "IPUPrecision",
+    "IPUSeq2SeqTrainer",
+    "IPUSeq2SeqTrainingArguments",
     "IPUStrategy",
     "IPUTrainer",
     "IPUTrainerState",
@@ -46,6 +51,7 @@ if TYPE_CHECKING:
     from hflight.ipu.config import IncompatibleIPUConfigError, IPUConfig
     from hflight.ipu.data import pad_on_batch_axis
     from hflight.ipu.precision import IPUPrecision
+    from hflight.ipu.seq2seq import IPUSeq2SeqTrainer, IPUSeq2SeqTrainingArguments
     from hflight.ipu.strategy import IPUStrategy
     from hflight.ipu.trainer import IPUTrainer, IPUTrainerState, IPUTrainingArguments
 

@@ -5,6 +5,7 @@ squad_metrics`` loads the metrics module only, and ``from hflight.qa import MRCT
 
 * ``MRCTrainer`` / ``QuestionAnsweringTrainer`` (``hflight.qa.trainer``): evaluation that ends in answers and
   SQuAD scores;
+* ``QuestionAnsweringSeq2SeqTrainer`` (``hflight.qa.seq2seq_trainer``): generative QA, as run_seq2seq_qa.py;
 * ``load_squad_json``, ``SquadFormatError`` (``hflight.qa.data``): validated SQuAD v1.1/v2.0 loading;
 * ``prepare_train_features``, ``prepare_validation_features`` (``hflight.qa.preprocess``): run_qa.py's windows;
 * ``postprocess_qa_predictions`` and friends (``hflight.qa.postprocess``): logits to answers, as HF's utils_qa;
@@ -31,6 +32,7 @@ from hflight._util import lazy_exports
 _EXPORTS = {
     "MRCTrainer": "hflight.qa.trainer",
     "QuestionAnsweringTrainer": "hflight.qa.trainer",
+    "QuestionAnsweringSeq2SeqTrainer": "hflight.qa.seq2seq_trainer",
     "load_squad_json": "hflight.qa.data",
     "SquadFormatError": "hflight.qa.data",
     "LoadReport": "hflight.qa.data",
@@ -51,6 +53,7 @@ __all__ = [
     "MRCRecipe",
     "MRCTrainer",
     "QAPostprocessResult",
+    "QuestionAnsweringSeq2SeqTrainer",
     "QuestionAnsweringTrainer",
     "SquadFormatError",
     "SquadMetric",
@@ -76,6 +79,7 @@ if TYPE_CHECKING:
     )
     from hflight.qa.preprocess import prepare_train_features, prepare_validation_features
     from hflight.qa.recipe import MRCRecipe
+    from hflight.qa.seq2seq_trainer import QuestionAnsweringSeq2SeqTrainer
     from hflight.qa.trainer import MRCTrainer, QuestionAnsweringTrainer
 
 

@@ -7,9 +7,9 @@ Three pieces:
   several processes each rank takes every ``world_size``-th batch (as accelerate shards), so gathering batch by
   batch restores the dataset order.
 - ``AccumulationCycles``: wraps the training loader and reads ``gradient_accumulation_steps`` batches ahead,
-  as transformers' ``get_batch_samples`` does, so every micro-batch knows the size of its cycle and the number of
-  label items in it (the loss normaliser). Lightning still sees one batch per micro-batch, so DDP gets exactly
-  one backward per forward.
+  as transformers' ``get_batch_samples`` does (plus one batch, as accelerate's loader reads one ahead), so every
+  micro-batch knows the size of its cycle and the number of label items in it (the loss normaliser). Lightning
+  still sees one batch per micro-batch, so DDP gets exactly one backward per forward.
 - ``HFDataModule``: asks the facade for its loaders (``get_train_dataloader`` and friends, so subclass overrides
   are used) once Lightning has launched the processes; the loss normaliser of a cycle comes from the facade's
   ``_get_num_items_in_batch`` (transformers' override point), the epoch from the run.
@@ -114,6 +114,21 @@ def set_loader_epoch(loader: Any, epoch: int) -> None:
             return
 
 
+def read_one_ahead(iterator: Iterator[Any]) -> Iterator[Any]:
+    """``iterator``'s items, each handed out only once the next one has been read (collated), as accelerate's
+    ``DataLoaderShard`` feeds transformers' loop. A collator or dataset that draws from torch's global RNG (the
+    masked-LM collator's masks, augmentations) then draws in transformers' order relative to the model's dropout:
+    batch ``k + 1`` is collated before the forward of batch ``k``."""
+    try:
+        current = next(iterator)
+    except StopIteration:
+        return
+    for following in iterator:
+        yield current
+        current = following
+    yield current
+
+
 @dataclass
 class MicroBatch:
     """One micro-batch and its place in the accumulation cycle (what HF's loop knows from prefetching)."""
@@ -167,6 +182,7 @@ class AccumulationCycles:
             next(iterator, None)
         if restore is not None and skip > 0:
             restore()
+        iterator = read_one_ahead(iterator)
         step = skip - 1
         while True:
             cycle, num_items = self.batch_samples(iterator, self.accumulation)

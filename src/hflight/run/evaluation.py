@@ -117,6 +117,12 @@ class Evaluator:
         self.keep_outputs = not self.batch_metrics or description == "Prediction"
         self.pending: EvalPrediction | None = None  # batch_eval_metrics: the last batch, not scored yet
         self.metrics: dict | None = None
+        # transformers' Seq2SeqTrainer sets ``gather_function = accelerator.gather`` ("we don't want to drop
+        # samples"): then every batch's loss counts ``eval_batch_size`` times, and no loss is cut. Predictions,
+        # labels and inputs are still cut to the dataset's samples (transformers also keeps the repeats that even
+        # out the processes' last batches; hflight returns each sample once, in dataset order).
+        accelerator = getattr(facade, "accelerator", None)
+        self.keep_all = accelerator is not None and getattr(facade, "gather_function", None) == accelerator.gather
 
     def step(self, inputs: dict[str, Any]) -> None:
         facade = self.facade
@@ -128,7 +134,7 @@ class Evaluator:
         )
         gather = self.world.gather_as_objects if facade.args.eval_use_gather_object else self.world.gather
         if loss is not None:
-            loss = gather(loss.repeat(batch_size or 1))
+            loss = gather(loss.repeat(facade.args.eval_batch_size if self.keep_all else batch_size or 1))
             self.losses.add(loss)
         if "inputs" in facade.args.include_for_metrics and self.keep_outputs:
             main_input = getattr(facade.model, "main_input_name", "input_ids")
@@ -166,9 +172,8 @@ class Evaluator:
         facade = self.facade
         if not num_samples:
             num_samples = self.observed
-        losses = self.losses.result(num_samples)
-        preds = self.preds.result(num_samples)
-        labels = self.labels.result(num_samples)
+        losses = self.losses.result(None if self.keep_all else num_samples)
+        preds, labels = self.preds.result(num_samples), self.labels.result(num_samples)
         inputs = self.inputs.result(num_samples)
 
         if self.batch_metrics:
@@ -236,6 +241,8 @@ def run_evaluation_loop(
         else:
             with quiet_lightning(), sigterm_exits_non_zero("Evaluation"):
                 run.lightning_trainer.validate(run.module, dataloaders=dataloader, verbose=False)
+    if evaluator.keep_all:  # as transformers after its loop: gather_for_metrics again
+        facade.gather_function = facade.accelerator.gather_for_metrics
     dataset = getattr(dataloader, "dataset", None)
     try:
         num_samples = len(dataset) if dataset is not None else None
