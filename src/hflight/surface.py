@@ -50,6 +50,7 @@ OVERRIDE_POINTS: frozenset[str] = frozenset(
         "_report_to_hp_search",  # (trial, step, metrics): after an evaluation during a search
         "_push_from_checkpoint",  # (checkpoint_folder): hub_strategy uploads after a checkpoint save
         "_finish_current_push",  # (): wait for the checkpoint uploads still running
+        "_load_callback_state",  # (): a resumed run's saved callback states into the callbacks (after the state loaded)
     }
 )
 
@@ -78,6 +79,7 @@ class TrainerSurface(Protocol):
     model_accepts_loss_kwargs: bool
     can_return_loss: bool
     loss_is_scaled_for_ga: bool | None
+    restore_callback_attributes: bool
     current_gradient_accumulation_steps: int
     current_flos: float
     is_in_train: bool
@@ -136,6 +138,7 @@ class TrainerSurface(Protocol):
     def _get_num_items_in_batch(self, batch_samples: list[Any], device: torch.device | None) -> Any: ...
     def _remove_unused_columns(self, dataset: Any, description: str | None = None) -> Any: ...
     def _report_to_hp_search(self, trial: Any, step: int, metrics: dict[str, float]) -> None: ...
+    def _load_callback_state(self) -> None: ...
 
 
 class RunView(Protocol):

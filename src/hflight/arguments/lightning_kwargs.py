@@ -110,7 +110,23 @@ def split_callbacks(callbacks: list[Any]) -> tuple[list[Any], list[L.Callback]]:
 
 
 def precision_for(args: Any) -> str:
+    """Lightning's precision for ``fp16``/``bf16``. ``fp16`` on the CPU runs in full precision, as transformers'
+    (accelerate enables fp16 autocast and the gradient scaler only off the CPU), where Lightning would turn
+    ``16-mixed`` into ``bf16-mixed``."""
+    if args.fp16 and not args.bf16 and _runs_on_cpu(args):
+        return PRECISION[(False, False)]
     return PRECISION[(bool(args.fp16), bool(args.bf16))]
+
+
+def _runs_on_cpu(args: Any) -> bool:
+    from lightning.pytorch.accelerators import CPUAccelerator
+
+    from hflight.arguments.training_args import resolved_device_type
+
+    accelerator = args.accelerator
+    if args.use_cpu or isinstance(accelerator, CPUAccelerator) or accelerator == "cpu":
+        return True
+    return accelerator == "auto" and resolved_device_type(args) == "cpu"
 
 
 def _devices(value: Any) -> Any:
@@ -162,7 +178,9 @@ def lightning_trainer_kwargs(
         "enable_model_summary": False,
         "num_sanity_val_steps": 0,
         "use_distributed_sampler": False,
-        "deterministic": True if args.full_determinism else None,
+        # full_determinism: transformers' enable_full_determinism ran when the facade was built (CUBLAS_WORKSPACE_CONFIG
+        # ":16:8", deterministic algorithms, cuDNN); Lightning's deterministic=True would overwrite it with ":4096:8".
+        "deterministic": None,
         "default_root_dir": args.output_dir,
         "log_every_n_steps": 1,
     }

@@ -37,7 +37,7 @@ from transformers.trainer_utils import (
 from hflight.arguments.lightning_kwargs import split_callbacks
 from hflight.arguments.training_args import TrainingArguments, coerce_training_args
 from hflight.callbacks.hooks import new_trainer_state
-from hflight.checkpoints import folders, resume, weights
+from hflight.checkpoints import folders, parts, resume, weights
 from hflight.checkpoints.writelock import output_dir_lock
 from hflight.run import console, evaluation
 from hflight.run.backend import HFBackend, backend_of
@@ -74,6 +74,10 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
     #: Whether ``compute_loss`` returns a loss already scaled for gradient accumulation (None: decided as in
     #: transformers, from ``model_accepts_loss_kwargs`` and ``compute_loss_func``).
     loss_is_scaled_for_ga: bool | None = None
+    #: hflight's opt-in (off: transformers' default): on a resume without ``restore_callback_states_from_checkpoint``,
+    #: set the saved attributes of each stateful callback onto the callback in use (an ``EarlyStoppingCallback``'s
+    #: patience counter survives the resume, transformers #28544); transformers restores nothing then.
+    restore_callback_attributes: bool = False
 
     def __init__(
         self,
@@ -319,6 +323,10 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.state.epoch is not None:
             logs["epoch"] = self.state.epoch
+        if self.args.include_num_input_tokens_seen != "no":
+            logs["num_input_tokens_seen"] = self.state.num_input_tokens_seen
+            if start_time is not None and self._run is not None and self._run.fitting:
+                logs.update(self._run.loop.token_speed(start_time))
         output = {**logs, "step": self.state.global_step}
         self.state.log_history.append(output)
         if self._run is not None and self.is_world_process_zero():
@@ -351,6 +359,9 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
 
     def _load_best_model(self) -> None:
         resume.load_best_model(self)
+
+    def _load_callback_state(self) -> None:
+        parts.restore_callback_states(self, self._run.resume, self.state)
 
     def end(self) -> None:
         """Finish the loggers and destroy the process group (after everything that needs the other processes)."""
