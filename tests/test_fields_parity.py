@@ -3,12 +3,8 @@ each run with transformers' real Trainer and with hflight's on the same model, d
 
 from __future__ import annotations
 
-import logging
-import os
-
 import numpy as np
 import pytest
-import torch
 import transformers
 
 import hflight
@@ -57,3 +53,45 @@ def test_include_num_input_tokens_seen_logs_as_transformers(tmp_path, factory, m
         assert sorted(ours) == sorted(theirs)  # num_input_tokens_seen, train_runtime, train_tokens_per_second
         assert ours["num_input_tokens_seen"] == theirs["num_input_tokens_seen"]
     assert "train_tokens_per_second" in hl.state.log_history[0]
+
+
+# ---- eval_do_concat_batches, skip_memory_metrics ---------------------------------------------------------------------
+def test_eval_do_concat_batches_false_returns_per_batch_arrays_as_transformers(tmp_path, factory):
+    seen = {}
+
+    def metrics(prediction):  # what compute_metrics receives: lists of per-batch arrays
+        key = "hl" if "hl" in seen else "hf"
+        seen[key + "_types"] = (type(prediction.predictions), type(prediction.label_ids))
+        return {"batches": len(prediction.predictions)}
+
+    outputs = {}
+    for name, trainer_cls, args_cls in PAIR:
+        args = args_cls(output_dir=str(tmp_path / name), **factory.pair_args(eval_do_concat_batches=False))
+        evaluation = factory.cls_dataset(20, seed=1)  # 8 + 8 + 4
+        trainer = trainer_cls(factory.cls_model(), args, eval_dataset=evaluation, compute_metrics=metrics)
+        seen[name] = True
+        outputs[name] = (trainer.evaluate(), trainer.predict(evaluation))
+    (hf_eval, hf_pred), (hl_eval, hl_pred) = outputs["hf"], outputs["hl"]
+    assert seen["hl_types"] == seen["hf_types"] == (list, list)
+    assert hl_eval["eval_batches"] == hf_eval["eval_batches"] == 3
+    assert abs(hl_eval["eval_loss"] - hf_eval["eval_loss"]) <= 1e-6
+    assert isinstance(hl_pred.predictions, list) and isinstance(hl_pred.label_ids, list)
+    assert [p.shape for p in hl_pred.predictions] == [p.shape for p in hf_pred.predictions]
+    for ours, theirs in zip(hl_pred.predictions, hf_pred.predictions):
+        np.testing.assert_allclose(ours, theirs, atol=1e-6, rtol=0)
+    for ours, theirs in zip(hl_pred.label_ids, hf_pred.label_ids):
+        np.testing.assert_array_equal(ours, theirs)
+
+
+def test_skip_memory_metrics_false_reports_transformers_memory_metrics(tmp_path, factory):
+    pytest.importorskip("psutil")  # transformers' tracker measures nothing without it
+    evaluation = factory.cls_dataset(8, seed=1)
+    hf, hl = _train_both(tmp_path, factory, factory.cls_dataset(8), evaluation, skip_memory_metrics=False)
+    train_keys = {name: sorted(t.state.log_history[-1]) for name, t in (("hf", hf), ("hl", hl))}
+    assert train_keys["hl"] == train_keys["hf"]
+    assert {"init_mem_cpu_alloc_delta", "train_mem_cpu_peaked_delta", "before_init_mem_cpu"} <= set(train_keys["hl"])
+    assert isinstance(hl.state.log_history[-1]["train_mem_cpu_alloc_delta"], int)
+    eval_keys = [sorted(t.evaluate()) for t in (hf, hl)]
+    assert eval_keys[1] == eval_keys[0] and "eval_mem_cpu_alloc_delta" in eval_keys[1]
+    pred_keys = [sorted(t.predict(factory.cls_dataset(8, seed=1)).metrics) for t in (hf, hl)]
+    assert pred_keys[1] == pred_keys[0] and "test_mem_cpu_peaked_delta" in pred_keys[1]

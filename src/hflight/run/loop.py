@@ -322,9 +322,10 @@ class TrainingLoop:
         tokens = self.facade.state.num_input_tokens_seen - self.initial_num_input_tokens_seen
         return speed_metrics("train", start_time, num_tokens=tokens)
 
-    def finish(self, loggers: list[Any]) -> TrainOutput:
+    def finish(self, loggers: list[Any], measure_memory: Any = None) -> TrainOutput:
         """After ``fit``: HF's train metrics and log entry, the best model, final rotation, on_train_end; ``loggers``:
-        the run's Lightning loggers, flushed after the last entry."""
+        the run's Lightning loggers, flushed after the last entry; ``measure_memory(metrics)``: adds
+        ``skip_memory_metrics=False``'s metrics."""
         facade = self.facade
         console.training_completed()
         train_loss = self.train_loss()
@@ -338,6 +339,8 @@ class TrainingLoop:
         facade.store_flos()
         metrics["total_flos"] = facade.state.total_flos
         metrics["train_loss"] = train_loss
+        if measure_memory is not None:
+            measure_memory(metrics)
         facade.log(metrics)
         for lightning_logger in loggers:  # fit has ended: flush what came after it
             lightning_logger.save()

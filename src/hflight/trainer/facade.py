@@ -98,6 +98,8 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
         tokenizer: Any = None,
     ) -> None:
         self.args = coerce_training_args(args)
+        self._memory_tracker = memory.MemoryTracker(self.args.skip_memory_metrics)
+        self._memory_tracker.start_stage("init")
         console.set_process_log_level(self.args)
         self._run: Run | None = None  # the run of the call in progress, or of the last one
         processing_class = construction.processing_class_of(processing_class, tokenizer)
@@ -133,6 +135,7 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
         dispatch(self, "on_init_end")
         if getattr(self.model, "config", None) is not None:
             self.model.config.use_cache = self.args.use_cache
+        self._memory_tracker.stop_stage("init")
 
     # ---- construction helpers ----------------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
@@ -223,6 +226,7 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
         trial: Any = None,
         ignore_keys_for_eval: list[str] | None = None,
     ) -> TrainOutput:
+        self._memory_tracker.start_stage("train")
         resume_from_checkpoint = resume.requested(resume_from_checkpoint, self.args)
         # One writer per output folder, from before the folder is read until the last checkpoint is rotated.
         with output_dir_lock(self.args.output_dir, enabled=self.args.should_save):  # the processes that write
@@ -251,7 +255,7 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
             run.fit()
         finally:
             self.is_in_train = False
-        output = run.finish_training()
+        output = run.finish_training(lambda metrics: self._memory_tracker.stop_stage("train", metrics))
         self._finish_current_push()  # the checkpoint uploads still running, as transformers after on_train_end
         return output
 
@@ -290,12 +294,21 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
         ignore_keys: list[str] | None = None,
         metric_key_prefix: str = "eval",
     ) -> dict[str, float]:
-        return evaluation.evaluate(self, eval_dataset, ignore_keys, metric_key_prefix)
+        tracked = not isinstance(eval_dataset if eval_dataset is not None else self.eval_dataset, dict)
+        if tracked:  # a dict of data sets: each one's evaluate() is measured
+            self._memory_tracker.start_stage("eval")
+        metrics = evaluation.evaluate(self, eval_dataset, ignore_keys, metric_key_prefix)
+        if tracked:
+            self._memory_tracker.stop_stage("eval", metrics)
+        return metrics
 
     def predict(
         self, test_dataset: Dataset, ignore_keys: list[str] | None = None, metric_key_prefix: str = "test"
     ) -> PredictionOutput:
-        return evaluation.predict(self, test_dataset, ignore_keys, metric_key_prefix)
+        self._memory_tracker.start_stage("test")
+        output = evaluation.predict(self, test_dataset, ignore_keys, metric_key_prefix)
+        self._memory_tracker.stop_stage("test", output.metrics)
+        return output
 
     def evaluation_loop(
         self,
