@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 import transformers
 
 import hflight
@@ -95,3 +96,41 @@ def test_skip_memory_metrics_false_reports_transformers_memory_metrics(tmp_path,
     assert eval_keys[1] == eval_keys[0] and "eval_mem_cpu_alloc_delta" in eval_keys[1]
     pred_keys = [sorted(t.predict(factory.cls_dataset(8, seed=1)).metrics) for t in (hf, hl)]
     assert pred_keys[1] == pred_keys[0] and "test_mem_cpu_peaked_delta" in pred_keys[1]
+
+
+# ---- group_by_length -------------------------------------------------------------------------------------------------
+def _ragged(factory, n, seed):
+    """Rows of 4..16 tokens (no padding stored): lengths differ, so length grouping changes the batches."""
+    data = factory.cls_dataset(n, 16, seed=seed)
+    keep = np.random.default_rng(seed + 7).integers(4, 17, size=n)
+    ids = [row[:k] for row, k in zip(data["input_ids"], keep)]
+    return data.remove_columns(["input_ids", "attention_mask"]).add_column("input_ids", ids)
+
+
+def _pad(rows):
+    width = max(len(r["input_ids"]) for r in rows)
+    ids = torch.tensor([r["input_ids"] + [0] * (width - len(r["input_ids"])) for r in rows])
+    return {"input_ids": ids, "attention_mask": (ids != 0).long(), "labels": torch.tensor([r["labels"] for r in rows])}
+
+
+def test_group_by_length_batches_and_prediction_order_as_transformers(tmp_path, factory):
+    """The training sampler draws from torch's global generator (hflight seeded its own, so batches and losses
+    differed); evaluation and test loaders are length-grouped too (transformers 5.23), predictions in that order."""
+    train, evaluation = _ragged(factory, 24, 0), _ragged(factory, 20, 1)
+    fields = dict(train_sampling_strategy="group_by_length", num_train_epochs=2, per_device_eval_batch_size=4)
+    runs = {}
+    for name, trainer_cls, args_cls in PAIR:
+        args = args_cls(output_dir=str(tmp_path / name), **factory.pair_args(**fields))
+        trainer = trainer_cls(
+            factory.cls_model(), args, data_collator=_pad, train_dataset=train, eval_dataset=evaluation
+        )
+        trainer.train()
+        runs[name] = trainer, trainer.predict(evaluation)
+    (hf, hf_pred), (hl, hl_pred) = runs["hf"], runs["hl"]
+    hf_losses = [e["loss"] for e in hf.state.log_history if "loss" in e]
+    hl_losses = [e["loss"] for e in hl.state.log_history if "loss" in e]
+    assert len(hl_losses) == len(hf_losses) == 12
+    np.testing.assert_allclose(hl_losses, hf_losses, rtol=1e-5)
+    np.testing.assert_array_equal(hl_pred.label_ids, hf_pred.label_ids)  # the length-grouped order
+    assert list(hl_pred.label_ids) != list(evaluation["labels"])  # not the dataset's order
+    np.testing.assert_allclose(hl_pred.predictions, hf_pred.predictions, atol=1e-5, rtol=0)
