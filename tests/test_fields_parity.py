@@ -3,6 +3,8 @@ each run with transformers' real Trainer and with hflight's on the same model, d
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import torch
@@ -134,3 +136,34 @@ def test_group_by_length_batches_and_prediction_order_as_transformers(tmp_path, 
     np.testing.assert_array_equal(hl_pred.label_ids, hf_pred.label_ids)  # the length-grouped order
     assert list(hl_pred.label_ids) != list(evaluation["labels"])  # not the dataset's order
     np.testing.assert_allclose(hl_pred.predictions, hf_pred.predictions, atol=1e-5, rtol=0)
+
+
+# ---- log_level="info": the messages of a checkpoint save -------------------------------------------------------------
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def test_log_level_info_names_the_checkpoint_folder_as_transformers(tmp_path, factory):
+    """transformers' "Model weights saved in .../checkpoint-2/..." lines: hflight named its temporary folder."""
+    saved = {}
+    for name, trainer_cls, args_cls in PAIR:
+        out = tmp_path / name
+        fields = factory.pair_args(log_level="info", save_strategy="steps", save_steps=2, max_steps=2)
+        trainer = trainer_cls(
+            factory.cls_model(), args_cls(output_dir=str(out), **fields), train_dataset=factory.cls_dataset(8)
+        )
+        handler = _Lines()
+        logging.getLogger("transformers").addHandler(handler)
+        try:
+            trainer.train()
+        finally:
+            logging.getLogger("transformers").removeHandler(handler)
+            transformers.logging.set_verbosity_warning()
+        saved[name] = sorted(line.replace(str(out), "OUT") for line in handler.lines if " saved in " in line)
+    assert any("Model weights saved in OUT/checkpoint-2/model.safetensors" in line for line in saved["hf"])
+    assert saved["hl"] == saved["hf"]
