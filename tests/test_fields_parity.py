@@ -4,6 +4,7 @@ each run with transformers' real Trainer and with hflight's on the same model, d
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 import pytest
@@ -167,3 +168,75 @@ def test_log_level_info_names_the_checkpoint_folder_as_transformers(tmp_path, fa
         saved[name] = sorted(line.replace(str(out), "OUT") for line in handler.lines if " saved in " in line)
     assert any("Model weights saved in OUT/checkpoint-2/model.safetensors" in line for line in saved["hf"])
     assert saved["hl"] == saved["hf"]
+
+
+# ---- resuming: the arguments' resume_from_checkpoint, transformers' warning -----------------------------------------
+def _checkpointed(tmp_path, factory):
+    """Each trainer's own checkpoint-2 (save_steps=2), for the resume tests."""
+    folders = {}
+    for name, trainer_cls, args_cls in PAIR:
+        fields = factory.pair_args(save_strategy="steps", save_steps=2, max_steps=2)
+        args = args_cls(output_dir=str(tmp_path / f"first-{name}"), **fields)
+        trainer_cls(factory.cls_model(), args, train_dataset=factory.cls_dataset(16)).train()
+        folders[name] = str(tmp_path / f"first-{name}" / "checkpoint-2")
+    return folders
+
+
+def test_resume_as_transformers_args_field_unread_and_changed_arguments_warned(tmp_path, factory):
+    """``args.resume_from_checkpoint`` is for scripts: ``train()`` without the argument starts from step 0 in both;
+    resuming with other logging/saving steps logs transformers' warning, in its words."""
+    folders = _checkpointed(tmp_path, factory)
+    steps, warnings = {}, {}
+    for name, trainer_cls, args_cls in PAIR:
+        fields = factory.pair_args(max_steps=3, resume_from_checkpoint=folders[name])
+        trainer = trainer_cls(factory.cls_model(), args_cls(output_dir=str(tmp_path / name), **fields),
+                              train_dataset=factory.cls_dataset(16))  # fmt: skip
+        trainer.train()
+        steps[name] = [e["step"] for e in trainer.state.log_history if "loss" in e]
+
+        fields = factory.pair_args(max_steps=3, save_strategy="steps", save_steps=3)
+        args = args_cls(output_dir=str(tmp_path / f"resumed-{name}"), **fields)
+        trainer = trainer_cls(factory.cls_model(), args, train_dataset=factory.cls_dataset(16))
+        handler = _Lines()
+        logging.getLogger("transformers").addHandler(handler)
+        logging.Logger.warning_once.cache_clear()  # transformers warns once per process and message
+        try:
+            trainer.train(resume_from_checkpoint=folders[name])
+        finally:
+            logging.getLogger("transformers").removeHandler(handler)
+        warnings[name] = [line for line in handler.lines if "(from trainer_state.json)" in line]
+    assert steps["hl"] == steps["hf"] == [1, 2, 3]
+    assert warnings["hl"] == warnings["hf"] != []
+    assert "save_steps: 3 (from args) != 2 (from trainer_state.json)" in warnings["hl"][0]
+
+
+# ---- full_determinism, fp16 on the CPU ------------------------------------------------------------------------------
+@pytest.fixture
+def restored_determinism(monkeypatch):
+    for name in ("CUBLAS_WORKSPACE_CONFIG", "CUDA_LAUNCH_BLOCKING", "FLASH_ATTENTION_DETERMINISTIC"):
+        monkeypatch.delenv(name, raising=False)
+    yield
+    torch.use_deterministic_algorithms(False)
+    torch.backends.cudnn.deterministic = False
+
+
+def test_full_determinism_environment_as_transformers(tmp_path, factory, restored_determinism):
+    watched = ("CUBLAS_WORKSPACE_CONFIG", "CUDA_LAUNCH_BLOCKING", "FLASH_ATTENTION_DETERMINISTIC")
+    seen = {}
+    for name, trainer_cls, args_cls in PAIR:
+        args = args_cls(output_dir=str(tmp_path / name), **factory.pair_args(full_determinism=True, max_steps=1))
+        trainer_cls(factory.cls_model(), args, train_dataset=factory.cls_dataset(8)).train()
+        seen[name] = [os.environ.get(v) for v in watched] + [torch.are_deterministic_algorithms_enabled()]
+    assert seen["hl"] == seen["hf"]
+    assert seen["hl"][0] == ":16:8"
+
+
+def test_fp16_on_cpu_runs_as_transformers(tmp_path, factory):
+    """transformers (accelerate) enables neither fp16 autocast nor a gradient scaler on the CPU: its fp16 run is its
+    fp32 run; Lightning would run bf16-mixed (grad norms differed by up to 1.3e-3)."""
+    hf, hl = _train_both(tmp_path, factory, fp16=True, use_cpu=True)
+    for theirs, ours in zip(hf.state.log_history, hl.state.log_history):
+        for key in ("loss", "grad_norm", "learning_rate"):
+            if key in theirs:
+                assert ours[key] == pytest.approx(theirs[key], rel=1e-6, abs=0), key
+    assert hl.lightning_trainer.precision == "32-true"
