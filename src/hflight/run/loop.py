@@ -42,10 +42,9 @@ from hflight.callbacks.hooks import new_trainer_state
 from hflight.checkpoints import folders, parts, resume
 from hflight.checkpoints.manifest import PREFIX
 from hflight.run import console
-from hflight.run.datamodule import loader_length
 from hflight.run.events import dispatch
 from hflight.run.interrupt import StopRequest, signal_name, stopped
-from hflight.run.plan import TrainingPlan, plan_training
+from hflight.run.plan import TrainingPlan
 from hflight.surface import RunView, TrainerSurface
 
 logger = logging.getLogger(__name__)
@@ -85,9 +84,9 @@ class TrainingLoop:
         Lightning has left to run (-1: unbounded, ``max_steps`` ends the run)."""
         facade, run = self.facade, self.run
         loader = datamodule.train_loader
-        length = loader_length(loader)
-        num_examples = facade.num_examples(loader) if length else None
-        self.plan = plan = plan_training(facade.args, length, num_examples, run.world.size, datamodule.geometry)
+        # transformers' override point, at its moment (the loader built, nothing trained): the run's arithmetic
+        values = facade.set_initial_training_values(facade.args, loader)
+        self.plan = plan = TrainingPlan(*values, accumulation=datamodule.geometry.accumulation)
         facade.state = new_trainer_state(
             facade.callback_handler.callbacks,
             facade.control,
