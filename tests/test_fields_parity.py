@@ -240,3 +240,68 @@ def test_fp16_on_cpu_runs_as_transformers(tmp_path, factory):
             if key in theirs:
                 assert ours[key] == pytest.approx(theirs[key], rel=1e-6, abs=0), key
     assert hl.lightning_trainer.precision == "32-true"
+
+
+# ---- a model that resizes a buffer when it loads ---------------------------------------------------------------------
+class _Order(torch.utils.data.Dataset):
+    def __init__(self, size=10):
+        generator = torch.Generator().manual_seed(0)
+        self.data = torch.randn((size, 10), generator=generator)
+        self.data[:, 0] = torch.arange(size)
+        self.labels = torch.randint(0, 10, (size,), generator=generator)
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.data[i], "labels": self.labels[i]}
+
+
+class _Recording(torch.nn.Module):
+    """Records the rows it saw in a buffer that grows (empty at construction): only its own loading can take a
+    checkpoint's buffer, by resizing it first."""
+
+    adapts = True
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(10, 10, bias=False)
+        self.register_buffer("seen", torch.empty(0, dtype=torch.long))
+
+    def load_state_dict(self, state_dict, strict=True, assign=False):
+        if self.adapts and "seen" in state_dict and state_dict["seen"].shape != self.seen.shape:
+            self.seen = state_dict["seen"].clone()
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def forward(self, input_ids, labels=None):
+        logits = self.fc(input_ids)
+        self.seen = torch.cat([self.seen, input_ids[:, 0].long()])
+        return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+def test_a_model_that_resizes_its_buffer_resumes_as_with_transformers(tmp_path, factory):
+    """transformers' test_resume_batch_order: the buffer is [0] at construction and [12] in checkpoint-6; the
+    model's own loading takes it, so the run resumes (hflight's shape check refused it); a model whose loading does
+    not adapt is still refused before anything changes."""
+    fields = dict(per_device_train_batch_size=2, num_train_epochs=3, optim="sgd", learning_rate=0.1, seed=42,
+                  save_strategy="steps", save_steps=1, logging_steps=1, report_to="none", disable_tqdm=True,
+                  save_only_model=False)  # fmt: skip
+    seen = {}
+    for name, trainer_cls, args_cls in PAIR:
+        trainer_cls(_Recording(), args_cls(str(tmp_path / name), **fields), train_dataset=_Order()).train()
+        resumed = trainer_cls(_Recording(), args_cls(str(tmp_path / f"{name}-r"), **fields), train_dataset=_Order())
+        resumed.train(resume_from_checkpoint=str(tmp_path / name / "checkpoint-6"))
+        seen[name] = resumed.model.seen.tolist()
+        assert len(seen[name]) == 30
+    assert seen["hl"] == seen["hf"]
+
+    rigid = _Recording()
+    rigid.adapts = False
+    before = {k: v.clone() for k, v in rigid.state_dict().items()}
+    trainer = hflight.Trainer(
+        rigid, hflight.TrainingArguments(str(tmp_path / "rigid"), **fields), train_dataset=_Order()
+    )
+    with pytest.raises(ValueError, match=r"seen: \[12\] in the file, \[0\] in the model"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "hl" / "checkpoint-6"))
+    assert all(torch.equal(v, before[k]) for k, v in rigid.state_dict().items())
