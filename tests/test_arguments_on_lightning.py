@@ -164,22 +164,46 @@ def test_bf16_full_eval_evaluates_in_bfloat16_as_transformers(tmp_path, factory)
     assert results["hl"] == pytest.approx(results["hf"], rel=1e-3)
 
 
-def test_torch_compile_trains_through_the_compiled_model(tmp_path, factory):
-    import torch._dynamo
+_COMPILE_JOB = """
+import json, sys
+import torch, torch._dynamo
+sys.path.insert(0, sys.argv[2])
+from conftest import Factory
+import hflight
 
+result = {}
+for compile in (False, True):
     torch._dynamo.reset()
-    compiled = _train_both(
-        tmp_path,
-        factory,
-        factory.cls_model,
-        lambda: factory.cls_dataset(16),
-        torch_compile=True,
-        torch_compile_backend="eager",
-    )["hl"]
-    frames = torch._dynamo.utils.counters["frames"]["ok"]
-    plain = _train_both(tmp_path / "plain", factory, factory.cls_model, lambda: factory.cls_dataset(16))["hl"]
-    assert frames > 0  # dynamo traced the training forward
-    assert _losses(compiled) == pytest.approx(_losses(plain), rel=1e-5)
+    torch._dynamo.utils.counters.clear()
+    extra = dict(torch_compile=True, torch_compile_backend="eager") if compile else {}
+    args = hflight.TrainingArguments(f"{sys.argv[1]}/{compile}", **Factory.pair_args(**extra))
+    trainer = hflight.Trainer(Factory.cls_model(), args, train_dataset=Factory.cls_dataset(16))
+    trainer.train()
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    result[str(compile)] = dict(frames=torch._dynamo.utils.counters["frames"]["ok"], losses=losses)
+print(json.dumps(result))
+"""
+
+
+@pytest.mark.subprocess
+def test_torch_compile_trains_through_the_compiled_model(tmp_path):
+    """In a process where only hflight trains (transformers' own compile cannot count), dynamo compiles frames with
+    torch_compile=True and none without, and the compiled run's losses are the plain run's."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    job = subprocess.run(
+        [sys.executable, "-c", _COMPILE_JOB, str(tmp_path), str(Path(__file__).parent)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert job.returncode == 0, job.stderr[-3000:]
+    result = json.loads(job.stdout.strip().splitlines()[-1])
+    assert result["False"]["frames"] == 0
+    assert result["True"]["frames"] > 0  # dynamo traced hflight's training forward
+    assert result["True"]["losses"] == pytest.approx(result["False"]["losses"], rel=1e-5)
+    assert len(result["True"]["losses"]) == 4
 
 
 # ---- data loading, processes --------------------------------------------------------------------------------------
