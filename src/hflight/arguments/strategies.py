@@ -25,6 +25,8 @@ from typing import Any
 
 from torch import nn
 
+from hflight.arguments.deepspeed import DeepSpeedConfigResolver
+
 #: Lightning's default process-group timeout (and transformers' ``ddp_timeout`` default), in seconds.
 DEFAULT_TIMEOUT = 1800
 
@@ -133,10 +135,33 @@ def fsdp_strategy(args: Any, model: nn.Module) -> Any:
 
 
 def deepspeed_strategy(args: Any) -> Any:
-    """Lightning's ``DeepSpeedStrategy`` on the DeepSpeed config ``args.deepspeed`` (a dict or a JSON file path)."""
+    """Lightning's ``DeepSpeedStrategy`` on the DeepSpeed config ``args.deepspeed`` (a dict or a JSON file path), its
+    ``"auto"`` values filled in from the arguments as transformers fills them; the values that need the model and the
+    run's length are filled in when the run is planned (:func:`finalize_deepspeed`, before the engine is built)."""
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
-    return DeepSpeedStrategy(config=args.deepspeed, **process_group_settings(args))
+    resolver = DeepSpeedConfigResolver(args.deepspeed)
+    resolver.process(args)
+    strategy = DeepSpeedStrategy(config=resolver.config, **process_group_settings(args))
+    strategy.hf_deepspeed_resolver = resolver
+    return strategy
+
+
+def finalize_deepspeed(strategy: Any, args: Any, model: nn.Module, num_training_steps: int) -> None:
+    """For a strategy :func:`deepspeed_strategy` built: the config's remaining ``"auto"`` values (ZeRO buckets, the
+    scheduler's steps), then what Lightning sets itself taken out: ``gradient_accumulation_steps`` (Lightning's
+    strategy refuses it in the config; hflight's loop accumulates, so more than 1 is refused naming the field)."""
+    resolver = getattr(strategy, "hf_deepspeed_resolver", None)
+    if resolver is None:
+        return
+    config = resolver.finalize(args, model, num_training_steps)
+    accumulation = config.pop("gradient_accumulation_steps", 1)
+    if accumulation != 1 or args.gradient_accumulation_steps != 1:
+        raise ValueError(
+            f"gradient_accumulation_steps={args.gradient_accumulation_steps} with deepspeed: hflight runs DeepSpeed "
+            "through Lightning's DeepSpeedStrategy, which accumulates in its engine; accumulation there is not "
+            "supported. Use gradient_accumulation_steps=1 (and a larger per_device_train_batch_size)."
+        )
 
 
 def strategy_from_args(strategy: Any, args: Any, model: nn.Module | None) -> Any:
