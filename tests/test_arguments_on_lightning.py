@@ -279,6 +279,14 @@ def test_ddp_arguments_configure_lightning_s_ddp_strategy(monkeypatch):
     # One process: as in transformers, the DDP arguments change nothing; under torchrun they make the DDP strategy.
     single = hflight.TrainingArguments("o", ddp_find_unused_parameters=True)
     assert lightning_kwargs.strategy_for(single) == "auto"
+    # Lightning launching the processes itself (strategy="auto", two CPU devices): it would pick DDP, so the ddp_*
+    # settings make that DDP strategy (they were dropped); one device or no ddp_* setting leaves the choice to it.
+    launched = hflight.TrainingArguments("o", devices="2", accelerator="cpu", ddp_bucket_cap_mb=5, ddp_timeout=90)
+    strategy = lightning_kwargs.strategy_for(launched)
+    assert isinstance(strategy, DDPStrategy) and strategy._ddp_kwargs == {"bucket_cap_mb": 5}
+    assert strategy._timeout == datetime.timedelta(seconds=90)
+    assert lightning_kwargs.strategy_for(hflight.TrainingArguments("o", devices="2", accelerator="cpu")) == "auto"
+    assert lightning_kwargs.strategy_for(hflight.TrainingArguments("o", devices="1", ddp_bucket_cap_mb=5)) == "auto"
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert isinstance(lightning_kwargs.strategy_for(single), DDPStrategy)
     assert lightning_kwargs.strategy_for(hflight.TrainingArguments("o", strategy="ddp")) == "ddp"

@@ -79,11 +79,11 @@ def test_ddp_checkpoints_and_events_match_one_process(runs):
     # The manifest (checksums of every rank's files) verifies, and a resume reads the RNG files of both ranks by the
     # names a 2-process run writes; the writer lock (rank 0's) is gone.
     from hflight.checkpoints.manifest import verify_checkpoint
-    from hflight.checkpoints.resume import _rng_files
+    from hflight.checkpoints.parts import rng_files
 
     manifest = verify_checkpoint(folder, full=True)
     assert manifest["run"]["world_size"] == 2
-    assert [p.name for p in _rng_files(folder, manifest)] == ["rng_state_0.pth", "rng_state_1.pth"]
+    assert [p.name for p in rng_files(folder, manifest)] == ["rng_state_0.pth", "rng_state_1.pth"]
     assert not (two / ".hflight-writer.lock").exists()
 
 

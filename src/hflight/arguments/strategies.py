@@ -72,6 +72,26 @@ def ddp_strategy(name: str, args: Any) -> Any:
     return entry["strategy"](**{**entry["init_params"], **settings})
 
 
+def lightning_launches_several(args: Any) -> bool:
+    """Whether ``strategy="auto"`` makes Lightning launch several processes itself (several nodes, or several devices
+    of the accelerator it picks), where it chooses DDP: the ``ddp_*`` settings then apply as under torchrun."""
+    from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator, MPSAccelerator
+
+    from hflight.arguments.training_args import resolved_device_type
+
+    if args.num_nodes > 1:
+        return True
+    devices = args.devices
+    if isinstance(devices, str) and devices.lstrip("-").isdigit():
+        devices = int(devices)
+    kind = "cpu" if args.use_cpu else resolved_device_type(args)
+    accelerator = {"cuda": CUDAAccelerator, "mps": MPSAccelerator}.get(kind, CPUAccelerator)
+    try:
+        return len(accelerator.get_parallel_devices(accelerator.parse_devices(devices))) > 1
+    except Exception:  # noqa: BLE001 - Lightning reports a bad device request itself when it builds the run
+        return False
+
+
 def _module_classes(model: nn.Module, names: Iterable[str], field: str) -> set[type[nn.Module]]:
     """The classes of ``model``'s submodules called ``names``; a name no submodule has is an error naming it."""
     wanted = set(names)
@@ -171,7 +191,9 @@ def strategy_from_args(strategy: Any, args: Any, model: nn.Module | None) -> Any
             return fsdp_strategy(args, model)
         if args.deepspeed:
             return deepspeed_strategy(args)
-        if args.world_size > 1 and ddp_settings(args):
-            return ddp_strategy("ddp", args)
+        if ddp_settings(args) and (args.world_size > 1 or lightning_launches_several(args)):
+            from lightning.fabric.utilities.imports import _IS_INTERACTIVE
+
+            return ddp_strategy("ddp_fork" if _IS_INTERACTIVE else "ddp", args)  # what Lightning would pick
         return strategy
     return ddp_strategy(strategy, args) if isinstance(strategy, str) else strategy
