@@ -2,7 +2,7 @@
 value, run with transformers' Trainer and with hflight's on the same model and data (train, evaluate, predict), and
 compared: the logged numbers and keys, the metrics, the predictions and the files written. Fields this machine
 cannot run are listed in :data:`NOT_RUNNABLE` with the reason; fields with a test of their own elsewhere in
-:data:`TESTED_ELSEWHERE`. A field in none of the three fails :func:`test_every_field_is_swept_or_listed"""
+:data:`TESTED_ELSEWHERE`. A field in none of the three fails :func:`test_every_field_is_swept_or_listed`."""
 
 from __future__ import annotations
 
