@@ -164,22 +164,46 @@ def test_bf16_full_eval_evaluates_in_bfloat16_as_transformers(tmp_path, factory)
     assert results["hl"] == pytest.approx(results["hf"], rel=1e-3)
 
 
-def test_torch_compile_trains_through_the_compiled_model(tmp_path, factory):
-    import torch._dynamo
+_COMPILE_JOB = """
+import json, sys
+import torch, torch._dynamo
+sys.path.insert(0, sys.argv[2])
+from conftest import Factory
+import hflight
 
+result = {}
+for compile in (False, True):
     torch._dynamo.reset()
-    compiled = _train_both(
-        tmp_path,
-        factory,
-        factory.cls_model,
-        lambda: factory.cls_dataset(16),
-        torch_compile=True,
-        torch_compile_backend="eager",
-    )["hl"]
-    frames = torch._dynamo.utils.counters["frames"]["ok"]
-    plain = _train_both(tmp_path / "plain", factory, factory.cls_model, lambda: factory.cls_dataset(16))["hl"]
-    assert frames > 0  # dynamo traced the training forward
-    assert _losses(compiled) == pytest.approx(_losses(plain), rel=1e-5)
+    torch._dynamo.utils.counters.clear()
+    extra = dict(torch_compile=True, torch_compile_backend="eager") if compile else {}
+    args = hflight.TrainingArguments(f"{sys.argv[1]}/{compile}", **Factory.pair_args(**extra))
+    trainer = hflight.Trainer(Factory.cls_model(), args, train_dataset=Factory.cls_dataset(16))
+    trainer.train()
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    result[str(compile)] = dict(frames=torch._dynamo.utils.counters["frames"]["ok"], losses=losses)
+print(json.dumps(result))
+"""
+
+
+@pytest.mark.subprocess
+def test_torch_compile_trains_through_the_compiled_model(tmp_path):
+    """In a process where only hflight trains (transformers' own compile cannot count), dynamo compiles frames with
+    torch_compile=True and none without, and the compiled run's losses are the plain run's."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    job = subprocess.run(
+        [sys.executable, "-c", _COMPILE_JOB, str(tmp_path), str(Path(__file__).parent)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert job.returncode == 0, job.stderr[-3000:]
+    result = json.loads(job.stdout.strip().splitlines()[-1])
+    assert result["False"]["frames"] == 0
+    assert result["True"]["frames"] > 0  # dynamo traced hflight's training forward
+    assert result["True"]["losses"] == pytest.approx(result["False"]["losses"], rel=1e-5)
+    assert len(result["True"]["losses"]) == 4
 
 
 # ---- data loading, processes --------------------------------------------------------------------------------------
@@ -253,6 +277,14 @@ def test_ddp_arguments_configure_lightning_s_ddp_strategy(monkeypatch):
     # One process: as in transformers, the DDP arguments change nothing; under torchrun they make the DDP strategy.
     single = hflight.TrainingArguments("o", ddp_find_unused_parameters=True)
     assert lightning_kwargs.strategy_for(single) == "auto"
+    # Lightning launching the processes itself (strategy="auto", two CPU devices): it would pick DDP, so the ddp_*
+    # settings make that DDP strategy (they were dropped); one device or no ddp_* setting leaves the choice to it.
+    launched = hflight.TrainingArguments("o", devices="2", accelerator="cpu", ddp_bucket_cap_mb=5, ddp_timeout=90)
+    strategy = lightning_kwargs.strategy_for(launched)
+    assert isinstance(strategy, DDPStrategy) and strategy._ddp_kwargs == {"bucket_cap_mb": 5}
+    assert strategy._timeout == datetime.timedelta(seconds=90)
+    assert lightning_kwargs.strategy_for(hflight.TrainingArguments("o", devices="2", accelerator="cpu")) == "auto"
+    assert lightning_kwargs.strategy_for(hflight.TrainingArguments("o", devices="1", ddp_bucket_cap_mb=5)) == "auto"
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert isinstance(lightning_kwargs.strategy_for(single), DDPStrategy)
     assert lightning_kwargs.strategy_for(hflight.TrainingArguments("o", strategy="ddp")) == "ddp"
@@ -286,14 +318,87 @@ def test_fsdp_arguments_configure_lightning_s_fsdp_strategy(factory):
 
 
 def test_deepspeed_argument_asks_lightning_for_its_deepspeed_strategy():
-    from types import SimpleNamespace
-
     config = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto"}
-    args = SimpleNamespace(deepspeed=config, ddp_backend=None, ddp_timeout=1800)
+    args = hflight.TrainingArguments("o", report_to="none")  # transformers' class needs deepspeed for the field
+    args.deepspeed = config
     try:
         import deepspeed  # noqa: F401
     except ImportError:
         with pytest.raises(Exception, match="deepspeed"):  # Lightning's own "install deepspeed" error
             strategy_settings.deepspeed_strategy(args)
     else:
-        assert strategy_settings.deepspeed_strategy(args).config == config
+        resolved = strategy_settings.deepspeed_strategy(args).config
+        assert resolved == {**config, "train_micro_batch_size_per_gpu": 8}
+
+
+def _transformers_resolution(config, args, model, num_training_steps):
+    """transformers' own HfTrainerDeepSpeedConfig methods, run on accelerate's HfDeepSpeedConfig (their base class
+    when deepspeed is installed; here it is not, and transformers' constructor only checks that it is)."""
+    from accelerate.utils.deepspeed import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    methods = ("dtype", "is_auto", "fill_match", "fill_only", "trainer_config_process", "trainer_config_finalize")
+    reference_cls = type("Reference", (HfDeepSpeedConfig,), {m: vars(HfTrainerDeepSpeedConfig)[m] for m in methods})
+    reference = reference_cls(config)
+    reference._dtype, reference.mismatches = None, []
+    reference.trainer_config_process(args)
+    reference.trainer_config_finalize(args, model, num_training_steps)
+    return reference.config
+
+
+AUTO_EVERYWHERE = {
+    "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                     "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+    "fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"},
+    "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                          "stage3_param_persistence_threshold": "auto", "offload_optimizer": {"device": "cpu"}},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "config, fields",
+    [
+        (AUTO_EVERYWHERE, dict(per_device_train_batch_size=3, gradient_accumulation_steps=2, learning_rate=3e-4,
+                               adam_beta2=0.95, weight_decay=0.1, warmup_steps=0.1, bf16=True, save_on_each_node=True,
+                               max_grad_norm=0.5)),
+        ({**AUTO_EVERYWHERE, "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}, dict(fp16=True)),
+        ({"train_micro_batch_size_per_gpu": 8, "gradient_clipping": 1.0, "zero_optimization": {"stage": 1}}, {}),
+    ],
+    ids=["zero3-auto", "zero2-fp16", "explicit"],
+)  # fmt: skip
+def test_deepspeed_config_resolved_as_transformers(config, fields, tmp_path, factory):
+    """Every "auto" of a transformers-style config gets the value transformers' HfTrainerDeepSpeedConfig gives it,
+    from the same arguments and model (the config given as a dict and as a JSON file)."""
+    import json
+
+    from hflight.arguments.deepspeed import DeepSpeedConfigResolver
+
+    args = hflight.TrainingArguments("o", report_to="none", **fields)
+    model = factory.cls_model()
+    expected = _transformers_resolution(config, args, model, 40)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    for given in (config, str(path)):
+        resolver = DeepSpeedConfigResolver(given)
+        resolver.process(args)
+        assert resolver.finalize(args, model, 40) == expected
+    assert "auto" not in json.dumps(expected)
+    assert config["train_micro_batch_size_per_gpu"] in ("auto", 8)  # the caller's dict is not filled in
+
+
+def test_deepspeed_config_mismatches_raise_as_transformers(factory):
+    from hflight.arguments.deepspeed import DeepSpeedConfigResolver
+
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 2.0, "optimizer": {"params": {"lr": 0.1}}}
+    args = hflight.TrainingArguments("o", report_to="none", per_device_train_batch_size=8)
+    with pytest.raises(ValueError) as theirs:
+        _transformers_resolution(config, args, factory.cls_model(), 10)
+    resolver = DeepSpeedConfigResolver(config)
+    resolver.process(args)
+    with pytest.raises(ValueError) as ours:
+        resolver.finalize(args, factory.cls_model(), 10)
+    assert str(ours.value) == str(theirs.value)
+    assert "- ds train_micro_batch_size_per_gpu=4 vs hf per_device_train_batch_size=8" in str(ours.value)

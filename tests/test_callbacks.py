@@ -234,6 +234,7 @@ def test_early_stopping_patience_survives_resume(tmp_path):
                 "1",
                 "--max-steps",
                 "30",
+                "--restore-callback-attributes",  # hflight's opt-in (transformers restores nothing by default)
                 *extra,
             ],
             capture_output=True,
@@ -325,7 +326,16 @@ def test_callbacks_are_rebuilt_from_their_saved_args_and_attributes_as_transform
     assert names == ["DefaultFlowCallback", "Counting", "Counting", "PrinterCallback"]  # in place, in order
 
     default = run(hflight.Trainer, hflight.TrainingArguments, "b", [Counting(1), Counting(2)], str(ours), **one_more)
-    assert _counting(default) == [(1, 4), (2, 4)]  # hflight's default: the attributes onto the callbacks in use
+    theirs_default = run(
+        transformers.Trainer, transformers.TrainingArguments, "tb", [Counting(1), Counting(2)], str(theirs), **one_more
+    )
+    assert _counting(default) == _counting(theirs_default) == [(1, 1), (2, 1)]  # the default: nothing restored
+
+    class Restoring(hflight.Trainer):
+        restore_callback_attributes = True  # hflight's opt-in: the saved attributes onto the callbacks in use
+
+    opted = run(Restoring, hflight.TrainingArguments, "o", [Counting(1), Counting(2)], str(ours), **one_more)
+    assert _counting(opted) == [(1, 4), (2, 4)]
 
     # A checkpoint written by transformers: its list holds the states the callbacks had when training started, then
     # those at each save. transformers reads back the first (seen 0: one more step gives 1); hflight the last.
@@ -336,6 +346,30 @@ def test_callbacks_are_rebuilt_from_their_saved_args_and_attributes_as_transform
                               (hflight.Trainer, hflight.TrainingArguments))
     ]  # fmt: skip
     assert from_theirs == [[(5, 1), (7, 1)], [(5, 4), (7, 4)]]
+
+    # _load_callback_state is an override point, called once the resumed state is loaded, before the first step
+    def overriding(base):
+        class Overriding(base):
+            def _load_callback_state(self):
+                self.called_at = self.state.global_step
+                super()._load_callback_state()
+                for callback in self.callback_handler.callbacks:
+                    if isinstance(callback, Counting):
+                        callback.seen += 100
+
+        return Overriding
+
+    overridden = [
+        run(overriding(cls), args_cls, f"ov-{cls.__module__}", [Counting(1), Counting(2)], str(folder),
+            restore_callback_states_from_checkpoint=True, **one_more)
+        for cls, args_cls, folder in ((transformers.Trainer, transformers.TrainingArguments, theirs),
+                                      (hflight.Trainer, hflight.TrainingArguments, ours))
+    ]  # fmt: skip
+    assert [t.called_at for t in overridden] == [3, 3]
+    assert [_counting(t) for t in overridden] == [
+        [(5, 101), (7, 101)],
+        [(5, 104), (7, 104)],
+    ]  # as without override +100
 
     with caplog.at_level(logging.WARNING):
         run(hflight.Trainer, hflight.TrainingArguments, "c", [], str(ours),

@@ -115,3 +115,25 @@ def test_gather_concatenates_nested_tensors_in_rank_order():
     gathered = distributed.gather(strategy, (torch.tensor([1, 2]), [torch.tensor([[3]])]))
     assert gathered[0].tolist() == [1, 2, 11, 12] and gathered[1][0].tolist() == [[3], [13]]
     assert distributed.gather(None, "same") == "same"  # one process: identity
+
+
+@pytest.mark.subprocess
+def test_average_tokens_across_devices_logs_as_transformers_under_torchrun(tmp_path):
+    """The same script under ``torchrun --nproc_per_node 2`` with transformers' Trainer and with hflight's: a model
+    whose forward takes ``**kwargs`` gets its loss multiplied by the world size (average_tokens_across_devices), and
+    the logged losses and gradient norms are transformers'."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed beside this Python")
+    job = Path(__file__).parent / "jobs" / "tokens_job.py"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    logs = {}
+    for port, impl in ((29531, "hf"), (29532, "hl")):
+        command = [str(torchrun), "--nproc_per_node", "2", "--master_port", str(port), str(job), str(tmp_path), impl]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+        assert done.returncode == 0, done.stderr[-4000:]
+        history = json.loads((tmp_path / f"{impl}.json").read_text())
+        logs[impl] = [(e["step"], e["loss"], e["grad_norm"], e["learning_rate"]) for e in history if "loss" in e]
+    assert [s for s, *_ in logs["hl"]] == [s for s, *_ in logs["hf"]] == [1, 2, 3]
+    np.testing.assert_allclose([x[1:] for x in logs["hl"]], [x[1:] for x in logs["hf"]], rtol=1e-6)
+    assert all(loss > 2 * np.log(3) for _, loss, _, _ in logs["hl"])  # the world size (2) scaled it

@@ -82,7 +82,7 @@ def test_plan_for_iterable_data_needs_max_steps(tmp_path):
         ({"bf16": True}, {"precision": "bf16-mixed"}),
         ({"fp16": True, "accelerator": "cuda"}, {"precision": "16-mixed", "accelerator": "cuda"}),
         ({"devices": "2", "strategy": "ddp", "num_nodes": 2}, {"devices": 2, "strategy": "ddp", "num_nodes": 2}),
-        ({"full_determinism": True}, {"deterministic": True}),
+        ({"full_determinism": True}, {"deterministic": None}),  # transformers' enable_full_determinism did it
     ],
 )
 def test_lightning_kwargs_table(tmp_path, fields, expected):
@@ -126,3 +126,11 @@ def test_bf16_mixed_precision_trains_on_cpu(tmp_path, factory):
     assert trainer.lightning_trainer.precision == "bf16-mixed"
     assert all(torch.isfinite(torch.tensor(e["loss"])) for e in trainer.state.log_history if "loss" in e)
     assert next(trainer.model.parameters()).dtype == torch.float32  # mixed precision keeps fp32 master weights
+
+
+def test_fp16_on_the_cpu_is_full_precision_as_transformers_but_backends_keep_theirs(tmp_path):
+    """accelerate enables fp16 autocast and scaling only off the CPU; a backend strategy (IPU) keeps 16-mixed."""
+    cpu = TrainingArguments(output_dir=str(tmp_path), report_to="none", fp16=True, use_cpu=True)
+    assert lightning_trainer_kwargs(cpu, [], fitting=True)["precision"] == "32-true"
+    ipu = TrainingArguments(output_dir=str(tmp_path), report_to="none", fp16=True, strategy="ipu")
+    assert lightning_trainer_kwargs(ipu, [], fitting=True)["precision"] == "16-mixed"

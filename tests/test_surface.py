@@ -10,6 +10,7 @@ import inspect
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -17,6 +18,10 @@ import transformers
 import hflight
 
 GUIDE = Path(__file__).resolve().parents[1] / "docs" / "coming-from-transformers.md"
+PAIRS = (
+    ("hf", transformers.Trainer, transformers.TrainingArguments),
+    ("hl", hflight.Trainer, hflight.TrainingArguments),
+)
 
 
 def listed_differences() -> dict[str, str]:
@@ -253,3 +258,55 @@ def test_save_and_load_from_checkpoint_overrides_take_effect(tmp_path, factory):
         records[name] = calls
     assert records["hl"] == records["hf"]
     assert ("load", "checkpoint-4") in records["hl"] and records["hl"].count(("save", "checkpoint-6")) == 1
+
+
+def test_compute_loss_context_manager_override_takes_effect(tmp_path, factory):
+    """A subclass's ``compute_loss_context_manager`` wraps every training and evaluation forward, as in transformers
+    (here: bf16 autocast, which changes the losses and gradients)."""
+
+    def autocasting(base):
+        class Autocasting(base):
+            def compute_loss_context_manager(self):
+                stack = super().compute_loss_context_manager()
+                stack.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
+                return stack
+
+        return Autocasting
+
+    runs = {}
+    for name, base, args_cls in PAIRS + (("plain", hflight.Trainer, hflight.TrainingArguments),):
+        cls = base if name == "plain" else autocasting(base)
+        args = args_cls(str(tmp_path / name), **factory.pair_args(max_steps=3))
+        evaluation = factory.cls_dataset(8, seed=1)
+        trainer = cls(factory.cls_model(), args, train_dataset=factory.cls_dataset(16), eval_dataset=evaluation)
+        trainer.train()
+        logs = [(e["loss"], e["grad_norm"]) for e in trainer.state.log_history if "loss" in e]
+        runs[name] = logs, trainer.evaluate()["eval_loss"]
+    np.testing.assert_allclose(runs["hl"][0], runs["hf"][0], rtol=1e-6)
+    assert runs["hl"][1] == pytest.approx(runs["hf"][1], rel=1e-6)
+    plain, ours = np.array(runs["plain"][0]), np.array(runs["hl"][0])
+    assert np.abs(plain - ours).max() > 1e-4 and runs["plain"][1] != runs["hl"][1]  # the override changed the numbers
+
+
+def test_set_initial_training_values_override_plans_the_run(tmp_path, factory):
+    """The run's arithmetic comes from ``set_initial_training_values`` (a subclass that shortens ``max_steps`` to
+    2 trains 2 steps with a 2-step schedule, as transformers)."""
+
+    def shortening(base):
+        class Shortening(base):
+            def set_initial_training_values(self, args, dataloader):
+                values = list(super().set_initial_training_values(args, dataloader))
+                values[-1] = 2
+                return tuple(values)
+
+        return Shortening
+
+    logs = {}
+    for name, base, args_cls in PAIRS:
+        args = args_cls(str(tmp_path / name), **factory.pair_args(num_train_epochs=2))
+        trainer = shortening(base)(factory.cls_model(), args, train_dataset=factory.cls_dataset(16))
+        trainer.train()
+        logs[name] = [(e["step"], e["learning_rate"], e["loss"]) for e in trainer.state.log_history if "loss" in e]
+        assert trainer.state.max_steps == 2
+    assert [s for s, _, _ in logs["hl"]] == [s for s, _, _ in logs["hf"]] == [1, 2]
+    np.testing.assert_allclose([x[1:] for x in logs["hl"]], [x[1:] for x in logs["hf"]], rtol=1e-5)

@@ -54,6 +54,7 @@ def main():
     parser.add_argument("--max-steps", type=int, default=12)
     parser.add_argument("--model-seed", type=int, default=0)
     parser.add_argument("--early-stopping", type=int, help="patience; evaluates every step on eval_loss")
+    parser.add_argument("--restore-callback-attributes", action="store_true", help="hflight's opt-in")
     opts = parser.parse_args()
 
     model = tiny_bert_qa(opts.model_seed, hidden=32, layers=2, dropout=0.1, max_positions=64)
@@ -96,6 +97,7 @@ def main():
         eval_dataset=dataset(12, 1),
         callbacks=callbacks,
     )
+    trainer.restore_callback_attributes = opts.restore_callback_attributes
     resume = True if opts.resume == "last" else opts.resume
     trainer.train(resume_from_checkpoint=resume)
     out = Path(opts.out)

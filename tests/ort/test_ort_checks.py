@@ -154,3 +154,22 @@ def test_the_tolerance_scales_with_the_output():
     assert check_outputs("M", nan, {"logits": nan["logits"].clone()}, shapes) == 0.0  # NaN where eager has NaN
     with pytest.raises(ORTMismatchError):
         check_outputs("M", {"logits": torch.tensor([[0.5, 1.0]])}, nan, shapes)
+
+
+def test_check_outputs_all_catches_a_value_branch_at_a_shape_already_compared(tmp_path):
+    """Three batches of one shape: the first (traced, sum 32) and second (sum 64) take the short branch, the third
+    (sum 4800) the other one in eager PyTorch. Comparing the first batch of each shape (the default) cannot see it;
+    check_outputs="all" (or 3 batches per shape) stops on it. Its cost: one eager forward per compared batch."""
+    dataset = Rows(lengths=[8, 8, 8], values=[4, 8, 150])
+    eager = predict(BranchyModel(), dataset, tmp_path, strategy="auto")
+    default = predict(BranchyModel(), dataset, tmp_path)  # first batch of the shape only: passes, silently wrong
+    assert np.abs(default[8:] - eager[8:]).max() > 1
+    for every in ("all", 3):
+        with pytest.raises(ORTMismatchError, match="for BranchyModel: the largest difference in logits"):
+            predict(BranchyModel(), dataset, tmp_path, strategy=ORTStrategy(check_outputs=every))
+    model = BranchyModel()
+    predict(model, Rows(lengths=[8, 8, 8], values=[4, 5, 6]), tmp_path, strategy=ORTStrategy(check_outputs=2))
+    (session,) = evaluation_sessions(model)
+    assert session.check_count == 2  # the traced batch, then one more of that shape
+    with pytest.raises(ValueError, match="check_outputs must be"):
+        ORTStrategy(check_outputs="some")

@@ -154,8 +154,28 @@ def split_callbacks(callbacks: list[Any]) -> tuple[list[Any], list[L.Callback]]:
     return hf, lightning
 
 
-def precision_for(args: Any) -> str:
+def precision_for(args: Any, strategy: Any = None) -> str:
+    """Lightning's precision for ``fp16``/``bf16``. ``fp16`` on the CPU runs in full precision, as transformers'
+    (accelerate enables fp16 autocast and the gradient scaler only off the CPU), where Lightning would turn
+    ``16-mixed`` into ``bf16-mixed``; a backend's strategy (IPU, ORT) keeps its own choice."""
+    if args.fp16 and not args.bf16 and _runs_on_cpu(args, args.strategy if strategy is None else strategy):
+        return PRECISION[(False, False)]
     return PRECISION[(bool(args.fp16), bool(args.bf16))]
+
+
+def _runs_on_cpu(args: Any, strategy: Any) -> bool:
+    from lightning.pytorch.accelerators import CPUAccelerator
+
+    from hflight.arguments.training_args import resolved_device_type
+
+    if isinstance(strategy, str) and strategy in STRATEGY_ACCELERATORS:
+        return False  # a backend strategy (its accelerator is not the CPU's)
+    if not isinstance(strategy, str) and not type(strategy).__module__.startswith("lightning."):
+        return False  # a backend's strategy object
+    accelerator = accelerator_for(args, strategy)
+    if args.use_cpu or isinstance(accelerator, CPUAccelerator) or accelerator == "cpu":
+        return True
+    return accelerator == "auto" and resolved_device_type(args) == "cpu"
 
 
 def _devices(value: Any) -> Any:
@@ -203,7 +223,7 @@ def lightning_trainer_kwargs(
         "devices": _devices(args.devices),
         "strategy": strategy,
         "num_nodes": args.num_nodes,
-        "precision": precision_for(args),
+        "precision": precision_for(args, strategy),
         "max_epochs": -1,  # the facade sets the real bound once the loader length is known
         "max_steps": -1,  # HF's TrainerControl stops the run (DefaultFlowCallback at max_steps)
         "logger": build_loggers(args) if fitting else (loggers or False),
@@ -213,7 +233,9 @@ def lightning_trainer_kwargs(
         "enable_model_summary": False,
         "num_sanity_val_steps": 0,
         "use_distributed_sampler": False,
-        "deterministic": True if args.full_determinism else None,
+        # full_determinism: transformers' enable_full_determinism ran when the facade was built (CUBLAS_WORKSPACE_CONFIG
+        # ":16:8", deterministic algorithms, cuDNN); Lightning's deterministic=True would overwrite it with ":4096:8".
+        "deterministic": None,
         "default_root_dir": args.output_dir,
         "log_every_n_steps": 1,
     }

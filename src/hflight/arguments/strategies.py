@@ -25,6 +25,8 @@ from typing import Any
 
 from torch import nn
 
+from hflight.arguments.deepspeed import DeepSpeedConfigResolver
+
 #: Lightning's default process-group timeout (and transformers' ``ddp_timeout`` default), in seconds.
 DEFAULT_TIMEOUT = 1800
 
@@ -68,6 +70,26 @@ def ddp_strategy(name: str, args: Any) -> Any:
     if not settings or entry is None or not issubclass(entry["strategy"], DDPStrategy):
         return name
     return entry["strategy"](**{**entry["init_params"], **settings})
+
+
+def lightning_launches_several(args: Any) -> bool:
+    """Whether ``strategy="auto"`` makes Lightning launch several processes itself (several nodes, or several devices
+    of the accelerator it picks), where it chooses DDP: the ``ddp_*`` settings then apply as under torchrun."""
+    from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator, MPSAccelerator
+
+    from hflight.arguments.training_args import resolved_device_type
+
+    if args.num_nodes > 1:
+        return True
+    devices = args.devices
+    if isinstance(devices, str) and devices.lstrip("-").isdigit():
+        devices = int(devices)
+    kind = "cpu" if args.use_cpu else resolved_device_type(args)
+    accelerator = {"cuda": CUDAAccelerator, "mps": MPSAccelerator}.get(kind, CPUAccelerator)
+    try:
+        return len(accelerator.get_parallel_devices(accelerator.parse_devices(devices))) > 1
+    except Exception:  # noqa: BLE001 - Lightning reports a bad device request itself when it builds the run
+        return False
 
 
 def _module_classes(model: nn.Module, names: Iterable[str], field: str) -> set[type[nn.Module]]:
@@ -133,10 +155,33 @@ def fsdp_strategy(args: Any, model: nn.Module) -> Any:
 
 
 def deepspeed_strategy(args: Any) -> Any:
-    """Lightning's ``DeepSpeedStrategy`` on the DeepSpeed config ``args.deepspeed`` (a dict or a JSON file path)."""
+    """Lightning's ``DeepSpeedStrategy`` on the DeepSpeed config ``args.deepspeed`` (a dict or a JSON file path), its
+    ``"auto"`` values filled in from the arguments as transformers fills them; the values that need the model and the
+    run's length are filled in when the run is planned (:func:`finalize_deepspeed`, before the engine is built)."""
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
-    return DeepSpeedStrategy(config=args.deepspeed, **process_group_settings(args))
+    resolver = DeepSpeedConfigResolver(args.deepspeed)
+    resolver.process(args)
+    strategy = DeepSpeedStrategy(config=resolver.config, **process_group_settings(args))
+    strategy.hf_deepspeed_resolver = resolver
+    return strategy
+
+
+def finalize_deepspeed(strategy: Any, args: Any, model: nn.Module, num_training_steps: int) -> None:
+    """For a strategy :func:`deepspeed_strategy` built: the config's remaining ``"auto"`` values (ZeRO buckets, the
+    scheduler's steps), then what Lightning sets itself taken out: ``gradient_accumulation_steps`` (Lightning's
+    strategy refuses it in the config; hflight's loop accumulates, so more than 1 is refused naming the field)."""
+    resolver = getattr(strategy, "hf_deepspeed_resolver", None)
+    if resolver is None:
+        return
+    config = resolver.finalize(args, model, num_training_steps)
+    accumulation = config.pop("gradient_accumulation_steps", 1)
+    if accumulation != 1 or args.gradient_accumulation_steps != 1:
+        raise ValueError(
+            f"gradient_accumulation_steps={args.gradient_accumulation_steps} with deepspeed: hflight runs DeepSpeed "
+            "through Lightning's DeepSpeedStrategy, which accumulates in its engine; accumulation there is not "
+            "supported. Use gradient_accumulation_steps=1 (and a larger per_device_train_batch_size)."
+        )
 
 
 def strategy_from_args(strategy: Any, args: Any, model: nn.Module | None) -> Any:
@@ -146,7 +191,9 @@ def strategy_from_args(strategy: Any, args: Any, model: nn.Module | None) -> Any
             return fsdp_strategy(args, model)
         if args.deepspeed:
             return deepspeed_strategy(args)
-        if args.world_size > 1 and ddp_settings(args):
-            return ddp_strategy("ddp", args)
+        if ddp_settings(args) and (args.world_size > 1 or lightning_launches_several(args)):
+            from lightning.fabric.utilities.imports import _IS_INTERACTIVE
+
+            return ddp_strategy("ddp_fork" if _IS_INTERACTIVE else "ddp", args)  # what Lightning would pick
         return strategy
     return ddp_strategy(strategy, args) if isinstance(strategy, str) else strategy

@@ -149,7 +149,7 @@ class TrainingArguments(HFTrainingArguments):
         bf16-mixed on the CPU, so only a run on a CUDA GPU that is present is held to it (asking for a GPU where there
         is none is Lightning's error, when the run starts)."""
         use_cpu = self.use_cpu
-        self.use_cpu = use_cpu or not (_resolved_device_type(self) == "cuda" and torch.cuda.is_available())
+        self.use_cpu = use_cpu or not (resolved_device_type(self) == "cuda" and torch.cuda.is_available())
         try:
             super()._validate_args()
         finally:
@@ -488,7 +488,7 @@ def _reject_unsupported(args: TrainingArguments) -> None:
 # ---------------------------------------------------------------------- devices
 
 
-def _resolved_device_type(args: TrainingArguments) -> str:
+def resolved_device_type(args: TrainingArguments) -> str:
     """The device type Lightning will pick for ``args.accelerator`` ("auto": CUDA, else MPS, else CPU)."""
     accelerator = args.accelerator
     if not isinstance(accelerator, str):
@@ -510,7 +510,7 @@ def _auto_device_type() -> str:
 def _device_for(args: TrainingArguments) -> torch.device:
     """This process's device: its local rank's GPU (among ``devices`` when they are indices), else MPS or the CPU
     (also for accelerators whose model lives on the host between calls, such as the IPU)."""
-    kind = "cpu" if args.use_cpu else _resolved_device_type(args)
+    kind = "cpu" if args.use_cpu else resolved_device_type(args)
     if kind != "cuda":
         return torch.device(kind)
     devices, local_rank = args.devices, args.local_process_index

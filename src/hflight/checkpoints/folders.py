@@ -272,7 +272,11 @@ def save_checkpoint(facade: TrainerSurface, run: RunView) -> str:
         _saving_checkpoint(final_dir)
         shutil.rmtree(tmp_dir, ignore_errors=True)
     run.backend.hf_sync_to_host()
-    with writing(tmp_dir, f"checkpoint {final_dir}", discard=is_main) as tracker, Checksums() as checksums:
+    with (
+        writing(tmp_dir, f"checkpoint {final_dir}", discard=is_main) as tracker,
+        Checksums() as checksums,
+        final_path_in_logs(tmp_dir, final_dir),
+    ):
         if is_main:
             os.makedirs(tmp_dir, exist_ok=True)
         world.barrier()  # the folder exists for every process
@@ -296,6 +300,38 @@ def save_checkpoint(facade: TrainerSurface, run: RunView) -> str:
         rotate_checkpoints(run_dir, args.save_total_limit, state.best_model_checkpoint)
     world.barrier()
     return final_dir
+
+
+class _FinalPathInLogs(logging.Filter):
+    def __init__(self, tmp_dir: str, final_dir: str) -> None:
+        super().__init__()
+        self.tmp_dir, self.final_dir = tmp_dir, final_dir
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if self.tmp_dir in message:
+            record.msg, record.args = message.replace(self.tmp_dir, self.final_dir), ()
+        return True
+
+
+@contextlib.contextmanager
+def final_path_in_logs(tmp_dir: str, final_dir: str) -> Iterator[None]:
+    """While a checkpoint is written into its temporary folder, the messages of transformers' and hflight's loggers
+    ("Model weights saved in ...", "Configuration saved in ...") name the folder the checkpoint will have, as
+    transformers' (which writes in place) do."""
+    rewrite = _FinalPathInLogs(tmp_dir, final_dir)
+    loggers = [
+        found
+        for name, found in list(logging.root.manager.loggerDict.items())
+        if isinstance(found, logging.Logger) and name.split(".")[0] in ("transformers", "hflight")
+    ]
+    for each in loggers:
+        each.addFilter(rewrite)
+    try:
+        yield
+    finally:
+        for each in loggers:
+            each.removeFilter(rewrite)
 
 
 def _update_best_checkpoint(args: Any, state: TrainerState, run_dir: str) -> None:

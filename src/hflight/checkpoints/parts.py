@@ -326,8 +326,9 @@ def rebuilt_callbacks(facade: TrainerSurface, state: TrainerState, source: Path)
 
 def restore_callback_states(facade: TrainerSurface, point: Any, state: TrainerState) -> None:
     """The callbacks rebuilt from the checkpoint take the place of those in use (the same position in the list;
-    ``TrainerControl`` becomes ``facade.control``); by default (hflight's), the saved attributes are set on the
-    callbacks in use, so that, e.g., an ``EarlyStoppingCallback``'s patience counter survives a resume."""
+    ``TrainerControl`` becomes ``facade.control``). Otherwise nothing is restored, as in transformers, unless the
+    facade opts in with ``restore_callback_attributes`` (hflight's): then the saved attributes are set on the callbacks
+    in use, so that, e.g., an ``EarlyStoppingCallback``'s patience counter survives a resume."""
     if facade.args.restore_callback_states_from_checkpoint:
         callbacks = facade.callback_handler.callbacks
         for old, new in point.rebuilt_callbacks:
@@ -337,6 +338,8 @@ def restore_callback_states(facade: TrainerSurface, point: Any, state: TrainerSt
                 callbacks[i] = new
         if point.rebuilt_callbacks:
             logger.info("Continuing training from checkpoint, restoring any callbacks that were passed in")
+        return
+    if not facade.restore_callback_attributes:  # transformers' default: nothing restored
         return
     pairs, _ = _saved_states(state, facade.callback_handler.callbacks + [facade.control])
     for callback, entry in pairs:

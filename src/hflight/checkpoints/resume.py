@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from transformers.trainer_callback import TrainerState
+from transformers.trainer_utils import compare_trainer_and_checkpoint_args
 
 from hflight.callbacks.hooks import weight_hooks
 from hflight.checkpoints.files import IncompleteCheckpointError, inside, regular_file
@@ -38,7 +39,6 @@ from hflight.checkpoints.parts import (
     read_trainer_state,
     read_training_states,
     rebuilt_callbacks,
-    restore_callback_states,
 )
 from hflight.checkpoints.weights import checked_weights, load_model_weights
 from hflight.surface import TrainerSurface
@@ -66,12 +66,10 @@ class ResumePoint:
 
 # ---- choosing and checking the folder -----------------------------------------------------------------------------
 def requested(resume_from_checkpoint: str | bool | None, args: Any) -> str | bool | None:
-    """What ``train(resume_from_checkpoint=...)`` asks for: the argument, else ``args.resume_from_checkpoint``
-    (``False`` means no resume, as None)."""
+    """What ``train(resume_from_checkpoint=...)`` asks for: the argument only (``False``: no resume, as None). As in
+    transformers, ``args.resume_from_checkpoint`` is for scripts (the CLI passes it); the Trainer never reads it."""
     if resume_from_checkpoint is False:
-        resume_from_checkpoint = None
-    if resume_from_checkpoint is None and args.resume_from_checkpoint:
-        return args.resume_from_checkpoint
+        return None
     return resume_from_checkpoint
 
 
@@ -158,6 +156,7 @@ def resumed_state(facade: TrainerSurface, point: ResumePoint, world_size: int, p
     checkpoint's progress with this run's cadence and batch size, a vanished best checkpoint dropped, the callbacks'
     saved states restored into the facade's callbacks; warns when the run's arguments differ from the checkpoint's."""
     fresh, state = facade.state, point.state
+    compare_trainer_and_checkpoint_args(facade.args, state)  # transformers' warning, in its words
     _warn_changed_arguments(facade, point, run_arguments(facade.args, world_size, plan))
     # HF keeps the checkpoint's logging/eval/save steps; the arguments of the run being started win here.
     for name in ("logging_steps", "eval_steps", "save_steps", "train_batch_size"):
@@ -168,7 +167,6 @@ def resumed_state(facade: TrainerSurface, point: ResumePoint, world_size: int, p
             "Ignoring it for this run."
         )
         state.best_model_checkpoint = None
-    restore_callback_states(facade, point, state)
     return state
 
 

@@ -22,6 +22,7 @@ storage is in the file.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import pickle
@@ -219,8 +220,10 @@ def check_weights(model: torch.nn.Module, sources: list[_Source], described: Pat
     groups = _tied_groups(model)
     missing = [k for k in expected if k not in found and not (groups.get(k, {k}) & found.keys())]
     unexpected = [k for k in found if k not in expected]
-    mismatched = [f"{k}: {list(found[k])} in the file, {list(expected[k])} in the model"
-                  for k in expected if k in found and found[k] != expected[k]]  # fmt: skip
+    resized = [k for k in expected if k in found and found[k] != expected[k]]
+    mismatched = [f"{k}: {list(found[k])} in the file, {list(expected[k])} in the model" for k in resized]
+    if resized and not (missing or unexpected) and _model_takes_shapes(model, sources, set(resized)):
+        return  # the model's own loading adapts these tensors (it resizes a buffer, as transformers lets it)
     if missing or unexpected or mismatched:
         parts = [
             f"{label} {items[:_MAX_LISTED]}{' ...' if len(items) > _MAX_LISTED else ''}"
@@ -231,6 +234,28 @@ def check_weights(model: torch.nn.Module, sources: list[_Source], described: Pat
             f"Checkpoint {described} does not match {type(model).__name__}: {'; '.join(parts)}. Was it written for "
             "another architecture or configuration? The model was left unchanged."
         )
+
+
+def _model_takes_shapes(model: torch.nn.Module, sources: list[_Source], keys: set[str]) -> bool:
+    """Whether the model's own ``load_state_dict`` takes the file's tensors of ``keys`` although their shapes differ
+    from the model's (a model that resizes a buffer when it loads, as transformers' loading allows): tried on a copy
+    of the model whose other tensors are on the meta device (no memory, the model untouched); any error: no."""
+    memo: dict[int, Any] = {}
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        if key not in keys and id(tensor) not in memo:
+            meta = torch.empty_like(tensor, device="meta")
+            is_param = isinstance(tensor, torch.nn.Parameter)
+            memo[id(tensor)] = torch.nn.Parameter(meta, requires_grad=tensor.requires_grad) if is_param else meta
+    try:
+        trial = copy.deepcopy(model, memo)
+        tensors = {k: v for source in sources if keys & set(source.shapes) for k, v in source.tensors().items()}
+        tensors = {k: v for k, v in tensors.items() if k in keys}
+        with torch.no_grad():
+            trial.load_state_dict(tensors, strict=False)
+        after = trial.state_dict()
+    except Exception:  # noqa: BLE001 - any failure of the trial means the model does not take them
+        return False
+    return all(k in after and tuple(after[k].shape) == tuple(tensors[k].shape) for k in keys)
 
 
 def _check_architecture(model: torch.nn.Module, folder: Path) -> None:

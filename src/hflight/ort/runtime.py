@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import importlib
+import logging
 from types import ModuleType
+
+logger = logging.getLogger(__name__)
 
 ONNXRUNTIME_MISSING = (
     'ONNX Runtime evaluation needs onnxruntime and onnx: pip install "hflight[ort]" '
@@ -25,16 +28,43 @@ def require_onnxruntime() -> ModuleType:
         raise ModuleNotFoundError(f"{ONNXRUNTIME_MISSING} ({exc})") from exc
 
 
-def ortmodule_class() -> type | None:
-    """``onnxruntime.training.ortmodule.ORTModule`` where onnxruntime-training is installed, else None."""
+#: Module names whose absence means onnxruntime-training is not installed (anything else is a broken install).
+_ORTMODULE_PACKAGES = ("onnxruntime", "onnxruntime.training", "onnxruntime.training.ortmodule")
+
+
+def _import_ortmodule() -> tuple[type | None, BaseException | None]:
     try:
-        return importlib.import_module("onnxruntime.training.ortmodule").ORTModule
-    except Exception:  # ImportError, or the extension not configured (torch_ort.configure not run)
-        return None
+        return importlib.import_module("onnxruntime.training.ortmodule").ORTModule, None
+    except Exception as exc:  # ImportError, or what a broken install raises (OSError for a missing library, ...)
+        return None, exc
+
+
+def _not_installed(exc: BaseException | None) -> bool:
+    return isinstance(exc, ModuleNotFoundError) and exc.name in _ORTMODULE_PACKAGES
+
+
+def _broken(exc: BaseException) -> str:
+    return (
+        f"onnxruntime-training is installed, but ORTModule does not import: {type(exc).__name__}: {exc}. "
+        "(A missing CUDA/ROCm library, a torch version it was not built for, or `python -m torch_ort.configure` not "
+        "run.)"
+    )
+
+
+def ortmodule_class() -> type | None:
+    """``onnxruntime.training.ortmodule.ORTModule`` where onnxruntime-training is installed, else None; an install
+    that is there but does not import says why (a warning with its real error), then None."""
+    cls, exc = _import_ortmodule()
+    if exc is not None and not _not_installed(exc):
+        logger.warning(_broken(exc))
+    return cls
 
 
 def require_ortmodule() -> type:
-    cls = ortmodule_class()
-    if cls is None:
-        raise ModuleNotFoundError(ORTMODULE_MISSING)
-    return cls
+    """ORTModule, or an error: "not installed" (what to install) only when it is not; else the real import error."""
+    cls, exc = _import_ortmodule()
+    if cls is not None:
+        return cls
+    if _not_installed(exc):
+        raise ModuleNotFoundError(ORTMODULE_MISSING) from exc
+    raise ImportError(f"{_broken(exc)} {ORTMODULE_MISSING}") from exc

@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import inspect
 import logging
+import math
 import os
 import re
 import tempfile
@@ -223,6 +224,17 @@ def _export(
     return notes
 
 
+def checks_per_shape(check_outputs: bool | int | str) -> float:
+    """How many batches of each input shape ``check_outputs`` compares with eager PyTorch (True: the first)."""
+    if check_outputs == "all":
+        return math.inf
+    if isinstance(check_outputs, bool) or (isinstance(check_outputs, int) and check_outputs >= 0):
+        return int(check_outputs)
+    raise ValueError(
+        f"ORT check_outputs must be True, False, a number of batches per shape or 'all', got {check_outputs!r}"
+    )
+
+
 class ORTEvaluationModel:
     """``model(**batch)`` answered by an ONNX Runtime session on the model's exported logits.
 
@@ -237,6 +249,8 @@ class ORTEvaluationModel:
         check_outputs: compare the session's outputs with the eager model's on the traced batch of every export (free:
             the export ran the model on it) and on the first batch of each input shape not compared before (one eager
             forward each), and raise ``ORTMismatchError`` on a difference beyond ``hflight.ort.checks.TOLERANCES``.
+            An int ``n`` compares the first ``n`` batches of each shape, ``"all"`` every batch (a branch on tensor
+            values at a shape already compared is caught only then; each compared batch costs one eager forward).
     """
 
     def __init__(
@@ -248,7 +262,7 @@ class ORTEvaluationModel:
         providers: list[str] | None = None,
         intra_op_threads: int | None = None,
         export_dir: str | None = None,
-        check_outputs: bool = True,
+        check_outputs: bool | int | str = True,
     ) -> None:
         if exporter not in EXPORTERS:
             raise ValueError(f"ORT exporter must be one of {EXPORTERS}, got {exporter!r}")
@@ -276,7 +290,7 @@ class ORTEvaluationModel:
         self.largest_difference = 0.0  # the largest |ORT - eager| those comparisons found
         # input shapes (batch axis aside) already compared: a branch on shapes is the same in every export, so a shape
         # is compared once per model; the traced batch is compared after every export
-        self._checked: set[tuple] = set()
+        self._checked: dict[tuple, int] = {}  # input shape -> batches of it compared
         self._reference: Any = None  # what the check compares: the session, or the float32 graph's when quantized
         self._export_outputs: Mapping[str, torch.Tensor] = {}
         self._snapshot: dict[str, torch.Tensor] | None = None
@@ -363,7 +377,7 @@ class ORTEvaluationModel:
         """Compare with the eager model on the traced batch of every export (its eager outputs come from the export
         itself) and on the first batch of each input shape not compared before."""
         shapes = tuple(feed[name].shape[1:] for name in self.input_names)
-        if shapes in self._checked and not self._export_outputs:
+        if self._checked.get(shapes, 0) >= checks_per_shape(self.check_outputs) and not self._export_outputs:
             return
         start = time.perf_counter()
         eager = self._export_outputs
@@ -376,7 +390,7 @@ class ORTEvaluationModel:
         described = {name: tuple(feed[name].shape) for name in self.input_names}
         difference = check_outputs(type(self.model).__name__, eager, checked, described)
         self.largest_difference = max(self.largest_difference, difference)
-        self._checked.add(shapes)
+        self._checked[shapes] = self._checked.get(shapes, 0) + 1
         self.check_count += 1
         self.check_seconds += time.perf_counter() - start
 

@@ -31,7 +31,7 @@ from torch import nn
 from typing_extensions import override
 
 from hflight.ort.runtime import ortmodule_class, require_onnxruntime, require_ortmodule
-from hflight.ort.session import EXPORTERS, QUANTIZATIONS, ORTEvaluationModel
+from hflight.ort.session import EXPORTERS, QUANTIZATIONS, ORTEvaluationModel, checks_per_shape
 from hflight.run.backend import HFBackend
 
 log = logging.getLogger(__name__)
@@ -83,8 +83,9 @@ class ORTStrategy(SingleDeviceStrategy, HFBackend):
         device: the device (default: the accelerator's first; several devices need a DDP strategy).
         loss_module: ``model -> module`` that training runs instead of the model (``ORTTrainer``'s
             ``ModuleWithLoss``, whose forward computes the loss: ORTModule then exports the loss too).
-        check_outputs: compare ONNX Runtime's outputs with eager PyTorch's after each export (see
-            ``hflight.ort.checks``); a difference beyond the tolerance raises ``ORTMismatchError``.
+        check_outputs: compare ONNX Runtime's outputs with eager PyTorch's after each export and on the first batch
+            of each new input shape (see ``hflight.ort.checks``); a difference beyond the tolerance raises
+            ``ORTMismatchError``. A number ``n``: the first ``n`` batches of each shape; ``"all"``: every batch.
     """
 
     strategy_name = "ort"
@@ -98,7 +99,7 @@ class ORTStrategy(SingleDeviceStrategy, HFBackend):
         providers: list[str] | None = None,
         device: str | torch.device | None = None,
         loss_module: Callable[[nn.Module], nn.Module] | None = None,
-        check_outputs: bool = True,
+        check_outputs: bool | int | str = True,
         accelerator: Any = None,
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
@@ -125,6 +126,7 @@ class ORTStrategy(SingleDeviceStrategy, HFBackend):
         self.exporter = exporter
         self.providers = providers
         self.loss_module = loss_module
+        checks_per_shape(check_outputs)  # a bad value fails here, naming itself
         self.check_outputs = check_outputs
         self._device = torch.device(device) if device is not None else None
         self._training_model: _ORTModuleTraining | None = None

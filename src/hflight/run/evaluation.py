@@ -70,10 +70,12 @@ def nested_truncate(value: Any, limit: int) -> Any:
 
 
 class Accumulator:
-    """Per-batch numpy pieces, concatenated once when asked."""
+    """Per-batch numpy pieces, concatenated once when asked; with ``concat=False`` (``eval_do_concat_batches=False``)
+    the list of per-batch pieces, as transformers returns it."""
 
-    def __init__(self, padding_index: int = -100) -> None:
+    def __init__(self, padding_index: int = -100, concat: bool = True) -> None:
         self.padding_index = padding_index
+        self.concat = concat
         self.pieces: list[Any] = []
 
     def add(self, value: Any) -> None:
@@ -82,6 +84,8 @@ class Accumulator:
     def result(self, limit: int | None = None) -> Any:
         if not self.pieces:
             return None
+        if not self.concat:
+            return list(self.pieces)
         value = nested_concat(self.pieces, self.padding_index)
         return nested_truncate(value, limit) if limit is not None else value
 
@@ -110,7 +114,8 @@ class Evaluator:
         self.description = description
         self.prediction_loss_only = prediction_loss_only
         self.ignore_keys = ignore_keys
-        self.losses, self.preds, self.labels, self.inputs = (Accumulator() for _ in range(4))
+        concat = facade.args.eval_do_concat_batches
+        self.losses, self.preds, self.labels, self.inputs = (Accumulator(concat=concat) for _ in range(4))
         self.observed = 0
         self.model: Any = None  # what prediction_step calls: the backend's evaluation model
         self.batch_metrics = bool(facade.args.batch_eval_metrics)
@@ -188,6 +193,8 @@ class Evaluator:
         else:
             metrics = {}
         metrics = denumpify_detensorize(metrics or {})
+        if isinstance(losses, list):
+            losses = np.concatenate(losses)
         if isinstance(losses, np.ndarray) and losses.size:
             finite = np.isfinite(losses)
             if facade.args.logging_nan_inf_filter and finite.any():

@@ -38,14 +38,14 @@ from typing import Any
 import torch
 from transformers.trainer_utils import SaveStrategy, TrainOutput, speed_metrics
 
+from hflight.arguments.strategies import finalize_deepspeed
 from hflight.callbacks.hooks import new_trainer_state
 from hflight.checkpoints import folders, parts, resume
 from hflight.checkpoints.manifest import PREFIX
 from hflight.run import console
-from hflight.run.datamodule import loader_length
 from hflight.run.events import dispatch
 from hflight.run.interrupt import StopRequest, signal_name, stopped
-from hflight.run.plan import TrainingPlan, plan_training
+from hflight.run.plan import TrainingPlan
 from hflight.surface import RunView, TrainerSurface
 
 logger = logging.getLogger(__name__)
@@ -71,6 +71,7 @@ class TrainingLoop:
         self.grad_norm: torch.Tensor | float | None = None
         self.learning_rate: float | None = None
         self.micro_steps_this_epoch = 0
+        self.initial_num_input_tokens_seen = 0
         self.stop = StopRequest()
         self.saved_step: int | None = None
         self.warned_nonfinite = False
@@ -84,9 +85,10 @@ class TrainingLoop:
         Lightning has left to run (-1: unbounded, ``max_steps`` ends the run)."""
         facade, run = self.facade, self.run
         loader = datamodule.train_loader
-        length = loader_length(loader)
-        num_examples = facade.num_examples(loader) if length else None
-        self.plan = plan = plan_training(facade.args, length, num_examples, run.world.size, datamodule.geometry)
+        # transformers' override point, at its moment (the loader built, nothing trained): the run's arithmetic
+        values = facade.set_initial_training_values(facade.args, loader)
+        self.plan = plan = TrainingPlan(*values, accumulation=datamodule.geometry.accumulation)
+        finalize_deepspeed(run.lightning_trainer.strategy, facade.args, facade.model, plan.max_steps)
         facade.state = new_trainer_state(
             facade.callback_handler.callbacks,
             facade.control,
@@ -98,6 +100,7 @@ class TrainingLoop:
         epochs_trained, skip = 0, 0
         if run.resume is not None:
             facade.state = resume.resumed_state(facade, run.resume, run.world.size, plan)
+            facade._load_callback_state()  # transformers' override point, at its moment: right after the state
             epochs_trained, skip = plan.resume_position(facade.state.global_step, facade.args.ignore_data_skip)
             datamodule.resume_at(skip, lambda: parts.load_rng_state(run.resume, run.world))
         facade.state.init_training_references(facade, plan.max_steps, plan.num_train_epochs, self.trial)
@@ -117,6 +120,7 @@ class TrainingLoop:
         self.tr_loss = torch.tensor(0.0, device=device)
         self.start_time = time.time()
         self.initial_global_step = self.globalstep_last_logged = facade.state.global_step
+        self.initial_num_input_tokens_seen = facade.state.num_input_tokens_seen  # tokens/s of this call only
         facade.model.zero_grad(set_to_none=True)
         dispatch(facade, "on_train_begin")
         if facade.args.eval_on_start:
@@ -153,6 +157,37 @@ class TrainingLoop:
         else:
             self.tr_loss += loss.to(self.tr_loss.device)
         facade.current_flos += float(facade.floating_point_ops(inputs))
+        self.track_input_tokens(inputs)
+
+    def track_input_tokens(self, inputs: Any) -> None:
+        """``include_num_input_tokens_seen``: ``state.num_input_tokens_seen`` grows by this micro-batch's tokens (all,
+        or those not padding), summed over the processes, as transformers counts them."""
+        facade = self.facade
+        mode = facade.args.include_num_input_tokens_seen
+        if mode == "no":
+            return
+        main_input = getattr(facade.model, "main_input_name", "input_ids")
+        if main_input not in inputs:
+            logger.warning(
+                "Tried to track the number of tokens seen, however the current model is not configured properly to "
+                "know what item is the input. To fix this, add a `main_input_name` attribute to the model class you "
+                "are using."
+            )
+            return
+        pad_id = getattr(facade.processing_class, "pad_token_id", None)
+        if mode == "non_padding" and "attention_mask" in inputs:
+            tokens = inputs["attention_mask"].sum()
+        elif mode == "non_padding" and pad_id is not None:
+            tokens = (inputs[main_input] != pad_id).sum()
+        else:
+            if mode == "non_padding":
+                logger.warning(
+                    "Could not determine method to count non-padding tokens, falling back to counting all tokens."
+                )
+            tokens = inputs[main_input].numel()
+        device = inputs[main_input].device
+        tokens = torch.as_tensor(tokens, device=device, dtype=torch.int64)
+        facade.state.num_input_tokens_seen += int(self.run.world.reduce_sum(tokens).item())
 
     def clip_and_pre_step(self, model: torch.nn.Module) -> None:
         facade = self.facade
@@ -281,9 +316,16 @@ class TrainingLoop:
         )
 
     # -- the end ---------------------------------------------------------------------------------------------------
-    def finish(self, loggers: list[Any]) -> TrainOutput:
+    def token_speed(self, start_time: float) -> dict[str, float]:
+        """``Trainer.log(logs, start_time)`` with ``include_num_input_tokens_seen``: transformers' train speed of the
+        tokens seen in this ``train()`` call."""
+        tokens = self.facade.state.num_input_tokens_seen - self.initial_num_input_tokens_seen
+        return speed_metrics("train", start_time, num_tokens=tokens)
+
+    def finish(self, loggers: list[Any], measure_memory: Any = None) -> TrainOutput:
         """After ``fit``: HF's train metrics and log entry, the best model, final rotation, on_train_end; ``loggers``:
-        the run's Lightning loggers, flushed after the last entry."""
+        the run's Lightning loggers, flushed after the last entry; ``measure_memory(metrics)``: adds
+        ``skip_memory_metrics=False``'s metrics."""
         facade = self.facade
         console.training_completed()
         train_loss = self.train_loss()
@@ -297,6 +339,8 @@ class TrainingLoop:
         facade.store_flos()
         metrics["total_flos"] = facade.state.total_flos
         metrics["train_loss"] = train_loss
+        if measure_memory is not None:
+            measure_memory(metrics)
         facade.log(metrics)
         for lightning_logger in loggers:  # fit has ended: flush what came after it
             lightning_logger.save()

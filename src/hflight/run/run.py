@@ -112,9 +112,10 @@ class Run:
         with quiet_lightning(), self.loop.stop.handling_signals(self.lightning_trainer, handed_over):
             self.lightning_trainer.fit(self.module, datamodule=self.datamodule)
 
-    def finish_training(self) -> TrainOutput:
-        """After ``fit``: train metrics, best model, final rotation, ``on_train_end`` (see the loop)."""
-        return self.loop.finish(self.lightning_trainer.loggers)
+    def finish_training(self, measure_memory: Any = None) -> TrainOutput:
+        """After ``fit``: train metrics, best model, final rotation, ``on_train_end`` (see the loop);
+        ``measure_memory(metrics)`` adds the memory metrics before they are logged."""
+        return self.loop.finish(self.lightning_trainer.loggers, measure_memory)
 
     @contextlib.contextmanager
     def evaluating(self, evaluator: Any) -> Iterator[Any]:

@@ -53,7 +53,13 @@ def remove_unused_columns(
     return dataset.remove_columns(ignored) if ignored else dataset
 
 
-def _group_by_length(dataset: Any, args: Any, processing_class: Any, seed: int) -> Sampler[int]:
+def length_grouped_sampler(
+    dataset: Any, args: Any, processing_class: Any, batch_size: int, seed: int | None
+) -> Sampler[int]:
+    """transformers' ``LengthGroupedSampler`` for ``dataset``: lengths from ``length_column_name``, else from the
+    processing class's first input. ``seed`` None: it draws from torch's global generator, as transformers' training
+    sampler does (so, as there, the order depends on what drew before it); else a generator seeded with it (the
+    evaluation and test samplers of transformers 5.23)."""
     import datasets
     from transformers.trainer_pt_utils import LengthGroupedSampler
 
@@ -61,13 +67,15 @@ def _group_by_length(dataset: Any, args: Any, processing_class: Any, seed: int) 
     if isinstance(dataset, datasets.Dataset) and args.length_column_name in dataset.column_names:
         lengths = dataset[args.length_column_name]
     input_name = processing_class.model_input_names[0] if processing_class is not None else None
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
     return LengthGroupedSampler(
-        args.train_batch_size * args.gradient_accumulation_steps,
-        dataset=dataset,
-        lengths=lengths,
-        model_input_name=input_name,
-        generator=torch.Generator().manual_seed(seed),
+        batch_size, dataset=dataset, lengths=lengths, model_input_name=input_name, generator=generator
     )
+
+
+def _group_by_length(dataset: Any, args: Any, processing_class: Any, seed: int) -> Sampler[int]:
+    batch_size = args.train_batch_size * args.gradient_accumulation_steps
+    return length_grouped_sampler(dataset, args, processing_class, batch_size, None)
 
 
 TRAIN_SAMPLERS: dict[str, Callable[[Any, Any, Any, int], Sampler[int]]] = {
@@ -159,6 +167,12 @@ class DataLoadersMixin:
         return train_sampler(dataset, self.args, self.processing_class)
 
     def _get_eval_sampler(self, eval_dataset: Any) -> Sampler[int]:
+        """Sequential; length-grouped (seeded with ``data_seed``, else ``seed``) under ``group_by_length``, as in
+        transformers 5.23 (predictions then come back in that order)."""
+        args = self.args
+        if str(getattr(args.train_sampling_strategy, "value", args.train_sampling_strategy)) == "group_by_length":
+            seed = args.data_seed if args.data_seed is not None else args.seed
+            return length_grouped_sampler(eval_dataset, args, self.processing_class, args.eval_batch_size, seed)
         return SequentialSampler(eval_dataset)
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:

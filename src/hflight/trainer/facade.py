@@ -38,7 +38,7 @@ from transformers.trainer_utils import (
 from hflight.arguments.lightning_kwargs import split_callbacks
 from hflight.arguments.training_args import TrainingArguments, coerce_training_args
 from hflight.callbacks.hooks import new_trainer_state
-from hflight.checkpoints import folders, resume, weights
+from hflight.checkpoints import folders, parts, resume, weights
 from hflight.checkpoints.writelock import output_dir_lock
 from hflight.run import console, evaluation
 from hflight.run.backend import HFBackend, backend_of
@@ -75,6 +75,10 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
     #: Whether ``compute_loss`` returns a loss already scaled for gradient accumulation (None: decided as in
     #: transformers, from ``model_accepts_loss_kwargs`` and ``compute_loss_func``).
     loss_is_scaled_for_ga: bool | None = None
+    #: hflight's opt-in (off: transformers' default): on a resume without ``restore_callback_states_from_checkpoint``,
+    #: set the saved attributes of each stateful callback onto the callback in use (an ``EarlyStoppingCallback``'s
+    #: patience counter survives the resume, transformers #28544); transformers restores nothing then.
+    restore_callback_attributes: bool = False
 
     def __init__(
         self,
@@ -95,6 +99,8 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
         tokenizer: Any = None,
     ) -> None:
         self.args = coerce_training_args(args)
+        self._memory_tracker = memory.MemoryTracker(self.args.skip_memory_metrics)
+        self._memory_tracker.start_stage("init")
         console.set_process_log_level(self.args)
         self._run: Run | None = None  # the run of the call in progress, or of the last one
         processing_class = construction.processing_class_of(processing_class, tokenizer)
@@ -130,6 +136,7 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
         dispatch(self, "on_init_end")
         if getattr(self.model, "config", None) is not None:
             self.model.config.use_cache = self.args.use_cache
+        self._memory_tracker.stop_stage("init")
 
     # ---- construction helpers ----------------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
@@ -224,6 +231,7 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
         trial: Any = None,
         ignore_keys_for_eval: list[str] | None = None,
     ) -> TrainOutput:
+        self._memory_tracker.start_stage("train")
         resume_from_checkpoint = resume.requested(resume_from_checkpoint, self.args)
         # One writer per output folder, from before the folder is read until the last checkpoint is rotated.
         with output_dir_lock(self.args.output_dir, enabled=self.args.should_save):  # the processes that write
@@ -252,7 +260,7 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
             run.fit()
         finally:
             self.is_in_train = False
-        output = run.finish_training()
+        output = run.finish_training(lambda metrics: self._memory_tracker.stop_stage("train", metrics))
         self._finish_current_push()  # the checkpoint uploads still running, as transformers after on_train_end
         return output
 
@@ -291,12 +299,21 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
         ignore_keys: list[str] | None = None,
         metric_key_prefix: str = "eval",
     ) -> dict[str, float]:
-        return evaluation.evaluate(self, eval_dataset, ignore_keys, metric_key_prefix)
+        tracked = not isinstance(eval_dataset if eval_dataset is not None else self.eval_dataset, dict)
+        if tracked:  # a dict of data sets: each one's evaluate() is measured
+            self._memory_tracker.start_stage("eval")
+        metrics = evaluation.evaluate(self, eval_dataset, ignore_keys, metric_key_prefix)
+        if tracked:
+            self._memory_tracker.stop_stage("eval", metrics)
+        return metrics
 
     def predict(
         self, test_dataset: Dataset, ignore_keys: list[str] | None = None, metric_key_prefix: str = "test"
     ) -> PredictionOutput:
-        return evaluation.predict(self, test_dataset, ignore_keys, metric_key_prefix)
+        self._memory_tracker.start_stage("test")
+        output = evaluation.predict(self, test_dataset, ignore_keys, metric_key_prefix)
+        self._memory_tracker.stop_stage("test", output.metrics)
+        return output
 
     def evaluation_loop(
         self,
@@ -324,6 +341,10 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.state.epoch is not None:
             logs["epoch"] = self.state.epoch
+        if self.args.include_num_input_tokens_seen != "no":
+            logs["num_input_tokens_seen"] = self.state.num_input_tokens_seen
+            if start_time is not None and self._run is not None and self._run.fitting:
+                logs.update(self._run.loop.token_speed(start_time))
         output = {**logs, "step": self.state.global_step}
         self.state.log_history.append(output)
         if self._run is not None and self.is_world_process_zero():
@@ -358,6 +379,9 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
 
     def _load_best_model(self) -> None:
         resume.load_best_model(self)
+
+    def _load_callback_state(self) -> None:
+        parts.restore_callback_states(self, self._run.resume, self.state)
 
     def end(self) -> None:
         """Finish the loggers and destroy the process group (after everything that needs the other processes)."""

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import torch
+from transformers.trainer_utils import TrainerMemoryTracker
 
 from hflight._util import exception_chain
 
@@ -81,3 +82,24 @@ def find_executable_batch_size(run: Callable[[int], T], batch_size: int, enabled
             logger.warning(f"Out of memory with a training batch size of {batch_size}; trying {smaller}.")
             batch_size = smaller
             release_memory()
+
+
+class MemoryTracker(TrainerMemoryTracker):
+    """``skip_memory_metrics=False``: transformers' own tracker (process RSS, and device memory where there is a
+    device), told its stage by the facade instead of deriving it from the caller's function name (hflight's stages
+    end in functions transformers' table does not know). Same metric names: ``init_mem_cpu_alloc_delta``,
+    ``train_mem_cpu_peaked_delta``, ``before_init_mem_cpu``, ...; an evaluation inside ``train()`` is not measured
+    on its own, as in transformers."""
+
+    stage = "init"
+
+    def derive_stage(self) -> str:
+        return self.stage
+
+    def start_stage(self, stage: str) -> None:
+        self.stage = stage
+        self.start()
+
+    def stop_stage(self, stage: str, metrics: dict[str, float] | None = None) -> None:
+        self.stage = stage
+        self.stop_and_update_metrics(metrics)

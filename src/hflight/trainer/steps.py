@@ -85,7 +85,8 @@ def training_step(
     model.train()
     if hasattr(trainer.optimizer, "train") and callable(trainer.optimizer.train):
         trainer.optimizer.train()
-    loss = trainer.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+    with trainer.compute_loss_context_manager():  # transformers' override point, around the forward and the loss
+        loss = trainer.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
     every = trainer.args.torch_empty_cache_steps
     if every is not None and trainer.state.global_step % every == 0:
         memory.empty_device_cache()
@@ -131,7 +132,8 @@ def prediction_step(
     with torch.no_grad():
         if has_labels or loss_without_labels:
             num_items = trainer._get_num_items_in_batch([inputs], None)
-            loss, outputs = trainer.compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items)
+            with trainer.compute_loss_context_manager():
+                loss, outputs = trainer.compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items)
             loss = loss.detach().mean()
             if isinstance(outputs, dict):
                 logits = tuple(v for k, v in outputs.items() if k not in [*ignore_keys, "loss"])
@@ -139,7 +141,8 @@ def prediction_step(
                 logits = outputs[1:]
         else:
             loss = None
-            outputs = model(**inputs)
+            with trainer.compute_loss_context_manager():
+                outputs = model(**inputs)
             if isinstance(outputs, dict):
                 logits = tuple(v for k, v in outputs.items() if k not in ignore_keys)
             else:
