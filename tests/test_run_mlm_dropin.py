@@ -8,23 +8,16 @@ perplexity, accuracy and files."""
 from __future__ import annotations
 
 import json
-import os
 import random
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from . import seq2seq_data
+from . import dropin, seq2seq_data
 
-SCRIPTS = Path(__file__).resolve().parent / "scripts" / "run_mlm"
-REPO_ROOT = Path(__file__).resolve().parents[1]
 ORIGINAL_IMPORT = "from transformers import Trainer\n"
 CHANGED_IMPORT = "from hflight import Trainer\n"
-TIMINGS = ("_runtime", "_samples_per_second", "_steps_per_second")
-HFLIGHT_ONLY = {"checkpoint_manifest.json"}
+TIMINGS, HFLIGHT_ONLY = dropin.TIMINGS, dropin.HFLIGHT_ONLY
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
 
@@ -52,38 +45,19 @@ def _inputs(root: Path) -> dict[str, Path]:
     return paths
 
 
-def _run(folder: Path, inputs: dict[str, Path], change_import: bool) -> Path:
-    shutil.copytree(SCRIPTS, folder)
-    script = folder / "run_mlm.py"
-    source = script.read_text(encoding="utf-8")
-    assert source.count(ORIGINAL_IMPORT) == 1
-    if change_import:
-        script.write_text(source.replace(ORIGINAL_IMPORT, CHANGED_IMPORT), encoding="utf-8")
-    command = [
-        sys.executable, "run_mlm.py", "--model_name_or_path", str(inputs["model"]),
-        "--train_file", str(inputs["train"]), "--validation_file", str(inputs["validation"]),
-        "--max_seq_length", "16", "--mlm_probability", "0.3", "--do_train", "--do_eval",
-        "--output_dir", str(folder / "out"), "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "8",
-        "--gradient_accumulation_steps", "2", "--learning_rate", "2e-3", "--num_train_epochs", "2",
-        "--logging_steps", "1", "--eval_strategy", "epoch", "--save_steps", "8", "--save_total_limit", "1",
-        "--seed", "0", "--report_to", "none", "--disable_tqdm", "true",
-    ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "src"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "OMP_NUM_THREADS": "1"}  # fmt: skip
-    result = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=600)
-    (folder / "console.txt").write_text(result.stdout + result.stderr, encoding="utf-8")
-    assert result.returncode == 0, f"{folder.name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
-    return folder / "out"
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("run_mlm")
     inputs = _inputs(root / "inputs")
-    return {
-        "transformers": _run(root / "transformers", inputs, change_import=False),
-        "hflight": _run(root / "hflight", inputs, change_import=True),
-    }
+    args = [
+        "--model_name_or_path", str(inputs["model"]),
+        "--train_file", str(inputs["train"]), "--validation_file", str(inputs["validation"]),
+        "--max_seq_length", "16", "--mlm_probability", "0.3", "--do_train", "--do_eval",
+        "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "8",
+        "--gradient_accumulation_steps", "2", "--learning_rate", "2e-3", "--num_train_epochs", "2",
+        "--logging_steps", "1", "--eval_strategy", "epoch", "--save_steps", "8", "--save_total_limit", "1",
+    ]  # fmt: skip
+    return dropin.both(root, "run_mlm", ORIGINAL_IMPORT, CHANGED_IMPORT, args)
 
 
 def _json(path: Path) -> dict:

@@ -9,61 +9,36 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from . import seq2seq_data
+from . import dropin, seq2seq_data
 
-SCRIPTS = Path(__file__).resolve().parent / "scripts" / "run_summarization"
-REPO_ROOT = Path(__file__).resolve().parents[1]
 ORIGINAL_IMPORT = "from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments\n"
 CHANGED_IMPORT = "from hflight import Seq2SeqTrainer, Seq2SeqTrainingArguments\n"
-TIMINGS = ("_runtime", "_samples_per_second", "_steps_per_second")
-# hflight's own addition to every checkpoint folder (README "Checkpoints you can trust").
-HFLIGHT_ONLY = {"checkpoint_manifest.json"}
+TIMINGS, HFLIGHT_ONLY = dropin.TIMINGS, dropin.HFLIGHT_ONLY
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
-
-
-def _run(folder: Path, inputs: dict[str, Path], change_import: bool) -> Path:
-    shutil.copytree(SCRIPTS, folder)
-    script = folder / "run_summarization.py"
-    source = script.read_text(encoding="utf-8")
-    assert source.count(ORIGINAL_IMPORT) == 1
-    if change_import:
-        script.write_text(source.replace(ORIGINAL_IMPORT, CHANGED_IMPORT), encoding="utf-8")
-    command = [
-        sys.executable, "run_summarization.py",
-        "--model_name_or_path", str(inputs["model"]), "--train_file", str(inputs["train"]),
-        "--validation_file", str(inputs["validation"]), "--test_file", str(inputs["test"]),
-        "--do_train", "--do_eval", "--do_predict", "--predict_with_generate", "--output_dir", str(folder / "out"),
-        "--per_device_train_batch_size", "8", "--per_device_eval_batch_size", "6",
-        "--learning_rate", "1e-3", "--num_train_epochs", "2", "--logging_steps", "1",
-        "--save_steps", "5", "--save_total_limit", "2", "--eval_strategy", "epoch",
-        "--num_beams", "2", "--val_max_target_length", "10", "--seed", "0", "--report_to", "none",
-        "--disable_tqdm", "true",
-    ]  # fmt: skip
-    # One thread: generation is many tiny steps, and threads contending on a shared CPU slow it ~50x.
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "src"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "OMP_NUM_THREADS": "1"}  # fmt: skip
-    result = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=600)
-    (folder / "console.txt").write_text(result.stdout + result.stderr, encoding="utf-8")
-    assert result.returncode == 0, f"{folder.name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
-    return folder / "out"
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("run_summarization")
     inputs = seq2seq_data.summarization_inputs(root / "inputs")
-    return {
-        "transformers": _run(root / "transformers", inputs, change_import=False),
-        "hflight": _run(root / "hflight", inputs, change_import=True),
-    }
+    args = [
+        "--model_name_or_path", str(inputs["model"]), "--train_file", str(inputs["train"]),
+        "--validation_file", str(inputs["validation"]), "--test_file", str(inputs["test"]),
+        "--do_train", "--do_eval", "--do_predict", "--predict_with_generate",
+        "--per_device_train_batch_size", "8", "--per_device_eval_batch_size", "6",
+        "--learning_rate", "1e-3", "--num_train_epochs", "2", "--logging_steps", "1",
+        "--save_steps", "5", "--save_total_limit", "2", "--eval_strategy", "epoch",
+        "--num_beams", "2", "--val_max_target_length", "10",
+    ]  # fmt: skip
+    # dropin.run uses one thread: generation is many tiny steps, and threads contending on a shared CPU slow it ~50x.
+    return dropin.both(root, "run_summarization", ORIGINAL_IMPORT, CHANGED_IMPORT, args)
 
 
 def _json(path: Path) -> dict:
