@@ -18,7 +18,7 @@ from typing import Any
 
 from transformers.trainer_utils import EvalLoopOutput, PredictionOutput
 
-from hflight.run.evaluation import evaluation_speed
+from hflight.run.evaluation import evaluation_speed, prefixed
 from hflight.trainer.seq2seq import Seq2SeqTrainer
 
 __all__ = ["QuestionAnsweringSeq2SeqTrainer"]
@@ -59,11 +59,7 @@ class QuestionAnsweringSeq2SeqTrainer(Seq2SeqTrainer):
         return output
 
     def _scores(self, prediction: Any, prefix: str) -> dict[str, float]:
-        metrics = dict(self.compute_metrics(prediction))
-        for key in list(metrics):
-            if not key.startswith(f"{prefix}_"):
-                metrics[f"{prefix}_{key}"] = metrics.pop(key)
-        return metrics
+        return prefixed(dict(self.compute_metrics(prediction)), prefix)
 
     def evaluate(
         self,
