@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -78,6 +79,7 @@ SWEEP: dict[str, dict] = {
     "dataloader_prefetch_factor": dict(dataloader_num_workers=0, dataloader_prefetch_factor=None),
     "length_column_name": dict(length_column_name="lengths"),
     "use_cpu": dict(use_cpu=True),
+    "bf16": dict(bf16=True, use_cpu=True),  # bf16 autocast on the CPU (transformers asks for use_cpu)
     "debug": dict(debug="underflow_overflow"),
     "log_on_each_node": dict(log_on_each_node=False),
     "log_level_replica": dict(log_level_replica="error"),
@@ -125,7 +127,6 @@ TESTED_ELSEWHERE = {
 #: fields this machine cannot run, with the reason.
 NOT_RUNNABLE = {
     "output_dir": "each run needs its own folder (the files are compared, relative to it)",
-    "bf16": "both autocast to bf16 on the CPU; differences of ~1e-6 remain (issue 24, not fixed here)",
     "tf32": "TF32 is a CUDA setting (no GPU here)",
     "use_liger_kernel": "liger-kernel needs CUDA/Triton",
     "liger_kernel_config": "liger-kernel needs CUDA/Triton",
@@ -156,43 +157,88 @@ def _files(folder: str) -> list[str]:
     return sorted(found)
 
 
-def _run(trainer_cls, args_cls, out, factory, fields):
-    args = args_cls(output_dir=str(out), **factory.pair_args(**fields))
-    train, evaluation = factory.cls_dataset(16), factory.cls_dataset(8, seed=1)
-    trainer = trainer_cls(factory.cls_model(), args, train_dataset=train, eval_dataset=evaluation)
+_LIBRARIES = {"hf": "transformers", "hl": "hflight"}
+
+
+def run_field(library: str, out: str, fields: dict) -> dict:
+    """One side of one field's comparison, run in a process of its own (see :func:`fresh`): train, evaluate and
+    predict with ``library``'s Trainer and arguments, and return what the two sides are compared on."""
+    from tests.conftest import Factory  # the child imports the tests' builders itself
+
+    module = {"transformers": transformers, "hflight": hflight}[library]
+    args = module.TrainingArguments(output_dir=out, **Factory.pair_args(**fields))
+    train, evaluation = Factory.cls_dataset(16), Factory.cls_dataset(8, seed=1)
+    trainer = module.Trainer(Factory.cls_model(), args, train_dataset=train, eval_dataset=evaluation)
     output = trainer.train()
     metrics = trainer.evaluate()
     prediction = trainer.predict(evaluation)
-    return trainer, output, metrics, prediction
+    return {
+        "pid": os.getpid(),
+        "log_history": trainer.state.log_history,
+        "global_step": output.global_step,
+        "metrics": metrics,
+        "predictions": prediction.predictions,
+        "files": _files(out),
+    }
+
+
+#: what the fork server imports before any run (the libraries' lazy modules included: a child that imported them
+#: itself would spend seconds on each run).
+_PRELOAD = [
+    "torch", "datasets", "lightning.pytorch", "transformers.trainer", "transformers.models.bert.modeling_bert",
+    "hflight.trainer", "hflight.run.run", "tests.conftest", "tests.test_field_sweep",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def fresh():
+    """Runs :func:`run_field` in a new process each time, forked from a server that has imported torch,
+    transformers, Lightning and hflight and done nothing else: no run sees another run's global state (torch's
+    and numpy's generators, transformers' log level, environment variables a field sets, compiled or patched
+    modules), and neither library shares a process with the other, at the cost of a fork rather than an import."""
+    import multiprocessing
+    import sys
+    from concurrent.futures import ProcessPoolExecutor
+
+    root = str(Path(__file__).resolve().parents[1])
+    added = root not in sys.path
+    if added:  # the server copies sys.path when it starts: the children import tests.* from the checkout
+        sys.path.insert(0, root)
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(_PRELOAD)
+
+    def call(library: str, out: str, fields: dict) -> dict:
+        with ProcessPoolExecutor(1, mp_context=context, max_tasks_per_child=1) as pool:
+            return pool.submit(run_field, library, out, fields).result()
+
+    try:
+        yield call
+    finally:
+        if added:
+            sys.path.remove(root)
 
 
 _TIMES = ("runtime", "per_second")
 
 
 @pytest.mark.parametrize("field", sorted(SWEEP))
-def test_field_as_transformers(field, tmp_path, factory):
-    runs = {
-        name: _run(trainer_cls, args_cls, tmp_path / name, factory, SWEEP[field])
-        for name, trainer_cls, args_cls in (
-            ("hf", transformers.Trainer, transformers.TrainingArguments),
-            ("hl", hflight.Trainer, hflight.TrainingArguments),
-        )
-    }
-    (hf, hf_out, hf_eval, hf_pred), (hl, hl_out, hl_eval, hl_pred) = runs["hf"], runs["hl"]
-    assert len(hl.state.log_history) == len(hf.state.log_history)
-    for theirs, ours in zip(hf.state.log_history, hl.state.log_history):
+def test_field_as_transformers(field, tmp_path, fresh):
+    hf, hl = (fresh(library, str(tmp_path / name), SWEEP[field]) for name, library in _LIBRARIES.items())
+    assert len({hf["pid"], hl["pid"], os.getpid()}) == 3  # each side in its own process
+    assert len(hl["log_history"]) == len(hf["log_history"])
+    for theirs, ours in zip(hf["log_history"], hl["log_history"]):
         assert sorted(ours) == sorted(theirs)
         for key, value in theirs.items():
             if isinstance(value, float) and not any(t in key for t in _TIMES):
                 assert ours[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (theirs["step"], key)
-    assert hl_out.global_step == hf_out.global_step
-    assert sorted(hl_eval) == sorted(hf_eval)
-    assert hl_eval["eval_loss"] == pytest.approx(hf_eval["eval_loss"], rel=1e-5)
-    if hf_pred.predictions is None:
-        assert hl_pred.predictions is None
+    assert hl["global_step"] == hf["global_step"]
+    assert sorted(hl["metrics"]) == sorted(hf["metrics"])
+    assert hl["metrics"]["eval_loss"] == pytest.approx(hf["metrics"]["eval_loss"], rel=1e-5)
+    if hf["predictions"] is None:
+        assert hl["predictions"] is None
     else:
-        np.testing.assert_allclose(hl_pred.predictions, hf_pred.predictions, atol=1e-5, rtol=0)
-    assert _files(str(tmp_path / "hl")) == _files(str(tmp_path / "hf"))
+        np.testing.assert_allclose(hl["predictions"], hf["predictions"], atol=1e-5, rtol=0)
+    assert hl["files"] == hf["files"]
 
 
 def test_every_field_is_swept_or_listed():
@@ -204,8 +250,6 @@ def test_every_field_is_swept_or_listed():
 
 def test_the_guide_lists_the_fields_not_run_here():
     """docs/coming-from-transformers.md's table of fields not run here is the test's NOT_RUNNABLE, reasons included."""
-    from pathlib import Path
-
     guide = (Path(__file__).resolve().parents[1] / "docs" / "coming-from-transformers.md").read_text()
     block = guide.split("<!-- not-runnable-fields -->")[1].split("<!-- /not-runnable-fields -->")[0]
     rows = [line.split(" | ", 1) for line in block.strip().splitlines()[2:]]
