@@ -604,7 +604,7 @@ def test_a_kill_at_any_point_of_a_deletion_never_offers_a_partial_checkpoint(tmp
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-6"]
 
     copies = sorted(snapshots.iterdir())
-    assert lines[0] > 20 and len(copies) > 5, (lines, len(copies))
+    assert len(copies) > 20
     picked: dict[str, Path] = {}
     for copy in copies:
         last = get_last_checkpoint(copy)
