@@ -310,3 +310,57 @@ def test_set_initial_training_values_override_plans_the_run(tmp_path, factory):
         assert trainer.state.max_steps == 2
     assert [s for s, _, _ in logs["hl"]] == [s for s, _, _ in logs["hf"]] == [1, 2]
     np.testing.assert_allclose([x[1:] for x in logs["hl"]], [x[1:] for x in logs["hf"]], rtol=1e-5)
+
+
+def test_prepare_input_override_takes_effect_as_in_transformers(tmp_path, factory):
+    """transformers' _prepare_inputs sends the batch through _prepare_input, which recurses through itself: an
+    override sees the batch and then each tensor, and what it returns is what the model gets, under both trainers."""
+
+    def subclass(base, record):
+        class Reversing(base):
+            def _prepare_input(self, data):
+                record.append(type(data).__name__)
+                data = super()._prepare_input(data)
+                if isinstance(data, torch.Tensor) and data.ndim == 2:
+                    return data.flip(1)  # the label is a function of the first token: reversing changes the loss
+                return data
+
+        return Reversing
+
+    records, losses = {}, {}
+    for name, base, args_cls in (
+        ("hf", transformers.Trainer, transformers.TrainingArguments),
+        ("hl", hflight.Trainer, hflight.TrainingArguments),
+        ("plain", hflight.Trainer, hflight.TrainingArguments),
+    ):
+        records[name] = []
+        cls = base if name == "plain" else subclass(base, records[name])
+        trainer = cls(factory.cls_model(), args_cls(str(tmp_path / name), **factory.pair_args()),
+                      train_dataset=factory.cls_dataset(8))  # fmt: skip
+        trainer.train()
+        losses[name] = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    assert records["hl"] == records["hf"] and records["hf"][:4] == ["dict", "Tensor", "Tensor", "Tensor"]
+    assert losses["hl"] == losses["hf"]
+    assert losses["plain"] != losses["hf"]
+
+
+@pytest.mark.parametrize("name", ["_inner_training_loop", "_save_rng_state", "_clip_grad_norm"])
+def test_overriding_a_transformers_method_hflight_never_calls_is_refused(tmp_path, factory, name):
+    """Such an override would have no effect: the constructor says so, naming the method and what to do instead."""
+    from hflight.trainer.construction import NOT_CALLED
+
+    custom = type("CustomTrainer", (hflight.Trainer,), {name: lambda self, *args, **kwargs: None})
+    args = hflight.TrainingArguments(str(tmp_path), report_to="none")
+    with pytest.raises(TypeError, match=rf"CustomTrainer\.{name} overrides transformers\.Trainer\.{name}") as error:
+        custom(factory.cls_model(), args)
+    assert NOT_CALLED[name] in str(error.value)
+    hflight.Trainer(factory.cls_model(), args)  # hflight's own class (and its backends' subclasses) are not refused
+
+
+def test_not_called_is_every_transformers_method_hflight_lacks():
+    from hflight.trainer.construction import NOT_CALLED
+
+    def methods(cls):
+        return {n for n in dir(cls) if not n.startswith("__") and callable(getattr(cls, n, None))}
+
+    assert methods(transformers.Trainer) - methods(hflight.Trainer) == set(NOT_CALLED)

@@ -44,6 +44,51 @@ def processing_class_of(processing_class: Any, tokenizer: Any) -> Any:
     return tokenizer
 
 
+_LOOP = "hflight's training loop is Lightning's (hflight.run.loop): override training_step or compute_loss, or add a TrainerCallback"
+_FILES = "hflight writes and checks the checkpoint's optimizer, scheduler, scaler and RNG files itself (hflight.checkpoints.parts): override _save_checkpoint or _load_from_checkpoint"
+
+#: ``transformers.Trainer`` methods that hflight's Trainer never calls, with what to do instead. A subclass that
+#: overrides one would be silently ignored, so the constructor refuses it (:func:`check_overrides`).
+#: ``tests/test_surface.py`` checks that this is every transformers method hflight's Trainer lacks.
+NOT_CALLED: dict[str, str] = {
+    **dict.fromkeys(
+        (
+            "_inner_training_loop", "_run_epoch", "_finalize_training", "_prepare_for_training",
+            "_init_training_state", "_build_accelerator_args", "_wrap_model", "_move_model_to_device",
+            "_validate_args", "_update_auto_batch_size", "_track_num_input_tokens", "_hp_search_setup",
+            "_tune_save_checkpoint", "_prepare_context_parallel_inputs", "_defer_fsdp_gradient_reduction",
+            "_has_mixed_mesh_grads", "_mixed_mesh_grad_norm", "_sync_replicated_trainable_parameters",
+        ),
+        _LOOP,
+    ),
+    **dict.fromkeys(
+        ("_save_rng_state", "_load_rng_state", "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler",
+         "_save_scaler", "_load_scaler"),
+        _FILES,
+    ),
+    "_clip_grad_norm": "gradient clipping is Lightning's (max_grad_norm becomes gradient_clip_val)",
+    "_get_grad_norm": "gradient clipping is Lightning's (max_grad_norm becomes gradient_clip_val)",
+    "_get_collator_with_removed_columns": "override _remove_unused_columns, or pass a data_collator",
+    "_issue_warnings_after_load": "hflight reports missing and unexpected keys itself: override _load_from_checkpoint",
+}  # fmt: skip
+
+
+def check_overrides(trainer_class: type) -> None:
+    """Raise when a class of ``trainer_class``'s hierarchy outside hflight overrides a :data:`NOT_CALLED` method.
+
+    Raises:
+        TypeError: naming the class, the method and what to override instead.
+    """
+    for klass in trainer_class.__mro__:
+        if klass.__module__.split(".")[0] in ("hflight", "builtins"):
+            continue
+        for name in sorted(NOT_CALLED.keys() & vars(klass).keys()):
+            raise TypeError(
+                f"{klass.__qualname__}.{name} overrides transformers.Trainer.{name}, which hflight's Trainer never "
+                f"calls, so the override would have no effect: {NOT_CALLED[name]}."
+            )
+
+
 def check_inputs(
     args: Any,
     model: Any,

@@ -8,7 +8,7 @@ the run's ``HFDataModule`` asks the facade for them once Lightning has launched 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -19,15 +19,12 @@ from hflight.run import console
 from hflight.run.datamodule import EpochSeededRandomSampler, ShardedBatchSampler
 
 
-def prepare_inputs(inputs: dict[str, Any], device: torch.device | None, signature_columns: list[str]) -> dict[str, Any]:
-    """The body of ``Trainer._prepare_inputs``: the batch's tensors on ``device`` (as they are when None); an empty
-    batch is transformers' error, listing the columns the model takes (``signature_columns``)."""
-    if len(inputs) == 0:
-        raise ValueError(
-            "The batch received was empty, your model won't be able to train on it. Double-check that your "
-            f"training dataset contains keys expected by the model: {','.join(signature_columns)}."
-        )
-    return move_data_to_device(inputs, device) if device is not None else inputs
+def empty_batch(signature_columns: list[str]) -> ValueError:
+    """transformers' error for an empty batch, listing the columns the model takes (``signature_columns``)."""
+    return ValueError(
+        "The batch received was empty, your model won't be able to train on it. Double-check that your "
+        f"training dataset contains keys expected by the model: {','.join(signature_columns)}."
+    )
 
 
 # ---- loaders the facade's getters build ----------------------------------------------------------------------
@@ -138,9 +135,21 @@ class DataLoadersMixin:
         return remove_unused_columns(dataset, self._signature_columns, description, type(self.model).__name__)
 
     def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        inputs = self._prepare_input(inputs)
         if len(inputs) == 0:
             self._set_signature_columns_if_needed()
-        return prepare_inputs(inputs, self.accelerator.device, self._signature_columns or [])
+            raise empty_batch(self._signature_columns or [])
+        return inputs
+
+    def _prepare_input(self, data: Any) -> Any:
+        """One element of a batch on the run's device, as transformers: mappings, lists and tuples element by element
+        through this method (an override sees each element), tensors moved, anything else as it is."""
+        if isinstance(data, Mapping):
+            return type(data)({key: self._prepare_input(value) for key, value in data.items()})
+        if isinstance(data, (tuple, list)):
+            return type(data)(self._prepare_input(value) for value in data)
+        device = self.accelerator.device
+        return move_data_to_device(data, device) if isinstance(data, torch.Tensor) and device is not None else data
 
     def _get_dataloader(
         self,

@@ -105,6 +105,7 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
         self._run: Run | None = None  # the run of the call in progress, or of the last one
         processing_class = construction.processing_class_of(processing_class, tokenizer)
         self._seed()
+        construction.check_overrides(type(self))
         construction.check_inputs(
             self.args, model, model_init, train_dataset, eval_dataset, callbacks, optimizers, compute_metrics
         )

@@ -85,6 +85,7 @@ def training_step(
     model.train()
     if hasattr(trainer.optimizer, "train") and callable(trainer.optimizer.train):
         trainer.optimizer.train()
+    inputs = trainer._prepare_inputs(inputs)  # an override point at transformers' moment (Lightning moved the batch)
     with trainer.compute_loss_context_manager():  # transformers' override point, around the forward and the loss
         loss = trainer.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
     every = trainer.args.torch_empty_cache_steps
