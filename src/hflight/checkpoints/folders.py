@@ -206,11 +206,19 @@ class WriteTracker:
         return max(written, key=lambda p: p.stat().st_mtime_ns).relative_to(self.folder).as_posix()
 
 
+_WRITING: list[WriteTracker] = []  # the writes in progress in this process, outermost first
+
+
 @contextlib.contextmanager
 def writing(folder: str, what: str, discard: bool) -> Iterator[WriteTracker]:
     """Turn a failed write into ``folder`` into one :class:`CheckpointWriteError` naming ``what`` (the checkpoint or
-    model being saved), the file and the cause; ``discard``: delete the unfinished ``folder`` first."""
+    model being saved), the file and the cause; ``discard``: delete the unfinished ``folder`` first. Inside another
+    ``writing`` (``save_model`` called by a checkpoint's write) the outer one reports the failure."""
+    if _WRITING:
+        yield _WRITING[-1]
+        return
     tracker = WriteTracker(folder)
+    _WRITING.append(tracker)
     try:
         yield tracker
     except Exception as exc:
@@ -227,6 +235,8 @@ def writing(folder: str, what: str, discard: bool) -> Iterator[WriteTracker]:
             else ""
         )
         raise CheckpointWriteError(f"Could not save {what}: writing {file} failed: {cause}.{after}") from exc
+    finally:
+        _WRITING.pop()
 
 
 # ---- writing -------------------------------------------------------------------------------------------------------
@@ -254,8 +264,9 @@ def run_arguments(args: Any, world_size: int, plan: Any) -> dict[str, Any]:
     return values
 
 
-def save_checkpoint(facade: TrainerSurface, run: RunView) -> str:
-    """Write ``checkpoint-{global_step}`` atomically, update the best checkpoint, rotate old ones.
+def save_checkpoint(facade: TrainerSurface, run: RunView, trial: Any = None) -> str:
+    """Write ``checkpoint-{global_step}`` atomically into ``facade._get_output_dir(trial)``, update the best
+    checkpoint, rotate old ones. The model files are ``facade.save_model``'s, as in transformers.
 
     Raises:
         CheckpointWriteError: a write failed (full disk, permissions, I/O); the unfinished folder is removed and the
@@ -263,13 +274,12 @@ def save_checkpoint(facade: TrainerSurface, run: RunView) -> str:
     """
     args, state, world = facade.args, facade.state, run.world
     facade.store_flos()
-    run_dir = args.output_dir
+    run_dir = facade._get_output_dir(trial)
     name = f"{PREFIX}-{state.global_step}"
     final_dir = os.path.join(run_dir, name)
     tmp_dir = os.path.join(run_dir, f"{TMP_PREFIX}{name}")
     is_main = args.should_save  # the main process; with save_on_each_node, the main process of each node
     if is_main:
-        _saving_checkpoint(final_dir)
         shutil.rmtree(tmp_dir, ignore_errors=True)
     run.backend.hf_sync_to_host()
     with (
@@ -344,10 +354,8 @@ def _update_best_checkpoint(args: Any, state: TrainerState, run_dir: str) -> Non
 def _write_model_files(facade: TrainerSurface, run: RunView, folder: str) -> None:
     """The model (with the weights evaluation uses), the backend's files and the weight-protocol callbacks' files
     (main process; the host weights are current)."""
-    backend = run.backend
     with run.evaluation_weights():
-        facade._save(folder)
-    backend.hf_save_files(folder)
+        facade.save_model(folder, _internal_call=True)  # the backend's files too
     for callback in run.weight_hooks("save_checkpoint_state"):
         callback.save_checkpoint_state(folder, facade.model)
 
@@ -365,10 +373,11 @@ def publish(tmp_dir: str, final_dir: str) -> None:
 # ---- best model -------------------------------------------------------------------------------------------------
 
 
-def finalize_rotation(args: Any, state: TrainerState, is_main: bool) -> None:
-    """With ``save_total_limit=1`` and a best checkpoint, HF keeps only the best one at the end (main process)."""
-    if not (is_main and state.best_model_checkpoint and args.save_total_limit == 1):
+def finalize_rotation(args: Any, state: TrainerState, run_dir: str) -> None:
+    """With ``save_total_limit=1`` and a best checkpoint, HF keeps only the best one of ``run_dir`` at the end (main
+    process)."""
+    if not (args.should_save and state.best_model_checkpoint and args.save_total_limit == 1):
         return
-    for folder in Path(args.output_dir).glob(f"{PREFIX}-*"):
+    for folder in Path(run_dir).glob(f"{PREFIX}-*"):
         if folder.is_dir() and not os.path.samefile(folder, state.best_model_checkpoint):
             remove_checkpoint(folder)

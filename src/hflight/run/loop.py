@@ -346,7 +346,7 @@ class TrainingLoop:
             lightning_logger.save()
         if facade.args.load_best_model_at_end and facade.state.best_model_checkpoint is not None:
             facade._load_best_model()
-        folders.finalize_rotation(facade.args, facade.state, facade.args.should_save)
+        folders.finalize_rotation(facade.args, facade.state, facade._get_output_dir(self.trial))
         dispatch(facade, "on_train_end")
         return TrainOutput(facade.state.global_step, train_loss, metrics)
 

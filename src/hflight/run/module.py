@@ -48,7 +48,8 @@ class HFModule(L.LightningModule):
     @override
     def configure_optimizers(self) -> OptimizerLRScheduler:
         facade = self.facade
-        facade.create_optimizer_and_scheduler(num_training_steps=self.run.plan.max_steps)
+        facade.create_optimizer()  # transformers' train() calls these two (not create_optimizer_and_scheduler)
+        facade.create_scheduler(num_training_steps=self.run.plan.max_steps)
         self.backend.hf_configure_optimizer(facade)
         return {
             "optimizer": facade.optimizer,

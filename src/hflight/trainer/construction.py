@@ -49,7 +49,8 @@ _FILES = "hflight writes and checks the checkpoint's optimizer, scheduler, scale
 
 #: ``transformers.Trainer`` methods that hflight's Trainer never calls, with what to do instead. A subclass that
 #: overrides one would be silently ignored, so the constructor refuses it (:func:`check_overrides`).
-#: ``tests/test_surface.py`` checks that this is every transformers method hflight's Trainer lacks.
+#: ``tests/test_surface.py`` checks that this is every transformers method hflight's Trainer lacks, plus the
+#: parallelism sizes it keeps for scripts that read them.
 NOT_CALLED: dict[str, str] = {
     **dict.fromkeys(
         (
@@ -65,6 +66,11 @@ NOT_CALLED: dict[str, str] = {
         ("_save_rng_state", "_load_rng_state", "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler",
          "_save_scaler", "_load_scaler"),
         _FILES,
+    ),
+    **dict.fromkeys(
+        ("get_tp_size", "get_cp_size", "get_sp_size", "get_total_train_batch_size"),
+        "hflight has no tensor, context or sequence parallelism (these sizes are 1) and plans the run's batch "
+        "arithmetic with the backend's step geometry (hflight.run.plan)",
     ),
     "_clip_grad_norm": "gradient clipping is Lightning's (max_grad_norm becomes gradient_clip_val)",
     "_get_grad_norm": "gradient clipping is Lightning's (max_grad_norm becomes gradient_clip_val)",

@@ -374,7 +374,7 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
         weights.load_model_weights(model if model is not None else self.model, resume_from_checkpoint)
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
-        folder = folders.save_checkpoint(self, self._run)
+        folder = folders.save_checkpoint(self, self._run, trial)
         if self.args.push_to_hub:
             self._push_from_checkpoint(folder)
 
