@@ -80,3 +80,7 @@ class IPUSeq2SeqTrainer(IPUTrainer, Seq2SeqTrainer):
         if self.args.compile_only:
             return IPUTrainer.evaluate(self, eval_dataset, ignore_keys, metric_key_prefix)
         return Seq2SeqTrainer.evaluate(self, eval_dataset, ignore_keys, metric_key_prefix, **gen_kwargs)
+
+    def _generation_model(self) -> nn.Module:
+        # the encoder and each decoder step run on IPU inference executables; transformers' generate drives them
+        return self.ipu_strategy.generation_model(self.model)
