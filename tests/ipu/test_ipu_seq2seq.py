@@ -68,14 +68,16 @@ def _ipu_trainer(tmp_path, data, ipu_config=None, **kwargs):
     )  # fmt: skip
 
 
-def _transformers_predict(tmp_path, data, **gen_kwargs):
-    model = seq2seq_data.bart_model(len(data["tokenizer"]), dropout=0.0)
-    args = transformers.Seq2SeqTrainingArguments(str(tmp_path / "hf"), per_device_eval_batch_size=2,
+def _transformers_trainer(tmp_path, data, model=None, batch_size=2, **kwargs):
+    model = model if model is not None else seq2seq_data.bart_model(len(data["tokenizer"]), dropout=0.0)
+    args = transformers.Seq2SeqTrainingArguments(str(tmp_path / "hf"), per_device_eval_batch_size=batch_size,
                                                   report_to="none", predict_with_generate=True)  # fmt: skip
-    trainer = transformers.Seq2SeqTrainer(
-        model=model, args=args, processing_class=data["tokenizer"], data_collator=default_data_collator
-    )
-    return trainer.predict(data["eval"], **gen_kwargs)
+    return transformers.Seq2SeqTrainer(model=model, args=args, processing_class=data["tokenizer"],
+                                       data_collator=default_data_collator, **kwargs)  # fmt: skip
+
+
+def _transformers_predict(tmp_path, data, **gen_kwargs):
+    return _transformers_trainer(tmp_path, data).predict(data["eval"], **gen_kwargs)
 
 
 def test_signature_and_fields_are_optimum_graphcores():
@@ -195,12 +197,8 @@ def test_beam_search_evaluation_and_metrics_match_transformers(poptorch_double, 
     trainer = _ipu_trainer(tmp_path, data)
     trainer.compute_metrics = compute_metrics
     ours = trainer.evaluate(max_length=8, num_beams=2)
-    model = seq2seq_data.bart_model(len(data["tokenizer"]), dropout=0.0)
-    args = transformers.Seq2SeqTrainingArguments(str(tmp_path / "hf"), per_device_eval_batch_size=2,
-                                                  report_to="none", predict_with_generate=True)  # fmt: skip
-    theirs = transformers.Seq2SeqTrainer(model=model, args=args, processing_class=data["tokenizer"],
-                                         data_collator=default_data_collator, eval_dataset=data["eval"],
-                                         compute_metrics=compute_metrics).evaluate(max_length=8, num_beams=2)  # fmt: skip
+    theirs = _transformers_trainer(tmp_path, data, eval_dataset=data["eval"], compute_metrics=compute_metrics)
+    theirs = theirs.evaluate(max_length=8, num_beams=2)
     for key in ("eval_token_match", "eval_gen_tokens"):
         assert ours[key] == theirs[key]
     assert ours["eval_loss"] == pytest.approx(theirs["eval_loss"], rel=1e-6)
@@ -210,20 +208,15 @@ def test_beam_search_evaluation_and_metrics_match_transformers(poptorch_double, 
 
 def test_one_compilation_per_static_shape(poptorch_double, executors, tmp_path, data):
     unlabelled = data["eval"].remove_columns("labels")  # no loss executable: batches of 4, 4 and 2 rows
-    theirs = transformers.Seq2SeqTrainer(
-        model=seq2seq_data.bart_model(len(data["tokenizer"]), dropout=0.0), processing_class=data["tokenizer"],
-        args=transformers.Seq2SeqTrainingArguments(str(tmp_path / "hf"), per_device_eval_batch_size=4,
-                                                   report_to="none", predict_with_generate=True),
-        data_collator=default_data_collator,
-    ).predict(unlabelled, max_length=7)  # fmt: skip
+    theirs = _transformers_trainer(tmp_path, data, batch_size=4).predict(unlabelled, max_length=7)
     ours = _ipu_trainer(tmp_path, data, per_device_eval_batch_size=4).predict(unlabelled, max_length=7)
     np.testing.assert_array_equal(ours.predictions, theirs.predictions)
-    for role in ("_EncoderStep", "_DecoderStep"):
-        compiled = _role_executors(executors, role)
-        assert [e.compile_count for e in compiled] == [1, 1]  # one executable per batch shape, compiled once
-        assert [e.calls[0].input_shapes[next(iter(e.calls[0].input_shapes))][0] for e in compiled] != [4, 4]
-        assert {call.input_shapes.get("decoder_input_ids", (0, 7))[1] for e in compiled for call in e.calls} == {7}
-    assert [len(e.calls) for e in _role_executors(executors, "_EncoderStep")] == [2, 1]
+    encoders, decoders = _role_executors(executors, "_EncoderStep"), _role_executors(executors, "_DecoderStep")
+    # one executable per static shape, each compiled once, each called with its shape only
+    assert [e.compile_count for e in encoders + decoders] == [1, 1, 1, 1]
+    assert [{c.input_shapes["inputs"] for c in e.calls} for e in encoders] == [{(4, 16)}, {(2, 16)}]
+    assert [len(e.calls) for e in encoders] == [2, 1]
+    assert [{c.input_shapes["decoder_input_ids"] for c in e.calls} for e in decoders] == [{(4, 7)}, {(2, 7)}]
 
 
 def test_inference_device_iterations_run_one_step_per_micro_batch(poptorch_double, executors, tmp_path, data):
@@ -244,11 +237,7 @@ def test_evaluation_after_training_generates_with_the_trained_weights(poptorch_d
                            learning_rate=3e-3)  # fmt: skip
     trainer.compute_metrics = lambda prediction: generated.append(prediction.predictions) or {}
     trainer.train()
-    trained = copy.deepcopy(trainer.model)
-    args = transformers.Seq2SeqTrainingArguments(str(tmp_path / "hf"), per_device_eval_batch_size=2,
-                                                  report_to="none", predict_with_generate=True)  # fmt: skip
-    theirs = transformers.Seq2SeqTrainer(model=trained, args=args, processing_class=data["tokenizer"],
-                                         data_collator=default_data_collator).predict(data["eval"], max_length=6)
+    theirs = _transformers_trainer(tmp_path, data, copy.deepcopy(trainer.model)).predict(data["eval"], max_length=6)
     assert len(generated) == 2 and not np.array_equal(generated[0], generated[1])  # the weights changed in between
     np.testing.assert_array_equal(generated[1], theirs.predictions)
 
