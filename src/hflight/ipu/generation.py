@@ -28,9 +28,9 @@ does, which the stand-in accepts and real poptorch was not seen to.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import logging
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -152,7 +152,7 @@ class IPUGeneration:
         if executable is None:
             runner = self.poptorch.inferenceModel(build().eval(), options=self.options())
             executable = self.executables[role] = _Executable(runner, signature)
-        elif not executable.synced:
+        elif not executable.synced and executable.runner.isCompiled():  # compiling uploads the weights anyway
             runner = executable.runner
             if runner.isAttachedToDevice():
                 runner.copyWeightsToDevice()
@@ -193,19 +193,14 @@ class IPUGeneration:
         return view
 
 
-_VIEW_CLASSES: weakref.WeakKeyDictionary[type, type] = weakref.WeakKeyDictionary()
-
-
+@functools.lru_cache(maxsize=16)  # bounded: a trainingModel gives the model a class of its own per run
 def _view_class(base: type) -> type:
-    if base not in _VIEW_CLASSES:
+    def forward(self: _GenerationView, **kwargs: Any) -> Seq2SeqLMOutput:
+        return self._ipu_decode(**kwargs)
 
-        def forward(self: _GenerationView, **kwargs: Any) -> Seq2SeqLMOutput:
-            return self._ipu_decode(**kwargs)
-
-        forward.__signature__ = inspect.signature(base.forward)  # transformers validates generate's kwargs by it
-        namespace = {"__module__": __name__, "forward": forward}
-        _VIEW_CLASSES[base] = type(f"IPUGeneration{base.__name__}", (_GenerationView, base), namespace)
-    return _VIEW_CLASSES[base]
+    forward.__signature__ = inspect.signature(base.forward)  # transformers validates generate's kwargs by it
+    namespace = {"__module__": __name__, "forward": forward}
+    return type(f"IPUGeneration{base.__name__}", (_GenerationView, base), namespace)
 
 
 class _EncoderRunner:
