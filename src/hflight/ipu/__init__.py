@@ -6,9 +6,9 @@ imports poptorch until an accelerator, strategy or trainer is built; then a miss
 says what to install. Built against poptorch's documented API and verified against a stand-in of it in the tests;
 never run on IPU hardware (the last public poptorch needs torch 2.0.1).
 
-May import: the Lightning side (``accelerator``, ``strategy``, ``precision``, ``runtime``, ``data``, ``config``) only
-the run's backend hooks (``hflight.run.backend``), the arguments and the checkpoints; the optimum-graphcore-compatible
-``trainer`` also the facade and the run.
+May import: the Lightning side (``accelerator``, ``strategy``, ``precision``, ``runtime``, ``data``, ``config``,
+``generation``) only the run's backend hooks (``hflight.run.backend``), the arguments and the checkpoints; the
+optimum-graphcore-compatible ``trainer`` also the facade and the run.
 """
 
 from __future__ import annotations

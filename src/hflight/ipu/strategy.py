@@ -35,6 +35,7 @@ from typing_extensions import override
 
 from hflight.ipu.config import IPUConfig
 from hflight.ipu.data import pad_on_batch_axis
+from hflight.ipu.generation import IPUGeneration, check_generation_options
 from hflight.ipu.precision import IPUPrecision
 from hflight.ipu.runtime import require_poptorch
 from hflight.run.backend import HFBackend, StepGeometry
@@ -122,6 +123,7 @@ class IPUStrategy(SingleDeviceStrategy, HFBackend):
         self.dataloader_mode = dataloader_mode
         self.training_model: Any = None
         self.inference_model: Any = None
+        self.generation: IPUGeneration | None = None  # the encoder/decoder executables of generation
         self._options: dict[bool, Any] = {}
         self._model_class_name: str | None = None  # the model's own class, which trainingModel replaces
 
@@ -264,13 +266,26 @@ class IPUStrategy(SingleDeviceStrategy, HFBackend):
         if self.inference_model is None:
             self.inference_model = self.poptorch.inferenceModel(model.eval(), options=self.options(True))
         inference = self.inference_model
+        if self.generation is not None:
+            self.generation.begin()  # the trained weights reach the generation executables at their next call
         try:
             yield inference
         finally:
             if inference.isCompiled() and inference.isAttachedToDevice():
                 inference.detachFromDevice()
+            if self.generation is not None:
+                self.generation.detach()
             if reattach:
                 training.attachToDevice()
+
+    def generation_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model`` as transformers' ``generate`` sees it, its encoder and decoder steps run on inference
+        executables (:mod:`hflight.ipu.generation`); they live until teardown, as the other executables."""
+        check_generation_options(self.ipu_config.inference_parallelize_kwargs)
+        if self.generation is None:
+            factor = self.ipu_config.batch_size_factor(for_inference=True)
+            self.generation = IPUGeneration(self.poptorch, lambda: self.options(for_inference=True), factor)
+        return self.generation.model_for(model)
 
     @override
     def hf_sync_to_host(self) -> None:
@@ -342,7 +357,9 @@ class IPUStrategy(SingleDeviceStrategy, HFBackend):
         for executable in (self.training_model, self.inference_model):
             if executable is not None:
                 executable.destroy()  # copies the trained weights back to the host first
-        self.training_model = self.inference_model = None
+        if self.generation is not None:
+            self.generation.destroy()
+        self.training_model = self.inference_model = self.generation = None
         self._options.clear()
         super().teardown()
 

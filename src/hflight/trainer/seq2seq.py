@@ -190,12 +190,17 @@ class Seq2SeqTrainer(Trainer):
                 gen_kwargs.pop(name)
         gen_kwargs.setdefault("synced_gpus", is_deepspeed_zero3_enabled() or is_fsdp_managed_module(self.model))
         with self._generation_context():
-            generated = self.model.generate(**_generation_inputs(inputs), **gen_kwargs)
+            generated = self._generation_model().generate(**_generation_inputs(inputs), **gen_kwargs)
         gen_config = self.model.generation_config
         if gen_config._from_model_config:  # transformers: built from the model config once, not per batch
             gen_config._from_model_config = False
         gen_config.update(**gen_config._get_default_generation_params(), defaults_only=True)
         return generated
+
+    def _generation_model(self) -> nn.Module:
+        """The model whose ``generate`` runs: ``self.model`` (a backend's trainer may return one that runs its
+        forward passes on the backend's device, sharing ``self.model``'s weights and generation config)."""
+        return self.model
 
     def _generation_context(self) -> contextlib.AbstractContextManager:
         """FSDP-wrapped models generate with their full parameters (``summon_full_params``), as in transformers."""
