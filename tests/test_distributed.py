@@ -65,9 +65,28 @@ def test_ddp_gathers_evaluation_in_dataset_order_without_the_padding_repeats(run
 
 
 @pytest.mark.subprocess
+def test_evaluate_and_predict_as_the_first_calls_under_ddp_match_one_process_and_transformers(runs):
+    """evaluate() and predict() before any training are the calls that launch the processes: the launching process
+    built its loader before the launch (one process, unsharded), the launched rank after it (sharded); both must
+    iterate the same shard of batches, and the gathered outputs come back in dataset order, each sample once."""
+    single, ddp, _, _ = runs
+    reference = single["transformers_first"]
+    for result in (single, ddp):
+        first = result["first"]
+        assert first["eval"]["eval_count"] == 12 and first["test_count"] == 11
+        assert first["eval"]["eval_exact"] == reference["eval"]["eval_exact"]
+        assert first["eval"]["eval_loss"] == pytest.approx(reference["eval"]["eval_loss"], rel=1e-5)
+        predictions = np.array(first["predictions"])
+        assert predictions.shape == (2, 11, 16)
+        np.testing.assert_allclose(predictions, np.array(reference["predictions"]), atol=1e-5)
+        assert first["label_ids"] == reference["label_ids"]
+
+
+@pytest.mark.subprocess
 def test_ddp_checkpoints_and_events_match_one_process(runs):
     single, ddp, _, two = runs
     assert ddp["events"] == single["events"]  # each HF event once (rank 0's view), in the same order
+    assert ddp["events"][0] == ["evaluate", 0]  # the evaluate() before train()
     assert ddp["checkpoints"] == single["checkpoints"] == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
     folder = two / "checkpoint-6"
     # HF's layout: one RNG file per rank, everything else written once by rank 0; no half-written folder left.
