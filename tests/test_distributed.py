@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+import hflight
 from hflight.run import distributed
 
 JOB = Path(__file__).parent / "jobs" / "ddp_job.py"
@@ -156,3 +157,20 @@ def test_average_tokens_across_devices_logs_as_transformers_under_torchrun(tmp_p
     assert [s for s, *_ in logs["hl"]] == [s for s, *_ in logs["hf"]] == [1, 2, 3]
     np.testing.assert_allclose([x[1:] for x in logs["hl"]], [x[1:] for x in logs["hf"]], rtol=1e-6)
     assert all(loss > 2 * np.log(3) for _, loss, _, _ in logs["hl"])  # the world size (2) scaled it
+
+
+def test_fsdp_on_the_cpu_is_refused_before_anything_is_launched(tmp_path, factory):
+    """Lightning's FSDPStrategy refuses the CPU ("The strategy `fsdp` requires a GPU accelerator, but received
+    `accelerator='cpu'`", raised deep inside lightning.Trainer): hflight says so naming fsdp, before a lightning.Trainer
+    exists or a process is launched, whether the CPU was asked for or is what "auto" finds."""
+    for accelerator in ("cpu", "auto") if not torch.cuda.is_available() else ("cpu",):
+        args = hflight.TrainingArguments(output_dir=str(tmp_path), accelerator=accelerator, devices=2,
+                                         fsdp=True, fsdp_config={"reshard_after_forward": True},
+                                         report_to="none", disable_tqdm=True)  # fmt: skip
+        trainer = hflight.Trainer(factory.qa_model(), args, train_dataset=factory.qa_dataset(8))
+        message = rf"fsdp=True \(fsdp_config: .*\) needs CUDA GPUs: .*FSDPStrategy.* is 'cpu' \(accelerator='{accelerator}'\)"
+        with pytest.raises(ValueError, match=message):
+            trainer.train()
+        with pytest.raises(ValueError, match=message):
+            trainer.evaluate(factory.qa_dataset(4))
+        assert trainer.lightning_trainer is None and "WORLD_SIZE" not in os.environ
