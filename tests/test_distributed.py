@@ -168,7 +168,9 @@ def test_fsdp_on_the_cpu_is_refused_before_anything_is_launched(tmp_path, factor
                                          fsdp=True, fsdp_config={"reshard_after_forward": True},
                                          report_to="none", disable_tqdm=True)  # fmt: skip
         trainer = hflight.Trainer(factory.qa_model(), args, train_dataset=factory.qa_dataset(8))
-        message = rf"fsdp=True \(fsdp_config: .*\) needs CUDA GPUs: .*FSDPStrategy.* is 'cpu' \(accelerator='{accelerator}'\)"
+        message = (
+            rf"fsdp=True \(fsdp_config: .*\) needs CUDA GPUs: .*FSDPStrategy.* is 'cpu' \(accelerator='{accelerator}'\)"
+        )
         with pytest.raises(ValueError, match=message):
             trainer.train()
         with pytest.raises(ValueError, match=message):

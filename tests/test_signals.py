@@ -201,9 +201,7 @@ def stop_ddp_job(out: Path, launcher: str, target: str, exit_delay: float) -> tu
 
 
 @pytest.mark.subprocess
-@pytest.mark.parametrize(
-    "launcher, target", [("lightning", "group"), ("lightning", "rank0"), ("torchrun", "group")]
-)
+@pytest.mark.parametrize("launcher, target", [("lightning", "group"), ("lightning", "rank0"), ("torchrun", "group")])
 def test_sigterm_to_two_processes_exits_143_everywhere_with_the_checkpoint_complete(tmp_path, launcher, target):
     """SIGTERM after step 3 to a 2-process DDP job whose rank 0 takes 6 s to exit (slow exit callbacks): each rank
     finishes the step, both write checkpoint-3 and exit 143. Under Lightning's launcher its child-process monitor

@@ -5,9 +5,10 @@
 
 A tiny BERT QA model trains with DDP on CPU (gloo), gradient accumulation 2, at most 200 optimizer steps, pausing
 0.1 s after each; no regular checkpoint. Each rank writes ``OUT/pid-RANK`` once training runs; rank 0 prints
-``step N`` after each step, and each rank writes the code it leaves ``main`` with in ``OUT/exit-RANK`` (under torchrun,
-whose agent reaps the ranks, the test has no other view of them). ``--exit-delay S``: rank 0 takes S seconds more to exit (an exit callback that sleeps,
-as a slow logger or library shutdown would), the case in which Lightning's child-process monitor killed it.
+``step N`` after each step, and each rank writes the code it leaves ``main`` with in ``OUT/exit-RANK`` (under
+torchrun, whose agent reaps the ranks, the test has no other view of them). ``--exit-delay S``: rank 0 takes S seconds
+more to exit (an exit callback that sleeps, as a slow logger or library shutdown would), the case in which Lightning's
+child-process monitor killed it.
 """
 
 import argparse
