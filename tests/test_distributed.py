@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -11,8 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import DataLoader, SequentialSampler
 
+import hflight
 from hflight.run import distributed
+from hflight.run.datamodule import ShardedBatchSampler, shard_loader
 
 JOB = Path(__file__).parent / "jobs" / "ddp_job.py"
 
@@ -20,8 +25,14 @@ JOB = Path(__file__).parent / "jobs" / "ddp_job.py"
 def run_job(out: Path, devices: int, batch_size: int) -> dict:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     command = [sys.executable, str(JOB), str(out), "--devices", str(devices), "--batch-size", str(batch_size)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=out)
-    assert done.returncode == 0, done.stderr[-4000:]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=out,
+                               start_new_session=True)  # fmt: skip
+    try:
+        _, stderr = process.communicate(timeout=300)
+    finally:  # a hung job (ranks disagreeing on a collective): rank 1, launched by rank 0, is killed with it
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 0, stderr[-4000:]
     return json.loads((out / "result.json").read_text())
 
 
@@ -65,9 +76,28 @@ def test_ddp_gathers_evaluation_in_dataset_order_without_the_padding_repeats(run
 
 
 @pytest.mark.subprocess
+def test_evaluate_and_predict_as_the_first_calls_under_ddp_match_one_process_and_transformers(runs):
+    """evaluate() and predict() before any training are the calls that launch the processes: the launching process
+    built its loader before the launch (one process, unsharded), the launched rank after it (sharded); both must
+    iterate the same shard of batches, and the gathered outputs come back in dataset order, each sample once."""
+    single, ddp, _, _ = runs
+    reference = single["transformers_first"]
+    for result in (single, ddp):
+        first = result["first"]
+        assert first["eval"]["eval_count"] == 12 and first["test_count"] == 11
+        assert first["eval"]["eval_exact"] == reference["eval"]["eval_exact"]
+        assert first["eval"]["eval_loss"] == pytest.approx(reference["eval"]["eval_loss"], rel=1e-5)
+        predictions = np.array(first["predictions"])
+        assert predictions.shape == (2, 11, 16)
+        np.testing.assert_allclose(predictions, np.array(reference["predictions"]), atol=1e-5)
+        assert first["label_ids"] == reference["label_ids"]
+
+
+@pytest.mark.subprocess
 def test_ddp_checkpoints_and_events_match_one_process(runs):
     single, ddp, _, two = runs
     assert ddp["events"] == single["events"]  # each HF event once (rank 0's view), in the same order
+    assert ddp["events"][0] == ["evaluate", 0]  # the evaluate() before train()
     assert ddp["checkpoints"] == single["checkpoints"] == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
     folder = two / "checkpoint-6"
     # HF's layout: one RNG file per rank, everything else written once by rank 0; no half-written folder left.
@@ -137,3 +167,39 @@ def test_average_tokens_across_devices_logs_as_transformers_under_torchrun(tmp_p
     assert [s for s, *_ in logs["hl"]] == [s for s, *_ in logs["hf"]] == [1, 2, 3]
     np.testing.assert_allclose([x[1:] for x in logs["hl"]], [x[1:] for x in logs["hf"]], rtol=1e-6)
     assert all(loss > 2 * np.log(3) for _, loss, _, _ in logs["hl"])  # the world size (2) scaled it
+
+
+def test_a_loader_built_for_one_process_is_dealt_to_the_ranks_it_runs_in():
+    """What the launching process of Lightning's launcher built before the launch (one process: every batch) becomes
+    its shard once it runs as rank r of n: batches r, r + n, ..., the last one filled from the start (as a launched
+    rank's own loader); a loader already dealt for this world, and one process, are left as they are."""
+    data = list(range(11))
+    loader = DataLoader(data, batch_size=3, sampler=SequentialSampler(data), collate_fn=lambda rows: rows)
+    assert [list(batch) for batch in loader] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10]]
+    assert [list(b) for b in shard_loader(loader, 2, 0)] == [[0, 1, 2], [6, 7, 8]]
+    assert [list(b) for b in shard_loader(loader, 2, 1)] == [[3, 4, 5], [9, 10, 0]]
+    assert shard_loader(loader, 1, 0) is loader
+    batches = ShardedBatchSampler(SequentialSampler(data), 3, False, 2, 1)
+    dealt = DataLoader(data, batch_sampler=batches, collate_fn=lambda rows: rows)
+    assert shard_loader(dealt, 2, 1) is dealt
+    # dealt for another world: dealt again (4 batches to 3 ranks, the third takes batches 2 and 1)
+    assert [list(b) for b in shard_loader(dealt, 3, 2)] == [[6, 7, 8], [3, 4, 5]]
+
+
+def test_fsdp_on_the_cpu_is_refused_before_anything_is_launched(tmp_path, factory):
+    """Lightning's FSDPStrategy refuses the CPU ("The strategy `fsdp` requires a GPU accelerator, but received
+    `accelerator='cpu'`", raised deep inside lightning.Trainer): hflight says so naming fsdp, before a lightning.Trainer
+    exists or a process is launched, whether the CPU was asked for or is what "auto" finds."""
+    for accelerator in ("cpu", "auto") if not torch.cuda.is_available() else ("cpu",):
+        args = hflight.TrainingArguments(output_dir=str(tmp_path), accelerator=accelerator, devices=2,
+                                         fsdp=True, fsdp_config={"reshard_after_forward": True},
+                                         report_to="none", disable_tqdm=True)  # fmt: skip
+        trainer = hflight.Trainer(factory.qa_model(), args, train_dataset=factory.qa_dataset(8))
+        message = (
+            rf"fsdp=True \(fsdp_config: .*\) needs CUDA GPUs: .*FSDPStrategy.* is 'cpu' \(accelerator='{accelerator}'\)"
+        )
+        with pytest.raises(ValueError, match=message):
+            trainer.train()
+        with pytest.raises(ValueError, match=message):
+            trainer.evaluate(factory.qa_dataset(4))
+        assert trainer.lightning_trainer is None and "WORLD_SIZE" not in os.environ

@@ -8,6 +8,8 @@ with the signal sent from outside and an exact resume, is ``test_resume.py::test
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -159,3 +161,63 @@ def test_a_second_sigint_while_the_stopped_process_exits_prints_no_traceback(tmp
     assert output.rstrip().endswith("SIGINT received while exiting after the run was stopped: exiting now.")
     assert proc.returncode == 130
     assert verify_checkpoint(tmp_path / "checkpoint-2")["global_step"] == 2
+
+
+JOBS = Path(__file__).parent / "jobs"
+
+
+def stop_ddp_job(out: Path, launcher: str, target: str, exit_delay: float) -> tuple[dict[int, int], str]:
+    """Run tests/jobs/sigterm_ddp_job.py (two ranks) under ``launcher`` through tests/jobs/reap_all.py, send SIGTERM
+    after step 3 to the job's process ``group`` or to its main process only (``rank0``: rank 0 under Lightning's
+    launcher, the torchrun agent under torchrun), as a scheduler does. Returns the exit code of every process reaped
+    by the wrapper (pid -> code) and the output."""
+    out.mkdir()
+    job = [str(JOBS / "sigterm_ddp_job.py"), str(out), "--exit-delay", str(exit_delay)]
+    if launcher == "torchrun":
+        torchrun = Path(sys.executable).with_name("torchrun")
+        job = [str(torchrun), "--nproc_per_node", "2", "--master_port", "29571", *job, "--torchrun"]
+    else:
+        job = [sys.executable, *job]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    codes_file = out / "codes.json"
+    wrapper = [sys.executable, str(JOBS / "reap_all.py"), str(codes_file), "150", "--", *job]
+    process = subprocess.Popen(wrapper, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    job_pid, lines = None, []
+    try:
+        for line in process.stdout:
+            lines.append(line)
+            if line.startswith("job ") and job_pid is None:
+                job_pid = int(line.split()[1])
+            if line.strip() == "step 3":
+                os.killpg(job_pid, signal.SIGTERM) if target == "group" else os.kill(job_pid, signal.SIGTERM)
+                break
+        lines.append(process.communicate(timeout=160)[0])
+    finally:
+        if process.poll() is None:  # the wrapper hung: kill the job's session and the wrapper
+            with contextlib.suppress(OSError):
+                os.killpg(job_pid, signal.SIGKILL)
+            process.kill()
+    return {int(pid): code for pid, code in json.loads(codes_file.read_text()).items()}, "".join(lines)
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("launcher, target", [("lightning", "group"), ("lightning", "rank0"), ("torchrun", "group")])
+def test_sigterm_to_two_processes_exits_143_everywhere_with_the_checkpoint_complete(tmp_path, launcher, target):
+    """SIGTERM after step 3 to a 2-process DDP job whose rank 0 takes 6 s to exit (slow exit callbacks): each rank
+    finishes the step, both write checkpoint-3 and exit 143. Under Lightning's launcher its child-process monitor
+    (every 5 s) SIGKILLed rank 0 (-9) once rank 1 had exited 143; now rank 0 outlives the rank it launched."""
+    if launcher == "torchrun" and not Path(sys.executable).with_name("torchrun").exists():
+        pytest.skip("torchrun is not installed beside this Python")
+    out = tmp_path / "job"
+    codes, output = stop_ddp_job(out, launcher, target, exit_delay=6.0)
+    pids = {rank: int((out / f"pid-{rank}").read_text()) for rank in (0, 1)}
+    assert [(out / f"exit-{rank}").read_text() for rank in (0, 1)] == ["143", "143"], output[-3000:]
+    if launcher == "lightning":  # rank 0 is the job's main process (reaped here) and reaps rank 1, its child
+        assert codes == {pids[0]: 143}, output[-3000:]
+        assert f"have exited (pid: exit code): {pids[1]}: 143." in output
+    else:  # the agent reaps the ranks (its own exit code is torchrun's: 1 after its SignalException)
+        assert "closing signal SIGKILL" not in output and "Received 15 death signal" in output
+    assert "Forcefully terminating" not in output
+    manifest = verify_checkpoint(out / "checkpoint-3", full=True)
+    assert manifest["global_step"] == 3 and manifest["run"]["world_size"] == 2
+    assert get_last_checkpoint(out) == str(out / "checkpoint-3")

@@ -7,7 +7,10 @@ Lightning's DDP launcher starts the other rank by running this script again. Tra
 (dropout 0, plain SGD so that float rounding cannot flip an Adam step's sign) with gradient accumulation 2 on 40
 examples (an epoch's last accumulation cycle is short), evaluates every epoch, saves a checkpoint every 2 steps,
 then evaluates on 12 examples and predicts on 11 (not a multiple of the 2 x 3 global evaluation batch, so the
-last batch is padded with repeats that must be dropped). Rank 0 writes ``OUT/result.json`` and ``OUT/final.pt``.
+last batch is padded with repeats that must be dropped). The same evaluate() and predict() also run as the very first
+calls, before train(): under DDP they are the calls that launch the processes. With one process, transformers'
+Trainer evaluates and predicts the untrained model too, for reference. Rank 0 writes ``OUT/result.json`` and
+``OUT/final.pt``.
 """
 
 import argparse
@@ -50,6 +53,26 @@ class Events(TrainerCallback):
         self.seen.append(("save", state.global_step))
 
 
+def outputs_of(metrics, prediction):
+    return {
+        "eval": {k: v for k, v in metrics.items() if k in ("eval_loss", "eval_exact", "eval_count")},
+        "predictions": [p.tolist() for p in prediction.predictions],
+        "label_ids": [p.tolist() for p in prediction.label_ids],
+        "test_count": prediction.metrics["test_count"],
+    }
+
+
+def transformers_first(out):
+    """transformers' Trainer on the untrained model: evaluate() and predict() as hflight's first calls do them."""
+    import transformers
+
+    model = tiny_bert_qa(0, hidden=16, layers=1, dropout=0.0, max_positions=32)
+    args = transformers.TrainingArguments(output_dir=str(out), per_device_eval_batch_size=3, report_to="none",
+                                          use_cpu=True, disable_tqdm=True)  # fmt: skip
+    trainer = transformers.Trainer(model, args, eval_dataset=dataset(12, 1), compute_metrics=exact_match)
+    return outputs_of(trainer.evaluate(), trainer.predict(dataset(11, 2)))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -87,6 +110,8 @@ def main():
         compute_metrics=exact_match,
         callbacks=[events],
     )
+    first_metrics = trainer.evaluate()  # before any training: these calls launch the processes under DDP
+    first_prediction = trainer.predict(dataset(11, 2))
     train_output = trainer.train()
     metrics = trainer.evaluate()
     prediction = trainer.predict(dataset(11, 2))
@@ -104,7 +129,10 @@ def main():
             "test_metrics": prediction.metrics,
             "events": events.seen,
             "checkpoints": sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")),
+            "first": outputs_of(first_metrics, first_prediction),
         }
+        if opts.devices == 1:
+            result["transformers_first"] = transformers_first(out / "transformers")
         (out / "result.json").write_text(json.dumps(result))
     return 0
 

@@ -149,9 +149,30 @@ def fsdp_settings(args: Any, model: nn.Module) -> dict[str, Any]:
 
 
 def fsdp_strategy(args: Any, model: nn.Module) -> Any:
+    """Lightning's ``FSDPStrategy`` for ``fsdp``/``fsdp_config``; refused before anything is launched unless the run
+    is on CUDA GPUs (:func:`check_fsdp_device`)."""
     from lightning.pytorch.strategies import FSDPStrategy
 
+    check_fsdp_device(args)
     return FSDPStrategy(**fsdp_settings(args, model))
+
+
+def check_fsdp_device(args: Any) -> None:
+    """Lightning's ``FSDPStrategy`` runs on CUDA only: it refuses any other accelerator with "The strategy `fsdp`
+    requires a GPU accelerator, but received `accelerator='cpu'`" (lightning 2.6, from deep inside
+    ``lightning.Trainer``), and torch's ``FullyShardedDataParallel`` under it refuses the CPU too ("FSDP needs a
+    non-CPU accelerator device, but no accelerator device is detected", torch 2.13, with Lightning's check bypassed).
+    Here, as a ValueError naming transformers' argument, before a process is launched."""
+    from hflight.arguments.training_args import resolved_device_type
+
+    device = "cpu" if args.use_cpu else resolved_device_type(args)
+    if device != "cuda":
+        raise ValueError(
+            f"fsdp={args.fsdp!r} (fsdp_config: {args.fsdp_config}) needs CUDA GPUs: hflight runs it as Lightning's "
+            "FSDPStrategy, which refuses any other accelerator (so does torch's FullyShardedDataParallel under it), "
+            f"and this run's is {device!r} (accelerator={args.accelerator!r}). For several processes on the CPU use "
+            "strategy='ddp' without fsdp."
+        )
 
 
 def deepspeed_strategy(args: Any) -> Any:

@@ -13,6 +13,11 @@ Three pieces:
 - ``HFDataModule``: asks the facade for its loaders (``get_train_dataloader`` and friends, so subclass overrides
   are used) once Lightning has launched the processes; the loss normaliser of a cycle comes from the facade's
   ``_get_num_items_in_batch`` (transformers' override point), the epoch from the run.
+- ``EvaluationData``: hands an evaluation loader to Lightning's ``validate`` sharded for the processes it runs in
+  (``shard_loader``). ``evaluate()``/``predict()`` build their loader before the run exists; when such a call is
+  the one that launches the processes (Lightning's subprocess launcher), the launching process built it for one
+  process while each launched rank built its shard, so it is re-dealt after the launch, as accelerate's
+  ``prepare`` shards a loader.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
-from torch.utils.data import Sampler
+from torch.utils.data import BatchSampler, DataLoader, Sampler
 
 from hflight.run.backend import StepGeometry, backend_of
 from hflight.surface import RunView, TrainerSurface
@@ -248,3 +253,47 @@ def loader_length(loader: Any) -> int | None:
         return len(loader) if isinstance(loader, Sized) or hasattr(loader, "__len__") else None
     except TypeError:
         return None
+
+
+def shard_loader(loader: Any, world_size: int, rank: int) -> Any:
+    """``loader`` with its batches dealt round-robin to ``world_size`` processes (``ShardedBatchSampler``), this
+    process taking those of ``rank``: a loader built for another number of processes (a plain ``BatchSampler``, or
+    shards of another world) is rebuilt with the same dataset, sampler, batch size and worker settings; one already
+    dealt for this world, one process, or a loader without a batch sampler (iterable datasets) is returned as is."""
+    batches = getattr(loader, "batch_sampler", None)
+    if world_size <= 1 or not isinstance(loader, DataLoader):
+        return loader
+    if isinstance(batches, ShardedBatchSampler):
+        if (batches.num_replicas, batches.rank) == (world_size, rank):
+            return loader
+    elif type(batches) is not BatchSampler:  # iterable datasets, or a batch sampler of the user's own
+        return loader
+    sharded = ShardedBatchSampler(batches.sampler, batches.batch_size, batches.drop_last, world_size, rank)
+    params: dict[str, Any] = {
+        "collate_fn": loader.collate_fn,
+        "num_workers": loader.num_workers,
+        "pin_memory": loader.pin_memory,
+        "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn,
+        "generator": loader.generator,
+    }
+    if loader.num_workers > 0:
+        params.update(
+            multiprocessing_context=loader.multiprocessing_context,
+            prefetch_factor=loader.prefetch_factor,
+            persistent_workers=loader.persistent_workers,
+            in_order=getattr(loader, "in_order", True),
+        )
+    return DataLoader(loader.dataset, batch_sampler=sharded, **params)
+
+
+class EvaluationData(L.LightningDataModule):
+    """The loader of one evaluation outside training, given to Lightning's ``validate``: Lightning asks for it after
+    it launched the processes, when the world is known, and gets it sharded for this process (``shard_loader``)."""
+
+    def __init__(self, loader: Any) -> None:
+        super().__init__()
+        self.loader = loader
+
+    def val_dataloader(self) -> Any:
+        return shard_loader(self.loader, self.trainer.world_size, self.trainer.global_rank)

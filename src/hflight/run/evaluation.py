@@ -31,7 +31,7 @@ from transformers.trainer_utils import (
 
 from hflight.arguments.lightning_kwargs import quiet_lightning
 from hflight.run import console
-from hflight.run.datamodule import loader_length
+from hflight.run.datamodule import EvaluationData, loader_length
 from hflight.run.events import dispatch
 from hflight.run.interrupt import sigterm_exits_non_zero
 from hflight.surface import RunView, TrainerSurface
@@ -247,7 +247,8 @@ def run_evaluation_loop(
             _evaluate_in_fit(evaluator, run, dataloader)
         else:
             with quiet_lightning(), sigterm_exits_non_zero("Evaluation"):
-                run.lightning_trainer.validate(run.module, dataloaders=dataloader, verbose=False)
+                # sharded once the processes are launched: this call may be the one that launches them
+                run.lightning_trainer.validate(run.module, datamodule=EvaluationData(dataloader), verbose=False)
     if evaluator.keep_all:  # as transformers after its loop: gather_for_metrics again
         facade.gather_function = facade.accelerator.gather_for_metrics
     dataset = getattr(dataloader, "dataset", None)

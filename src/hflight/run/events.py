@@ -52,6 +52,7 @@ class LightningEvents(L.Callback):
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.loop.stop.drop_lightning_notifier()  # Lightning registered its signal handlers just before
         self.loop.train_begin(trainer.datamodule.train_loader, pl_module.device)
 
     @override

@@ -13,6 +13,24 @@ processes it launched, and its SLURM auto-requeue (SIGUSR1) handler is untouched
 micro-batch" flag is cleared again, because hflight stops at the step boundary instead; with several processes the
 ranks agree on that boundary (:meth:`StopRequest.agreed`), so they all save and stop at the same step.
 
+Several processes stop together, and each exits 143 (130), whichever launched them:
+
+- Lightning's SIGTERM notifier is taken out of its composed handler once training starts
+  (:meth:`StopRequest.drop_lightning_notifier`): it forwards the signal to the ranks Lightning launched (a second
+  SIGTERM for a rank the process group's signal reached already) and broadcasts from inside the signal handler, a
+  collective that hangs every rank when they received different numbers of signals (seen: rank 1 got the group's
+  SIGTERM and rank 0's forwarded one, both ranks hung). hflight's per-step all-reduce (:meth:`StopRequest.agreed`)
+  stops every rank, whichever got the signal;
+- a scheduler signalling the process group reaches every rank, and the launcher forwards the signal it got as well
+  (Lightning's to the ranks it started, torchrun's to all): within :data:`DUPLICATE_WINDOW` seconds of the first, the
+  same signal again is that one stop delivered twice, not a request to stop at once;
+- under Lightning's subprocess launcher, rank 0 is the parent of the other ranks, and Lightning's child-process
+  monitor (``_ChildProcessObserver``, every 5 s) SIGKILLs every process, rank 0 included, as soon as a child has
+  exited non-zero: a rank exiting 143 turned a rank 0 still finishing its exit (loggers, exit callbacks) into -9.
+  Once the ranks agreed to stop, rank 0 retires that monitor and, when it exits, waits for the ranks it launched
+  and logs their exit codes (:class:`_AwaitLaunched`; after :data:`CHILD_EXIT_TIMEOUT` seconds they are killed), so
+  the job's main process ends last, as torchrun's agent does.
+
 Outside of training, :func:`terminate_on_signals` (used by the command line) turns both signals into
 :class:`TrainingInterrupted` at once, so that the failure is recorded instead of the process vanishing.
 
@@ -30,6 +48,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,6 +57,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+DUPLICATE_WINDOW = 3.0  # seconds within which a repeated signal in a multi-process run is the same stop delivered twice
+CHILD_EXIT_TIMEOUT = 60.0  # seconds rank 0 waits at exit for the ranks it launched before killing them
 
 
 class TrainingInterrupted(SystemExit):
@@ -119,6 +140,7 @@ class StopRequest:
         self.lightning_trainer: Any = None
         self.handed_over: dict[int, Any] = {}  # signal -> the handler that owns it (e.g. transformers' JIT checkpoint)
         self.global_step: int | None = None  # kept current by the caller, for the message of a second signal
+        self.received_at = 0.0  # time.monotonic() of the first signal
 
     def __call__(self, signum: int, frame: Any) -> None:
         if signum in self.handed_over:
@@ -128,6 +150,10 @@ class StopRequest:
                 owner(signum, frame)
             return
         name = signal_name(signum)
+        if self._duplicate(signum):
+            self._keep_lightning_going()
+            logger.info(f"{name} received again from the launcher or the process group: already stopping.")
+            return
         if self.signum is not None:
             raise stopped(
                 signum,
@@ -135,17 +161,35 @@ class StopRequest:
                 "checkpoint was written for this step.",
                 self.global_step,
             )
-        self.signum = signum
+        self.signum, self.received_at = signum, time.monotonic()
         self._keep_lightning_going()
         logger.warning(f"Received {name}: stopping after the current optimizer step (send it again to stop at once).")
 
+    def drop_lightning_notifier(self) -> None:
+        """With several processes, once Lightning registered its handlers (``on_train_start``): its SIGTERM
+        notifier leaves the composed handler (see the module docstring); SLURM's handlers and this request stay."""
+        world_size = getattr(self.lightning_trainer, "world_size", 1)
+        composed = signal.getsignal(signal.SIGTERM) if _main_thread() and world_size > 1 else None
+        handlers = getattr(composed, "signal_handlers", None)
+        if handlers is not None:
+            composed.signal_handlers = [h for h in handlers if getattr(h, "__name__", "") != "_sigterm_notifier_fn"]
+
+    def _duplicate(self, signum: int) -> bool:
+        """The signal already received, again within :data:`DUPLICATE_WINDOW` seconds, in a multi-process run."""
+        world_size = getattr(self.lightning_trainer, "world_size", 1)
+        recent = time.monotonic() - self.received_at < DUPLICATE_WINDOW
+        return signum == self.signum and world_size > 1 and recent
+
     def agreed(self, strategy: Any) -> int | None:
         """The signal to stop for, the same on every rank: any rank's request stops them all (one all-reduce per
-        step, and only with several processes)."""
+        step, and only with several processes). Once they agreed, the processes exit together
+        (:func:`exit_together`)."""
         if strategy is None or strategy.world_size <= 1:
             return self.signum
         local = torch.tensor(float(self.signum or 0), device=strategy.root_device)
         stop = int(strategy.reduce(local, reduce_op="max").item())
+        if stop:
+            exit_together(getattr(strategy, "launcher", None))
         return stop or None
 
     def _keep_lightning_going(self) -> None:
@@ -169,6 +213,49 @@ class StopRequest:
                 "before its remaining work.",
                 self.global_step,
             )
+
+
+def exit_together(launcher: Any) -> None:
+    """The ranks agreed to stop and each will exit 143 (130): if this process launched others (rank 0 under
+    Lightning's subprocess launcher, ``launcher.procs``), Lightning's child-process monitor must not take their exit
+    code for a crash and SIGKILL everything, this process included; this process waits for them when it exits."""
+    children = list(getattr(launcher, "procs", None) or [])
+    if not children:
+        return
+    from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+
+    for thread in threading.enumerate():
+        if isinstance(thread, _ChildProcessObserver):
+            thread._child_processes = []  # its next check ends it, quietly: the exit codes are ours to expect
+    _AwaitLaunched(children).register()
+
+
+class _AwaitLaunched:
+    """An exit callback: wait until the processes this one launched have exited and say with which codes; those still
+    running after :data:`CHILD_EXIT_TIMEOUT` seconds are killed."""
+
+    registered: list[_AwaitLaunched] = []
+
+    def __init__(self, children: list[Any]) -> None:
+        self.children = children
+
+    def register(self) -> None:
+        if not self.registered:
+            self.registered.append(self)
+            atexit.register(self)
+
+    def __call__(self) -> None:
+        deadline = time.monotonic() + CHILD_EXIT_TIMEOUT
+        while any(child.poll() is None for child in self.children) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for child in self.children:
+            if child.poll() is None:
+                logger.warning(f"Process {child.pid} launched by this one did not exit: killing it.")
+                with contextlib.suppress(OSError):
+                    child.kill()
+                    child.wait(5)
+        codes = ", ".join(f"{child.pid}: {child.returncode}" for child in self.children)
+        logger.warning(f"The processes this one launched have exited (pid: exit code): {codes}.")
 
 
 def handed_over_signals(args: Any) -> tuple[int, ...]:

@@ -254,10 +254,9 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
         if not self._user_scheduler:
             self.lr_scheduler = None  # HF rebuilds its own scheduler for every run (and every batch-size retry)
         self.is_in_train = True
-        run = self._new_run(
-            True, resume=point, trial=trial, ignore_keys_for_eval=ignore_keys, train_batch_size=batch_size
-        )
-        try:
+        try:  # also when the run cannot be built (fsdp on the CPU): not "in train" afterwards
+            run = self._new_run(True, resume=point, trial=trial, ignore_keys_for_eval=ignore_keys,
+                                train_batch_size=batch_size)  # fmt: skip
             run.fit()
         finally:
             self.is_in_train = False
