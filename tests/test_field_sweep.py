@@ -141,8 +141,8 @@ NOT_RUNNABLE = {
     "hub_revision": "needs the hub",
     "accelerator_config": "accelerate's settings: hflight's data loading is Lightning's (test_training_args)",
     "parallelism_config": "tensor/context parallelism needs several GPUs",
-    "fsdp": "FSDP needs several processes with a GPU backend here",
-    "fsdp_config": "FSDP needs several processes with a GPU backend here",
+    "fsdp": "Lightning's and torch's FSDP need a GPU; on the CPU hflight refuses it before launching (test_distributed)",
+    "fsdp_config": "Lightning's and torch's FSDP need a GPU; on the CPU hflight refuses it before launching (test_distributed)",
     "deepspeed": "deepspeed is not installed (the config's resolution is compared in test_arguments_on_lightning)",
 }
 
