@@ -320,7 +320,30 @@ def checks_per_shape(check_outputs: bool | int | str) -> float:
     )
 
 
-class ORTEvaluationModel:
+class ExportedFrom:
+    """What an ONNX export remembers of its torch model: a weak reference to it, and its weights when exported (to
+    tell whether they changed since)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = weakref.ref(model)
+        self._snapshot: dict[str, torch.Tensor] | None = None
+
+    @property
+    def model(self) -> nn.Module:
+        model = self._model()
+        if model is None:
+            raise RuntimeError(f"{type(self).__name__}: the torch model it exports was garbage-collected.")
+        return model
+
+    def remember_weights(self) -> None:
+        self._snapshot = state_snapshot(self.model)
+
+    def weights_changed(self) -> bool:
+        """Whether the model's weights differ from those of the last export (False before any export)."""
+        return self._snapshot is not None and not same_weights(self.model, self._snapshot)
+
+
+class ORTEvaluationModel(ExportedFrom):
     """``model(**batch)`` answered by an ONNX Runtime session on the model's exported logits.
 
     Args:
@@ -355,7 +378,7 @@ class ORTEvaluationModel:
             raise ValueError(f"ORT quantize must be one of {QUANTIZATIONS}, got {quantize!r}")
         self.ort = require_onnxruntime()
         # weak: the strategy caches sessions per model in a WeakKeyDictionary, which a strong reference would pin
-        self._model = weakref.ref(model)
+        super().__init__(model)
         self.label_names = list(label_names)
         self.exporter = exporter
         self.quantize = quantize
@@ -378,19 +401,11 @@ class ORTEvaluationModel:
         self._checked: dict[tuple, int] = {}  # input shape -> batches of it compared
         self._reference: Any = None  # what the check compares: the session, or the float32 graph's when quantized
         self._export_outputs: Mapping[str, torch.Tensor] = {}
-        self._snapshot: dict[str, torch.Tensor] | None = None
-
-    @property
-    def model(self) -> nn.Module:
-        model = self._model()
-        if model is None:
-            raise RuntimeError("ORTEvaluationModel: the torch model it exports was garbage-collected.")
-        return model
 
     # ---- export ------------------------------------------------------------------------------------------------
     def refresh(self) -> None:
         """Forget the session if the model's weights changed since it was exported (the next call re-exports)."""
-        if self._snapshot is not None and not same_weights(self.model, self._snapshot):
+        if self.weights_changed():
             self.session = None
 
     def export(self, batch: Mapping[str, Any]) -> None:
@@ -406,7 +421,7 @@ class ORTEvaluationModel:
         if self.quantize == "dynamic":
             self.session = self._open(self._quantized(path), device)
         self._export_outputs = graph.eager_outputs
-        self._snapshot = state_snapshot(self.model)
+        self.remember_weights()
         self.export_count += 1
         self.export_seconds += time.perf_counter() - start
         log.info(
