@@ -236,6 +236,9 @@ def test_generation_through_onnx_runtime_refuses_what_it_cannot_do(tmp_path, dat
         trainer.predict(data["eval"], use_cache=True)
     with pytest.raises(ValueError, match=r"cannot honour \['output_attentions'\]"):
         trainer.predict(data["eval"], output_attentions=True)
+    generator = ORTStrategy().generator(trainer.model)
+    with pytest.raises(ValueError, match=r"takes input_ids, attention_mask \(and labels, unused\); .*'head_mask'"):
+        generator.generate({"input_ids": torch.tensor([[5, 6, 7]]), "head_mask": torch.ones(1, 2)}, {"max_length": 4})
     with pytest.raises(ValueError, match=r"quantize='dynamic' \(ort_quantize\) is not available"):
         ORTStrategy(quantize="dynamic").generator(trainer.model)
     encoder_only = transformers.BertForMaskedLM(transformers.BertConfig(

@@ -54,6 +54,8 @@ __all__ = ["ORTSeq2SeqGenerator", "UNSUPPORTED_GENERATION_KWARGS", "supports_gen
 
 #: ``generate`` arguments the sessions cannot honour (the graphs return logits only, and keep no cache).
 UNSUPPORTED_GENERATION_KWARGS = ("use_cache", "output_attentions", "output_hidden_states")
+#: The batch tensors generation through the sessions takes (``labels`` are the targets; generate drops them).
+_GENERATION_BATCH = ("input_ids", "attention_mask", "labels")
 #: What the decoder session reads from transformers' model inputs of a step; other non-None inputs raise.
 _DECODER_INPUTS = ("decoder_input_ids", "encoder_outputs", "attention_mask")
 #: Step inputs the decoder session has no use for (no cache kept; the whole prefix's logits are returned).
@@ -84,7 +86,8 @@ class _EncoderGraph(nn.Module):
         super().__init__()
         self.encoder = model.get_encoder()
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, *tensors: torch.Tensor) -> torch.Tensor:  # *tensors: export_options' dynamo spelling
+        input_ids, attention_mask = tensors
         return self.encoder(input_ids=input_ids, attention_mask=attention_mask, return_dict=True).last_hidden_state
 
 
@@ -95,9 +98,8 @@ class _DecoderGraph(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(
-        self, decoder_input_ids: torch.Tensor, encoder_hidden_states: torch.Tensor, encoder_attention_mask: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, *tensors: torch.Tensor) -> torch.Tensor:  # decoder ids, encoder states, encoder mask
+        decoder_input_ids, encoder_hidden_states, encoder_attention_mask = tensors
         encoder_outputs = BaseModelOutput(last_hidden_state=encoder_hidden_states)
         return self.model(
             attention_mask=encoder_attention_mask,
@@ -228,9 +230,11 @@ class ORTSeq2SeqGenerator(ExportedFrom):
                 f"values and returns logits only. {EAGER_ADVICE}"
             )
         input_ids = inputs.get("input_ids")
-        if not isinstance(input_ids, torch.Tensor):
+        others = [k for k, v in inputs.items() if k not in _GENERATION_BATCH and isinstance(v, torch.Tensor)]
+        if not isinstance(input_ids, torch.Tensor) or others:
             raise ValueError(
-                f"Generation through ONNX Runtime needs input_ids in the batch; it has {sorted(inputs)}. {EAGER_ADVICE}"
+                f"Generation through ONNX Runtime takes input_ids, attention_mask (and labels, unused); the batch has "
+                f"{sorted(inputs)}. {EAGER_ADVICE}"
             )
         if not self.sessions:
             mask = inputs.get("attention_mask")
