@@ -245,3 +245,44 @@ def test_generation_through_onnx_runtime_refuses_what_it_cannot_do(tmp_path, dat
         vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32))  # fmt: skip
     with pytest.raises(ValueError, match="BertForMaskedLM is not an encoder-decoder model"):
         ORTStrategy().generator(encoder_only)
+
+
+def test_t5_and_marian_generate_and_evaluate_through_onnx_runtime_as_eager():
+    """Two other encoder-decoders (T5: relative position buckets, its own shift; Marian: loss_type None): tokens
+    generated through the sessions equal eager ones, greedy and beams; the ORT loss is the model's own."""
+    from hflight.ort.generation import ORTSeq2SeqGenerator
+    from hflight.ort.session import ORTEvaluationModel
+
+    torch.manual_seed(0)
+    t5 = transformers.T5Config(
+        vocab_size=80,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=4,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+        initializer_factor=3.0,
+    )
+    marian = transformers.MarianConfig(vocab_size=80, d_model=32, encoder_layers=1, decoder_layers=1,
+                                       encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+                                       decoder_ffn_dim=64, pad_token_id=79, decoder_start_token_id=79, eos_token_id=0,
+                                       max_position_embeddings=64, init_std=0.3)  # fmt: skip
+    models = (transformers.T5ForConditionalGeneration(t5).eval(), transformers.MarianMTModel(marian).eval())
+    ids = torch.randint(2, 70, (4, 10))
+    mask = torch.ones_like(ids)
+    mask[2, 6:] = 0
+    labels = torch.randint(2, 70, (4, 5))
+    labels[1, 3:] = -100
+    for model in models:
+        generator = ORTSeq2SeqGenerator(model, check_outputs=False)
+        for gen_kwargs in ({"max_length": 9}, {"max_length": 9, "num_beams": 2}):
+            ours = generator.generate({"input_ids": ids, "attention_mask": mask}, gen_kwargs)
+            torch.testing.assert_close(ours, model.generate(input_ids=ids, attention_mask=mask, **gen_kwargs))
+        assert generator.session_calls["decoder"] >= 16
+        session = ORTEvaluationModel(model, ["labels"])
+        loss = session(input_ids=ids, attention_mask=mask, labels=labels).loss
+        assert session.check_count == 1  # the traced batch, the loss included
+        torch.testing.assert_close(loss, model(input_ids=ids, attention_mask=mask, labels=labels).loss)

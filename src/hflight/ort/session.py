@@ -501,6 +501,8 @@ class ORTEvaluationModel(ExportedFrom):
 
     def _loss(self, outputs: Mapping[str, torch.Tensor], labels: Mapping[str, torch.Tensor]) -> torch.Tensor:
         loss_type = getattr(self.model, "loss_type", None)
+        if loss_type is None and getattr(getattr(self.model, "config", None), "is_encoder_decoder", False):
+            loss_type = "ForConditionalGeneration"  # MarianMTModel & co: no "For..." in the class name, the same loss
         compute = LOSSES.get(loss_type)
         if compute is None:
             raise NotImplementedError(
