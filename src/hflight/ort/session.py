@@ -189,15 +189,12 @@ def export_logits(
             raise TypeError(f"ORT export: {type(model).__name__} must return a ModelOutput or a dict of tensors.")
         output_names = [k for k, v in sample.items() if k != "loss" and isinstance(v, torch.Tensor)]
         # each input's axis 1 its own dynamic length (an encoder-decoder's source and target lengths differ); an
-        # output's axis 1 follows the first input of its length
-        lengths = {name: t.shape[1] for name, t in zip(input_names, args) if t.dim() > 1}
-        dynamic_axes: dict[str, dict[int, str]] = {
-            name: {0: "batch", 1: f"{name}_length"} if name in lengths else {0: "batch"} for name in input_names
-        }
-        for name in output_names:
-            value = sample[name]
-            same = [n for n, length in lengths.items() if value.dim() > 1 and value.shape[1] == length]
-            dynamic_axes[name] = {0: "batch", 1: f"{same[0]}_length"} if same else {0: "batch"}
+        # output's axis 1 is dynamic, under a name of its own, when its length is one of the inputs'
+        lengths = {t.shape[1] for t in args if t.dim() > 1}
+        dynamic_axes: dict[str, dict[int, str]] = {}
+        for name, value in [*zip(input_names, args), *((n, sample[n]) for n in output_names)]:
+            varies = value.dim() > 1 and value.shape[1] in lengths
+            dynamic_axes[name] = {0: "batch", 1: f"{name}_length"} if varies else {0: "batch"}
         wrapper = _LogitsOnly(model, input_names, output_names).eval()
         export = export_options(input_names, output_names, dynamic_axes, exporter)
         notes = export_module(wrapper, args, path, model, exporter, export)
