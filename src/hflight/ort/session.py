@@ -4,7 +4,9 @@
 (dynamic batch and sequence axes), opens an ``onnxruntime.InferenceSession`` on them and afterwards answers calls
 ``model(**batch)`` with the same output class the model returns. The loss is not part of the graph (exporting the QA
 loss fails with both exporters: its ignore index depends on the dynamic sequence length); it is computed in torch
-from the session's logits with transformers' own loss functions, so ``eval_loss`` stays comparable.
+from the session's logits with transformers' own loss functions (for encoder-decoder LMs, their forward's
+cross-entropy against the labels, the decoder inputs made from the labels when the batch has none), so ``eval_loss``
+stays comparable; on the batches the check compares, it is compared with the eager model's own loss.
 
 Exporters: ``"torchscript"`` (``dynamo=False``; about 1 s for MiniLM, and with eager attention during the export it
 gives the fastest graph) or ``"dynamo"`` (``torch.export``; 7-13 s, and its SDPA graph ran about 2x slower).
