@@ -103,7 +103,7 @@ def main() -> None:
     start = time.perf_counter()
     ort.export(batches[0]["input_ids"], batches[0]["attention_mask"])
     print(f"ONNX export of the encoder and the decoder: {time.perf_counter() - start:.2f} s")
-    ort.generate(batches[0], gen_kwargs)  # warm-up of both: sessions, and torch's first generate
+    ort.generate(**batches[0], **gen_kwargs)  # warm-up of both: sessions, and torch's first generate
     model.generate(**batches[0], **gen_kwargs)
 
     rows = sum(len(b["input_ids"]) for b in batches)
@@ -116,7 +116,7 @@ def main() -> None:
     for generator in generators.values():
         generator.export(batches[0]["input_ids"], batches[0]["attention_mask"])  # its own export, untimed
     runners = {"eager PyTorch": lambda b: model.generate(**b, **gen_kwargs)}
-    runners.update({label: lambda b, g=g: g.generate(b, gen_kwargs) for label, g in generators.items()})
+    runners.update({label: lambda b, g=g: g.generate(**b, **gen_kwargs) for label, g in generators.items()})
     results = interleaved(runners, batches)
     eager_seconds, eager = results.pop("eager PyTorch")
     print(f"  {'eager PyTorch':26} {eager_seconds:8.2f} s   1.00x")

@@ -238,7 +238,7 @@ def test_generation_through_onnx_runtime_refuses_what_it_cannot_do(tmp_path, dat
         trainer.predict(data["eval"], output_attentions=True)
     generator = ORTStrategy().generator(trainer.model)
     with pytest.raises(ValueError, match=r"takes input_ids, attention_mask \(and labels, unused\); .*'head_mask'"):
-        generator.generate({"input_ids": torch.tensor([[5, 6, 7]]), "head_mask": torch.ones(1, 2)}, {"max_length": 4})
+        generator.generate(input_ids=torch.tensor([[5, 6, 7]]), head_mask=torch.ones(1, 2), max_length=4)
     with pytest.raises(ValueError, match=r"quantize='dynamic' \(ort_quantize\) is not available"):
         ORTStrategy(quantize="dynamic").generator(trainer.model)
     encoder_only = transformers.BertForMaskedLM(transformers.BertConfig(
@@ -279,7 +279,7 @@ def test_t5_and_marian_generate_and_evaluate_through_onnx_runtime_as_eager():
     for model in models:
         generator = ORTSeq2SeqGenerator(model, check_outputs=False)
         for gen_kwargs in ({"max_length": 9}, {"max_length": 9, "num_beams": 2}):
-            ours = generator.generate({"input_ids": ids, "attention_mask": mask}, gen_kwargs)
+            ours = generator.generate(input_ids=ids, attention_mask=mask, **gen_kwargs)
             torch.testing.assert_close(ours, model.generate(input_ids=ids, attention_mask=mask, **gen_kwargs))
         assert generator.session_calls["decoder"] >= 16
         session = ORTEvaluationModel(model, ["labels"])

@@ -220,9 +220,12 @@ class ORTSeq2SeqGenerator(ExportedFrom):
         return [torch.from_numpy(np.asarray(out)).to(device) for out in self.sessions[part].run(None, arrays)]
 
     # ---- generation --------------------------------------------------------------------------------------------
-    def generate(self, inputs: Mapping[str, Any], gen_kwargs: Mapping[str, Any]) -> Any:
-        """``model.generate(**inputs, **gen_kwargs)`` through the sessions (exported on the first call, and again
-        after the weights changed); compared with eager generation on the batches the check covers."""
+    def generate(self, **kwargs: Any) -> Any:
+        """``model.generate(**kwargs)`` through the sessions (exported on the first call, and again after the weights
+        changed): the batch's tensors (``input_ids``, ``attention_mask``; ``labels`` unused, as by generate) and
+        transformers' generation arguments. Compared with eager generation on the batches the check covers."""
+        inputs = {name: value for name, value in kwargs.items() if isinstance(value, torch.Tensor)}
+        gen_kwargs = {name: value for name, value in kwargs.items() if name not in inputs}
         explicit = [name for name in UNSUPPORTED_GENERATION_KWARGS if gen_kwargs.get(name)]
         if explicit:
             raise ValueError(

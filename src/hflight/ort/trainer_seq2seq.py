@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from transformers.trainer_utils import PredictionOutput
 
+from hflight.ort.generation import ORTSeq2SeqGenerator
 from hflight.ort.trainer import ORTTrainer
 from hflight.ort.training_args_seq2seq import ORTSeq2SeqTrainingArguments
 from hflight.trainer.seq2seq import Seq2SeqTrainer
@@ -63,12 +64,12 @@ class ORTSeq2SeqTrainer(ORTTrainer, Seq2SeqTrainer):
             preprocess_logits_for_metrics=preprocess_logits_for_metrics,
         )
 
-    def _model_generate(self, inputs: dict[str, Any], gen_kwargs: dict[str, Any]) -> torch.Tensor:
-        """Generation through the ORT strategy's encoder and decoder sessions when evaluating through ONNX Runtime
-        (checked against eager generation), else ``model.generate`` in PyTorch."""
+    def _generation_model(self) -> nn.Module | ORTSeq2SeqGenerator:
+        """Evaluating through ONNX Runtime: the ORT strategy's generator (encoder and decoder sessions under
+        transformers' ``generate``, checked against eager generation); else the model (``generate`` in PyTorch)."""
         if not self.ort_strategy.inference:
-            return super()._model_generate(inputs, gen_kwargs)
-        return self.ort_strategy.generator(self.model).generate(inputs, gen_kwargs)
+            return super()._generation_model()
+        return self.ort_strategy.generator(self.model)
 
     def evaluate(
         self,
