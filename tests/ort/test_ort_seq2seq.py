@@ -151,7 +151,8 @@ def test_generation_through_onnx_runtime_gives_eager_and_transformers_tokens(tmp
     trainer = _generating(tmp_path, data, ort_inference=True, generation_max_length=9, generation_num_beams=num_beams)
     ours = trainer.predict(data["eval"])
     (generator,) = generators(trainer.model)
-    assert generator.session_calls["encoder"] == 3 and generator.session_calls["decoder"] >= 3 * 8
+    calls = generator.session_calls  # per batch: the encoder, the decoder on the first token, then with past
+    assert calls["encoder"] == 3 and calls["decoder"] == 3 and calls["decoder_past"] >= 3 * 6
     assert generator.check_count >= 1 and generator.export_count == 1
     eager = trainer.predict(data["eval"], inference_with_ort=False)
     assert generator.generate_count == 3  # the eager predict did not use the sessions
@@ -193,16 +194,15 @@ def test_a_corrupted_decoder_session_raises_a_mismatch(tmp_path, data):
     trainer = _generating(tmp_path, data, ort_inference=True, generation_max_length=8)
     trainer.predict(data["eval"].select(range(4)))  # exports the encoder and the decoder
     (generator,) = generators(trainer.model)
-    decoder = generator.sessions["decoder"]
+    decoder = generator.sessions["decoder_past"]
 
-    class Corrupted:  # the decoder's logits with one token made the most likely after the first step
+    class Corrupted:  # the decoder with past key values, its logits making one token the most likely
         def run(self, names, feed):
-            (logits,) = decoder.run(names, feed)
-            if logits.shape[1] > 1:
-                logits[:, -1, 7] = logits.max() + 10.0
-            return [logits]
+            logits, *states = decoder.run(names, feed)
+            logits[:, -1, 7] = logits.max() + 10.0
+            return [logits, *states]
 
-    generator.sessions["decoder"] = Corrupted()
+    generator.sessions["decoder_past"] = Corrupted()
     trainer.ort_strategy.check_outputs = "all"  # every batch compared, whatever its input shape
     with pytest.raises(ORTMismatchError, match=r"batch \d+ .*row 0, first difference at position 2: ONNX Runtime 7"):
         trainer.predict(data["eval"].select(range(4, 8)))  # a new input shape: compared with eager generation
@@ -232,8 +232,6 @@ def test_labelled_encoder_decoder_loss_through_onnx_runtime_is_the_models(tmp_pa
 
 def test_generation_through_onnx_runtime_refuses_what_it_cannot_do(tmp_path, data):
     trainer = _generating(tmp_path, data, ort_inference=True, generation_max_length=8)
-    with pytest.raises(ValueError, match=r"cannot honour \['use_cache'\]"):
-        trainer.predict(data["eval"], use_cache=True)
     with pytest.raises(ValueError, match=r"cannot honour \['output_attentions'\]"):
         trainer.predict(data["eval"], output_attentions=True)
     generator = ORTStrategy().generator(trainer.model)
@@ -249,7 +247,8 @@ def test_generation_through_onnx_runtime_refuses_what_it_cannot_do(tmp_path, dat
 
 def test_t5_and_marian_generate_and_evaluate_through_onnx_runtime_as_eager():
     """Two other encoder-decoders (T5: relative position buckets, its own shift; Marian: loss_type None): tokens
-    generated through the sessions equal eager ones, greedy and beams; the ORT loss is the model's own."""
+    generated through the sessions equal eager ones, greedy and beams, with and without past key values; the ORT loss
+    is the model's own."""
     from hflight.ort.generation import ORTSeq2SeqGenerator
     from hflight.ort.session import ORTEvaluationModel
 
@@ -278,10 +277,11 @@ def test_t5_and_marian_generate_and_evaluate_through_onnx_runtime_as_eager():
     labels[1, 3:] = -100
     for model in models:
         generator = ORTSeq2SeqGenerator(model, check_outputs=False)
-        for gen_kwargs in ({"max_length": 9}, {"max_length": 9, "num_beams": 2}):
+        for gen_kwargs in ({"max_length": 9}, {"max_length": 9, "num_beams": 2}, {"max_length": 9, "use_cache": False}):
             ours = generator.generate(input_ids=ids, attention_mask=mask, **gen_kwargs)
             torch.testing.assert_close(ours, model.generate(input_ids=ids, attention_mask=mask, **gen_kwargs))
-        assert generator.session_calls["decoder"] >= 16
+        assert generator.session_calls["decoder_past"] >= 2 * 7  # with past key values (use_cache, the default)
+        assert generator.session_calls["decoder"] >= 2 + 8  # without: every step on the whole prefix
         session = ORTEvaluationModel(model, ["labels"])
         loss = session(input_ids=ids, attention_mask=mask, labels=labels).loss
         assert session.check_count == 1  # the traced batch, the loss included

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
 
 from hflight.ort.checks import EAGER_ADVICE, check_tokens, report_tracer_warnings
@@ -53,7 +54,7 @@ log = logging.getLogger(__name__)
 __all__ = ["ORTSeq2SeqGenerator", "UNSUPPORTED_GENERATION_KWARGS", "supports_generation"]
 
 #: ``generate`` arguments the sessions cannot honour (the graphs return logits only, and keep no cache).
-UNSUPPORTED_GENERATION_KWARGS = ("use_cache", "output_attentions", "output_hidden_states")
+UNSUPPORTED_GENERATION_KWARGS = ("output_attentions", "output_hidden_states")
 #: The batch tensors generation through the sessions takes (``labels`` are the targets; generate drops them).
 _GENERATION_BATCH = ("input_ids", "attention_mask", "labels")
 #: What the decoder session reads from transformers' model inputs of a step; other non-None inputs raise.
@@ -92,22 +93,31 @@ class _EncoderGraph(nn.Module):
 
 
 class _DecoderGraph(nn.Module):
-    """What the decoder session computes: the model's logits for decoder inputs and given encoder states (no cache)."""
+    """What a decoder session computes: the model's logits for decoder inputs and given encoder states, and the
+    attention keys and values of every layer. Without past (``"decoder"``): the present self-attention and
+    cross-attention keys and values; with past (``"decoder_past"``, inputs after the encoder mask: each layer's past
+    self key, self value, cross key, cross value): the self-attention keys and values including the new tokens."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
 
-    def forward(self, *tensors: torch.Tensor) -> torch.Tensor:  # decoder ids, encoder states, encoder mask
-        decoder_input_ids, encoder_hidden_states, encoder_attention_mask = tensors
-        encoder_outputs = BaseModelOutput(last_hidden_state=encoder_hidden_states)
-        return self.model(
+    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # ids, encoder states, mask, *past
+        decoder_input_ids, encoder_hidden_states, encoder_attention_mask, *past = tensors
+        layers = len(past) // 4
+        cache = EncoderDecoderCache([tuple(past[4 * i : 4 * i + 4]) for i in range(layers)]) if past else None
+        outputs = self.model(
             attention_mask=encoder_attention_mask,
             decoder_input_ids=decoder_input_ids,
-            encoder_outputs=encoder_outputs,
-            use_cache=False,
+            encoder_outputs=BaseModelOutput(last_hidden_state=encoder_hidden_states),
+            past_key_values=cache,
+            use_cache=True,
             return_dict=True,
-        ).logits
+        )
+        present = outputs.past_key_values
+        parts = [present.self_attention_cache] + ([] if past else [present.cross_attention_cache])
+        states = [t for i in range(len(present)) for part in parts for t in _key_value(part, i)]
+        return (outputs.logits, *states)
 
 
 class _SessionEncoder:
@@ -178,7 +188,7 @@ class ORTSeq2SeqGenerator(ExportedFrom):
         self.generate_count = 0  # generate calls since this object was built
         self.check_count = 0  # of them, compared with eager generation
         self.check_seconds = 0.0
-        self.session_calls = {"encoder": 0, "decoder": 0}
+        self.session_calls = {"encoder": 0, "decoder": 0, "decoder_past": 0}
         self._checked: dict[tuple, int] = {}  # input shape (batch axis aside) -> batches of it compared
         self._fresh_export = False  # the next batch is compared: the first after an export
         self._tmp = tempfile.TemporaryDirectory(prefix="hflight-ort-generate-")
@@ -229,8 +239,8 @@ class ORTSeq2SeqGenerator(ExportedFrom):
         explicit = [name for name in UNSUPPORTED_GENERATION_KWARGS if gen_kwargs.get(name)]
         if explicit:
             raise ValueError(
-                f"Generation through ONNX Runtime cannot honour {explicit}: its decoder graph keeps no past key "
-                f"values and returns logits only. {EAGER_ADVICE}"
+                f"Generation through ONNX Runtime cannot honour {explicit}: its decoder graphs return logits and "
+                f"attention keys and values only. {EAGER_ADVICE}"
             )
         input_ids = inputs.get("input_ids")
         others = [k for k, v in inputs.items() if k not in _GENERATION_BATCH and isinstance(v, torch.Tensor)]
@@ -243,8 +253,7 @@ class ORTSeq2SeqGenerator(ExportedFrom):
             mask = inputs.get("attention_mask")
             self.export(input_ids, mask if mask is not None else torch.ones_like(input_ids))
         self.generate_count += 1
-        kwargs = {**gen_kwargs, "use_cache": False}
-        generated = self._session_model().generate(**inputs, **kwargs)
+        generated = self._session_model().generate(**inputs, **gen_kwargs)
         shape = tuple(input_ids.shape[1:])
         due = self._fresh_export or self._checked.get(shape, 0) < checks_per_shape(self.check_outputs)
         if self.check_outputs and due:
@@ -289,14 +298,26 @@ class ORTSeq2SeqGenerator(ExportedFrom):
                 f"(its inputs: decoder_input_ids, the encoder's states and attention mask). {EAGER_ADVICE}"
             )
         _refuse_extra_outputs(step.get("output_attentions"), step.get("output_hidden_states"))
-        if step.get("past_key_values") is not None and _cache_length(step["past_key_values"]) > 0:
-            raise ValueError(f"Generation through ONNX Runtime keeps no past key values. {EAGER_ADVICE}")
         decoder_ids, hidden = step["decoder_input_ids"], step["encoder_outputs"]["last_hidden_state"]
         mask = step.get("attention_mask")
         mask = mask if mask is not None else torch.ones(hidden.shape[:2], dtype=torch.long, device=hidden.device)
         feed = {"decoder_input_ids": decoder_ids, "encoder_hidden_states": hidden, "encoder_attention_mask": mask}
-        (logits,) = self.run("decoder", feed, decoder_ids.device)
-        return Seq2SeqLMOutput(logits=logits)
+        cache = _dynamic_cache(step.get("past_key_values"))
+        if cache is None or cache.get_seq_length() == 0:  # the whole prefix; its keys and values start the cache
+            logits, *states = self.run("decoder", feed, decoder_ids.device)
+            for i in range(len(states) // 4 if cache is not None else 0):
+                cache.self_attention_cache.update(states[4 * i], states[4 * i + 1], i)
+                cache.cross_attention_cache.update(states[4 * i + 2], states[4 * i + 3], i)
+                cache.is_updated[i] = True
+            return Seq2SeqLMOutput(logits=logits, past_key_values=cache)
+        for i in range(len(cache)):  # the new tokens only, after the cached keys and values
+            for part, kind in ((cache.self_attention_cache, "self"), (cache.cross_attention_cache, "cross")):
+                feed[f"past_{kind}_key_{i}"], feed[f"past_{kind}_value_{i}"] = _key_value(part, i)
+        logits, *states = self.run("decoder_past", feed, decoder_ids.device)
+        new = decoder_ids.shape[1]
+        for i in range(len(cache)):
+            cache.self_attention_cache.update(states[2 * i][:, :, -new:], states[2 * i + 1][:, :, -new:], i)
+        return Seq2SeqLMOutput(logits=logits, past_key_values=cache)
 
     def close(self) -> None:
         self.sessions = {}
@@ -326,9 +347,24 @@ def _graph_specs(
         "encoder_attention_mask": source,
         "logits": target,
     }
+    decoder = _DecoderGraph(model).eval()
+    with torch.no_grad():
+        _, *states = decoder(*decoder_inputs.values())
+    layers = len(states) // 4
+    kinds = ("self_key", "self_value", "cross_key", "cross_value")
+    present = [f"present_{kind}_{i}" for i in range(layers) for kind in kinds]
+    past = [f"past_{kind}_{i}" for i in range(layers) for kind in kinds]
+    lengths = {"self": "target", "cross": "source"}
+    decoder_axes.update({name: {0: "batch", 2: lengths[name.split("_")[1]]} for name in present})
+    step_inputs = {**decoder_inputs, "decoder_input_ids": decoder_ids[:, :1], **dict(zip(past, states))}
+    step_outputs = ["logits", *(name for name in present if "_self_" in name)]
+    step_axes = {name: axes for name, axes in decoder_axes.items() if name in step_inputs or name in step_outputs}
+    step_axes.update({name: {0: "batch", 2: f"{lengths[name.split('_')[1]]}_past"} for name in past})
+    step_axes.update({name: {0: "batch", 2: "target_total"} for name in step_outputs[1:]})
     return {
         "encoder": (_EncoderGraph(model), encoder_inputs, encoder_axes, ["last_hidden_state"]),
-        "decoder": (_DecoderGraph(model), decoder_inputs, decoder_axes, ["logits"]),
+        "decoder": (decoder, decoder_inputs, decoder_axes, ["logits", *present]),
+        "decoder_past": (decoder, step_inputs, step_axes, step_outputs),
     }
 
 
@@ -337,7 +373,21 @@ def _sequences(generated: Any) -> torch.Tensor:
     return generated if isinstance(generated, torch.Tensor) else generated["sequences"]
 
 
-def _cache_length(cache: Any) -> int:
-    """How many positions a transformers cache holds (0 for an empty one)."""
-    length = getattr(cache, "get_seq_length", None)
-    return int(length()) if callable(length) else len(cache)
+def _key_value(cache: DynamicCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return cache.layers[layer].keys, cache.layers[layer].values
+
+
+def _dynamic_cache(cache: Any) -> EncoderDecoderCache | None:
+    """The cache transformers' generate keeps (None when ``use_cache=False``); the sessions fill dynamic caches
+    only."""
+    if cache is None:
+        return None
+    dynamic = isinstance(cache, EncoderDecoderCache) and all(
+        isinstance(part, DynamicCache) for part in (cache.self_attention_cache, cache.cross_attention_cache)
+    )
+    if not dynamic:
+        raise ValueError(
+            f"Generation through ONNX Runtime keeps its keys and values in transformers' dynamic cache "
+            f"(EncoderDecoderCache of DynamicCache); got {type(cache).__name__} (cache_implementation). {EAGER_ADVICE}"
+        )
+    return cache
