@@ -12,8 +12,8 @@ each on the same batches, interleaved (every batch through each runner in turn, 
 machine's drift in speed falls on all alike):
 
 - eager: ``model.generate`` in PyTorch (transformers' default, with past key values);
-- ORT: the generator with the check off (``check_outputs=False``): encoder and decoder sessions, the decoder without
-  past key values (the whole prefix each step);
+- ORT: the generator with the check off (``check_outputs=False``): encoder and decoder sessions, the decoder with
+  past key values (transformers' cache, filled by the sessions);
 - ORT checked: the default check (``check_outputs=True``: the first batch of each source length is generated eagerly
   too and compared token for token), and ``check_outputs="all"`` (every batch).
 

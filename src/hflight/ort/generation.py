@@ -1,19 +1,25 @@
 """Generation through ONNX Runtime for encoder-decoder models (BART, T5, Marian, Pegasus, ...), checked against eager.
 
-:class:`ORTSeq2SeqGenerator` exports two graphs with ``torch.onnx.export`` (the machinery of ``hflight.ort.session``:
-same exporters, tracer notes, eager attention while tracing, sessions and providers) on the first batch it generates
-for:
+:class:`ORTSeq2SeqGenerator` exports three graphs with ``torch.onnx.export`` (the machinery of
+``hflight.ort.session``: same exporters, tracer notes, eager attention while tracing, sessions and providers) on the
+first batch it generates for:
 
-- the **encoder**: ``input_ids``, ``attention_mask`` -> ``last_hidden_state``, dynamic batch and source length;
-- the **decoder with the LM head**: ``decoder_input_ids``, ``encoder_hidden_states``, ``encoder_attention_mask`` ->
-  ``logits``, dynamic batch, target and source lengths. It has **no past key values**: every step runs the decoder
-  on the whole prefix generated so far (quadratic in the target length; see the measured cost in docs/backends.md).
+- the **encoder** (``"encoder"``): ``input_ids``, ``attention_mask`` -> ``last_hidden_state``; dynamic batch and
+  source length;
+- the **decoder with the LM head** on the first tokens (``"decoder"``): ``decoder_input_ids``,
+  ``encoder_hidden_states``, ``encoder_attention_mask`` -> ``logits`` and every layer's present self-attention and
+  cross-attention keys and values; dynamic batch, target and source lengths;
+- the **decoder with past key values** (``"decoder_past"``): the new tokens, the encoder states and mask and every
+  layer's past keys and values -> ``logits`` and the self-attention keys and values with the new tokens; dynamic
+  batch, new, past and source lengths.
 
 Then transformers' own ``generate`` runs (``GenerationMixin.generate`` of the model's class: the generation config's
-precedence, greedy and beam search, ``max_length``/``max_new_tokens``, EOS, logits processors are transformers'),
-on a shallow copy of the model whose ``get_encoder()`` and ``forward`` are the two sessions: no search loop of
-hflight's own, and the torch model is untouched. ``use_cache`` is off for it (there is no cache to keep); asking
-for ``use_cache=True``, attentions or hidden states, or decoder inputs the graph does not have raises, naming them.
+precedence, greedy and beam search, ``max_length``/``max_new_tokens``, EOS, logits processors, the cache and its
+reordering between beams are transformers'), on a shallow copy of the model whose ``get_encoder()`` and ``forward``
+are the sessions: no search loop of hflight's own, and the torch model is untouched. Its forward fills transformers'
+dynamic cache (``EncoderDecoderCache`` of ``DynamicCache``) with the sessions' keys and values; with
+``use_cache=False`` every step runs ``"decoder"`` on the whole prefix. Other caches (``cache_implementation``),
+attentions or hidden states, and batch tensors or decoder inputs the graphs do not take raise, naming them.
 
 Checked, not trusted: on the first batch after each export and on the first ``check_outputs`` batches of each input
 shape (``"all"``: every batch; False: none) the eager model generates too, with the same arguments, and a different

@@ -8,10 +8,10 @@ With ``predict_with_generate``, evaluation and prediction generate with transfor
   ``predict_with_generate`` (as optimum's ``ORTSeq2SeqTrainer`` did), ``ort_inference=False`` or
   ``inference_with_ort=False``;
 - through ONNX Runtime with ``ort_inference=True`` or ``evaluate``/``predict(inference_with_ort=True)``: the encoder
-  and the decoder (without past key values) are exported and run as sessions under transformers' own ``generate``,
-  and the tokens are compared with eager generation on the batches the check covers (``hflight.ort.generation``);
-  the loss of labelled batches comes from the exported model's logits (``hflight.ort.session``), checked against the
-  model's own loss.
+  and the decoder (with and without past key values) are exported and run as sessions under transformers' own
+  ``generate``, and the tokens are compared with eager generation on the batches the check covers
+  (``hflight.ort.generation``); the loss of labelled batches comes from the exported model's logits
+  (``hflight.ort.session``), checked against the model's own loss.
 """
 
 from __future__ import annotations

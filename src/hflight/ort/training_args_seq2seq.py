@@ -4,10 +4,9 @@ Seq2Seq fields (``sortish_sampler``, ``predict_with_generate``, ``generation_max
 ``generation_config``).
 
 ``ort_inference`` defaults to None: ONNX Runtime evaluation unless ``predict_with_generate`` is set, in which case
-generation runs in PyTorch (as in optimum's ``ORTSeq2SeqTrainer``; ONNX Runtime's decoder graph has no past key
-values, so eager generation is the faster default). ``ort_inference=True`` with ``predict_with_generate=True``
-generates through ONNX Runtime (encoder and decoder sessions, checked against eager generation;
-``hflight.ort.generation``).
+generation runs in PyTorch, as in optimum's ``ORTSeq2SeqTrainer``. ``ort_inference=True`` with
+``predict_with_generate=True`` generates through ONNX Runtime (encoder and decoder sessions with past key values,
+checked against eager generation; ``hflight.ort.generation``).
 """
 
 from __future__ import annotations
