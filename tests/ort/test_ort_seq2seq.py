@@ -239,6 +239,8 @@ def test_generation_through_onnx_runtime_refuses_what_it_cannot_do(tmp_path, dat
         generator.generate(input_ids=torch.tensor([[5, 6, 7]]), head_mask=torch.ones(1, 2), max_length=4)
     with pytest.raises(ValueError, match=r"decoder graph does not take: \['decoder_attention_mask'\]"):
         generator.generate(input_ids=torch.tensor([[5, 6, 7]]), max_length=4, cache_implementation="static")
+    with pytest.raises(ValueError, match=r"exporter='dynamo' \(ort_exporter\) is not available"):
+        ORTStrategy(exporter="dynamo").generator(trainer.model)
     with pytest.raises(ValueError, match=r"quantize='dynamic' \(ort_quantize\) is not available"):
         ORTStrategy(quantize="dynamic").generator(trainer.model)
     encoder_only = transformers.BertForMaskedLM(transformers.BertConfig(

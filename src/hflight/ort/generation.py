@@ -19,7 +19,8 @@ reordering between beams are transformers'), on a shallow copy of the model whos
 are the sessions: no search loop of hflight's own, and the torch model is untouched. Its forward fills transformers'
 dynamic cache (``EncoderDecoderCache`` of ``DynamicCache``) with the sessions' keys and values; with
 ``use_cache=False`` every step runs ``"decoder"`` on the whole prefix. Other caches (``cache_implementation``),
-attentions or hidden states, and batch tensors or decoder inputs the graphs do not take raise, naming them.
+attentions or hidden states, batch tensors or decoder inputs the graphs do not take, and the dynamo exporter (it
+fails on the decoder with a cache) raise, naming them.
 
 Checked, not trusted: on the first batch after each export and on the first ``check_outputs`` batches of each input
 shape (``"all"``: every batch; False: none) the eager model generates too, with the same arguments, and a different
@@ -59,14 +60,15 @@ log = logging.getLogger(__name__)
 
 __all__ = ["ORTSeq2SeqGenerator", "UNSUPPORTED_GENERATION_KWARGS", "supports_generation"]
 
-#: ``generate`` arguments the sessions cannot honour (the graphs return logits only, and keep no cache).
+#: ``generate`` arguments the sessions cannot honour (the graphs return logits and keys and values only).
 UNSUPPORTED_GENERATION_KWARGS = ("output_attentions", "output_hidden_states")
 #: The batch tensors generation through the sessions takes (``labels`` are the targets; generate drops them).
 _GENERATION_BATCH = ("input_ids", "attention_mask", "labels")
-#: What the decoder session reads from transformers' model inputs of a step; other non-None inputs raise.
-_DECODER_INPUTS = ("decoder_input_ids", "encoder_outputs", "attention_mask")
-#: Step inputs the decoder session has no use for (no cache kept; the whole prefix's logits are returned).
-_IGNORED_STEP_INPUTS = ("use_cache", "return_dict", "past_key_values", "cache_position", "output_attentions",
+#: What the decoder sessions read from transformers' model inputs of a step; other non-None inputs raise.
+_DECODER_INPUTS = ("decoder_input_ids", "encoder_outputs", "attention_mask", "past_key_values")
+#: Step inputs the decoder sessions need not read (the new tokens are those decoder_input_ids holds; output_* are
+#: refused separately; the logits of every new token are returned).
+_IGNORED_STEP_INPUTS = ("use_cache", "return_dict", "cache_position", "output_attentions",
                         "output_hidden_states", "logits_to_keep")  # fmt: skip
 _TRACE_TARGET_LENGTH = 3  # the decoder is traced on this many target tokens (1 could freeze a one-token branch)
 
@@ -162,7 +164,7 @@ class ORTSeq2SeqGenerator(ExportedFrom):
 
     Args:
         model: a transformers encoder-decoder model (see :func:`supports_generation`).
-        exporter: ``"torchscript"`` or ``"dynamo"``.
+        exporter: ``"torchscript"`` (the only one that exports the decoder with a cache; ``"dynamo"`` raises).
         providers, intra_op_threads: as for :class:`hflight.ort.session.ORTEvaluationModel`.
         check_outputs: True (the first batch after each export and of each input shape), an int ``n`` (the first
             ``n`` batches of each input shape), ``"all"`` or False: the batches the eager model also generates, to
@@ -182,6 +184,11 @@ class ORTSeq2SeqGenerator(ExportedFrom):
             raise ValueError(f"Generation through ONNX Runtime is not available: {reason}. {EAGER_ADVICE}")
         if exporter not in EXPORTERS:
             raise ValueError(f"ORT exporter must be one of {EXPORTERS}, got {exporter!r}")
+        if exporter != "torchscript":  # torch.export fails on the decoder with a cache (SDPA's is_causal, a SymBool)
+            raise ValueError(
+                f"Generation through ONNX Runtime exports with the TorchScript exporter only: exporter={exporter!r} "
+                f"(ort_exporter) is not available for it. Use ort_exporter='torchscript'. {EAGER_ADVICE}"
+            )
         checks_per_shape(check_outputs)
         super().__init__(model)
         self.exporter = exporter
