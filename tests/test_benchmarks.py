@@ -94,3 +94,19 @@ def test_seq2seq_eval_compares_both_trainers():
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "metrics equal" in done.stdout and re.search(r"ratio hflight / transformers: \d+\.\d\d", done.stdout)
+
+
+def test_ort_seq2seq_generate_gives_eager_tokens():
+    """benchmarks/ort_seq2seq_generate.py: eager and ONNX Runtime generation, with and without the check (tiny
+    settings); the script fails unless every ORT run generated eager's tokens."""
+    pytest.importorskip("onnxruntime", reason="pip install 'hflight[ort]'")
+    command = [sys.executable, str(ROOT / "benchmarks" / "ort_seq2seq_generate.py"), "--d-model", "32", "--layers",
+               "1", "--vocab", "100", "--batches", "3", "--batch-size", "2", "--lengths", "8", "12", "--max-length",
+               "6", "--beams", "2", "--threads", "1"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert re.search(r"^  eager PyTorch +\d+\.\d+ s   1\.00x", done.stdout, re.M), done.stdout
+    for label, compared in (("ORT", 0), ("ORT, check_outputs=True", 2), ('ORT, check_outputs="all"', 3)):
+        line = rf"^  {re.escape(label)} +\d+\.\d+ s   \d+\.\d\dx eager   \({compared} batches compared"
+        assert re.search(line + r".*tokens equal to eager: True\)", done.stdout, re.M), done.stdout

@@ -7,8 +7,12 @@ installed, and optimum's ``ORTTrainer`` API.
 this package does not import onnxruntime; evaluating through ONNX Runtime does, and a missing package raises one
 error that says what to install.
 
-May import: the Lightning side (``strategy``, ``session``, ``checks``, ``runtime``) only the run's backend hooks
-(``hflight.run.backend``), the arguments and the checkpoints; the optimum-compatible trainers also the facade.
+Generation of encoder-decoder models through ONNX Runtime (encoder and decoder sessions under transformers'
+``generate``, checked against eager generation): ``hflight.ort.generation``, used by ``ORTSeq2SeqTrainer``.
+
+May import: the Lightning side (``strategy``, ``session``, ``generation``, ``checks``, ``runtime``) only the run's
+backend hooks (``hflight.run.backend``), the arguments and the checkpoints; the optimum-compatible trainers also the
+facade.
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ __all__ = [
     "TOLERANCES",
     "Tolerance",
     "check_outputs",
+    "check_tokens",
     "quiet_graph_dump",
     "report_tracer_warnings",
     "unsupported_operator",
@@ -118,6 +119,32 @@ def check_outputs(
             largest, where = worst, name
     log.debug("ORT check of %s on %s: largest difference %.3g (%s)", model_name, shapes, largest, where)
     return largest
+
+
+def check_tokens(model_name: str, eager: torch.Tensor, ort: torch.Tensor, batch: int, shapes: dict[str, tuple]) -> None:
+    """Raise :class:`ORTMismatchError` unless the token ids generated through ONNX Runtime equal eager generation's,
+    naming the generate call (``batch``, counted from 1), the row and the first differing position."""
+    expected, actual = eager.detach().cpu(), ort.detach().cpu()
+    for row in range(max(len(expected), len(actual))):
+        if row >= len(expected) or row >= len(actual):
+            raise ORTMismatchError(
+                f"ONNX Runtime generated {len(actual)} sequences for {model_name}, eager PyTorch {len(expected)}, on "
+                f"batch {batch} (inputs {shapes}). {EAGER_ADVICE}"
+            )
+        ours, theirs = actual[row].tolist(), expected[row].tolist()
+        if ours == theirs:
+            continue
+        position = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+        raise ORTMismatchError(
+            f"ONNX Runtime generates other tokens than eager PyTorch for {model_name}: batch {batch} (inputs "
+            f"{shapes}), row {row}, first difference at position {position}: ONNX Runtime {_token(ours, position)}, "
+            f"eager {_token(theirs, position)} ({len(ours)} and {len(theirs)} tokens). The exported encoder or "
+            f"decoder computes something else than the model (see the exporter's tracer warnings). {EAGER_ADVICE}"
+        )
+
+
+def _token(tokens: list[int], position: int) -> int | str:
+    return tokens[position] if position < len(tokens) else "(end)"
 
 
 # ---- tracer warnings --------------------------------------------------------------------------------------------

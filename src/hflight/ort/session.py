@@ -4,7 +4,9 @@
 (dynamic batch and sequence axes), opens an ``onnxruntime.InferenceSession`` on them and afterwards answers calls
 ``model(**batch)`` with the same output class the model returns. The loss is not part of the graph (exporting the QA
 loss fails with both exporters: its ignore index depends on the dynamic sequence length); it is computed in torch
-from the session's logits with transformers' own loss functions, so ``eval_loss`` stays comparable.
+from the session's logits with transformers' own loss functions (for encoder-decoder LMs, their forward's
+cross-entropy against the labels, the decoder inputs made from the labels when the batch has none), so ``eval_loss``
+stays comparable; on the batches the check compares, it is compared with the eager model's own loss.
 
 Exporters: ``"torchscript"`` (``dynamo=False``; about 1 s for MiniLM, and with eager attention during the export it
 gives the fastest graph) or ``"dynamo"`` (``torch.export``; 7-13 s, and its SDPA graph ran about 2x slower).
@@ -46,6 +48,7 @@ from transformers.loss.loss_utils import (
 )
 
 from hflight.ort.checks import (
+    EAGER_ADVICE,
     check_outputs,
     quiet_graph_dump,
     report_tracer_warnings,
@@ -83,6 +86,19 @@ def _masked_lm_loss(model: nn.Module, outputs: Mapping[str, torch.Tensor], label
     return ForMaskedLMLoss(outputs["logits"], labels["labels"], model.config.vocab_size)
 
 
+def _seq2seq_lm_loss(model: nn.Module, outputs: Mapping[str, torch.Tensor], labels: Mapping[str, torch.Tensor]) -> Any:
+    """What transformers' encoder-decoder LMs (BART, T5, Marian, Pegasus, ...) compute in their forward: the mean
+    cross-entropy of the decoder's logits against the labels, position by position (no shift: the decoder inputs are
+    the labels shifted right), -100 ignored."""
+    if not getattr(model.config, "is_encoder_decoder", False):  # e.g. a vision-language LM: a causal loss
+        raise NotImplementedError(
+            f"ORT evaluation knows the ForConditionalGeneration loss of encoder-decoder models only; "
+            f"{type(model).__name__} is not one (config.is_encoder_decoder is False). Evaluate it with eager PyTorch."
+        )
+    logits, target = outputs["logits"], labels["labels"].to(outputs["logits"].device)
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
+
+
 #: transformers' ``model.loss_type`` -> the loss from exported outputs and label tensors, as the model computes it.
 LOSSES: dict[str, Callable[[nn.Module, Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]], Any]] = {
     "ForQuestionAnswering": _qa_loss,
@@ -90,6 +106,7 @@ LOSSES: dict[str, Callable[[nn.Module, Mapping[str, torch.Tensor], Mapping[str, 
     "ForTokenClassification": _token_loss,
     "ForCausalLM": _causal_lm_loss,
     "ForMaskedLM": _masked_lm_loss,
+    "ForConditionalGeneration": _seq2seq_lm_loss,
 }
 
 
@@ -159,10 +176,7 @@ def export_logits(
     tensors of ``batch`` that ``model.forward`` takes, labels excluded), with dynamic batch and sequence axes."""
     if exporter not in EXPORTERS:
         raise ValueError(f"ORT exporter must be one of {EXPORTERS}, got {exporter!r}")
-    accepted = inspect.signature(model.forward).parameters
-    input_names = [
-        name for name in accepted if name in batch and name not in label_names and isinstance(batch[name], torch.Tensor)
-    ]
+    input_names = graph_input_names(model, batch, label_names)
     if not input_names:
         raise ValueError(
             f"ORT export: none of the batch keys {sorted(batch)} is an input of {type(model).__name__}.forward."
@@ -171,33 +185,87 @@ def export_logits(
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
-            sample = _call(model, dict(zip(input_names, args)))
+        with torch.no_grad():  # with the labels: the model's own loss is the check's reference for the ORT loss
+            sample = _call(model, {**dict(zip(input_names, args)), **_label_inputs(model, batch, label_names)})
         if not isinstance(sample, Mapping):
             raise TypeError(f"ORT export: {type(model).__name__} must return a ModelOutput or a dict of tensors.")
         output_names = [k for k, v in sample.items() if k != "loss" and isinstance(v, torch.Tensor)]
-        seq_len = args[0].shape[1] if args[0].dim() > 1 else None
-        dynamic_axes: dict[str, dict[int, str]] = {
-            name: {0: "batch", 1: "sequence"} if t.dim() > 1 else {0: "batch"} for name, t in zip(input_names, args)
-        }
-        for name in output_names:
-            value = sample[name]
-            same_length = value.dim() > 1 and seq_len is not None and value.shape[1] == seq_len
-            dynamic_axes[name] = {0: "batch", 1: "sequence"} if same_length else {0: "batch"}
+        # each input's axis 1 its own dynamic length (an encoder-decoder's source and target lengths differ); an
+        # output's axis 1 is dynamic, under a name of its own, when its length is one of the inputs'
+        lengths = {t.shape[1] for t in args if t.dim() > 1}
+        dynamic_axes: dict[str, dict[int, str]] = {}
+        for name, value in [*zip(input_names, args), *((n, sample[n]) for n in output_names)]:
+            varies = value.dim() > 1 and value.shape[1] in lengths
+            dynamic_axes[name] = {0: "batch", 1: f"{name}_length"} if varies else {0: "batch"}
         wrapper = _LogitsOnly(model, input_names, output_names).eval()
-        if exporter == "dynamo":  # torch.export's spelling of the same dynamic axes
-            dims = {"batch": torch.export.Dim.DYNAMIC, "sequence": torch.export.Dim.DYNAMIC}
-            shapes = tuple({i: dims[n] for i, n in dynamic_axes[name].items()} for name in input_names)
-            axes: dict[str, Any] = {"dynamic_shapes": (shapes,), "external_data": False}  # one entry: *tensors
-        else:
-            axes = {"dynamic_axes": dynamic_axes}
-        export = dict(input_names=input_names, output_names=output_names, opset_version=OPSETS[exporter], **axes)
-        with torch.no_grad(), _eager_attention(model, exporter):
-            notes = _export(wrapper, args, path, type(model).__name__, exporter, export)
+        export = export_options(input_names, output_names, dynamic_axes, exporter)
+        notes = export_module(wrapper, args, path, model, exporter, export)
     finally:
         model.train(was_training)
     eager = {name: sample[name] for name in output_names}
+    if isinstance(sample.get("loss"), torch.Tensor):
+        eager["loss"] = sample["loss"]
     return ExportedGraph(path, input_names, output_names, type(sample), tuple(notes), eager)
+
+
+def graph_input_names(model: nn.Module, batch: Mapping[str, Any], label_names: list[str]) -> list[str]:
+    """The tensors of ``batch`` that ``model.forward`` takes, labels excluded, in the signature's order: the inputs of
+    the graph exported on ``batch``."""
+    accepted = inspect.signature(model.forward).parameters
+    return [
+        name for name in accepted if name in batch and name not in label_names and isinstance(batch[name], torch.Tensor)
+    ]
+
+
+def _label_inputs(model: nn.Module, batch: Mapping[str, Any], label_names: list[str]) -> dict[str, torch.Tensor]:
+    """The label tensors of ``batch`` that ``model.forward`` takes (so that the eager model computes its loss)."""
+    accepted = inspect.signature(model.forward).parameters
+    return {name: batch[name] for name in label_names if name in accepted and isinstance(batch.get(name), torch.Tensor)}
+
+
+def with_decoder_inputs(model: nn.Module, batch: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``batch``, and for an encoder-decoder model given ``labels`` but no ``decoder_input_ids``, the decoder inputs
+    its forward makes from the labels (``prepare_decoder_input_ids_from_labels``: the labels shifted right), so that
+    they are an input of the graph rather than something the trace computes from the batch it saw."""
+    config = getattr(model, "config", None)
+    labels = batch.get("labels")
+    if labels is None or "decoder_input_ids" in batch or not getattr(config, "is_encoder_decoder", False):
+        return batch
+    prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
+    if prepare is None:
+        raise ValueError(
+            f"ORT evaluation of {type(model).__name__} with labels: the batch has no decoder_input_ids and the model "
+            "has no prepare_decoder_input_ids_from_labels to make them (give them in the batch, e.g. with "
+            f"DataCollatorForSeq2Seq(tokenizer, model=model)). {EAGER_ADVICE}"
+        )
+    return {**batch, "decoder_input_ids": prepare(labels=labels)}
+
+
+def export_options(
+    input_names: list[str], output_names: list[str], dynamic_axes: dict[str, dict[int, str]], exporter: str
+) -> dict[str, Any]:
+    """``torch.onnx.export``'s keyword arguments for a graph of positional inputs ``input_names`` whose axes
+    ``dynamic_axes`` names (input or output name -> {axis: name}) are dynamic, in the exporter's own spelling."""
+    if exporter == "dynamo":  # torch.export's spelling of the same dynamic axes
+        shapes = tuple({i: torch.export.Dim.DYNAMIC for i in dynamic_axes.get(name, {})} for name in input_names)
+        axes: dict[str, Any] = {"dynamic_shapes": (shapes,), "external_data": False}  # one entry: *tensors
+    else:
+        axes = {"dynamic_axes": dynamic_axes}
+    return dict(input_names=input_names, output_names=output_names, opset_version=OPSETS[exporter], **axes)
+
+
+def export_module(
+    wrapper: nn.Module, args: tuple, path: str, model: nn.Module, exporter: str, options: dict[str, Any]
+) -> list[str]:
+    """Export ``wrapper`` (a function of ``model``) traced on ``args``, with eager attention for the TorchScript
+    exporter; returns the tracer's notes (see :func:`_export`)."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), _eager_attention(model, exporter):
+            return _export(wrapper.eval(), args, path, type(model).__name__, exporter, options)
+    finally:
+        model.train(was_training)
 
 
 def _export(
@@ -224,6 +292,22 @@ def _export(
     return notes
 
 
+def open_session(
+    path: str, device: torch.device, providers: list[str] | None = None, intra_op_threads: int | None = None
+) -> Any:
+    """An ``onnxruntime.InferenceSession`` on ``path``: all graph optimisations, ``intra_op_threads`` (default
+    torch's), ``providers`` (default: CUDA when ``device`` is a GPU and ORT has it, else CPU)."""
+    ort = require_onnxruntime()
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = intra_op_threads or torch.get_num_threads()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if providers is None:
+        providers = ["CPUExecutionProvider"]
+        if device.type == "cuda" and "CUDAExecutionProvider" in ort.get_available_providers():
+            providers = ["CUDAExecutionProvider", *providers]
+    return ort.InferenceSession(path, sess_options=options, providers=providers)
+
+
 def checks_per_shape(check_outputs: bool | int | str) -> float:
     """How many batches of each input shape ``check_outputs`` compares with eager PyTorch (True: the first)."""
     if check_outputs == "all":
@@ -235,7 +319,30 @@ def checks_per_shape(check_outputs: bool | int | str) -> float:
     )
 
 
-class ORTEvaluationModel:
+class ExportedFrom:
+    """What an ONNX export remembers of its torch model: a weak reference to it, and its weights when exported (to
+    tell whether they changed since)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = weakref.ref(model)
+        self._snapshot: dict[str, torch.Tensor] | None = None
+
+    @property
+    def model(self) -> nn.Module:
+        model = self._model()
+        if model is None:
+            raise RuntimeError(f"{type(self).__name__}: the torch model it exports was garbage-collected.")
+        return model
+
+    def remember_weights(self) -> None:
+        self._snapshot = state_snapshot(self.model)
+
+    def weights_changed(self) -> bool:
+        """Whether the model's weights differ from those of the last export (False before any export)."""
+        return self._snapshot is not None and not same_weights(self.model, self._snapshot)
+
+
+class ORTEvaluationModel(ExportedFrom):
     """``model(**batch)`` answered by an ONNX Runtime session on the model's exported logits.
 
     Args:
@@ -270,7 +377,7 @@ class ORTEvaluationModel:
             raise ValueError(f"ORT quantize must be one of {QUANTIZATIONS}, got {quantize!r}")
         self.ort = require_onnxruntime()
         # weak: the strategy caches sessions per model in a WeakKeyDictionary, which a strong reference would pin
-        self._model = weakref.ref(model)
+        super().__init__(model)
         self.label_names = list(label_names)
         self.exporter = exporter
         self.quantize = quantize
@@ -293,19 +400,11 @@ class ORTEvaluationModel:
         self._checked: dict[tuple, int] = {}  # input shape -> batches of it compared
         self._reference: Any = None  # what the check compares: the session, or the float32 graph's when quantized
         self._export_outputs: Mapping[str, torch.Tensor] = {}
-        self._snapshot: dict[str, torch.Tensor] | None = None
-
-    @property
-    def model(self) -> nn.Module:
-        model = self._model()
-        if model is None:
-            raise RuntimeError("ORTEvaluationModel: the torch model it exports was garbage-collected.")
-        return model
 
     # ---- export ------------------------------------------------------------------------------------------------
     def refresh(self) -> None:
         """Forget the session if the model's weights changed since it was exported (the next call re-exports)."""
-        if self._snapshot is not None and not same_weights(self.model, self._snapshot):
+        if self.weights_changed():
             self.session = None
 
     def export(self, batch: Mapping[str, Any]) -> None:
@@ -321,7 +420,7 @@ class ORTEvaluationModel:
         if self.quantize == "dynamic":
             self.session = self._open(self._quantized(path), device)
         self._export_outputs = graph.eager_outputs
-        self._snapshot = state_snapshot(self.model)
+        self.remember_weights()
         self.export_count += 1
         self.export_seconds += time.perf_counter() - start
         log.info(
@@ -340,19 +439,13 @@ class ORTEvaluationModel:
         return target
 
     def _open(self, path: str, device: torch.device) -> Any:
-        ort = self.ort
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = self.intra_op_threads or torch.get_num_threads()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        providers = self.providers
-        if providers is None:
-            providers = ["CPUExecutionProvider"]
-            if device.type == "cuda" and "CUDAExecutionProvider" in ort.get_available_providers():
-                providers = ["CUDAExecutionProvider", *providers]
-        return ort.InferenceSession(path, sess_options=options, providers=providers)
+        return open_session(path, device, self.providers, self.intra_op_threads)
 
     # ---- calls -------------------------------------------------------------------------------------------------
     def __call__(self, **batch: Any) -> Any:
+        batch = dict(with_decoder_inputs(self.model, batch))
+        if self.session is not None and graph_input_names(self.model, batch, self.label_names) != self.input_names:
+            self.session = None  # the batch has other inputs than the graph (say, decoder inputs): export again
         if self.session is None:
             self.export(batch)
         missing = [name for name in self.input_names if name not in batch]
@@ -361,10 +454,10 @@ class ORTEvaluationModel:
         feed = {name: batch[name].detach().cpu().numpy() for name in self.input_names}
         device = batch[self.input_names[0]].device
         outputs = self._run(self.session, feed, device)
-        if self.check_outputs:
-            self._check(batch, feed, outputs, device)
         labels = {name: batch[name] for name in self.label_names if batch.get(name) is not None}
         loss = self._loss(outputs, labels) if labels else None
+        if self.check_outputs:
+            self._check(batch, feed, outputs, loss, device)
         return self.output_class(loss=loss, **outputs) if loss is not None else self.output_class(**outputs)
 
     def _run(self, session: Any, feed: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
@@ -372,21 +465,32 @@ class ORTEvaluationModel:
         return {name: torch.from_numpy(np.asarray(out)).to(device) for name, out in zip(self.output_names, results)}
 
     def _check(
-        self, batch: Mapping[str, Any], feed: dict[str, np.ndarray], outputs: dict[str, torch.Tensor], device: Any
+        self,
+        batch: Mapping[str, Any],
+        feed: dict[str, np.ndarray],
+        outputs: dict[str, torch.Tensor],
+        loss: torch.Tensor | None,
+        device: Any,
     ) -> None:
         """Compare with the eager model on the traced batch of every export (its eager outputs come from the export
-        itself) and on the first batch of each input shape not compared before."""
+        itself) and on the first batch of each input shape not compared before; the loss computed from the session's
+        outputs is compared with the model's own (eager, on the same batch with its labels)."""
         shapes = tuple(feed[name].shape[1:] for name in self.input_names)
         if self._checked.get(shapes, 0) >= checks_per_shape(self.check_outputs) and not self._export_outputs:
             return
         start = time.perf_counter()
         eager = self._export_outputs
         if not eager:
+            inputs = {name: batch[name] for name in self.input_names}
             with torch.no_grad():
-                result = _call(self.model, {name: batch[name] for name in self.input_names})
+                result = _call(self.model, {**inputs, **_label_inputs(self.model, batch, self.label_names)})
             eager = {name: result[name] for name in self.output_names}
+            if isinstance(result.get("loss"), torch.Tensor):
+                eager["loss"] = result["loss"]
         self._export_outputs = {}
         checked = outputs if self._reference is self.session else self._run(self._reference, feed, device)
+        if loss is not None and "loss" in eager and self._reference is self.session:  # int8 losses differ by design
+            checked = {**checked, "loss": loss}
         described = {name: tuple(feed[name].shape) for name in self.input_names}
         difference = check_outputs(type(self.model).__name__, eager, checked, described)
         self.largest_difference = max(self.largest_difference, difference)
@@ -396,6 +500,8 @@ class ORTEvaluationModel:
 
     def _loss(self, outputs: Mapping[str, torch.Tensor], labels: Mapping[str, torch.Tensor]) -> torch.Tensor:
         loss_type = getattr(self.model, "loss_type", None)
+        if loss_type is None and getattr(getattr(self.model, "config", None), "is_encoder_decoder", False):
+            loss_type = "ForConditionalGeneration"  # MarianMTModel & co: no "For..." in the class name, the same loss
         compute = LOSSES.get(loss_type)
         if compute is None:
             raise NotImplementedError(

@@ -30,6 +30,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from typing_extensions import override
 
+from hflight.ort.generation import ORTSeq2SeqGenerator
 from hflight.ort.runtime import ortmodule_class, require_onnxruntime, require_ortmodule
 from hflight.ort.session import EXPORTERS, QUANTIZATIONS, ORTEvaluationModel, checks_per_shape
 from hflight.run.backend import HFBackend
@@ -40,6 +41,8 @@ _TRAINING_MODES = (True, False, "auto")
 # model -> {(exporter, quantize, providers, labels): session}: an export survives the Lightning trainers the facade
 # creates per train()/evaluate() call, and is rebuilt only when the weights changed.
 _SESSIONS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, ORTEvaluationModel]] = weakref.WeakKeyDictionary()
+# model -> {(exporter, providers): generator}: the encoder/decoder sessions of generation, kept the same way
+_GENERATORS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, ORTSeq2SeqGenerator]] = weakref.WeakKeyDictionary()
 _EAGER_TRAINING_NOTICE = [False]
 
 
@@ -198,6 +201,25 @@ class ORTStrategy(SingleDeviceStrategy, HFBackend):
         session.check_outputs = self.check_outputs
         yield session
 
+    def generator(self, model: nn.Module) -> ORTSeq2SeqGenerator:
+        """The ONNX Runtime generator of an encoder-decoder ``model`` (encoder and decoder sessions, re-exported when
+        the weights changed, checked against eager generation as ``check_outputs`` says)."""
+        require_onnxruntime()
+        if self.quantize is not None:
+            raise ValueError(
+                f"Generation through ONNX Runtime runs the float32 graphs only: quantize={self.quantize!r} "
+                "(ort_quantize) is not available with it. Set ort_quantize=None, or generate in eager PyTorch "
+                "(inference_with_ort=False)."
+            )
+        generators = _GENERATORS.setdefault(model, {})
+        key = (self.exporter, tuple(self.providers or ()))
+        if key not in generators:
+            generators[key] = ORTSeq2SeqGenerator(model, exporter=self.exporter, providers=self.providers)
+        generator = generators[key]
+        generator.refresh()
+        generator.check_outputs = self.check_outputs
+        return generator
+
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
@@ -209,3 +231,8 @@ class ORTStrategy(SingleDeviceStrategy, HFBackend):
 def evaluation_sessions(model: nn.Module) -> list[ORTEvaluationModel]:
     """The ONNX Runtime evaluation sessions kept for ``model`` (to inspect export counts and timings)."""
     return list(_SESSIONS.get(model, {}).values())
+
+
+def generators(model: nn.Module) -> list[ORTSeq2SeqGenerator]:
+    """The ONNX Runtime generators kept for ``model`` (to inspect export, generation and check counts)."""
+    return list(_GENERATORS.get(model, {}).values())

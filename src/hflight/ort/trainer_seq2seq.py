@@ -2,10 +2,16 @@
 ``hflight.ort.trainer_seq2seq``): ``ORTTrainer`` (ORTModule training where onnxruntime-training is installed, ONNX
 Runtime evaluation checked against PyTorch) with ``Seq2SeqTrainer``'s generation.
 
-With ``predict_with_generate``, evaluation and prediction generate with ``model.generate`` in PyTorch, and the loss
-comes from the PyTorch model, as in optimum's ``ORTSeq2SeqTrainer``. Generation through ONNX Runtime is not built:
-``evaluate``/``predict(inference_with_ort=True)`` with ``predict_with_generate`` raise ``NotImplementedError``, as
-optimum's did (see also ``ORTSeq2SeqTrainingArguments.ort_inference``).
+With ``predict_with_generate``, evaluation and prediction generate with transformers' ``generate``:
+
+- in PyTorch (``model.generate``) when evaluating eagerly: ``ORTSeq2SeqTrainingArguments``' default with
+  ``predict_with_generate`` (as optimum's ``ORTSeq2SeqTrainer`` did), ``ort_inference=False`` or
+  ``inference_with_ort=False``;
+- through ONNX Runtime with ``ort_inference=True`` or ``evaluate``/``predict(inference_with_ort=True)``: the encoder
+  and the decoder (with and without past key values) are exported and run as sessions under transformers' own
+  ``generate``, and the tokens are compared with eager generation on the batches the check covers
+  (``hflight.ort.generation``); the loss of labelled batches comes from the exported model's logits
+  (``hflight.ort.session``), checked against the model's own loss.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import torch
 from torch import nn
 from transformers.trainer_utils import PredictionOutput
 
+from hflight.ort.generation import ORTSeq2SeqGenerator
 from hflight.ort.trainer import ORTTrainer
 from hflight.ort.training_args_seq2seq import ORTSeq2SeqTrainingArguments
 from hflight.trainer.seq2seq import Seq2SeqTrainer
@@ -57,12 +64,12 @@ class ORTSeq2SeqTrainer(ORTTrainer, Seq2SeqTrainer):
             preprocess_logits_for_metrics=preprocess_logits_for_metrics,
         )
 
-    def _check_generation_backend(self, inference_with_ort: bool | None) -> None:
-        if inference_with_ort and self.args.predict_with_generate:
-            raise NotImplementedError(
-                "ORTSeq2SeqTrainer: generation through ONNX Runtime is not available (predict_with_generate "
-                "generates in PyTorch). Remove `inference_with_ort` or `predict_with_generate`."
-            )
+    def _generation_model(self) -> nn.Module | ORTSeq2SeqGenerator:
+        """Evaluating through ONNX Runtime: the ORT strategy's generator (encoder and decoder sessions under
+        transformers' ``generate``, checked against eager generation); else the model (``generate`` in PyTorch)."""
+        if not self.ort_strategy.inference:
+            return super()._generation_model()
+        return self.ort_strategy.generator(self.model)
 
     def evaluate(
         self,
@@ -72,8 +79,8 @@ class ORTSeq2SeqTrainer(ORTTrainer, Seq2SeqTrainer):
         inference_with_ort: bool | None = None,
         **gen_kwargs: Any,
     ) -> dict[str, float]:
-        """``Seq2SeqTrainer.evaluate``; ``inference_with_ort`` as for ``ORTTrainer`` (not with generation)."""
-        self._check_generation_backend(inference_with_ort)
+        """``Seq2SeqTrainer.evaluate``; ``inference_with_ort`` as for ``ORTTrainer`` (True with
+        ``predict_with_generate``: generation through ONNX Runtime too)."""
         with self._inference_backend(inference_with_ort, "Evaluating"):
             return Seq2SeqTrainer.evaluate(self, eval_dataset, ignore_keys, metric_key_prefix, **gen_kwargs)
 
@@ -86,6 +93,5 @@ class ORTSeq2SeqTrainer(ORTTrainer, Seq2SeqTrainer):
         **gen_kwargs: Any,
     ) -> PredictionOutput:
         """``Seq2SeqTrainer.predict``; ``inference_with_ort`` as for :meth:`evaluate`."""
-        self._check_generation_backend(inference_with_ort)
         with self._inference_backend(inference_with_ort, "Predicting"):
             return Seq2SeqTrainer.predict(self, test_dataset, ignore_keys, metric_key_prefix, **gen_kwargs)

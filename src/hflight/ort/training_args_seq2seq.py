@@ -3,10 +3,10 @@ training_args_seq2seq`` becomes ``hflight.ort.training_args_seq2seq``): ``ORTTra
 Seq2Seq fields (``sortish_sampler``, ``predict_with_generate``, ``generation_max_length``, ``generation_num_beams``,
 ``generation_config``).
 
-Generation runs in PyTorch (as in optimum's ``ORTSeq2SeqTrainer``): hflight has no ONNX Runtime generation
-(encoder/decoder sessions). So ``ort_inference`` defaults to None, meaning ONNX Runtime evaluation unless
-``predict_with_generate`` is set; asking for both ``ort_inference=True`` and ``predict_with_generate=True`` is an
-error that names them, rather than a silent PyTorch evaluation.
+``ort_inference`` defaults to None: ONNX Runtime evaluation unless ``predict_with_generate`` is set, in which case
+generation runs in PyTorch, as in optimum's ``ORTSeq2SeqTrainer``. ``ort_inference=True`` with
+``predict_with_generate=True`` generates through ONNX Runtime (encoder and decoder sessions with past key values,
+checked against eager generation; ``hflight.ort.generation``).
 """
 
 from __future__ import annotations
@@ -25,23 +25,18 @@ __all__ = ["ORTSeq2SeqTrainingArguments"]
 @dataclass
 class ORTSeq2SeqTrainingArguments(ORTTrainingArguments, Seq2SeqTrainingArguments):
     """``ORTTrainingArguments`` with transformers' Seq2Seq fields; ``ort_inference=None`` (the default) evaluates
-    through ONNX Runtime unless ``predict_with_generate`` (generation runs in PyTorch)."""
+    through ONNX Runtime unless ``predict_with_generate`` (then generation runs in PyTorch; ``ort_inference=True``
+    generates through ONNX Runtime)."""
 
     ort_inference: Optional[bool] = field(
         default=None,
         metadata={
-            "help": "Evaluate and predict through ONNX Runtime. None: yes, unless predict_with_generate (generation "
-            "runs in PyTorch; ONNX Runtime generation is not available)."
+            "help": "Evaluate and predict through ONNX Runtime (with predict_with_generate: generate through it too). "
+            "None: yes, unless predict_with_generate (generation then runs in PyTorch)."
         },
     )
 
     def __post_init__(self) -> None:
         if self.ort_inference is None:
             self.ort_inference = not self.predict_with_generate
-        elif self.ort_inference and self.predict_with_generate:
-            raise ValueError(
-                "ORTSeq2SeqTrainingArguments: ort_inference=True with predict_with_generate=True asks for generation "
-                "through ONNX Runtime, which hflight does not have (generation runs in PyTorch): leave ort_inference "
-                "unset or set it to False."
-            )
         super().__post_init__()
