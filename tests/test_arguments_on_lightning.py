@@ -290,9 +290,15 @@ def test_ddp_arguments_configure_lightning_s_ddp_strategy(monkeypatch):
     assert lightning_kwargs.strategy_for(hflight.TrainingArguments("o", strategy="ddp")) == "ddp"
 
 
-def test_fsdp_arguments_configure_lightning_s_fsdp_strategy(factory):
+def test_fsdp_arguments_configure_lightning_s_fsdp_strategy(factory, monkeypatch):
+    """The mapping a GPU machine gets (FSDP runs on CUDA only; the refusal of the CPU is tested in test_distributed):
+    the device check is told the run is on CUDA."""
     from lightning.pytorch.strategies import FSDPStrategy
     from transformers.models.bert.modeling_bert import BertLayer
+
+    from hflight.arguments import training_args
+
+    monkeypatch.setattr(training_args, "resolved_device_type", lambda args: "cuda")
 
     model = factory.cls_model()
     args = hflight.TrainingArguments(
