@@ -27,6 +27,15 @@ def _torch_threads_restored():
         torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def one_torch_thread():
+    """Generation tests: many tiny steps, on a shared 2-core machine far faster on one thread than on two contending
+    (``_torch_threads_restored`` puts the session's count back afterwards)."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     """The folder of real SQuAD-format data sets; skips the test when a fresh clone has none beside it."""

@@ -9,7 +9,6 @@ import inspect
 
 import numpy as np
 import pytest
-import torch
 import transformers
 from transformers import DataCollatorForSeq2Seq, GenerationConfig
 
@@ -17,14 +16,7 @@ import hflight
 
 from . import seq2seq_data
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Generation is many tiny steps: on a shared 2-core machine one thread is ~50x faster than two contending."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # generation: see the fixture
 
 
 @pytest.fixture(scope="module")

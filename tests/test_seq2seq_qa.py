@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 import transformers
 from transformers import DataCollatorForSeq2Seq, EvalPrediction
 
@@ -33,12 +32,7 @@ def _transformers_trainer_class():
     return module.QuestionAnsweringSeq2SeqTrainer
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # generation: many tiny steps, far faster on one thread of a shared CPU
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # generation: see the fixture
 
 
 @pytest.fixture(scope="module")

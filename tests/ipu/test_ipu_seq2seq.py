@@ -30,12 +30,7 @@ SEQ2SEQ_FIELDS = {"sortish_sampler", "predict_with_generate", "generation_max_le
                   "generation_config"}  # fmt: skip
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # generation: many tiny steps, far faster on one thread of a shared CPU
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # generation: see the fixture
 
 
 @pytest.fixture(scope="module")

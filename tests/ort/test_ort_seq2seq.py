@@ -32,12 +32,7 @@ COMMON = dict(per_device_train_batch_size=4, per_device_eval_batch_size=4, num_t
 TIMINGS = ("_runtime", "_samples_per_second", "_steps_per_second", "_model_preparation_time")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # generation: many tiny steps, far faster on one thread of a shared CPU
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # generation: see the fixture
 
 
 @pytest.fixture(scope="module")
