@@ -177,9 +177,9 @@ def test_incomplete_folders_are_never_picked(saved, tmp_path, caplog):
 
 def test_a_kill_at_any_point_of_a_resave_leaves_a_complete_checkpoint(saved, reference, tmp_path, factory, monkeypatch):
     """Re-save checkpoint-6 (resumed from checkpoint-3) and copy the run folder before every line the save routine
-    executes (when the folder changed since the last copy): each copy is exactly what a kill at that point leaves. Every copy must offer a complete checkpoint
-    whose files are those of the old or the new checkpoint-6, or of checkpoint-3 (while checkpoint-6 is renamed
-    aside), and resuming from it must reproduce the uninterrupted run."""
+    executes (when the folder changed since the last copy): each copy is exactly what a kill at that point leaves.
+    Every copy must offer a complete checkpoint whose files are those of the old or the new checkpoint-6, or of
+    checkpoint-3 (while checkpoint-6 is renamed aside), and resuming from it must reproduce the uninterrupted run."""
     out = tmp_path / "run"
     for step in (3, 6):
         shutil.copytree(saved / f"checkpoint-{step}", out / f"checkpoint-{step}")
@@ -192,7 +192,8 @@ def test_a_kill_at_any_point_of_a_resave_leaves_a_complete_checkpoint(saved, ref
         if event == "line":
             lines[0] += 1
             # a kill before this line leaves the folder as it is now; a state seen just before is not copied again
-            state = sorted((str(p.relative_to(out)), p.stat().st_size, p.stat().st_mtime_ns) for p in out.rglob("*"))
+            state = sorted((str(p.relative_to(out)), p.stat().st_size, p.stat().st_mtime_ns)
+                           for p in out.rglob("*"))  # fmt: skip
             if state != states[0]:
                 states[0] = state
                 shutil.copytree(out, snapshots / f"{len(list(snapshots.glob('*'))):03d}")

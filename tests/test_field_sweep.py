@@ -124,6 +124,10 @@ TESTED_ELSEWHERE = {
     "own arguments fail on it (accelerate asks for a process group that does not exist), hflight's do not",
 }
 
+_FSDP_ON_CPU = (
+    "Lightning's and torch's FSDP need a GPU; on the CPU hflight refuses it before launching (test_distributed)"
+)
+
 #: fields this machine cannot run, with the reason.
 NOT_RUNNABLE = {
     "output_dir": "each run needs its own folder (the files are compared, relative to it)",
@@ -141,8 +145,8 @@ NOT_RUNNABLE = {
     "hub_revision": "needs the hub",
     "accelerator_config": "accelerate's settings: hflight's data loading is Lightning's (test_training_args)",
     "parallelism_config": "tensor/context parallelism needs several GPUs",
-    "fsdp": "Lightning's and torch's FSDP need a GPU; on the CPU hflight refuses it before launching (test_distributed)",
-    "fsdp_config": "Lightning's and torch's FSDP need a GPU; on the CPU hflight refuses it before launching (test_distributed)",
+    "fsdp": _FSDP_ON_CPU,
+    "fsdp_config": _FSDP_ON_CPU,
     "deepspeed": "deepspeed is not installed (the config's resolution is compared in test_arguments_on_lightning)",
 }
 

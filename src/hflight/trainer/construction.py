@@ -44,8 +44,14 @@ def processing_class_of(processing_class: Any, tokenizer: Any) -> Any:
     return tokenizer
 
 
-_LOOP = "hflight's training loop is Lightning's (hflight.run.loop): override training_step or compute_loss, or add a TrainerCallback"
-_FILES = "hflight writes and checks the checkpoint's optimizer, scheduler, scaler and RNG files itself (hflight.checkpoints.parts): override _save_checkpoint or _load_from_checkpoint"
+_LOOP = (
+    "hflight's training loop is Lightning's (hflight.run.loop): override training_step or compute_loss, or add a "
+    "TrainerCallback"
+)
+_FILES = (
+    "hflight writes and checks the checkpoint's optimizer, scheduler, scaler and RNG files itself "
+    "(hflight.checkpoints.parts): override _save_checkpoint or _load_from_checkpoint"
+)
 
 #: ``transformers.Trainer`` methods that hflight's Trainer never calls, with what to do instead. A subclass that
 #: overrides one would be silently ignored, so the constructor refuses it (:func:`check_overrides`).
