@@ -230,6 +230,20 @@ def test_dataloader_getters_return_combined_batches(poptorch_double, factory, tm
         assert [b["input_ids"].shape[0] for b in loader] == [6, 6, 1]
 
 
+def test_each_checkpoint_copies_the_weights_to_the_host_once(poptorch_double, factory, tmp_path, monkeypatch):
+    """A checkpoint writes its model through save_model (as transformers'); the weights come from the IPU once per
+    checkpoint, not again for the model files."""
+    copies = []
+    real = poptorch_double.PoplarExecutor.copyWeightsToHost
+    monkeypatch.setattr(poptorch_double.PoplarExecutor, "copyWeightsToHost",
+                        lambda self: (copies.append(1), real(self))[1])  # fmt: skip
+    trainer = IPUTrainer(factory.qa_model(), IPUConfig(), args(tmp_path, save_strategy="steps", save_steps=2),
+                         train_dataset=factory.qa_dataset(8))  # fmt: skip
+    trainer.train()
+    assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    assert len(copies) == 2
+
+
 def test_the_state_is_an_ipu_trainer_state_kept_across_resume(poptorch_double, factory, tmp_path):
     from hflight.ipu import IPUTrainerState
 

@@ -243,9 +243,11 @@ def writing(folder: str, what: str, discard: bool) -> Iterator[WriteTracker]:
 
 
 def save_model(facade: TrainerSurface, output_dir: str, backend: Any) -> None:
-    """``Trainer.save_model``: the host weights made current (``backend``: the strategy's hooks), then, on the main
-    process, the model files and the backend's own files (a failed write raises :class:`CheckpointWriteError`)."""
-    backend.hf_sync_to_host()
+    """``Trainer.save_model``: the host weights made current (``backend``: the strategy's hooks; a checkpoint's write,
+    which calls this, made them current before it began), then, on the main process, the model files and the
+    backend's own files (a failed write raises :class:`CheckpointWriteError`)."""
+    if not _WRITING:
+        backend.hf_sync_to_host()
     if facade.args.should_save:
         _saving_checkpoint(output_dir)
         with writing(output_dir, f"the model in {output_dir}", discard=False):
