@@ -13,6 +13,7 @@ import transformers
 from transformers import DataCollatorForSeq2Seq, GenerationConfig
 
 import hflight
+from hflight.arguments.training_args import HFLIGHT_FIELDS
 
 from . import seq2seq_data
 
@@ -87,7 +88,7 @@ def test_arguments_are_transformers_seq2seq_arguments_with_lightnings_fields():
     ours = dataclasses.fields(hflight.Seq2SeqTrainingArguments)
     theirs = dataclasses.fields(transformers.Seq2SeqTrainingArguments)
     assert [f.name for f in ours[: len(theirs)]] == [f.name for f in theirs]
-    assert [f.name for f in ours[len(theirs) :]] == ["accelerator", "devices", "strategy", "num_nodes"]
+    assert [f.name for f in ours[len(theirs) :]] == list(HFLIGHT_FIELDS)
     for a, b in zip(ours, theirs):
         assert (a.default, a.metadata.get("help")) == (b.default, b.metadata.get("help")), a.name
     parser = transformers.HfArgumentParser(hflight.Seq2SeqTrainingArguments)

@@ -87,7 +87,14 @@ LAYERS: dict[str, tuple[str, ...]] = {
     ),  # fmt: skip
     # The top: the package's names, the entry points, and the old import paths kept for users.
     "hflight": ("hflight._util", "hflight.version"),  # __init__: lazy exports only
-    "hflight.cli": ("hflight.cli", "hflight.config", "hflight.run.interrupt", "hflight.arguments", *BOTTOM),
+    "hflight.cli": (
+        "hflight.cli",
+        "hflight.config",
+        "hflight.run.interrupt",
+        "hflight.arguments",
+        "hflight.checkpoints.manifest",
+        *BOTTOM,
+    ),  # fmt: skip
     "hflight.config": ("hflight.arguments", *BOTTOM),
     "hflight.__main__": ("hflight.cli",),
     "hflight.training_args": ("hflight.arguments.training_args",),

@@ -33,6 +33,7 @@ from transformers.trainer_utils import IntervalStrategy, SaveStrategy, Scheduler
 from transformers.training_args import OptimizerNames
 
 from hflight.arguments.training_args import (
+    HFLIGHT_FIELDS,
     LIGHTNING_FIELDS,
     SUPPORTED_ACCELERATORS,
     SUPPORTED_OPTIMIZERS,
@@ -48,7 +49,7 @@ from hflight.arguments.training_args import (
 )
 
 OUR_FIELDS = [f.name for f in dataclasses.fields(TrainingArguments)]
-SHARED_FIELDS = [name for name in OUR_FIELDS if name not in LIGHTNING_FIELDS]
+SHARED_FIELDS = [name for name in OUR_FIELDS if name not in HFLIGHT_FIELDS]
 
 
 def plain(value: Any) -> Any:
@@ -75,12 +76,13 @@ def _single_process_env(monkeypatch):
 HF_FIELDS = {f.name: f for f in dataclasses.fields(transformers.TrainingArguments)}
 
 
-def test_a_subclass_of_transformers_with_lightnings_four_fields():
+def test_a_subclass_of_transformers_with_lightnings_four_fields_and_the_requeue_signal():
     """Every transformers field is ours with the same type, default and help (by construction: a subclass); the
-    only fields added are Lightning's four."""
+    only fields added are Lightning's four and SLURM's requeue signal (Lightning's SLURMEnvironment argument)."""
     ours = {f.name: f for f in dataclasses.fields(TrainingArguments)}
     assert issubclass(TrainingArguments, transformers.TrainingArguments)
-    assert [name for name in ours if name not in HF_FIELDS] == list(LIGHTNING_FIELDS)
+    assert [name for name in ours if name not in HF_FIELDS] == [*LIGHTNING_FIELDS, "requeue_signal"]
+    assert list(HFLIGHT_FIELDS) == [*LIGHTNING_FIELDS, "requeue_signal"]
     assert list(ours)[: len(HF_FIELDS)] == list(HF_FIELDS)
     hf_hints, our_hints = (
         typing.get_type_hints(transformers.TrainingArguments),
@@ -471,7 +473,7 @@ def test_from_hf_carries_every_value():
     assert args.train_sampling_strategy == "group_by_length" and args.activation_checkpointing is True
     assert args.report_to == ["tensorboard"] and args.accelerator == "cpu" and args.do_eval is True
     assert (args.devices, args.strategy, args.num_nodes) == ("auto", "auto", 1)
-    assert args.to_dict() == {**hf.to_dict(), **{name: getattr(args, name) for name in LIGHTNING_FIELDS}}
+    assert args.to_dict() == {**hf.to_dict(), **{name: getattr(args, name) for name in HFLIGHT_FIELDS}}
     assert args.to_transformers().to_dict() == hf.to_dict()
 
 
@@ -515,8 +517,8 @@ def test_to_transformers_is_a_plain_transformers_instance():
     args = TrainingArguments(output_dir="o", learning_rate=1e-3, strategy="ddp", devices=2, push_to_hub=True)
     plain_args = args.to_transformers()
     assert type(plain_args) is transformers.TrainingArguments
-    assert plain_args.to_dict() == {k: v for k, v in args.to_dict().items() if k not in LIGHTNING_FIELDS}
-    assert not any(hasattr(plain_args, name) for name in LIGHTNING_FIELDS)
+    assert plain_args.to_dict() == {k: v for k, v in args.to_dict().items() if k not in HFLIGHT_FIELDS}
+    assert not any(hasattr(plain_args, name) for name in HFLIGHT_FIELDS)
 
 
 # ---------------------------------------------------------------- transformers' callbacks and state on our args

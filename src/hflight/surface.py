@@ -169,6 +169,8 @@ class RunView(Protocol):
     def plan(self) -> Any: ...  # hflight.run.plan.TrainingPlan, set by the loop when the fit starts
     @property
     def epochs_offset(self) -> int: ...
+    @property
+    def epoch_start_rng(self) -> dict[str, Any] | None: ...  # the RNG streams as the epoch drew its data order
 
     train_batch_size: int
 

@@ -3,7 +3,8 @@
 Training semantics (epochs, learning rate, accumulation, clipping, cadence) stay with the facade and its
 LightningModule; Lightning receives hardware, strategy, precision, loggers and callbacks. Everything Lightning
 would otherwise do on its own and that HF does differently is switched off here, in one visible place:
-checkpointing (HF's ``checkpoint-N`` folders are written by the facade), the progress bar (HF's
+checkpointing (HF's ``checkpoint-N`` folders are written by the facade; under SLURM, Lightning's auto-requeue and
+its ``hpc_ckpt_*.ckpt`` too: ``hflight.arguments.cluster``), the progress bar (HF's
 ``ProgressCallback`` draws it), sanity validation and distributed sampler injection (the facade's samplers
 shard the data the way accelerate does).
 """
@@ -22,6 +23,7 @@ from typing import Any
 import lightning as L
 from transformers.trainer_callback import TrainerCallback
 
+from hflight.arguments import cluster
 from hflight.arguments.registry import DEFAULT_STRATEGIES, STRATEGY_ACCELERATORS
 from hflight.arguments.strategies import strategy_from_args
 
@@ -218,7 +220,7 @@ def lightning_trainer_kwargs(
     model the run trains (for an FSDP wrap policy). A fit builds its loggers from ``report_to``; an evaluation or
     prediction logs to ``loggers`` (those of the fit before it, which outlive it) or to none."""
     strategy = strategy_for(args, model) if strategy is None else strategy
-    return {
+    kwargs = {
         "accelerator": accelerator_for(args, strategy),
         "devices": _devices(args.devices),
         "strategy": strategy,
@@ -239,6 +241,10 @@ def lightning_trainer_kwargs(
         "default_root_dir": args.output_dir,
         "log_every_n_steps": 1,
     }
+    slurm = cluster.slurm_plugin(getattr(args, "requeue_signal", "SIGUSR1"))
+    if slurm is not None:  # under srun: Lightning's SLURM environment, its auto-requeue off (hflight requeues)
+        kwargs["plugins"] = [slurm]
+    return kwargs
 
 
 @contextlib.contextmanager

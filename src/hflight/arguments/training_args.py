@@ -24,6 +24,7 @@ import json
 import logging
 import numbers
 import os
+import signal
 import types
 import typing
 from collections.abc import Callable
@@ -38,11 +39,14 @@ from transformers.debug_utils import DebugOption
 from transformers.trainer_utils import HubStrategy, IntervalStrategy, SaveStrategy, SchedulerType
 from transformers.training_args import OptimizerNames, ParallelMode, trainer_log_levels
 
+from hflight.arguments import cluster
 from hflight.arguments.registry import register_backends
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "CLUSTER_FIELDS",
+    "HFLIGHT_FIELDS",
     "LIGHTNING_FIELDS",
     "SUPPORTED_ACCELERATORS",
     "SUPPORTED_OPTIMIZERS",
@@ -66,6 +70,10 @@ SUPPORTED_TRAIN_SAMPLING_STRATEGIES: tuple[str, ...] = ("random", "sequential", 
 SUPPORTED_ACCELERATORS: tuple[str, ...] = ("auto", "cpu", "gpu", "cuda", "mps", "tpu")
 #: Fields that come from ``lightning.Trainer`` and have no transformers counterpart.
 LIGHTNING_FIELDS: tuple[str, ...] = ("accelerator", "devices", "strategy", "num_nodes")
+#: Fields for runs a cluster scheduler launches (Lightning's ``SLURMEnvironment(requeue_signal=...)``).
+CLUSTER_FIELDS: tuple[str, ...] = ("requeue_signal",)
+#: Every field hflight adds to transformers', in order.
+HFLIGHT_FIELDS: tuple[str, ...] = (*LIGHTNING_FIELDS, *CLUSTER_FIELDS)
 #: Dict fields that only take a dict or a JSON object string (transformers also reads a file path for its
 #: accelerate/FSDP/DeepSpeed configs; for these a path means nothing).
 _JSON_ONLY_DICT_FIELDS = ("lr_scheduler_kwargs", "activation_checkpointing_kwargs", "gradient_checkpointing_kwargs")
@@ -127,6 +135,13 @@ class TrainingArguments(HFTrainingArguments):
     num_nodes: int = dataclasses.field(
         default=1, metadata={"help": "Number of nodes (machines) for distributed training."}
     )
+    requeue_signal: Optional[str] = dataclasses.field(  # noqa: UP045 - HfArgumentParser reads the annotation
+        default="SIGUSR1",
+        metadata={
+            "help": "Under SLURM: the signal that asks for a requeue (#SBATCH --signal=USR1@90). Training stops at the "
+            "next step with a checkpoint, then `scontrol requeue` runs on global rank 0. None: no requeue handling."
+        },
+    )
 
     def __post_init__(self) -> None:
         _coerce_field_types(self)
@@ -134,6 +149,7 @@ class TrainingArguments(HFTrainingArguments):
         for name, (enum_cls, choices) in _CHOICES.items():
             setattr(self, name, _check_choice(name, getattr(self, name), enum_cls, choices()))
         _check_lower_bounds(self)
+        _check_requeue_signal(self)
         # An optimizer a backend registered (e.g. ONNX Runtime's "adamw_ort_fused") is no transformers
         # OptimizerNames member; transformers' __post_init__ converts `optim` to that enum, so it sees a stand-in.
         backend_optim = None if isinstance(self.optim, OptimizerNames) else self.optim
@@ -174,18 +190,26 @@ class TrainingArguments(HFTrainingArguments):
 
     @property
     def world_size(self) -> int:
-        """Number of processes: from ``torch.distributed`` once initialised, else ``WORLD_SIZE`` (default 1)."""
+        """Number of processes: from ``torch.distributed`` once initialised, else from the launcher's variables
+        (torchrun's, srun's, ...: ``hflight.arguments.cluster``), else ``WORLD_SIZE`` (default 1)."""
         dist = _initialized_dist()
         if dist is not None:
             return dist.get_world_size()
+        launched = cluster.ranks(self.num_nodes)
+        if launched is not None:
+            return launched.world_size
         return int(os.environ.get("WORLD_SIZE", "1"))
 
     @property
     def process_index(self) -> int:
-        """Global rank: ``torch.distributed``, else ``RANK`` (torchrun), else Lightning's node/local ranks."""
+        """Global rank: ``torch.distributed``, else the external launcher's (``RANK`` of torchrun, ``SLURM_PROCID``
+        of srun, ...), else ``RANK``, else Lightning's node/local ranks."""
         dist = _initialized_dist()
         if dist is not None:
             return dist.get_rank()
+        launched = cluster.ranks(self.num_nodes)
+        if launched is not None:
+            return launched.global_rank
         if "RANK" in os.environ:
             return int(os.environ["RANK"])
         per_node = max(1, self.world_size // max(1, self.num_nodes))
@@ -193,7 +217,11 @@ class TrainingArguments(HFTrainingArguments):
 
     @property
     def local_process_index(self) -> int:
-        """Rank of this process on its node (``LOCAL_RANK``, set by torchrun and Lightning; default 0)."""
+        """Rank of this process on its node: the external launcher's (``LOCAL_RANK`` of torchrun, ``SLURM_LOCALID``
+        of srun, ...), else ``LOCAL_RANK`` (set by Lightning for the processes it starts; default 0)."""
+        launched = cluster.ranks(self.num_nodes)
+        if launched is not None:
+            return launched.local_rank
         return int(os.environ.get("LOCAL_RANK", "0"))
 
     @contextlib.contextmanager
@@ -390,6 +418,18 @@ def _check_lower_bounds(args: TrainingArguments) -> None:
         value = getattr(args, name)
         if value is not None and value < lower:
             raise ValueError(f"{name} must be {description}, got {value!r}")
+
+
+def _check_requeue_signal(args: TrainingArguments) -> None:
+    """``requeue_signal``: a signal name (normalised to ``SIGUSR1`` form) or None; not the signal
+    ``enable_jit_checkpoint`` gives to transformers (SIGTERM)."""
+    found = cluster.parse_requeue_signal(args.requeue_signal)
+    args.requeue_signal = found.name if found is not None else None
+    if found == signal.SIGTERM and args.enable_jit_checkpoint:
+        raise ValueError(
+            "requeue_signal='SIGTERM' and enable_jit_checkpoint=True both claim SIGTERM; choose another requeue signal "
+            "(SIGUSR1, as #SBATCH --signal=USR1@90 sends) or turn enable_jit_checkpoint off"
+        )
 
 
 def _check_choice(name: str, value: Any, enum_cls: type | None, choices: tuple[str, ...]) -> Any:

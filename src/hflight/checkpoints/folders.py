@@ -301,12 +301,13 @@ def save_checkpoint(facade: TrainerSurface, run: RunView, trial: Any = None) -> 
             _write_model_files(facade, run, tmp_dir)
             checksums.add_new(tmp_dir)
         _update_best_checkpoint(args, state, run_dir)
+        progress = run.loop.progress() if run.loop is not None else None  # every rank: their running losses
         world.barrier()
         if is_main:
             write_trainer_state(facade, tracker)
             tracker.file = MANIFEST_NAME
             run_args = run_arguments(args, world.size, run.plan)
-            write_manifest(tmp_dir, state.global_step, bool(args.save_only_model), run_args, checksums)
+            write_manifest(tmp_dir, state.global_step, bool(args.save_only_model), run_args, checksums, progress)
             publish(tmp_dir, final_dir)
     if is_main:
         rotate_checkpoints(run_dir, args.save_total_limit, state.best_model_checkpoint)

@@ -100,10 +100,17 @@ class Checksums:
 
 # ---- the manifest ---------------------------------------------------------------------------------------------------
 def write_manifest(
-    folder: str, global_step: int, save_only_model: bool, run: dict[str, Any], checksums: Checksums | None = None
+    folder: str,
+    global_step: int,
+    save_only_model: bool,
+    run: dict[str, Any],
+    checksums: Checksums | None = None,
+    loop: dict[str, Any] | None = None,
 ) -> None:
     """List every file of ``folder`` with its size and checksum (``checksums``: those computed while the folder was
-    written); written last, so its presence means the rest is there."""
+    written); written last, so its presence means the rest is there. ``loop``: the training loop's bookkeeping at the
+    checkpoint (``hflight.run.loop.TrainingLoop.progress``: running losses, a pending epoch end), so that a run
+    continued from it (``resume_from_checkpoint="auto"``) logs what the uninterrupted run logs."""
     root = Path(folder)
     digest = checksums.digest if checksums is not None else file_digest
     files = {
@@ -119,6 +126,8 @@ def write_manifest(
         "run": run,
         "files": files,
     }
+    if loop is not None:
+        manifest["loop"] = loop
     (root / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
@@ -290,20 +299,22 @@ def _warn_about_changes(folder: Path, manifest: dict[str, Any], in_use: list[str
         )
 
 
+def checkpoint_folders(folder: str | os.PathLike) -> list[Path]:
+    """The ``checkpoint-N`` folders of ``folder``, newest (largest N) first, complete or not."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    found = ((int(m.group(1)), p) for p in folder.iterdir() if (m := CHECKPOINT_RE.match(p.name)) and p.is_dir())
+    return [path for _, path in sorted(found, reverse=True)]
+
+
 def get_last_checkpoint(folder: str | os.PathLike) -> str | None:
     """The complete ``checkpoint-N`` folder with the largest N in ``folder``, or None.
 
     Incomplete folders (see :func:`verify_checkpoint`; sizes are compared, checksums when the folder is loaded) are
     skipped with a warning that says what they lack.
     """
-    folder = Path(folder)
-    if not folder.is_dir():
-        return None
-    candidates = sorted(
-        ((int(m.group(1)), p) for p in folder.iterdir() if (m := CHECKPOINT_RE.match(p.name)) and p.is_dir()),
-        reverse=True,
-    )
-    for _, path in candidates:
+    for path in checkpoint_folders(folder):
         try:
             verify_checkpoint(path)
         except (IncompleteCheckpointError, UnsafeCheckpointFile) as exc:

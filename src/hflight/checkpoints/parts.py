@@ -86,15 +86,42 @@ def part_of(name: str) -> str | None:
     return next((part.name for part in PARTS if part.owns(name)), None)
 
 
+#: The key of an hflight RNG file that holds the generator states of the moment the epoch in progress drew its data
+#: order (transformers reads the other keys only): a resume in the middle of that epoch draws the same order again,
+#: also from a sampler that takes torch's global generator (transformers' length-grouped sampler).
+EPOCH_START_KEY = "hflight_epoch_start"
+
+
 def rng_file_name(world_size: int, rank: int) -> str:
     return "rng_state.pth" if world_size <= 1 else f"rng_state_{rank}.pth"
 
 
-def _rng_states() -> dict[str, Any]:
+def rng_states() -> dict[str, Any]:
+    """This process's Python, numpy, torch (and CUDA) generator states, as an RNG file holds them."""
     states = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states["cuda"] = torch.cuda.random.get_rng_state_all()
     return states
+
+
+def _set_rng_states(states: dict[str, Any]) -> None:
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.random.set_rng_state(states["cpu"])
+    if "cuda" in states and torch.cuda.is_available():
+        cuda = states["cuda"]
+        if isinstance(cuda, (list, tuple)):
+            torch.cuda.random.set_rng_state_all(cuda)
+        else:
+            torch.cuda.random.set_rng_state(cuda)
+
+
+def _check_rng_states(states: Any) -> None:
+    if not isinstance(states, dict):
+        raise TypeError(f"a dict of generator states, not {type(states).__name__}")
+    random.Random().setstate(states["python"])
+    np.random.RandomState().set_state(states["numpy"])
+    torch.Generator().set_state(states["cpu"])
 
 
 def write_training_states(facade: TrainerSurface, run: RunView, tracker: Any, is_main: bool) -> None:
@@ -106,7 +133,11 @@ def write_training_states(facade: TrainerSurface, run: RunView, tracker: Any, is
         scaler = getattr(run.lightning_trainer.precision_plugin, "scaler", None)
         if scaler is not None:
             files[SCALER_NAME] = scaler.state_dict
-    files[rng_file_name(run.world.size, run.world.rank)] = _rng_states
+    epoch_start = run.epoch_start_rng  # the streams as the epoch's data order was drawn from them (hflight's key)
+    files[rng_file_name(run.world.size, run.world.rank)] = lambda: {
+        **rng_states(),
+        **({EPOCH_START_KEY: epoch_start} if epoch_start is not None else {}),
+    }
     for name, state in files.items():
         tracker.file = name
         torch.save(state(), os.path.join(tracker.folder, name))
@@ -412,35 +443,33 @@ def load_rng_file(path: str | os.PathLike) -> dict[str, Any]:
     except Exception as exc:
         raise ValueError(f"Cannot restore {path}: {_failure(path, exc)}") from exc
     try:
-        if not isinstance(states, dict):
-            raise TypeError(f"a dict of generator states, not {type(states).__name__}")
-        random.Random().setstate(states["python"])
-        np.random.RandomState().set_state(states["numpy"])
-        torch.Generator().set_state(states["cpu"])
+        _check_rng_states(states)
+        if EPOCH_START_KEY in states:
+            _check_rng_states(states[EPOCH_START_KEY])
     except (KeyError, TypeError, ValueError, RuntimeError) as exc:
         raise ValueError(f"{path} does not hold valid RNG states: {type(exc).__name__}: {exc}") from exc
     return states
 
 
-def load_rng_state(point: Any, world: Any) -> None:
-    """Python, numpy and torch RNG streams as they were when ``point`` was written, for this process of ``world``."""
+def load_rng_state(point: Any, world: Any, epoch_start: bool = False) -> None:
+    """Python, numpy and torch RNG streams as they were when ``point`` was written, for this process of ``world``;
+    ``epoch_start``: as they were when the epoch in progress drew its data order (nothing when the file does not
+    record it: a transformers checkpoint)."""
     if point.model_only:
         return
     name = rng_file_name(world.size, world.rank)
     path = regular_file(point.folder, name)
     if path is None:
+        if epoch_start:  # the call for the checkpoint's own streams says so
+            return
         logger.warning(
             f"Didn't find {name} in {point.folder} (the checkpoint was written by a different number of "
             "processes?): the random number generators are not restored, reproducibility is not guaranteed."
         )
         return
     states = load_rng_file(path)
-    random.setstate(states["python"])
-    np.random.set_state(states["numpy"])
-    torch.random.set_rng_state(states["cpu"])
-    if "cuda" in states and torch.cuda.is_available():
-        cuda = states["cuda"]
-        if isinstance(cuda, (list, tuple)):
-            torch.cuda.random.set_rng_state_all(cuda)
-        else:
-            torch.cuda.random.set_rng_state(cuda)
+    if epoch_start:
+        if EPOCH_START_KEY in states:
+            _set_rng_states(states[EPOCH_START_KEY])
+        return
+    _set_rng_states(states)

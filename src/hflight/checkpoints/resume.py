@@ -30,9 +30,9 @@ from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import compare_trainer_and_checkpoint_args
 
 from hflight.callbacks.hooks import weight_hooks
-from hflight.checkpoints.files import IncompleteCheckpointError, inside, regular_file
+from hflight.checkpoints.files import IncompleteCheckpointError, UnsafeCheckpointFile, inside, regular_file
 from hflight.checkpoints.folders import RUN_ARGUMENTS, run_arguments
-from hflight.checkpoints.manifest import CHECKPOINT_RE, get_last_checkpoint, verify_checkpoint
+from hflight.checkpoints.manifest import CHECKPOINT_RE, checkpoint_folders, get_last_checkpoint, verify_checkpoint
 from hflight.checkpoints.optim_state import OPTIMIZER_NAME, SCHEDULER_NAME
 from hflight.checkpoints.parts import (
     TRAINER_STATE_NAME,
@@ -59,12 +59,20 @@ class ResumePoint:
     training_states: dict[str, Any] = field(default_factory=dict)
     #: With ``restore_callback_states_from_checkpoint``: (callback in use, callback rebuilt from its saved state).
     rebuilt_callbacks: list[tuple[Any, Any]] = field(default_factory=list)
+    #: Chosen by ``resume_from_checkpoint="auto"``: the run continues as if it had not stopped (the loss logged before
+    #: the checkpoint counts in the next logged loss and in ``train_loss``, from the manifest's ``loss`` record).
+    continued: bool = False
 
 
 # ---- trainer_state.json ---------------------------------------------------------------------------------------------
 
 
 # ---- choosing and checking the folder -----------------------------------------------------------------------------
+#: ``train(resume_from_checkpoint=AUTO)``: the last valid checkpoint of ``output_dir`` if there is one, else a fresh
+#: start (hflight's; transformers' ``True`` raises when there is none).
+AUTO = "auto"
+
+
 def requested(resume_from_checkpoint: str | bool | None, args: Any) -> str | bool | None:
     """What ``train(resume_from_checkpoint=...)`` asks for: the argument only (``False``: no resume, as None). As in
     transformers, ``args.resume_from_checkpoint`` is for scripts (the CLI passes it); the Trainer never reads it."""
@@ -74,10 +82,13 @@ def requested(resume_from_checkpoint: str | bool | None, args: Any) -> str | boo
 
 
 def resolve_resume(facade: TrainerSurface, resume: str | bool | None) -> ResumePoint | None:
-    """The checkpoint to resume from (``True``: the last complete one in ``output_dir``), checked, with its weights
-    loaded into ``facade.model``. Nothing is copied into the model unless every check passed."""
+    """The checkpoint to resume from (``True``: the last complete one in ``output_dir``; ``"auto"``: the last one that
+    passes every check of its files, or None for a fresh start), checked, with its weights loaded into
+    ``facade.model``. Nothing is copied into the model unless every check passed."""
     if resume is None:
         return None
+    if resume == AUTO and not os.path.isdir(AUTO):
+        return _resolve_auto(facade)
     if resume is True:
         found = get_last_checkpoint(facade.args.output_dir)
         if found is None:
@@ -86,7 +97,35 @@ def resolve_resume(facade: TrainerSurface, resume: str | bool | None) -> ResumeP
     folder = Path(resume)
     if not folder.is_dir():
         raise ValueError(f"Can't find a valid checkpoint at {resume}")  # transformers' words: scripts match on them
-    manifest = verify_checkpoint(folder, full=True)
+    return _resume_from(facade, folder, verify_checkpoint(folder, full=True))
+
+
+def _resolve_auto(facade: TrainerSurface) -> ResumePoint | None:
+    """``resume_from_checkpoint="auto"``: the newest ``checkpoint-N`` of ``output_dir`` whose files are complete and
+    undamaged (sizes and checksums; the broken ones are skipped, each with a warning naming what is wrong), or None,
+    said out loud, when there is none. Other faults of the chosen folder (weights that do not fit the model, say)
+    raise as for an explicit path: an older checkpoint would not fit either."""
+    output_dir = facade.args.output_dir
+    candidates = checkpoint_folders(output_dir)
+    for folder in candidates:
+        try:
+            manifest = verify_checkpoint(folder, full=True)
+        except (IncompleteCheckpointError, UnsafeCheckpointFile) as exc:
+            logger.warning(f"resume_from_checkpoint='auto': skipping {folder.name}: {exc}")
+            continue
+        logger.warning(
+            f"resume_from_checkpoint='auto': resuming from {folder}, the last valid checkpoint of {output_dir}."
+        )
+        point = _resume_from(facade, folder, manifest)
+        point.continued = True
+        return point
+    broken = f" ({len(candidates)} checkpoint folder(s) there, none complete and undamaged)" if candidates else ""
+    logger.warning(f"resume_from_checkpoint='auto': no valid checkpoint in {output_dir}{broken}; starting fresh.")
+    return None
+
+
+def _resume_from(facade: TrainerSurface, folder: Path, manifest: dict[str, Any] | None) -> ResumePoint:
+    """The rest of the checks of ``folder`` (its files verified already: ``manifest``), then its weights loaded."""
     state = read_trainer_state(
         regular_file(folder, TRAINER_STATE_NAME) or folder / TRAINER_STATE_NAME, type(facade.state)
     )

@@ -6,8 +6,11 @@ that writes checkpoints (``args.should_save``: the main process; with ``save_on_
 node, into its own disk) for the length of ``Trainer.train`` (the facade takes it before anything in the folder is
 read or written):
 
-- the lock is an ``flock`` on ``output_dir/.hflight-writer.lock``, which records the holder's process id, host and
-  start time; a second writer fails at once with :class:`OutputDirInUse`, naming the folder and that process;
+- the lock is an ``flock`` on ``output_dir/.hflight-writer.lock``, which records the holder's process id, host,
+  start time, and the job and rank it belongs to (``hflight.arguments.cluster.job_identity``: SLURM's job, torchrun's
+  run, Lightning's launch); a second writer fails at once with :class:`OutputDirInUse`, naming the folder and that
+  process, and telling a rank of the same job (two writers of one job: ``save_on_each_node`` on nodes that share the
+  folder, or ranks a launcher did not tell apart) from a competing run;
 - the operating system releases an ``flock`` when its process dies (killed included), so a lock file left by a dead
   process is taken over, with a warning naming it; the file is removed when training ends;
 - one process may take it again (``train()`` twice, a hyperparameter search's trials): nested holds count;
@@ -52,10 +55,26 @@ def _holder(fd: int) -> dict:
 def _describe(holder: dict) -> str:
     started = holder.get("started")
     when = time.strftime(" since %Y-%m-%d %H:%M:%S", time.localtime(started)) if isinstance(started, float) else ""
-    return f"process {holder.get('pid', '?')} on host {holder.get('host', '?')}{when}"
+    job = f" ({holder['job']}, rank {holder.get('rank', '?')})" if holder.get("job") else ""
+    return f"process {holder.get('pid', '?')} on host {holder.get('host', '?')}{job}{when}"
 
 
-def _lock(path: Path, fcntl) -> int:
+def _in_use(path: Path, holder: dict, me: dict) -> OutputDirInUse:
+    if me.get("job") and holder.get("job") == me["job"]:
+        return OutputDirInUse(
+            f"Output folder {path.parent} is written by rank {holder.get('rank', '?')} of this same job ({me['job']}: "
+            f"{_describe(holder)} holds {path}); rank {me.get('rank', '?')} would write its checkpoints there too. "
+            "With save_on_each_node=True every node's main process writes: use it only when each node has its own "
+            "disk (as transformers advises), not on a folder the nodes share."
+        )
+    return OutputDirInUse(
+        f"Output folder {path.parent} is in use by another training run: {_describe(holder)} holds {path}. "
+        "Two runs writing checkpoints into one output_dir would overwrite each other's. Wait for it to "
+        "finish, or choose another output_dir."
+    )
+
+
+def _lock(path: Path, fcntl, me: dict) -> int:
     """An open, exclusively ``flock``-ed descriptor of ``path`` (retried when the holder removed the file while this
     process waited on the old one)."""
     while True:
@@ -65,11 +84,7 @@ def _lock(path: Path, fcntl) -> int:
         except BlockingIOError:
             holder = _holder(fd)
             os.close(fd)
-            raise OutputDirInUse(
-                f"Output folder {path.parent} is in use by another training run: {_describe(holder)} holds {path}. "
-                "Two runs writing checkpoints into one output_dir would overwrite each other's. Wait for it to "
-                "finish, or choose another output_dir."
-            ) from None
+            raise _in_use(path, holder, me) from None
         try:
             same = os.fstat(fd).st_ino == os.stat(path).st_ino
         except FileNotFoundError:
@@ -79,7 +94,7 @@ def _lock(path: Path, fcntl) -> int:
         os.close(fd)
 
 
-def _acquire(folder: Path) -> str:
+def _acquire(folder: Path, job: str | None, rank: int) -> str:
     import fcntl
 
     created = not folder.exists()
@@ -89,14 +104,14 @@ def _acquire(folder: Path) -> str:
     if key in _HELD:
         _HELD[key][1] += 1
         return key
-    fd = _lock(path, fcntl)
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "job": job, "rank": rank}
+    fd = _lock(path, fcntl, me)
     stale = _holder(fd)
     if stale:
         logger.warning(
             f"Took over {path}, left by {_describe(stale)}, which no longer holds it (it ended without releasing "
             "it: killed?)."
         )
-    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
     os.ftruncate(fd, 0)
     os.lseek(fd, 0, os.SEEK_SET)
     os.write(fd, (json.dumps(me) + "\n").encode())
@@ -119,9 +134,12 @@ def _release(key: str) -> None:
 
 
 @contextlib.contextmanager
-def output_dir_lock(output_dir: str | os.PathLike, enabled: bool = True) -> Iterator[None]:
+def output_dir_lock(
+    output_dir: str | os.PathLike, enabled: bool = True, job: str | None = None, rank: int = 0
+) -> Iterator[None]:
     """Hold the writer lock of ``output_dir`` for the duration (``enabled=False``: a process that writes no
-    checkpoints, such as a non-main rank, takes none).
+    checkpoints, such as a non-main rank, takes none); ``job``/``rank``: the job this process belongs to and its
+    global rank, recorded in the lock (None for a single process).
 
     Raises:
         OutputDirInUse: another live process holds it (the message names the folder and the process).
@@ -130,7 +148,7 @@ def output_dir_lock(output_dir: str | os.PathLike, enabled: bool = True) -> Iter
         yield
         return
     try:
-        key = _acquire(Path(output_dir))
+        key = _acquire(Path(output_dir), job, rank)
     except ImportError:  # no fcntl: not a POSIX system
         logger.warning(f"Cannot lock {output_dir} on this platform: make sure no other run writes into it.")
         yield

@@ -40,10 +40,12 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 from typing_extensions import override
 
+from hflight.arguments import cluster
 from hflight.arguments.hardware import check_hardware, describe_backend
 from hflight.arguments.training_args import TrainingArguments
+from hflight.checkpoints.manifest import get_last_checkpoint
 from hflight.config import PRIMARY_CONFIG, VERSION_BASE, hydra_config_path
-from hflight.run.interrupt import TrainingInterrupted, signal_name, terminate_on_signals
+from hflight.run.interrupt import TrainingInterrupted, requeue_signal, signal_name, terminate_on_signals
 
 __all__ = ["TaskRun", "main", "run", "train"]
 
@@ -97,6 +99,7 @@ def _train(cfg: DictConfig, args: TrainingArguments) -> tuple[dict[str, float], 
     # A backend that cannot start here (no poptorch for trainer=ipu, no GPU for trainer=gpu) fails now, with its own
     # message, not after the data has been generated and tokenized.
     check_hardware(args)
+    args.resume_from_checkpoint = resume_point(args)  # before the task reads the run folder (it reuses its data)
     set_seed(args.seed)  # before the model is initialised, as run_qa.py
     log.info(f"Instantiating task <{cfg.task._target_}>")
     task = instantiate(cfg.task)
@@ -141,11 +144,35 @@ def _train_evaluate_predict(trainer: Any, built: TaskRun, args: TrainingArgument
 
 
 def _resume_from(value: Any) -> str | bool | None:
-    """``args.resume_from_checkpoint`` as ``train()`` takes it: a path, or ``true`` (the config's string field holds
-    it as "True") for the last valid checkpoint of the output folder."""
+    """``args.resume_from_checkpoint`` as ``train()`` takes it: a path, ``true`` (the config's string field holds
+    it as "True") for the last valid checkpoint of the output folder, or ``"auto"``: that checkpoint if there is
+    one."""
     if isinstance(value, str) and value.lower() in ("true", "false"):
         return True if value.lower() == "true" else None
+    if isinstance(value, str) and value.lower() == AUTO:
+        return AUTO
     return value
+
+
+def resume_point(args: TrainingArguments) -> str | None:
+    """``args.resume_from_checkpoint`` as this run will use it. ``resume=auto`` (``args.resume_from_checkpoint=auto``),
+    and a process a scheduler restarted (``TORCHELASTIC_RESTART_COUNT`` or ``SLURM_RESTART_COUNT`` >= 1) when
+    nothing else was asked, continue from the run folder's last valid checkpoint (``"auto"``: ``train()`` picks it,
+    checksums included, and skips damaged ones) or, when the folder holds none, start fresh, saying so (None)."""
+    value = _resume_from(args.resume_from_checkpoint)
+    restarted = cluster.restart()
+    if value is None and restarted is not None:
+        log.warning(
+            f"This process was restarted by its scheduler ({restarted[0]}={restarted[1]}): continuing as resume=auto, "
+            f"from the last valid checkpoint of {args.output_dir}."
+        )
+        value = AUTO
+    if value != AUTO:
+        return args.resume_from_checkpoint if value is not None else None
+    if get_last_checkpoint(args.output_dir) is None:
+        log.warning(f"resume=auto: {args.output_dir} holds no complete checkpoint; starting fresh.")
+        return None
+    return AUTO
 
 
 def _draw_curves(trainer: Any, args: TrainingArguments) -> None:
@@ -181,7 +208,8 @@ def run(cfg: DictConfig) -> float | None:
     multirun too.
     """
     try:
-        with terminate_on_signals():
+        # under SLURM the requeue signal requeues the job; after a stop the command line exits
+        with terminate_on_signals(requeue_signal(cfg.args), process_exits=_on_command_line()):
             metrics, _ = train(cfg)
             return optimized_value(metrics, cfg.get("optimized_metric"))
     except TrainingInterrupted as exc:
@@ -229,6 +257,8 @@ def _hydra_main(cfg: DictConfig) -> float | None:
 # ---------------------------------------------------------------------------------------------------- resume
 #: The command-line key that continues a run in its own folder.
 RESUME_KEY = "resume"
+#: ``resume=auto``: continue this run's folder (``hydra.run.dir``) from its last valid checkpoint, or start fresh.
+AUTO = "auto"
 
 
 def _override_key(token: str) -> str | None:
@@ -253,9 +283,15 @@ def resume_arguments(argv: list[str]) -> list[str]:
     if not given:
         return argv
     if len(given) > 1 or given[0].startswith(("+", "~")):
-        raise ValueError(f"give one run folder as {RESUME_KEY}=<run folder>, got {' '.join(given)}")
-    folder = Path(given[0].split("=", 1)[1]).expanduser().resolve()
+        raise ValueError(
+            f"give one run folder as {RESUME_KEY}=<run folder> (or {RESUME_KEY}={AUTO}), got {' '.join(given)}"
+        )
     rest = [token for token in argv if token is not given[0]]
+    if given[0].split("=", 1)[1] == AUTO:  # this run's own folder: its last valid checkpoint, or a fresh start
+        if any(_override_key(token) == "args.resume_from_checkpoint" for token in rest):
+            raise ValueError(f"{RESUME_KEY}={AUTO} sets args.resume_from_checkpoint; give one of the two")
+        return [*rest, f"args.resume_from_checkpoint={AUTO}"]
+    folder = Path(given[0].split("=", 1)[1]).expanduser().resolve()
     if {"-m", "--multirun"} & set(rest):
         raise ValueError(f"{RESUME_KEY}= continues one run; it cannot be combined with -m/--multirun")
     keys = {_override_key(token) for token in rest} - {None}

@@ -117,7 +117,7 @@ class MRCRecipe:
         model_args: ModelArguments = OmegaConf.to_object(cfg.model)
         data_args: DataTrainingArguments = OmegaConf.to_object(cfg.data)
         examples = _load_splits(cfg.data, data_args, model_args, args)[0]
-        tokenizer = build_tokenizer(cfg.model, model_args, examples.get("train"))
+        tokenizer = build_tokenizer(cfg.model, model_args, examples.get("train"), args)
         model = build_model(cfg.model, model_args, tokenizer)
         features = build_features(examples, tokenizer, data_args, args)
         factory = self.trainer
@@ -174,7 +174,7 @@ def _load_splits(
                     "or a data.synthetic generator (e.g. +experiment=mrc)."
                 )
             log.info(f"Instantiating synthetic data <{data_cfg.synthetic._target_}>")
-            train_file, validation_file = instantiate(data_cfg.synthetic)
+            train_file, validation_file = instantiate(data_cfg.synthetic, **_resuming(data_cfg.synthetic, args))
             files = {"train": str(train_file), "validation": str(validation_file), "test": None}
             keys = {name: f"synthetic {name} file {path}" for name, path in files.items() if path}
         splits = {name: _load_file(path, keys[name]) for name, path in files.items() if path}
@@ -362,9 +362,27 @@ def hub_kwargs(model_args: ModelArguments) -> dict[str, Any]:
     )
 
 
-def build_tokenizer(model_cfg: DictConfig, model_args: ModelArguments, train_examples: Any) -> Any:
+def _resuming(node: DictConfig, args: Any) -> dict[str, bool]:
+    """``{"resuming": ...}`` for a maker of run-folder files (the synthetic data, the tokenizer trainer) that takes
+    it (``hflight.qa.made``): whether this run continues from a checkpoint, whose data and vocabulary it must keep."""
+    import inspect
+
+    from hydra.utils import get_method
+
+    resume = args.resume_from_checkpoint
+    resuming = bool(resume) and str(resume).lower() != "false"
+    try:
+        takes = "resuming" in inspect.signature(get_method(node._target_)).parameters
+    except (ValueError, TypeError, ImportError, AttributeError):  # noqa: B014 - hydra raises several kinds
+        takes = False
+    return {"resuming": resuming} if takes else {}
+
+
+def build_tokenizer(model_cfg: DictConfig, model_args: ModelArguments, train_examples: Any, args: Any = None) -> Any:
     """``AutoTokenizer.from_pretrained`` of ``tokenizer_name`` / ``model_name_or_path``, or of the folder the
-    ``tokenizer_trainer`` node saved a tokenizer trained on ``train_examples`` into."""
+    ``tokenizer_trainer`` node saved a tokenizer trained on ``train_examples`` into (reused when it was trained
+    there on the same texts; ``args``: the training arguments, whose ``resume_from_checkpoint`` makes another
+    tokenizer there an error)."""
     from transformers import AutoTokenizer
 
     from hflight.qa.preprocess import check_tokenizer
@@ -376,7 +394,8 @@ def build_tokenizer(model_cfg: DictConfig, model_args: ModelArguments, train_exa
         if train_examples is None:
             raise ValueError("model.tokenizer_trainer trains on the training split: set data.train_file.")
         log.info(f"Instantiating tokenizer trainer <{model_cfg.tokenizer_trainer._target_}>")
-        trained = instantiate(model_cfg.tokenizer_trainer)(_texts(train_examples))
+        extra = _resuming(model_cfg.tokenizer_trainer, args) if args is not None else {}
+        trained = instantiate(model_cfg.tokenizer_trainer, **extra)(_texts(train_examples))
         name = trained.name_or_path  # the folder it was saved into
     log.info(f"Instantiating tokenizer <AutoTokenizer.from_pretrained({name!r})>")
     tokenizer = AutoTokenizer.from_pretrained(name, **hub_kwargs(model_args))

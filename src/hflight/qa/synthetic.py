@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hflight.qa import made
+
 __all__ = ["generate_squad", "write_squad_files", "squad_to_json"]
 
 # --------------------------------------------------------------------------------------------------
@@ -631,11 +633,30 @@ def write_squad_files(
     max_questions_per_paragraph: int = 4,
     train_name: str = "train.json",
     validation_name: str = "validation.json",
+    resuming: bool = False,
 ) -> tuple[Path, Path]:
     """Generate with :func:`generate_squad` and write ``(train_path, validation_path)`` under ``out_dir``.
 
-    The files are byte-identical for the same arguments.
+    The files are byte-identical for the same arguments. Files this function wrote before with the same arguments
+    are reused as they are (``hflight.qa.made``: a restarted run trains on exactly what its checkpoints were trained
+    on); ``resuming``: the run continues from a checkpoint, so files written with other arguments are an error
+    naming the difference (otherwise they are replaced).
     """
+    out = Path(out_dir)
+    paths = (out / train_name, out / validation_name)
+    recipe = dict(
+        generator="hflight.qa.synthetic.write_squad_files",
+        num_train_articles=num_train_articles,
+        num_validation_articles=num_validation_articles,
+        paragraphs_per_article=paragraphs_per_article,
+        seed=seed,
+        version_2_with_negative=version_2_with_negative,
+        unanswerable_fraction=unanswerable_fraction,
+        max_questions_per_paragraph=max_questions_per_paragraph,
+        files=[train_name, validation_name],
+    )
+    if made.reusable(out, recipe, [train_name, validation_name], "synthetic SQuAD data", resuming):
+        return paths
     train, validation = generate_squad(
         num_train_articles=num_train_articles,
         num_validation_articles=num_validation_articles,
@@ -645,11 +666,10 @@ def write_squad_files(
         unanswerable_fraction=unanswerable_fraction,
         max_questions_per_paragraph=max_questions_per_paragraph,
     )
-    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = (out / train_name, out / validation_name)
     for path, squad in zip(paths, (train, validation)):
         replace_file(path, squad_to_json(squad).encode("utf-8"))
+    made.write_record(out, recipe)
     return paths
 
 

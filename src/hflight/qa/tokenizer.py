@@ -10,6 +10,7 @@ every other component uses.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -19,6 +20,8 @@ from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, BertTokenizerFast, PreTrainedTokenizerFast
+
+from hflight.qa import made
 
 __all__ = ["SPECIAL_TOKENS", "train_wordpiece_tokenizer", "squad_texts"]
 
@@ -33,6 +36,7 @@ def train_wordpiece_tokenizer(
     lowercase: bool = True,
     min_frequency: int = 2,
     model_max_length: int = 512,
+    resuming: bool = False,
 ) -> PreTrainedTokenizerFast:
     """Train a BERT-style WordPiece tokenizer and return it reloaded with ``AutoTokenizer``.
 
@@ -43,21 +47,38 @@ def train_wordpiece_tokenizer(
         lowercase: lowercase and strip accents (BERT *uncased*); ``False`` keeps case and accents.
         min_frequency: minimum pair frequency for a merge.
         model_max_length: the ``model_max_length`` recorded in the tokenizer config.
+        resuming: the run continues from a checkpoint: a tokenizer trained in ``output_dir`` on other texts or
+            with other arguments is an error (its model's vocabulary would not fit), not replaced.
 
     Returns:
         The fast tokenizer as loaded by ``AutoTokenizer.from_pretrained(output_dir)``. Same texts and
-        arguments give the same vocabulary.
+        arguments give the same vocabulary; a tokenizer this function trained in ``output_dir`` on the same texts
+        with the same arguments is loaded as it is, not trained again (``hflight.qa.made``).
     """
     texts = list(_strings(texts))
+    digest = hashlib.sha256()
+    for text in texts:
+        digest.update(text.encode("utf-8") + b"\0")
+    recipe = dict(
+        trainer="hflight.qa.tokenizer.train_wordpiece_tokenizer",
+        vocab_size=vocab_size,
+        lowercase=lowercase,
+        min_frequency=min_frequency,
+        model_max_length=model_max_length,
+        texts_sha256=digest.hexdigest(),
+    )
+    out = Path(output_dir)
+    if made.reusable(out, recipe, ("tokenizer.json", "vocab.txt"), "a trained tokenizer", resuming):
+        return AutoTokenizer.from_pretrained(str(out))
     normalizer = normalizers.BertNormalizer(
         clean_text=True, handle_chinese_chars=True, strip_accents=lowercase, lowercase=lowercase
     )
     pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     vocab = _learn_vocabulary(texts, normalizer, pre_tokenizer, vocab_size, min_frequency)
     wrapped = _bert_tokenizer(_bert_pipeline(vocab, normalizer, pre_tokenizer), lowercase, model_max_length)
-    out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     _save_in_place(wrapped, vocab, out)
+    made.write_record(out, recipe)
     return AutoTokenizer.from_pretrained(str(out))
 
 

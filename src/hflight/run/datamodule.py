@@ -33,6 +33,7 @@ import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch.utils.data import BatchSampler, DataLoader, Sampler
 
+from hflight.checkpoints.parts import rng_states
 from hflight.run.backend import StepGeometry, backend_of
 from hflight.surface import RunView, TrainerSurface
 
@@ -168,6 +169,9 @@ class AccumulationCycles:
         self.epoch_fn = epoch_fn
         self.skip_batches = 0
         self.restore_rng: Callable[[], None] | None = None
+        self.restore_epoch_start_rng: Callable[[], None] | None = None
+        #: The RNG streams as the epoch in progress drew its data order (a checkpoint records them).
+        self.epoch_start_rng: dict[str, Any] | None = None
 
     def __len__(self) -> int:
         # The full epoch length, also while a resumed epoch skips batches: Lightning reads it once and bounds
@@ -178,10 +182,16 @@ class AccumulationCycles:
         set_loader_epoch(self.loader, self.epoch_fn())
         skip, self.skip_batches = self.skip_batches, 0
         restore, self.restore_rng = self.restore_rng, None
+        restore_epoch_start, self.restore_epoch_start_rng = self.restore_epoch_start_rng, None
         # A resumed run gets its RNG streams back where the uninterrupted run had them: before the epoch's
-        # iterator is created at an epoch boundary, after the skipped batches mid-epoch (as HF does).
+        # iterator is created at an epoch boundary, after the skipped batches mid-epoch (as HF does); mid-epoch,
+        # the iterator is created from the streams the epoch began with, so that it draws the same order (a sampler
+        # on torch's global generator, a loader's base seed), when the checkpoint recorded them.
         if restore is not None and skip == 0:
             restore()
+        elif restore_epoch_start is not None and skip > 0:
+            restore_epoch_start()
+        self.epoch_start_rng = rng_states()
         iterator = iter(self.loader)
         for _ in range(skip):
             next(iterator, None)
@@ -235,11 +245,19 @@ class HFDataModule(L.LightningDataModule):
             epoch_fn=lambda: self.run.epochs_offset + self.trainer.current_epoch,
         )
 
-    def resume_at(self, skip_batches: int, restore_rng: Callable[[], None]) -> None:
+    def resume_at(
+        self,
+        skip_batches: int,
+        restore_rng: Callable[[], None],
+        restore_epoch_start_rng: Callable[[], None] | None = None,
+    ) -> None:
         """A resumed run: skip the first ``skip_batches`` micro-batches of the first epoch, and call ``restore_rng``
-        (the checkpoint's RNG streams) once they are skipped, before the first batch trains."""
+        (the checkpoint's RNG streams) once they are skipped, before the first batch trains; mid-epoch,
+        ``restore_epoch_start_rng`` (the streams the checkpoint recorded for the start of its epoch) before the
+        epoch's iterator is created."""
         self.cycles.skip_batches = skip_batches
         self.cycles.restore_rng = restore_rng
+        self.cycles.restore_epoch_start_rng = restore_epoch_start_rng
 
     def train_dataloader(self) -> AccumulationCycles:
         if self.cycles is None:

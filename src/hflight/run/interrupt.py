@@ -31,8 +31,18 @@ Several processes stop together, and each exits 143 (130), whichever launched th
   and logs their exit codes (:class:`_AwaitLaunched`; after :data:`CHILD_EXIT_TIMEOUT` seconds they are killed), so
   the job's main process ends last, as torchrun's agent does.
 
+Under SLURM (srun launched the process), the requeue signal (``TrainingArguments.requeue_signal``, SIGUSR1 by
+default, as ``#SBATCH --signal=USR1@90`` sends it before the time limit) is a stop request too: every rank stops at
+the same step boundary, one complete checkpoint is written, global rank 0 runs ``scontrol requeue`` once
+(``hflight.run.cluster``) and every process exits with 128 + the signal number (138), saying that the job was
+requeued and from which checkpoint it continues. The signal again, from srun and from SLURM, or during the
+checkpoint's write, is the same stop; a different signal afterwards (SLURM's SIGTERM at the time limit) stops at
+once, as a second signal does. Lightning's own requeue handler is not installed (``SLURMEnvironment(auto_requeue=
+False)``): it would write its ``hpc_ckpt_*.ckpt`` and train on.
+
 Outside of training, :func:`terminate_on_signals` (used by the command line) turns both signals into
-:class:`TrainingInterrupted` at once, so that the failure is recorded instead of the process vanishing.
+:class:`TrainingInterrupted` at once, so that the failure is recorded instead of the process vanishing; the requeue
+signal requeues the job first.
 
 Once a signal has stopped a run, the process is on its way out: if another SIGTERM/SIGINT arrives while the
 interpreter runs its exit callbacks (a logger or library shutting down), the process exits at once with one line
@@ -82,39 +92,51 @@ class TrainingInterrupted(SystemExit):
         return self.message
 
 
+#: The stop of this process, once a signal stopped its run (its exit status is the one the process exits with).
+_STOPPED: list[TrainingInterrupted] = []
+
+
 def stopped(
     signum: int, message: str, global_step: int | None = None, checkpoint: str | None = None
 ) -> TrainingInterrupted:
     """Log ``message`` (a plain script shows nothing else: the exit is a ``SystemExit``) and build the exception;
     a signal arriving during the exit that follows ends the process quietly (:func:`_quiet_at_exit`)."""
     logger.warning(message)
-    _quiet_at_exit.register()
-    return TrainingInterrupted(signum, message, global_step, checkpoint)
+    _quiet_at_exit.register(signum)
+    stop = TrainingInterrupted(signum, message, global_step, checkpoint)
+    _STOPPED[:] = [stop]
+    return stop
 
 
 def _exit_now(signum: int, frame: Any) -> None:
-    """A signal during interpreter exit, after a run was stopped: one line, then exit at once (128 + signal)."""
+    """A signal during the exit of a stopped run: one line, then exit at once, with the stop's status (a requeued
+    job's tasks exit 138 even when SLURM's SIGTERM reaches one of them as it exits)."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
+    code = _STOPPED[0].code if _STOPPED else 128 + int(signum)
     os.write(2, f"{signal_name(signum)} received while exiting after the run was stopped: exiting now.\n".encode())
-    os._exit(128 + int(signum))
+    os._exit(code)
 
 
 class _QuietAtExit:
     """An exit callback, registered when the first stop happens (so it runs before the exit callbacks registered
-    earlier: ``atexit`` runs them last-in, first-out), that makes SIGTERM/SIGINT end the exit quietly."""
+    earlier: ``atexit`` runs them last-in, first-out), that makes SIGTERM/SIGINT (and a requeue signal that stopped
+    the run) end the exit quietly."""
 
     registered = False
+    signals: tuple[int, ...] = SIGNALS
 
-    def register(self) -> None:
+    def register(self, signum: int | None = None) -> None:
+        if signum is not None and signum not in self.signals:
+            self.signals = (*self.signals, signum)
         if not self.registered:
             self.registered = True
             atexit.register(self)
 
     def __call__(self) -> None:
         if _main_thread():
-            for signum in SIGNALS:
+            for signum in self.signals:
                 signal.signal(signum, _exit_now)
 
 
@@ -133,7 +155,8 @@ def _main_thread() -> bool:
 
 
 class StopRequest:
-    """Which signal asked this ``train()`` call to stop, if any; installed as the SIGTERM/SIGINT handler."""
+    """Which signal asked this ``train()`` call to stop, if any; installed as the SIGTERM/SIGINT handler (and, under
+    SLURM, as the requeue signal's)."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
@@ -141,6 +164,9 @@ class StopRequest:
         self.handed_over: dict[int, Any] = {}  # signal -> the handler that owns it (e.g. transformers' JIT checkpoint)
         self.global_step: int | None = None  # kept current by the caller, for the message of a second signal
         self.received_at = 0.0  # time.monotonic() of the first signal
+        self.requeue_signal: int | None = None  # SLURM's requeue signal while it is handled here
+        self.requeue = False  # a requeue was asked for (on any rank, once the ranks agreed)
+        self.exiting = False  # the stop is complete (checkpoint written, job requeued): signals change nothing now
 
     def __call__(self, signum: int, frame: Any) -> None:
         if signum in self.handed_over:
@@ -150,6 +176,21 @@ class StopRequest:
                 owner(signum, frame)
             return
         name = signal_name(signum)
+        if self.exiting:
+            logger.info(f"{name} received while the stopped run exits: nothing more to do.")
+            return
+        if signum == self.requeue_signal:
+            self._keep_lightning_going()
+            if self.signum is not None:  # the same stop (srun and SLURM both deliver it), or a requeue on top of it
+                self.requeue = True
+                logger.info(f"{name} (the requeue signal) received again: already stopping; the job will be requeued.")
+                return
+            self.signum, self.received_at, self.requeue = signum, time.monotonic(), True
+            logger.warning(
+                f"Received {name}, SLURM's requeue signal: stopping after the current optimizer step to save a "
+                "checkpoint and requeue the job."
+            )
+            return
         if self._duplicate(signum):
             self._keep_lightning_going()
             logger.info(f"{name} received again from the launcher or the process group: already stopping.")
@@ -181,15 +222,18 @@ class StopRequest:
         return signum == self.signum and world_size > 1 and recent
 
     def agreed(self, strategy: Any) -> int | None:
-        """The signal to stop for, the same on every rank: any rank's request stops them all (one all-reduce per
-        step, and only with several processes). Once they agreed, the processes exit together
-        (:func:`exit_together`)."""
+        """The signal to stop for, the same on every rank: any rank's request stops them all, and any rank's requeue
+        signal makes it a requeue (:attr:`requeue`, then the signal is the requeue signal); one all-reduce per step,
+        and only with several processes. Once they agreed, the processes exit together (:func:`exit_together`)."""
         if strategy is None or strategy.world_size <= 1:
             return self.signum
-        local = torch.tensor(float(self.signum or 0), device=strategy.root_device)
-        stop = int(strategy.reduce(local, reduce_op="max").item())
+        local = torch.tensor([float(self.signum or 0), float(self.requeue)], device=strategy.root_device)
+        stop, requeue = (int(v) for v in strategy.reduce(local, reduce_op="max").tolist())
         if stop:
             exit_together(getattr(strategy, "launcher", None))
+            self.requeue = bool(requeue)
+            if self.requeue and self.requeue_signal is not None:
+                return self.requeue_signal
         return stop or None
 
     def _keep_lightning_going(self) -> None:
@@ -198,13 +242,18 @@ class StopRequest:
             connector.received_sigterm = False  # Lightning would stop after this micro-batch; we stop after the step
 
     @contextlib.contextmanager
-    def handling_signals(self, lightning_trainer: Any, handed_over: tuple[int, ...] = ()) -> Iterator[StopRequest]:
-        """Install this request as the SIGTERM/SIGINT handler for the duration (main thread only); convert what
-        Lightning raises for SIGTERM into :class:`TrainingInterrupted`. The ``handed_over`` signals go to the handler
-        installed before (which decides what they mean), with Lightning kept from stopping on them."""
+    def handling_signals(
+        self, lightning_trainer: Any, handed_over: tuple[int, ...] = (), requeue_signal: int | None = None
+    ) -> Iterator[StopRequest]:
+        """Install this request as the SIGTERM/SIGINT handler (and ``requeue_signal``'s: SLURM's, see
+        :func:`requeue_signal`) for the duration (main thread only); convert what Lightning raises for SIGTERM into
+        :class:`TrainingInterrupted`. The ``handed_over`` signals go to the handler installed before (which decides
+        what they mean), with Lightning kept from stopping on them."""
         self.lightning_trainer = lightning_trainer
         self.handed_over = {signum: signal.getsignal(signum) for signum in handed_over} if _main_thread() else {}
-        with _handlers(self), sigterm_exits_non_zero("Training"):
+        self.requeue_signal = requeue_signal
+        extra = (requeue_signal,) if requeue_signal is not None and requeue_signal not in SIGNALS else ()
+        with _handlers(self, (*SIGNALS, *extra)), sigterm_exits_non_zero("Training"):
             yield self
         if self.signum is not None:  # arrived after the last step boundary: training had finished
             raise stopped(
@@ -258,6 +307,17 @@ class _AwaitLaunched:
         logger.warning(f"The processes this one launched have exited (pid: exit code): {codes}.")
 
 
+def requeue_signal(args: Any) -> int | None:
+    """The signal that requeues the job: ``args.requeue_signal`` when SLURM launched this process (as Lightning
+    detects it: srun's variables), else None (the signal keeps its default meaning)."""
+    from hflight.arguments import cluster
+
+    if not cluster.slurm_detected():
+        return None
+    found = cluster.parse_requeue_signal(getattr(args, "requeue_signal", "SIGUSR1"))
+    return int(found) if found is not None else None
+
+
 def handed_over_signals(args: Any) -> tuple[int, ...]:
     """The signals whose handling ``args`` gives to another owner during training: SIGTERM with
     ``enable_jit_checkpoint`` (transformers' ``JITCheckpointCallback`` checkpoints at the next step and ends the run
@@ -266,12 +326,12 @@ def handed_over_signals(args: Any) -> tuple[int, ...]:
 
 
 @contextlib.contextmanager
-def _handlers(handler: Any) -> Iterator[None]:
+def _handlers(handler: Any, signals: tuple[int, ...] = SIGNALS) -> Iterator[None]:
     if not _main_thread():  # signal handlers can only be set from the main thread
         yield
         return
-    previous = {signum: signal.getsignal(signum) for signum in SIGNALS}
-    for signum in SIGNALS:
+    previous = {signum: signal.getsignal(signum) for signum in signals}
+    for signum in signals:
         signal.signal(signum, handler)
     try:
         yield
@@ -293,12 +353,35 @@ def sigterm_exits_non_zero(what: str) -> Iterator[None]:
 
 
 def _raise_now(signum: int, frame: Any) -> None:
+    if _STOPPED:  # the run stopped already and its exception is on its way out
+        _exit_now(signum, frame)
     raise stopped(signum, f"Terminated by {signal_name(signum)} outside of training: nothing to save.")
 
 
+def _requeue_now(signum: int, frame: Any) -> None:
+    from hflight.run.cluster import requeue_job, requeue_message
+
+    if _STOPPED:
+        _exit_now(signum, frame)
+    outcome = requeue_job()
+    message = requeue_message(outcome, "the run folder's last checkpoint (if it has one)", kept=False)
+    raise stopped(signum, f"{signal_name(signum)} (SLURM's requeue signal) outside of training. {message}")
+
+
 @contextlib.contextmanager
-def terminate_on_signals() -> Iterator[None]:
-    """SIGTERM and SIGINT raise :class:`TrainingInterrupted` at once (``Trainer.train`` installs its own
-    step-boundary handling inside)."""
-    with _handlers(_raise_now):
-        yield
+def terminate_on_signals(requeue_signal: int | None = None, process_exits: bool = False) -> Iterator[None]:
+    """SIGTERM and SIGINT raise :class:`TrainingInterrupted` at once, and ``requeue_signal`` (under SLURM, see
+    :func:`requeue_signal`) requeues the job first (``Trainer.train`` installs its own step-boundary handling
+    inside). Once a signal stopped the run, the process is on its way out: a signal then ends it at once, with the
+    stop's exit status (:func:`_exit_now`), and with ``process_exits`` (the command line, which exits after a stop)
+    for the rest of the exit too; otherwise (a notebook) the previous handlers come back."""
+    plain = tuple(signum for signum in SIGNALS if signum != requeue_signal)
+    requeue = () if requeue_signal is None else (requeue_signal,)
+    _STOPPED.clear()
+    try:
+        with _handlers(_raise_now, plain), _handlers(_requeue_now, requeue):
+            yield
+    finally:
+        if process_exits and _STOPPED and _main_thread():  # a signal during the exit that follows ends it at once
+            for signum in (*plain, *requeue):
+                signal.signal(signum, _exit_now)

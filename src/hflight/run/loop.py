@@ -42,7 +42,7 @@ from hflight.arguments.strategies import finalize_deepspeed
 from hflight.callbacks.hooks import new_trainer_state
 from hflight.checkpoints import folders, parts, resume
 from hflight.checkpoints.manifest import PREFIX
-from hflight.run import console
+from hflight.run import cluster, console
 from hflight.run.events import dispatch
 from hflight.run.interrupt import StopRequest, signal_name, stopped
 from hflight.run.plan import TrainingPlan
@@ -75,6 +75,8 @@ class TrainingLoop:
         self.stop = StopRequest()
         self.saved_step: int | None = None
         self.warned_nonfinite = False
+        self.epoch_end_pending = False  # the last step ended an epoch whose end has not run yet
+        self.loss_since_step = 0  # train_loss averages the steps after this one
 
     def _epoch_index(self) -> int:
         return self.epochs_offset + self.run.lightning_trainer.current_epoch
@@ -102,13 +104,27 @@ class TrainingLoop:
             facade.state = resume.resumed_state(facade, run.resume, run.world.size, plan)
             facade._load_callback_state()  # transformers' override point, at its moment: right after the state
             epochs_trained, skip = plan.resume_position(facade.state.global_step, facade.args.ignore_data_skip)
-            datamodule.resume_at(skip, lambda: parts.load_rng_state(run.resume, run.world))
+            datamodule.resume_at(
+                skip,
+                lambda: parts.load_rng_state(run.resume, run.world),
+                lambda: parts.load_rng_state(run.resume, run.world, epoch_start=True),
+            )
         facade.state.init_training_references(facade, plan.max_steps, plan.num_train_epochs, self.trial)
+        self._start_bookkeeping()
         self.epochs_offset = epochs_trained
         resumed_at = facade.state.global_step if run.resume is not None else None
         console.training_started(facade.args, plan, facade.model, resumed_at, epochs_trained, skip)
         folders.clean_output_dir(facade.args, run.resume.folder if run.resume is not None else None)
         return -1 if plan.unbounded else plan.num_train_epochs - epochs_trained
+
+    def _start_bookkeeping(self) -> None:
+        """Running loss, logging position and ``train_loss``'s first step at the start of the call (also when a
+        resumed run has no step left, so Lightning never starts training)."""
+        self.tr_loss = torch.tensor(0.0)
+        self.initial_global_step = self.globalstep_last_logged = self.facade.state.global_step
+        self.loss_since_step = self.initial_global_step  # train_loss: the mean over this call's steps (transformers')
+        if self.run.resume is not None and self.run.resume.continued:
+            self._continue_loop(self.run.resume)
 
     def train_begin(self, train_loader: Any, device: torch.device) -> None:
         """Lightning's ``on_train_start``: the optimizer's resumed state, the bookkeeping, ``on_train_begin``."""
@@ -117,12 +133,13 @@ class TrainingLoop:
         handler.model, handler.optimizer, handler.lr_scheduler = facade.model, facade.optimizer, facade.lr_scheduler
         handler.train_dataloader = train_loader
         parts.restore_optimizer(facade, self.run)
-        self.tr_loss = torch.tensor(0.0, device=device)
+        self.tr_loss = self.tr_loss.to(device)
         self.start_time = time.time()
-        self.initial_global_step = self.globalstep_last_logged = facade.state.global_step
         self.initial_num_input_tokens_seen = facade.state.num_input_tokens_seen  # tokens/s of this call only
         facade.model.zero_grad(set_to_none=True)
         dispatch(facade, "on_train_begin")
+        if self.run.resume is not None and self.run.resume.continued and self.epoch_end_pending:
+            self._finish_pending_epoch(self.run.resume)
         if facade.args.eval_on_start:
             facade._evaluate(self.trial, self.ignore_keys_for_eval, skip_scheduler=True)
 
@@ -136,6 +153,7 @@ class TrainingLoop:
         that yielded no batch means the (iterable) dataset is exhausted, which ends training as in HF."""
         if self.micro_steps_this_epoch == 0 and counts_batches:
             self.facade.control.should_training_stop = True
+        self.epoch_end_pending = False
         dispatch(self.facade, "on_epoch_end")
         self.maybe_log_save_evaluate()
         self.stop_if_requested()
@@ -213,9 +231,14 @@ class TrainingLoop:
         self.learning_rate = learning_rate
         facade.state.global_step += 1
         facade.state.epoch = self._epoch_index() + (step_in_epoch + 1) / self.plan.steps_in_epoch
+        # Until the epoch's end has run, a checkpoint of this step records that it is pending (a run continued from
+        # it runs it first: :meth:`_finish_pending_epoch`).
+        self.epoch_end_pending = step_in_epoch + 1 >= self.plan.steps_in_epoch or facade.control.should_epoch_stop
         dispatch(facade, "on_step_end")
+        self.epoch_end_pending = self.epoch_end_pending or facade.control.should_epoch_stop
         self.maybe_log_save_evaluate()
-        self.stop_if_requested()
+        if not facade.control.should_training_stop:  # training ends after this epoch's end: the stop waits for it
+            self.stop_if_requested()
 
     # -- HF's _maybe_log_save_evaluate -------------------------------------------------------------------------
     def maybe_log_save_evaluate(self) -> None:
@@ -288,7 +311,8 @@ class TrainingLoop:
 
     # -- stops ---------------------------------------------------------------------------------------------------
     def stop_if_requested(self) -> None:
-        """At a step boundary: if a stop signal arrived (on any rank), save a checkpoint and stop training."""
+        """At a step boundary: if a stop signal arrived (on any rank), save a checkpoint and stop training; for SLURM's
+        requeue signal, requeue the job once the checkpoint is complete (``hflight.run.cluster``)."""
         facade = self.facade
         step = facade.state.global_step
         self.stop.global_step = step
@@ -296,21 +320,23 @@ class TrainingLoop:
         if signum is None:
             return
         args, name = facade.args, signal_name(signum)
-        if args.save_strategy == SaveStrategy.NO:
-            raise stopped(
-                signum,
-                f"Training stopped by {name} after step {step} of {facade.state.max_steps}; no checkpoint was saved "
-                "(save_strategy='no').",
-                step,
-            )
-        if self.saved_step != step:
-            self._save(facade.model, self.trial)
-        folder = os.path.join(args.output_dir, f"{PREFIX}-{step}")
+        stopped_by = f"Training stopped by {name} after step {step} of {facade.state.max_steps}"
+        folder = None
+        if args.save_strategy != SaveStrategy.NO:
+            if self.saved_step != step:
+                self._save(facade.model, self.trial)
+            folder = os.path.join(args.output_dir, f"{PREFIX}-{step}")
+        self.stop.exiting = True  # the checkpoint is on disk: a signal from now on changes nothing
+        if self.stop.requeue:
+            outcome = cluster.requeue_job(self.run.world)
+            saved = f"checkpoint saved in {folder}" if folder else "no checkpoint was saved (save_strategy='no')"
+            raise stopped(signum, f"{stopped_by}; {saved}. {cluster.requeue_message(outcome, folder)}", step, folder)
+        if folder is None:
+            raise stopped(signum, f"{stopped_by}; no checkpoint was saved (save_strategy='no').", step)
         raise stopped(
             signum,
-            f"Training stopped by {name} after step {step} of {facade.state.max_steps}; checkpoint saved in {folder}. "
-            f"Continue with train(resume_from_checkpoint={folder!r}) (args.resume_from_checkpoint={folder} on the "
-            "command line).",
+            f"{stopped_by}; checkpoint saved in {folder}. Continue with train(resume_from_checkpoint={folder!r}) "
+            f"(args.resume_from_checkpoint={folder} on the command line).",
             step,
             folder,
         )
@@ -351,8 +377,64 @@ class TrainingLoop:
         return TrainOutput(facade.state.global_step, train_loss, metrics)
 
     def train_loss(self) -> float:
-        """Mean loss over the optimizer steps of this ``train()`` call (HF's ``train_loss``)."""
+        """Mean loss over the optimizer steps of this ``train()`` call (HF's ``train_loss``); of the whole run for a
+        run continued by ``resume_from_checkpoint="auto"`` (:meth:`_continue_loss`)."""
         self.total_loss_scalar += self.run.world.reduce_mean(self.tr_loss).item()
         self.tr_loss -= self.tr_loss
-        steps = self.facade.state.global_step - self.initial_global_step
+        steps = self.facade.state.global_step - self.loss_since_step
         return self.total_loss_scalar / max(steps, 0.001)
+
+    # -- the loss across a restart ---------------------------------------------------------------------------------
+    def progress(self) -> dict[str, Any]:
+        """What a checkpoint records of the loop beyond ``TrainerState`` (every rank calls it: their running losses
+        are gathered): the sum of the losses logged since step ``since_step``, each rank's loss not logged yet, the
+        last logged step, and whether the step ended an epoch whose end (``on_epoch_end``, the epoch's evaluation
+        and save) has not run yet."""
+        pending = self.run.world.gather_objects([float(self.tr_loss.item())])
+        return {
+            "sum": self.total_loss_scalar,
+            "since_step": self.loss_since_step,
+            "pending": pending,
+            "last_logged_step": self.globalstep_last_logged,
+            "epoch_end_pending": self.epoch_end_pending,
+        }
+
+    def _continue_loop(self, point: Any) -> None:
+        """A run continued by ``resume_from_checkpoint="auto"`` goes on with the checkpoint's loss bookkeeping, so it
+        logs the losses and the ``train_loss`` of the run that did not stop (an explicit resume reports, as
+        transformers does, over the steps of its own call). A record that does not fit this run (another number of
+        processes, a value out of range) is ignored with a warning."""
+        record = (point.manifest or {}).get("loop")
+        step, world = self.facade.state.global_step, self.run.world
+        fits = (
+            isinstance(record, dict)
+            and all(type(record.get(k)) is int and 0 <= record[k] <= step for k in ("since_step", "last_logged_step"))
+            and type(record.get("sum")) in (int, float)
+            and math.isfinite(record["sum"])
+            and isinstance(record.get("pending"), list)
+            and len(record["pending"]) == world.size
+            and all(type(v) in (int, float) and math.isfinite(v) for v in record["pending"])
+        )
+        if not fits:
+            if record is not None:
+                logger.warning(f"{point.folder}: its loss record does not fit this run; train_loss covers this call.")
+            return
+        self.total_loss_scalar = float(record["sum"])
+        self.loss_since_step = record["since_step"]
+        self.globalstep_last_logged = record["last_logged_step"]
+        self.tr_loss = torch.tensor(float(record["pending"][world.rank]))
+        self.epoch_end_pending = record.get("epoch_end_pending") is True and not point.model_only
+
+    def _finish_pending_epoch(self, point: Any) -> None:
+        """The checkpoint was written after the last step of an epoch and before that epoch's end (a stop signal at
+        that step boundary, or a step checkpoint there): run the epoch end now, with the RNG streams it had (so the
+        next epoch draws the same data order), as the run that did not stop ran it."""
+        facade, run = self.facade, self.run
+        parts.load_rng_state(point, run.world)
+        if run.datamodule is not None and run.datamodule.cycles is not None:
+            run.datamodule.cycles.restore_rng = None  # restored now, before the epoch end, not again
+        self.epoch_end_pending = False
+        dispatch(facade, "on_epoch_end")
+        self.maybe_log_save_evaluate()
+        if facade.control.should_training_stop:
+            run.lightning_trainer.should_stop = True

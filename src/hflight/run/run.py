@@ -19,11 +19,12 @@ from transformers.trainer_utils import TrainOutput
 from hflight.arguments.lightning_kwargs import lightning_trainer_kwargs, quiet_lightning
 from hflight.callbacks.hooks import evaluation_weights, weight_hooks
 from hflight.checkpoints.resume import ResumePoint
+from hflight.run import cluster
 from hflight.run.backend import HFBackend, backend_of
 from hflight.run.datamodule import HFDataModule
 from hflight.run.distributed import World
 from hflight.run.events import LightningEvents
-from hflight.run.interrupt import handed_over_signals
+from hflight.run.interrupt import handed_over_signals, requeue_signal
 from hflight.run.loop import TrainingLoop
 from hflight.run.module import HFModule
 from hflight.run.plan import TrainingPlan
@@ -79,6 +80,9 @@ class Run:
         with quiet_lightning():
             self.lightning_trainer = L.Trainer(**kwargs)
         self.world = World(self.lightning_trainer)
+        # hflight's checkpoints only: never Lightning's hpc_ckpt_*.ckpt; a torchrun attempt's own process group
+        cluster.no_lightning_hpc_restore(self.lightning_trainer, report=self.world.rank == 0)
+        cluster.init_elastic_process_group(self.lightning_trainer.strategy)
         self.module = HFModule(facade, self, facade.model)
         self.datamodule = HFDataModule(facade, self) if fitting else None
 
@@ -89,6 +93,12 @@ class Run:
     @property
     def epochs_offset(self) -> int:
         return self.loop.epochs_offset if self.loop is not None else 0
+
+    @property
+    def epoch_start_rng(self) -> dict[str, Any] | None:
+        """The RNG streams as the epoch in progress drew its data order (None outside training)."""
+        cycles = self.datamodule.cycles if self.datamodule is not None else None
+        return cycles.epoch_start_rng if cycles is not None else None
 
     @property
     def backend(self) -> HFBackend:
@@ -106,10 +116,11 @@ class Run:
 
     # ---- running -----------------------------------------------------------------------------------------------------
     def fit(self) -> None:
-        """``lightning.Trainer.fit``, with SIGTERM/SIGINT stopping at the next step boundary
-        (``hflight.run.interrupt``)."""
-        handed_over = handed_over_signals(self.facade.args)
-        with quiet_lightning(), self.loop.stop.handling_signals(self.lightning_trainer, handed_over):
+        """``lightning.Trainer.fit``, with SIGTERM/SIGINT (and under SLURM the requeue signal) stopping at the next
+        step boundary (``hflight.run.interrupt``)."""
+        args = self.facade.args
+        stop = self.loop.stop.handling_signals(self.lightning_trainer, handed_over_signals(args), requeue_signal(args))
+        with quiet_lightning(), stop:
             self.lightning_trainer.fit(self.module, datamodule=self.datamodule)
 
     def finish_training(self, measure_memory: Any = None) -> TrainOutput:

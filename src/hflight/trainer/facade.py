@@ -35,6 +35,7 @@ from transformers.trainer_utils import (
     set_seed,
 )
 
+from hflight.arguments import cluster
 from hflight.arguments.lightning_kwargs import split_callbacks
 from hflight.arguments.training_args import TrainingArguments, coerce_training_args
 from hflight.callbacks.hooks import new_trainer_state
@@ -235,7 +236,8 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
         self._memory_tracker.start_stage("train")
         resume_from_checkpoint = resume.requested(resume_from_checkpoint, self.args)
         # One writer per output folder, from before the folder is read until the last checkpoint is rotated.
-        with output_dir_lock(self.args.output_dir, enabled=self.args.should_save):  # the processes that write
+        job, rank = cluster.job_identity(), self.args.process_index  # the lock tells ranks of a job from other runs
+        with output_dir_lock(self.args.output_dir, enabled=self.args.should_save, job=job, rank=rank):
             self._trial = trial
             self._prepare_model_for_training()
             point = resume.resolve_resume(self, resume_from_checkpoint)

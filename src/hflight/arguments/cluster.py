@@ -1,0 +1,186 @@
+"""Which launcher started this process, as Lightning decides it: ranks, restarts, the job, SLURM's requeue signal.
+
+A multi-process run is launched by torchrun (torch elastic), by ``srun`` (SLURM), by LSF's ``jsrun``, by MPI, or by
+Lightning itself (its subprocess launcher). Lightning picks its cluster environment in that order (torch elastic
+first: it can run inside SLURM) and reads the ranks from the launcher's variables; :func:`environment` makes the
+same choice, so that ``TrainingArguments.world_size``/``process_index``/``local_process_index`` (which decide who
+writes checkpoints and takes the writer lock) agree with Lightning before Lightning exists, whatever launched the
+process (``srun`` sets no ``WORLD_SIZE``/``RANK``).
+
+Beside the ranks, what a restart needs:
+
+- :func:`restart` names the scheduler that restarted this process (``TORCHELASTIC_RESTART_COUNT`` >= 1 for
+  ``torchrun --max-restarts``, ``SLURM_RESTART_COUNT`` >= 1 for a requeued job), so the command line can continue
+  from the last checkpoint without being told (``resume=auto``);
+- :func:`job_identity` names the job a process belongs to (SLURM's job and array ids, torch elastic's run id, the
+  rendezvous address of a Lightning launch), so that the writer lock can tell a rank of the same job from a
+  competing run;
+- :func:`parse_requeue_signal` checks ``TrainingArguments.requeue_signal`` (SIGUSR1 by default, as Lightning's
+  ``SLURMEnvironment``) and :func:`slurm_plugin` gives Lightning its SLURM environment with its own auto-requeue
+  switched off: under SLURM the requeue signal goes through hflight's checkpoints (``hflight.run.cluster``), never
+  through Lightning's ``hpc_ckpt_*.ckpt``.
+
+May import: nothing of hflight beyond this package (it is below the run, the facade and the checkpoints).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "Ranks",
+    "environment",
+    "job_identity",
+    "parse_requeue_signal",
+    "ranks",
+    "restart",
+    "slurm_detected",
+    "slurm_job_id",
+    "slurm_plugin",
+]
+
+#: Signals a requeue signal may not be: SIGINT is the user's stop, SIGKILL and SIGSTOP cannot be handled.
+_RESERVED = ("SIGINT", "SIGKILL", "SIGSTOP")
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """The processes of a run as the launcher set them up (one process: ``Ranks(1, 0, 0, 0)``)."""
+
+    world_size: int
+    global_rank: int
+    local_rank: int
+    node_rank: int
+
+
+def _torchelastic() -> bool:
+    import torch.distributed
+
+    return torch.distributed.is_available() and torch.distributed.is_torchelastic_launched()
+
+
+def slurm_detected() -> bool:
+    """SLURM launched this process as Lightning detects it: srun's ``SLURM_NTASKS`` is set and the job is not an
+    interactive one (``SLURM_JOB_NAME`` ``bash`` or ``interactive``); torch elastic inside SLURM takes precedence."""
+    from lightning.fabric.plugins.environments.slurm import _is_srun_used
+
+    return _is_srun_used() and not _torchelastic()
+
+
+def environment() -> str:
+    """The cluster environment Lightning will choose: ``torchelastic``, ``slurm``, ``lsf``, ``mpi``, or ``lightning``
+    (no external launcher: Lightning launches the other processes itself, or there is one process)."""
+    from lightning.fabric.plugins.environments import LSFEnvironment, MPIEnvironment
+
+    if _torchelastic():
+        return "torchelastic"
+    if slurm_detected():
+        return "slurm"
+    if LSFEnvironment.detect():
+        return "lsf"
+    if "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ:  # an MPI launch (no mpi4py import here)
+        if MPIEnvironment.detect():
+            return "mpi"
+    return "lightning"
+
+
+def _int(name: str, default: int = 0) -> int:
+    value = os.environ.get(name, "")
+    try:
+        return int(value)
+    except ValueError:
+        return default
+
+
+def ranks(num_nodes: int = 1) -> Ranks | None:
+    """The ranks the external launcher set (None for Lightning's own launch or one process: those ranks come from
+    ``WORLD_SIZE``/``RANK``/``LOCAL_RANK``/``NODE_RANK``, which Lightning sets for the processes it starts)."""
+    kind = environment()
+    if kind == "torchelastic":
+        return Ranks(_int("WORLD_SIZE", 1), _int("RANK"), _int("LOCAL_RANK"), _int("GROUP_RANK"))
+    if kind == "slurm":
+        return Ranks(_int("SLURM_NTASKS", 1), _int("SLURM_PROCID"), _int("SLURM_LOCALID"), _int("SLURM_NODEID"))
+    if kind in ("lsf", "mpi"):
+        from lightning.fabric.plugins.environments import LSFEnvironment, MPIEnvironment
+
+        env = (LSFEnvironment if kind == "lsf" else MPIEnvironment)()
+        return Ranks(env.world_size(), env.global_rank(), env.local_rank(), env.node_rank())
+    return None
+
+
+def restart() -> tuple[str, int] | None:
+    """``(variable, count)`` when a scheduler restarted this process: ``TORCHELASTIC_RESTART_COUNT`` (torchrun's
+    ``--max-restarts``) or ``SLURM_RESTART_COUNT`` (a requeued job) at 1 or more; None for a first start."""
+    for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
+        count = _int(name)
+        if count >= 1:
+            return name, count
+    return None
+
+
+def slurm_job_id() -> str | None:
+    """The id ``scontrol requeue`` takes: ``$SLURM_JOB_ID``, or ``${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}``
+    for a task of an array job (None outside SLURM)."""
+    array_job, array_task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    if array_job and array_task:
+        return f"{array_job}_{array_task}"
+    return os.environ.get("SLURM_JOB_ID") or None
+
+
+def job_identity() -> str | None:
+    """A name shared by every process of this job and by no other run: SLURM's job (and step), torch elastic's run
+    id with its rendezvous address, or the rendezvous address Lightning's launcher gave its processes; None for a
+    single process."""
+    kind = environment()
+    if kind == "slurm":
+        step = os.environ.get("SLURM_STEP_ID")
+        return f"slurm job {slurm_job_id()}" + (f" step {step}" if step else "")
+    if kind == "torchelastic":
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "?")
+        return f"torchrun {run_id} at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    if kind in ("lsf", "mpi"):
+        return f"{kind} job {os.environ.get('LSB_JOBID') or os.environ.get('OMPI_MCA_ess_base_jobid', '?')}"
+    if _int("WORLD_SIZE", 1) > 1 and "MASTER_PORT" in os.environ:
+        return f"lightning launch at {os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ['MASTER_PORT']}"
+    return None
+
+
+def parse_requeue_signal(value: Any) -> signal.Signals | None:
+    """``requeue_signal`` as a signal: a name (``"SIGUSR1"``, ``"USR1"``, any case), a number, or None/"none" for
+    no requeue handling.
+
+    Raises:
+        ValueError: an unknown signal, or one that cannot be the requeue signal (SIGINT, SIGKILL, SIGSTOP).
+    """
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null")):
+        return None
+    try:
+        if isinstance(value, signal.Signals):
+            found = value
+        elif isinstance(value, int) or (isinstance(value, str) and value.strip().isdigit()):
+            found = signal.Signals(int(value))
+        else:
+            name = str(value).strip().upper()
+            found = signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
+    except (KeyError, ValueError):
+        raise ValueError(
+            f"requeue_signal={value!r} is not a signal of this system; use a name such as 'SIGUSR1' (the signal of "
+            "#SBATCH --signal=USR1@90), or None for no requeue handling"
+        ) from None
+    if found.name in _RESERVED:
+        raise ValueError(f"requeue_signal={value!r}: {found.name} cannot be the requeue signal; use SIGUSR1 or SIGUSR2")
+    return found
+
+
+def slurm_plugin(requeue_signal: Any) -> Any:
+    """Lightning's ``SLURMEnvironment`` with its auto-requeue off (no ``hpc_ckpt_*.ckpt``, no SIGUSR1 handler of
+    Lightning's: hflight handles ``requeue_signal``), when SLURM launched this process; else None (Lightning's own
+    choice of environment stands)."""
+    if not slurm_detected():
+        return None
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    return SLURMEnvironment(auto_requeue=False, requeue_signal=parse_requeue_signal(requeue_signal) or signal.SIGUSR1)
