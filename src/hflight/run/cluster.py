@@ -31,6 +31,7 @@ import logging
 import os
 import re
 import secrets
+import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -172,6 +173,14 @@ def init_elastic_process_group(strategy: Any) -> None:
     dist.init_process_group(backend, store=store, rank=launched.global_rank, world_size=world_size, timeout=timeout)
 
 
+def _listening(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
 def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> Any:
     import torch.distributed as dist
 
@@ -187,12 +196,13 @@ def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> A
     while True:
         port_text, _, token = agent.get(ELASTIC_STORE_KEY).decode().partition(":")
         try:
-            wait = datetime.timedelta(seconds=2)
-            own = dist.TCPStore(host, int(port_text), world_size, is_master=False, timeout=wait)
-            if own.get("hflight/token").decode() == token:
-                own.set_timeout(timeout)
-                return own
-        except (RuntimeError, ValueError):  # a stale address: nothing listens there (or another store does)
+            if _listening(host, int(port_text)):  # else a stale address: nothing listens there any more
+                wait = datetime.timedelta(seconds=2)
+                own = dist.TCPStore(host, int(port_text), world_size, is_master=False, timeout=wait)
+                if own.get("hflight/token").decode() == token:  # not another attempt's store on a reused port
+                    own.set_timeout(timeout)
+                    return own
+        except (RuntimeError, ValueError):
             pass
         if time.monotonic() > deadline:
             raise RuntimeError(
