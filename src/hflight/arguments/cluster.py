@@ -9,9 +9,9 @@ process (``srun`` sets no ``WORLD_SIZE``/``RANK``).
 
 Beside the ranks, what a restart needs:
 
-- :func:`restart` names the scheduler that restarted this process (``TORCHELASTIC_RESTART_COUNT`` >= 1 for
-  ``torchrun --max-restarts``, ``SLURM_RESTART_COUNT`` >= 1 for a requeued job), so the command line can continue
-  from the last checkpoint without being told (``resume=auto``);
+- :func:`restart` says when a scheduler may have restarted this process (torchrun with ``--max-restarts`` >= 1,
+  every attempt; ``SLURM_RESTART_COUNT`` >= 1 for a requeued job), so the command line continues from the last
+  checkpoint without being told (``resume=auto``);
 - :func:`job_identity` names the job a process belongs to (SLURM's job and array ids, torch elastic's run id, the
   rendezvous address of a Lightning launch), so that the writer lock can tell a rank of the same job from a
   competing run;
@@ -112,12 +112,16 @@ def ranks(num_nodes: int = 1) -> Ranks | None:
 
 
 def restart() -> tuple[str, int] | None:
-    """``(variable, count)`` when a scheduler restarted this process: ``TORCHELASTIC_RESTART_COUNT`` (torchrun's
-    ``--max-restarts``) or ``SLURM_RESTART_COUNT`` (a requeued job) at 1 or more; None for a first start."""
-    for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
-        count = _int(name)
-        if count >= 1:
-            return name, count
+    """``(variable, count)`` when this process may continue a run its scheduler stopped: under torchrun with
+    ``--max-restarts`` >= 1 (``TORCHELASTIC_MAX_RESTARTS``; every attempt, the first included: torch elastic's
+    ``TORCHELASTIC_RESTART_COUNT`` is counted by each node's agent and differs between the nodes of one restart, and
+    the ranks must agree), or a requeued SLURM job (``SLURM_RESTART_COUNT`` >= 1, the same for every task). None
+    otherwise."""
+    if environment() == "torchelastic" and _int("TORCHELASTIC_MAX_RESTARTS") >= 1:
+        return "TORCHELASTIC_MAX_RESTARTS", _int("TORCHELASTIC_MAX_RESTARTS")
+    count = _int("SLURM_RESTART_COUNT")
+    if count >= 1:
+        return "SLURM_RESTART_COUNT", count
     return None
 
 

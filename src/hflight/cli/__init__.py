@@ -156,15 +156,16 @@ def _resume_from(value: Any) -> str | bool | None:
 
 def resume_point(args: TrainingArguments) -> str | None:
     """``args.resume_from_checkpoint`` as this run will use it. ``resume=auto`` (``args.resume_from_checkpoint=auto``),
-    and a process a scheduler restarted (``TORCHELASTIC_RESTART_COUNT`` or ``SLURM_RESTART_COUNT`` >= 1) when
-    nothing else was asked, continue from the run folder's last valid checkpoint (``"auto"``: ``train()`` picks it,
-    checksums included, and skips damaged ones) or, when the folder holds none, start fresh, saying so (None)."""
+    and, when nothing else was asked, a process a scheduler may have restarted (torchrun with ``--max-restarts`` >= 1,
+    a requeued SLURM job: ``hflight.arguments.cluster.restart``) continue from the run folder's last valid checkpoint
+    (``"auto"``: ``train()`` picks it, checksums included, and skips damaged ones) or, when the folder holds none,
+    start fresh, saying so (None)."""
     value = _resume_from(args.resume_from_checkpoint)
     restarted = cluster.restart()
     if value is None and restarted is not None:
         log.warning(
-            f"This process was restarted by its scheduler ({restarted[0]}={restarted[1]}): continuing as resume=auto, "
-            f"from the last valid checkpoint of {args.output_dir}."
+            f"Started by a scheduler that restarts its jobs ({restarted[0]}={restarted[1]}): continuing as "
+            f"resume=auto, from the last valid checkpoint of {args.output_dir} if it has one."
         )
         value = AUTO
     if value != AUTO:

@@ -110,12 +110,28 @@ class TrainingLoop:
                 lambda: parts.load_rng_state(run.resume, run.world, epoch_start=True),
             )
         facade.state.init_training_references(facade, plan.max_steps, plan.num_train_epochs, self.trial)
+        self._check_same_start()
         self._start_bookkeeping()
         self.epochs_offset = epochs_trained
         resumed_at = facade.state.global_step if run.resume is not None else None
         console.training_started(facade.args, plan, facade.model, resumed_at, epochs_trained, skip)
         folders.clean_output_dir(facade.args, run.resume.folder if run.resume is not None else None)
         return -1 if plan.unbounded else plan.num_train_epochs - epochs_trained
+
+    def _check_same_start(self) -> None:
+        """Every process starts from the same checkpoint (or none); processes that disagree (a restart one node took
+        for a first start, different paths per node) would train different models, or wait for each other forever:
+        they all stop here, naming each one's start."""
+        world, point = self.run.world, self.run.resume
+        mine = f"{point.folder} (step {self.facade.state.global_step})" if point is not None else "a fresh start"
+        starts = world.gather_objects([mine])
+        if len(set(starts)) > 1:
+            listed = "; ".join(f"rank {rank}: {start}" for rank, start in enumerate(starts))
+            raise RuntimeError(
+                f"The {world.size} processes of this run do not start from the same checkpoint ({listed}). Give "
+                "every process the same resume_from_checkpoint (resume=auto continues each from the run folder's last "
+                "valid checkpoint)."
+            )
 
     def _start_bookkeeping(self) -> None:
         """Running loss, logging position and ``train_loss``'s first step at the start of the call (also when a
