@@ -1,0 +1,389 @@
+"""SLURM through hflight's checkpoints: srun's ranks, the requeue signal, scontrol, Lightning's own fallbacks off.
+
+A cluster simulated on this host: srun's variables, the stand-ins ``tests/slurm_standin/srun`` and ``scontrol`` on
+PATH (test code: they record what SLURM would be asked and do nothing else), several processes on 127.0.0.1, real
+signals. In this process: one task (``SLURM_NTASKS=1``), the requeue signal sent mid-step by a callback, then the
+requeued job (``SLURM_RESTART_COUNT=1``) continued with ``resume_from_checkpoint="auto"`` and compared bit for bit
+with an uninterrupted run. In child processes: ``examples/slurm/train.sbatch`` run by bash with the stand-ins, its
+srun line starting 2 tasks (one node, then two), through a requeue and the continuation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import hflight
+from hflight.arguments import cluster
+from hflight.checkpoints.manifest import get_last_checkpoint, verify_checkpoint
+from hflight.run.interrupt import StopRequest, TrainingInterrupted
+
+from .test_cli import TINY
+
+REPO = Path(__file__).resolve().parents[1]
+STANDIN = Path(__file__).parent / "slurm_standin"
+JOBS = Path(__file__).parent / "jobs"
+SBATCH = REPO / "examples" / "slurm" / "train.sbatch"
+
+
+def slurm_task(monkeypatch, tmp_path: Path, job: str = "4242", **more: str) -> Path:
+    """srun's variables for one task of job ``job`` and the stand-in scontrol on PATH; returns scontrol's log."""
+    log = tmp_path / "scontrol.log"
+    values = dict(SLURM_NTASKS="1", SLURM_NTASKS_PER_NODE="1", SLURM_NNODES="1", SLURM_JOB_NAME="train",
+                  SLURM_JOB_ID=job, SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0", SLURM_NODELIST="localhost",
+                  SCONTROL_LOG=str(log), PATH=f"{STANDIN}{os.pathsep}{os.environ['PATH']}")  # fmt: skip
+    values.update(more)
+    for name, value in values.items():
+        monkeypatch.setenv(name, value)
+    return log
+
+
+def requeues(log: Path) -> list[list[str]]:
+    return [json.loads(line)["argv"] for line in log.read_text().splitlines()] if log.exists() else []
+
+
+class SignalAt(hflight.TrainerCallback):
+    """Sends ``signum`` to this process ``times`` times in the middle of optimizer step ``step`` (after its first
+    micro-batch: gradient accumulation 2)."""
+
+    def __init__(self, signum: int, step: int, times: int = 1) -> None:
+        self.signum, self.step, self.times = signum, step, times
+        self.handlers: dict[int, object] = {}
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        if state.global_step + 1 == self.step:
+            for _ in range(self.times):
+                os.kill(os.getpid(), self.signum)
+            self.step = None
+
+
+def trainer(out: Path, factory, *callbacks, **overrides) -> hflight.Trainer:
+    """A small run with dropout, random order, accumulation 2 and 3 steps per epoch (2 epochs): a requeue lands
+    mid-epoch, mid-cycle, with losses logged every 2 steps (so some loss is pending at the checkpoint)."""
+    values = dict(output_dir=str(out), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                  num_train_epochs=2, save_strategy="epoch", eval_strategy="epoch", logging_steps=2,
+                  train_sampling_strategy="random", report_to="none", disable_tqdm=True, dataloader_pin_memory=False,
+                  seed=3)  # fmt: skip
+    values.update(overrides)
+    return hflight.Trainer(
+        factory.qa_model(dropout=0.1),
+        hflight.TrainingArguments(**values),
+        train_dataset=factory.qa_dataset(24),
+        eval_dataset=factory.qa_dataset(8, seed=1),
+        callbacks=list(callbacks),
+    )
+
+
+def history(trainer: hflight.Trainer) -> list[dict]:
+    timing = ("runtime", "per_second")
+    return [{k: v for k, v in e.items() if not k.endswith(timing)} for e in trainer.state.log_history]
+
+
+def parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, factory) -> hflight.Trainer:
+    reference = trainer(tmp_path_factory.mktemp("uninterrupted"), factory)
+    reference.train()
+    return reference
+
+
+# ---- srun's processes -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("nodes, per_node", [(1, 2), (2, 1), (2, 2)])
+def test_ranks_come_from_sruns_variables_as_lightning_reads_them(monkeypatch, tmp_path, nodes, per_node):
+    """srun sets no WORLD_SIZE/RANK: the arguments read SLURM_NTASKS/SLURM_PROCID/SLURM_LOCALID, so only global rank 0
+    writes checkpoints and takes the writer lock (before, task 1 took itself for a second run: OutputDirInUse)."""
+    for rank in range(nodes * per_node):
+        slurm_task(monkeypatch, tmp_path, SLURM_NTASKS=str(nodes * per_node), SLURM_NTASKS_PER_NODE=str(per_node),
+                   SLURM_NNODES=str(nodes), SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank % per_node),
+                   SLURM_NODEID=str(rank // per_node))  # fmt: skip
+        args = hflight.TrainingArguments(str(tmp_path), num_nodes=nodes, devices=per_node)
+        assert (args.world_size, args.process_index, args.local_process_index) == (
+            nodes * per_node, rank, rank % per_node
+        )  # fmt: skip
+        assert args.should_save is (rank == 0)
+        assert hflight.TrainingArguments(str(tmp_path), save_on_each_node=True).should_save is (rank % per_node == 0)
+        assert cluster.environment() == "slurm" and cluster.job_identity() == "slurm job 4242"
+
+
+def test_an_interactive_allocation_or_torchrun_inside_slurm_is_not_srun(monkeypatch, tmp_path):
+    slurm_task(monkeypatch, tmp_path, SLURM_JOB_NAME="interactive", SLURM_NTASKS="4", SLURM_PROCID="3")
+    assert cluster.environment() == "lightning" and hflight.TrainingArguments(str(tmp_path)).process_index == 0
+    slurm_task(monkeypatch, tmp_path, SLURM_NTASKS="4", SLURM_PROCID="3")
+    for name, value in dict(TORCHELASTIC_RUN_ID="r", RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", GROUP_RANK="0",
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT="1").items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    args = hflight.TrainingArguments(str(tmp_path))
+    assert cluster.environment() == "torchelastic" and (args.world_size, args.process_index) == (2, 1)
+
+
+def test_the_requeue_signal_is_checked_and_named(tmp_path):
+    assert hflight.TrainingArguments(str(tmp_path)).requeue_signal == "SIGUSR1"
+    assert hflight.TrainingArguments(str(tmp_path), requeue_signal="usr2").requeue_signal == "SIGUSR2"
+    assert hflight.TrainingArguments(str(tmp_path), requeue_signal=None).requeue_signal is None
+    for bad, words in (("SIGBOGUS", "not a signal"), ("SIGKILL", "cannot be the requeue signal"),
+                       ("INT", "cannot be the requeue signal")):  # fmt: skip
+        with pytest.raises(ValueError, match=words):
+            hflight.TrainingArguments(str(tmp_path), requeue_signal=bad)
+    with pytest.raises(ValueError, match="both claim SIGTERM"):
+        hflight.TrainingArguments(str(tmp_path), requeue_signal="SIGTERM", enable_jit_checkpoint=True)
+
+
+# ---- the requeue, in this process -----------------------------------------------------------------------------------
+def test_a_requeue_checkpoints_at_the_step_requeues_once_and_the_requeued_job_continues_bit_for_bit(
+    monkeypatch, tmp_path, factory, uninterrupted
+):
+    log = slurm_task(monkeypatch, tmp_path)
+    out = tmp_path / "run"
+    sender = SignalAt(signal.SIGUSR1, step=2)
+    with pytest.raises(TrainingInterrupted) as stopped:
+        trainer(out, factory, sender).train()
+    error = stopped.value
+    assert error.code == 138 and error.signum == signal.SIGUSR1 and error.global_step == 2
+    assert error.checkpoint == str(out / "checkpoint-2") and verify_checkpoint(error.checkpoint, full=True)
+    assert "SLURM job 4242 requeued (`scontrol requeue 4242`): the requeued job continues from" in str(error)
+    assert requeues(log) == [["requeue", "4242"]]
+    assert isinstance(sender.handlers[signal.SIGUSR1], StopRequest)  # hflight's, not Lightning's auto-requeue
+    assert not list(out.glob("hpc_ckpt_*"))
+    # the requeued job: same folder, SLURM_RESTART_COUNT=1, a new process (a new trainer) asked for "auto"
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    resumed = trainer(out, factory)
+    resumed.train(resume_from_checkpoint="auto")
+    assert history(resumed) == history(uninterrupted)  # losses, grad norms, evaluations and train_loss
+    ours, theirs = parameters(resumed.model), parameters(uninterrupted.model)
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    assert requeues(log) == [["requeue", "4242"]]
+
+
+def test_an_explicit_resume_reports_train_loss_over_its_own_steps_as_transformers(
+    monkeypatch, tmp_path, factory, uninterrupted
+):
+    """resume_from_checkpoint=<folder> keeps transformers' meaning (the mean over this call's steps); "auto" continues
+    the run (the test above): the difference is what makes the latter equal the uninterrupted run."""
+    slurm_task(monkeypatch, tmp_path)
+    out = tmp_path / "run"
+    with pytest.raises(TrainingInterrupted):
+        trainer(out, factory, SignalAt(signal.SIGUSR1, step=2)).train()
+    resumed = trainer(out, factory)
+    resumed.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    ours, theirs = history(resumed), history(uninterrupted)
+    assert ours[-1]["train_loss"] != theirs[-1]["train_loss"]
+    assert [e for e in ours if "eval_loss" in e] == [e for e in theirs if "eval_loss" in e]
+
+
+def test_an_array_task_is_requeued_by_its_array_id(monkeypatch, tmp_path, factory):
+    log = slurm_task(monkeypatch, tmp_path, job="900", SLURM_ARRAY_JOB_ID="77", SLURM_ARRAY_TASK_ID="3")
+    with pytest.raises(TrainingInterrupted, match=r"SLURM job 77_3 requeued"):
+        trainer(tmp_path / "run", factory, SignalAt(signal.SIGUSR1, step=1)).train()
+    assert requeues(log) == [["requeue", "77_3"]]
+
+
+def test_a_failed_scontrol_is_reported_and_the_checkpoint_kept(monkeypatch, tmp_path, factory):
+    log = slurm_task(monkeypatch, tmp_path, SCONTROL_EXIT="1")
+    with pytest.raises(TrainingInterrupted) as stopped:
+        trainer(tmp_path / "run", factory, SignalAt(signal.SIGUSR1, step=2)).train()
+    message = str(stopped.value)
+    assert "Requeuing SLURM job 4242 failed: `scontrol requeue 4242` exited with status 1: scontrol: error:" in message
+    assert f"The checkpoint {tmp_path / 'run' / 'checkpoint-2'} is kept" in message
+    assert stopped.value.code == 138 and requeues(log) == [["requeue", "4242"]]
+    assert verify_checkpoint(tmp_path / "run" / "checkpoint-2", full=True)["global_step"] == 2
+
+
+def test_no_scontrol_on_path_is_reported(monkeypatch, tmp_path, factory):
+    slurm_task(monkeypatch, tmp_path)
+    monkeypatch.setenv("PATH", str(Path(sys.executable).parent))
+    with pytest.raises(TrainingInterrupted, match="failed: scontrol is not on PATH"):
+        trainer(tmp_path / "run", factory, SignalAt(signal.SIGUSR1, step=2)).train()
+    assert get_last_checkpoint(tmp_path / "run") == str(tmp_path / "run" / "checkpoint-2")
+
+
+def test_the_signal_again_is_the_same_stop_and_during_a_write_the_write_finishes(
+    monkeypatch, tmp_path, factory
+):
+    """SLURM and srun both deliver the signal: twice is one stop, one checkpoint, one requeue. Arriving while a
+    checkpoint is written (the epoch's, at step 3), it lets the write finish, and that checkpoint is the stop's."""
+    from hflight.checkpoints import folders
+
+    log = slurm_task(monkeypatch, tmp_path)
+    write_state = folders.write_trainer_state
+
+    def write_and_signal(facade, tracker):
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        write_state(facade, tracker)
+
+    monkeypatch.setattr(folders, "write_trainer_state", write_and_signal)
+    saves = []
+
+    class CountSaves(hflight.TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            saves.append(state.global_step)
+
+    with pytest.raises(TrainingInterrupted) as stopped:
+        trainer(tmp_path / "run", factory, CountSaves()).train()
+    assert saves == [3] and stopped.value.checkpoint == str(tmp_path / "run" / "checkpoint-3")
+    assert verify_checkpoint(tmp_path / "run" / "checkpoint-3", full=True)["global_step"] == 3
+    assert requeues(log) == [["requeue", "4242"]]
+    assert not list((tmp_path / "run").glob(".tmp-*"))
+
+
+def test_a_lightning_hpc_checkpoint_is_named_and_never_loaded(monkeypatch, tmp_path, factory, uninterrupted, caplog):
+    """Lightning restores the newest hpc_ckpt_*.ckpt of its default_root_dir under SLURM whenever fit gets no
+    checkpoint: hflight trains from its own state (the file is garbage: loading it would fail) and names the file."""
+    slurm_task(monkeypatch, tmp_path)
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "hpc_ckpt_3.ckpt").write_bytes(b"not a checkpoint")
+    run = trainer(out, factory)
+    with caplog.at_level("WARNING", logger="hflight.run.cluster"):
+        run.train()
+    assert history(run) == history(uninterrupted)
+    assert "holds Lightning's SLURM checkpoint(s) hpc_ckpt_3.ckpt" in caplog.text and "never loads them" in caplog.text
+    assert sorted(p.name for p in out.glob("hpc_ckpt_*")) == ["hpc_ckpt_3.ckpt"]
+    assert (out / "hpc_ckpt_3.ckpt").read_bytes() == b"not a checkpoint"
+
+
+def test_without_a_requeue_signal_or_outside_slurm_sigusr1_is_left_alone(monkeypatch, tmp_path, factory):
+    before = signal.getsignal(signal.SIGUSR1)
+    sender = SignalAt(signal.SIGTERM, step=1)
+    with pytest.raises(TrainingInterrupted):
+        trainer(tmp_path / "plain", factory, sender).train()
+    assert sender.handlers[signal.SIGUSR1] is before  # not under SLURM: nothing installed for it
+    slurm_task(monkeypatch, tmp_path)
+    sender = SignalAt(signal.SIGTERM, step=1)
+    with pytest.raises(TrainingInterrupted):
+        trainer(tmp_path / "none", factory, sender, requeue_signal=None).train()
+    assert sender.handlers[signal.SIGUSR1] is before  # SLURM, requeue_signal=None: neither hflight's nor Lightning's
+
+
+# ---- resume_from_checkpoint="auto" ------------------------------------------------------------------------------
+def test_auto_starts_fresh_without_a_checkpoint_and_skips_damaged_ones(tmp_path, factory, uninterrupted, caplog):
+    fresh = trainer(tmp_path / "empty", factory)
+    with caplog.at_level("WARNING"):
+        fresh.train(resume_from_checkpoint="auto")
+    assert "no valid checkpoint in" in caplog.text and history(fresh) == history(uninterrupted)
+    # a folder whose newest checkpoint is damaged (a flipped byte: sizes agree, the checksum does not)
+    out = tmp_path / "damaged"
+    with pytest.raises(TrainingInterrupted):
+        trainer(out, factory, SignalAt(signal.SIGTERM, step=5)).train()
+    weights = out / "checkpoint-5" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-8] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    caplog.clear()
+    resumed = trainer(out, factory)
+    with caplog.at_level("WARNING"):
+        resumed.train(resume_from_checkpoint="auto")
+    assert "skipping checkpoint-5" in caplog.text and "resuming from" in caplog.text and "checkpoint-3" in caplog.text
+    ours, theirs = parameters(resumed.model), parameters(uninterrupted.model)
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    # only broken ones: said, and a fresh start
+    for folder in out.glob("checkpoint-*"):
+        (folder / "trainer_state.json").write_text("{}")
+    caplog.clear()
+    again = trainer(out, factory)
+    with caplog.at_level("WARNING"):
+        again.train(resume_from_checkpoint="auto")
+    assert "none complete and undamaged); starting fresh" in caplog.text
+
+
+# ---- the shipped batch script, its srun line run by bash with the stand-ins ---------------------------------------
+def sbatch(cwd: Path, job: str, *extra: str, nodes: int = 1, per_node: int = 2, restarts: int = 0) -> subprocess.Popen:
+    """``bash examples/slurm/train.sbatch <TINY> <extra>`` as sbatch runs it: the allocation's variables (job
+    ``job``, ``nodes`` x ``per_node`` tasks), stand-in srun and scontrol first on PATH."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+    env.update(SLURM_JOB_ID=job, SLURM_JOB_NAME="hflight-mrc", SLURM_NNODES=str(nodes),
+               SLURM_NTASKS_PER_NODE=str(per_node), SLURM_NTASKS=str(nodes * per_node), SLURM_NODELIST="localhost",
+               SLURM_SUBMIT_DIR=str(cwd), SCONTROL_LOG=str(cwd / f"scontrol-{job}.log"), SRUN_KILL_WAIT="20",
+               PATH=os.pathsep.join([str(STANDIN), str(Path(sys.executable).parent), env["PATH"]]),
+               PYTHONPATH=str(JOBS), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")  # fmt: skip
+    if restarts:
+        env["SLURM_RESTART_COUNT"] = str(restarts)
+    tiny = [o for o in TINY if o != "+experiment=mrc"] + ["args.logging_steps=3", "args.per_device_train_batch_size=2"]
+    return subprocess.Popen(["bash", str(SBATCH), *tiny, *extra], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+
+
+def finish(process: subprocess.Popen, timeout: int = 300) -> tuple[int, str]:
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # the whole job step: srun and its tasks
+        output, _ = process.communicate()
+        raise AssertionError(f"the job did not end within {timeout} s:\n{output[-4000:]}") from None
+    return process.returncode, output
+
+
+def outcome(run_dir: Path) -> dict:
+    """What a run leaves that must not depend on an interruption: weights (bytes), log history and metrics without
+    timings."""
+    timing = ("runtime", "per_second")
+    state = json.loads((run_dir / "trainer_state.json").read_text())
+    results = json.loads((run_dir / "all_results.json").read_text())
+    return {
+        "weights": (run_dir / "model.safetensors").read_bytes(),
+        "log_history": [{k: v for k, v in e.items() if not k.endswith(timing)} for e in state["log_history"]],
+        "results": {k: v for k, v in results.items() if not k.endswith(timing)},
+    }
+
+
+@pytest.fixture(scope="module")
+def requeued_job(tmp_path_factory):
+    """The batch script twice for job 14242 (requeued by SIGUSR1 during step 9, in epoch 2 of 7 steps each; then
+    SLURM's restart) and once for job 14243, uninterrupted, beside the first; 2 tasks on one node each time."""
+    cwd = tmp_path_factory.mktemp("slurm")
+    fault = ["+callbacks.fault._target_=cluster_faults.SignalAt", "+callbacks.fault.step=9"]
+    first, reference = sbatch(cwd, "14242", *fault), sbatch(cwd, "14243")
+    first_code, first_output = finish(first)
+    reference_code, _ = finish(reference)
+    checkpoints = sorted(p.name for p in (cwd / "outputs" / "14242").glob("checkpoint-*"))
+    rng = sorted(p.name for p in (cwd / "outputs" / "14242" / checkpoints[-1]).glob("rng_state*"))
+    again_code, again_output = finish(sbatch(cwd, "14242", *fault, restarts=1))
+    return dict(cwd=cwd, first=(first_code, first_output, checkpoints, rng), again=(again_code, again_output),
+                reference_code=reference_code)  # fmt: skip
+
+
+@pytest.mark.subprocess
+def test_the_batch_script_requeues_on_sigusr1_and_the_requeued_job_finishes_the_run_bit_for_bit(requeued_job):
+    cwd = requeued_job["cwd"]
+    code, output, checkpoints, rng = requeued_job["first"]
+    assert code == 138, output[-4000:]
+    assert output.count("srun: error: node0: task") == 2 and "Exited with exit code 138" in output
+    # the signal reaches the tasks through srun after step 8: they stop at the next step boundary they agree on
+    stops = set(re.findall(r"Training stopped by SIGUSR1 after step (\d+) of 14; checkpoint saved in", output))
+    assert len(stops) == 1 and 8 <= int(next(iter(stops))) <= 10, output[-4000:]
+    step = int(stops.pop())
+    assert checkpoints == ["checkpoint-7", f"checkpoint-{step}"]  # the first epoch's (7 steps), and the requeue's
+    assert rng == ["rng_state_0.pth", "rng_state_1.pth"]  # one per global rank
+    assert requeues(cwd / "scontrol-14242.log") == [["requeue", "14242"]]  # once, by global rank 0
+    assert output.count("SLURM job 14242 requeued (`scontrol requeue 14242`): the requeued job continues from") == 2
+    assert "resume=auto: " in output and "holds no complete checkpoint; starting fresh" in output
+    code, output = requeued_job["again"]
+    assert code == 0, output[-4000:]
+    assert f"resuming from {cwd / 'outputs' / '14242' / f'checkpoint-{step}'}" in output
+    assert output.count("Reusing synthetic SQuAD data") == 2 and output.count("Reusing a trained tokenizer") == 2
+    assert requeued_job["reference_code"] == 0
+    assert outcome(cwd / "outputs" / "14242") == outcome(cwd / "outputs" / "14243")
+    assert not list((cwd / "outputs").rglob("hpc_ckpt_*"))
+
+
+@pytest.mark.subprocess
+def test_two_nodes_of_one_task_train_as_one_node_of_two(requeued_job):
+    """srun's variables for 2 nodes x 1 task: the same processes as 1 node x 2 tasks (gloo over 127.0.0.1)."""
+    cwd = requeued_job["cwd"]
+    code, output = finish(sbatch(cwd, "14244", nodes=2, per_node=1))
+    assert code == 0, output[-4000:]
+    assert outcome(cwd / "outputs" / "14244") == outcome(cwd / "outputs" / "14243")
