@@ -145,6 +145,7 @@ def test_manifest_lists_every_file_with_its_size_and_checksum(saved):
         "per_device_train_batch_size": 4,
         "gradient_accumulation_steps": 2,
         "world_size": 1,
+        "num_nodes": 1,
         "seed": 7,
         "data_seed": None,
         "train_sampling_strategy": "random",

@@ -26,11 +26,10 @@ from hflight.arguments import cluster
 from hflight.checkpoints.manifest import get_last_checkpoint, verify_checkpoint
 from hflight.run.interrupt import StopRequest, TrainingInterrupted
 
-from .test_cli import TINY
+from .cluster_runs import SIZES, Reference, finish, outcome, start
 
 REPO = Path(__file__).resolve().parents[1]
 STANDIN = Path(__file__).parent / "slurm_standin"
-JOBS = Path(__file__).parent / "jobs"
 SBATCH = REPO / "examples" / "slurm" / "train.sbatch"
 
 
@@ -302,62 +301,35 @@ def test_auto_starts_fresh_without_a_checkpoint_and_skips_damaged_ones(tmp_path,
 
 # ---- the shipped batch script, its srun line run by bash with the stand-ins ---------------------------------------
 def sbatch(cwd: Path, job: str, *extra: str, nodes: int = 1, per_node: int = 2, restarts: int = 0) -> subprocess.Popen:
-    """``bash examples/slurm/train.sbatch <TINY> <extra>`` as sbatch runs it: the allocation's variables (job
-    ``job``, ``nodes`` x ``per_node`` tasks), stand-in srun and scontrol first on PATH."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))}
-    env.update(SLURM_JOB_ID=job, SLURM_JOB_NAME="hflight-mrc", SLURM_NNODES=str(nodes),
+    """``bash examples/slurm/train.sbatch <sizes> <extra>`` as sbatch runs it, in ``cwd`` (the submit folder): the
+    allocation's variables (job ``job``, ``nodes`` x ``per_node`` tasks), stand-in srun and scontrol first on PATH."""
+    env = dict(SLURM_JOB_ID=job, SLURM_JOB_NAME="hflight-mrc", SLURM_NNODES=str(nodes),
                SLURM_NTASKS_PER_NODE=str(per_node), SLURM_NTASKS=str(nodes * per_node), SLURM_NODELIST="localhost",
                SLURM_SUBMIT_DIR=str(cwd), SCONTROL_LOG=str(cwd / f"scontrol-{job}.log"), SRUN_KILL_WAIT="20",
-               PATH=os.pathsep.join([str(STANDIN), str(Path(sys.executable).parent), env["PATH"]]),
-               PYTHONPATH=str(JOBS), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")  # fmt: skip
+               PATH=os.pathsep.join([str(STANDIN), str(Path(sys.executable).parent), os.environ["PATH"]]))  # fmt: skip
     if restarts:
         env["SLURM_RESTART_COUNT"] = str(restarts)
-    tiny = [o for o in TINY if o != "+experiment=mrc"] + ["args.logging_steps=3", "args.per_device_train_batch_size=2"]
-    return subprocess.Popen(["bash", str(SBATCH), *tiny, *extra], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
-
-
-def finish(process: subprocess.Popen, timeout: int = 300) -> tuple[int, str]:
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)  # the whole job step: srun and its tasks
-        output, _ = process.communicate()
-        raise AssertionError(f"the job did not end within {timeout} s:\n{output[-4000:]}") from None
-    return process.returncode, output
-
-
-def outcome(run_dir: Path) -> dict:
-    """What a run leaves that must not depend on an interruption: weights (bytes), log history and metrics without
-    timings."""
-    timing = ("runtime", "per_second")
-    state = json.loads((run_dir / "trainer_state.json").read_text())
-    results = json.loads((run_dir / "all_results.json").read_text())
-    return {
-        "weights": (run_dir / "model.safetensors").read_bytes(),
-        "log_history": [{k: v for k, v in e.items() if not k.endswith(timing)} for e in state["log_history"]],
-        "results": {k: v for k, v in results.items() if not k.endswith(timing)},
-    }
+    return start(["bash", str(SBATCH), *SIZES, *extra], cwd, **env)
 
 
 @pytest.fixture(scope="module")
 def requeued_job(tmp_path_factory):
-    """The batch script twice for job 14242 (requeued by SIGUSR1 during step 9, in epoch 2 of 7 steps each; then
-    SLURM's restart) and once for job 14243, uninterrupted, beside the first; 2 tasks on one node each time."""
+    """The batch script twice for job 14242, 2 tasks on one node: requeued by SIGUSR1 during step 9 (epoch 2 of 7
+    steps each), then SLURM's restart of it (SLURM_RESTART_COUNT=1); torchrun's uninterrupted job beside it."""
+    reference = Reference.get()
     cwd = tmp_path_factory.mktemp("slurm")
     fault = ["+callbacks.fault._target_=cluster_faults.SignalAt", "+callbacks.fault.step=9"]
-    first, reference = sbatch(cwd, "14242", *fault), sbatch(cwd, "14243")
-    first_code, first_output = finish(first)
-    reference_code, _ = finish(reference)
+    first_code, first_output = finish(sbatch(cwd, "14242", *fault))
     checkpoints = sorted(p.name for p in (cwd / "outputs" / "14242").glob("checkpoint-*"))
     rng = sorted(p.name for p in (cwd / "outputs" / "14242" / checkpoints[-1]).glob("rng_state*"))
-    again_code, again_output = finish(sbatch(cwd, "14242", *fault, restarts=1))
-    return dict(cwd=cwd, first=(first_code, first_output, checkpoints, rng), again=(again_code, again_output),
-                reference_code=reference_code)  # fmt: skip
+    again = finish(sbatch(cwd, "14242", *fault, restarts=1))
+    return dict(cwd=cwd, first=(first_code, first_output, checkpoints, rng), again=again, reference=reference)
 
 
 @pytest.mark.subprocess
 def test_the_batch_script_requeues_on_sigusr1_and_the_requeued_job_finishes_the_run_bit_for_bit(requeued_job):
+    """As an uninterrupted run ends: the same weights (bytes), log history and metrics (torchrun's 1 node x 2
+    processes, docs/hydra.md's command, which the test of 2 nodes below shows srun's tasks equal)."""
     cwd = requeued_job["cwd"]
     code, output, checkpoints, rng = requeued_job["first"]
     assert code == 138, output[-4000:]
@@ -375,15 +347,15 @@ def test_the_batch_script_requeues_on_sigusr1_and_the_requeued_job_finishes_the_
     assert code == 0, output[-4000:]
     assert f"resuming from {cwd / 'outputs' / '14242' / f'checkpoint-{step}'}" in output
     assert output.count("Reusing synthetic SQuAD data") == 2 and output.count("Reusing a trained tokenizer") == 2
-    assert requeued_job["reference_code"] == 0
-    assert outcome(cwd / "outputs" / "14242") == outcome(cwd / "outputs" / "14243")
+    assert outcome(cwd / "outputs" / "14242") == requeued_job["reference"].outcome()
     assert not list((cwd / "outputs").rglob("hpc_ckpt_*"))
 
 
 @pytest.mark.subprocess
 def test_two_nodes_of_one_task_train_as_one_node_of_two(requeued_job):
-    """srun's variables for 2 nodes x 1 task: the same processes as 1 node x 2 tasks (gloo over 127.0.0.1)."""
+    """srun's variables for 2 nodes x 1 task: the processes train as torchrun's 1 node x 2 processes (gloo over
+    127.0.0.1), to the byte."""
     cwd = requeued_job["cwd"]
     code, output = finish(sbatch(cwd, "14244", nodes=2, per_node=1))
     assert code == 0, output[-4000:]
-    assert outcome(cwd / "outputs" / "14244") == outcome(cwd / "outputs" / "14243")
+    assert outcome(cwd / "outputs" / "14244") == requeued_job["reference"].outcome()

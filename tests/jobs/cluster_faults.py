@@ -9,6 +9,9 @@ or, with ``moment="save"``, right after checkpoint-``step`` is on disk:
   SLURM's ``--signal`` does; torchrun's agent);
 - ``target="self"``: to this process only (``SIGKILL``: a worker dying, as a node failure or the OOM killer would).
 
+With ``moment="writing"`` the process of rank ``rank`` sends it to itself while it writes checkpoint-``step``: after
+the weights, optimizer and RNG files, before ``trainer_state.json`` and the manifest (a half-written checkpoint).
+
 Only on the first attempt of the job (``TORCHELASTIC_RESTART_COUNT``/``SLURM_RESTART_COUNT`` 0 or unset), so that a
 restarted run is not hit again.
 """
@@ -27,6 +30,20 @@ class SignalAt(TrainerCallback):
         self.step, self.signal, self.target, self.rank, self.moment = step, signal, target, rank, moment
         restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get("SLURM_RESTART_COUNT") or "0"
         self.armed = int(restarts) == 0
+        if moment == "writing" and self.armed:
+            self._kill_while_writing()
+
+    def _kill_while_writing(self) -> None:
+        from hflight.checkpoints import folders
+
+        write_state = folders.write_trainer_state
+
+        def write(facade, tracker):
+            if facade.state.global_step == self.step:
+                self._fire(facade.args)
+            write_state(facade, tracker)
+
+        folders.write_trainer_state = write
 
     def _fire(self, args) -> None:
         if not self.armed or args.process_index != self.rank:

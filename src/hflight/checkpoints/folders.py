@@ -70,6 +70,7 @@ RUN_ARGUMENTS = (
     "per_device_train_batch_size",
     "gradient_accumulation_steps",
     "world_size",
+    "num_nodes",
     "seed",
     "data_seed",
     "train_sampling_strategy",
@@ -262,6 +263,7 @@ def run_arguments(args: Any, world_size: int, plan: Any) -> dict[str, Any]:
     strategy = args.train_sampling_strategy
     values["train_sampling_strategy"] = str(getattr(strategy, "value", strategy))
     values["world_size"] = world_size
+    values["num_nodes"] = getattr(args, "num_nodes", 1)
     values["num_examples"] = plan.num_examples if plan is not None else None
     return values
 

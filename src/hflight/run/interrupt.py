@@ -9,7 +9,7 @@ SIGINT), as a shell reports a process ended by that signal. A second signal stop
 
 Lightning's own handling stays in place. hflight's handler is installed before ``fit``, so Lightning's SIGTERM
 handler composes it (Lightning keeps handlers it finds): Lightning still logs the signal and forwards it to the
-processes it launched, and its SLURM auto-requeue (SIGUSR1) handler is untouched. Only Lightning's "stop after this
+processes it launched (its SLURM auto-requeue is off: see below). Only Lightning's "stop after this
 micro-batch" flag is cleared again, because hflight stops at the step boundary instead; with several processes the
 ranks agree on that boundary (:meth:`StopRequest.agreed`), so they all save and stop at the same step.
 

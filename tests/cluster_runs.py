@@ -1,0 +1,96 @@
+"""Shared by the cluster tests (``test_elastic.py``, ``test_slurm.py``): the commands' tiny sizes, starting and
+ending a job (its whole process session is killed on a timeout: nothing may hang), what a run leaves that an
+interruption must not change, and one uninterrupted torchrun job (1 node x 2 processes) every cluster run is
+compared with, started once per session."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from . import readme
+from .test_cli import TINY
+from .test_readme_commands import _environment, fresh_clone
+
+JOBS = Path(__file__).parent / "jobs"
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+COMMANDS = [step.text for text in readme.documents().values() for step in readme.steps(text, "")]
+#: docs/hydra.md's torchrun commands that restart workers.
+ELASTIC = next(c for c in COMMANDS if c.startswith("torchrun --standalone") and "--max-restarts" in c)
+TWO_NODES = next(c for c in COMMANDS if c.startswith("torchrun --nnodes=2 --nproc_per_node=1"))
+#: Appended to every command: the tests' tiny main job, 2 examples per process and step (7 steps an epoch with
+#: 2 processes, 14 in all), a loss logged every 3 steps (so some loss is pending at most checkpoints).
+SIZES = [o for o in TINY if o != "+experiment=mrc"] + ["args.logging_steps=3", "args.per_device_train_batch_size=2"]
+
+
+def start(argv: list[str], cwd: Path, **env: str) -> subprocess.Popen:
+    """``argv`` in ``cwd``, with the repository's sources and ``tests/jobs`` importable, one thread per process, no
+    launcher variables of this process's own; ``env`` added."""
+    base = {k: v for k, v in _environment(cwd).items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+    base.update(PYTHONPATH=os.pathsep.join([base["PYTHONPATH"], str(JOBS)]), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    base.update(env)
+    return subprocess.Popen(argv, cwd=cwd, env=base, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+
+
+def finish(process: subprocess.Popen, timeout: float = 420) -> tuple[int, str]:
+    """Exit status and output; on a timeout the job's whole session (launcher and workers) is killed and the test
+    fails."""
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        raise AssertionError(f"the job did not end within {timeout} s:\n{output[-4000:]}") from None
+    return process.returncode, output
+
+
+def outcome(run_dir: Path) -> dict:
+    """What a run leaves that must not depend on an interruption: the weights (bytes), the log history and the
+    metrics, timings left out."""
+    timing = ("runtime", "per_second")
+    state = json.loads((run_dir / "trainer_state.json").read_text())
+    results = json.loads((run_dir / "all_results.json").read_text())
+    return {
+        "weights": (run_dir / "model.safetensors").read_bytes(),
+        "log_history": [{k: v for k, v in e.items() if not k.endswith(timing)} for e in state["log_history"]],
+        "results": {k: v for k, v in results.items() if not k.endswith(timing)},
+    }
+
+
+def torchrun_argv(command: str, run_dir: str, *extra: str, port: int | None = None) -> list[str]:
+    """A documented torchrun command as written, its run folder ``run_dir``, ``$HEAD_NODE:29400`` on 127.0.0.1 at
+    ``port``, :data:`SIZES` and ``extra`` appended."""
+    tokens = command.replace("$HEAD_NODE:29400", f"127.0.0.1:{port}").split()
+    tokens = [f"hydra.run.dir={run_dir}" if t.startswith("hydra.run.dir=") else t for t in tokens]
+    return [str(TORCHRUN), *tokens[1:], *SIZES, *extra]
+
+
+class Reference:
+    """The uninterrupted job: docs/hydra.md's elastic torchrun command without a fault, in a fresh copy of the
+    repository, started at the first request and finished at the first :meth:`outcome`."""
+
+    _started: Reference | None = None
+
+    def __init__(self) -> None:
+        self.cwd = fresh_clone(Path(tempfile.mkdtemp(prefix="hflight-reference-")) / "hflight")
+        self.process = start(torchrun_argv(ELASTIC, "outputs/reference"), self.cwd)
+        self.ended: tuple[int, str] | None = None
+
+    @classmethod
+    def get(cls) -> Reference:
+        if cls._started is None:
+            cls._started = cls()
+        return cls._started
+
+    def outcome(self) -> dict:
+        if self.ended is None:
+            self.ended = finish(self.process)
+        code, output = self.ended
+        assert code == 0, f"the reference job failed:\n{output[-4000:]}"
+        return outcome(self.cwd / "outputs" / "reference")

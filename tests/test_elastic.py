@@ -1,0 +1,77 @@
+"""torchrun's restarts through hflight's checkpoints: a worker dies, torchrun starts the workers again, they
+continue from the last complete checkpoint and end with the uninterrupted run's results.
+
+The commands are docs/hydra.md's, as written (tiny sizes appended, and a fault: ``tests/jobs/cluster_faults.py``):
+one machine with 2 processes (``--standalone --max-restarts``), worker rank 1 SIGKILLed during step 9; and two
+"nodes" of one process each on 127.0.0.1 (two torchrun agents, c10d rendezvous), rank 0 SIGKILLed while it writes
+the last checkpoint, which is then never used. Both are compared with the same command without a fault.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from .cluster_runs import ELASTIC, TORCHRUN, TWO_NODES, Reference, finish, outcome, start, torchrun_argv
+from .test_readme_commands import fresh_clone
+
+FAULT = ["+callbacks.fault._target_=cluster_faults.SignalAt", "+callbacks.fault.signal=SIGKILL",
+         "+callbacks.fault.target=self"]  # fmt: skip
+
+pytestmark = pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed beside this Python")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """The jobs at once, the uninterrupted reference among them (the cores are shared; the restarts wait on each
+    other's processes anyway)."""
+    reference = Reference.get()
+    cwd = fresh_clone(tmp_path_factory.mktemp("elastic") / "hflight")
+    port = _free_port()
+    started = {
+        "killed": [start(torchrun_argv(ELASTIC, "outputs/killed", *FAULT, "+callbacks.fault.step=9",
+                                       "+callbacks.fault.rank=1"), cwd)],  # fmt: skip
+        "two_nodes": [
+            start(torchrun_argv(TWO_NODES, "outputs/two_nodes", *FAULT, "+callbacks.fault.step=14",
+                                "+callbacks.fault.rank=0", "+callbacks.fault.moment=writing", port=port), cwd)
+            for _ in range(2)
+        ],  # fmt: skip
+    }
+    ended = {name: [finish(p) for p in processes] for name, processes in started.items()}
+    return {"cwd": cwd, "reference": reference.outcome(), **ended}
+
+
+@pytest.mark.subprocess
+def test_a_worker_killed_mid_step_restarts_from_the_last_checkpoint_and_ends_as_the_uninterrupted_run(runs):
+    (code, output), = runs["killed"]
+    assert code == 0, output[-4000:]
+    # torchrun stopped rank 0 (or rank 0 found its peer gone), started both again, and they resumed
+    assert output.count("Started by a scheduler that restarts its jobs (TORCHELASTIC_MAX_RESTARTS=3)") == 4
+    assert output.count("resume_from_checkpoint='auto': resuming from") == 2, output[-4000:]  # attempt 2's workers
+    assert "outputs/killed/checkpoint-7, the last valid checkpoint" in output
+    assert output.count("Reusing synthetic SQuAD data") >= 2  # attempt 2 (rank 1 of attempt 1 may reuse rank 0's)
+    cwd = runs["cwd"]
+    assert outcome(cwd / "outputs" / "killed") == runs["reference"]
+
+
+@pytest.mark.subprocess
+def test_two_nodes_restart_after_a_kill_during_a_checkpoint_write_which_is_never_used(runs):
+    """Node rank 0's worker dies after the last checkpoint's weights and optimizer files, before its manifest: the
+    restarted workers (on both nodes, whose agents count restarts differently) resume from the complete checkpoint-7,
+    the half-written folder is removed with a warning, and the run ends as one node of two processes ends it."""
+    outputs = [output for _, output in runs["two_nodes"]]
+    assert [code for code, _ in runs["two_nodes"]] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    joined = "\n".join(outputs)
+    assert joined.count("resume_from_checkpoint='auto': resuming from") == 2, joined[-4000:]
+    assert "outputs/two_nodes/checkpoint-7, the last valid checkpoint" in joined
+    assert "left behind by a checkpoint save or deletion that was interrupted" in joined  # .tmp-checkpoint-14
+    cwd = runs["cwd"]
+    assert not list((cwd / "outputs" / "two_nodes").glob(".tmp-*"))
+    assert outcome(cwd / "outputs" / "two_nodes") == runs["reference"]
