@@ -94,10 +94,17 @@ def parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, factory) -> hflight.Trainer:
-    reference = trainer(tmp_path_factory.mktemp("uninterrupted"), factory)
-    reference.train()
-    return reference
+def uninterrupted(tmp_path_factory, factory):
+    """The run without a stop, per sampling strategy (made once each)."""
+    made: dict[str, hflight.Trainer] = {}
+
+    def get(sampling: str = "random") -> hflight.Trainer:
+        if sampling not in made:
+            made[sampling] = trainer(tmp_path_factory.mktemp(sampling), factory, train_sampling_strategy=sampling)
+            made[sampling].train()
+        return made[sampling]
+
+    return get
 
 
 # ---- srun's processes -----------------------------------------------------------------------------------------------
@@ -142,27 +149,36 @@ def test_the_requeue_signal_is_checked_and_named(tmp_path):
 
 
 # ---- the requeue, in this process -----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "sampling, step",
+    [
+        ("random", 2),  # mid-epoch, mid-cycle, a loss pending
+        ("group_by_length", 5),  # epoch 2: the order drawn from torch's global generator at the epoch's start
+        ("random", 3),  # the last step of epoch 1: its end (evaluation, save) runs in the requeued job
+    ],
+)
 def test_a_requeue_checkpoints_at_the_step_requeues_once_and_the_requeued_job_continues_bit_for_bit(
-    monkeypatch, tmp_path, factory, uninterrupted
+    monkeypatch, tmp_path, factory, uninterrupted, sampling, step
 ):
     log = slurm_task(monkeypatch, tmp_path)
     out = tmp_path / "run"
-    sender = SignalAt(signal.SIGUSR1, step=2)
+    sender = SignalAt(signal.SIGUSR1, step=step)
     with pytest.raises(TrainingInterrupted) as stopped:
-        trainer(out, factory, sender).train()
+        trainer(out, factory, sender, train_sampling_strategy=sampling).train()
     error = stopped.value
-    assert error.code == 138 and error.signum == signal.SIGUSR1 and error.global_step == 2
-    assert error.checkpoint == str(out / "checkpoint-2") and verify_checkpoint(error.checkpoint, full=True)
+    assert error.code == 138 and error.signum == signal.SIGUSR1 and error.global_step == step
+    assert error.checkpoint == str(out / f"checkpoint-{step}") and verify_checkpoint(error.checkpoint, full=True)
     assert "SLURM job 4242 requeued (`scontrol requeue 4242`): the requeued job continues from" in str(error)
     assert requeues(log) == [["requeue", "4242"]]
     assert isinstance(sender.handlers[signal.SIGUSR1], StopRequest)  # hflight's, not Lightning's auto-requeue
     assert not list(out.glob("hpc_ckpt_*"))
     # the requeued job: same folder, SLURM_RESTART_COUNT=1, a new process (a new trainer) asked for "auto"
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
-    resumed = trainer(out, factory)
+    resumed = trainer(out, factory, train_sampling_strategy=sampling)
     resumed.train(resume_from_checkpoint="auto")
-    assert history(resumed) == history(uninterrupted)  # losses, grad norms, evaluations and train_loss
-    ours, theirs = parameters(resumed.model), parameters(uninterrupted.model)
+    reference = uninterrupted(sampling)
+    assert history(resumed) == history(reference)  # losses, grad norms, evaluations and train_loss
+    ours, theirs = parameters(resumed.model), parameters(reference.model)
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
     assert requeues(log) == [["requeue", "4242"]]
 
@@ -178,7 +194,7 @@ def test_an_explicit_resume_reports_train_loss_over_its_own_steps_as_transformer
         trainer(out, factory, SignalAt(signal.SIGUSR1, step=2)).train()
     resumed = trainer(out, factory)
     resumed.train(resume_from_checkpoint=str(out / "checkpoint-2"))
-    ours, theirs = history(resumed), history(uninterrupted)
+    ours, theirs = history(resumed), history(uninterrupted())
     assert ours[-1]["train_loss"] != theirs[-1]["train_loss"]
     assert [e for e in ours if "eval_loss" in e] == [e for e in theirs if "eval_loss" in e]
 
@@ -249,7 +265,7 @@ def test_a_lightning_hpc_checkpoint_is_named_and_never_loaded(monkeypatch, tmp_p
     run = trainer(out, factory)
     with caplog.at_level("WARNING", logger="hflight.run.cluster"):
         run.train()
-    assert history(run) == history(uninterrupted)
+    assert history(run) == history(uninterrupted())
     assert "holds Lightning's SLURM checkpoint(s) hpc_ckpt_3.ckpt" in caplog.text and "never loads them" in caplog.text
     assert sorted(p.name for p in out.glob("hpc_ckpt_*")) == ["hpc_ckpt_3.ckpt"]
     assert (out / "hpc_ckpt_3.ckpt").read_bytes() == b"not a checkpoint"
@@ -273,7 +289,7 @@ def test_auto_starts_fresh_without_a_checkpoint_and_skips_damaged_ones(tmp_path,
     fresh = trainer(tmp_path / "empty", factory)
     with caplog.at_level("WARNING"):
         fresh.train(resume_from_checkpoint="auto")
-    assert "no valid checkpoint in" in caplog.text and history(fresh) == history(uninterrupted)
+    assert "no valid checkpoint in" in caplog.text and history(fresh) == history(uninterrupted())
     # a folder whose newest checkpoint is damaged (a flipped byte: sizes agree, the checksum does not)
     out = tmp_path / "damaged"
     with pytest.raises(TrainingInterrupted):
@@ -287,7 +303,7 @@ def test_auto_starts_fresh_without_a_checkpoint_and_skips_damaged_ones(tmp_path,
     with caplog.at_level("WARNING"):
         resumed.train(resume_from_checkpoint="auto")
     assert "skipping checkpoint-5" in caplog.text and "resuming from" in caplog.text and "checkpoint-3" in caplog.text
-    ours, theirs = parameters(resumed.model), parameters(uninterrupted.model)
+    ours, theirs = parameters(resumed.model), parameters(uninterrupted().model)
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
     # only broken ones: said, and a fresh start
     for folder in out.glob("checkpoint-*"):
