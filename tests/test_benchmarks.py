@@ -110,3 +110,17 @@ def test_ort_seq2seq_generate_gives_eager_tokens():
     for label, compared in (("ORT", 0), ("ORT, check_outputs=True", 2), ('ORT, check_outputs="all"', 3)):
         line = rf"^  {re.escape(label)} +\d+\.\d+ s   \d+\.\d\dx eager   \({compared} batches compared"
         assert re.search(line + r".*tokens equal to eager: True\)", done.stdout, re.M), done.stdout
+
+
+@pytest.mark.subprocess
+def test_cluster_restart_times_a_requeue_and_a_restart():
+    """benchmarks/cluster_restart.py: the tiny main job as one SLURM task, requeued during step 3, then its restart."""
+    command = [sys.executable, str(ROOT / "benchmarks" / "cluster_restart.py"), "--tiny", "--signal-at", "3"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    out = done.stdout
+    assert "requeue signal during step 3; stopped after step 3; scontrol called 1x" in out, out
+    for figure in ("signal -> exit", "signal -> checkpoint complete", "one optimizer step (median)",
+                   "one checkpoint write", "target: step + write"):  # fmt: skip
+        assert re.search(rf"^\s+{re.escape(figure)}\s+\d+\.\d+ s", out, re.M), out
+    assert re.search(r"fresh start \d+\.\d+ s, restart \d+\.\d+ s", out), out

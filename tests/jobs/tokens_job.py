@@ -36,6 +36,10 @@ def main() -> int:
     trainer.train()
     if trainer.is_world_process_zero():
         Path(out, f"{impl}.json").write_text(json.dumps(trainer.state.log_history))
+    # Both trainers leave the gloo process group to the interpreter's exit, whose teardown then sometimes aborts a
+    # rank ("terminate called without an active exception", SIGABRT, seen once with transformers'): end it here.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     return 0
 
 

@@ -4,7 +4,8 @@
 classes and keyword arguments), ``lightning_kwargs`` (the one mapping to ``lightning.Trainer`` keyword arguments:
 precision, devices, loggers, callbacks), ``strategies`` (DDP/FSDP/DeepSpeed strategy objects from the ``ddp_*``/
 ``fsdp*``/``deepspeed`` fields), ``registry`` (hflight's backends in Lightning's registries), ``hardware`` (is the
-requested accelerator there; which one ran).
+requested accelerator there; which one ran), ``cluster`` (which launcher started the process, as Lightning detects
+it: ranks, restarts, the job, SLURM's requeue signal).
 
 May import: ``hflight.surface``, ``hflight._util``. Nothing of the run, the facade or the checkpoints.
 """

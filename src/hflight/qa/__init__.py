@@ -10,7 +10,8 @@ squad_metrics`` loads the metrics module only, and ``from hflight.qa import MRCT
 * ``prepare_train_features``, ``prepare_validation_features`` (``hflight.qa.preprocess``): run_qa.py's windows;
 * ``postprocess_qa_predictions`` and friends (``hflight.qa.postprocess``): logits to answers, as HF's utils_qa;
 * ``squad_metrics``, ``SquadMetric`` (``hflight.qa.metrics``): the official SQuAD scores;
-* ``MRCRecipe`` (``hflight.qa.recipe``): what ``python train.py +experiment=mrc`` builds.
+* ``MRCRecipe`` (``hflight.qa.recipe``): what ``python train.py +experiment=mrc`` builds; ``hflight.qa.made``: the
+  data and tokenizer it makes in a run folder, reused when a restarted run asks for them again.
 
 May import: data, features, post-processing and metrics nothing of hflight but ``hflight.surface``/``hflight._util``
 (no Lightning); the QA trainers the facade (``hflight.trainer``) and the run; the recipe the facade, the arguments,

@@ -256,12 +256,16 @@ class StopRequest:
         with _handlers(self, (*SIGNALS, *extra)), sigterm_exits_non_zero("Training"):
             yield self
         if self.signum is not None:  # arrived after the last step boundary: training had finished
-            raise stopped(
-                self.signum,
+            message = (
                 f"{signal_name(self.signum)} arrived as training finished (step {self.global_step}); the run stops "
-                "before its remaining work.",
-                self.global_step,
+                "before its remaining work."
             )
+            if self.requeue:  # the ranks agree on no step any more: global rank 0 requeues, the others say so
+                from hflight.run.cluster import requeue_job, requeue_message
+
+                where = "the run folder's last checkpoint"
+                message += " " + requeue_message(requeue_job(), where, kept=False)
+            raise stopped(self.signum, message, self.global_step)
 
 
 def exit_together(launcher: Any) -> None:
