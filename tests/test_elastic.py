@@ -36,11 +36,25 @@ def runs(tmp_path_factory) -> dict:
     cwd = fresh_clone(tmp_path_factory.mktemp("elastic") / "hflight")
     port = _free_port()
     started = {
-        "killed": [start(torchrun_argv(ELASTIC, "outputs/killed", *FAULT, "+callbacks.fault.step=9",
-                                       "+callbacks.fault.rank=1"), cwd)],  # fmt: skip
+        "killed": [
+            start(
+                torchrun_argv(ELASTIC, "outputs/killed", *FAULT, "+callbacks.fault.step=9", "+callbacks.fault.rank=1"),
+                cwd,
+            )
+        ],  # fmt: skip
         "two_nodes": [
-            start(torchrun_argv(TWO_NODES, "outputs/two_nodes", *FAULT, "+callbacks.fault.step=14",
-                                "+callbacks.fault.rank=0", "+callbacks.fault.moment=writing", port=port), cwd)
+            start(
+                torchrun_argv(
+                    TWO_NODES,
+                    "outputs/two_nodes",
+                    *FAULT,
+                    "+callbacks.fault.step=14",
+                    "+callbacks.fault.rank=0",
+                    "+callbacks.fault.moment=writing",
+                    port=port,
+                ),
+                cwd,
+            )
             for _ in range(2)
         ],  # fmt: skip
     }
@@ -50,7 +64,7 @@ def runs(tmp_path_factory) -> dict:
 
 @pytest.mark.subprocess
 def test_a_worker_killed_mid_step_restarts_from_the_last_checkpoint_and_ends_as_the_uninterrupted_run(runs):
-    (code, output), = runs["killed"]
+    ((code, output),) = runs["killed"]
     assert code == 0, output[-4000:]
     # torchrun stopped rank 0 (or rank 0 found its peer gone), started both again, and they resumed
     assert output.count("Started by a scheduler that restarts its jobs (TORCHELASTIC_MAX_RESTARTS=3)") == 4

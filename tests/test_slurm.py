@@ -225,9 +225,7 @@ def test_no_scontrol_on_path_is_reported(monkeypatch, tmp_path, factory):
     assert get_last_checkpoint(tmp_path / "run") == str(tmp_path / "run" / "checkpoint-2")
 
 
-def test_the_signal_again_is_the_same_stop_and_during_a_write_the_write_finishes(
-    monkeypatch, tmp_path, factory
-):
+def test_the_signal_again_is_the_same_stop_and_during_a_write_the_write_finishes(monkeypatch, tmp_path, factory):
     """SLURM and srun both deliver the signal: twice is one stop, one checkpoint, one requeue. Arriving while a
     checkpoint is written (the epoch's, at step 3), it lets the write finish, and that checkpoint is the stop's."""
     from hflight.checkpoints import folders
