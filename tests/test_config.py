@@ -142,6 +142,7 @@ def test_mrc_experiment_targets_what_the_recipe_needs():
         ("mps", dict(accelerator="mps", devices=1)),
         ("ipu", dict(accelerator="ipu", strategy="ipu")),
         ("ort", dict(accelerator="auto", strategy="ort")),
+        ("slurm", dict(accelerator="auto", devices=1, strategy="ddp", num_nodes=1)),  # srun's: tests/test_slurm.py
     ],
 )
 def test_trainer_options_only_set_hardware_in_args(option, expected, default_args):

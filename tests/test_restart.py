@@ -169,7 +169,7 @@ def test_processes_that_would_start_from_different_checkpoints_stop_naming_each(
     wait for each other forever: every rank stops before the first step, naming each one's start."""
     from hflight.run.distributed import World
 
-    monkeypatch.setattr(World, "gather_objects", lambda self, values: [*values, "/elsewhere/checkpoint-4 (step 4)"])
+    monkeypatch.setattr(World, "gather_objects", lambda self, values: [*values, "checkpoint-4 (step 4)"])
     monkeypatch.setattr(World, "size", property(lambda self: 2))
     args = hflight.TrainingArguments(str(tmp_path), max_steps=2, report_to="none", disable_tqdm=True)
     trainer = hflight.Trainer(factory.qa_model(), args, train_dataset=factory.qa_dataset(8))
@@ -177,6 +177,23 @@ def test_processes_that_would_start_from_different_checkpoints_stop_naming_each(
         trainer.train()
     assert str(different.value).startswith(
         "The 2 processes of this run do not start from the same checkpoint (rank 0: a fresh start; rank 1: "
-        "/elsewhere/checkpoint-4 (step 4))."
+        "checkpoint-4 (step 4))."
     )
     assert not Path(tmp_path, "checkpoint-1").exists()
+
+
+def test_resuming_on_another_number_of_nodes_is_said(tmp_path, factory, caplog):
+    """As for the number of processes: the checkpoint records the nodes it was written with (its manifest)."""
+    values = dict(max_steps=2, save_steps=2, report_to="none", disable_tqdm=True, per_device_train_batch_size=4)
+    hflight.Trainer(factory.qa_model(), hflight.TrainingArguments(str(tmp_path), **values),
+                    train_dataset=factory.qa_dataset(16)).train()  # fmt: skip
+    manifest_file = tmp_path / "checkpoint-2" / "checkpoint_manifest.json"
+    manifest = json.loads(manifest_file.read_text())
+    assert manifest["run"]["num_nodes"] == 1
+    manifest["run"]["num_nodes"] = 2  # written by a run on two nodes
+    manifest_file.write_text(json.dumps(manifest))
+    args = hflight.TrainingArguments(str(tmp_path), **{**values, "max_steps": 3})
+    resumed = hflight.Trainer(factory.qa_model(), args, train_dataset=factory.qa_dataset(16))
+    with caplog.at_level(logging.WARNING, logger="hflight.checkpoints.resume"):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert "num_nodes: 1 (now) != 2 (checkpoint)" in caplog.text

@@ -125,6 +125,14 @@ def test_ranks_come_from_sruns_variables_as_lightning_reads_them(monkeypatch, tm
         assert cluster.environment() == "slurm" and cluster.job_identity() == "slurm job 4242"
 
 
+def test_trainer_slurm_takes_devices_and_nodes_from_sruns_variables(monkeypatch, tmp_path):
+    from hflight.config import compose
+
+    slurm_task(monkeypatch, tmp_path, SLURM_NTASKS="8", SLURM_NTASKS_PER_NODE="4", SLURM_NNODES="2")
+    args = hflight.TrainingArguments.from_config(compose(["trainer=slurm"], output_dir=tmp_path).args)
+    assert (args.accelerator, args.devices, args.num_nodes, args.strategy) == ("auto", 4, 2, "ddp")
+
+
 def test_an_interactive_allocation_or_torchrun_inside_slurm_is_not_srun(monkeypatch, tmp_path):
     slurm_task(monkeypatch, tmp_path, SLURM_JOB_NAME="interactive", SLURM_NTASKS="4", SLURM_PROCID="3")
     assert cluster.environment() == "lightning" and hflight.TrainingArguments(str(tmp_path)).process_index == 0

@@ -310,6 +310,11 @@ def save_checkpoint(facade: TrainerSurface, run: RunView, trial: Any = None) -> 
             tracker.file = MANIFEST_NAME
             run_args = run_arguments(args, world.size, run.plan)
             write_manifest(tmp_dir, state.global_step, bool(args.save_only_model), run_args, checksums, progress)
+        # Every writer's folder is complete before any is published (save_on_each_node: one writer per node, each on
+        # its own disk): a writer whose peer died mid-write fails here instead of publishing a checkpoint the other
+        # nodes lack, so the nodes' last checkpoints agree.
+        world.barrier()
+        if is_main:
             publish(tmp_dir, final_dir)
     if is_main:
         rotate_checkpoints(run_dir, args.save_total_limit, state.best_model_checkpoint)

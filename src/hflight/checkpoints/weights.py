@@ -22,6 +22,7 @@ storage is in the file.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -97,7 +98,8 @@ def save_model_files(
     ``training_args.bin``."""
     os.makedirs(output_dir, exist_ok=True)
     if hasattr(model, "save_pretrained"):
-        model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
+        with _writing_on_this_process(model):
+            model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
     else:
         from safetensors.torch import save_file
 
@@ -106,6 +108,23 @@ def save_model_files(
     if processing_class is not None and hasattr(processing_class, "save_pretrained"):
         processing_class.save_pretrained(output_dir)
     torch.save(args.to_transformers(), os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+
+@contextlib.contextmanager
+def _writing_on_this_process(model: torch.nn.Module) -> Iterator[None]:
+    """The caller writes the model on this process (``args.should_save``); transformers 5.23's ``save_pretrained``
+    writes on global rank 0 only once ``torch.distributed`` is initialised (``should_save_on_this_rank``), which left
+    the checkpoints of ``save_on_each_node``'s other nodes without their weights (not a checkpoint, so not resumed
+    from). For the length of the call the model answers with ``is_main_process`` alone."""
+    decides = getattr(model, "should_save_on_this_rank", None)
+    if decides is None or "should_save_on_this_rank" in vars(model):
+        yield
+        return
+    model.should_save_on_this_rank = lambda is_main_process: is_main_process
+    try:
+        yield
+    finally:
+        del model.should_save_on_this_rank
 
 
 _MAX_LISTED = 8

@@ -275,10 +275,13 @@ def resume_arguments(argv: list[str]) -> list[str]:
     ``--config-dir`` (from ``.hydra/hydra.yaml``, unless ``argv`` has one), ``hydra.run.dir=<the folder>`` (the
     same folder again) and ``args.resume_from_checkpoint=true`` (its last valid checkpoint). A job of a sweep
     resumes as one run: its ``+hparams_search=`` preset is dropped (its trial's values are among its overrides) and
-    ``hydra.mode=RUN`` added. Without ``resume=``, ``argv`` unchanged.
+    ``hydra.mode=RUN`` added. ``resume=auto`` is ``args.resume_from_checkpoint=auto``: this run's own folder
+    (``hydra.run.dir``), continued from its last valid checkpoint or started fresh (:func:`resume_point`). Without
+    ``resume=``, ``argv`` unchanged.
 
     Raises:
-        ValueError: ``resume=`` twice, with ``-m``, with ``hydra.run.dir``, or naming no run folder.
+        ValueError: ``resume=`` twice, with ``-m``, with ``hydra.run.dir``, or naming no run folder;
+            ``resume=auto`` with ``args.resume_from_checkpoint``.
     """
     given = [token for token in argv if _override_key(token) == RESUME_KEY]
     if not given:

@@ -644,8 +644,7 @@ def write_squad_files(
     """
     out = Path(out_dir)
     paths = (out / train_name, out / validation_name)
-    recipe = dict(
-        generator="hflight.qa.synthetic.write_squad_files",
+    settings = dict(
         num_train_articles=num_train_articles,
         num_validation_articles=num_validation_articles,
         paragraphs_per_article=paragraphs_per_article,
@@ -653,19 +652,11 @@ def write_squad_files(
         version_2_with_negative=version_2_with_negative,
         unanswerable_fraction=unanswerable_fraction,
         max_questions_per_paragraph=max_questions_per_paragraph,
-        files=[train_name, validation_name],
     )
+    recipe = dict(generator="hflight.qa.synthetic.write_squad_files", **settings, files=[train_name, validation_name])
     if made.reusable(out, recipe, [train_name, validation_name], "synthetic SQuAD data", resuming):
         return paths
-    train, validation = generate_squad(
-        num_train_articles=num_train_articles,
-        num_validation_articles=num_validation_articles,
-        paragraphs_per_article=paragraphs_per_article,
-        seed=seed,
-        version_2_with_negative=version_2_with_negative,
-        unanswerable_fraction=unanswerable_fraction,
-        max_questions_per_paragraph=max_questions_per_paragraph,
-    )
+    train, validation = generate_squad(**settings)
     out.mkdir(parents=True, exist_ok=True)
     for path, squad in zip(paths, (train, validation)):
         replace_file(path, squad_to_json(squad).encode("utf-8"))

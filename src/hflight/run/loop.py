@@ -122,8 +122,8 @@ class TrainingLoop:
         """Every process starts from the same checkpoint (or none); processes that disagree (a restart one node took
         for a first start, different paths per node) would train different models, or wait for each other forever:
         they all stop here, naming each one's start."""
-        world, point = self.run.world, self.run.resume
-        mine = f"{point.folder} (step {self.facade.state.global_step})" if point is not None else "a fresh start"
+        world, point = self.run.world, self.run.resume  # by name: nodes without a shared disk each have a folder
+        mine = f"{os.path.basename(point.folder)} (step {self.facade.state.global_step})" if point else "a fresh start"
         starts = world.gather_objects([mine])
         if len(set(starts)) > 1:
             listed = "; ".join(f"rank {rank}: {start}" for rank, start in enumerate(starts))

@@ -83,6 +83,7 @@ class Run:
         # hflight's checkpoints only: never Lightning's hpc_ckpt_*.ckpt; a torchrun attempt's own process group
         cluster.no_lightning_hpc_restore(self.lightning_trainer, report=self.world.rank == 0)
         cluster.init_elastic_process_group(self.lightning_trainer.strategy)
+        cluster.end_process_group_at_exit()
         self.module = HFModule(facade, self, facade.model)
         self.datamodule = HFDataModule(facade, self) if fitting else None
 
