@@ -155,6 +155,9 @@ def test_the_writer_lock_tells_a_rank_of_the_same_job_from_a_competing_run(tmp_p
             same.value
         )
         assert "save_on_each_node=True" in str(same.value)
+        with pytest.raises(OutputDirInUse) as again, output_dir_lock(tmp_path, job="slurm job 4242", rank=0):
+            pass
+        assert "is written by an earlier run of this same job and rank (slurm job 4242, rank 0:" in str(again.value)
         with pytest.raises(OutputDirInUse) as other, output_dir_lock(tmp_path, job="slurm job 99", rank=0):
             pass
         assert "is in use by another training run: process" in str(other.value)

@@ -60,6 +60,13 @@ def _describe(holder: dict) -> str:
 
 
 def _in_use(path: Path, holder: dict, me: dict) -> OutputDirInUse:
+    if me.get("job") and holder.get("job") == me["job"] and holder.get("rank") == me.get("rank"):
+        return OutputDirInUse(
+            f"Output folder {path.parent} is written by an earlier run of this same job and rank ({me['job']}, rank "
+            f"{me.get('rank', '?')}: {_describe(holder)} holds {path}), still running: a restarted or requeued job "
+            "started before the run it replaces had ended. Wait for that process to end (or end it); its checkpoint "
+            "is then where this run continues from."
+        )
     if me.get("job") and holder.get("job") == me["job"]:
         return OutputDirInUse(
             f"Output folder {path.parent} is written by rank {holder.get('rank', '?')} of this same job ({me['job']}: "

@@ -148,7 +148,12 @@ def no_lightning_hpc_restore(lightning_trainer: Any, report: bool) -> None:
         )
     # Lightning's connector takes a checkpoint path the user set on the trainer (`trainer.ckpt_path = ...`) as it
     # is, without looking for hpc_ckpt files; hflight sets "none" that way (the setter itself treats None as unset).
-    connector = lightning_trainer._checkpoint_connector
+    connector = getattr(lightning_trainer, "_checkpoint_connector", None)
+    if connector is None or not hasattr(connector, "_user_managed"):  # a Lightning this was not written against
+        raise RuntimeError(
+            f"{lightning_trainer.default_root_dir} holds {', '.join(found)}, which this Lightning version would load "
+            "under SLURM, and hflight cannot keep it from doing so: move the file(s) out of the run folder."
+        )
     connector._ckpt_path, connector._user_managed = None, True
 
 
@@ -184,6 +189,7 @@ def _uses_agent_store() -> bool:
 def init_elastic_process_group(strategy: Any) -> None:
     """Under torchrun with its shared store (see the module docstring), initialise the default process group on a
     store of this attempt's own before Lightning does; elsewhere, or when it exists already, nothing."""
+    import torch
     import torch.distributed as dist
 
     world_size = cluster.ranks().world_size if _uses_agent_store() else 1
@@ -194,7 +200,9 @@ def init_elastic_process_group(strategy: Any) -> None:
     launched = cluster.ranks()
     timeout = getattr(strategy, "_timeout", None) or datetime.timedelta(minutes=30)
     backend = getattr(strategy, "_process_group_backend", None)
-    backend = backend or _get_default_process_group_backend_for_device(strategy.root_device)
+    backend = backend or _get_default_process_group_backend_for_device(
+        getattr(strategy, "root_device", None) or torch.device("cpu")
+    )
     store = _attempt_store(launched.global_rank, world_size, timeout)
     logger.debug(f"Process group of this torchrun attempt: rank {launched.global_rank} of {world_size} ({backend})")
     dist.init_process_group(backend, store=store, rank=launched.global_rank, world_size=world_size, timeout=timeout)
