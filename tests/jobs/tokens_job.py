@@ -6,6 +6,7 @@ A tiny BERT classifier (its forward takes ``**kwargs``, so ``average_tokens_acro
 the number of processes), sequential data, gradient accumulation 2; rank 0 writes ``OUT/log_history.json``.
 """
 
+import gc
 import json
 import os
 import sys
@@ -36,10 +37,14 @@ def main() -> int:
     trainer.train()
     if trainer.is_world_process_zero():
         Path(out, f"{impl}.json").write_text(json.dumps(trainer.state.log_history))
-    # Both trainers leave the gloo process group to the interpreter's exit, whose teardown then sometimes aborts a
-    # rank ("terminate called without an active exception", SIGABRT, seen once with transformers'): end it here.
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    # End the gloo group here, not in the interpreter's teardown, which sometimes aborted a rank ("terminate called
+    # without an active exception"). But only once transformers' DDP wrapper is gone: destroying the group while its
+    # Reducer still holds pending allgather work deadlocks (the group's destructor joins its worker thread holding the
+    # GIL; the worker waits for the GIL to free the work's Python objects), a hang of 30-40% under load on 2 cores.
+    torch.distributed.barrier()
+    del trainer
+    gc.collect()
+    torch.distributed.destroy_process_group()
     return 0
 
 
