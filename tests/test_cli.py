@@ -306,7 +306,7 @@ def test_resume_arguments_replace_saved_overrides_and_name_mistakes(tmp_path):
     ]
     assert cli.resume_arguments(["args.seed=2"]) == ["args.seed=2"]
     for argv, message in [
-        ([f"resume={tmp_path / 'nope'}"], "not a run folder"),
+        ([f"resume={tmp_path / 'nope'}"], "neither a run folder"),
         ([f"resume={tmp_path}", "-m"], "multirun"),
         ([f"resume={tmp_path}", "hydra.run.dir=x"], "hydra.run.dir"),
         ([f"resume={tmp_path}", f"resume={tmp_path}"], "one run folder"),

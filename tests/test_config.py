@@ -176,7 +176,8 @@ def test_logger_options_select_report_to(option, report_to):
 def test_hparams_search_preset_maximizes_the_optimized_metric():
     cfg = _raw_compose(["+experiment=mrc", "+hparams_search=mrc_optuna"])
     sweeper = cfg.hydra.sweeper
-    assert "OptunaSweeper" in sweeper._target_
+    assert sweeper._target_ == "hydra_plugins.hflight_optuna_sweeper.optuna_sweeper.OptunaSweeper"  # hflight's own
+    assert sweeper.storage is None and sweeper.pruner is None  # <sweep folder>/optuna.db; no pruning
     assert sweeper.direction == "maximize" and cfg.optimized_metric == "eval_f1"
     assert "args.learning_rate" in sweeper.params
     assert cfg.hydra.mode.name == "MULTIRUN"

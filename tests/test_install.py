@@ -32,6 +32,11 @@ def _build_and_install(tmp_path: Path) -> Path:
     (wheel,) = wheels.glob("hflight-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert {"hflight/conf/train.yaml", "hflight/conf/experiment/mrc.yaml", "hflight/py.typed"} <= set(names)
+    assert {
+        "hydra_plugins/hflight_optuna_sweeper/optuna_sweeper.py",
+        "hflight/conf/hydra/launcher/submitit_slurm.yaml",
+    } <= set(names)
+    assert "hydra_plugins/__init__.py" not in names  # Hydra's plugin namespace stays a namespace package
     site = tmp_path / "site"
     subprocess.run([*pip, "install", "--no-deps", "--no-index", "--target", str(site), str(wheel)], check=True)
     return site
@@ -70,3 +75,6 @@ def test_wheel_installs_and_runs_from_an_empty_folder(tmp_path):
     (mine / "mine.yaml").write_text("# @package _global_\ndefaults:\n  - mrc\ntask_name: mine\n")
     job = run(sys.executable, str(script), "--config-dir", "my_conf", "+experiment=mine", "--cfg", "job").stdout
     assert "task_name: mine" in job and "num_train_articles: 600" in job  # the user's file over the package's mrc
+    # hflight's Optuna sweeper, found by Hydra's plugin scan in the installed wheel
+    plugins = run(sys.executable, str(script), "--info", "plugins").stdout
+    assert "hydra_plugins.hflight_optuna_sweeper " in plugins and "\tOptunaSweeper" in plugins, plugins

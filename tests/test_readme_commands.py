@@ -11,6 +11,7 @@ to the README is run (or must be skipped here, with a reason) without anyone rem
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import os
@@ -59,6 +60,22 @@ SKIPPED: dict[str, str] = {
         "SLURM: tests/test_slurm.py runs the script's srun line with srun's variables and stand-in srun/scontrol"
     ),
     "python train.py +experiment=mrc_squad trainer=gpu args.strategy=fsdp args.devices=4": "4 GPUs, and the hub",
+    'pip install "hflight[sweeps]"': _SETUP,
+    "hflight-train resume=outputs/mrc/multiruns/2026-11-24_10-00-00": (
+        "tests/test_sweeps.py continues searches with resume=<sweep folder>: one killed with SIGKILL, one stopped "
+        "with SIGTERM under joblib"
+    ),
+    "hflight-train +experiment=mrc +hparams_search=mrc_optuna "
+    "\"hydra.sweeper.storage='postgresql://me:pw@db/optuna'\"": (
+        "a PostgreSQL server; tests/test_sweeps.py shares one SQLite study between two sweepers and checks a "
+        "refused server's error"
+    ),
+    "hflight-train +experiment=mrc +hparams_search=mrc_optuna hydra/launcher=submitit_slurm hydra.launcher.partition=gpu": (
+        "a SLURM cluster; tests/test_sweeps.py runs submitit's local executor (the same pickled jobs)"
+    ),
+    "optuna-dashboard sqlite:///outputs/mrc/multiruns/2026-11-24_10-00-00/optuna.db": (
+        "a web server (pip install optuna-dashboard) reading the study the tests check in optuna.db"
+    ),
 }
 
 #: Appended to every Hydra command: a few synthetic articles, a 32-wide BERT, one epoch (two switches only quiet
@@ -367,6 +384,16 @@ def check_optuna(ran: Ran) -> None:
     values = [_results(job)["eval_f1"] for job in jobs]
     assert best["name"] == "optuna" and "args.learning_rate" in best["best_params"]
     assert math.isclose(best["best_value"], max(values), rel_tol=1e-6)
+    import optuna  # the study, in the sweep folder's database
+
+    trials = optuna.load_study(study_name="mrc", storage=f"sqlite:///{sweep / 'optuna.db'}").get_trials()
+    assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"]
+    assert [t.value for t in trials] == pytest.approx(values, rel=1e-9)
+    assert all(t.intermediate_values for t in trials)  # eval_f1 after each epoch, reported during training
+    with open(sweep / "summary.csv", newline="") as handle:
+        assert [row["state"] for row in csv.DictReader(handle)] == ["COMPLETE", "COMPLETE"]
+    for picture in ("optimization_history.png", "param_importances.png"):
+        assert (sweep / picture).read_bytes()[:4] == b"\x89PNG"
 
 
 def check_torchrun(ran: Ran) -> None:

@@ -76,7 +76,7 @@ def test_summary_has_a_row_per_job_and_marks_the_best(tmp_path, metric, directio
     write_summary(tmp_path, metric, direction)
     rows = list(csv.DictReader((tmp_path / "summary.csv").open()))
     assert [r["job"] for r in rows] == ["0", "1", "10"]  # job order, not text order
-    assert [r["status"] for r in rows] == ["finished", "finished", "failed"]
+    assert [r["state"] for r in rows] == ["COMPLETE", "COMPLETE", "FAIL"]
     assert [r["best"] for r in rows] == ["*" if r["job"] == best else "" for r in rows]
     assert rows[1]["overrides"] == "args.seed=2" and rows[1]["eval_f1"] == "30" and "eval_runtime" not in rows[1]
     assert rows[0]["folder"] == str(tmp_path / "0")

@@ -93,9 +93,14 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "hflight.run.interrupt",
         "hflight.arguments",
         "hflight.checkpoints.manifest",
+        "hflight.sweeps.trial",
+        "hflight.sweeps.launchers",
         *BOTTOM,
     ),  # fmt: skip
     "hflight.config": ("hflight.arguments", *BOTTOM),
+    # sweeps: the Optuna search (hydra_plugins.hflight_optuna_sweeper hands it its config) and the job's side of it;
+    # it reads checkpoints' folders (a retried trial continues the interrupted one) and writes the sweep summary
+    "hflight.sweeps": ("hflight.sweeps", "hflight.checkpoints.manifest", "hflight.cli.sweep_summary", *BOTTOM),
     "hflight.__main__": ("hflight.cli",),
     "hflight.training_args": ("hflight.arguments.training_args",),
     "hflight.checkpoint": ("hflight.checkpoints",),

@@ -29,6 +29,7 @@ Example:
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,6 +139,19 @@ def register_configs() -> None:
         store.store(group="schema", name=name, node=schema)
 
 
+def expose_sweeper_plugin() -> None:
+    """Make hflight's Optuna sweeper (``hydra_plugins.hflight_optuna_sweeper``, beside this package) visible to
+    Hydra's plugin scan in an editable install too: setuptools' editable finder serves the namespace package to
+    imports but not to ``pkgutil``'s listing, which the scan uses (idempotent; runs on import of this module)."""
+    try:
+        import hydra_plugins
+    except ImportError:
+        return
+    folder = Path(__file__).resolve().parents[1] / "hydra_plugins"
+    if (folder / "hflight_optuna_sweeper").is_dir() and str(folder) not in list(hydra_plugins.__path__):
+        hydra_plugins.__path__.append(str(folder))
+
+
 def find_config_dir(directory: str | os.PathLike | None = None) -> Path:
     """The config tree's directory (see the module docstring for the search order).
 
@@ -229,3 +243,11 @@ def compose(
 
 
 register_configs()
+expose_sweeper_plugin()
+# conf/hydra/launcher/submitit_slurm.yaml sets values of the submitit plugin's config of that name on purpose: Hydra
+# then validates it against the plugin's schema, and warns that this matching is deprecated.
+warnings.filterwarnings(
+    "ignore",
+    message=r"(?s).*'hydra/launcher/submitit_slurm' is validated against ConfigStore schema",
+    category=UserWarning,
+)

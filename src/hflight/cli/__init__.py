@@ -11,7 +11,8 @@ into ``args.output_dir`` (the Hydra run directory), and prints a table of the fi
 (``training_curves.png`` from ``log_history``) and ``sweep_summary`` (a multirun's ``summary.csv``/``summary.md``).
 
 May import: ``hflight.config``, ``hflight.arguments``, ``hflight.run.interrupt``, ``hflight.surface``,
-``hflight._util``; the task (``hflight.qa.recipe``) is instantiated from the config, never imported.
+``hflight._util``, ``hflight.sweeps`` (a job of an Optuna search); the task (``hflight.qa.recipe``) is
+instantiated from the config, never imported.
 
 Example:
     >>> from hflight import cli, config  # doctest: +SKIP
@@ -21,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import sys
@@ -46,6 +48,7 @@ from hflight.arguments.training_args import TrainingArguments
 from hflight.checkpoints.manifest import get_last_checkpoint
 from hflight.config import PRIMARY_CONFIG, VERSION_BASE, hydra_config_path
 from hflight.run.interrupt import TrainingInterrupted, requeue_signal, signal_name, terminate_on_signals
+from hflight.sweeps.trial import JobPruned, ReportToTrial, job_in_worker_process, job_trial
 
 __all__ = ["TaskRun", "main", "run", "train"]
 
@@ -53,6 +56,8 @@ log = logging.getLogger(__name__)
 
 #: File a failed job leaves in its run directory (the traceback).
 ERROR_FILE = "error.txt"
+#: File a job of an Optuna search leaves when its trial was pruned (trial number, step, last value).
+PRUNED_FILE = "pruned.json"
 
 
 class TaskRun(Protocol):
@@ -95,7 +100,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
 def _train(cfg: DictConfig, args: TrainingArguments) -> tuple[dict[str, float], dict[str, Any]]:
     from transformers import set_seed
 
-    _set_cpu_threads(cfg.get("cpu_threads"))
+    _set_cpu_threads(cfg.get("cpu_threads"), _job_hydra_config())
     # A backend that cannot start here (no poptorch for trainer=ipu, no GPU for trainer=gpu) fails now, with its own
     # message, not after the data has been generated and tokenized.
     check_hardware(args)
@@ -104,9 +109,11 @@ def _train(cfg: DictConfig, args: TrainingArguments) -> tuple[dict[str, float], 
     log.info(f"Instantiating task <{cfg.task._target_}>")
     task = instantiate(cfg.task)
     callbacks = instantiate_callbacks(cfg.get("callbacks"))
-    built: TaskRun = task.setup(cfg, args, [*callbacks, ConfigHyperparameters(cfg)])
+    reporter = _trial_reporter(cfg)  # a job of an Optuna search: optimized_metric to its trial at each evaluation
+    extra = [ConfigHyperparameters(cfg), *([reporter] if reporter else [])]
+    built: TaskRun = task.setup(cfg, args, [*callbacks, *extra])
     trainer = built.trainer
-    metrics = _train_evaluate_predict(trainer, built, args)
+    metrics = _train_evaluate_predict(trainer, built, args, reporter)
     if trainer.is_world_process_zero():
         _draw_curves(trainer, args)
     if metrics and trainer.is_world_process_zero():
@@ -119,11 +126,16 @@ def _train(cfg: DictConfig, args: TrainingArguments) -> tuple[dict[str, float], 
     return metrics, objects
 
 
-def _train_evaluate_predict(trainer: Any, built: TaskRun, args: TrainingArguments) -> dict[str, float]:
+def _train_evaluate_predict(
+    trainer: Any, built: TaskRun, args: TrainingArguments, reporter: Any = None
+) -> dict[str, float]:
     metrics: dict[str, float] = {}
     if args.do_train:
         log.info("Starting training")
         result = trainer.train(resume_from_checkpoint=_resume_from(args.resume_from_checkpoint))
+        if reporter is not None and reporter.pruned is not None:  # stopped by the pruner, with its checkpoint
+            trainer.save_state()
+            raise JobPruned(reporter.trial.number, *reporter.pruned)
         trainer.save_model()
         train_metrics = {**result.metrics, "train_samples": built.num_samples("train")}
         trainer.save_metrics("train", train_metrics)
@@ -208,6 +220,7 @@ def run(cfg: DictConfig) -> float | None:
     other time, at once; either way ``error.txt`` says so and the process exits with 128 + the signal number, in a
     multirun too.
     """
+    _requeue_signal_under_launcher(cfg)
     try:
         # under SLURM the requeue signal requeues the job; after a stop the command line exits
         with terminate_on_signals(requeue_signal(cfg.args), process_exits=_on_command_line()):
@@ -219,7 +232,14 @@ def run(cfg: DictConfig) -> float | None:
         log.error(f"Run stopped by {signal_name(exc.signum)}; recorded in {where}")
         if hint:
             print(hint, end="", file=sys.stderr, flush=True)
+        if _in_multirun() and job_in_worker_process():
+            return None  # the sweeper, which forwarded the signal, stops the sweep once every job has stopped
         raise
+    except JobPruned as exc:
+        path = _run_dir(cfg) / PRUNED_FILE
+        path.write_text(json.dumps({"trial": exc.number, "step": exc.step, "value": exc.value}) + "\n", "utf-8")
+        log.warning(f"Job pruned: {exc}; its checkpoint is in {_run_dir(cfg)} ({PRUNED_FILE})")
+        return None
     except Exception as exc:
         where = _record_failure(cfg, traceback.format_exc())
         user_error = isinstance(exc, USER_ERRORS)
@@ -296,6 +316,8 @@ def resume_arguments(argv: list[str]) -> list[str]:
             raise ValueError(f"{RESUME_KEY}={AUTO} sets args.resume_from_checkpoint; give one of the two")
         return [*rest, f"args.resume_from_checkpoint={AUTO}"]
     folder = Path(given[0].split("=", 1)[1]).expanduser().resolve()
+    if (folder / SWEEP_CONFIG).is_file():
+        return sweep_resume_arguments(folder, rest)
     if {"-m", "--multirun"} & set(rest):
         raise ValueError(f"{RESUME_KEY}= continues one run; it cannot be combined with -m/--multirun")
     keys = {_override_key(token) for token in rest} - {None}
@@ -310,14 +332,54 @@ def resume_arguments(argv: list[str]) -> list[str]:
     return [*config_dir, *kept, *rest, *ending]
 
 
+#: What a sweeper writes at the root of a sweep folder: the sweep's composed config, Hydra's part included.
+SWEEP_CONFIG = "multirun.yaml"
+#: The sweeper whose searches can be continued (their study is in a database).
+OPTUNA_SWEEPER = "hydra_plugins.hflight_optuna_sweeper.optuna_sweeper.OptunaSweeper"
+
+
+def sweep_resume_arguments(folder: Path, rest: list[str]) -> list[str]:
+    """``resume=<sweep folder>``: the sweep's own command (its overrides from ``multirun.yaml``, an override in
+    ``rest`` replacing the saved one of the same key), ``-m`` and ``hydra.sweep.dir=<the folder>``. The Optuna
+    sweeper then reopens the study and runs trials until it holds ``n_trials`` finished ones; job folders number on.
+
+    Raises:
+        ValueError: the folder's sweep is not an Optuna search (Hydra's basic sweeper keeps no study to continue)
+            or its study was never created.
+    """
+    import yaml
+
+    saved = yaml.safe_load((folder / SWEEP_CONFIG).read_text(encoding="utf-8")) or {}
+    hydra_node = saved.get("hydra") or {}
+    target = (hydra_node.get("sweeper") or {}).get("_target_")
+    if target != OPTUNA_SWEEPER:
+        raise ValueError(
+            f"{RESUME_KEY}={folder}: a sweep of {target or 'an unknown sweeper'} keeps no study to continue; only an "
+            "Optuna search (+hparams_search=..., hydra/sweeper=optuna) can be continued. Run its unfinished jobs with "
+            f"{RESUME_KEY}=<job folder>"
+        )
+    storage = (hydra_node.get("sweeper") or {}).get("storage")
+    if storage is None and not (folder / "optuna.db").is_file():
+        raise ValueError(f"{RESUME_KEY}={folder}: the search's study (optuna.db) is not there: it never started")
+    overrides = hydra_node.get("overrides") or {}
+    keys = {_override_key(token) for token in rest} - {None}
+    dropped = keys | {"hydra.sweep.dir", "hydra.mode", RESUME_KEY}
+    kept = [t for t in [*overrides.get("task", []), *overrides.get("hydra", [])] if _override_key(t) not in dropped]
+    has_config_dir = any(token.startswith(("--config-dir", "-cd")) for token in rest)
+    config_dir = [] if has_config_dir else _config_dirs(hydra_node)
+    rest = [token for token in rest if token not in ("-m", "--multirun")]
+    return ["-m", *config_dir, *kept, *rest, f"hydra.sweep.dir={folder}"]
+
+
 def _saved_overrides(folder: Path) -> list[str]:
     import yaml
 
     saved = folder / ".hydra" / "overrides.yaml"
     if not saved.is_file():
         raise ValueError(
-            f"{RESUME_KEY}={folder}: not a run folder (no .hydra/overrides.yaml there); pass the folder a run wrote, "
-            "e.g. outputs/mrc/runs/<date>_<time>"
+            f"{RESUME_KEY}={folder}: neither a run folder (no .hydra/overrides.yaml there) nor a sweep folder (no "
+            f"{SWEEP_CONFIG}); pass the folder a run or a search wrote, e.g. outputs/mrc/runs/<date>_<time> or "
+            "outputs/mrc/multiruns/<date>_<time>"
         )
     overrides = yaml.safe_load(saved.read_text(encoding="utf-8")) or []
     if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
@@ -332,7 +394,11 @@ def _saved_config_dirs(folder: Path) -> list[str]:
     hydra_file = folder / ".hydra" / "hydra.yaml"
     if not hydra_file.is_file():
         return []
-    runtime = (yaml.safe_load(hydra_file.read_text(encoding="utf-8")) or {}).get("hydra", {}).get("runtime", {})
+    return _config_dirs((yaml.safe_load(hydra_file.read_text(encoding="utf-8")) or {}).get("hydra", {}))
+
+
+def _config_dirs(hydra_node: dict[str, Any]) -> list[str]:
+    runtime = hydra_node.get("runtime") or {}
     for source in runtime.get("config_sources") or []:
         if source.get("provider") == "command-line" and source.get("schema") == "file":
             return ["--config-dir", source["path"]]
@@ -345,7 +411,15 @@ def resume_command(run_dir: str | os.PathLike) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- building
-def _set_cpu_threads(threads: Any) -> None:
+def _set_cpu_threads(threads: Any, hydra_config: Any = None) -> None:
+    """``torch.set_num_threads(cpu_threads)``; unset, a job that shares the machine with the sweep's other jobs
+    (joblib, submitit's local executor) gets the cores divided between them."""
+    if threads is None and hydra_config is not None:
+        from hflight.sweeps.launchers import threads_per_job
+
+        threads = threads_per_job(hydra_config)
+        if threads is not None:
+            log.info(f"cpu_threads={threads}: this machine's cores shared by the sweep's jobs running together")
     if threads is None:
         return
     import torch
@@ -474,6 +548,36 @@ def format_metrics_table(metrics: Mapping[str, Any], title: str) -> str:
     lines += [f"| {k:<{kw}} | {v:>{vw}} |" for k, v in rows]
     lines.append(rule)
     return "\n".join(lines)
+
+
+def _requeue_signal_under_launcher(cfg: DictConfig) -> None:
+    """A job that submitit runs on SLURM requeues on submitit's signal (SIGUSR2), unless configured otherwise."""
+    from omegaconf import open_dict
+
+    from hflight.sweeps.launchers import requeue_signal_under_launcher
+
+    args = cfg.get("args")
+    if args is None or "requeue_signal" not in args:
+        return
+    wanted = requeue_signal_under_launcher(args.requeue_signal)
+    if wanted != args.requeue_signal:
+        log.info(f"Run by submitit on SLURM: args.requeue_signal={wanted} (the signal submitit asks SLURM for)")
+        with open_dict(args):
+            args.requeue_signal = wanted
+
+
+def _job_hydra_config() -> Any:
+    """The Hydra config of this job of a multirun (None otherwise)."""
+    return HydraConfig.get() if _in_multirun() else None
+
+
+def _trial_reporter(cfg: DictConfig) -> Any:
+    """:class:`hflight.sweeps.trial.ReportToTrial` for a job of hflight's Optuna sweeper, else None."""
+    hydra_config = _job_hydra_config()
+    if hydra_config is None:
+        return None
+    trial = job_trial(hydra_config)
+    return None if trial is None else ReportToTrial(trial, cfg.get("optimized_metric"))
 
 
 def _in_multirun() -> bool:

@@ -2,8 +2,10 @@
 
 :class:`SweepSummary` is a Hydra callback (``conf/hydra/default.yaml`` configures it under ``hydra.callbacks``); at
 the end of a multirun it reads every job folder below the sweep folder (each has ``.hydra/overrides.yaml``, and
-``all_results.json`` when it finished, ``error.txt`` when it failed) and writes a row per job: its number, its
-overrides, its status, its final metrics (every ``eval_*``, ``predict_*`` and ``train_loss`` value) and its
+``all_results.json`` when it finished, ``pruned.json`` when an Optuna pruner stopped it, ``error.txt`` when it
+failed or a signal stopped it) and writes a row per job: its number, its
+overrides, its ``state`` (Optuna's names: COMPLETE, PRUNED, FAIL; FAIL also for a job that left neither results nor an
+error: killed), its final metrics (every ``eval_*``, ``predict_*`` and ``train_loss`` value) and its
 folder. The best finished job by ``optimized_metric`` is marked in the ``best`` column: highest, or lowest when the
 sweeper minimizes (``hydra.sweeper.direction``) or, without a direction, when the metric is a loss.
 It works for any sweeper (the basic one, Optuna) and any launcher, since it reads only what the jobs left on disk.
@@ -38,7 +40,7 @@ class JobRow:
 
     folder: Path
     overrides: list[str]
-    status: str  # "finished", "failed" or "unfinished"
+    state: str  # "COMPLETE", "PRUNED" or "FAIL"
     metrics: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -63,10 +65,12 @@ def collect_jobs(sweep_dir: str | Path) -> list[JobRow]:
         folder = overrides_file.parent.parent
         overrides = yaml.safe_load(overrides_file.read_text(encoding="utf-8")) or []
         results = folder / "all_results.json"
-        if results.is_file():
-            row = JobRow(folder, overrides, "finished", _final_metrics(json.loads(results.read_text("utf-8"))))
+        if (folder / "pruned.json").is_file():
+            row = JobRow(folder, overrides, "PRUNED")
+        elif results.is_file():
+            row = JobRow(folder, overrides, "COMPLETE", _final_metrics(json.loads(results.read_text("utf-8"))))
         else:
-            row = JobRow(folder, overrides, "failed" if (folder / "error.txt").is_file() else "unfinished")
+            row = JobRow(folder, overrides, "FAIL")  # error.txt, or killed before it could write one
         rows.append(row)
     return sorted(rows, key=lambda r: (int(r.number) if r.number.isdigit() else math.inf, str(r.folder)))
 
@@ -90,12 +94,12 @@ def write_summary(sweep_dir: str | Path, metric: str | None = None, direction: s
         return []
     best = best_job(rows, metric, direction)
     names = sorted({name for row in rows for name in row.metrics}, key=lambda n: (n != metric, n))
-    header = ["job", "best", "status", "overrides", *names, "folder"]
+    header = ["job", "best", "state", "overrides", *names, "folder"]
     table = [
         [
             row.number,
             "*" if row is best else "",
-            row.status,
+            row.state,
             " ".join(row.overrides),
             *(f"{row.metrics[n]:.6g}" if n in row.metrics else "" for n in names),
             str(row.folder),

@@ -1,0 +1,106 @@
+"""What a parallel launcher and a pruner save on an Optuna search of the main job (issue 30).
+
+1. **Launchers**: the same search of ``--jobs`` trials (``+experiment=mrc +hparams_search=mrc_optuna``, smaller
+   sizes below, the sampler seeded, two trials handed out at a time: ``hydra.sweeper.n_jobs=2``) once with Hydra's
+   basic launcher (one job after the other, torch's default threads: one per core) and once with
+   ``hydra/launcher=joblib hydra.launcher.n_jobs=2`` (two jobs at once, one thread each: hflight splits the cores).
+   Wall clock of each whole command, and their ratio (target on 2 cores: joblib <= 0.75x basic). The two searches run
+   the same trials (same seed, same batches); their best values are printed side by side.
+2. **Pruning**: a search where about half of the trials are hopeless (``args.learning_rate=choice(2e-3, 1e-7)``:
+   the second barely trains), ``--prune-trials`` trials one at a time, without a pruner and with
+   ``+hydra/sweeper/pruner=median`` (``n_startup_trials=1``, evaluation every epoch): wall clock, trials pruned,
+   and the best value of each.
+
+Each search is a fresh ``python -m hflight`` (the same command as ``hflight-train``) in a temporary folder. Prints the
+figures and the CPU (``lscpu``).
+
+    python benchmarks/sweep_launchers.py               # the mrc search at reduced sizes (~10 minutes on 2 cores)
+    python benchmarks/sweep_launchers.py --tiny --jobs 2 --prune-trials 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+#: The main job at reduced sizes: one search of 4 trials in a few minutes.
+SMALL = ["data.synthetic.num_train_articles=150", "args.num_train_epochs=3"]
+TINY = [
+    "data.synthetic.num_train_articles=3", "data.synthetic.num_validation_articles=1",
+    "data.synthetic.paragraphs_per_article=2", "model.tokenizer_trainer.vocab_size=300", "model.config.hidden_size=32",
+    "model.config.intermediate_size=64", "model.config.max_position_embeddings=128", "args.num_train_epochs=2",
+    "args.per_device_train_batch_size=2", "args.logging_steps=2",
+]  # fmt: skip
+SEARCH = ["+experiment=mrc", "+hparams_search=mrc_optuna", "logger=none", "hydra.sweeper.sampler.seed=7"]
+
+
+def search(folder: Path, overrides: list[str]) -> tuple[float, list[dict[str, str]]]:
+    """Run one search in ``folder``; its wall clock and its summary's rows."""
+    sweep = folder / "sweep"
+    command = [sys.executable, "-m", "hflight", *SEARCH, *overrides, f"hydra.sweep.dir={sweep}"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    started = time.perf_counter()
+    done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True)
+    elapsed = time.perf_counter() - started
+    if done.returncode != 0:
+        sys.exit(f"{' '.join(command)} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    with open(sweep / "summary.csv", newline="") as handle:
+        return elapsed, list(csv.DictReader(handle))
+
+
+def best(rows: list[dict[str, str]]) -> str:
+    values = [float(r["eval_f1"]) for r in rows if r.get("eval_f1")]
+    return f"{max(values):.2f}" if values else "none"
+
+
+def cpu() -> str:
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="the tests' tiny sizes instead of the reduced main job")
+    parser.add_argument("--jobs", type=int, default=4, help="trials of the launcher comparison")
+    parser.add_argument("--prune-trials", type=int, default=6, help="trials of the pruning comparison")
+    options = parser.parse_args()
+    sizes = TINY if options.tiny else SMALL
+    launch = [*sizes, f"hydra.sweeper.n_trials={options.jobs}", "hydra.sweeper.n_jobs=2"]
+    prune = [*sizes, f"hydra.sweeper.n_trials={options.prune_trials}", "hydra.sweeper.n_jobs=1",
+             "hydra.sweeper.params=null", "args.learning_rate=choice(2e-3, 1e-7)"]  # fmt: skip
+    pruner = ["+hydra/sweeper/pruner=median", "hydra.sweeper.pruner.n_startup_trials=1"]
+    cores = len(os.sched_getaffinity(0))
+    print(f"CPU: {cpu()}, {cores} cores available; sizes: {'tiny' if options.tiny else ' '.join(SMALL)}")
+    figures = {}
+    for name, overrides in (
+        ("basic launcher", launch),
+        ("joblib, 2 jobs x 1 thread", [*launch, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2"]),
+        ("no pruner", prune),
+        ("median pruner", [*prune, *pruner]),
+    ):
+        with tempfile.TemporaryDirectory(prefix="hflight-sweep-") as folder:
+            figures[name] = search(Path(folder), overrides)
+        elapsed, rows = figures[name]
+        states = {s: sum(r["state"] == s for r in rows) for s in ("COMPLETE", "PRUNED", "FAIL")}
+        print(f"  {name:<28} {elapsed:8.1f} s  {len(rows)} jobs {states}  best eval_f1 {best(rows)}")
+    basic, joblib = figures["basic launcher"][0], figures["joblib, 2 jobs x 1 thread"][0]
+    print(f"launchers ({options.jobs} trials): joblib / basic = {joblib / basic:.2f}x (target <= 0.75x on 2 cores)")
+    plain, pruned = figures["no pruner"][0], figures["median pruner"][0]
+    count = sum(r["state"] == "PRUNED" for r in figures["median pruner"][1])
+    print(f"pruning ({options.prune_trials} trials, half hopeless): {pruned / plain:.2f}x the time, {count} pruned")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""A task for sweep tests (``--config-dir tests/jobs/sweep_conf task=tiny``): hflight's Trainer fitting y = 3x - 1
+with one linear layer, in a second, so that a sweep's behaviour (trials, pruning, kills, launchers) is tested
+through real ``hflight-train`` jobs without MRC's data and model. ``TINY_STEP_SLEEP`` (seconds) slows each step;
+``TINY_MARK`` names a folder where each job writes ``<job number>.started`` (its torch threads inside) when its
+training starts."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra.core.hydra_config import HydraConfig
+from transformers import TrainerCallback
+
+import hflight
+
+
+class Line(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = torch.nn.Linear(1, 1)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        out = self.linear(x.unsqueeze(-1)).squeeze(-1)
+        result = {"logits": out}
+        if labels is not None:
+            result["loss"] = torch.nn.functional.mse_loss(out, labels)
+        return result
+
+
+class _Slow(TrainerCallback):
+    def __init__(self, sleep: float, mark: str | None) -> None:
+        self.sleep, self.mark = sleep, mark
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.mark:
+            job = HydraConfig.get().job.num if HydraConfig.initialized() else 0
+            Path(self.mark, f"{job}.started").write_text(f"{torch.get_num_threads()}\n{os.getpid()}\n")
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.sleep:
+            import time
+
+            time.sleep(self.sleep)
+
+
+def _data(n: int, seed: int) -> list[dict[str, float]]:
+    g = torch.Generator().manual_seed(seed)
+    xs = torch.rand(n, generator=g) * 2 - 1
+    return [{"x": float(x), "labels": float(3 * x - 1)} for x in xs]
+
+
+class TinyRun:
+    def __init__(self, trainer: hflight.Trainer) -> None:
+        self.trainer, self.objects = trainer, {}
+
+    def num_samples(self, split: str) -> int:
+        return len(self.trainer.train_dataset if split == "train" else self.trainer.eval_dataset)
+
+    def predict(self, split: str) -> Any:
+        return self.trainer.predict(self.trainer.eval_dataset)
+
+
+class TinyTask:
+    def setup(self, cfg: Any, args: hflight.TrainingArguments, callbacks: list[Any]) -> TinyRun:
+        slow = _Slow(float(os.environ.get("TINY_STEP_SLEEP", "0")), os.environ.get("TINY_MARK"))
+        trainer = hflight.Trainer(
+            Line(), args, train_dataset=_data(64, 1), eval_dataset=_data(32, 2), callbacks=[*callbacks, slow]
+        )
+        return TinyRun(trainer)

@@ -1,0 +1,351 @@
+"""Sweeps that outgrow one process: hflight's Optuna sweeper (hydra/sweeper=optuna on Optuna >= 4), its study in a
+database, pruning, continued searches and the joblib and submitit launchers.
+
+The unit tests cover the pieces (the search space as hydra-optuna-sweeper reads it, the storage and study checks,
+retries, threads per job, resume of a sweep folder). The end-to-end ones run real ``python -m hflight`` sweeps (the
+same entry point as ``hflight-train``) over ``tests/jobs/tiny_task.py`` (hflight's Trainer on a one-layer
+regression, about a second per job) with ``--config-dir tests/jobs/sweep_conf +experiment=tiny_sweep``: a sweeper
+killed with SIGKILL and continued with ``resume=<sweep folder>``, two sweepers sharing one study, a pruned trial,
+joblib with SIGTERM and submitit's local executor.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+optuna = pytest.importorskip("optuna")
+pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
+
+from omegaconf import OmegaConf  # noqa: E402
+from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution  # noqa: E402
+from optuna.trial import TrialState  # noqa: E402
+
+from hflight.cli import resume_arguments  # noqa: E402
+from hflight.sweeps import launchers  # noqa: E402
+from hflight.sweeps.search_space import distribution_from_dict, grid_choices, split_overrides  # noqa: E402
+from hflight.sweeps.study import (  # noqa: E402
+    FAILURE,
+    SweepError,
+    check_study,
+    finished,
+    mask_url,
+    open_storage,
+    open_study,
+    retry_trial,  # noqa: E402
+)
+
+REPO = Path(__file__).resolve().parents[1]
+JOBS = REPO / "tests" / "jobs"
+SWEEP = ["--config-dir", str(JOBS / "sweep_conf"), "+experiment=tiny_sweep"]
+#: eval_loss of tiny_task after its 8 steps at each learning rate (an uninterrupted job; seeds fixed)
+UNINTERRUPTED = {0.0: 5.370688438415527, 0.05: 4.257082462310791, 0.2: 1.8034749031066895}
+
+
+# ---------------------------------------------------------------------------------------------------- search space
+def test_the_mrc_search_space_reads_as_hydra_optuna_sweeper_reads_it():
+    preset = OmegaConf.load(REPO / "conf" / "hparams_search" / "mrc_optuna.yaml").hydra.sweeper.params
+    space, fixed = split_overrides([f"{k}={v}" for k, v in preset.items()])
+    assert fixed == {}
+    assert space == {
+        "args.learning_rate": FloatDistribution(3e-4, 5e-3, log=True),
+        "args.per_device_train_batch_size": CategoricalDistribution([16, 32, 64]),
+        "args.warmup_steps": FloatDistribution(0.0, 0.2),
+        "args.weight_decay": CategoricalDistribution([0.0, 0.01, 0.1]),
+    }
+
+
+def test_every_form_of_the_grammar_and_the_dict_form():
+    space, fixed = split_overrides(
+        [
+            "a=interval(1, 5)",
+            "b=tag(log, interval(1, 64))",
+            "c=range(1, 5)",
+            "d=range(0.0, 1.0, step=0.25)",
+            "e=choice(x, 'y z', true)",
+            "f=shuffle(range(3))",
+            "g=3",
+            "+experiment=mrc",
+        ]  # fmt: skip
+    )
+    # Hydra's interval is always a float interval (hydra-optuna-sweeper's int branch never applies either)
+    assert space["a"] == FloatDistribution(1.0, 5.0) and space["b"] == FloatDistribution(1.0, 64.0, log=True)
+    assert space["c"] == IntDistribution(1, 5)  # both ends, as hydra-optuna-sweeper
+    assert space["d"] == FloatDistribution(0.0, 1.0, step=0.25)
+    assert space["e"].choices == ("x", "y z", True) and sorted(space["f"].choices) == [0, 1, 2]
+    assert fixed == {"g": "3", "+experiment": "mrc"}
+    assert distribution_from_dict("lr", {"type": "float", "low": 1e-4, "high": 1e-2, "log": True}) == FloatDistribution(
+        1e-4, 1e-2, log=True
+    )
+    assert distribution_from_dict("n", {"type": "int", "low": 1, "high": 9, "step": 2}) == IntDistribution(1, 9, step=2)
+    assert distribution_from_dict("k", {"type": "categorical", "choices": [1, 2]}) == CategoricalDistribution([1, 2])
+    with pytest.raises(SweepError, match="search_space.k: unknown keys"):
+        distribution_from_dict("k", {"type": "int", "low": 1, "high": 2, "lo": 3})
+    assert grid_choices("c", space["c"]) == [1, 2, 3, 4] and grid_choices("e", space["e"]) == list(space["e"].choices)
+    with pytest.raises(SweepError, match="GridSampler needs discrete values"):
+        grid_choices("x", FloatDistribution(0.0, 1.0))
+
+
+# ---------------------------------------------------------------------------------------------------- storage, study
+def test_a_storage_that_cannot_be_opened_fails_naming_the_url_without_its_password(tmp_path):
+    with pytest.raises(SweepError) as err:
+        open_storage("postgresql://bob:s3cret@127.0.0.1:1/db")
+    assert "cannot open postgresql://bob:***@127.0.0.1:1/db" in str(err.value) and "s3cret" not in str(err.value)
+    with pytest.raises(SweepError, match="'nonsense' is not a database URL"):
+        open_storage("nonsense")
+    with pytest.raises(SweepError, match="cannot open sqlite:////proc/none/optuna.db"):
+        open_storage("sqlite:////proc/none/optuna.db")
+    assert mask_url("mysql://u:p@h/db") == "mysql://u:***@h/db" and mask_url("sqlite:///a.db") == "sqlite:///a.db"
+
+
+def test_a_study_reopened_with_another_direction_or_search_space_is_refused(tmp_path):
+    storage = open_storage(f"sqlite:///{tmp_path / 'optuna.db'}")
+    space = {"lr": FloatDistribution(1e-4, 1e-2, log=True), "bs": CategoricalDistribution([16, 32])}
+    study = open_study(storage, "s", ["maximize"], None, None, space)
+    assert open_study(storage, "s", ["maximize"], None, None, dict(space)).study_name == "s"  # the same: fine
+    with pytest.raises(
+        SweepError, match=r"exists with direction \['maximize'\] and this sweep asks for \['minimize'\]"
+    ):
+        open_study(storage, "s", ["minimize"], None, None, space)
+    with pytest.raises(SweepError) as err:
+        check_study(study, ["maximize"], {"lr": FloatDistribution(1e-4, 1e-1, log=True), "wd": FloatDistribution(0, 1)})
+    message = str(err.value)
+    assert "bs: in the study, not in this sweep" in message and "wd: in this sweep, not in the study" in message
+    assert "lr: FloatDistribution(" in message and "high=0.01" in message and "high=0.1" in message
+    assert open_study(storage, None, ["maximize"], None, None, space).study_name == "s"  # the one study it holds
+
+
+def test_finished_trials_count_and_an_interrupted_one_runs_again_once(tmp_path):
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'optuna.db'}", study_name="s")
+    dist = {"x": FloatDistribution(0, 1)}
+    for state in (TrialState.COMPLETE, TrialState.PRUNED):
+        study.add_trial(optuna.trial.create_trial(state=state, params={"x": 0.5}, distributions=dist, value=1.0))
+    failed = study.ask(dist)
+    failed.set_user_attr(FAILURE, "raised ValueError: bad data")
+    study.tell(failed, state=TrialState.FAIL)
+    interrupted = study.ask(dist)
+    study.tell(interrupted, state=TrialState.FAIL)
+    trials = study.get_trials()
+    assert [finished(t) for t in trials] == [True, True, True, False]
+    retry_trial(1, study, trials[3])
+    copy = study.get_trials()[4]
+    assert copy.state == TrialState.WAITING and copy.params == trials[3].params
+    assert copy.system_attrs["retry_history"] == [3] and not any(k.startswith("hflight:") for k in copy.user_attrs)
+    retry_trial(1, study, copy)  # a retry interrupted again: max_retry=1 reached
+    assert len(study.get_trials()) == 5
+
+
+def test_a_parallel_launcher_shares_the_cores_between_its_jobs(monkeypatch):
+    monkeypatch.setattr(launchers, "_cores", lambda: 8)
+    joblib = "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"
+    local = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher"
+    slurm = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+
+    def threads(launcher, sweeper=None):
+        return launchers.threads_per_job(OmegaConf.create({"launcher": launcher, "sweeper": sweeper or {}}))
+
+    assert threads({"_target_": joblib, "n_jobs": 2}) == 4
+    assert threads({"_target_": joblib, "n_jobs": -1}) == 1  # joblib's -1: every core
+    assert threads({"_target_": joblib, "n_jobs": -1}, {"n_jobs": 2}) == 4  # the sweeper hands over 2 at a time
+    assert threads({"_target_": joblib, "n_jobs": -3}) == 1 and threads({"_target_": joblib, "n_jobs": 16}) == 1
+    assert threads({"_target_": local}, {"max_batch_size": 4}) == 2
+    assert threads({"_target_": slurm}) is None and threads({"_target_": "hydra._internal.BasicLauncher"}) is None
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
+    assert launchers.requeue_signal_under_launcher("SIGUSR1") == "SIGUSR2"
+    assert launchers.requeue_signal_under_launcher("SIGHUP") == "SIGHUP"
+
+
+# ---------------------------------------------------------------------------------------------------- resume=
+def _sweep_folder(path: Path, sweeper: str, db: bool = True) -> Path:
+    path.mkdir(parents=True)
+    hydra = {
+        "sweeper": {"_target_": sweeper, "storage": None},
+        "overrides": {
+            "task": ["+experiment=mrc", "+hparams_search=mrc_optuna"],
+            "hydra": ["hydra.sweeper.n_trials=3", f"hydra.sweep.dir={path}", "hydra/launcher=joblib"],
+        },  # fmt: skip
+        "runtime": {"config_sources": [{"provider": "command-line", "schema": "file", "path": "/my/conf"}]},
+    }
+    (path / "multirun.yaml").write_text(OmegaConf.to_yaml({"hydra": hydra, "args": {}}))
+    if db:
+        (path / "optuna.db").write_bytes(b"")
+    return path
+
+
+def test_resume_of_a_sweep_folder_is_its_own_command_again(tmp_path):
+    from hflight.cli import OPTUNA_SWEEPER
+
+    folder = _sweep_folder(tmp_path / "sweep", OPTUNA_SWEEPER)
+    assert resume_arguments([f"resume={folder}", "hydra.sweeper.n_trials=5"]) == [
+        "-m", "--config-dir", "/my/conf", "+experiment=mrc", "+hparams_search=mrc_optuna", "hydra/launcher=joblib",
+        "hydra.sweeper.n_trials=5", f"hydra.sweep.dir={folder}",
+    ]  # fmt: skip
+    basic = _sweep_folder(tmp_path / "basic", "hydra._internal.core_plugins.basic_sweeper.BasicSweeper")
+    with pytest.raises(ValueError, match="BasicSweeper keeps no study to continue"):
+        resume_arguments([f"resume={basic}"])
+    never = _sweep_folder(tmp_path / "never", OPTUNA_SWEEPER, db=False)
+    with pytest.raises(ValueError, match=r"the search's study \(optuna.db\) is not there"):
+        resume_arguments([f"resume={never}"])
+    with pytest.raises(ValueError, match="neither a run folder .* nor a sweep folder"):
+        resume_arguments([f"resume={tmp_path}"])
+
+
+# ---------------------------------------------------------------------------------------------------- end to end
+def _env(**more: str) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(JOBS), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("HFLIGHT_SWEEPER_PID", None)
+    return {**env, **more}
+
+
+def _start(cwd: Path, *overrides: str, log: str = "sweep.log", **env: str) -> subprocess.Popen:
+    handle = open(cwd / log, "wb")  # noqa: SIM115 - closed with the process
+    return subprocess.Popen(
+        [sys.executable, "-m", "hflight", *overrides], cwd=cwd, env=_env(**env), stdout=handle, stderr=subprocess.STDOUT
+    )
+
+
+def _wait(proc: subprocess.Popen, cwd: Path, log: str = "sweep.log", timeout: float = 240) -> str:
+    try:
+        proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return (cwd / log).read_text(errors="replace")
+
+
+def _until(condition, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def _trials(db: Path, name: str = "tiny") -> list:
+    return optuna.load_study(study_name=name, storage=f"sqlite:///{db}").get_trials()
+
+
+def _summary(folder: Path) -> list[dict[str, str]]:
+    return list(csv.DictReader((folder / "summary.csv").open()))
+
+
+def _lr(trial) -> float:
+    return trial.params["args.learning_rate"]
+
+
+def test_a_killed_search_resumes_keeping_its_trials_and_continues_the_killed_trial(tmp_path):
+    """SIGKILL to the sweeper while trial 2 trains (after its checkpoint-2): trial 2 stays RUNNING until its
+    heartbeat goes stale; ``resume=<sweep folder>`` marks it FAIL, runs its parameters again from its checkpoint,
+    and ends with 4 finished trials, trials 0 and 1 untouched. Trial 1 (learning rate 0, hopeless) is pruned."""
+    sweep = tmp_path / "sweep"
+    proc = _start(tmp_path, *SWEEP, f"hydra.sweep.dir={sweep}", "+hydra/sweeper/pruner=median",
+                  "hydra.sweeper.pruner.n_startup_trials=1", TINY_STEP_SLEEP="0.4")  # fmt: skip
+    _until(lambda: (sweep / "2" / "checkpoint-2" / "trainer_state.json").is_file() or proc.poll() is not None)
+    proc.kill()
+    proc.wait()
+    before = _trials(sweep / "optuna.db")
+    assert [t.state for t in before] == [TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING]
+    assert _lr(before[1]) == 0.0 and before[1].intermediate_values == {2: pytest.approx(UNINTERRUPTED[0.0])}
+    assert (
+        json.loads((sweep / "1" / "pruned.json").read_text())["step"] == 2 and (sweep / "1" / "checkpoint-2").is_dir()
+    )
+    assert not (sweep / "1" / "all_results.json").exists()
+
+    resumed = subprocess.run([sys.executable, "-m", "hflight", f"resume={sweep}"], cwd=tmp_path, env=_env(),
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    after = _trials(sweep / "optuna.db")
+    assert [(t.number, t.state, t.value) for t in after[:2]] == [(t.number, t.state, t.value) for t in before[:2]]
+    assert after[2].state == TrialState.FAIL  # stale heartbeat
+    retry = after[3]
+    assert retry.system_attrs["retry_history"] == [2] and retry.params == before[2].params
+    assert retry.state == TrialState.COMPLETE and retry.value == pytest.approx(UNINTERRUPTED[_lr(retry)], rel=1e-5)
+    assert sum(finished(t) for t in after) == 4 and len(after) == 5 and after[4].state != TrialState.FAIL
+    overrides = (sweep / "3" / ".hydra" / "overrides.yaml").read_text()
+    assert f"args.resume_from_checkpoint={sweep / '2' / 'checkpoint-2'}" in overrides.replace("'", "")
+    rows = _summary(sweep)
+    assert [r["job"] for r in rows] == ["0", "1", "2", "3", "4"]
+    assert {r["folder"]: r["state"] for r in rows} == {t.user_attrs["hflight:job_dir"]: t.state.name for t in after}
+    for picture in ("optimization_history.png", "param_importances.png"):
+        assert (sweep / picture).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    best = OmegaConf.load(sweep / "optimization_results.yaml")
+    assert best.best_value == min(t.value for t in after if t.state == TrialState.COMPLETE)
+
+
+def test_two_sweepers_on_one_storage_share_the_study(tmp_path):
+    """Two sweepers, each in its own folder, one SQLite file: 6 trials in all, numbers never collide."""
+    db = tmp_path / "shared.db"
+    common = [*SWEEP, "hydra.sweeper.n_trials=6", f"hydra.sweeper.storage='sqlite:///{db}'"]
+    procs = [_start(tmp_path, *common, f"hydra.sweep.dir={tmp_path / name}", f"hydra.sweeper.sampler.seed={seed}",
+                    log=f"{name}.log") for name, seed in (("a", 1), ("b", 2))]  # fmt: skip
+    logs = [_wait(proc, tmp_path, f"{name}.log") for proc, name in zip(procs, "ab")]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-2000:] for log in logs)
+    trials = _trials(db)
+    assert [t.number for t in trials] == list(range(6)) and all(t.state == TrialState.COMPLETE for t in trials)
+    folders = [Path(t.user_attrs["hflight:job_dir"]).parent.name for t in trials]
+    ran = {name: folders.count(name) for name in "ab"}
+    assert ran["a"] >= 1 and ran["b"] >= 1 and ran["a"] + ran["b"] == 6
+    for name in "ab":
+        assert len(_summary(tmp_path / name)) == ran[name]
+        for trial in trials:
+            if Path(trial.user_attrs["hflight:job_dir"]).parent.name == name:
+                results = json.loads((Path(trial.user_attrs["hflight:job_dir"]) / "all_results.json").read_text())
+                assert math.isclose(results["eval_loss"], trial.value, rel_tol=1e-9)
+
+
+def test_joblib_runs_two_jobs_at_once_and_sigterm_stops_both_with_their_checkpoints(tmp_path):
+    """hydra/launcher=joblib, 2 jobs at a time with one torch thread each; SIGTERM to the sweeper reaches both jobs,
+    which stop with a checkpoint; the trials are FAIL (interrupted) and continue from there on resume."""
+    sweep, marks = tmp_path / "sweep", tmp_path / "marks"
+    marks.mkdir()
+    joblib = ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "hydra.sweeper.n_jobs=2", "hydra.sweeper.n_trials=2"]
+    proc = _start(tmp_path, *SWEEP, f"hydra.sweep.dir={sweep}", *joblib, TINY_STEP_SLEEP="0.5", TINY_MARK=str(marks))
+    both = [sweep / j / "checkpoint-2" / "trainer_state.json" for j in "01"]
+    _until(lambda: all(p.is_file() for p in both) or proc.poll() is not None)
+    pids = [int((marks / f"{j}.started").read_text().split()[1]) for j in "01"]
+    assert proc.pid not in pids and pids[0] != pids[1]  # two worker processes
+    assert [(marks / f"{j}.started").read_text().split()[0] for j in "01"] == ["1", "1"]  # 2 cores / 2 jobs
+    proc.send_signal(signal.SIGTERM)
+    log = _wait(proc, tmp_path)
+    assert proc.returncode == 143, log[-3000:]
+    trials = _trials(sweep / "optuna.db")
+    assert [t.state for t in trials] == [TrialState.FAIL, TrialState.FAIL, TrialState.WAITING, TrialState.WAITING]
+    assert all(t.user_attrs["hflight:interrupted"] == "stopped by SIGTERM" for t in trials[:2])
+    for job in "01":
+        assert "Training stopped by SIGTERM" in (sweep / job / "error.txt").read_text()
+        assert not list((sweep / job).glob("checkpoint-*.tmp*"))
+    assert [r["state"] for r in _summary(sweep)] == ["FAIL", "FAIL"]
+
+    resumed = subprocess.run([sys.executable, "-m", "hflight", f"resume={sweep}"], cwd=tmp_path, env=_env(),
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    trials = _trials(sweep / "optuna.db")
+    assert [t.state for t in trials] == [TrialState.FAIL] * 2 + [TrialState.COMPLETE] * 2
+    for retry in trials[2:]:
+        assert retry.value == pytest.approx(UNINTERRUPTED[_lr(retry)], rel=1e-5)  # continued, not restarted
+    assert [r["state"] for r in _summary(sweep)] == ["FAIL", "FAIL", "COMPLETE", "COMPLETE"]
+
+
+def test_submitit_local_runs_the_jobs_as_its_own_processes(tmp_path):
+    """hydra/launcher=submitit_local: submitit pickles each job and runs it in a subprocess of its local executor."""
+    sweep, marks = tmp_path / "sweep", tmp_path / "marks"
+    marks.mkdir()
+    proc = _start(tmp_path, *SWEEP, f"hydra.sweep.dir={sweep}", "hydra/launcher=submitit_local",
+                  "hydra.sweeper.n_jobs=2", "hydra.sweeper.n_trials=2", TINY_MARK=str(marks))  # fmt: skip
+    log = _wait(proc, tmp_path)
+    assert proc.returncode == 0, log[-3000:]
+    trials = _trials(sweep / "optuna.db")
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 2
+    assert [t.value for t in trials] == [pytest.approx(UNINTERRUPTED[_lr(t)], rel=1e-5) for t in trials]
+    assert len(list((sweep / ".submitit").glob("*/*_result.pkl"))) == 2
+    pids = {int((marks / f"{j}.started").read_text().split()[1]) for j in "01"}
+    assert proc.pid not in pids and len(pids) == 2
+    assert [r["state"] for r in _summary(sweep)] == ["COMPLETE", "COMPLETE"]
