@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 
 import pytest
@@ -322,8 +321,11 @@ def test_callbacks_are_rebuilt_from_their_saved_args_and_attributes_as_transform
     rebuilt = run(hflight.Trainer, hflight.TrainingArguments, "a", [Counting(1), Counting(2)], str(ours),
                   restore_callback_states_from_checkpoint=True, **one_more)  # fmt: skip
     assert _counting(rebuilt) == [(5, 4), (7, 4)]
+    rebuilt_theirs = run(transformers.Trainer, transformers.TrainingArguments, "ta", [Counting(1), Counting(2)],
+                         str(theirs), restore_callback_states_from_checkpoint=True, **one_more)  # fmt: skip
     names = [type(cb).__name__ for cb in rebuilt.callback_handler.callbacks]
-    assert names == ["DefaultFlowCallback", "Counting", "Counting", "PrinterCallback"]  # in place, in order
+    assert names == [type(cb).__name__ for cb in rebuilt_theirs.callback_handler.callbacks]  # moved to the end
+    assert names == ["DefaultFlowCallback", "PrinterCallback", "Counting", "Counting"]
 
     default = run(hflight.Trainer, hflight.TrainingArguments, "b", [Counting(1), Counting(2)], str(ours), **one_more)
     theirs_default = run(
@@ -371,7 +373,36 @@ def test_callbacks_are_rebuilt_from_their_saved_args_and_attributes_as_transform
         [(5, 104), (7, 104)],
     ]  # as without override +100
 
-    with caplog.at_level(logging.WARNING):
-        run(hflight.Trainer, hflight.TrainingArguments, "c", [], str(ours),
-            restore_callback_states_from_checkpoint=True, **one_more)  # fmt: skip
-    assert "Checkpoint included callbacks not included in current configuration. Ignoring. (Counting)" in caplog.text
+    from transformers.testing_utils import CaptureLogger
+    from transformers.utils import logging as hf_logging
+
+    warned = []
+    for cls, args_cls, folder in ((transformers.Trainer, transformers.TrainingArguments, theirs),
+                                  (hflight.Trainer, hflight.TrainingArguments, ours)):  # fmt: skip
+        with CaptureLogger(hf_logging.get_logger("transformers.trainer")) as captured:  # transformers' logger
+            run(cls, args_cls, f"c-{cls.__module__}", [], str(folder), restore_callback_states_from_checkpoint=True,
+                **one_more)  # fmt: skip
+        warned.append("Checkpoint included callbacks not included in current configuration. Ignoring. (Counting)"
+                      in captured.out)  # fmt: skip
+    assert warned == [True, True]
+
+
+def test_load_callback_state_on_a_state_set_by_hand_rebuilds_the_callbacks_as_transformers(tmp_path, factory):
+    """transformers' own test: ``trainer.state`` loaded from a checkpoint's ``trainer_state.json``, then
+    ``trainer._load_callback_state()`` without training (it failed: no run, no resume point)."""
+    from transformers.trainer_callback import TrainerState
+
+    train = factory.qa_dataset(40)
+    lists = []
+    for trainer_cls, args_cls in ((transformers.Trainer, transformers.TrainingArguments),
+                                  (hflight.Trainer, hflight.TrainingArguments)):  # fmt: skip
+        values = {**BASE, "max_steps": 3, "save_steps": 3, "output_dir": str(tmp_path / trainer_cls.__module__)}
+        trainer_cls(factory.qa_model(), args_cls(**values), train_dataset=train, callbacks=[Counting(5)]).train()
+        values["restore_callback_states_from_checkpoint"] = True
+        fresh = trainer_cls(factory.qa_model(), args_cls(**values), train_dataset=train, callbacks=[Counting(1)])
+        fresh.state = TrainerState.load_from_json(
+            str(tmp_path / trainer_cls.__module__ / "checkpoint-3" / "trainer_state.json")
+        )
+        fresh._load_callback_state()
+        lists.append([(type(cb).__name__, getattr(cb, "every", None)) for cb in fresh.callback_handler.callbacks])
+    assert lists[0] == lists[1] and ("Counting", 5) in lists[1]

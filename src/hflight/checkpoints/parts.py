@@ -336,8 +336,8 @@ def rebuilt_callbacks(facade: TrainerSurface, state: TrainerState, source: Path)
     if not facade.args.restore_callback_states_from_checkpoint:
         return []
     pairs, not_found = _saved_states(state, facade.callback_handler.callbacks + [facade.control])
-    if not_found:
-        logger.warning(
+    if not_found:  # through transformers' logger, where its users and tests listen for it
+        _trainer_logger().warning(
             f"Checkpoint included callbacks not included in current configuration. Ignoring. ({', '.join(not_found)})"
         )
     rebuilt = []
@@ -355,20 +355,35 @@ def rebuilt_callbacks(facade: TrainerSurface, state: TrainerState, source: Path)
     return rebuilt
 
 
+def _trainer_logger() -> Any:
+    from transformers.utils import logging as hf_logging
+
+    return hf_logging.get_logger("transformers.trainer")
+
+
 def restore_callback_states(facade: TrainerSurface, point: Any, state: TrainerState) -> None:
-    """The callbacks rebuilt from the checkpoint take the place of those in use (the same position in the list;
-    ``TrainerControl`` becomes ``facade.control``). Otherwise nothing is restored, as in transformers, unless the
-    facade opts in with ``restore_callback_attributes`` (hflight's): then the saved attributes are set on the callbacks
-    in use, so that, e.g., an ``EarlyStoppingCallback``'s patience counter survives a resume."""
+    """The callbacks rebuilt from the checkpoint replace those in use as transformers replaces them: each old one
+    removed (``remove_callback`` of its type), the rebuilt ones added at the end of the list, ``TrainerControl``
+    becoming ``facade.control``. ``point`` is the resume point that rebuilt them before anything was loaded; None (a
+    state set by hand, as transformers' tests do, then ``_load_callback_state()``) rebuilds them from ``state`` now.
+    Otherwise nothing is restored, as in transformers, unless the facade opts in with ``restore_callback_attributes``
+    (hflight's): then the saved attributes are set on the callbacks in use, so that, e.g., an
+    ``EarlyStoppingCallback``'s patience counter survives a resume."""
     if facade.args.restore_callback_states_from_checkpoint:
-        callbacks = facade.callback_handler.callbacks
-        for old, new in point.rebuilt_callbacks:
+        pairs = (
+            point.rebuilt_callbacks if point is not None else rebuilt_callbacks(facade, state, Path("trainer.state"))
+        )
+        added = []
+        for old, new in pairs:
             if old is facade.control:
                 facade.control = new
-            for i in [i for i, cb in enumerate(callbacks) if cb is old]:
-                callbacks[i] = new
-        if point.rebuilt_callbacks:
-            logger.info("Continuing training from checkpoint, restoring any callbacks that were passed in")
+                continue
+            facade.callback_handler.remove_callback(type(new))
+            added.append(new)
+        for new in added:
+            facade.callback_handler.add_callback(new)
+        if pairs:
+            _trainer_logger().info("Continuing training from checkpoint, restoring any callbacks that were passed in")
         return
     if not facade.restore_callback_attributes:  # transformers' default: nothing restored
         return

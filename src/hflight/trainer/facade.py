@@ -383,7 +383,9 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
         resume.load_best_model(self)
 
     def _load_callback_state(self) -> None:
-        parts.restore_callback_states(self, self._run.resume, self.state)
+        # outside train() (a state set by hand), the callbacks are rebuilt from self.state, as transformers does
+        point = self._run.resume if self._run is not None else None
+        parts.restore_callback_states(self, point, self.state)
 
     def end(self) -> None:
         """Finish the loggers and destroy the process group (after everything that needs the other processes)."""
