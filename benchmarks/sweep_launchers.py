@@ -31,15 +31,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from cluster_restart import TINY, cpu  # this folder is the script's sys.path[0]; the tests' tiny sizes
+
 ROOT = Path(__file__).resolve().parents[1]
 #: The main job at reduced sizes, for the pruning comparison (6 trials in a few minutes).
 SMALL = ["data.synthetic.num_train_articles=150", "args.num_train_epochs=3"]
-TINY = [
-    "data.synthetic.num_train_articles=3", "data.synthetic.num_validation_articles=1",
-    "data.synthetic.paragraphs_per_article=2", "model.tokenizer_trainer.vocab_size=300", "model.config.hidden_size=32",
-    "model.config.intermediate_size=64", "model.config.max_position_embeddings=128", "args.num_train_epochs=2",
-    "args.per_device_train_batch_size=2", "args.logging_steps=2",
-]  # fmt: skip
 SEARCH = ["+experiment=mrc", "+hparams_search=mrc_optuna", "logger=none", "hydra.sweeper.sampler.seed=7"]
 
 
@@ -60,16 +56,6 @@ def search(folder: Path, overrides: list[str]) -> tuple[float, list[dict[str, st
 def best(rows: list[dict[str, str]]) -> str:
     values = [float(r["eval_f1"]) for r in rows if r.get("eval_f1")]
     return f"{max(values):.2f}" if values else "none"
-
-
-def cpu() -> str:
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 def main() -> None:

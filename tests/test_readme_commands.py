@@ -70,7 +70,8 @@ SKIPPED: dict[str, str] = {
         "a PostgreSQL server; tests/test_sweeps.py shares one SQLite study between two sweepers and checks a "
         "refused server's error"
     ),
-    "hflight-train +experiment=mrc +hparams_search=mrc_optuna hydra/launcher=submitit_slurm hydra.launcher.partition=gpu": (
+    "hflight-train +experiment=mrc +hparams_search=mrc_optuna hydra/launcher=submitit_slurm "
+    "hydra.launcher.partition=gpu": (
         "a SLURM cluster; tests/test_sweeps.py runs submitit's local executor (the same pickled jobs)"
     ),
     "optuna-dashboard sqlite:///outputs/mrc/multiruns/2026-11-24_10-00-00/optuna.db": (

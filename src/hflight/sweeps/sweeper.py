@@ -225,9 +225,9 @@ class OptunaSearch:
         params: dict[str, str] | None,
         custom_search_space: str | None,
         pruner: Any,
-        heartbeat_interval: int | None,
-        grace_period: int | None,
-        max_retry: int | None,
+        heartbeat_interval: int | None = 60,
+        grace_period: int | None = None,
+        max_retry: int | None = 1,
     ) -> None:
         if n_trials < 1 or n_jobs < 1:
             raise SweepError(f"hydra.sweeper.n_trials and n_jobs must be >= 1, got {n_trials} and {n_jobs}")

@@ -7,51 +7,21 @@ from typing import Any
 
 from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 
 class OptunaSweeper(Sweeper):
     """``hydra/sweeper=optuna``: an Optuna search whose trials are the sweep's jobs (see ``OptunaSweeperConf``)."""
 
-    def __init__(
-        self,
-        sampler: Any,
-        direction: Any,
-        storage: str | None,
-        study_name: str | None,
-        n_trials: int,
-        n_jobs: int,
-        max_failure_rate: float = 0.0,
-        search_space: DictConfig | None = None,
-        params: DictConfig | None = None,
-        custom_search_space: str | None = None,
-        pruner: Any = None,
-        heartbeat_interval: int | None = 60,
-        grace_period: int | None = None,
-        max_retry: int | None = 1,
-        trial: int | None = None,
-    ) -> None:
+    def __init__(self, trial: int | None = None, **config: Any) -> None:
+        """``config``: ``hydra.sweeper``'s keys (``OptunaSweeperConf``), the sampler and pruner instantiated."""
         from hflight.sweeps.sweeper import OptunaSearch
 
         if trial is not None:
             raise ValueError("hydra.sweeper.trial is set by the sweeper for each job; do not set it")
-        plain = lambda node: OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
-        self.search = OptunaSearch(
-            sampler=sampler,
-            direction=plain(direction),
-            storage=storage,
-            study_name=study_name,
-            n_trials=n_trials,
-            n_jobs=n_jobs,
-            max_failure_rate=max_failure_rate,
-            search_space=plain(search_space),
-            params=plain(params),
-            custom_search_space=custom_search_space,
-            pruner=pruner,
-            heartbeat_interval=heartbeat_interval,
-            grace_period=grace_period,
-            max_retry=max_retry,
-        )
+        plain = {k: OmegaConf.to_container(v, resolve=True) if isinstance(v, (DictConfig, ListConfig)) and k not in
+                 ("sampler", "pruner") else v for k, v in config.items()}  # fmt: skip
+        self.search = OptunaSearch(**plain)
         self.config: DictConfig | None = None
         self.launcher: Any = None
         self.job_idx = 0
