@@ -143,7 +143,7 @@ def test_a_figure_that_cannot_be_written_is_an_error_in_the_log_not_a_failed_run
 
 def test_failed_job_records_its_error_and_returns_none_in_a_multirun(tmp_path, monkeypatch):
     cfg = compose(["+experiment=mrc", "args.lr_scheduler_type=linea"], output_dir=tmp_path)
-    monkeypatch.setattr(cli, "_in_multirun", lambda: True)
+    monkeypatch.setattr(cli.app, "_in_multirun", lambda: True)
     assert cli.main(cfg) is None  # a failed trial for the Optuna sweeper, ignored by the basic one
     assert "lr_scheduler_type" in (tmp_path / cli.ERROR_FILE).read_text()
 

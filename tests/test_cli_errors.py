@@ -56,7 +56,7 @@ def fail_with(exc: BaseException):
 
 
 def test_an_unexpected_error_is_raised_with_its_traceback_logged_nowhere_else(cfg, tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(cli, "train", fail_with(RuntimeError("boom")))
+    monkeypatch.setattr(cli.app, "train", fail_with(RuntimeError("boom")))
     with caplog.at_level(logging.INFO, logger="hflight.cli"), pytest.raises(RuntimeError, match="boom"):
         cli.main(cfg)
     assert "RuntimeError: boom" in (tmp_path / cli.ERROR_FILE).read_text()
@@ -68,8 +68,8 @@ def test_on_the_command_line_a_user_error_becomes_one_compact_message(cfg, tmp_p
     from hydra.errors import CompactHydraException
 
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-    monkeypatch.setattr(cli, "_on_command_line", lambda: True)
-    monkeypatch.setattr(cli, "train", fail_with(KeyError("optimized_metric='eval_f2' is not among the metrics")))
+    monkeypatch.setattr(cli.app, "_on_command_line", lambda: True)
+    monkeypatch.setattr(cli.app, "train", fail_with(KeyError("optimized_metric='eval_f2' is not among the metrics")))
     with pytest.raises(CompactHydraException) as error:
         cli.main(cfg)
     assert str(error.value) == "KeyError: optimized_metric='eval_f2' is not among the metrics"
@@ -99,8 +99,8 @@ def test_a_failed_checkpoint_write_is_one_compact_message(cfg, tmp_path, monkeyp
             raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
 
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-    monkeypatch.setattr(cli, "_on_command_line", lambda: True)
-    monkeypatch.setattr(cli, "train", train)
+    monkeypatch.setattr(cli.app, "_on_command_line", lambda: True)
+    monkeypatch.setattr(cli.app, "train", train)
     with pytest.raises(CompactHydraException) as error:
         cli.main(cfg)
     assert str(error.value) == (
@@ -111,14 +111,14 @@ def test_a_failed_checkpoint_write_is_one_compact_message(cfg, tmp_path, monkeyp
 
 
 def test_in_a_multirun_a_job_logs_one_line_for_a_user_error_and_the_traceback_otherwise(cfg, monkeypatch, caplog):
-    monkeypatch.setattr(cli, "_in_multirun", lambda: True)
-    monkeypatch.setattr(cli, "train", fail_with(ValueError("bad data")))
+    monkeypatch.setattr(cli.app, "_in_multirun", lambda: True)
+    monkeypatch.setattr(cli.app, "train", fail_with(ValueError("bad data")))
     with caplog.at_level(logging.ERROR, logger="hflight.cli"):
         assert cli.main(cfg) is None
     assert len(caplog.records) == 1 and caplog.records[0].exc_info is None
     assert caplog.records[0].getMessage().startswith("Job failed: ValueError: bad data (traceback in")
     caplog.clear()
-    monkeypatch.setattr(cli, "train", fail_with(ZeroDivisionError("bug")))
+    monkeypatch.setattr(cli.app, "train", fail_with(ZeroDivisionError("bug")))
     with caplog.at_level(logging.ERROR, logger="hflight.cli"):
         assert cli.main(cfg) is None
     assert len(caplog.records) == 1 and caplog.records[0].exc_info[0] is ZeroDivisionError
@@ -131,7 +131,7 @@ def test_a_signal_outside_of_training_is_recorded_and_exits_non_zero(cfg, tmp_pa
         raise AssertionError("the signal should have stopped the run")
 
     before = signal.getsignal(signum)
-    monkeypatch.setattr(cli, "train", train)
+    monkeypatch.setattr(cli.app, "train", train)
     with pytest.raises(TrainingInterrupted) as stopped:
         cli.main(cfg)
     assert stopped.value.code == 128 + signum

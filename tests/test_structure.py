@@ -40,7 +40,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "hflight._util": (),
     "hflight.version": (),
     "hflight.arguments": ("hflight.arguments", *BOTTOM),
-    "hflight.checkpoints": ("hflight.checkpoints", "hflight.callbacks.hooks", *BOTTOM),
+    "hflight.checkpoints": ("hflight.checkpoints", *BOTTOM),
     "hflight.callbacks": ("hflight.callbacks", "hflight.checkpoints", *BOTTOM),
     "hflight.run": ("hflight.run", "hflight.arguments", "hflight.checkpoints", "hflight.callbacks", *BOTTOM),
     "hflight.trainer": (

@@ -164,6 +164,23 @@ def test_a_parallel_launcher_shares_the_cores_between_its_jobs(monkeypatch):
     assert launchers.requeue_signal_under_launcher("SIGHUP") == "SIGHUP"
 
 
+def test_the_sweeper_is_known_to_hydra_even_when_hydra_scanned_its_plugins_first():
+    """Hydra scans its plugins once per process; in an editable install its scan cannot list hflight's (setuptools'
+    editable finder), and a scan before hflight.config was imported missed it: CI's first failure. hflight.config
+    registers the sweeper's configs and class itself."""
+    code = (
+        "from hydra.core.plugins import Plugins\nPlugins.instance()\n"
+        "from hydra import compose, initialize_config_dir\n"
+        "from hflight.config import VERSION_BASE, find_config_dir\n"
+        "with initialize_config_dir(config_dir=str(find_config_dir()), version_base=VERSION_BASE):\n"
+        "    cfg = compose('train', overrides=['+experiment=mrc', '+hparams_search=mrc_optuna'],\n"
+        "                  return_hydra_config=True)\n"
+        "print(cfg.hydra.sweeper._target_ in Plugins.instance().class_name_to_class)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=_env())
+    assert done.stdout.strip() == "True", done.stderr[-3000:]
+
+
 # ---------------------------------------------------------------------------------------------------- resume=
 def _sweep_folder(path: Path, sweeper: str, db: bool = True) -> Path:
     path.mkdir(parents=True)

@@ -140,9 +140,9 @@ def register_configs() -> None:
 
 
 def expose_sweeper_plugin() -> None:
-    """Make hflight's Optuna sweeper (``hydra_plugins.hflight_optuna_sweeper``, beside this package) visible to
-    Hydra's plugin scan in an editable install too: setuptools' editable finder serves the namespace package to
-    imports but not to ``pkgutil``'s listing, which the scan uses (idempotent; runs on import of this module)."""
+    """Make hflight's Optuna sweeper (``hydra_plugins.hflight_optuna_sweeper``, beside this package) known to Hydra
+    in an editable install too: setuptools' editable finder serves the namespace package to imports but not to
+    ``pkgutil``'s listing, which Hydra's plugin scan uses (idempotent; runs on import of this module)."""
     try:
         import hydra_plugins
     except ImportError:
@@ -150,6 +150,13 @@ def expose_sweeper_plugin() -> None:
     folder = Path(__file__).resolve().parents[1] / "hydra_plugins"
     if (folder / "hflight_optuna_sweeper").is_dir() and str(folder) not in list(hydra_plugins.__path__):
         hydra_plugins.__path__.append(str(folder))
+    # and registered now (its configs, its class) in case Hydra's scan already ran without it: the scan happens once
+    # per process, at the first Plugins.instance(), possibly before this module was imported
+    from hydra.core.plugins import Plugins
+
+    from hydra_plugins.hflight_optuna_sweeper.optuna_sweeper import OptunaSweeper
+
+    Plugins.instance().register(OptunaSweeper)
 
 
 def find_config_dir(directory: str | os.PathLike | None = None) -> Path:

@@ -179,3 +179,11 @@ class RunView(Protocol):
     def weight_hooks(self, method: str) -> list[Any]: ...
     def evaluation_weights(self) -> contextlib.ExitStack: ...
     def evaluating(self, evaluator: Any) -> contextlib.AbstractContextManager[Any]: ...
+
+
+def weight_hooks(callbacks: Any, method: str) -> list[Any]:
+    """The weights protocol's discovery (``hflight.callbacks.hooks``): the callbacks that take part in it through
+    ``method`` (``averaged_weights``, ``save_checkpoint_state``, ``check_checkpoint_state``,
+    ``load_checkpoint_state``), i.e. those that define it. Here, at the bottom, so that ``hflight.checkpoints`` finds
+    them without importing the callbacks' package above it."""
+    return [cb for cb in callbacks if callable(getattr(cb, method, None))]

@@ -16,6 +16,10 @@ from typing import Any
 from torch import nn
 from transformers.trainer_callback import ExportableState, TrainerControl, TrainerState
 
+from hflight.surface import weight_hooks  # the protocol's discovery, below every package
+
+__all__ = ["evaluation_weights", "new_trainer_state", "weight_hooks"]
+
 
 def new_trainer_state(
     callbacks: Iterable[Any], control: TrainerControl, *, is_local_process_zero: bool, is_world_process_zero: bool
@@ -27,11 +31,6 @@ def new_trainer_state(
         is_world_process_zero=is_world_process_zero,
         stateful_callbacks=stateful,
     )
-
-
-def weight_hooks(callbacks: Iterable[Any], method: str) -> list[Any]:
-    """The callbacks that take part in the weights protocol through ``method`` (those that define it)."""
-    return [cb for cb in callbacks if callable(getattr(cb, method, None))]
 
 
 def evaluation_weights(callbacks: Iterable[Any], model: nn.Module) -> contextlib.ExitStack:

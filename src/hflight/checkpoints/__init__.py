@@ -7,6 +7,6 @@ verifies each file's size and checksum and finds the last valid checkpoint; ``wr
 folder; ``weights`` checks and loads model weights; ``optim_state`` checks optimizer/scheduler/scaler states against
 what they load into; ``resume`` resolves and checks the checkpoint a run resumes from.
 
-May import: ``hflight.callbacks.hooks`` (the weights protocol), ``hflight.surface``, ``hflight._util``. Never the
+May import: ``hflight.surface`` (the facade's surface, the weights protocol's discovery), ``hflight._util``. Never the
 run, the facade or the arguments' Lightning mapping.
 """

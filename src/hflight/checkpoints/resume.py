@@ -29,7 +29,6 @@ from typing import Any
 from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import compare_trainer_and_checkpoint_args
 
-from hflight.callbacks.hooks import weight_hooks
 from hflight.checkpoints.files import IncompleteCheckpointError, UnsafeCheckpointFile, inside, regular_file
 from hflight.checkpoints.folders import RUN_ARGUMENTS, run_arguments
 from hflight.checkpoints.manifest import CHECKPOINT_RE, checkpoint_folders, get_last_checkpoint, verify_checkpoint
@@ -41,7 +40,7 @@ from hflight.checkpoints.parts import (
     rebuilt_callbacks,
 )
 from hflight.checkpoints.weights import checked_weights, load_model_weights
-from hflight.surface import TrainerSurface
+from hflight.surface import TrainerSurface, weight_hooks
 
 logger = logging.getLogger(__name__)
 
