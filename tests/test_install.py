@@ -75,6 +75,15 @@ def test_wheel_installs_and_runs_from_an_empty_folder(tmp_path):
     (mine / "mine.yaml").write_text("# @package _global_\ndefaults:\n  - mrc\ntask_name: mine\n")
     job = run(sys.executable, str(script), "--config-dir", "my_conf", "+experiment=mine", "--cfg", "job").stdout
     assert "task_name: mine" in job and "num_train_articles: 600" in job  # the user's file over the package's mrc
-    # hflight's Optuna sweeper, found by Hydra's plugin scan in the installed wheel
+    # hflight's Optuna sweeper, found by Hydra's own plugin scan in the installed wheel (hflight not imported)...
+    scan = (
+        "from hydra.core.plugins import Plugins\nfrom hydra.plugins.sweeper import Sweeper\n"
+        "print(*(f'{c.__module__}.{c.__name__}' for c in Plugins.instance().discover(Sweeper)))\n"
+        "import sys; print('hflight' in sys.modules)"
+    )
+    found, imported = run(sys.executable, "-c", scan).stdout.splitlines()
+    assert "hydra_plugins.hflight_optuna_sweeper.optuna_sweeper.OptunaSweeper" in found.split() and imported == "False"
+    # ... and listed once by the command
     plugins = run(sys.executable, str(script), "--info", "plugins").stdout
-    assert "hydra_plugins.hflight_optuna_sweeper " in plugins and "\tOptunaSweeper" in plugins, plugins
+    sweepers = plugins.split("Sweeper:")[1].split("Profiling information")[0]
+    assert sweepers.split().count("OptunaSweeper") == 1, plugins

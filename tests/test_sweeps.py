@@ -181,6 +181,22 @@ def test_the_sweeper_is_known_to_hydra_even_when_hydra_scanned_its_plugins_first
     assert done.stdout.strip() == "True", done.stderr[-3000:]
 
 
+@pytest.mark.parametrize("scan_first", [True, False], ids=["scan-first", "hflight-first"])
+def test_hydra_lists_the_sweeper_once_whichever_comes_first(scan_first):
+    """Hydra's scan executes every plugin module anew: a class imported by hflight.config and the one the scan found
+    would be two classes of one name, listed twice by ``--info plugins``."""
+    first, second = "from hydra.core.plugins import Plugins; Plugins.instance()", "import hflight.config"
+    code = "\n".join(
+        [
+            *((first, second) if scan_first else (second, first)),
+            "from hydra.core.plugins import Plugins\nfrom hydra.plugins.sweeper import Sweeper",
+            "print([c.__name__ for c in Plugins.instance().discover(Sweeper)].count('OptunaSweeper'))",
+        ]
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=_env())
+    assert done.stdout.strip() == "1", (done.stdout, done.stderr[-3000:])
+
+
 # ---------------------------------------------------------------------------------------------------- resume=
 def _sweep_folder(path: Path, sweeper: str, db: bool = True) -> Path:
     path.mkdir(parents=True)

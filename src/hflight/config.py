@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import importlib
 import os
 import warnings
 from collections.abc import Sequence
@@ -139,6 +140,10 @@ def register_configs() -> None:
         store.store(group="schema", name=name, node=schema)
 
 
+#: the module of hflight's Optuna sweeper class, as Hydra names it (``hydra.sweeper._target_``)
+SWEEPER_MODULE = "hydra_plugins.hflight_optuna_sweeper.optuna_sweeper"
+
+
 def expose_sweeper_plugin() -> None:
     """Make hflight's Optuna sweeper (``hydra_plugins.hflight_optuna_sweeper``, beside this package) known to Hydra
     in an editable install too: setuptools' editable finder serves the namespace package to imports but not to
@@ -151,12 +156,16 @@ def expose_sweeper_plugin() -> None:
     if (folder / "hflight_optuna_sweeper").is_dir() and str(folder) not in list(hydra_plugins.__path__):
         hydra_plugins.__path__.append(str(folder))
     # and registered now (its configs, its class) in case Hydra's scan already ran without it: the scan happens once
-    # per process, at the first Plugins.instance(), possibly before this module was imported
+    # per process, at the first Plugins.instance(), possibly before this module was imported. Only then: the scan
+    # executes every module it finds anew, so a class imported here and one the scan found are two classes of one
+    # name, and Hydra would list the sweeper twice.
     from hydra.core.plugins import Plugins
+    from hydra.plugins.sweeper import Sweeper
 
-    from hydra_plugins.hflight_optuna_sweeper.optuna_sweeper import OptunaSweeper
-
-    Plugins.instance().register(OptunaSweeper)
+    plugins = Plugins.instance()
+    name = f"{SWEEPER_MODULE}.OptunaSweeper"
+    if not any(f"{known.__module__}.{known.__name__}" == name for known in plugins.discover(Sweeper)):
+        plugins.register(importlib.import_module(SWEEPER_MODULE).OptunaSweeper)
 
 
 def find_config_dir(directory: str | os.PathLike | None = None) -> Path:
