@@ -91,7 +91,11 @@ class RunAccelerator:
         run = self._current_run()
         if run is None or not run.fitting:
             raise RuntimeError("accelerator.backward() is only available while Trainer.train() runs.")
-        run.module.manual_backward(loss, **kwargs)
+        # outside autocast, as transformers' backward (accelerate autocasts the model's forward only): Lightning's
+        # precision context spans the whole training_step, and the autograd engine takes the caller's autocast state
+        # into the backward pass, where it would recast fp32 gradients to bf16/fp16
+        with torch.autocast(device_type=loss.device.type, enabled=False):
+            run.module.manual_backward(loss, **kwargs)
 
     def autocast(self, autocast_handler: Any = None) -> contextlib.AbstractContextManager:
         """Lightning's precision context of the run (autocast under mixed precision); empty outside a run."""
