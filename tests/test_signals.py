@@ -166,6 +166,20 @@ def test_a_second_sigint_while_the_stopped_process_exits_prints_no_traceback(tmp
     assert verify_checkpoint(tmp_path / "checkpoint-2")["global_step"] == 2
 
 
+@pytest.mark.subprocess
+def test_a_sigterm_while_the_stopped_process_tears_down_its_modules_keeps_the_stop_status(tmp_path):
+    """Python gives signals their default action back after the exit callbacks, before its slow module teardown: a
+    SIGTERM then killed the process (-15), so a requeued task that srun's --kill-on-bad-exit reached there ended 143
+    instead of 138; it is ignored there now."""
+    job = Path(__file__).parent / "jobs" / "sigint_at_exit.py"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, str(job), str(tmp_path), "--finalizing"], capture_output=True, text=True,
+                          env=env, timeout=300)  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert "Training stopped by SIGINT after step 2 of 4; checkpoint saved in" in output, output[-3000:]
+    assert proc.returncode == 130, (proc.returncode, output[-3000:])
+
+
 JOBS = Path(__file__).parent / "jobs"
 
 

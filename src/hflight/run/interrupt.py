@@ -64,6 +64,8 @@ from typing import Any
 
 import torch
 
+from hflight._exit import IGNORE_WHILE_FINALIZING
+
 logger = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -130,6 +132,7 @@ class _QuietAtExit:
     def register(self, signum: int | None = None) -> None:
         if signum is not None and signum not in self.signals:
             self.signals = (*self.signals, signum)
+        IGNORE_WHILE_FINALIZING.update(self.signals)  # and ignored after the exit callbacks (hflight._exit)
         if not self.registered:
             self.registered = True
             atexit.register(self)
