@@ -2,20 +2,24 @@
 ``summary.csv``/``summary.md`` (``hflight.cli.sweep_summary``), and the experiment loggers ``report_to`` and the
 ``logger`` group build (``hflight.arguments.lightning_kwargs``, ``hflight.cli.logger_environment``).
 
-tensorboard, wandb and mlflow are not installed in the test environment: for them the tests check the keyword
-arguments the Lightning logger is built with; the CSV logger, which needs nothing, is built for real.
+transformers' integrations (tensorboard, wandb, mlflow) are compared with transformers' own runs in
+tests/test_tracking.py; here: the ``logger`` group's options as the variables those integrations read, ``report_to``'s
+names and errors, and the Lightning loggers (hflight's "csv", a user's own).
 """
 
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
+import transformers
 
 from hflight import cli
-from hflight.arguments import lightning_kwargs
+from hflight.arguments import lightning_kwargs, reporting
 from hflight.arguments.training_args import TrainingArguments
 from hflight.cli.curves import curves, plot_training_curves
 from hflight.cli.sweep_summary import write_summary
@@ -96,36 +100,35 @@ def _args(cfg) -> TrainingArguments:
 
 
 @pytest.mark.parametrize(
-    ("overrides", "name", "expected"),
+    ("overrides", "expected"),
     [
         (["logger=wandb", "logger.wandb.project=qa", "logger.wandb.entity=team", "logger.wandb.tags=[mrc,base]",
           "logger.wandb.name=first"],
-         "wandb", {"project": "qa", "entity": "team", "tags": ["mrc", "base"], "name": "first"}),
-        (["logger=wandb", "args.run_name=named"], "wandb", {"project": "huggingface", "entity": None, "name": "named"}),
+         {"WANDB_PROJECT": "qa", "WANDB_ENTITY": "team", "WANDB_TAGS": "mrc,base", "WANDB_NAME": "first"}),
+        (["logger=wandb", "args.run_name=named"], {}),
         (["logger=mlflow", "logger.mlflow.experiment_name=qa", "logger.mlflow.tracking_uri=http://mlflow:5000",
           "+logger.mlflow.tags.team=nlp"],
-         "mlflow", {"experiment_name": "qa", "tracking_uri": "http://mlflow:5000", "tags": {"team": "nlp"}}),
-        (["logger=tensorboard", "logger.tensorboard.log_dir=/tmp/tb"], "tensorboard", {"save_dir": "/tmp/tb"}),
+         {"MLFLOW_EXPERIMENT_NAME": "qa", "MLFLOW_TRACKING_URI": "http://mlflow:5000",
+          "MLFLOW_TAGS": '{"team": "nlp"}'}),
+        (["logger=tensorboard", "logger.tensorboard.log_dir=/tmp/tb"], {"TENSORBOARD_LOGGING_DIR": "/tmp/tb"}),
     ],
 )  # fmt: skip
-def test_logger_options_reach_the_logger_constructors(tmp_path, monkeypatch, overrides, name, expected):
-    for variable in ("WANDB_PROJECT", "WANDB_ENTITY", "WANDB_TAGS", "WANDB_NAME", "MLFLOW_TRACKING_URI"):
+def test_logger_options_are_the_variables_transformers_integrations_read(tmp_path, monkeypatch, overrides, expected):
+    import os
+
+    variables = ("WANDB_PROJECT", "WANDB_ENTITY", "WANDB_TAGS", "WANDB_NAME", "MLFLOW_EXPERIMENT_NAME",
+                 "MLFLOW_TRACKING_URI", "MLFLOW_TAGS", "TENSORBOARD_LOGGING_DIR")  # fmt: skip
+    for variable in variables:
         monkeypatch.delenv(variable, raising=False)
     cfg = compose(overrides, output_dir=tmp_path)
     args = _args(cfg)
-    assert lightning_kwargs.report_to_names(args.report_to) == [name]
     with cli.logger_environment(cfg.get("logger"), args):
-        built = lightning_kwargs.logger_kwargs(name, args)
-    assert {key: built[key] for key in expected} == expected
-    # every keyword is one the Lightning logger's constructor takes (W&B's extra ones go on to wandb.init)
-    import inspect
+        assert {v: os.environ[v] for v in variables if v in os.environ} == expected
+        if "TENSORBOARD_LOGGING_DIR" in expected and importlib.util.find_spec("tensorboard") is not None:
+            from transformers.integrations import TensorBoardCallback
 
-    from lightning.pytorch import loggers as lightning_loggers
-
-    inspect.signature(getattr(lightning_loggers, lightning_kwargs.LOGGERS[name][0])).bind(**built)
-    import os
-
-    assert "WANDB_PROJECT" not in os.environ and "MLFLOW_TRACKING_URI" not in os.environ  # restored afterwards
+            assert TensorBoardCallback().logging_dir == "/tmp/tb"  # read when transformers' callback is built
+    assert not any(v in os.environ for v in variables)  # restored afterwards
 
 
 @pytest.mark.parametrize(
@@ -142,22 +145,49 @@ def test_logger_options_that_would_be_ignored_are_errors(tmp_path, overrides, me
         pass
 
 
-def test_report_to_all_means_every_installed_integration(monkeypatch):
-    installed = {"tensorboard"}
-    monkeypatch.setattr(lightning_kwargs, "_installed", lambda name: name == "csv" or name in installed)
-    assert lightning_kwargs.report_to_names("all") == ["csv", "tensorboard"]
-    installed |= {"wandb", "mlflow"}
-    assert lightning_kwargs.report_to_names(["all"]) == ["csv", "tensorboard", "mlflow", "wandb"]
+def test_report_to_all_means_every_installed_integration_as_transformers_decides(tmp_path):
+    from transformers.integrations import get_available_reporting_integrations
+
+    assert reporting.report_to_names("all") == get_available_reporting_integrations()
+    ours = TrainingArguments(str(tmp_path), report_to="all").report_to
+    assert ours == transformers.TrainingArguments(str(tmp_path), report_to="all").report_to
 
 
-def test_a_missing_integration_names_its_extra(tmp_path, monkeypatch):
-    import importlib.util
+# transformers' MLflowCallback.__del__ reads an attribute its failed __init__ never set (transformers' own warning)
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("name", ["wandb", "mlflow", "tensorboard", "comet_ml"])
+def test_a_missing_integration_fails_at_construction_naming_its_install(tmp_path, factory, monkeypatch, name):
+    from transformers.integrations import integration_utils
 
-    if importlib.util.find_spec("wandb") is not None:
-        pytest.skip("wandb is installed here")
-    args = TrainingArguments(str(tmp_path), report_to="wandb")
-    with pytest.raises(ImportError, match=r'pip install "hflight\[wandb\]"'):
-        lightning_kwargs.build_loggers(args)
+    from hflight import Trainer
+
+    checks = {"wandb": "is_wandb_available", "mlflow": "is_mlflow_available",
+              "tensorboard": "is_tensorboard_available", "comet_ml": "is_comet_available"}  # fmt: skip
+    monkeypatch.setattr(integration_utils, checks[name], lambda: False)  # as where the package is not installed
+    args = TrainingArguments(str(tmp_path), report_to=name)
+    install = {"comet_ml": "comet-ml"}.get(name, f'"hflight[{name}]"')
+    with pytest.raises(ImportError, match=rf"report_to='{name}' needs its package: pip install {re.escape(install)}"):
+        Trainer(factory.qa_model(), args)
+
+
+def test_lightning_loggers_passed_in_callbacks_get_every_entry(tmp_path, factory):
+    """A Lightning user's own logger instances ride in ``callbacks=`` beside report_to's integrations."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    from hflight import Trainer
+
+    mine = CSVLogger(str(tmp_path / "mine"), name="lightning")
+    args = TrainingArguments(str(tmp_path / "out"), report_to="none", max_steps=2, per_device_train_batch_size=4,
+                             logging_steps=1, save_strategy="no", dataloader_pin_memory=False)  # fmt: skip
+    data = factory.qa_dataset(8)
+    trainer = Trainer(factory.qa_model(), args, train_dataset=data, eval_dataset=data, callbacks=[mine])
+    trainer.train()
+    assert trainer.lightning_trainer.loggers == [mine]
+    trainer.evaluate()
+    rows = list(csv.DictReader((Path(mine.log_dir) / "metrics.csv").open()))
+    assert [r["step"] for r in rows if r.get("loss")] == ["1", "2"] and [r["step"] for r in rows if r.get("eval_loss")]
+    with pytest.raises(TypeError, match="nor a Lightning Callback or Logger instance"):
+        Trainer(factory.qa_model(), args, callbacks=[object()])
 
 
 def test_csv_logger_gets_the_training_arguments_as_hyperparameters(tmp_path):

@@ -387,14 +387,31 @@ def test_report_to_csv_writes_a_lightning_csv_log(tmp_path, factory):
     assert any(r.get("train_loss") for r in rows)
 
 
-def test_report_to_maps_names_to_lightning_loggers(monkeypatch):
-    from hflight.arguments import lightning_kwargs
+def test_report_to_is_transformers_integrations_plus_csv(tmp_path, factory):
+    """transformers' integration callbacks where transformers.Trainer puts them (after DefaultFlowCallback, before
+    the caller's), hflight's "csv" a Lightning logger; an unknown name fails at construction, naming the known ones."""
+    from transformers.integrations import TensorBoardCallback
 
-    assert lightning_kwargs.report_to_names("none") == []
-    assert lightning_kwargs.report_to_names(["csv", "tensorboard"]) == ["csv", "tensorboard"]
-    with pytest.raises(ValueError, match="unknown logger"):
-        lightning_kwargs.report_to_names(["comet"])
-    assert set(lightning_kwargs.LOGGERS) == {"csv", "tensorboard", "mlflow", "wandb"}
+    from hflight.arguments import reporting
+
+    assert reporting.report_to_names("none") == [] and reporting.report_to_names("csv,tensorboard") == [
+        "csv",
+        "tensorboard",
+    ]
+    with pytest.raises(ValueError, match=r"unknown integration\(s\) \['comet'\]; known: azure_ml, comet_ml"):
+        hflight.Trainer(factory.qa_model(), _args(tmp_path, report_to=["comet"]))
+    pytest.importorskip("tensorboard")
+    seen = []
+    for library in (transformers, hflight):
+        trainer = library.Trainer(factory.qa_model(), _args(tmp_path, report_to=["tensorboard"]),
+                                  callbacks=[transformers.EarlyStoppingCallback()])  # fmt: skip
+        seen.append([type(cb).__name__ for cb in trainer.callback_handler.callbacks])
+    assert seen[0] == seen[1] and seen[1][:2] == ["DefaultFlowCallback", TensorBoardCallback.__name__]
+    trainer = hflight.Trainer(factory.qa_model(), _args(tmp_path, report_to=["csv"]))
+    assert [type(cb).__name__ for cb in trainer.callback_handler.callbacks] == [
+        "DefaultFlowCallback",
+        "PrinterCallback",
+    ]
 
 
 def test_a_model_loaded_in_eval_mode_trains_without_lightnings_eval_mode_warning(tmp_path, factory, recwarn):

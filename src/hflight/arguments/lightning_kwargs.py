@@ -12,18 +12,15 @@ shard the data the way accelerate does).
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import json
 import logging
-import os
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import lightning as L
 from transformers.trainer_callback import TrainerCallback
 
-from hflight.arguments import cluster
+from hflight.arguments import cluster, reporting
 from hflight.arguments.registry import DEFAULT_STRATEGIES, STRATEGY_ACCELERATORS
 from hflight.arguments.strategies import strategy_from_args
 
@@ -43,106 +40,29 @@ def _run_name(args: Any) -> str:
     return args.run_name or "hflight"
 
 
-def _csv(args: Any) -> dict[str, Any]:
-    return {"save_dir": _save_dir(args), "name": _run_name(args)}
-
-
-def _tensorboard(args: Any) -> dict[str, Any]:
-    # transformers' TensorBoardCallback reads TENSORBOARD_LOGGING_DIR
-    folder = os.environ.get("TENSORBOARD_LOGGING_DIR")
-    return {"save_dir": os.path.expanduser(folder) if folder else _save_dir(args), "name": _run_name(args)}
-
-
-def _mlflow(args: Any) -> dict[str, Any]:
-    # transformers' MLflowCallback reads MLFLOW_EXPERIMENT_NAME, MLFLOW_TRACKING_URI and MLFLOW_TAGS (a JSON object)
-    env = os.environ
-    tags = json.loads(env["MLFLOW_TAGS"]) if env.get("MLFLOW_TAGS") else None
-    if tags is not None and not isinstance(tags, dict):
-        raise ValueError(f"MLFLOW_TAGS must be a JSON object of tag -> value, got {env['MLFLOW_TAGS']!r}")
-    return {
-        "experiment_name": env.get("MLFLOW_EXPERIMENT_NAME") or _run_name(args),
-        "run_name": args.run_name,
-        "tracking_uri": env.get("MLFLOW_TRACKING_URI") or None,  # None: a local ./mlruns in save_dir
-        "tags": tags,
-        "save_dir": os.path.join(_save_dir(args), "mlruns"),
-    }
-
-
-def _wandb(args: Any) -> dict[str, Any]:
-    # transformers' WandbCallback: WANDB_PROJECT (default "huggingface"), the run named args.run_name; wandb itself
-    # reads WANDB_ENTITY, WANDB_NAME and WANDB_TAGS (comma-separated), passed on here explicitly
-    env = os.environ
-    tags = [tag.strip() for tag in env.get("WANDB_TAGS", "").split(",") if tag.strip()]
-    return {
-        "project": env.get("WANDB_PROJECT") or "huggingface",
-        "entity": env.get("WANDB_ENTITY") or None,
-        "name": args.run_name or env.get("WANDB_NAME") or None,
-        "tags": tags or None,
-        "save_dir": _save_dir(args),
-    }
-
-
-#: report_to name -> (Lightning logger class in lightning.pytorch.loggers, its keyword arguments from args and the
-#: environment, the package that must be importable: None for none).
-LOGGERS: dict[str, tuple[str, Callable[[Any], dict[str, Any]], tuple[str, ...]]] = {
-    "csv": ("CSVLogger", _csv, ()),
-    "tensorboard": ("TensorBoardLogger", _tensorboard, ("tensorboard", "tensorboardX")),
-    "mlflow": ("MLFlowLogger", _mlflow, ("mlflow",)),
-    "wandb": ("WandbLogger", _wandb, ("wandb",)),
-}
-
-
-def _installed(name: str) -> bool:
-    packages = LOGGERS[name][2]
-    return not packages or any(importlib.util.find_spec(package) is not None for package in packages)
-
-
-def report_to_names(report_to: Any) -> list[str]:
-    """Normalise ``report_to`` (None, "none", "all", a name, a comma list or a list) to logger names. "all" means,
-    as in transformers, every integration that is installed (among those hflight maps; csv needs nothing)."""
-    if report_to is None:
-        return []
-    names = report_to.split(",") if isinstance(report_to, str) else list(report_to)
-    names = [n.strip() for n in names if n and n.strip()]
-    if names in (["none"], []):
-        return []
-    if names == ["all"]:
-        return [name for name in LOGGERS if _installed(name)]
-    unknown = [n for n in names if n not in LOGGERS]
-    if unknown:
-        raise ValueError(f"report_to: unknown logger(s) {unknown}; hflight supports {', '.join(LOGGERS)} or 'none'.")
-    return names
-
-
-def logger_kwargs(name: str, args: Any) -> dict[str, Any]:
-    """The keyword arguments ``report_to``'s logger ``name`` is built with (see :data:`LOGGERS`)."""
-    return LOGGERS[name][1](args)
-
-
 def build_loggers(args: Any) -> list[Any]:
-    """One Lightning logger per ``report_to`` name, each given the ``TrainingArguments`` as hyperparameters."""
-    from lightning.pytorch import loggers as lightning_loggers
+    """hflight's own Lightning loggers of ``report_to`` (``"csv"``: Lightning's ``CSVLogger`` in
+    ``<logging_dir or output_dir>/<run_name or "hflight">/version_N``), each given the ``TrainingArguments`` as
+    hyperparameters. transformers' integrations (tensorboard, wandb, mlflow, ...) are callbacks, built with the
+    facade's other callbacks (``hflight.arguments.reporting``)."""
+    from lightning.pytorch.loggers import CSVLogger
 
-    loggers = []
-    for logger_name in report_to_names(args.report_to):
-        class_name, _, packages = LOGGERS[logger_name]
-        try:
-            loggers.append(getattr(lightning_loggers, class_name)(**logger_kwargs(logger_name, args)))
-        except (ImportError, ModuleNotFoundError) as exc:
-            raise ImportError(
-                f'report_to={logger_name!r} needs {" or ".join(packages)}: pip install "hflight[{logger_name}]" ({exc})'
-            ) from exc
+    names = reporting.lightning_names(args.report_to)
+    loggers = [CSVLogger(save_dir=_save_dir(args), name=_run_name(args)) for _ in names]
     if loggers and hasattr(args, "to_sanitized_dict"):
         for logger in loggers:
             logger.log_hyperparams({"training_args": args.to_sanitized_dict()})
     return loggers
 
 
-def split_callbacks(callbacks: list[Any]) -> tuple[list[Any], list[L.Callback]]:
-    """HF callbacks (instances or classes) for the CallbackHandler, Lightning callbacks for Lightning."""
+def split_callbacks(callbacks: list[Any]) -> tuple[list[Any], list[Any]]:
+    """HF callbacks (instances or classes) for the CallbackHandler; Lightning callbacks and Lightning logger instances
+    (``lightning.pytorch.loggers.Logger``: they receive every logged entry, beside ``report_to``'s) for Lightning."""
+    from lightning.pytorch.loggers import Logger
+
     hf, lightning = [], []
     for cb in callbacks:
-        if isinstance(cb, L.Callback):
+        if isinstance(cb, (L.Callback, Logger)):
             lightning.append(cb)
         elif isinstance(cb, TrainerCallback) or (isinstance(cb, type) and issubclass(cb, TrainerCallback)):
             hf.append(cb)
@@ -151,7 +71,7 @@ def split_callbacks(callbacks: list[Any]) -> tuple[list[Any], list[L.Callback]]:
         else:
             raise TypeError(
                 f"callbacks: {cb!r} is neither a transformers TrainerCallback (class or instance) nor a Lightning "
-                "Callback instance."
+                "Callback or Logger instance."
             )
     return hf, lightning
 
@@ -217,9 +137,14 @@ def lightning_trainer_kwargs(
 ) -> dict[str, Any]:
     """Keyword arguments for ``lightning.Trainer`` for a ``fit`` (``fitting``) or an evaluation; ``strategy``
     replaces ``args.strategy`` (a compat trainer such as ``IPUTrainer`` brings its own instance); ``model``: the
-    model the run trains (for an FSDP wrap policy). A fit builds its loggers from ``report_to``; an evaluation or
-    prediction logs to ``loggers`` (those of the fit before it, which outlive it) or to none."""
+    model the run trains (for an FSDP wrap policy). A fit builds its Lightning loggers from ``report_to`` (``"csv"``)
+    and takes those passed among ``callbacks``; an evaluation or prediction logs to ``loggers`` (those of the fit
+    before it, which outlive it), else to those passed, else to none."""
+    from lightning.pytorch.loggers import Logger
+
     strategy = strategy_for(args, model) if strategy is None else strategy
+    given = [cb for cb in callbacks if isinstance(cb, Logger)]  # Lightning loggers passed in callbacks=
+    callbacks = [cb for cb in callbacks if not isinstance(cb, Logger)]
     kwargs = {
         "accelerator": accelerator_for(args, strategy),
         "devices": _devices(args.devices),
@@ -228,7 +153,7 @@ def lightning_trainer_kwargs(
         "precision": precision_for(args, strategy),
         "max_epochs": -1,  # the facade sets the real bound once the loader length is known
         "max_steps": -1,  # HF's TrainerControl stops the run (DefaultFlowCallback at max_steps)
-        "logger": build_loggers(args) if fitting else (loggers or False),
+        "logger": [*build_loggers(args), *given] if fitting else (loggers or given or False),
         "callbacks": callbacks,
         "enable_checkpointing": False,
         "enable_progress_bar": False,

@@ -32,7 +32,7 @@ from hflight.cli.jobs import (
     _set_cpu_threads,
     _trial_reporter,
 )
-from hflight.cli.loggers import ConfigHyperparameters, _close_loggers, logger_environment
+from hflight.cli.loggers import ConfigHyperparameters, ConfigToIntegrations, _close_loggers, logger_environment
 from hflight.cli.report import _draw_curves, format_metrics_table, optimized_value
 from hflight.cli.resume import _resume_from, resume_arguments, resume_command, resume_point
 from hflight.config import PRIMARY_CONFIG, VERSION_BASE, hydra_config_path
@@ -97,6 +97,7 @@ def _train(cfg: DictConfig, args: TrainingArguments) -> tuple[dict[str, float], 
     extra = [ConfigHyperparameters(cfg), *([reporter] if reporter else [])]
     built: TaskRun = task.setup(cfg, args, [*callbacks, *extra])
     trainer = built.trainer
+    trainer.add_callback(ConfigToIntegrations(cfg, trainer.callback_handler.callbacks))
     metrics = _train_evaluate_predict(trainer, built, args, reporter)
     if trainer.is_world_process_zero():
         _draw_curves(trainer, args)

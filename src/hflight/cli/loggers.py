@@ -12,14 +12,15 @@ from typing import Any
 
 import lightning as L
 from omegaconf import DictConfig
+from transformers import TrainerCallback
 from typing_extensions import override
 
 from hflight.arguments.training_args import TrainingArguments
 
-__all__ = ["LOGGER_OPTIONS", "ConfigHyperparameters", "logger_environment", "logger_variables"]
+__all__ = ["LOGGER_OPTIONS", "ConfigHyperparameters", "ConfigToIntegrations", "logger_environment", "logger_variables"]
 
-#: ``logger.<name>.<option>`` -> the environment variable transformers' integration for ``<name>`` reads (and
-#: ``hflight.arguments.lightning_kwargs`` passes to the Lightning logger's constructor).
+#: ``logger.<name>.<option>`` -> the environment variable transformers' integration callback for ``<name>`` reads
+#: (``report_to`` builds those callbacks: ``hflight.arguments.reporting``).
 LOGGER_OPTIONS: dict[str, dict[str, str]] = {
     "tensorboard": {"log_dir": "TENSORBOARD_LOGGING_DIR"},
     "wandb": {"project": "WANDB_PROJECT", "entity": "WANDB_ENTITY", "tags": "WANDB_TAGS", "name": "WANDB_NAME"},
@@ -65,7 +66,7 @@ def logger_environment(options: Any, args: TrainingArguments) -> Iterator[None]:
     """Set :func:`logger_variables` of ``options`` (the config's ``logger`` node) while the block runs."""
     from omegaconf import OmegaConf
 
-    from hflight.arguments.lightning_kwargs import report_to_names
+    from hflight.arguments.reporting import report_to_names
 
     plain = OmegaConf.to_container(options, resolve=True) if isinstance(options, DictConfig) else options
     variables = logger_variables(plain, report_to_names(args.report_to))
@@ -100,8 +101,68 @@ class ConfigHyperparameters(L.Callback):
             logger.log_hyperparams(self.hyperparameters)
 
 
+class ConfigToIntegrations(TrainerCallback):
+    """Gives the composed config to transformers' integration callbacks of a run (which log the TrainingArguments and
+    the model's config themselves), once their run has started: TensorBoard gets it as the text ``config`` (YAML),
+    MLflow as parameters ``config.<dotted key>``, W&B as ``wandb.config["config"]``. ``callbacks``: the trainer's
+    callback list (``trainer.callback_handler.callbacks``), read when training begins."""
+
+    def __init__(self, cfg: DictConfig, callbacks: list[Any]) -> None:
+        from omegaconf import OmegaConf
+
+        try:
+            self.config = OmegaConf.to_container(cfg, resolve=True)
+        except Exception:  # noqa: BLE001 - an interpolation only Hydra's job can resolve: log it as written
+            self.config = OmegaConf.to_container(cfg, resolve=False)
+        self.callbacks = callbacks
+        self.given: set[str] = set()  # once per run: evaluate() after train() logs to the same runs
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if not state.is_world_process_zero:
+            return
+        from transformers.integrations import MLflowCallback, TensorBoardCallback, WandbCallback
+
+        for callback in self.callbacks:
+            if isinstance(callback, TensorBoardCallback) and callback.tb_writer is not None:
+                import yaml
+
+                callback.tb_writer.add_text("config", yaml.safe_dump(self.config, sort_keys=False))
+            elif isinstance(callback, MLflowCallback) and "mlflow" not in self.given:
+                self._to_mlflow()
+            elif isinstance(callback, WandbCallback) and "wandb" not in self.given:
+                wandb = sys.modules.get("wandb")
+                if wandb is not None and wandb.run is not None:
+                    wandb.config.update({"config": self.config}, allow_val_change=True)
+                    self.given.add("wandb")
+
+    def _to_mlflow(self) -> None:
+        import mlflow
+        from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
+
+        if mlflow.active_run() is None:
+            return
+        flat = {f"config.{key}": str(value)[:MAX_PARAM_VAL_LENGTH] for key, value in _flatten(self.config).items()}
+        items = list(flat.items())
+        for start in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
+            mlflow.log_params(dict(items[start : start + MAX_PARAMS_TAGS_PER_BATCH]))
+        self.given.add("mlflow")
+
+
+def _flatten(values: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(values, Mapping) and values:
+        flat: dict[str, Any] = {}
+        for key, value in values.items():
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        return flat
+    return {prefix[:-1]: values}
+
+
 def _close_loggers() -> None:
-    """Finish an active wandb run, so that the next job of a sweep starts its own."""
+    """Finish an active wandb run and end an active MLflow run (transformers' MLflowCallback leaves open the run an
+    evaluate() after train() starts), so that the next job of a sweep starts its own."""
     wandb = sys.modules.get("wandb")
     if wandb is not None and getattr(wandb, "run", None) is not None:
         wandb.finish()
+    mlflow = sys.modules.get("mlflow")
+    if mlflow is not None and hasattr(mlflow, "active_run") and mlflow.active_run() is not None:
+        mlflow.end_run()

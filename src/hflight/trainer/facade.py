@@ -35,7 +35,7 @@ from transformers.trainer_utils import (
     set_seed,
 )
 
-from hflight.arguments import cluster
+from hflight.arguments import cluster, reporting
 from hflight.arguments.lightning_kwargs import split_callbacks
 from hflight.arguments.training_args import TrainingArguments, coerce_training_args
 from hflight.callbacks.hooks import new_trainer_state
@@ -157,7 +157,9 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
 
     def _setup_callbacks(self, callbacks: list[Any]) -> None:
         hf_callbacks, self._lightning_callbacks = split_callbacks(callbacks)
-        defaults: list[Any] = list(DEFAULT_CALLBACKS)
+        # transformers' integration callbacks for report_to (tensorboard, wandb, mlflow, ...), where transformers
+        # puts them; hflight's "csv" is a Lightning logger (hflight.arguments.reporting)
+        defaults: list[Any] = [*DEFAULT_CALLBACKS, *reporting.integration_callbacks(self.args.report_to)]
         if self.args.enable_jit_checkpoint:  # transformers' own callback: SIGTERM -> checkpoint at the next step
             defaults.append(JITCheckpointCallback())
             defaults[-1].set_trainer(self)
