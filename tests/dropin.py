@@ -54,26 +54,27 @@ def largest_difference(a, b) -> float:
     return abs(a - b) if isinstance(a, (int, float)) and isinstance(b, (int, float)) else 0.0
 
 
-def assert_same_results(runs: dict[str, Path], names: tuple[str, ...], rel: float = 1e-6) -> None:
-    """The ``*_results.json`` files hold the same keys and the same numbers (timings aside)."""
+def assert_same_results(runs: dict[str, Path], names: tuple[str, ...], rel: float = 0) -> None:
+    """The ``*_results.json`` files hold the same keys and the same numbers (timings aside), exactly unless a test
+    names a measured cause for ``rel``."""
     for name in names:
         theirs, ours = (read_json(runs[k] / name) for k in ("transformers", "hflight"))
         assert set(ours) == set(theirs), name
         for key, value in theirs.items():
             if not key.endswith(TIMINGS):
-                assert ours[key] == pytest.approx(value, rel=rel, abs=1e-9), (name, key, value, ours[key])
+                assert ours[key] == pytest.approx(value, rel=rel, abs=0), (name, key, value, ours[key])
 
 
-def assert_same_log_history(runs: dict[str, Path], min_losses: int, rel: float = 1e-6) -> None:
+def assert_same_log_history(runs: dict[str, Path], min_losses: int, rel: float = 0) -> None:
     """``trainer_state.json``'s ``log_history``: same entries, same keys, same losses, gradient norms, learning
     rates and evaluation metrics (timings aside)."""
     theirs, ours = (read_json(runs[k] / "trainer_state.json")["log_history"] for k in ("transformers", "hflight"))
     assert len(ours) == len(theirs) and sum("loss" in e for e in theirs) >= min_losses
-    for a, b in zip(theirs, ours):
+    for a, b in zip(theirs, ours, strict=True):
         assert set(a) == set(b), (a, b)
         for key, value in a.items():
             if not key.endswith(TIMINGS):
-                assert b[key] == pytest.approx(value, rel=rel, abs=1e-9), (a["step"], key, value, b[key])
+                assert b[key] == pytest.approx(value, rel=rel, abs=0), (a["step"], key, value, b[key])
 
 
 def files(folder: Path) -> set[str]:
@@ -86,3 +87,69 @@ def assert_same_files(runs: dict[str, Path], same_text: tuple[str, ...] = ("conf
     assert {f for f in ours if f.rsplit("/", 1)[-1] not in HFLIGHT_ONLY} == theirs
     for name in same_text:
         assert (runs["hflight"] / name).read_text() == (runs["transformers"] / name).read_text(), name
+
+
+def _same(a, b, where: str, differences: list[str]) -> None:
+    """Record where ``a`` and ``b`` (loaded checkpoint parts: tensors, numbers, containers) are not bit-identical."""
+    import numpy as np
+    import torch
+
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and np.array_equal(a, b)):
+            differences.append(where)
+    elif isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        same = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+        if not (same and a.shape == b.shape and torch.equal(a, b)):
+            differences.append(where)
+    elif isinstance(a, dict) and isinstance(b, dict):
+        if set(a) != set(b):
+            differences.append(f"{where}: keys {sorted(map(str, set(a) ^ set(b)))}")
+        for key in set(a) & set(b):
+            _same(a[key], b[key], f"{where}/{key}", differences)
+    elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and type(a) is type(b):
+        if len(a) != len(b):
+            differences.append(f"{where}: {len(a)} vs {len(b)} items")
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}/{i}", differences)
+    elif a != b and not (a != a and b != b):  # NaN equals NaN here
+        differences.append(f"{where}: {a!r} vs {b!r}")
+
+
+def _without_timings(state: dict) -> dict:
+    history = [{k: v for k, v in e.items() if not k.endswith(TIMINGS)} for e in state.get("log_history", [])]
+    return {**state, "log_history": history}
+
+
+#: what hflight adds to a file transformers also writes: the RNG state an epoch began with (a mid-epoch resume
+#: draws that epoch's order from it, docs/checkpoints.md)
+HFLIGHT_ADDITIONS = {"rng_state.pth": ("hflight_epoch_start",)}
+
+#: what each file holds, loaded for the comparison (training_args.bin holds each library's own arguments class)
+_LOADERS = {
+    ".safetensors": lambda path: __import__("safetensors.torch").torch.load_file(path),
+    "optimizer.pt": lambda path: __import__("torch").load(path, weights_only=True),
+    "scheduler.pt": lambda path: __import__("torch").load(path, weights_only=True),
+    "rng_state.pth": lambda path: __import__("torch").load(path, weights_only=False),
+    "trainer_state.json": lambda path: _without_timings(read_json(path)),
+}
+
+
+def assert_same_training_state(runs: dict[str, Path]) -> int:
+    """Every weights file, optimizer, scheduler, RNG state and ``trainer_state.json`` (timings aside) of the run
+    folder and its checkpoints, bit for bit between the two trainers. Returns how many files were compared."""
+    theirs, ours = runs["transformers"], runs["hflight"]
+    differences: list[str] = []
+    compared = 0
+    for relative in sorted(files(theirs)):
+        name = relative.rsplit("/", 1)[-1]
+        loader = next((load for suffix, load in _LOADERS.items() if name.endswith(suffix)), None)
+        if loader is None:
+            continue
+        mine = loader(ours / relative)
+        for key in HFLIGHT_ADDITIONS.get(name, ()):
+            mine.pop(key)  # hflight's own addition, named (KeyError if it is gone)
+        _same(loader(theirs / relative), mine, relative, differences)
+        compared += 1
+    assert not differences, differences[:20]
+    assert compared > 0
+    return compared

@@ -216,6 +216,26 @@ def test_dataloader_multiprocessing_context_and_order_reach_the_loader(tmp_path,
     assert loader.multiprocessing_context.get_start_method() == "spawn" and loader.in_order is False
 
 
+@pytest.mark.parametrize("persistent, workers", [(True, 2), (True, 0), (False, 2)])
+def test_dataloader_persistent_workers_as_transformers(tmp_path, factory, persistent, workers):
+    """Workers kept between epochs, in the training and the evaluation loader; asked for without workers, torch's
+    DataLoader refuses it for both trainers (hflight used to drop it silently)."""
+    seen = {}
+    for name, trainer_cls, args_cls in PAIRS:
+        args = args_cls(
+            str(tmp_path / name), dataloader_num_workers=workers, dataloader_persistent_workers=persistent,
+            report_to="none", use_cpu=True,
+        )  # fmt: skip
+        trainer = trainer_cls(factory.cls_model(), args, train_dataset=factory.cls_dataset(8))
+        try:
+            loaders = trainer.get_train_dataloader(), trainer.get_eval_dataloader(factory.cls_dataset(4))
+            seen[name] = [(loader.num_workers, loader.persistent_workers) for loader in loaders]
+        except ValueError as exc:
+            seen[name] = str(exc)
+    expected = "persistent_workers option needs num_workers > 0" if workers == 0 else [(workers, persistent)] * 2
+    assert seen["hl"] == seen["hf"] == expected
+
+
 def test_process_roles_follow_log_on_each_node_and_save_on_each_node(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "2")
@@ -323,18 +343,60 @@ def test_fsdp_arguments_configure_lightning_s_fsdp_strategy(factory, monkeypatch
         hflight.TrainingArguments("o", fsdp=True, strategy="ddp")
 
 
-def test_deepspeed_argument_asks_lightning_for_its_deepspeed_strategy():
+def test_deepspeed_argument_asks_lightning_for_its_deepspeed_strategy(monkeypatch):
     config = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto"}
     args = hflight.TrainingArguments("o", report_to="none")  # transformers' class needs deepspeed for the field
     args.deepspeed = config
     try:
         import deepspeed  # noqa: F401
     except ImportError:
-        with pytest.raises(Exception, match="deepspeed"):  # Lightning's own "install deepspeed" error
-            strategy_settings.deepspeed_strategy(args)
+        from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+        with pytest.raises(MisconfigurationException, match=r"must have DeepSpeed installed.*pip install -U deepspeed"):
+            strategy_settings.deepspeed_strategy(args)  # Lightning's own error, from its strategy's constructor
     else:
         resolved = strategy_settings.deepspeed_strategy(args).config
         assert resolved == {**config, "train_micro_batch_size_per_gpu": 8}
+
+    class Recorder:  # stands for Lightning's DeepSpeedStrategy: what hflight builds it with
+        def __init__(self, **kwargs):
+            self.kwargs = kwargs
+
+    import lightning.pytorch.strategies
+
+    monkeypatch.setattr(lightning.pytorch.strategies, "DeepSpeedStrategy", Recorder)
+    built = strategy_settings.deepspeed_strategy(args)
+    assert built.kwargs["config"] == {**config, "train_micro_batch_size_per_gpu": 8}
+    assert built.kwargs["config"] is not config  # the caller's dict is left as given
+    assert {k: v for k, v in built.kwargs.items() if k != "config"} == strategy_settings.process_group_settings(args)
+
+
+def test_finalize_deepspeed_fills_what_needs_the_model_and_refuses_accumulation(factory):
+    """The second half of the resolution, on the strategy's own config dict (Lightning keeps the dict it is given):
+    the scheduler's steps and ZeRO-3's buckets, gradient_accumulation_steps taken out (Lightning refuses it there)."""
+    import json
+    from types import SimpleNamespace
+
+    from hflight.arguments.deepspeed import DeepSpeedConfigResolver
+
+    model = factory.cls_model()
+    for accumulation, refused in ((1, False), (2, True)):
+        args = hflight.TrainingArguments("o", report_to="none", gradient_accumulation_steps=accumulation)
+        resolver = DeepSpeedConfigResolver(AUTO_EVERYWHERE)
+        resolver.process(args)
+        strategy = SimpleNamespace(config=resolver.config, hf_deepspeed_resolver=resolver)
+        if refused:
+            with pytest.raises(ValueError, match=r"gradient_accumulation_steps=2 with deepspeed"):
+                strategy_settings.finalize_deepspeed(strategy, args, model, 40)
+            continue
+        strategy_settings.finalize_deepspeed(strategy, args, model, 40)
+        expected = _transformers_resolution(AUTO_EVERYWHERE, args, model, 40)
+        expected.pop("gradient_accumulation_steps")
+        assert strategy.config == expected and "auto" not in json.dumps(strategy.config)
+        assert strategy.config["scheduler"]["params"]["total_num_steps"] == 40
+    untouched = SimpleNamespace(config={"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}})
+    strategy_settings.finalize_deepspeed(untouched, args, model, 40)  # not one deepspeed_strategy built: left alone
+    assert untouched.config == {"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}}
 
 
 def _transformers_resolution(config, args, model, num_training_steps):

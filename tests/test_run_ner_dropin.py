@@ -85,4 +85,8 @@ def test_the_same_logged_numbers(runs):
 
 def test_the_same_files(runs):
     dropin.assert_same_files(runs)
+
+
+def test_weights_optimizer_and_trainer_state_are_transformers_bit_for_bit(runs):
+    assert dropin.assert_same_training_state(runs) >= 4
     assert '"B-COL"' in (runs["hflight"] / "config.json").read_text()

@@ -76,4 +76,8 @@ def test_the_same_logged_numbers(runs):
 
 def test_the_same_files(runs):
     dropin.assert_same_files(runs, ("config.json", "generation_config.json", "README.md"))
+
+
+def test_weights_optimizer_and_trainer_state_are_transformers_bit_for_bit(runs):
+    assert dropin.assert_same_training_state(runs) >= 4
     assert '"forced_bos_token_id": 2' in (runs["hflight"] / "generation_config.json").read_text()

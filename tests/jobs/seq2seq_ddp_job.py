@@ -3,6 +3,7 @@ multi-process test of generated outputs.
 
     python tests/jobs/seq2seq_ddp_job.py OUT --devices 2     # two processes
     python tests/jobs/seq2seq_ddp_job.py OUT --devices 1     # one process
+    torchrun --nproc_per_node 2 tests/jobs/seq2seq_ddp_job.py OUT --library transformers   # transformers' own
 
 An untrained tiny BART (tests/seq2seq_data.py) generates up to 12 new tokens for 11 examples in batches of 2 per
 process, stopping at a frequent token, so generated lengths differ between batches and between processes, and the
@@ -22,15 +23,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import datasets  # noqa: E402
 import seq2seq_data  # noqa: E402
 import torch  # noqa: E402
+import transformers  # noqa: E402
 from transformers import DataCollatorForSeq2Seq  # noqa: E402
 
-from hflight import Seq2SeqTrainer, Seq2SeqTrainingArguments  # noqa: E402
+import hflight  # noqa: E402
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--library", choices=["hflight", "transformers"], default="hflight")
     opts = parser.parse_args()
     torch.set_num_threads(1)
     tokenizer = seq2seq_data.tokenizer(Path(opts.out) / f"tokenizer-{os.environ.get('LOCAL_RANK', '0')}")
@@ -41,9 +44,15 @@ def main():
                                        "labels": targets["input_ids"]})  # fmt: skip
     model = seq2seq_data.bart_model(len(tokenizer), dropout=0.0)
     model.generation_config.max_length = 2  # nothing padded to the model's length: batches keep their own lengths
-    args = Seq2SeqTrainingArguments(
-        output_dir=opts.out, accelerator="cpu", devices=opts.devices, strategy="ddp" if opts.devices > 1 else "auto",
-        per_device_eval_batch_size=2, predict_with_generate=True, report_to="none", disable_tqdm=True,
+    library = {"hflight": hflight, "transformers": transformers}[opts.library]
+    Seq2SeqTrainer = library.Seq2SeqTrainer  # noqa: N806
+    if opts.library == "hflight":  # Lightning launches the processes
+        where = {"accelerator": "cpu", "devices": opts.devices, "strategy": "ddp" if opts.devices > 1 else "auto"}
+    else:  # torchrun launched them
+        where = {"use_cpu": True, "ddp_backend": "gloo"}
+    args = library.Seq2SeqTrainingArguments(
+        output_dir=opts.out, per_device_eval_batch_size=2, predict_with_generate=True, report_to="none",
+        disable_tqdm=True, **where,
     )  # fmt: skip
 
     def compute_metrics(prediction):
@@ -59,12 +68,18 @@ def main():
     prediction = trainer.predict(data, max_new_tokens=12, eos_token_id=max(set(probe), key=probe.count))
     if trainer.is_world_process_zero():
         result = {
-            "world_size": trainer.lightning_trainer.world_size,
+            "world_size": trainer.lightning_trainer.world_size
+            if opts.library == "hflight"
+            else trainer.args.world_size,
             "predictions": prediction.predictions.tolist(),
             "label_ids": prediction.label_ids.tolist(),
             "metrics": prediction.metrics,
         }
         (Path(opts.out) / "result.json").write_text(json.dumps(result))
+    if opts.library == "transformers" and torch.distributed.is_initialized():
+        torch.distributed.barrier()  # the group ended here, not in the interpreter's teardown
+        del trainer
+        torch.distributed.destroy_process_group()
     return 0
 
 

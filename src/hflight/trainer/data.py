@@ -103,7 +103,7 @@ def make_dataloader(
         "collate_fn": collator,
         "num_workers": args.dataloader_num_workers,
         "pin_memory": args.dataloader_pin_memory and torch.cuda.is_available(),
-        "persistent_workers": args.dataloader_persistent_workers and args.dataloader_num_workers > 0,
+        "persistent_workers": args.dataloader_persistent_workers,  # without workers torch refuses it, as transformers
         "prefetch_factor": args.dataloader_prefetch_factor,
     }
     if args.dataloader_num_workers > 0:  # only worker processes have a start method and an order to keep
