@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import hflight._exit  # noqa: F401 - a stopped process's last exit callback, registered before the caller's
-from hflight._util import lazy_exports
+from hflight._util import lazy_exports  # also registers a stopped process's last exit callback
 from hflight.version import __version__ as __version__
 
 _EXPORTS = {

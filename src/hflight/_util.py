@@ -1,8 +1,13 @@
-"""Small helpers any layer may use: lazy package exports (PEP 562) and walking an exception's chain."""
+"""Small helpers any layer may use: lazy package exports (PEP 562), walking an exception's chain, and the last exit
+callback of a process a signal stopped (registered when ``hflight`` is imported, see
+:data:`IGNORE_WHILE_FINALIZING`)."""
 
 from __future__ import annotations
 
+import atexit
 import importlib
+import signal
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -33,3 +38,21 @@ def exception_chain(error: BaseException | None) -> Iterator[BaseException]:
         seen.add(id(error))
         yield error
         error = error.__cause__ or error.__context__
+
+
+#: Signals to ignore once the exit callbacks have run, filled by ``hflight.run.interrupt`` when a signal stops a run.
+#: After the exit callbacks Python gives every signal it handles its default action back, then tears its modules down
+#: (more than a second with torch imported); a SIGTERM arriving there would end the process by the signal instead of
+#: with the stop's exit status, as when srun's ``--kill-on-bad-exit`` sends it to a requeued job's task that is still
+#: exiting. Ignored signals stay ignored through that teardown.
+IGNORE_WHILE_FINALIZING: set[int] = set()
+
+
+def _ignore_signals_while_finalizing() -> None:
+    if IGNORE_WHILE_FINALIZING and threading.current_thread() is threading.main_thread():
+        for signum in IGNORE_WHILE_FINALIZING:
+            signal.signal(signum, signal.SIG_IGN)
+
+
+# registered when hflight is first imported, so it runs after the exit callbacks registered later (last in, first out)
+atexit.register(_ignore_signals_while_finalizing)

@@ -64,7 +64,7 @@ from typing import Any
 
 import torch
 
-from hflight._exit import IGNORE_WHILE_FINALIZING
+from hflight._util import IGNORE_WHILE_FINALIZING
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class _QuietAtExit:
     def register(self, signum: int | None = None) -> None:
         if signum is not None and signum not in self.signals:
             self.signals = (*self.signals, signum)
-        IGNORE_WHILE_FINALIZING.update(self.signals)  # and ignored after the exit callbacks (hflight._exit)
+        IGNORE_WHILE_FINALIZING.update(self.signals)  # and ignored after the exit callbacks (hflight._util)
         if not self.registered:
             self.registered = True
             atexit.register(self)
