@@ -51,6 +51,24 @@ def _timing(key: str) -> bool:
     return any(t in key for t in TIMINGS)
 
 
+def _assert_same_series(theirs: dict, ours: dict) -> int:
+    """Per tag or metric, the same (step, value) points; timings by their steps only. Returns how many points."""
+    assert set(ours) == set(theirs)
+    for key, points in theirs.items():
+        if _timing(key):
+            assert [step for step, _ in ours[key]] == [step for step, _ in points], key
+        else:
+            assert ours[key] == points, key
+    return sum(len(points) for points in theirs.values())
+
+
+def _assert_same_but_hflight_fields(theirs: dict, ours: dict) -> None:
+    """Logged hyperparameters: hflight's own TrainingArguments fields are the one addition (where any were logged);
+    every other key and value is transformers'."""
+    assert set(ours) - set(theirs) == (HFLIGHT_FIELDS if ours else set())
+    assert {k: v for k, v in ours.items() if k not in HFLIGHT_FIELDS} == theirs
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tracking")
@@ -94,19 +112,15 @@ def test_tensorboard_scalars_and_texts_are_transformers(runs):
     for their_file, our_file in zip(theirs, ours, strict=True):
         (their_scalars, their_texts), (our_scalars, our_texts) = _tensorboard(their_file), _tensorboard(our_file)
         assert list(our_scalars) == list(their_scalars)  # the same tags, first written in the same order
-        for tag, values in their_scalars.items():
-            if _timing(tag):
-                assert [s for s, _ in our_scalars[tag]] == [s for s, _ in values], tag
-            else:
-                assert our_scalars[tag] == values, tag
-            compared += len(values)
+        compared += _assert_same_series(their_scalars, our_scalars)
         assert set(our_texts) == set(their_texts)
         for tag, texts in their_texts.items():
             if tag.startswith("args/"):
-                texts, mine = [json.loads(t) for t in texts], [json.loads(t) for t in our_texts[tag]]
-                assert [set(m) - set(t) for m, t in zip(mine, texts)] == [HFLIGHT_FIELDS] * len(texts)
-                our_texts[tag] = [{k: v for k, v in m.items() if k not in HFLIGHT_FIELDS} for m in mine]
-            assert our_texts[tag] == texts, tag
+                assert len(our_texts[tag]) == len(texts)
+                for theirs_json, ours_json in zip(texts, our_texts[tag]):
+                    _assert_same_but_hflight_fields(json.loads(theirs_json), json.loads(ours_json))
+            else:
+                assert our_texts[tag] == texts, tag
     assert {"train/loss", "train/grad_norm", "train/learning_rate", "eval/loss", "train/train_loss"} <= set(
         _tensorboard(ours[0])[0]
     )
@@ -140,16 +154,8 @@ def test_mlflow_runs_metrics_params_and_tags_are_transformers(runs):
     for (their_run, their_metrics), (our_run, our_metrics) in zip(theirs, ours, strict=True):
         assert our_run.info.run_name == their_run.info.run_name
         assert our_run.info.status == their_run.info.status == "FINISHED"
-        assert set(our_metrics) == set(their_metrics)
-        for key, history in their_metrics.items():
-            if _timing(key):
-                assert [s for s, _ in our_metrics[key]] == [s for s, _ in history], key
-            else:
-                assert our_metrics[key] == history, key
-            compared += len(history)
-        params = dict(our_run.data.params)
-        assert {k for k in params if k not in their_run.data.params} == (HFLIGHT_FIELDS if params else set())
-        assert {k: v for k, v in params.items() if k not in HFLIGHT_FIELDS} == their_run.data.params
+        compared += _assert_same_series(their_metrics, our_metrics)
+        _assert_same_but_hflight_fields(their_run.data.params, our_run.data.params)
         assert our_run.data.tags == their_run.data.tags
     assert theirs[0][0].info.run_name == "tiny-run" and len(theirs[0][0].data.params) > 100
     assert [s for s, _ in theirs[0][1]["loss"]] == list(range(1, 9)) and compared >= 40
@@ -178,8 +184,8 @@ def test_wandb_history_config_and_run_are_transformers(runs):
             compared += 1
     assert [r["train/global_step"] for r in their_rows if "train/loss" in r] == list(range(1, 9))
     their_config.pop("_wandb", None), our_config.pop("_wandb", None)  # W&B's own bookkeeping, where it writes it
-    assert {k for k in our_config if k not in their_config} == HFLIGHT_FIELDS
-    assert {k: v for k, v in our_config.items() if k not in HFLIGHT_FIELDS} == their_config
+    assert our_config and set(our_config) - set(their_config) == HFLIGHT_FIELDS
+    _assert_same_but_hflight_fields(their_config, our_config)
     assert their_config["learning_rate"] == 1e-3 and "model/num_parameters" in their_config
     assert compared >= 40
 

@@ -13,7 +13,6 @@ logger). Other Lightning loggers are passed as instances in ``callbacks=`` (see 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 __all__ = ["LIGHTNING_NAMES", "INSTALL", "integration_callbacks", "lightning_names", "report_to_names"]
@@ -92,9 +91,3 @@ def integration_callbacks(report_to: Any) -> list[Any]:
             install = INSTALL.get(name, name)
             raise ImportError(f"report_to={name!r} needs its package: pip install {install} ({exc})") from exc
     return callbacks
-
-
-def names_in(callbacks: Iterable[Any]) -> list[str]:
-    """The integration names whose callbacks are among ``callbacks`` (for messages and the command line)."""
-    classes = {cls: name for name, cls in _integrations().items()}
-    return [classes[type(cb)] for cb in callbacks if type(cb) in classes]

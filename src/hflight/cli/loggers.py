@@ -82,18 +82,23 @@ def logger_environment(options: Any, args: TrainingArguments) -> Iterator[None]:
                 os.environ[name] = value
 
 
+def _composed_config(cfg: DictConfig) -> Any:
+    """The composed config as plain containers, resolved where it can be (an interpolation only Hydra's job can
+    resolve is kept as written)."""
+    from omegaconf import OmegaConf
+
+    try:
+        return OmegaConf.to_container(cfg, resolve=True)
+    except Exception:  # noqa: BLE001 - e.g. ${hydra:...} outside a Hydra job
+        return OmegaConf.to_container(cfg, resolve=False)
+
+
 class ConfigHyperparameters(L.Callback):
     """Gives the composed config to every logger of a run as hyperparameters (``config/...``; the training
     arguments go under ``training_args/...`` when the loggers are built)."""
 
     def __init__(self, cfg: DictConfig) -> None:
-        from omegaconf import OmegaConf
-
-        try:
-            config = OmegaConf.to_container(cfg, resolve=True)
-        except Exception:  # noqa: BLE001 - an interpolation only Hydra's job can resolve: log it as written
-            config = OmegaConf.to_container(cfg, resolve=False)
-        self.hyperparameters = {"config": config}
+        self.hyperparameters = {"config": _composed_config(cfg)}
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -108,12 +113,7 @@ class ConfigToIntegrations(TrainerCallback):
     callback list (``trainer.callback_handler.callbacks``), read when training begins."""
 
     def __init__(self, cfg: DictConfig, callbacks: list[Any]) -> None:
-        from omegaconf import OmegaConf
-
-        try:
-            self.config = OmegaConf.to_container(cfg, resolve=True)
-        except Exception:  # noqa: BLE001 - an interpolation only Hydra's job can resolve: log it as written
-            self.config = OmegaConf.to_container(cfg, resolve=False)
+        self.config = _composed_config(cfg)
         self.callbacks = callbacks
         self.given: set[str] = set()  # once per run: evaluate() after train() logs to the same runs
 
