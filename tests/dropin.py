@@ -4,9 +4,12 @@ the two output folders number for number."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,30 +23,56 @@ TIMINGS = ("_runtime", "_samples_per_second", "_steps_per_second")
 HFLIGHT_ONLY = {"checkpoint_manifest.json"}
 
 
-def run(folder: Path, example: str, original: str, changed: str | None, args: list[str]) -> Path:
-    """Copy ``tests/scripts/<example>`` to ``folder`` and run ``<example>.py`` with ``args`` (``--output_dir`` is
-    ``folder/out``), after replacing the line ``original`` by ``changed`` when given; returns the output folder."""
-    shutil.copytree(SCRIPTS / example, folder)
-    script = folder / f"{example}.py"
-    source = script.read_text(encoding="utf-8")
-    assert source.count(original) == 1
-    if changed is not None:
-        script.write_text(source.replace(original, changed), encoding="utf-8")
-    command = [sys.executable, script.name, *args, "--output_dir", str(folder / "out"), "--seed", "0",
-               "--report_to", "none", "--disable_tqdm", "true"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "src"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "OMP_NUM_THREADS": "1"}  # fmt: skip
-    result = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=600)
-    (folder / "console.txt").write_text(result.stdout + result.stderr, encoding="utf-8")
-    assert result.returncode == 0, f"{folder.name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
-    return folder / "out"
+#: how transformers users start several processes: the script under torchrun, nothing else named
+TORCHRUN_2 = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node=2"]
 
 
-def both(root: Path, example: str, original: str, changed: str, args: list[str]) -> dict[str, Path]:
-    return {
-        "transformers": run(root / "transformers", example, original, None, args),
-        "hflight": run(root / "hflight", example, original, changed, args),
-    }
+class Job:
+    """``tests/scripts/<example>`` copied to ``folder`` and ``<example>.py`` started with ``args`` (``--output_dir``
+    is ``folder/out``), after replacing the line ``original`` by ``changed`` when given; ``launcher``: the command
+    that starts the script (``python``, or :data:`TORCHRUN_2`). :meth:`out` waits for it and returns the output
+    folder."""
+
+    def __init__(self, folder: Path, example: str, original: str, changed: str | None, args: list[str],
+                 launcher: list[str] | None = None) -> None:  # fmt: skip
+        shutil.copytree(SCRIPTS / example, folder)
+        script = folder / f"{example}.py"
+        source = script.read_text(encoding="utf-8")
+        assert source.count(original) == 1
+        if changed is not None:
+            script.write_text(source.replace(original, changed), encoding="utf-8")
+        command = [*(launcher or [sys.executable]), script.name, *args, "--output_dir", str(folder / "out"),
+                   "--seed", "0", "--report_to", "none", "--disable_tqdm", "true"]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "src"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+               "OMP_NUM_THREADS": "1"}  # fmt: skip
+        self.folder = folder
+        self.process = subprocess.Popen(command, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True, start_new_session=True)  # fmt: skip
+
+    def out(self) -> Path:
+        try:
+            stdout, stderr = self.process.communicate(timeout=600)
+        finally:  # a hung job (ranks disagreeing on a collective): its whole session goes
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+        (self.folder / "console.txt").write_text(stdout + stderr, encoding="utf-8")
+        assert self.process.returncode == 0, f"{self.folder.name} failed:\n{stdout[-3000:]}\n{stderr[-5000:]}"
+        return self.folder / "out"
+
+
+def run(folder: Path, example: str, original: str, changed: str | None, args: list[str],
+        launcher: list[str] | None = None) -> Path:  # fmt: skip
+    """One :class:`Job`, waited for; returns its output folder."""
+    return Job(folder, example, original, changed, args, launcher).out()
+
+
+def both(root: Path, example: str, original: str, changed: str, args: list[str],
+         launcher: list[str] | None = None) -> dict[str, Path]:  # fmt: skip
+    """The script as written (``transformers``) and with its import changed (``hflight``), side by side (each job
+    takes one thread per process)."""
+    jobs = {"transformers": Job(root / "transformers", example, original, None, args, launcher),
+            "hflight": Job(root / "hflight", example, original, changed, args, launcher)}  # fmt: skip
+    return {name: job.out() for name, job in jobs.items()}
 
 
 def read_json(path: Path) -> dict:
@@ -121,16 +150,16 @@ def _without_timings(state: dict) -> dict:
 
 
 #: what hflight adds to a file transformers also writes: the RNG state an epoch began with (a mid-epoch resume
-#: draws that epoch's order from it, docs/checkpoints.md)
-HFLIGHT_ADDITIONS = {"rng_state.pth": ("hflight_epoch_start",)}
+#: draws that epoch's order from it, docs/checkpoints.md); one RNG file per process with several
+HFLIGHT_ADDITIONS = {r"rng_state(_\d+)?\.pth": ("hflight_epoch_start",)}
 
 #: what each file holds, loaded for the comparison (training_args.bin holds each library's own arguments class)
 _LOADERS = {
-    ".safetensors": lambda path: __import__("safetensors.torch").torch.load_file(path),
-    "optimizer.pt": lambda path: __import__("torch").load(path, weights_only=True),
-    "scheduler.pt": lambda path: __import__("torch").load(path, weights_only=True),
-    "rng_state.pth": lambda path: __import__("torch").load(path, weights_only=False),
-    "trainer_state.json": lambda path: _without_timings(read_json(path)),
+    r".*\.safetensors": lambda path: __import__("safetensors.torch").torch.load_file(path),
+    r"optimizer\.pt": lambda path: __import__("torch").load(path, weights_only=True),
+    r"scheduler\.pt": lambda path: __import__("torch").load(path, weights_only=True),
+    r"rng_state(_\d+)?\.pth": lambda path: __import__("torch").load(path, weights_only=False),
+    r"trainer_state\.json": lambda path: _without_timings(read_json(path)),
 }
 
 
@@ -142,11 +171,12 @@ def assert_same_training_state(runs: dict[str, Path]) -> int:
     compared = 0
     for relative in sorted(files(theirs)):
         name = relative.rsplit("/", 1)[-1]
-        loader = next((load for suffix, load in _LOADERS.items() if name.endswith(suffix)), None)
+        loader = next((load for pattern, load in _LOADERS.items() if re.fullmatch(pattern, name)), None)
         if loader is None:
             continue
         mine = loader(ours / relative)
-        for key in HFLIGHT_ADDITIONS.get(name, ()):
+        additions = next((keys for pattern, keys in HFLIGHT_ADDITIONS.items() if re.fullmatch(pattern, name)), ())
+        for key in additions:
             mine.pop(key)  # hflight's own addition, named (KeyError if it is gone)
         _same(loader(theirs / relative), mine, relative, differences)
         compared += 1

@@ -49,11 +49,10 @@ SKIPPED: dict[str, str] = {
     "+experiment=mrc_squad trainer=ddp args.num_nodes=2 args.devices=4 hydra.run.dir=outputs/multinode": (
         "two machines with 4 GPUs each, and the hub (mrc_squad downloads SQuAD and bert-base-uncased)"
     ),
-    "torchrun --standalone --nproc_per_node=2 --max-restarts=3 train.py +experiment=mrc trainer=ddp_cpu "
+    "torchrun --standalone --nproc_per_node=2 --max-restarts=3 train.py +experiment=mrc "
     "hydra.run.dir=outputs/elastic": "tests/test_elastic.py runs it as written, with a worker killed mid-run",
     "torchrun --nnodes=2 --nproc_per_node=1 --rdzv-backend=c10d --rdzv-endpoint=$HEAD_NODE:29400 --max-restarts=3 "
-    "train.py +experiment=mrc trainer=ddp_cpu args.num_nodes=2 args.devices=1 args.save_on_each_node=true "
-    "hydra.run.dir=outputs/two_nodes": (
+    "train.py +experiment=mrc args.save_on_each_node=true hydra.run.dir=outputs/two_nodes": (
         "tests/test_elastic.py runs it on two 'nodes' on 127.0.0.1, with a worker killed while it writes a checkpoint"
     ),
     "sbatch examples/slurm/train.sbatch": (

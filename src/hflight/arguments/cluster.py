@@ -31,9 +31,12 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "Layout",
     "Ranks",
     "environment",
     "job_identity",
+    "launched_layout",
+    "launched_world_size",
     "parse_requeue_signal",
     "ranks",
     "restart",
@@ -109,6 +112,50 @@ def ranks(num_nodes: int = 1) -> Ranks | None:
         env = (LSFEnvironment if kind == "lsf" else MPIEnvironment)()
         return Ranks(env.world_size(), env.global_rank(), env.local_rank(), env.node_rank())
     return None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How an external launcher spread its processes: ``devices`` processes on each of ``num_nodes`` nodes (the
+    ``lightning.Trainer`` arguments that span exactly those processes)."""
+
+    devices: int
+    num_nodes: int
+
+
+def launched_layout() -> Layout | None:
+    """The processes per node and the nodes torchrun or srun started, when they started more than one process (None
+    otherwise, and for Lightning's own launch, which reads ``devices``/``num_nodes`` instead of setting them).
+
+    transformers' ``Trainer`` under torchrun trains data-parallel over every process the launcher started, with
+    nothing named; Lightning does so only when ``devices`` x ``num_nodes`` equals that world, so hflight derives them
+    from the launcher: torchrun's ``LOCAL_WORLD_SIZE`` and ``WORLD_SIZE``, srun's ``SLURM_NTASKS_PER_NODE`` (else
+    ``SLURM_NTASKS`` / ``SLURM_NNODES``) and ``SLURM_NNODES``.
+    """
+    kind = environment()
+    if kind == "torchelastic":
+        world = _int("WORLD_SIZE", 1)
+        per_node = _int("LOCAL_WORLD_SIZE", world) or world
+    elif kind == "slurm":
+        world = _int("SLURM_NTASKS", 1)
+        nodes = _int("SLURM_NNODES", 0) or _int("SLURM_JOB_NUM_NODES", 1) or 1
+        per_node = _int("SLURM_NTASKS_PER_NODE", 0) or max(1, world // nodes)
+    else:
+        return None
+    if world <= 1:
+        return None
+    return Layout(devices=per_node, num_nodes=max(1, world // max(1, per_node)))
+
+
+def launched_world_size() -> int | None:
+    """How many processes the external launcher started (torchrun, srun, LSF, MPI), or the size of a
+    ``torch.distributed`` group this process already joined; None for one process or Lightning's own launch."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    launched = ranks()
+    return launched.world_size if launched is not None else None
 
 
 def restart() -> tuple[str, int] | None:

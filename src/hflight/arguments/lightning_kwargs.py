@@ -106,6 +106,19 @@ def _devices(value: Any) -> Any:
     return value
 
 
+def spanned_layout(args: Any) -> tuple[Any, int]:
+    """``devices`` and ``num_nodes`` for ``lightning.Trainer``: the arguments' own, except that under an external
+    launcher (torchrun, srun) ``devices="auto"`` means one device per process the launcher started on this node, and
+    ``num_nodes`` left at 1 means the launcher's nodes, so that the run spans every launched process, data-parallel,
+    as transformers' ``Trainer`` does with nothing named (``hflight.arguments.cluster.launched_layout``). Values the
+    arguments set otherwise stay; a run that then does not span the launched processes is refused when it starts."""
+    devices, num_nodes = _devices(args.devices), args.num_nodes
+    layout = cluster.launched_layout()
+    if layout is None:
+        return devices, num_nodes
+    return (layout.devices if devices == "auto" else devices), (layout.num_nodes if num_nodes == 1 else num_nodes)
+
+
 def strategy_for(args: Any, model: Any = None) -> Any:
     """``args.strategy``; for "auto", the strategy a backend accelerator needs (``accelerator="ipu"`` runs the IPU
     strategy, which Lightning 2.x no longer picks by itself); transformers' ``ddp_*``, ``fsdp`` and ``deepspeed``
@@ -145,11 +158,12 @@ def lightning_trainer_kwargs(
     strategy = strategy_for(args, model) if strategy is None else strategy
     given = [cb for cb in callbacks if isinstance(cb, Logger)]  # Lightning loggers passed in callbacks=
     callbacks = [cb for cb in callbacks if not isinstance(cb, Logger)]
+    devices, num_nodes = spanned_layout(args)
     kwargs = {
         "accelerator": accelerator_for(args, strategy),
-        "devices": _devices(args.devices),
+        "devices": devices,
         "strategy": strategy,
-        "num_nodes": args.num_nodes,
+        "num_nodes": num_nodes,
         "precision": precision_for(args, strategy),
         "max_epochs": -1,  # the facade sets the real bound once the loader length is known
         "max_steps": -1,  # HF's TrainerControl stops the run (DefaultFlowCallback at max_steps)

@@ -256,14 +256,15 @@ def save_model(facade: TrainerSurface, output_dir: str, backend: Any) -> None:
             backend.hf_save_files(output_dir)
 
 
-def run_arguments(args: Any, world_size: int, plan: Any) -> dict[str, Any]:
+def run_arguments(args: Any, world_size: int, plan: Any, num_nodes: int | None = None) -> dict[str, Any]:
     """The values of :data:`RUN_ARGUMENTS` for the running ``train()`` (recorded in the manifest); ``plan`` is the
-    run's ``TrainingPlan`` (None before the fit planned it)."""
+    run's ``TrainingPlan`` (None before the fit planned it); ``num_nodes``: the nodes the run spans (the arguments'
+    when not given)."""
     values = {name: getattr(args, name, None) for name in RUN_ARGUMENTS}
     strategy = args.train_sampling_strategy
     values["train_sampling_strategy"] = str(getattr(strategy, "value", strategy))
     values["world_size"] = world_size
-    values["num_nodes"] = getattr(args, "num_nodes", 1)
+    values["num_nodes"] = num_nodes if num_nodes is not None else getattr(args, "num_nodes", 1)
     values["num_examples"] = plan.num_examples if plan is not None else None
     return values
 
@@ -308,7 +309,7 @@ def save_checkpoint(facade: TrainerSurface, run: RunView, trial: Any = None) -> 
         if is_main:
             write_trainer_state(facade, tracker)
             tracker.file = MANIFEST_NAME
-            run_args = run_arguments(args, world.size, run.plan)
+            run_args = run_arguments(args, world.size, run.plan, run.lightning_trainer.num_nodes)
             write_manifest(tmp_dir, state.global_step, bool(args.save_only_model), run_args, checksums, progress)
         # Every writer's folder is complete before any is published (save_on_each_node: one writer per node, each on
         # its own disk): a writer whose peer died mid-write fails here instead of publishing a checkpoint the other

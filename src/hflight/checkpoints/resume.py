@@ -189,13 +189,15 @@ def _is_model_only(folder: Path, manifest: dict[str, Any] | None) -> bool:
 
 
 # ---- positioning the run -------------------------------------------------------------------------------------------
-def resumed_state(facade: TrainerSurface, point: ResumePoint, world_size: int, plan: Any) -> TrainerState:
+def resumed_state(
+    facade: TrainerSurface, point: ResumePoint, world_size: int, plan: Any, num_nodes: int | None = None
+) -> TrainerState:
     """The checkpoint's ``TrainerState`` for the run being started (``facade.state``: its fresh state): the
     checkpoint's progress with this run's cadence and batch size, a vanished best checkpoint dropped, the callbacks'
     saved states restored into the facade's callbacks; warns when the run's arguments differ from the checkpoint's."""
     fresh, state = facade.state, point.state
     compare_trainer_and_checkpoint_args(facade.args, state)  # transformers' warning, in its words
-    _warn_changed_arguments(facade, point, run_arguments(facade.args, world_size, plan))
+    _warn_changed_arguments(facade, point, run_arguments(facade.args, world_size, plan, num_nodes))
     # HF keeps the checkpoint's logging/eval/save steps; the arguments of the run being started win here.
     for name in ("logging_steps", "eval_steps", "save_steps", "train_batch_size"):
         setattr(state, name, getattr(fresh, name))

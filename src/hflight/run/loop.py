@@ -101,7 +101,8 @@ class TrainingLoop:
         facade.state.compute_steps(facade.args, plan.max_steps)
         epochs_trained, skip = 0, 0
         if run.resume is not None:
-            facade.state = resume.resumed_state(facade, run.resume, run.world.size, plan)
+            nodes = run.lightning_trainer.num_nodes
+            facade.state = resume.resumed_state(facade, run.resume, run.world.size, plan, nodes)
             facade._load_callback_state()  # transformers' override point, at its moment: right after the state
             epochs_trained, skip = plan.resume_position(facade.state.global_step, facade.args.ignore_data_skip)
             datamodule.resume_at(

@@ -82,7 +82,11 @@ class HFModule(L.LightningModule):
         model = self.backend.hf_training_model(self.model)
         if self._compiled is not None and model is self.model:  # a backend that runs its own graph is not compiled
             model = self._compiled
-        loss = facade.training_step(model, batch.inputs, batch.num_items_in_batch)
+        # a micro-batch before the cycle's last keeps its gradients local (DDP's no_sync, as accelerate's accumulate)
+        strategy = self.trainer.strategy
+        local = contextlib.nullcontext() if batch.is_last else self.backend.hf_gradients_stay_local(strategy)
+        with local:
+            loss = facade.training_step(model, batch.inputs, batch.num_items_in_batch)
         loop.add_loss(loss, batch.inputs)
         if batch.is_last:
             self._optimizer_step(batch)

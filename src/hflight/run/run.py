@@ -79,6 +79,7 @@ class Run:
         )
         with quiet_lightning():
             self.lightning_trainer = L.Trainer(**kwargs)
+        cluster.check_spans_launch(self.lightning_trainer, facade.args)  # never N copies of a one-process run
         self.world = World(self.lightning_trainer)
         # hflight's checkpoints only: never Lightning's hpc_ckpt_*.ckpt; a torchrun attempt's own process group
         cluster.no_lightning_hpc_restore(self.lightning_trainer, report=self.world.rank == 0)

@@ -225,7 +225,7 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
         return steps.initial_training_values(self, args, dataloader, self._backend(), self._train_batch_size)
 
     def store_flos(self) -> None:
-        self.state.total_flos += self.current_flos
+        self.state.total_flos += steps.flos_of_every_process(self.current_flos, self._world(), self.args.device)
         self.current_flos = 0
 
     # ---- training ----------------------------------------------------------------------------------------------

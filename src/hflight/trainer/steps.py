@@ -176,6 +176,14 @@ def count_items_in_cycle(trainer: TrainerSurface, batches: list[Any], backend: A
     return count
 
 
+def flos_of_every_process(flos: float, world: Any, device: torch.device) -> float:
+    """``store_flos``: the operations this process counted since the last call, summed over the processes when
+    several train together (as transformers gathers them: float32 values, summed)."""
+    if world.size <= 1:
+        return flos
+    return world.gather(torch.tensor([flos], dtype=torch.float32, device=device)).sum().item()
+
+
 def floating_point_ops(model: nn.Module, inputs: dict[str, Any], num_params: int) -> int:
     """transformers' estimate of a batch's training FLOPs: 6 x tokens x parameters (embeddings excluded)."""
     main_input = getattr(model, "main_input_name", "input_ids")

@@ -1,0 +1,131 @@
+"""Several processes as transformers users launch them (issue 35, item 0): the example scripts of the drop-in tests
+(``run_clm``, ``run_glue``) run under a plain ``torchrun --standalone --nproc_per_node=2``, nothing named (no
+strategy, no devices), once as written and once with the trainer import changed to hflight's. transformers'
+Trainer trains data-parallel over both processes (on a machine without GPUs only with ``--use_cpu``: accelerate
+starts its CPU data parallelism for ``use_cpu`` alone, and without it each process trains alone and warns); hflight
+does with or without it: the same losses, gradient norms, learning rates, metrics, predictions, files, and weights,
+optimizer, scheduler and every rank's RNG state bit for bit.
+
+Before hflight spanned the launched processes, each rank trained a one-process copy of the run on all the data
+(the losses of a one-process run, not transformers'), and rank 1 crashed writing into a checkpoint folder rank 0
+had not made ("Parent directory .../.tmp-checkpoint-N does not exist"). The last test launches a script that asks
+for one device per process under torchrun: refused before training, naming both sizes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from . import dropin
+from . import test_run_clm_dropin as clm
+from . import test_run_glue_dropin as glue
+
+pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
+
+CLM_ARGS = [
+    "--block_size", "16", "--do_train", "--do_eval",
+    "--per_device_train_batch_size", "2", "--per_device_eval_batch_size", "4", "--gradient_accumulation_steps", "2",
+    "--learning_rate", "2e-3", "--num_train_epochs", "2", "--logging_steps", "1",
+    "--eval_strategy", "epoch", "--save_steps", "5", "--save_total_limit", "2",
+]  # fmt: skip
+GLUE_ARGS = [
+    "--do_train", "--do_eval", "--do_predict", "--max_seq_length", "24", "--pad_to_max_length", "false",
+    "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4",
+    "--learning_rate", "2e-3", "--num_train_epochs", "2", "--logging_steps", "1",
+    "--eval_strategy", "epoch", "--save_steps", "5", "--save_total_limit", "1",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, dict[str, Path]]:
+    """The four torchrun jobs at once (two processes each, one thread per process)."""
+    root = tmp_path_factory.mktemp("torchrun_dropin")
+    clm_in, glue_in = clm._inputs(root / "clm_inputs"), glue._inputs(root / "glue_inputs")
+    clm_args = ["--model_name_or_path", str(clm_in["model"]), "--train_file", str(clm_in["train"]),
+                "--validation_file", str(clm_in["validation"]), *CLM_ARGS]  # fmt: skip
+    glue_args = ["--model_name_or_path", str(glue_in["model"]), "--train_file", str(glue_in["train"]),
+                 "--validation_file", str(glue_in["validation"]), "--test_file", str(glue_in["test"]),
+                 *GLUE_ARGS]  # fmt: skip
+    # run_glue: hflight's without --use_cpu, as a user of a machine without GPUs writes it; transformers' with it,
+    # since without it accelerate does not start data parallelism on the CPU and each process trains alone
+    jobs = {
+        (example, library): dropin.Job(
+            root / example / library,
+            example,
+            clm.ORIGINAL_IMPORT,
+            None if library == "transformers" else clm.CHANGED_IMPORT,
+            [*args, *(["--use_cpu"] if library == "transformers" else [])],
+            launcher=dropin.TORCHRUN_2,
+        )  # fmt: skip
+        for example, args in (("run_clm", clm_args), ("run_glue", glue_args))
+        for library in ("transformers", "hflight")
+    }
+    outs: dict[str, dict[str, Path]] = {"run_clm": {}, "run_glue": {}}
+    for (example, library), job in jobs.items():
+        outs[example][library] = job.out()
+    return outs
+
+
+@pytest.mark.parametrize("example", ["run_clm", "run_glue"])
+def test_the_same_metrics_and_logged_numbers_as_transformers_ddp(runs, example):
+    both = runs[example]
+    dropin.assert_same_results(both, ("eval_results.json", "train_results.json", "all_results.json"))
+    dropin.assert_same_log_history(both, min_losses=5)
+
+
+@pytest.mark.parametrize("example", ["run_clm", "run_glue"])
+def test_the_same_files_weights_optimizer_and_rank_states(runs, example):
+    both = runs[example]
+    dropin.assert_same_files(both)
+    assert dropin.assert_same_training_state(both) >= 6
+    checkpoints = sorted(both["hflight"].glob("checkpoint-*"))
+    assert checkpoints
+    for folder in checkpoints:  # one RNG file per process, as transformers writes them
+        assert sorted(p.name for p in folder.glob("rng_state*")) == ["rng_state_0.pth", "rng_state_1.pth"]
+        manifest = json.loads((folder / "checkpoint_manifest.json").read_text())
+        assert (manifest["run"]["world_size"], manifest["run"]["num_nodes"]) == (2, 1)
+
+
+def test_the_same_predictions_under_torchrun(runs):
+    both = runs["run_glue"]
+    ours, theirs = ((both[k] / "predict_results.txt").read_text(encoding="utf-8") for k in ("hflight", "transformers"))
+    assert ours == theirs and len(ours.splitlines()) == 17
+
+
+SPANS_ONE = """
+import sys
+import torch
+from hflight import Trainer, TrainingArguments
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(2, 1)
+
+    def forward(self, x, labels=None):
+        return {"loss": ((self.linear(x).squeeze(-1) - labels) ** 2).mean()}
+
+data = [{"x": torch.ones(2), "labels": torch.tensor(1.0)}] * 8
+args = TrainingArguments(output_dir=sys.argv[1], devices=1, report_to="none", use_cpu=True)
+Trainer(Tiny(), args, train_dataset=data).train()
+"""
+
+
+def test_a_strategy_that_does_not_span_the_launched_processes_is_refused(tmp_path):
+    """``devices=1`` under ``torchrun --nproc_per_node=2``: two processes launched, a strategy of one: refused before
+    any step, naming both sizes and what to set (never two copies of a one-process run)."""
+    script = tmp_path / "spans_one.py"
+    script.write_text(SPANS_ONE, encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": str(dropin.REPO_ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([*dropin.TORCHRUN_2, str(script), str(tmp_path / "out")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert "2 processes were launched (torchelastic: WORLD_SIZE=2, LOCAL_WORLD_SIZE=2)" in output, output[-3000:]
+    assert "SingleDeviceStrategy spans 1 (devices=1, num_nodes=1" in output
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("checkpoint-*"))
