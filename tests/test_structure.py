@@ -54,6 +54,13 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # Backends: the Lightning side (accelerators, strategies, precision, sessions) plugs into the run's hooks only.
     "hflight.ipu": ("hflight.ipu", "hflight.run.backend", "hflight.arguments", "hflight.checkpoints", *BOTTOM),
     "hflight.ort": ("hflight.ort", "hflight.run.backend", "hflight.arguments", "hflight.checkpoints", *BOTTOM),
+    "hflight.sharding": (
+        "hflight.sharding",
+        "hflight.run.backend",
+        "hflight.arguments",
+        "hflight.checkpoints",
+        *BOTTOM,
+    ),  # fmt: skip
     # ... and the optimum-compatible trainers subclass the facade.
     "hflight.ipu.trainer": (
         "hflight.ipu",

@@ -11,16 +11,32 @@ message saying what to install.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
+from typing import Any
 
-__all__ = ["BACKEND_PACKAGES", "DEFAULT_STRATEGIES", "STRATEGY_ACCELERATORS", "register_backends"]
+__all__ = [
+    "BACKEND_PACKAGES",
+    "DEFAULT_STRATEGIES",
+    "SHARDING_STRATEGIES",
+    "STRATEGY_ACCELERATORS",
+    "register_backends",
+]
 
 #: accelerator name -> the strategy hflight selects for it when ``strategy="auto"`` (filled by registration).
 DEFAULT_STRATEGIES: dict[str, str] = {}
 #: strategy name -> the accelerator hflight selects for it when ``accelerator="auto"`` (filled by registration).
 STRATEGY_ACCELERATORS: dict[str, str] = {}
 
+#: the sharding strategies for transformers' ``fsdp``/``deepspeed`` arguments: name -> builder(settings, process-group
+#: settings) -> a Lightning strategy (filled by ``hflight.sharding.registration``).
+SHARDING_STRATEGIES: dict[str, Callable[..., Any]] = {}
+
 #: hflight's backend modules; each has ``register(accelerator_registry, strategy_registry)``.
-BACKEND_PACKAGES: tuple[str, ...] = ("hflight.ipu.registration", "hflight.ort.registration")
+BACKEND_PACKAGES: tuple[str, ...] = (
+    "hflight.ipu.registration",
+    "hflight.ort.registration",
+    "hflight.sharding.registration",
+)
 
 
 def register_backends() -> None:

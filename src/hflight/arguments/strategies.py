@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import datetime
 import functools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from hflight.arguments.deepspeed import DeepSpeedConfigResolver
@@ -75,27 +77,48 @@ def ddp_strategy(name: str, args: Any) -> Any:
 def lightning_launches_several(args: Any) -> bool:
     """Whether ``strategy="auto"`` makes Lightning launch several processes itself (several nodes, or several devices
     of the accelerator it picks), where it chooses DDP: the ``ddp_*`` settings then apply as under torchrun."""
+    return args.num_nodes > 1 or _devices_per_node(args) > 1
+
+
+def _devices_per_node(args: Any) -> int:
+    """The devices (one process each) Lightning would take on this node for ``args.devices``."""
     from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator, MPSAccelerator
 
     from hflight.arguments.training_args import resolved_device_type
 
-    if args.num_nodes > 1:
-        return True
     devices = args.devices
     if isinstance(devices, str) and devices.lstrip("-").isdigit():
         devices = int(devices)
     kind = "cpu" if args.use_cpu else resolved_device_type(args)
     accelerator = {"cuda": CUDAAccelerator, "mps": MPSAccelerator}.get(kind, CPUAccelerator)
     try:
-        return len(accelerator.get_parallel_devices(accelerator.parse_devices(devices))) > 1
+        return len(accelerator.get_parallel_devices(accelerator.parse_devices(devices)))
     except Exception:  # noqa: BLE001 - Lightning reports a bad device request itself when it builds the run
-        return False
+        return 1
+
+
+def planned_nodes(args: Any) -> int:
+    """The nodes the run will span: the external launcher's, else ``num_nodes``."""
+    from hflight.arguments import cluster
+
+    layout = cluster.launched_layout()
+    return layout.num_nodes if layout is not None else max(1, args.num_nodes)
+
+
+def planned_world_size(args: Any) -> int:
+    """The processes the run will span: those an external launcher started (torchrun, srun), else the devices and
+    nodes Lightning will launch."""
+    from hflight.arguments import cluster
+
+    launched = cluster.launched_world_size()
+    return launched if launched is not None else _devices_per_node(args) * args.num_nodes
 
 
 def _module_classes(model: nn.Module, names: Iterable[str], field: str) -> set[type[nn.Module]]:
-    """The classes of ``model``'s submodules called ``names``; a name no submodule has is an error naming it."""
+    """The classes of ``model``'s submodules called ``names`` (a sharded submodule's class is FSDP2's subclass of its
+    own, ``FSDP<name>``: its own class counts); a name no submodule has is an error naming it."""
     wanted = set(names)
-    found = {type(m) for m in model.modules() if type(m).__name__ in wanted}
+    found = {cls for m in model.modules() for cls in type(m).__mro__ if cls.__name__ in wanted}
     missing = wanted - {cls.__name__ for cls in found}
     if missing:
         raise ValueError(
@@ -149,8 +172,20 @@ def fsdp_settings(args: Any, model: nn.Module) -> dict[str, Any]:
 
 
 def fsdp_strategy(args: Any, model: nn.Module) -> Any:
-    """Lightning's ``FSDPStrategy`` for ``fsdp``/``fsdp_config``; refused before anything is launched unless the run
-    is on CUDA GPUs (:func:`check_fsdp_device`)."""
+    """The strategy for ``fsdp``/``fsdp_config``, checked before any process group starts: FSDP2 (``version`` 2,
+    transformers' default) is hflight's ``FSDP2Strategy`` (``hflight.sharding``: Lightning's ``ModelParallelStrategy``,
+    CUDA or CPU); FSDP1 is Lightning's ``FSDPStrategy``, on CUDA only (:func:`check_fsdp_device`)."""
+    from hflight.arguments.registry import SHARDING_STRATEGIES
+
+    check_fsdp_config(args)
+    world = planned_world_size(args)
+    if world <= 1:  # transformers' Trainer raises the same
+        raise ValueError(
+            f"Using fsdp only works in distributed training: fsdp={args.fsdp!r} with {world} process. Launch several "
+            "(torchrun --nproc_per_node=N, or devices=N), or leave fsdp unset."
+        )
+    if args.fsdp_plugin_args["fsdp_version"] == 2:
+        return SHARDING_STRATEGIES["fsdp2"](fsdp2_plan(args, model, world), process_group_settings(args))
     from lightning.pytorch.strategies import FSDPStrategy
 
     check_fsdp_device(args)
@@ -158,8 +193,8 @@ def fsdp_strategy(args: Any, model: nn.Module) -> Any:
 
 
 def check_fsdp_device(args: Any) -> None:
-    """Lightning's ``FSDPStrategy`` runs on CUDA only: it refuses any other accelerator with "The strategy `fsdp`
-    requires a GPU accelerator, but received `accelerator='cpu'`" (lightning 2.6, from deep inside
+    """Lightning's ``FSDPStrategy`` (FSDP1) runs on CUDA only: it refuses any other accelerator with "The strategy
+    `fsdp` requires a GPU accelerator, but received `accelerator='cpu'`" (lightning 2.6, from deep inside
     ``lightning.Trainer``), and torch's ``FullyShardedDataParallel`` under it refuses the CPU too ("FSDP needs a
     non-CPU accelerator device, but no accelerator device is detected", torch 2.13, with Lightning's check bypassed).
     Here, as a ValueError naming transformers' argument, before a process is launched."""
@@ -168,11 +203,115 @@ def check_fsdp_device(args: Any) -> None:
     device = "cpu" if args.use_cpu else resolved_device_type(args)
     if device != "cuda":
         raise ValueError(
-            f"fsdp={args.fsdp!r} (fsdp_config: {args.fsdp_config}) needs CUDA GPUs: hflight runs it as Lightning's "
-            "FSDPStrategy, which refuses any other accelerator (so does torch's FullyShardedDataParallel under it), "
-            f"and this run's is {device!r} (accelerator={args.accelerator!r}). For several processes on the CPU use "
-            "strategy='ddp' without fsdp."
+            f"fsdp_config['version']=1 (FSDP1) needs CUDA GPUs: hflight runs it as Lightning's FSDPStrategy, which "
+            "refuses any other accelerator (so does torch's FullyShardedDataParallel under it), and this run's is "
+            f"{device!r} (accelerator={args.accelerator!r}). FSDP2 (fsdp_config['version']=2, transformers' default) "
+            "runs on the CPU too."
         )
+
+
+#: the ``fsdp_config`` keys transformers 5.23 reads (after it strips an ``fsdp_`` prefix), its own defaults included
+FSDP_CONFIG_KEYS = frozenset({
+    "version", "min_num_params", "transformer_layer_cls_to_wrap", "auto_wrap_policy", "cpu_offload",
+    "cpu_ram_efficient_loading", "state_dict_type", "activation_checkpointing", "reshard_after_forward",
+    "forward_prefetch", "backward_prefetch", "use_orig_params", "sync_module_states", "limit_all_gathers",
+    "xla", "xla_fsdp_v2", "xla_fsdp_grad_ckpt", "xla_fsdp_settings",
+})  # fmt: skip
+#: ``state_dict_type`` values FSDP2 writes (``LOCAL_STATE_DICT`` is FSDP1's alone)
+FSDP2_STATE_DICT_TYPES = ("FULL_STATE_DICT", "SHARDED_STATE_DICT")
+#: the keys of FSDP1 alone: FSDP2 has no such setting
+FSDP1_ONLY_KEYS = ("forward_prefetch", "backward_prefetch", "use_orig_params", "sync_module_states",
+                   "limit_all_gathers")  # fmt: skip
+
+
+def check_fsdp_config(args: Any) -> None:
+    """``fsdp_config`` as transformers normalised it: every key one transformers reads (an unknown key would be
+    ignored there: refused here, naming it), a known ``version``, no XLA (TPUs), FSDP1-only keys not under FSDP2."""
+    config = args.fsdp_config or {}
+    unknown = sorted(set(config) - FSDP_CONFIG_KEYS)
+    if unknown:
+        raise ValueError(
+            f"fsdp_config has keys transformers does not know: {', '.join(unknown)} (known: "
+            f"{', '.join(sorted(FSDP_CONFIG_KEYS))})."
+        )
+    if config.get("xla"):
+        raise ValueError("fsdp_config['xla']=True is FSDP on TPUs through torch_xla, which hflight does not run.")
+    version = args.fsdp_plugin_args.get("fsdp_version")
+    if version not in (1, 2):
+        raise ValueError(f"fsdp_config['version'] must be 1 or 2, got {config.get('version')!r}.")
+    if version == 2:
+        fsdp1 = [key for key in FSDP1_ONLY_KEYS if key in config]
+        if fsdp1:
+            raise ValueError(
+                f"fsdp_config sets {', '.join(fsdp1)}, which only FSDP1 has (fsdp_config['version']=1); FSDP2 has no "
+                "such setting."
+            )
+
+
+@dataclass(frozen=True)
+class FSDP2Plan:
+    """How FSDP2 shards a model, from transformers' ``fsdp_config`` as accelerate applies it: the submodules that
+    become units of their own (``wrap``: transformer layers by class, or by size; then the whole model), whether
+    parameters are freed after the forward (``reshard_after_forward``), offloaded to the CPU, recomputed
+    (``activation_checkpointing``), loaded on global rank 0 and broadcast (``cpu_ram_efficient_loading``), the
+    checkpoint form (``state_dict_type``), the dtype of the gathered parameters under bf16 (``param_dtype``), and
+    whether gathered states go to every checkpoint writer (``save_on_each_node``) or to global rank 0 only."""
+
+    wrap: Callable[[nn.Module], bool] | None
+    reshard_after_forward: bool
+    cpu_offload: bool
+    activation_checkpointing: bool
+    cpu_ram_efficient_loading: bool
+    state_dict_type: str
+    param_dtype: torch.dtype | None
+    gather_to_every_writer: bool
+
+
+def fsdp2_plan(args: Any, model: nn.Module, world_size: int) -> FSDP2Plan:
+    """The :class:`FSDP2Plan` of ``args.fsdp_plugin_args`` for ``model`` (a class to wrap that no submodule has, an
+    unknown ``state_dict_type``, sharded states on nodes without a shared disk: a ValueError naming the key)."""
+    plugin = dict(args.fsdp_plugin_args or {})
+    state_dict_type = str(plugin.get("state_dict_type", "FULL_STATE_DICT")).upper()
+    if state_dict_type not in FSDP2_STATE_DICT_TYPES:
+        raise ValueError(
+            f"fsdp_config['state_dict_type']={plugin.get('state_dict_type')!r}: FSDP2 writes "
+            f"{' or '.join(FSDP2_STATE_DICT_TYPES)}."
+        )
+    nodes = planned_nodes(args)
+    if args.save_on_each_node and state_dict_type == "SHARDED_STATE_DICT" and nodes > 1:
+        raise ValueError(
+            "fsdp_config['state_dict_type']='SHARDED_STATE_DICT' with save_on_each_node=True: every process writes "
+            "its shard into one folder, which nodes without a shared disk do not have. Use FULL_STATE_DICT (gathered "
+            f"on each node's writer), or a shared filesystem without save_on_each_node ({nodes} node(s) planned)."
+        )
+    return FSDP2Plan(
+        wrap=_fsdp2_wrap(plugin, model),
+        reshard_after_forward=bool(plugin.get("reshard_after_forward", True)),
+        cpu_offload=bool(plugin.get("cpu_offload", False)),
+        activation_checkpointing=bool(plugin.get("activation_checkpointing", False)),
+        cpu_ram_efficient_loading=bool(plugin.get("cpu_ram_efficient_loading", False)),
+        state_dict_type=state_dict_type,
+        param_dtype=torch.bfloat16 if args.bf16 else None,
+        gather_to_every_writer=bool(args.save_on_each_node),
+    )
+
+
+def _fsdp2_wrap(plugin: dict[str, Any], model: nn.Module) -> Callable[[nn.Module], bool] | None:
+    """accelerate's FSDP2 wrap policy: the transformer layer classes (``transformer_layer_cls_to_wrap``, else the
+    model's ``_no_split_modules``; seen through an activation-checkpointing wrapper), or submodules of more than
+    ``min_num_params`` parameters; None: the whole model is the one unit."""
+    policy = plugin.get("auto_wrap_policy", "TRANSFORMER_BASED_WRAP")
+    if policy == "SIZE_BASED_WRAP":
+        limit = plugin.get("min_num_params", int(1e8))
+        return lambda module: sum(p.numel() for p in module.parameters()) > limit
+    if policy == "TRANSFORMER_BASED_WRAP":
+        names = plugin.get("transformer_cls_names_to_wrap")
+        names = names.split(",") if names else getattr(model, "_no_split_modules", None) or []
+        classes = tuple(_module_classes(model, names, "transformer_layer_cls_to_wrap"))
+        if not classes:
+            return None
+        return lambda module: isinstance(getattr(module, "_checkpoint_wrapped_module", module), classes)
+    return None
 
 
 def deepspeed_strategy(args: Any) -> Any:

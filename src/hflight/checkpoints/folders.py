@@ -244,15 +244,20 @@ def writing(folder: str, what: str, discard: bool) -> Iterator[WriteTracker]:
 
 
 def save_model(facade: TrainerSurface, output_dir: str, backend: Any) -> None:
-    """``Trainer.save_model``: the host weights made current (``backend``: the strategy's hooks; a checkpoint's write,
-    which calls this, made them current before it began), then, on the main process, the model files and the
+    """``Trainer.save_model`` (every process calls it, as in transformers): the host weights made current
+    (``backend``: the strategy's hooks; a checkpoint's write, which calls this, made them current before it began),
+    a sharded model's whole state dict gathered (collective), then, on the main process, the model files and the
     backend's own files (a failed write raises :class:`CheckpointWriteError`)."""
     if not _WRITING:
         backend.hf_sync_to_host()
+    state_dict = backend.hf_checkpoint_state().full_model_state(facade.model)
     if facade.args.should_save:
         _saving_checkpoint(output_dir)
         with writing(output_dir, f"the model in {output_dir}", discard=False):
-            facade._save(output_dir)
+            if state_dict is None:
+                facade._save(output_dir)
+            else:
+                facade._save(output_dir, state_dict=state_dict)
             backend.hf_save_files(output_dir)
 
 
@@ -301,7 +306,9 @@ def save_checkpoint(facade: TrainerSurface, run: RunView, trial: Any = None) -> 
         if is_main:
             checksums.add_new(tmp_dir)
             tracker.file = None  # save_pretrained's files: found afterwards if one fails
-            _write_model_files(facade, run, tmp_dir)
+        if run.backend.hf_checkpoint_state().with_model_files:
+            _write_model_files(facade, run, tmp_dir, is_main)  # every process: a sharded model is gathered first
+        if is_main:
             checksums.add_new(tmp_dir)
         _update_best_checkpoint(args, state, run_dir)
         progress = run.loop.progress() if run.loop is not None else None  # every rank: their running losses
@@ -362,13 +369,15 @@ def _update_best_checkpoint(args: Any, state: TrainerState, run_dir: str) -> Non
             state.best_model_checkpoint = best_dir
 
 
-def _write_model_files(facade: TrainerSurface, run: RunView, folder: str) -> None:
-    """The model (with the weights evaluation uses), the backend's files and the weight-protocol callbacks' files
-    (main process; the host weights are current)."""
+def _write_model_files(facade: TrainerSurface, run: RunView, folder: str, is_main: bool) -> None:
+    """The model (with the weights evaluation uses) and the backend's files, through ``save_model`` (every process:
+    it gathers a sharded model, the main process writes), and the weight-protocol callbacks' files (main process;
+    the host weights are current)."""
     with run.evaluation_weights():
         facade.save_model(folder, _internal_call=True)  # the backend's files too
-    for callback in run.weight_hooks("save_checkpoint_state"):
-        callback.save_checkpoint_state(folder, facade.model)
+    if is_main:
+        for callback in run.weight_hooks("save_checkpoint_state"):
+            callback.save_checkpoint_state(folder, facade.model)
 
 
 def publish(tmp_dir: str, final_dir: str) -> None:

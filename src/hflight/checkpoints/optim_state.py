@@ -143,6 +143,89 @@ def check_optimizer_state(
                 )
 
 
+def check_named_optimizer_state(
+    path: Path, saved: Any, optimizer: torch.optim.Optimizer, names: Mapping[int, str]
+) -> None:
+    """The same checks for an optimizer state whose parameters are named (a sharded run's ``optimizer.bin``:
+    ``param_groups`` list parameter names, ``state`` is keyed by them, tensors are whole): each group lists the
+    names of the optimizer's group; ``names`` maps ``id(parameter)`` to its name in the model."""
+    if not isinstance(saved, Mapping) or "state" not in saved or "param_groups" not in saved:
+        found = sorted(map(str, saved)) if isinstance(saved, Mapping) else type(saved).__name__
+        raise IncompatibleTrainingState(
+            f"{path} does not hold an optimizer state ('state' and 'param_groups'); found {_shown(found)}."
+        )
+    groups = saved["param_groups"]
+    if not isinstance(groups, list) or len(groups) != len(optimizer.param_groups):
+        raise IncompatibleTrainingState(
+            f"{path}: 'param_groups' has {len(groups) if isinstance(groups, list) else _shown(groups)} group(s), the "
+            f"{type(optimizer).__name__} this run builds has {len(optimizer.param_groups)}. Was it saved for another "
+            "optimizer or weight-decay grouping?"
+        )
+    params = {}
+    for i, (group, ours) in enumerate(zip(groups, optimizer.param_groups)):
+        listed = group.get("params") if isinstance(group, Mapping) else None
+        expected = [names.get(id(p), f"#{j}") for j, p in enumerate(ours["params"])]
+        if not isinstance(listed, list) or sorted(map(str, listed)) != sorted(expected):
+            differing = sorted(set(map(str, listed or [])) ^ set(expected))
+            raise IncompatibleTrainingState(
+                f"{path}: 'param_groups'[{i}] lists other parameters than the optimizer's group {i} (differing: "
+                f"{_shown(differing)}). Was it saved for another model?"
+            )
+        if not _is_number(group.get("lr")):
+            raise IncompatibleTrainingState(
+                f"{path}: 'param_groups'[{i}]['lr'] must be a number, got {_shown(group.get('lr'))}."
+            )
+        params.update({names.get(id(p)): p for p in ours["params"]})
+    state = saved["state"]
+    if not isinstance(state, Mapping):
+        raise IncompatibleTrainingState(f"{path}: 'state' must be an object, got {type(state).__name__}.")
+    for name, entry in state.items():
+        if name not in params or not isinstance(entry, Mapping):
+            raise IncompatibleTrainingState(
+                f"{path}: 'state' has an entry for {name!r}, which no parameter group lists (or it is no object)."
+            )
+        _check_shapes(path, f"'state'[{name!r}]", entry, params[name].shape, name)
+
+
+def _check_shapes(path: Path, where: str, entry: Mapping[str, Any], shape: Any, name: str) -> None:
+    for key, value in entry.items():
+        got = tuple(value.shape) if torch.is_tensor(value) else value
+        if key in PARAM_SHAPED_STATE and got != tuple(shape):
+            shown = list(got) if isinstance(got, tuple) else type(value).__name__
+            raise IncompatibleTrainingState(
+                f"{path}: {where}[{key!r}] is {shown}, parameter {name} has shape {list(shape)}. Was it saved for "
+                "another model?"
+            )
+
+
+def check_distributed_optimizer(
+    path: Path, shapes: Mapping[str, tuple[tuple[int, ...], Any]], groups: int, optimizer: torch.optim.Optimizer,
+    names: Mapping[int, str],
+) -> None:  # fmt: skip
+    """The same checks for a distributed-checkpoint optimizer folder (``optimizer_0/``), from its metadata alone:
+    ``shapes`` holds its tensors (``state.<parameter>.<key>`` -> whole shape), ``groups`` its number of parameter
+    groups; every parameter the optimizer steps has its states there, shaped as the parameter."""
+    if groups != len(optimizer.param_groups):
+        raise IncompatibleTrainingState(
+            f"{path}: it holds {groups} parameter group(s), the {type(optimizer).__name__} this run builds has "
+            f"{len(optimizer.param_groups)}. Was it saved for another optimizer or weight-decay grouping?"
+        )
+    params = {names.get(id(p)): p for group in optimizer.param_groups for p in group["params"]}
+    saved: dict[str, dict[str, Any]] = {}
+    for key, (shape, _) in shapes.items():
+        if not key.startswith("state."):
+            continue
+        name, _, field = key[len("state.") :].rpartition(".")
+        if name not in params:
+            raise IncompatibleTrainingState(
+                f"{path}: it holds optimizer states for {name!r}, which the optimizer this run builds does not step. "
+                "Was it saved for another model?"
+            )
+        saved.setdefault(name, {})[field] = torch.empty(0).new_empty(shape, device="meta")
+    for name, entry in saved.items():
+        _check_shapes(path, f"'state'[{name!r}]", entry, params[name].shape, name)
+
+
 # ---- scheduler and scaler ------------------------------------------------------------------------------------------
 def _same_kind(value: Any, ours: Any) -> bool:
     if ours is None or isinstance(ours, Mapping):

@@ -47,9 +47,22 @@ from hflight.checkpoints.optim_state import (
     OPTIMIZER_NAME,
     SCALER_NAME,
     SCHEDULER_NAME,
+    IncompatibleTrainingState,
+    check_distributed_optimizer,
+    check_named_optimizer_state,
     check_training_states,
     planned_optimizer,
     planned_scheduler,
+)
+from hflight.checkpoints.sharded import (
+    FSDP_OPTIMIZER_DIR,
+    FSDP_OPTIMIZER_FILE,
+    OPTIMIZER_KEY,
+    is_dcp_folder,
+    load_dcp_optimizer,
+    read_metadata,
+    set_named_optimizer_state,
+    tensor_shapes,
 )
 from hflight.checkpoints.weights import CONFIG_FILES, TRAINING_ARGS_NAME, is_weight_file, refused_pickle
 from hflight.surface import RunView, TrainerSurface
@@ -68,11 +81,14 @@ class Part:
 
 
 _RNG_RE = re.compile(r"^rng_state(?:_(\d+))?\.pth$")
+#: an optimizer's files: by position (``optimizer.pt``), or a sharded run's by parameter name (``optimizer.bin``); the
+#: distributed-checkpoint folder ``optimizer_0/`` too
+OPTIMIZER_FILES = (OPTIMIZER_NAME, FSDP_OPTIMIZER_FILE)
 
 PARTS: tuple[Part, ...] = (
     Part("model", lambda name: is_weight_file(name) or name in CONFIG_FILES),
     Part("training arguments", lambda name: name == TRAINING_ARGS_NAME),
-    Part("optimizer", lambda name: name == OPTIMIZER_NAME),
+    Part("optimizer", lambda name: name in OPTIMIZER_FILES or name.split("/", 1)[0] == FSDP_OPTIMIZER_DIR),
     Part("scheduler", lambda name: name == SCHEDULER_NAME),
     Part("scaler", lambda name: name == SCALER_NAME),
     Part("rng", lambda name: bool(_RNG_RE.match(name))),
@@ -125,10 +141,14 @@ def _check_rng_states(states: Any) -> None:
 
 
 def write_training_states(facade: TrainerSurface, run: RunView, tracker: Any, is_main: bool) -> None:
-    """Optimizer, scheduler and scaler (main process), and this process's RNG states."""
+    """The optimizer in the run's form (``optimizer.pt``; a sharded run's forms write model files too: every process
+    takes part, see ``hflight.checkpoints.sharded``), scheduler and scaler (main process), and this process's RNG
+    states."""
+    form = run.backend.hf_checkpoint_state()
+    tracker.file = form.optimizer_name
+    form.write(tracker.folder, facade.model, facade.optimizer, is_main)
     files = {}
     if is_main:
-        files[OPTIMIZER_NAME] = facade.optimizer.state_dict
         files[SCHEDULER_NAME] = facade.lr_scheduler.state_dict
         scaler = getattr(run.lightning_trainer.precision_plugin, "scaler", None)
         if scaler is not None:
@@ -297,14 +317,60 @@ def read_training_states(
     run will build (before anything is copied anywhere)."""
     for rng_file in rng_files(folder, manifest):
         load_rng_file(rng_file)  # a crafted file is rejected here, before anything changes
-    names = (OPTIMIZER_NAME, SCHEDULER_NAME, SCALER_NAME)
+    names = (SCHEDULER_NAME, SCALER_NAME)
     states = {name: _load_tensors_file(path) for name in names if (path := regular_file(folder, name)) is not None}
     optimizer = planned_optimizer(facade)
     targets = {OPTIMIZER_NAME: optimizer}
     if SCHEDULER_NAME in states:
         targets[SCHEDULER_NAME] = planned_scheduler(facade, optimizer, state.max_steps)
     check_training_states(folder, states, targets, parameter_names(facade.model))
+    form = optimizer_form(folder)
+    if form is not None:
+        states[form] = _read_optimizer(folder, form, optimizer, parameter_names(facade.model))
     return states
+
+
+def optimizer_form(folder: str | os.PathLike) -> str | None:
+    """The optimizer file (or folder) of a checkpoint, in the order a resume reads them: ``optimizer.pt``
+    (parameters by position), a sharded run's ``optimizer.bin`` (by name), its ``optimizer_0/``
+    (``torch.distributed.checkpoint``); None when there is none."""
+    for name in OPTIMIZER_FILES:
+        if regular_file(folder, name) is not None:
+            return name
+    return FSDP_OPTIMIZER_DIR if is_dcp_folder(Path(folder) / FSDP_OPTIMIZER_DIR) else None
+
+
+def _read_optimizer(folder: Path, form: str, optimizer: torch.optim.Optimizer, names: dict[int, str]) -> Any:
+    """The optimizer state of ``form``, checked against ``optimizer`` (the one the run will build): loaded
+    (``optimizer.pt``, ``optimizer.bin``), or, for a distributed-checkpoint folder, checked from its metadata and left
+    to be read into the run's own shards (its path is kept)."""
+    path = Path(folder) / form
+    if form == FSDP_OPTIMIZER_DIR:
+        shapes = tensor_shapes(path, OPTIMIZER_KEY)
+        groups = sum(1 for key in read_metadata(path).state_dict_metadata if _GROUP_PARAMS_RE.match(key))
+        check_distributed_optimizer(path, shapes, groups, optimizer, names)
+        return path
+    saved = _load_tensors_file(path)
+    if form == OPTIMIZER_NAME:
+        check_training_states(folder, {form: saved}, {form: optimizer}, names)
+    else:
+        check_named_optimizer_state(path, saved, optimizer, names)
+    return saved
+
+
+_GROUP_PARAMS_RE = re.compile(rf"^{OPTIMIZER_KEY}\.param_groups\.\d+\.params$")
+
+
+def _restore_optimizer_state(facade: TrainerSurface, folder: str, form: str, saved: Any) -> None:
+    """``saved`` (what :func:`_read_optimizer` read) into the run's optimizer, as the form holds it: by position, by
+    name (whole tensors, cut to the run's shards), or resharded from the distributed checkpoint."""
+    if form == OPTIMIZER_NAME:
+        check_training_states(folder, {form: saved}, {form: facade.optimizer}, {})
+        facade.optimizer.load_state_dict(saved)
+    elif form == FSDP_OPTIMIZER_FILE:
+        set_named_optimizer_state(facade.model, facade.optimizer, saved, full=True)
+    else:
+        load_dcp_optimizer(Path(saved), facade.model, facade.optimizer)
 
 
 def parameter_names(model: torch.nn.Module) -> dict[int, str]:
@@ -417,15 +483,21 @@ def restore_optimizer(facade: TrainerSurface, run: RunView) -> None:
     if point is None or point.model_only:
         return
     states, point.training_states = point.training_states, {}  # applied once; memory back after
-    targets = {OPTIMIZER_NAME: facade.optimizer, SCHEDULER_NAME: facade.lr_scheduler}
+    targets = {SCHEDULER_NAME: facade.lr_scheduler}
     scaler = getattr(run.lightning_trainer.precision_plugin, "scaler", None)
     if scaler is not None and SCALER_NAME in states:
         targets[SCALER_NAME] = scaler
     check_training_states(point.folder, {n: s for n, s in states.items() if n in targets}, targets, {})
-    for name, target in targets.items():
+    form = next((name for name in (*OPTIMIZER_FILES, FSDP_OPTIMIZER_DIR) if name in states), None)
+    for name in ([form] if form else []) + [n for n in targets if n in states]:
         path = Path(point.folder) / name
         try:
-            target.load_state_dict(states[name])
+            if name == form:
+                _restore_optimizer_state(facade, point.folder, name, states[name])
+            else:
+                targets[name].load_state_dict(states[name])
+        except (IncompatibleTrainingState, UnsafeCheckpointFile):
+            raise
         except Exception as exc:
             raise ValueError(
                 f"Cannot restore {path}: {_failure(path, exc)}. Was it saved for another model or optimizer?"

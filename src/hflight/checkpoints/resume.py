@@ -35,6 +35,7 @@ from hflight.checkpoints.manifest import CHECKPOINT_RE, checkpoint_folders, get_
 from hflight.checkpoints.optim_state import OPTIMIZER_NAME, SCHEDULER_NAME
 from hflight.checkpoints.parts import (
     TRAINER_STATE_NAME,
+    optimizer_form,
     read_trainer_state,
     read_training_states,
     rebuilt_callbacks,
@@ -178,7 +179,8 @@ def _is_model_only(folder: Path, manifest: dict[str, Any] | None) -> bool:
     if manifest is not None:
         return bool(manifest.get("save_only_model"))
     # A transformers.Trainer folder: optimizer and scheduler come as a pair, or not at all (save_only_model).
-    present = {name: regular_file(folder, name) is not None for name in (OPTIMIZER_NAME, SCHEDULER_NAME)}
+    present = {OPTIMIZER_NAME: optimizer_form(folder) is not None, SCHEDULER_NAME: regular_file(folder, SCHEDULER_NAME)
+               is not None}  # fmt: skip
     if len(set(present.values())) > 1:
         have = next(n for n, p in present.items() if p)
         lack = next(n for n, p in present.items() if not p)

@@ -35,6 +35,17 @@ from typing import Any
 import torch
 
 from hflight.checkpoints.files import IncompleteCheckpointError, UnsafeCheckpointFile, regular_file, relative_name
+from hflight.checkpoints.sharded import (
+    DCP_METADATA,
+    FSDP_MODEL_DIR,
+    FSDP_MODEL_FILE,
+    dcp_files,
+    is_dcp_folder,
+    is_sharded,
+    read_full_model,
+    set_full_model_state,
+    tensor_shapes,
+)
 
 # In transformers' order of preference: the first one present is the one loaded.
 WEIGHT_FILES = (
@@ -53,7 +64,14 @@ _SHARD_RE = re.compile(r"^(?:model|pytorch_model)(?:-[\w.]+)?-\d{5}-of-\d{5}\.(?
 
 
 def is_weight_file(name: str) -> bool:
-    return name in WEIGHT_FILES or bool(_SHARD_RE.match(PurePosixPath(name).name))
+    """A file of the model's weights: transformers' files and shards, or a sharded run's forms
+    (``pytorch_model_fsdp.bin``, the files of ``pytorch_model_fsdp_0/``)."""
+    return (
+        name in WEIGHT_FILES
+        or bool(_SHARD_RE.match(PurePosixPath(name).name))
+        or name == FSDP_MODEL_FILE
+        or name.split("/", 1)[0] == FSDP_MODEL_DIR
+    )
 
 
 def read_weight_map(index_file: Path) -> dict[str, str]:
@@ -78,12 +96,14 @@ def shard_names(index_file: Path) -> list[str]:
 
 def weights_in_use(folder: str | os.PathLike) -> list[str]:
     """The weight files a load reads, transformers' way: the first of :data:`WEIGHT_FILES` present (an index with
-    the shards it names); empty when the folder has none."""
-    for name in WEIGHT_FILES:
+    the shards it names), else a sharded run's (``pytorch_model_fsdp.bin``, else the files of the
+    distributed-checkpoint folder ``pytorch_model_fsdp_0/``); empty when the folder has none."""
+    for name in (*WEIGHT_FILES, FSDP_MODEL_FILE):
         path = regular_file(folder, name)
         if path is not None:
             return [name, *shard_names(path)] if name.endswith(".index.json") else [name]
-    return []
+    sharded = Path(folder) / FSDP_MODEL_DIR
+    return dcp_files(sharded) if is_dcp_folder(sharded) else []
 
 
 #: transformers' ``TRAINING_ARGS_NAME``: the arguments, pickled, for transformers' tools (hflight never loads it).
@@ -190,14 +210,46 @@ class _Source:
             raise ValueError(f"Checkpoint weights file {self.path} is corrupt or unreadable: {exc}") from exc
 
 
+class _DistributedSource(_Source):
+    """A ``pytorch_model_fsdp_0/`` folder (``torch.distributed.checkpoint``): key shapes from its metadata, the whole
+    tensors read from every shard on demand (by this process alone)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._tensors = None
+        try:
+            self.shapes = {key: shape for key, (shape, _) in tensor_shapes(path, "model").items()}
+        except UnsafeCheckpointFile:
+            raise
+        except Exception as exc:
+            raise ValueError(f"Checkpoint weights folder {path} is corrupt or unreadable: {exc}") from exc
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        try:
+            return read_full_model(self.path)
+        except UnsafeCheckpointFile:
+            raise
+        except Exception as exc:
+            raise ValueError(f"Checkpoint weights folder {self.path} is corrupt or unreadable: {exc}") from exc
+
+
 def _weights_file(folder: Path) -> Path:
-    """The weights a load reads (transformers' order of preference); transformers' error text when there are none."""
+    """The weights a load reads (transformers' order of preference, then a sharded run's forms); transformers' error
+    text when there are none."""
     in_use = weights_in_use(folder)
     if not in_use:
         raise ValueError(
-            f"Can't find a valid checkpoint at {folder}: no model weights file (looked for {', '.join(WEIGHT_FILES)})."
+            f"Can't find a valid checkpoint at {folder}: no model weights file (looked for {', '.join(WEIGHT_FILES)}, "
+            f"{FSDP_MODEL_FILE}, {FSDP_MODEL_DIR}/)."
         )
-    return folder / in_use[0]
+    first = in_use[0]
+    return folder / (first.split("/", 1)[0] if "/" in first else first)
+
+
+def _sources(weights: Path) -> list[_Source]:
+    if weights.name.endswith(".index.json"):
+        return _shard_sources(weights)
+    return [_DistributedSource(weights) if (weights / DCP_METADATA).is_file() else _Source(weights)]
 
 
 def _shard_sources(index_file: Path) -> list[_Source]:
@@ -305,11 +357,14 @@ def checked_weights(model: torch.nn.Module, folder: str | Path) -> Callable[[], 
     folder = Path(folder)
     weights = _weights_file(folder)
     _check_architecture(model, folder)
-    sources = _shard_sources(weights) if weights.name.endswith(".index.json") else [_Source(weights)]
+    sources = _sources(weights)
     check_weights(model, sources, weights)
 
     def copy_in() -> None:
         for tensors in _each(sources):
+            if is_sharded(model):  # whole tensors into a model sharded across processes: each keeps its shard
+                set_full_model_state(model, tensors)
+                continue
             with torch.no_grad():  # the model's own load_state_dict, as transformers calls it
                 model.load_state_dict(tensors, strict=False)
 

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hflight.checkpoints.sharded import ProcessZeroState
+
 if TYPE_CHECKING:
     import lightning as L
 
@@ -95,6 +97,17 @@ class HFBackend:
 
     def hf_sync_to_host(self) -> None:
         """Before a checkpoint or ``save_model``: make the host model's weights current."""
+
+    def hf_configure_model(self, model: torch.nn.Module) -> None:
+        """Lightning's ``configure_model`` moment (the processes are connected, nothing is set up): a strategy that
+        shards the model (FSDP2's ``fully_shard``) does it here, in place; the model may be sharded already (a later
+        ``train()``/``evaluate()`` of the same trainer)."""
+
+    def hf_checkpoint_state(self) -> ProcessZeroState:
+        """How the run's model and optimizer states go into a checkpoint (``hflight.checkpoints.sharded``): the
+        optimizer file or folder, the model files beside ``save_model``'s, the whole state dict ``save_model`` writes
+        (gathered from the shards of a sharded model: DTensor parameters)."""
+        return ProcessZeroState()
 
     def hf_save_files(self, output_dir: str) -> None:
         """Extra files a backend writes next to a saved model (e.g. its own config)."""

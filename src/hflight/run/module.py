@@ -46,6 +46,12 @@ class HFModule(L.LightningModule):
         return self.model(**inputs)
 
     @override
+    def configure_model(self) -> None:
+        # a sharding strategy shards the model here (it is called with the processes connected, before the
+        # optimizer is built over the model's parameters)
+        self.backend.hf_configure_model(self.model)
+
+    @override
     def configure_optimizers(self) -> OptimizerLRScheduler:
         facade = self.facade
         facade.create_optimizer()  # transformers' train() calls these two (not create_optimizer_and_scheduler)

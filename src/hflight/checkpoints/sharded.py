@@ -1,0 +1,327 @@
+"""The model and optimizer parts of a checkpoint written by a sharded run, in transformers' (accelerate's) forms.
+
+A run whose parameters are sharded across processes (FSDP2's ``fully_shard``: DTensor parameters) writes its model and
+optimizer states as transformers' ``Trainer`` writes them for the same ``fsdp_config["state_dict_type"]``:
+
+- ``FULL_STATE_DICT`` (the default): the model as ``model.safetensors`` (``save_model``'s files, gathered) and
+  ``pytorch_model_fsdp.bin``, the optimizer as ``optimizer.bin`` (whole, parameters by name);
+- ``SHARDED_STATE_DICT``: the model as ``pytorch_model_fsdp_0/``, the optimizer as ``optimizer_0/``
+  (``torch.distributed.checkpoint`` folders, one file per process); no ``save_model`` files, as transformers.
+
+Writing (:class:`GatheredState`, :class:`ShardedState`) is collective: every process calls it, the gathered files are
+written by the main process, the distributed-checkpoint folders by every process (its own shard) and the main one (the
+``.metadata``). :class:`ProcessZeroState` is the one-process (and DDP) form: ``optimizer.pt`` by the main process.
+
+Reading goes by what the folder holds, not by how the run that reads it is sharded, so each form resumes on any
+number of processes, sharded or not: a distributed checkpoint is read into whole tensors (the model before training
+starts, as every process holds it then) or into the run's own shards (the optimizer, once the run built it), and
+``torch.distributed.checkpoint`` reshards on the way. Nothing in a checkpoint may run code: the ``.metadata`` pickle is
+read with an unpickler that admits only ``torch.distributed.checkpoint``'s metadata classes (torch's own reader
+unpickles anything), and the non-tensor entries (an optimizer's hyperparameters) with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hflight.checkpoints.files import UnsafeCheckpointFile
+
+#: accelerate's names (``FSDP_MODEL_NAME``, ``OPTIMIZER_NAME``, index 0: the Trainer's one model and optimizer)
+FSDP_MODEL_FILE = "pytorch_model_fsdp.bin"
+FSDP_MODEL_DIR = "pytorch_model_fsdp_0"
+FSDP_OPTIMIZER_FILE = "optimizer.bin"
+FSDP_OPTIMIZER_DIR = "optimizer_0"
+#: the metadata file of a ``torch.distributed.checkpoint`` folder (written last, by the coordinating process)
+DCP_METADATA = ".metadata"
+#: the top-level keys under which transformers' folders hold the states
+MODEL_KEY, OPTIMIZER_KEY = "model", "optimizer"
+
+
+def is_dcp_folder(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink() and (path / DCP_METADATA).is_file()
+
+
+def dcp_files(folder: Path) -> list[str]:
+    """The regular files of a distributed-checkpoint folder, as ``<folder name>/<file>`` (what a manifest lists)."""
+    return sorted(f"{folder.name}/{p.name}" for p in folder.iterdir() if p.is_file() and not p.is_symlink())
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model``'s parameters are sharded across processes (DTensors: FSDP2, tensor parallelism)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+# ---- reading ---------------------------------------------------------------------------------------------------------
+_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}  # fmt: skip
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits the classes a ``.metadata`` file refers to (and torch's dtypes), nothing else."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _METADATA_CLASSES.get(module, ()) or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"Unsupported global: GLOBAL {module}.{name}")
+
+
+def read_metadata(folder: Path) -> Any:
+    """The ``torch.distributed.checkpoint`` metadata of ``folder``, unpickled safely.
+
+    Raises:
+        UnsafeCheckpointFile: the file refers to anything but the metadata classes.
+        ValueError: it cannot be read.
+    """
+    path = folder / DCP_METADATA
+    try:
+        with open(path, "rb") as handle:
+            return _MetadataUnpickler(handle).load()
+    except pickle.UnpicklingError as exc:
+        raise UnsafeCheckpointFile(
+            f"{path} cannot be loaded safely: {exc}. hflight never unpickles arbitrary objects from a checkpoint."
+        ) from None
+    except Exception as exc:
+        raise ValueError(f"{path} is not a readable torch.distributed.checkpoint metadata file: {exc}") from exc
+
+
+def _reader(folder: Path) -> Any:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            metadata = read_metadata(folder)
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(str(folder))
+
+
+def _planner() -> Any:
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class SafePlanner(DefaultLoadPlanner):
+        """torch's planner, with the non-tensor entries loaded as plain values only (torch's own unpickles anything)."""
+
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            try:
+                loaded = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as exc:
+                raise UnsafeCheckpointFile(
+                    f"{read_item.dest_index.fqn} of a distributed checkpoint holds objects other than plain values: "
+                    f"{exc}"
+                ) from None
+            super().load_bytes(read_item, _saved(loaded))
+
+    return SafePlanner()
+
+
+def _saved(value: Any) -> io.BytesIO:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    buffer.seek(0)
+    return buffer
+
+
+def tensor_shapes(folder: Path, prefix: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Key (``prefix.`` removed) -> (shape, dtype) of every tensor a distributed-checkpoint folder holds under
+    ``prefix``; the other entries (plain values) are left out."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    entries = read_metadata(folder).state_dict_metadata
+    head = f"{prefix}."
+    return {
+        key[len(head) :]: (tuple(entry.size), entry.properties.dtype)
+        for key, entry in entries.items()
+        if key.startswith(head) and isinstance(entry, TensorStorageMetadata)
+    }
+
+
+def load_dcp(folder: Path, state: dict[str, Any], collective: bool) -> None:
+    """Fill ``state`` (the states' shapes and the run's own sharding: whole tensors or DTensor shards) from a
+    distributed-checkpoint folder, in place; ``collective``: every process of the run calls it (else this process
+    reads alone)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(state, storage_reader=_reader(folder), planner=_planner(), no_dist=not collective)
+
+
+def read_full_model(folder: Path) -> dict[str, torch.Tensor]:
+    """The whole model state dict of a ``pytorch_model_fsdp_0/`` folder, read by this process alone."""
+    state = {MODEL_KEY: {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in tensor_shapes(folder, MODEL_KEY)
+                         .items()}}  # fmt: skip
+    load_dcp(folder, state, collective=False)
+    return state[MODEL_KEY]
+
+
+def collective() -> bool:
+    """Whether the processes of a run are connected (collective reads and writes), rather than one process alone."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+# ---- the states, as a run of any kind reads them ---------------------------------------------------------------------
+def _options(full: bool, rank0_only: bool = True) -> Any:
+    """Whole (``full``) or sharded states; whole ones on the CPU (of global rank 0 alone with ``rank0_only``: torch's
+    ``cpu_offload`` keeps them there only)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=full, cpu_offload=full and rank0_only)
+
+
+def full_model_state(model: nn.Module, rank0_only: bool = True) -> dict[str, torch.Tensor] | None:
+    """The whole state dict of a sharded model, on the CPU (collective: every process calls it; with ``rank0_only``
+    only global rank 0 gets it, the others an empty dict); None for a model that is not sharded (its own
+    ``state_dict()`` is whole)."""
+    if not is_sharded(model):
+        return None
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    state = {k: v.detach().cpu() for k, v in get_model_state_dict(model, options=_options(True, rank0_only)).items()}
+    # parameters the model ties (an output layer sharing the input embedding) come back as separate copies: one
+    # tensor again, so that save_pretrained writes it once, as it does for the model's own state dict
+    keys: dict[int, list[str]] = {}
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        keys.setdefault(id(tensor), []).append(key)
+    for tied in (group for group in keys.values() if len(group) > 1 and group[0] in state):
+        for key in tied[1:]:
+            if key in state:
+                state[key] = state[tied[0]]
+    return state
+
+
+def set_full_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Whole tensors into a sharded model (each process keeps its shard); keys the state lacks stay as they are."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def named_optimizer_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, full: bool, rank0_only: bool = True
+) -> dict[str, Any]:
+    """The optimizer's state with its parameters by name (``state``: name -> states, ``param_groups``: names),
+    whole (``full``, on the CPU of global rank 0, or of every process without ``rank0_only``) or as this process's
+    shards; collective for a sharded model."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=_options(full, rank0_only))
+
+
+def set_named_optimizer_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any], full: bool
+) -> None:
+    """The inverse of :func:`named_optimizer_state` (``full``: whole tensors, cut to this process's shards)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=full))
+
+
+def load_dcp_optimizer(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """An ``optimizer_0/`` folder into the run's optimizer, resharded to the run's processes (collective when the
+    run has several)."""
+    template = {OPTIMIZER_KEY: named_optimizer_state(model, optimizer, full=False)}
+    load_dcp(folder, template, collective=collective())
+    set_named_optimizer_state(model, optimizer, template[OPTIMIZER_KEY], full=False)
+
+
+def load_dcp_model(folder: Path, model: nn.Module) -> None:
+    """A ``pytorch_model_fsdp_0/`` folder into a sharded model, each process reading its own shards (collective)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    template = {MODEL_KEY: get_model_state_dict(model)}
+    load_dcp(folder, template, collective=collective())
+    set_model_state_dict(model, template[MODEL_KEY])
+
+
+# ---- writing ---------------------------------------------------------------------------------------------------------
+class ProcessZeroState:
+    """One process's (or DDP's, whose processes hold the same states) optimizer: ``optimizer.pt``, written by the
+    main process, its parameters by position (what transformers writes outside FSDP and DeepSpeed).
+
+    ``rank0_only``: gathered states go to global rank 0 alone (False: to every process, for ``save_on_each_node``,
+    where the main process of every node writes)."""
+
+    #: the form's optimizer file or folder (and its model files beside ``save_model``'s)
+    optimizer_name = "optimizer.pt"
+    model_names: tuple[str, ...] = ()
+    #: whether a checkpoint holds ``save_model``'s files (weights, config, processing class, ``training_args.bin``)
+    with_model_files = True
+
+    def __init__(self, rank0_only: bool = True) -> None:
+        self.rank0_only = rank0_only
+
+    def full_model_state(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
+        """The whole state dict ``save_model`` writes (collective; None: the model's own ``state_dict()``)."""
+        return full_model_state(model, self.rank0_only)
+
+    def write(self, folder: str, model: nn.Module, optimizer: torch.optim.Optimizer, is_main: bool) -> list[str]:
+        """Write the form's model and optimizer files into ``folder`` (every process calls it); returns the names this
+        process wrote, largest first."""
+        if not is_main:
+            return []
+        torch.save(optimizer.state_dict(), os.path.join(folder, self.optimizer_name))
+        return [self.optimizer_name]
+
+
+class GatheredState(ProcessZeroState):
+    """``FULL_STATE_DICT``: the whole model (``pytorch_model_fsdp.bin``) and optimizer (``optimizer.bin``, parameters by
+    name) gathered onto the main process and written by it, beside ``save_model``'s ``model.safetensors``."""
+
+    optimizer_name = FSDP_OPTIMIZER_FILE
+    model_names = (FSDP_MODEL_FILE,)
+
+    def write(self, folder: str, model: nn.Module, optimizer: torch.optim.Optimizer, is_main: bool) -> list[str]:
+        optimizer_state = named_optimizer_state(model, optimizer, full=True, rank0_only=self.rank0_only)
+        model_state = self.full_model_state(model)
+        if not is_main:
+            return []
+        torch.save(optimizer_state, os.path.join(folder, FSDP_OPTIMIZER_FILE))
+        torch.save(model.state_dict() if model_state is None else model_state, os.path.join(folder, FSDP_MODEL_FILE))
+        return [FSDP_OPTIMIZER_FILE, FSDP_MODEL_FILE]
+
+
+class ShardedState(ProcessZeroState):
+    """``SHARDED_STATE_DICT``: each process writes its own shards of the model (``pytorch_model_fsdp_0/``) and the
+    optimizer (``optimizer_0/``) with ``torch.distributed.checkpoint``; no whole copy is made anywhere."""
+
+    optimizer_name = FSDP_OPTIMIZER_DIR
+    model_names = (FSDP_MODEL_DIR,)
+    with_model_files = False  # as transformers: the shards are the model; save_model() still gathers a whole copy
+
+    def write(self, folder: str, model: nn.Module, optimizer: torch.optim.Optimizer, is_main: bool) -> list[str]:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        states = {
+            FSDP_OPTIMIZER_DIR: {OPTIMIZER_KEY: named_optimizer_state(model, optimizer, full=False)},
+            FSDP_MODEL_DIR: {MODEL_KEY: get_model_state_dict(model)},
+        }
+        for name, state in states.items():
+            writer = dcp.FileSystemWriter(os.path.join(folder, name))
+            dcp.save(state, storage_writer=writer, no_dist=not collective())
+        return list(states)
