@@ -30,11 +30,11 @@ TORCHRUN_2 = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "
 class Job:
     """``tests/scripts/<example>`` copied to ``folder`` and ``<example>.py`` started with ``args`` (``--output_dir``
     is ``folder/out``), after replacing the line ``original`` by ``changed`` when given; ``launcher``: the command
-    that starts the script (``python``, or :data:`TORCHRUN_2`). :meth:`out` waits for it and returns the output
-    folder."""
+    that starts the script (``python``, or :data:`TORCHRUN_2`); ``path``: folders put first on ``PYTHONPATH`` (a test
+    stand-in's ``sitecustomize``). :meth:`out` waits for it and returns the output folder."""
 
     def __init__(self, folder: Path, example: str, original: str, changed: str | None, args: list[str],
-                 launcher: list[str] | None = None) -> None:  # fmt: skip
+                 launcher: list[str] | None = None, path: list[Path] = ()) -> None:  # fmt: skip
         shutil.copytree(SCRIPTS / example, folder)
         script = folder / f"{example}.py"
         source = script.read_text(encoding="utf-8")
@@ -43,8 +43,8 @@ class Job:
             script.write_text(source.replace(original, changed), encoding="utf-8")
         command = [*(launcher or [sys.executable]), script.name, *args, "--output_dir", str(folder / "out"),
                    "--seed", "0", "--report_to", "none", "--disable_tqdm", "true"]  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "src"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-               "OMP_NUM_THREADS": "1"}  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, [*path, REPO_ROOT / "src"])), "HF_HUB_OFFLINE": "1",
+               "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}  # fmt: skip
         self.folder = folder
         self.process = subprocess.Popen(command, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                         text=True, start_new_session=True)  # fmt: skip
@@ -163,12 +163,33 @@ _LOADERS = {
 }
 
 
+def distributed_checkpoint(folder: Path) -> dict:
+    """Every tensor a ``torch.distributed.checkpoint`` folder holds, whole (read by this process alone)."""
+    from hflight.checkpoints.sharded import load_dcp, read_metadata
+
+    entries = read_metadata(folder).state_dict_metadata
+    state = {key: torch_empty(entry) for key, entry in entries.items() if hasattr(entry, "chunks")}
+    load_dcp(folder, state, collective=False)
+    return state
+
+
+def torch_empty(entry):
+    import torch
+
+    return torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+
+
 def assert_same_training_state(runs: dict[str, Path]) -> int:
-    """Every weights file, optimizer, scheduler, RNG state and ``trainer_state.json`` (timings aside) of the run
-    folder and its checkpoints, bit for bit between the two trainers. Returns how many files were compared."""
+    """Every weights file, optimizer, scheduler, RNG state, ``trainer_state.json`` (timings aside) and
+    distributed-checkpoint folder (its tensors, whole) of the run folder and its checkpoints, bit for bit between the
+    two trainers. Returns how many files and folders were compared."""
     theirs, ours = runs["transformers"], runs["hflight"]
     differences: list[str] = []
     compared = 0
+    for folder in sorted({p.parent for p in theirs.rglob(".metadata")}):
+        relative = folder.relative_to(theirs)
+        _same(distributed_checkpoint(folder), distributed_checkpoint(ours / relative), str(relative), differences)
+        compared += 1
     for relative in sorted(files(theirs)):
         name = relative.rsplit("/", 1)[-1]
         loader = next((load for pattern, load in _LOADERS.items() if re.fullmatch(pattern, name)), None)

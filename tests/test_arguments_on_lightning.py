@@ -310,19 +310,21 @@ def test_ddp_arguments_configure_lightning_s_ddp_strategy(monkeypatch):
     assert lightning_kwargs.strategy_for(hflight.TrainingArguments("o", strategy="ddp")) == "ddp"
 
 
-def test_fsdp_arguments_configure_lightning_s_fsdp_strategy(factory, monkeypatch):
-    """The mapping a GPU machine gets (FSDP runs on CUDA only; the refusal of the CPU is tested in test_distributed):
-    the device check is told the run is on CUDA."""
+def test_fsdp1_arguments_configure_lightning_s_fsdp_strategy(factory, monkeypatch):
+    """FSDP1 (fsdp_config version 1): the mapping a GPU machine gets (Lightning's FSDPStrategy runs on CUDA only; the
+    refusal of the CPU is tested in test_distributed): the device check is told the run is on CUDA, the world has 2
+    processes."""
     from lightning.pytorch.strategies import FSDPStrategy
     from transformers.models.bert.modeling_bert import BertLayer
 
     from hflight.arguments import training_args
 
     monkeypatch.setattr(training_args, "resolved_device_type", lambda args: "cuda")
+    monkeypatch.setattr(strategy_settings, "planned_world_size", lambda args: 2)
 
     model = factory.cls_model()
     args = hflight.TrainingArguments(
-        "o", fsdp="shard_grad_op offload", fsdp_config={"transformer_layer_cls_to_wrap": ["BertLayer"],
+        "o", fsdp="shard_grad_op offload", fsdp_config={"version": 1, "transformer_layer_cls_to_wrap": ["BertLayer"],
                                                         "activation_checkpointing": True}, ddp_timeout=120,
     )  # fmt: skip
     strategy = lightning_kwargs.strategy_for(args, model)
@@ -331,8 +333,8 @@ def test_fsdp_arguments_configure_lightning_s_fsdp_strategy(factory, monkeypatch
     assert strategy.kwargs["auto_wrap_policy"]._module_classes == {BertLayer}
     assert strategy._activation_checkpointing_kwargs  # BertLayer, as fsdp_config["activation_checkpointing"] asks
     assert strategy._timeout == datetime.timedelta(seconds=120)
-    size_based = hflight.TrainingArguments("o", fsdp=True, fsdp_config={"auto_wrap_policy": "SIZE_BASED_WRAP",
-                                                                         "min_num_params": 1000})  # fmt: skip
+    size_config = {"version": 1, "min_num_params": 1000, "auto_wrap_policy": "SIZE_BASED_WRAP"}
+    size_based = hflight.TrainingArguments("o", fsdp=True, fsdp_config=size_config)
     assert strategy_settings.fsdp_settings(size_based, model)["auto_wrap_policy"].keywords == {"min_num_params": 1000}
     with pytest.raises(ValueError, match="NoSuchLayer"):
         lightning_kwargs.strategy_for(

@@ -186,17 +186,19 @@ def test_a_loader_built_for_one_process_is_dealt_to_the_ranks_it_runs_in():
     assert [list(b) for b in shard_loader(dealt, 3, 2)] == [[6, 7, 8], [3, 4, 5]]
 
 
-def test_fsdp_on_the_cpu_is_refused_before_anything_is_launched(tmp_path, factory):
-    """Lightning's FSDPStrategy refuses the CPU ("The strategy `fsdp` requires a GPU accelerator, but received
-    `accelerator='cpu'`", raised deep inside lightning.Trainer): hflight says so naming fsdp, before a lightning.Trainer
-    exists or a process is launched, whether the CPU was asked for or is what "auto" finds."""
+def test_fsdp1_on_the_cpu_is_refused_before_anything_is_launched(tmp_path, factory):
+    """FSDP1 (fsdp_config version 1): Lightning's FSDPStrategy refuses the CPU ("The strategy `fsdp` requires a GPU
+    accelerator, but received `accelerator='cpu'`", raised deep inside lightning.Trainer): hflight says so naming the
+    setting, before a lightning.Trainer exists or a process is launched, whether the CPU was asked for or is what
+    "auto" finds. (FSDP2, transformers' default, runs on the CPU: tests/test_sharding.py.)"""
     for accelerator in ("cpu", "auto") if not torch.cuda.is_available() else ("cpu",):
         args = hflight.TrainingArguments(output_dir=str(tmp_path), accelerator=accelerator, devices=2,
-                                         fsdp=True, fsdp_config={"reshard_after_forward": True},
+                                         fsdp=True, fsdp_config={"version": 1, "reshard_after_forward": "full_shard"},
                                          report_to="none", disable_tqdm=True)  # fmt: skip
         trainer = hflight.Trainer(factory.qa_model(), args, train_dataset=factory.qa_dataset(8))
         message = (
-            rf"fsdp=True \(fsdp_config: .*\) needs CUDA GPUs: .*FSDPStrategy.* is 'cpu' \(accelerator='{accelerator}'\)"
+            rf"fsdp_config\['version'\]=1 \(FSDP1\) needs CUDA GPUs: .*FSDPStrategy.* is 'cpu' "
+            rf"\(accelerator='{accelerator}'\)"
         )
         with pytest.raises(ValueError, match=message):
             trainer.train()

@@ -23,6 +23,7 @@ unpickles anything), and the non-tensor entries (an optimizer's hyperparameters)
 from __future__ import annotations
 
 import io
+import logging
 import os
 import pickle
 from pathlib import Path
@@ -32,6 +33,8 @@ import torch
 from torch import nn
 
 from hflight.checkpoints.files import UnsafeCheckpointFile
+
+logger = logging.getLogger(__name__)
 
 #: accelerate's names (``FSDP_MODEL_NAME``, ``OPTIMIZER_NAME``, index 0: the Trainer's one model and optimizer)
 FSDP_MODEL_FILE = "pytorch_model_fsdp.bin"
@@ -164,9 +167,15 @@ def load_dcp(folder: Path, state: dict[str, Any], collective: bool) -> None:
     """Fill ``state`` (the states' shapes and the run's own sharding: whole tensors or DTensor shards) from a
     distributed-checkpoint folder, in place; ``collective``: every process of the run calls it (else this process
     reads alone)."""
+    import warnings
+
     import torch.distributed.checkpoint as dcp
 
-    dcp.load(state, storage_reader=_reader(folder), planner=_planner(), no_dist=not collective)
+    with (
+        warnings.catch_warnings()
+    ):  # reading alone is meant: torch's "assuming the intent is to load in a single process"
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
+        dcp.load(state, storage_reader=_reader(folder), planner=_planner(), no_dist=not collective)
 
 
 def read_full_model(folder: Path) -> dict[str, torch.Tensor]:
@@ -241,9 +250,22 @@ def set_named_optimizer_state(
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=full))
 
 
+def writers(folder: Path) -> int:
+    """How many processes wrote a distributed-checkpoint folder (one ``__<rank>_0.distcp`` file each)."""
+    return sum(1 for p in folder.glob("__*_*.distcp"))
+
+
 def load_dcp_optimizer(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """An ``optimizer_0/`` folder into the run's optimizer, resharded to the run's processes (collective when the
-    run has several)."""
+    run has several); a change in the number of processes is said."""
+    import torch.distributed as dist
+
+    now = dist.get_world_size() if collective() else 1
+    if writers(folder) != now and (not dist.is_initialized() or dist.get_rank() == 0):
+        logger.warning(
+            f"{folder}: written by {writers(folder)} process(es), read by {now}: torch.distributed.checkpoint reshards "
+            "the optimizer's states (and the model's) onto this run's processes."
+        )
     template = {OPTIMIZER_KEY: named_optimizer_state(model, optimizer, full=False)}
     load_dcp(folder, template, collective=collective())
     set_named_optimizer_state(model, optimizer, template[OPTIMIZER_KEY], full=False)

@@ -1,0 +1,86 @@
+"""A sharded training job for ``tests/test_sharding.py``: a tiny GPT-2 trained with FSDP2 under torchrun, or resumed
+from a checkpoint on another number of processes (sharded or not).
+
+    torchrun --standalone --nproc_per_node=2 tests/jobs/sharded_job.py OUT --form SHARDED_STATE_DICT
+    torchrun --standalone --nproc_per_node=4 tests/jobs/sharded_job.py OUT --resume CKPT
+    python tests/jobs/sharded_job.py OUT --resume CKPT --no-fsdp
+
+Training: 6 steps of 4 blocks per process (seed 0, dropout on), a checkpoint every 3 steps. Rank 0 writes
+``OUT/result.json``: the world size, and for each rank the elements of every parameter it holds (its local shard) and
+of the whole parameter. Resuming: a callback gathers, once the run restored the checkpoint and before its first step,
+the whole model and optimizer states (parameters by name) and rank 0 saves them to ``OUT/restored.pt``; the run then
+trains to its end.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback
+
+from hflight import Trainer, TrainingArguments
+from hflight.checkpoints.sharded import full_model_state, named_optimizer_state
+
+
+def blocks(n, seed):
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, 64, (n, 16), generator=generator)
+    return [{"input_ids": row, "labels": row} for row in ids]
+
+
+class DumpRestored(TrainerCallback):
+    """At ``on_train_begin`` (the checkpoint restored, nothing trained): the whole states, saved by rank 0."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        whole = full_model_state(model)
+        states = {"model": model.state_dict() if whole is None else whole,
+                  "optimizer": named_optimizer_state(model, optimizer, full=True)}  # fmt: skip
+        if state.is_world_process_zero:
+            torch.save(states, self.path)
+
+
+def local_elements(model):
+    from torch.distributed.tensor import DTensor
+
+    return {name: [p.to_local().numel() if isinstance(p, DTensor) else p.numel(), p.numel()]
+            for name, p in model.named_parameters()}  # fmt: skip
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--form", default="SHARDED_STATE_DICT")
+    parser.add_argument("--resume")
+    parser.add_argument("--no-fsdp", action="store_true")
+    opts = parser.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=16))
+    sharding = {} if opts.no_fsdp else {
+        "fsdp": "full_shard auto_wrap",
+        "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"], "state_dict_type": opts.form},
+    }  # fmt: skip
+    args = TrainingArguments(output_dir=opts.out, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                             max_steps=6, save_steps=3, logging_steps=1, learning_rate=1e-2, use_cpu=True, seed=0,
+                             report_to="none", disable_tqdm=True, **sharding)  # fmt: skip
+    callbacks = [DumpRestored(os.path.join(opts.out, "restored.pt"))] if opts.resume else []
+    trainer = Trainer(model, args, train_dataset=blocks(96, 1), callbacks=callbacks)
+    trainer.train(resume_from_checkpoint=opts.resume)
+    elements = trainer.accelerator.world.gather_objects([local_elements(trainer.model)])
+    if trainer.is_world_process_zero():
+        result = {"world_size": trainer.accelerator.num_processes, "elements": elements,
+                  "log_history": trainer.state.log_history}  # fmt: skip
+        with open(os.path.join(opts.out, "result.json"), "w") as handle:
+            json.dump(result, handle)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

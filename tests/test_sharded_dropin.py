@@ -1,0 +1,144 @@
+"""FSDP2 as transformers runs it (issue 35, items 1 and 3): transformers' run_clm.py under ``torchrun
+--nproc_per_node=2`` with ``--fsdp "full_shard auto_wrap" --fsdp_config`` (``version`` 2, ``GPT2Block`` wrapped), once
+as written with transformers' Trainer and once with the import changed to hflight's, compared number for number.
+
+transformers' own FSDP route does not run on a machine without GPUs: accelerate 1.15 starts FSDP for GPU-like devices
+only and, given ``--use_cpu``, trains with DDP instead (its checkpoints then hold ``optimizer.pt``, not FSDP's files).
+The transformers side therefore runs with a test stand-in on ``PYTHONPATH`` (``tests/fsdp_standin``): accelerate gives
+the CPU run the state it gives a GPU run, and everything else is accelerate's and transformers' code, the script
+unchanged. With ``SHARDED_STATE_DICT`` both trainers write ``pytorch_model_fsdp_0/`` and ``optimizer_0/``; the logged
+losses, gradient norms, learning rates, metrics, and the shards, scheduler, RNG and trainer states of every checkpoint
+are the same bit for bit. Each trainer then resumes the other's ``checkpoint-5`` and ends with the other's run.
+(With ``FULL_STATE_DICT`` transformers' own save fails on the CPU inside accelerate's state-dict gathering, so hflight's
+FULL run is compared with hflight's sharded one: the same training, the other checkpoint form.)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from . import dropin
+from . import test_run_clm_dropin as clm
+
+pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
+
+STANDIN = Path(__file__).parent / "fsdp_standin"
+ARGS = [
+    "--block_size", "16", "--do_train", "--do_eval", "--use_cpu",
+    "--per_device_train_batch_size", "2", "--per_device_eval_batch_size", "4", "--gradient_accumulation_steps", "2",
+    "--learning_rate", "2e-3", "--num_train_epochs", "2", "--logging_steps", "1",
+    "--eval_strategy", "epoch", "--save_steps", "5", "--fsdp", "full_shard auto_wrap",
+]  # fmt: skip
+FSDP_CONFIG = '{"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"], "state_dict_type": "%s"}'
+
+
+def _job(folder: Path, library: str, args: list[str]) -> dropin.Job:
+    changed = None if library == "transformers" else clm.CHANGED_IMPORT
+    path = [STANDIN] if library == "transformers" else []
+    return dropin.Job(folder, "run_clm", clm.ORIGINAL_IMPORT, changed, args, launcher=dropin.TORCHRUN_2, path=path)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("sharded_dropin")
+    inputs = clm._inputs(root / "inputs")
+    base = ["--model_name_or_path", str(inputs["model"]), "--train_file", str(inputs["train"]),
+            "--validation_file", str(inputs["validation"]), *ARGS]  # fmt: skip
+    sharded = [*base, "--fsdp_config", FSDP_CONFIG % "SHARDED_STATE_DICT"]
+    full = [*base, "--fsdp_config", FSDP_CONFIG % "FULL_STATE_DICT"]
+    first = {"transformers": _job(root / "transformers", "transformers", sharded),
+             "hflight": _job(root / "hflight", "hflight", sharded),
+             "hflight_full": _job(root / "hflight_full", "hflight", full)}  # fmt: skip
+    outs = {name: job.out() for name, job in first.items()}
+    # each trainer continues the other's checkpoint-5 (in an output folder of its own)
+    crossed = {
+        f"{library}_from_{other}": _job(root / f"{library}_from_{other}", library,
+                                        [*sharded, "--resume_from_checkpoint", str(outs[other] / "checkpoint-5")])
+        for library, other in (("hflight", "transformers"), ("transformers", "hflight"))
+    }  # fmt: skip
+    outs.update({name: job.out() for name, job in crossed.items()})
+    return outs
+
+
+def _pair(runs: dict[str, Path], transformers: str, hflight: str) -> dict[str, Path]:
+    return {"transformers": runs[transformers], "hflight": runs[hflight]}
+
+
+def test_transformers_really_ran_fsdp2(runs):
+    """The stand-in made accelerate shard (no DDP wrapper, FSDP's checkpoint files); without it the same command
+    trains with DDP (tests/test_torchrun_dropin.py runs that, --use_cpu included)."""
+    console = (runs["transformers"].parent / "console.txt").read_text()
+    assert "find_unused_parameters=True was specified in DDP constructor" not in console
+    checkpoint = runs["transformers"] / "checkpoint-5"
+    assert {p.name for p in checkpoint.iterdir()} >= {"pytorch_model_fsdp_0", "optimizer_0"}
+    assert not (checkpoint / "optimizer.pt").exists()
+
+
+def test_hflight_fsdp2_logs_and_writes_transformers_fsdp2_bit_for_bit(runs):
+    both = _pair(runs, "transformers", "hflight")
+    dropin.assert_same_results(both, ("eval_results.json", "train_results.json", "all_results.json"))
+    dropin.assert_same_log_history(both, min_losses=8)  # gradient norms included: both sum them over the shards
+    for step in (5, 8):
+        ours = {p.relative_to(both["hflight"]).as_posix() for p in (both["hflight"] / f"checkpoint-{step}").rglob("*")
+                if p.is_file()}  # fmt: skip
+        theirs = {p.relative_to(both["transformers"]).as_posix()
+                  for p in (both["transformers"] / f"checkpoint-{step}").rglob("*") if p.is_file()}  # fmt: skip
+        assert ours - theirs == {f"checkpoint-{step}/checkpoint_manifest.json"} and theirs <= ours
+    # 4 distributed folders; scheduler, 2 RNG files and trainer state per checkpoint; the final trainer state
+    assert dropin.assert_same_training_state(both) == 4 + 2 * 4 + 1
+    # at the end transformers' save_model writes nothing for SHARDED_STATE_DICT; hflight's gathers the whole model,
+    # which is the last checkpoint's, for from_pretrained
+    assert not (both["transformers"] / "model.safetensors").exists()
+    from safetensors.torch import load_file
+
+    final = load_file(both["hflight"] / "model.safetensors")
+    shards = dropin.distributed_checkpoint(both["transformers"] / "checkpoint-8" / "pytorch_model_fsdp_0")
+    assert all(torch.equal(final[k], shards[f"model.{k}"]) for k in final) and len(final) >= 20
+
+
+def test_full_state_dict_trains_as_the_sharded_run_and_writes_transformers_full_files(runs):
+    sharded, full = runs["hflight"], runs["hflight_full"]
+    dropin.assert_same_log_history({"transformers": sharded, "hflight": full}, min_losses=8)
+    from safetensors.torch import load_file
+
+    assert all(torch.equal(a, b) for a, b in zip(load_file(sharded / "model.safetensors").values(),
+                                                  load_file(full / "model.safetensors").values()))  # fmt: skip
+    checkpoint = full / "checkpoint-8"
+    assert {"model.safetensors", "config.json", "pytorch_model_fsdp.bin", "optimizer.bin"} <= {
+        p.name for p in checkpoint.iterdir()}  # fmt: skip
+    whole = torch.load(checkpoint / "pytorch_model_fsdp.bin", weights_only=True)
+    shards = dropin.distributed_checkpoint(sharded / "checkpoint-8" / "pytorch_model_fsdp_0")
+    assert all(torch.equal(whole[k], shards[f"model.{k}"]) for k in whole)
+    optimizer = torch.load(checkpoint / "optimizer.bin", weights_only=True)  # parameters by name, as accelerate's
+    opt_shards = dropin.distributed_checkpoint(sharded / "checkpoint-8" / "optimizer_0")
+    states = {f"optimizer.state.{n}.{k}": v for n, e in optimizer["state"].items() for k, v in e.items()}
+    assert set(states) == {k for k in opt_shards if k.startswith("optimizer.state.")}
+    assert all(torch.equal(states[k], opt_shards[k]) for k in states)
+
+
+@pytest.mark.parametrize(("continued", "original"), [("hflight_from_transformers", "transformers"),
+                                                     ("transformers_from_hflight", "hflight")])  # fmt: skip
+def test_each_trainer_continues_the_other_s_sharded_checkpoint(runs, continued, original):
+    """checkpoint-5 of one trainer, resumed by the other on 2 processes: the run ends as the uninterrupted one, its
+    checkpoint-8 shards, scheduler, RNG and trainer state bit for bit, the log history the same (train_loss aside:
+    both report it over the steps of the resumed call, as transformers does)."""
+    resumed, reference = runs[continued], runs[original]
+    history = [dropin.read_json(p / "trainer_state.json")["log_history"] for p in (reference, resumed)]
+    timing = ("_runtime", "_per_second", "train_loss")
+    assert len(history[0]) == len(history[1])
+    for a, b in zip(*history):
+        assert {k: v for k, v in a.items() if not k.endswith(timing)} == {k: v for k, v in b.items()
+                                                                         if not k.endswith(timing)}  # fmt: skip
+    differences: list[str] = []
+    for part in ("pytorch_model_fsdp_0", "optimizer_0"):
+        dropin._same(dropin.distributed_checkpoint(reference / "checkpoint-8" / part),
+                     dropin.distributed_checkpoint(resumed / "checkpoint-8" / part), part, differences)  # fmt: skip
+    for name in ("scheduler.pt", "rng_state_0.pth", "rng_state_1.pth"):
+        a, b = (torch.load(p / "checkpoint-8" / name, weights_only=False) for p in (reference, resumed))
+        for key in ("hflight_epoch_start",):  # hflight's own addition to an RNG file, named
+            a.pop(key, None), b.pop(key, None)
+        dropin._same(a, b, name, differences)
+    assert not differences, differences[:10]

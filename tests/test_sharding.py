@@ -1,0 +1,226 @@
+"""Models larger than one device (issue 35): FSDP2 through hflight's FSDP2Strategy on this CPU (gloo), its checkpoints,
+and resuming them on another number of processes.
+
+``tests/jobs/sharded_job.py`` trains a tiny GPT-2 with ``fsdp="full_shard auto_wrap"`` under ``torchrun
+--nproc_per_node=2`` (both checkpoint forms at once), then resumes the sharded checkpoint on 1 process (no FSDP at
+all), and both forms on 4 (FSDP2), all at once. Each resumed run saves the whole model and optimizer states it holds
+once the checkpoint is restored: they must be the checkpoint's, bit for bit (torch.distributed.checkpoint reshards
+the states on the way). The numbers of a sharded run against transformers' own: tests/test_sharded_dropin.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import hflight
+from hflight.arguments import lightning_kwargs
+from hflight.arguments import strategies as strategy_settings
+from hflight.checkpoints.files import IncompleteCheckpointError, UnsafeCheckpointFile
+from hflight.checkpoints.manifest import get_last_checkpoint, read_manifest, verify_checkpoint
+from hflight.checkpoints.sharded import load_dcp, read_full_model, read_metadata, tensor_shapes
+
+JOB = Path(__file__).parent / "jobs" / "sharded_job.py"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+
+pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
+
+
+def _start(out: Path, processes: int, *options: str) -> subprocess.Popen:
+    out.mkdir(parents=True)
+    launcher = [sys.executable] if processes == 1 else [TORCHRUN, "--standalone", f"--nproc_per_node={processes}"]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "src"), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([*launcher, str(JOB), str(out), *options], cwd=out, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+
+
+def _finish(process: subprocess.Popen) -> str:
+    try:
+        output, _ = process.communicate(timeout=420)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, 9)
+        output, _ = process.communicate()
+        raise AssertionError(f"the job did not end:\n{output[-3000:]}") from None
+    assert process.returncode == 0, output[-5000:]
+    return output
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("sharding")
+    trained = {form: _start(root / form, 2, "--form", form) for form in ("SHARDED_STATE_DICT", "FULL_STATE_DICT")}
+    logs = {form: _finish(p) for form, p in trained.items()}
+    sharded, full = root / "SHARDED_STATE_DICT" / "checkpoint-3", root / "FULL_STATE_DICT" / "checkpoint-3"
+    resumed = {
+        "sharded_on_1": _start(root / "sharded_on_1", 1, "--resume", str(sharded), "--no-fsdp"),
+        "sharded_on_4": _start(root / "sharded_on_4", 4, "--resume", str(sharded)),
+        "full_on_4": _start(root / "full_on_4", 4, "--resume", str(full), "--form", "FULL_STATE_DICT"),
+    }
+    logs.update({name: _finish(p) for name, p in resumed.items()})
+    return {"root": root, "logs": logs, "sharded": sharded, "full": full}
+
+
+def _whole_optimizer(folder: Path) -> dict[str, torch.Tensor]:
+    shapes = tensor_shapes(folder, "optimizer")
+    state = {"optimizer": {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in shapes.items()}}
+    load_dcp(folder, state, collective=False)
+    return {k: v for k, v in state["optimizer"].items() if k.startswith("state.")}
+
+
+def _flat(optimizer_state: dict) -> dict[str, torch.Tensor]:
+    return {f"state.{name}.{key}": v for name, entry in optimizer_state["state"].items() for key, v in entry.items()}
+
+
+def test_every_process_holds_its_half_of_every_parameter(jobs):
+    result = json.loads((jobs["root"] / "SHARDED_STATE_DICT" / "result.json").read_text())
+    assert result["world_size"] == 2
+    first, second = result["elements"]
+    assert set(first) == set(second) and len(first) >= 20
+    for name, (local, whole) in first.items():
+        assert local + second[name][0] == whole, name  # each element on one process only
+        assert local <= -(-whole // 2), name  # at most half (dim 0 split in two)
+    assert sum(local for local, _ in first.values()) * 2 >= sum(whole for _, whole in first.values()) - 64
+
+
+def test_a_sharded_checkpoint_is_transformers_layout_with_every_shard_in_the_manifest(jobs):
+    folder = jobs["sharded"]
+    names = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
+    expected_shards = {f"{d}/{f}" for d in ("pytorch_model_fsdp_0", "optimizer_0")
+                       for f in (".metadata", "__0_0.distcp", "__1_0.distcp")}  # fmt: skip
+    assert expected_shards <= names
+    # as transformers' sharded checkpoint: no save_model files (the shards are the model); hflight's manifest added
+    assert names - expected_shards == {"scheduler.pt", "rng_state_0.pth", "rng_state_1.pth", "trainer_state.json",
+                                       "checkpoint_manifest.json"}  # fmt: skip
+    manifest = read_manifest(folder)
+    assert expected_shards <= set(manifest["files"]) and manifest["run"]["world_size"] == 2
+    assert verify_checkpoint(folder, full=True) == manifest
+    full_names = {p.name for p in jobs["full"].iterdir()}
+    assert {"model.safetensors", "pytorch_model_fsdp.bin", "optimizer.bin", "config.json"} <= full_names
+
+
+@pytest.mark.parametrize("name", ["sharded_on_1", "sharded_on_4", "full_on_4"])
+def test_a_checkpoint_of_2_processes_resumes_on_1_and_4_with_the_same_states(jobs, name):
+    """The whole model and optimizer states the resumed run holds before its first step are the checkpoint's, bit for
+    bit: on 1 process without FSDP, and resharded onto 4; the change is said aloud; the run then trains to its end."""
+    restored = torch.load(jobs["root"] / name / "restored.pt", weights_only=True)
+    source = jobs["full"] if name == "full_on_4" else jobs["sharded"]
+    if name == "full_on_4":
+        model = torch.load(source / "pytorch_model_fsdp.bin", weights_only=True)
+        optimizer = _flat(torch.load(source / "optimizer.bin", weights_only=True))
+    else:
+        model = read_full_model(source / "pytorch_model_fsdp_0")
+        optimizer = _whole_optimizer(source / "optimizer_0")
+    assert set(restored["model"]) >= set(model) and len(optimizer) >= 3 * 20
+    assert all(torch.equal(restored["model"][k], model[k]) for k in model)
+    ours = _flat(restored["optimizer"])
+    assert set(ours) == set(optimizer) and all(torch.equal(ours[k], optimizer[k]) for k in optimizer)
+    processes = 1 if name == "sharded_on_1" else 4
+    log = jobs["logs"][name]
+    assert f"world_size: {processes} (now) != 2 (checkpoint)" in log
+    if name != "full_on_4":
+        assert f"written by 2 process(es), read by {processes}: torch.distributed.checkpoint reshards" in log
+    result = json.loads((jobs["root"] / name / "result.json").read_text())
+    assert result["world_size"] == processes and result["log_history"][-1]["step"] == 6
+
+
+def test_a_damaged_or_missing_shard_makes_the_checkpoint_invalid_and_resume_auto_takes_the_one_before(jobs, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(jobs["root"] / "SHARDED_STATE_DICT", run, ignore=shutil.ignore_patterns("result.json"))
+    shard = run / "checkpoint-6" / "pytorch_model_fsdp_0" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    verify_checkpoint(run / "checkpoint-6")  # sizes still match: only the checksum finds it
+    with pytest.raises(IncompleteCheckpointError, match=r"pytorch_model_fsdp_0/__1_0\.distcp is damaged"):
+        verify_checkpoint(run / "checkpoint-6", full=True)
+    (run / "checkpoint-6" / "optimizer_0" / "__0_0.distcp").unlink()
+    with pytest.raises(IncompleteCheckpointError, match=r"no optimizer_0/__0_0\.distcp"):
+        verify_checkpoint(run / "checkpoint-6")
+    assert get_last_checkpoint(run) == str(run / "checkpoint-3")
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+def test_a_crafted_metadata_file_is_refused_without_running_it(jobs, tmp_path):
+    """torch's own reader unpickles a distributed checkpoint's .metadata with plain pickle; hflight's refuses anything
+    but the metadata classes."""
+    folder = tmp_path / "pytorch_model_fsdp_0"
+    shutil.copytree(jobs["sharded"] / "pytorch_model_fsdp_0", folder)
+    assert read_metadata(folder).state_dict_metadata
+    (folder / ".metadata").write_bytes(pickle.dumps(_Exploit()))
+    with pytest.raises(UnsafeCheckpointFile, match=r"\.metadata cannot be loaded safely: .*posix\.system"):
+        read_metadata(folder)
+
+
+# ---- bad settings, refused before any process group starts --------------------------------------------------------
+def _args(**fsdp) -> hflight.TrainingArguments:
+    return hflight.TrainingArguments("o", accelerator="cpu", devices=2, report_to="none", **fsdp)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"fsdp": True, "fsdp_config": {"transformer_layer_cls_to_wrap": ["NoSuchLayer"]}},
+         r"fsdp_config\['transformer_layer_cls_to_wrap'\] names \['NoSuchLayer'\]"),
+        ({"fsdp": True, "fsdp_config": {"min_num_param": 10}}, r"fsdp_config has keys transformers does not know: "
+                                                              r"min_num_param"),
+        ({"fsdp": True, "fsdp_config": {"state_dict_type": "LOCAL_STATE_DICT"}},
+         r"fsdp_config\['state_dict_type'\]='LOCAL_STATE_DICT': FSDP2 writes FULL_STATE_DICT or SHARDED_STATE_DICT"),
+        ({"fsdp": True, "fsdp_config": {"backward_prefetch": "BACKWARD_PRE"}},
+         r"sets backward_prefetch, which only FSDP1"),
+        ({"fsdp": True, "fsdp_config": {"xla": True}}, r"fsdp_config\['xla'\]=True is FSDP on TPUs"),
+    ],
+)  # fmt: skip
+def test_fsdp_settings_that_cannot_run_are_refused_naming_the_key(settings, message, factory):
+    with pytest.raises(ValueError, match=message):
+        lightning_kwargs.strategy_for(_args(**settings), factory.cls_model())
+
+
+def test_fsdp_needs_several_processes_and_refuses_deepspeed_beside_it(factory):
+    one = hflight.TrainingArguments("o", accelerator="cpu", devices=1, fsdp=True, report_to="none")
+    with pytest.raises(ValueError, match="Using fsdp only works in distributed training"):  # transformers' words
+        lightning_kwargs.strategy_for(one, factory.cls_model())
+    with pytest.raises(ValueError, match="fsdp and deepspeed and strategy='auto' each choose"):
+        hflight.TrainingArguments("o", fsdp=True, deepspeed={"zero_optimization": {"stage": 2}})
+    with pytest.raises(ValueError, match="shard_what"):  # an fsdp string transformers does not know: its own error
+        hflight.TrainingArguments("o", fsdp="shard_what")
+
+
+def test_sharded_states_with_save_on_each_node_on_two_nodes_are_refused(factory):
+    args = hflight.TrainingArguments("o", accelerator="cpu", devices=1, num_nodes=2, save_on_each_node=True,
+                                     fsdp=True, fsdp_config={"state_dict_type": "SHARDED_STATE_DICT"},
+                                     report_to="none")  # fmt: skip
+    with pytest.raises(ValueError, match=r"SHARDED_STATE_DICT' with save_on_each_node=True"):
+        lightning_kwargs.strategy_for(args, factory.cls_model())
+
+
+def test_fsdp2_settings_are_transformers_normalised_ones(factory):
+    from hflight.sharding.fsdp import FSDP2Strategy
+
+    args = _args(fsdp="shard_grad_op offload auto_wrap", bf16=True,
+                 fsdp_config={"transformer_layer_cls_to_wrap": "BertLayer", "activation_checkpointing": True,
+                              "cpu_ram_efficient_loading": True, "state_dict_type": "SHARDED_STATE_DICT"})  # fmt: skip
+    strategy = lightning_kwargs.strategy_for(args, factory.cls_model())
+    assert isinstance(strategy, FSDP2Strategy)
+    plan = strategy.plan
+    assert (plan.reshard_after_forward, plan.cpu_offload, plan.activation_checkpointing) == (False, True, True)
+    assert (plan.cpu_ram_efficient_loading, plan.state_dict_type, plan.param_dtype) == (
+        True, "SHARDED_STATE_DICT", torch.bfloat16)  # fmt: skip
+    from transformers.models.bert.modeling_bert import BertLayer
+
+    layer = next(m for m in factory.cls_model().modules() if isinstance(m, BertLayer))
+    assert plan.wrap(layer) and not plan.wrap(factory.cls_model())
+    size = _args(fsdp=True, fsdp_config={"auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 10**9})
+    assert not strategy_settings.fsdp2_plan(size, factory.cls_model(), 2).wrap(factory.cls_model())
