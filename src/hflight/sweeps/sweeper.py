@@ -50,6 +50,7 @@ from hflight.sweeps.study import (
     retry_trial,
     write_results,
 )
+from hflight.sweeps.summary import write_summary
 from hflight.sweeps.trial import SWEEPER_PID
 
 __all__ = ["OptunaSearch"]
@@ -111,8 +112,6 @@ def _continue_from(study: optuna.Study, trial: optuna.Trial) -> list[str]:
 
 def _summary(config: Any, sweep_dir: Path) -> None:
     """The sweep's summary when it stops early (Hydra's end-of-multirun callbacks do not run then)."""
-    from hflight.cli.sweep_summary import write_summary
-
     with contextlib.suppress(Exception):
         write_summary(sweep_dir, config.get("optimized_metric"), config.hydra.sweeper.get("direction"))
 
