@@ -186,12 +186,25 @@ class _Signals:
             signal.signal(signum, handler)
 
 
+#: Launcher processes between the sweeper and its jobs that must not get the forwarded signal: submitit's local
+#: controller (``python -m submitit.local._local``) forwards SIGTERM to its job itself (the job would get it twice, the
+#: second time a stop at once without a checkpoint) and takes SIGINT as a KeyboardInterrupt, sending its job SIGINT
+#: and, a second later, SIGKILL. Its jobs are the sweeper's descendants too, and get the signal from the sweeper.
+_NOT_JOBS = ("submitit.local._local",)
+
+
 def _children() -> list[int]:
+    """The sweeper's descendant processes that get a forwarded signal: the launcher's workers and jobs."""
     try:
         import psutil
     except ImportError:  # the sweeps extra brings it; without it, only the process group's own signals reach jobs
         return []
-    return [child.pid for child in psutil.Process().children(recursive=True)]
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):  # exited meanwhile
+            if not any(name in child.cmdline() for name in _NOT_JOBS):
+                found.append(child.pid)
+    return found
 
 
 @contextlib.contextmanager
