@@ -25,6 +25,17 @@ class SendSignal(TrainerCallback):
         self._send(state)
 
 
+class SignalOnceBuilt(TrainerCallback):
+    """Sends ``signal_name`` to this process when the trainer is built (``on_init_end``): after the data was prepared,
+    before training starts."""
+
+    def __init__(self, signal_name: str = "SIGUSR1") -> None:
+        self.signum = signal.Signals[signal_name]
+
+    def on_init_end(self, args, state, control, **kwargs):
+        os.kill(os.getpid(), self.signum)
+
+
 class PauseAfterFirstSave(TrainerCallback):
     """While ``$PAUSE_AFTER_SAVE`` names a folder: once the run's first checkpoint is on disk, writes ``paused`` there
     (the global step) and sleeps up to 10 minutes, so that a test kills the process at that moment, not by timing.
