@@ -194,17 +194,17 @@ _NOT_JOBS = ("submitit.local._local",)
 
 
 def _children() -> list[int]:
-    """The sweeper's descendant processes that get a forwarded signal: the launcher's workers and jobs."""
+    """The sweeper's descendant processes that get a forwarded signal: the launcher's workers and jobs; the
+    :data:`_NOT_JOBS` processes only when there is nothing else yet (a batch's first moment, no job started)."""
     try:
         import psutil
     except ImportError:  # the sweeps extra brings it; without it, only the process group's own signals reach jobs
         return []
-    found = []
+    jobs, launchers = [], []
     for child in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error):  # exited meanwhile
-            if not any(name in child.cmdline() for name in _NOT_JOBS):
-                found.append(child.pid)
-    return found
+            (launchers if any(name in child.cmdline() for name in _NOT_JOBS) else jobs).append(child.pid)
+    return jobs or launchers
 
 
 @contextlib.contextmanager
