@@ -787,21 +787,26 @@ def test_a_best_checkpoint_outside_the_output_dir_is_an_error(saved, tmp_path, f
     assert all(torch.equal(before[k], v) for k, v in params(trainer).items())
 
 
-def test_a_copied_run_folder_takes_its_best_checkpoint_from_the_copy(saved, tmp_path, factory, caplog):
-    """The common innocent case: the whole run folder was copied, and the recorded best path still exists where the
-    original run was. The checkpoint of the same name in the copy is used."""
+@pytest.mark.parametrize("original", ["copied", "moved"])
+def test_a_copied_run_folder_takes_its_best_checkpoint_from_the_copy(saved, tmp_path, factory, caplog, original):
+    """The common innocent case: the whole run folder was copied (the recorded best path still exists where the
+    original run was) or moved (it exists no more). The checkpoint of the same name in the copy is used, also when
+    the copy is resumed into another output_dir."""
     copy = tmp_path / "copy"
     shutil.copytree(saved / "checkpoint-3", copy / "checkpoint-3")
     shutil.copytree(saved / "checkpoint-6", copy / "checkpoint-6")
+    recorded = saved / "checkpoint-3" if original == "copied" else tmp_path / "moved-away" / "checkpoint-3"
     state = json.loads((copy / "checkpoint-6" / "trainer_state.json").read_text())
-    state.update(best_model_checkpoint=str(saved / "checkpoint-3"), best_global_step=3, best_metric=1.0)
+    state.update(best_model_checkpoint=str(recorded), best_global_step=3, best_metric=1.0)
     (copy / "checkpoint-6" / "trainer_state.json").write_text(json.dumps(state))
     refresh_manifest(copy / "checkpoint-6")
-    trainer = make_trainer(copy, factory, max_steps=7, save_strategy="no")
-    with caplog.at_level(logging.WARNING, logger="hflight.checkpoints.resume"):
-        trainer.train(resume_from_checkpoint=str(copy / "checkpoint-6"))
-    assert trainer.state.best_model_checkpoint == str(copy / "checkpoint-3")
-    assert f"using {copy / 'checkpoint-3'} instead" in caplog.text
+    for output_dir in (copy, tmp_path / "elsewhere"):
+        trainer = make_trainer(output_dir, factory, max_steps=7, save_strategy="no")
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="hflight.checkpoints.resume"):
+            trainer.train(resume_from_checkpoint=str(copy / "checkpoint-6"))
+        assert trainer.state.best_model_checkpoint == str(copy / "checkpoint-3")
+        assert f"using {copy / 'checkpoint-3'} instead" in caplog.text
 
 
 # ---- 6. failed writes: one error naming the folder, the file and the cause -----------------------------------------

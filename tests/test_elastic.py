@@ -9,6 +9,7 @@ the last checkpoint, which is then never used. Both are compared with the same c
 
 from __future__ import annotations
 
+import csv
 import socket
 
 import pytest
@@ -55,6 +56,8 @@ def test_a_worker_killed_mid_step_restarts_from_the_last_checkpoint_and_ends_as_
     assert output.count("resume_from_checkpoint='auto': resuming from") == 2, output[-4000:]  # attempt 2's workers
     assert "outputs/killed/checkpoint-7, the last valid checkpoint" in output
     assert output.count("Reusing synthetic SQuAD data") >= 2  # attempt 2 (rank 1 of attempt 1 may reuse rank 0's)
+    logged = (runs["one"] / "outputs" / "killed" / "hflight" / "version_1" / "metrics.csv").read_text().splitlines()
+    assert min(int(row["step"]) for row in csv.DictReader(logged) if row["loss"]) > 7  # attempt 2 continued after it
     assert outcome(runs["one"] / "outputs" / "killed") == runs["reference"]
 
 

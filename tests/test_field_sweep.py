@@ -1,19 +1,25 @@
 """Field by field (issue 24, point 1): transformers.TrainingArguments' fields, each set to a plausible non-default
 value, run with transformers' Trainer and with hflight's on the same model and data (train, evaluate, predict), and
-compared bit for bit: the logged numbers and keys, the metrics, the predictions and the files written. A swept field
-must change what the run shows (against hflight's run with every field at its default), or be listed in
-:data:`NOT_OBSERVABLE` with the reason it shows nothing in this setting. Fields this machine cannot run are listed in
-:data:`NOT_RUNNABLE` with the reason; fields with a test of their own elsewhere in :data:`TESTED_ELSEWHERE`. A field in
-none of the three fails :func:`test_every_field_is_swept_or_listed`."""
+compared bit for bit: the logged numbers and keys, the metrics, the predictions, and the files written, by name and
+by content (see :func:`_content`: timings aside, each side's own folder named alike, hflight's own additions left
+out). A swept field must change what the run shows (against hflight's run with every field at its default), or be
+listed in :data:`NOT_OBSERVABLE` with the reason it shows nothing in this setting: it runs, but is not counted as
+compared. Fields this machine cannot run are listed in :data:`NOT_RUNNABLE` with the reason; fields with a test of
+their own elsewhere in :data:`TESTED_ELSEWHERE`. A field in none of the three fails
+:func:`test_every_field_is_swept_or_listed`; docs/coming-from-transformers.md gives the counts
+(:func:`test_the_guide_counts_the_fields_as_this_test_does`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import transformers
 
 import hflight
@@ -118,8 +124,8 @@ TESTED_ELSEWHERE = {
     "dataloader_persistent_workers": "test_arguments_on_lightning (with and without workers, as transformers)",
     "optim_target_modules": "test_training_args (refused on any machine: it configures GaLore/APOLLO optimizers, "
     "which hflight does not build)",
-    "report_to": "test_tracking (TensorBoard, MLflow and W&B offline: what each tool recorded, read back with its own "
-    "reader) and test_run_reports (names, errors, csv)",
+    "report_to": "test_tracking (TensorBoard, MLflow and W&B offline: what each tool recorded, read back with "
+    "TensorBoard's and MLflow's readers and W&B's protobuf records) and test_run_reports (names, errors, csv)",
     "dataloader_multiprocessing_context": "test_arguments_on_lightning",
     "dataloader_in_order": "test_arguments_on_lightning",
     "enable_jit_checkpoint": "test_jit_checkpoint",
@@ -174,9 +180,6 @@ NOT_OBSERVABLE = {
     "use_cpu": "the machine has only a CPU: the default runs there already",
 }
 
-#: fields whose results are not transformers' bit for bit, with the measured cause (every other field: identical).
-TOLERANCES: dict[str, dict] = {}
-
 _FSDP_ON_CPU = (
     "Lightning's and torch's FSDP need a GPU; on the CPU hflight refuses it before launching (test_distributed)"
 )
@@ -202,14 +205,57 @@ NOT_RUNNABLE = {
 }
 
 
-def _files(folder: str) -> list[str]:
-    found = []
+_TIMES = ("runtime", "per_second")
+
+
+def _files(folder: str) -> dict[str, str]:
+    """Every file the run wrote (relative name -> :func:`_content`), but hflight's own checkpoint manifest and the
+    logging folders of integrations this setting does not use."""
+    found = {}
     for root, dirs, names in os.walk(folder):
         dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("runs", "lightning_logs")]
         for name in names:
             if not name.startswith(".") and name != "checkpoint_manifest.json":
-                found.append(os.path.relpath(os.path.join(root, name), folder))
-    return sorted(found)
+                path = os.path.join(root, name)
+                found[os.path.relpath(path, folder)] = _content(path, folder)
+    return dict(sorted(found.items()))
+
+
+def _content(path: str, folder: str) -> str:
+    """A digest of what the file holds, equal on both sides when the contents are: JSON (``trainer_state.json``,
+    ``config.json``) parsed, without timings; ``torch.save`` files (optimizer, scheduler, RNG states, the training
+    arguments) loaded, tensors and arrays by dtype, shape and bytes, the arguments by ``to_dict()``, without hflight's
+    own ``hflight_*`` entries (the RNG file's epoch-start states); anything else (the weights) byte for byte. Each
+    side's output folder is named ``<output_dir>`` (each run writes into its own)."""
+    digest = hashlib.sha256()
+    if path.endswith(".json"):
+        digest.update(json.dumps(_canonical(json.loads(Path(path).read_text()), folder), sort_keys=True).encode())
+    elif path.endswith((".pt", ".pth", ".bin")):
+        digest.update(repr(_canonical(torch.load(path, weights_only=False), folder)).encode())
+    else:
+        digest.update(Path(path).read_bytes())
+    return digest.hexdigest()
+
+
+def _canonical(value, folder: str):
+    """``value`` as plain, comparable data (see :func:`_content`)."""
+    if isinstance(value, dict):
+        return {str(k): _canonical(v, folder) for k, v in sorted(value.items(), key=lambda item: str(item[0]))
+                if not str(k).startswith("hflight_") and not any(t in str(k) for t in _TIMES)}  # fmt: skip
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v, folder) for v in value]
+    if isinstance(value, str):
+        return value.replace(folder, "<output_dir>")
+    if isinstance(value, torch.Tensor):  # any dtype (bfloat16 has no numpy twin): its bytes
+        data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        return [str(value.dtype), list(value.shape), hashlib.sha256(data).hexdigest()]
+    if isinstance(value, np.ndarray):
+        return [str(value.dtype), list(value.shape), hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()]
+    if isinstance(value, transformers.TrainingArguments):
+        return _canonical(value.to_dict(), folder)
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    return repr(value)
 
 
 _LIBRARIES = {"hf": "transformers", "hl": "hflight"}
@@ -273,9 +319,6 @@ def fresh():
             sys.path.remove(root)
 
 
-_TIMES = ("runtime", "per_second")
-
-
 def _observed(result: dict) -> tuple:
     """What a run shows of its fields: log entries (timings aside), metrics (timings aside), predictions, files."""
     history = [{k: v for k, v in e.items() if not any(t in k for t in _TIMES)} for e in result["log_history"]]
@@ -296,17 +339,8 @@ def test_field_as_transformers(field, tmp_path, fresh, default_run):
     assert len({hf["pid"], hl["pid"], os.getpid()}) == 3  # each side in its own process
     ours, theirs = _observed(hl), _observed(hf)
     assert [sorted(e) for e in ours[0]] == [sorted(e) for e in theirs[0]]
-    tolerance = TOLERANCES.get(field)
-    if tolerance is None:  # bit for bit
-        assert ours == theirs
-    else:
-        assert ours[1:3] == theirs[1:3] or ours[2].keys() == theirs[2].keys()
-        for a, b in zip(theirs[0], ours[0], strict=True):
-            for key, value in a.items():
-                assert b[key] == (pytest.approx(value, **tolerance) if isinstance(value, float) else value), key
-        assert ours[2] == pytest.approx(theirs[2], **tolerance)
-        np.testing.assert_allclose(ours[3], theirs[3], rtol=tolerance["rel"], atol=tolerance.get("abs", 0))
-        assert ours[4] == theirs[4]
+    assert list(ours[4]) == list(theirs[4])  # the same files
+    assert ours == theirs  # bit for bit: logs, metrics, predictions, the files' contents
     # the setting acts, or the field is listed as not observable in this setting (with the reason)
     assert (ours == default_run) == (field in NOT_OBSERVABLE), ours == default_run
 
@@ -319,9 +353,26 @@ def test_every_field_is_swept_or_listed():
     assert set(NOT_OBSERVABLE) <= set(SWEEP) and all(NOT_OBSERVABLE.values())
 
 
-def test_the_guide_lists_the_fields_not_run_here():
-    """docs/coming-from-transformers.md's table of fields not run here is the test's NOT_RUNNABLE, reasons included."""
+def _guide(marker: str) -> str:
     guide = (Path(__file__).resolve().parents[1] / "docs" / "coming-from-transformers.md").read_text()
-    block = guide.split("<!-- not-runnable-fields -->")[1].split("<!-- /not-runnable-fields -->")[0]
-    rows = [line.split(" | ", 1) for line in block.strip().splitlines()[2:]]
-    assert {name.strip("| `"): why.rstrip(" |") for name, why in rows} == NOT_RUNNABLE
+    return guide.split(f"<!-- {marker} -->")[1].split(f"<!-- /{marker} -->")[0]
+
+
+@pytest.mark.parametrize(
+    "marker, table", [("not-runnable-fields", NOT_RUNNABLE), ("not-observable-fields", NOT_OBSERVABLE)]
+)
+def test_the_guide_lists_the_fields_not_run_or_not_observable_here(marker, table):
+    """docs/coming-from-transformers.md's tables of fields not run here and of fields that show nothing in the sweep's
+    setting are the test's NOT_RUNNABLE and NOT_OBSERVABLE, reasons included."""
+    rows = [line.split(" | ", 1) for line in _guide(marker).strip().splitlines()[2:]]
+    assert {name.strip("| `"): why.rstrip(" |") for name, why in rows} == table
+
+
+def test_the_guide_counts_the_fields_as_this_test_does():
+    """The guide's counts: all fields, compared (swept and observable), not observable, tested elsewhere, not run."""
+    import re
+
+    said = re.findall(r"\b(\d+) (?:fields|are compared|more run|have a comparison|could)", _guide("field-counts"))
+    fields = len(dataclasses.fields(transformers.TrainingArguments))
+    compared = len(SWEEP) - len(NOT_OBSERVABLE)
+    assert [int(n) for n in said] == [fields, compared, len(NOT_OBSERVABLE), len(TESTED_ELSEWHERE), len(NOT_RUNNABLE)]

@@ -299,3 +299,53 @@ def test_save_total_limit_rotation_keeps_the_best(tmp_path, factory):
     best = Path(trainer.state.best_model_checkpoint).name
     assert best in kept and len(kept) <= 2
     assert f"checkpoint-{trainer.state.global_step}" in kept
+
+
+def _scripted_run(trainer_cls, args_cls, factory, folder: Path, scores, *callbacks) -> transformers.Trainer:
+    """12 steps with an evaluation and a checkpoint every 2 steps, best model by a scripted ``score``."""
+    values = _args(folder, max_steps=12, eval_strategy="steps", eval_steps=2, save_steps=2, save_total_limit=2,
+                   load_best_model_at_end=True, metric_for_best_model="score")  # fmt: skip
+    return trainer_cls(
+        factory.qa_model(),
+        args_cls(**values),
+        train_dataset=factory.qa_dataset(24),
+        eval_dataset=factory.qa_dataset(8, seed=1),
+        compute_metrics=lambda prediction: {"score": next(scores)},
+        callbacks=list(callbacks),
+    )
+
+
+@pytest.mark.parametrize(
+    "scores, best",
+    [
+        ([2.0, 1.0, 2.5, 0.0], "first/checkpoint-2"),  # no better evaluation after the resume: the first run's best
+        ([2.0, 4.0, 1.0, 0.0], "second/checkpoint-8"),  # a better one at step 8, in the new folder
+    ],
+    ids=["best-stays-in-the-first-run", "best-found-after-the-resume"],
+)
+def test_resume_from_a_checkpoint_in_another_folder_keeps_best_model_tracking_as_transformers(
+    tmp_path, factory, scores, best
+):
+    """resume_from_checkpoint=<another run's checkpoint> with load_best_model_at_end (a sweep's retry, a copied run):
+    the run continues in its own output_dir from step 4, the first run's best checkpoint (step 2, inside the
+    checkpoint's run folder) carried over as transformers carries it, and the model loaded at the end is the best
+    one, wherever it lies. Both libraries, the same scripted scores: the same best path, checkpoints and weights."""
+    ended = {}
+    for name, trainer_cls, args_cls in (("hf", transformers.Trainer, transformers.TrainingArguments),
+                                        ("hl", hflight.Trainer, hflight.TrainingArguments)):  # fmt: skip
+        root = tmp_path / name
+        script = iter([3.0, 1.0, *scores])  # steps 2 and 4 in the first run, 6 to 12 in the second
+        _scripted_run(trainer_cls, args_cls, factory, root / "first", script, StopAt(4)).train()
+        second = _scripted_run(trainer_cls, args_cls, factory, root / "second", script)
+        second.train(resume_from_checkpoint=str(root / "first" / "checkpoint-4"))
+        # the checkpoint's history, then steps 5 to 12: continued, not started again
+        assert [e["step"] for e in second.state.log_history if "loss" in e] == list(range(1, 13))
+        folders = {f: sorted(p.name for p in (root / f).glob("checkpoint-*")) for f in ("first", "second")}
+        kept = ["checkpoint-10", "checkpoint-12"] if best.startswith("first") else ["checkpoint-12", "checkpoint-8"]
+        assert folders == {"first": ["checkpoint-2", "checkpoint-4"], "second": kept}
+        assert second.state.best_model_checkpoint == str(root / best)
+        on_disk = type(second.model).from_pretrained(str(root / best)).state_dict()
+        assert all(torch.equal(on_disk[k], v) for k, v in second.model.state_dict().items())  # the best, loaded
+        ended[name] = second.model.state_dict()
+    for key, theirs in ended["hf"].items():
+        torch.testing.assert_close(ended["hl"][key], theirs, atol=1e-6, rtol=0)

@@ -1,5 +1,5 @@
 """What a run leaves to look at and where its numbers go: ``training_curves.png`` (``hflight.cli.curves``), a multirun's
-``summary.csv``/``summary.md`` (``hflight.cli.sweep_summary``), and the experiment loggers ``report_to`` and the
+``summary.csv``/``summary.md`` (``hflight.sweeps.summary``), and the experiment loggers ``report_to`` and the
 ``logger`` group build (``hflight.arguments.lightning_kwargs``, ``hflight.cli.logger_environment``).
 
 transformers' integrations (tensorboard, wandb, mlflow) are compared with transformers' own runs in
@@ -22,8 +22,8 @@ from hflight import cli
 from hflight.arguments import lightning_kwargs, reporting
 from hflight.arguments.training_args import TrainingArguments
 from hflight.cli.curves import curves, plot_training_curves
-from hflight.cli.sweep_summary import write_summary
 from hflight.config import compose
+from hflight.sweeps.summary import write_summary
 
 LOG_HISTORY = [
     {"loss": 5.0, "grad_norm": 2.0, "learning_rate": 1e-3, "epoch": 0.5, "step": 2},

@@ -178,6 +178,8 @@ def test_a_sigterm_while_the_stopped_process_tears_down_its_modules_keeps_the_st
     output = proc.stdout + proc.stderr
     assert "Training stopped by SIGINT after step 2 of 4; checkpoint saved in" in output, output[-3000:]
     assert proc.returncode == 130, (proc.returncode, output[-3000:])
+    # the object was collected in the teardown and its SIGTERM sent, pending, then delivered (and ignored)
+    assert (tmp_path / "sigterm_when_collected.txt").read_text() == "sent pending\nsurvived\n"
 
 
 JOBS = Path(__file__).parent / "jobs"

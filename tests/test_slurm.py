@@ -10,6 +10,7 @@ srun line starting 2 tasks (one node, then two), through a requeue and the conti
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import re
@@ -18,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lightning.pytorch as lightning
 import pytest
 import torch
 
@@ -65,6 +67,32 @@ class SignalAt(hflight.TrainerCallback):
             for _ in range(self.times):
                 os.kill(os.getpid(), self.signum)
             self.step = None
+
+
+class Seen(hflight.TrainerCallback):
+    """What this ``train()`` call did: the global step its training started at, the steps of the losses it logged."""
+
+    def __init__(self) -> None:
+        self.started: int | None = None
+        self.logged: list[int] = []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.started = state.global_step
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if "loss" in (logs or {}):
+            self.logged.append(state.global_step)
+
+
+class SignalAtTheEnd(lightning.Callback):
+    """Sends ``signum`` to this process from Lightning's ``on_train_end``: after the last step boundary (and the last
+    epoch's end), while ``fit`` still runs."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+
+    def on_train_end(self, trainer, pl_module):
+        os.kill(os.getpid(), self.signum)
 
 
 def trainer(out: Path, factory, *callbacks, **overrides) -> hflight.Trainer:
@@ -182,8 +210,10 @@ def test_a_requeue_checkpoints_at_the_step_requeues_once_and_the_requeued_job_co
     assert not list(out.glob("hpc_ckpt_*"))
     # the requeued job: same folder, SLURM_RESTART_COUNT=1, a new process (a new trainer) asked for "auto"
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
-    resumed = trainer(out, factory, train_sampling_strategy=sampling)
+    seen = Seen()
+    resumed = trainer(out, factory, seen, train_sampling_strategy=sampling)
     resumed.train(resume_from_checkpoint="auto")
+    assert seen.started == step and seen.logged[0] == step + 2 - step % 2  # continued: the next loss logged (every 2)
     reference = uninterrupted(sampling)
     assert history(resumed) == history(reference)  # losses, grad norms, evaluations and train_loss
     ours, theirs = parameters(resumed.model), parameters(reference.model)
@@ -223,6 +253,74 @@ def test_a_failed_scontrol_is_reported_and_the_checkpoint_kept(monkeypatch, tmp_
     assert f"The checkpoint {tmp_path / 'run' / 'checkpoint-2'} is kept" in message
     assert stopped.value.code == 138 and requeues(log) == [["requeue", "4242"]]
     assert verify_checkpoint(tmp_path / "run" / "checkpoint-2", full=True)["global_step"] == 2
+
+
+def test_an_scontrol_that_does_not_answer_is_reported_and_the_checkpoint_kept(monkeypatch, tmp_path, factory):
+    """SLURM's controller not answering: ``scontrol requeue`` is given up after ``SCONTROL_TIMEOUT`` (60 s; 1 s here)
+    and reported as a failed requeue, the stop and its checkpoint unchanged."""
+    from hflight.run import cluster as run_cluster
+
+    log = slurm_task(monkeypatch, tmp_path, SCONTROL_HANG="1")
+    monkeypatch.setattr(run_cluster, "SCONTROL_TIMEOUT", 1.0)
+    with pytest.raises(TrainingInterrupted) as stopped:
+        trainer(tmp_path / "run", factory, SignalAt(signal.SIGUSR1, step=2)).train()
+    message = str(stopped.value)
+    assert "Requeuing SLURM job 4242 failed: `scontrol requeue 4242` did not answer within 1 s." in message
+    assert f"The checkpoint {tmp_path / 'run' / 'checkpoint-2'} is kept" in message
+    assert stopped.value.code == 138 and requeues(log) == [["requeue", "4242"]]  # asked once, then given up
+    assert verify_checkpoint(tmp_path / "run" / "checkpoint-2", full=True)["global_step"] == 2
+
+
+def test_the_requeue_signal_after_the_last_step_boundary_requeues_and_the_requeued_job_ends_the_run(
+    monkeypatch, tmp_path, factory, uninterrupted
+):
+    """The signal arrives after the last step and the last epoch's end (Lightning's on_train_end, inside fit): no step
+    boundary is left to stop at, so the run stops before its remaining work (train metrics, best model, on_train_end)
+    and requeues the job; the requeued job finds the final checkpoint and ends the run as the uninterrupted one."""
+    log = slurm_task(monkeypatch, tmp_path)
+    out = tmp_path / "run"
+    with pytest.raises(TrainingInterrupted) as stopped:
+        trainer(out, factory, SignalAtTheEnd(signal.SIGUSR1)).train()
+    error = stopped.value
+    assert error.code == 138 and error.global_step == 6 and error.checkpoint is None
+    assert str(error).startswith("SIGUSR1 arrived as training finished (step 6); the run stops before its remaining")
+    assert "SLURM job 4242 requeued (`scontrol requeue 4242`): the requeued job continues from the run folder's" in str(
+        error
+    )
+    assert requeues(log) == [["requeue", "4242"]] and get_last_checkpoint(out) == str(out / "checkpoint-6")
+    assert not any("train_loss" in entry for entry in json.loads((out / "checkpoint-6" / "trainer_state.json")
+                                                                   .read_text())["log_history"])  # fmt: skip
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    seen = Seen()
+    resumed = trainer(out, factory, seen)
+    resumed.train(resume_from_checkpoint="auto")
+    assert resumed.state.global_step == 6 and seen.logged == []  # nothing trained again
+    assert history(resumed) == history(uninterrupted())
+    ours, theirs = parameters(resumed.model), parameters(uninterrupted().model)
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    assert requeues(log) == [["requeue", "4242"]]
+
+
+def test_the_requeue_signal_before_training_starts_requeues_at_once(monkeypatch, tmp_path):
+    """hflight-train's run (``cli.run``) with the signal arriving once the data is prepared and the trainer built,
+    before ``train()``: the job is requeued at once, with nothing to save, and the stop recorded in error.txt."""
+    from hflight import cli
+    from hflight.config import compose
+
+    from .test_cli import TINY
+
+    log = slurm_task(monkeypatch, tmp_path)
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "jobs"))  # the callback's _target_
+    cfg = compose([*TINY, "+callbacks.requeue._target_=signal_callbacks.SignalOnceBuilt"], output_dir=tmp_path / "run")
+    with pytest.raises(TrainingInterrupted) as stopped:
+        cli.run(cfg)
+    error = stopped.value
+    assert error.code == 138 and error.global_step is None and error.checkpoint is None
+    assert str(error).startswith("SIGUSR1 (SLURM's requeue signal) outside of training. SLURM job 4242 requeued")
+    assert requeues(log) == [["requeue", "4242"]]
+    assert (tmp_path / "run" / "data" / "train.json").is_file()  # the data was prepared; nothing trained
+    assert not list((tmp_path / "run").glob("checkpoint-*")) and not (tmp_path / "run" / "trainer_state.json").exists()
+    assert "outside of training. SLURM job 4242 requeued" in (tmp_path / "run" / cli.ERROR_FILE).read_text()
 
 
 def test_no_scontrol_on_path_is_reported(monkeypatch, tmp_path, factory):
@@ -368,6 +466,8 @@ def test_the_batch_script_requeues_on_sigusr1_and_the_requeued_job_finishes_the_
     code, output = requeued_job["again"]
     assert code == 0, output[-4000:]
     assert f"resuming from {cwd / 'outputs' / '14242' / f'checkpoint-{step}'}" in output
+    logged = (cwd / "outputs" / "14242" / "hflight" / "version_1" / "metrics.csv").read_text().splitlines()
+    assert min(int(row["step"]) for row in csv.DictReader(logged) if row["loss"]) > step  # the requeued job's losses
     assert output.count("Reusing synthetic SQuAD data") == 2 and output.count("Reusing a trained tokenizer") == 2
     assert outcome(cwd / "outputs" / "14242") == requeued_job["reference"].outcome()
     assert not list((cwd / "outputs").rglob("hpc_ckpt_*"))

@@ -105,9 +105,10 @@ LAYERS: dict[str, tuple[str, ...]] = {
         *BOTTOM,
     ),  # fmt: skip
     "hflight.config": ("hflight.arguments", *BOTTOM),
-    # sweeps: the Optuna search (hydra_plugins.hflight_optuna_sweeper hands it its config) and the job's side of it;
-    # it reads checkpoints' folders (a retried trial continues the interrupted one) and writes the sweep summary
-    "hflight.sweeps": ("hflight.sweeps", "hflight.checkpoints.manifest", "hflight.cli.sweep_summary", *BOTTOM),
+    # sweeps: the Optuna search (hydra_plugins.hflight_optuna_sweeper hands it its config), the job's side of it and
+    # any multirun's summary; it reads checkpoints' folders (a retried trial continues the interrupted one) and
+    # nothing of the command line above it
+    "hflight.sweeps": ("hflight.sweeps", "hflight.checkpoints.manifest", *BOTTOM),
     "hflight.__main__": ("hflight.cli",),
     "hflight.training_args": ("hflight.arguments.training_args",),
     "hflight.checkpoint": ("hflight.checkpoints",),

@@ -30,6 +30,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution  # noqa: E402
 from optuna.trial import TrialState  # noqa: E402
 
+from hflight.checkpoints.manifest import get_last_checkpoint  # noqa: E402
 from hflight.cli import resume_arguments  # noqa: E402
 from hflight.sweeps import launchers  # noqa: E402
 from hflight.sweeps.search_space import distribution_from_dict, grid_choices, split_overrides  # noqa: E402
@@ -44,11 +45,15 @@ from hflight.sweeps.study import (  # noqa: E402
     retry_trial,  # noqa: E402
 )
 
+from .test_cli import TINY  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 JOBS = REPO / "tests" / "jobs"
 SWEEP = ["--config-dir", str(JOBS / "sweep_conf"), "+experiment=tiny_sweep"]
 #: eval_loss of tiny_task after its 8 steps at each learning rate (an uninterrupted job; seeds fixed)
 UNINTERRUPTED = {0.0: 5.370688438415527, 0.05: 4.257082462310791, 0.2: 1.8034749031066895}
+#: the mrc recipe at test_cli's tiny sizes, with its own epochs (3) and mrc_optuna's batch sizes
+MRC_TINY = [o for o in TINY if not o.startswith(("args.num_train_epochs=", "args.per_device_train_batch_size="))]
 
 
 # ---------------------------------------------------------------------------------------------------- search space
@@ -234,7 +239,8 @@ def test_resume_of_a_sweep_folder_is_its_own_command_again(tmp_path):
 
 # ---------------------------------------------------------------------------------------------------- end to end
 def _env(**more: str) -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": str(JOBS), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    pythonpath = os.pathsep.join([str(REPO / "src"), str(JOBS)])  # this checkout's hflight, the jobs' tasks
+    env = {**os.environ, "PYTHONPATH": pythonpath, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("HFLIGHT_SWEEPER_PID", None)
     return {**env, **more}
 
@@ -274,13 +280,37 @@ def _lr(trial) -> float:
     return trial.params["args.learning_rate"]
 
 
+def _steps(folder: Path) -> list[int]:
+    return sorted(int(p.name.rpartition("-")[2]) for p in folder.glob("checkpoint-*"))
+
+
+def _resume(sweep: Path, cwd: Path, **env: str) -> None:
+    resumed = subprocess.run([sys.executable, "-m", "hflight", f"resume={sweep}"], cwd=cwd, env=_env(**env),
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+
+
+def _assert_continued(retry, interrupted, marks: Path) -> None:
+    """The retry continued the interrupted trial, not started again: retry_history names it, its training started at
+    the step of the interrupted job's last checkpoint (tiny_task's marks), its first logged loss came after that
+    step, and its own folder holds no checkpoint of the steps before."""
+    old, new = Path(interrupted.user_attrs["hflight:job_dir"]), Path(retry.user_attrs["hflight:job_dir"])
+    resumed = int(Path(get_last_checkpoint(old)).name.rpartition("-")[2])
+    assert retry.system_attrs["retry_history"] == [interrupted.number] and retry.params == interrupted.params
+    assert int((marks / f"{new.name}.started").read_text().split()[2]) == resumed > 0  # the restored global_step
+    logged = [int(step) for step in (marks / f"{new.name}.logged").read_text().split()]
+    assert logged[0] == resumed + 2 - resumed % 2 and logged[-1] == 8  # logging_steps=2: the next one after it
+    assert _steps(new)[0] > resumed and _steps(new)[-1] == 8
+
+
 def test_a_killed_search_resumes_keeping_its_trials_and_continues_the_killed_trial(tmp_path):
     """SIGKILL to the sweeper while trial 2 trains (after its checkpoint-2): trial 2 stays RUNNING until its
     heartbeat goes stale; ``resume=<sweep folder>`` marks it FAIL, runs its parameters again from its checkpoint,
     and ends with 4 finished trials, trials 0 and 1 untouched. Trial 1 (learning rate 0, hopeless) is pruned."""
-    sweep = tmp_path / "sweep"
+    sweep, marks = tmp_path / "sweep", tmp_path / "marks"
+    marks.mkdir()
     proc = _start(tmp_path, *SWEEP, f"hydra.sweep.dir={sweep}", "+hydra/sweeper/pruner=median",
-                  "hydra.sweeper.pruner.n_startup_trials=1", TINY_STEP_SLEEP="0.4")  # fmt: skip
+                  "hydra.sweeper.pruner.n_startup_trials=1", TINY_STEP_SLEEP="0.4", TINY_MARK=str(marks))  # fmt: skip
     _until(lambda: (sweep / "2" / "checkpoint-2" / "trainer_state.json").is_file() or proc.poll() is not None)
     proc.kill()
     proc.wait()
@@ -292,14 +322,12 @@ def test_a_killed_search_resumes_keeping_its_trials_and_continues_the_killed_tri
     )
     assert not (sweep / "1" / "all_results.json").exists()
 
-    resumed = subprocess.run([sys.executable, "-m", "hflight", f"resume={sweep}"], cwd=tmp_path, env=_env(),
-                             capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    _resume(sweep, tmp_path, TINY_MARK=str(marks))
     after = _trials(sweep / "optuna.db")
     assert [(t.number, t.state, t.value) for t in after[:2]] == [(t.number, t.state, t.value) for t in before[:2]]
     assert after[2].state == TrialState.FAIL  # stale heartbeat
     retry = after[3]
-    assert retry.system_attrs["retry_history"] == [2] and retry.params == before[2].params
+    _assert_continued(retry, after[2], marks)
     assert retry.state == TrialState.COMPLETE and retry.value == pytest.approx(UNINTERRUPTED[_lr(retry)], rel=1e-5)
     assert sum(finished(t) for t in after) == 4 and len(after) == 5 and after[4].state != TrialState.FAIL
     overrides = (sweep / "3" / ".hydra" / "overrides.yaml").read_text()
@@ -334,51 +362,113 @@ def test_two_sweepers_on_one_storage_share_the_study(tmp_path):
                 assert math.isclose(results["eval_loss"], trial.value, rel_tol=1e-9)
 
 
-def test_joblib_runs_two_jobs_at_once_and_sigterm_stops_both_with_their_checkpoints(tmp_path):
-    """hydra/launcher=joblib, 2 jobs at a time with one torch thread each; SIGTERM to the sweeper reaches both jobs,
-    which stop with a checkpoint; the trials are FAIL (interrupted) and continue from there on resume."""
+def _stopped_batch(sweep: Path, marks: Path, proc: subprocess.Popen, signum: int, cwd: Path) -> list:
+    """Sends ``signum`` to the sweeper once both jobs of its batch (2 trials, 2 at a time) have their checkpoint-2:
+    each job stops at its next step boundary with a checkpoint, the sweeper marks both trials FAIL (interrupted),
+    queues their parameters again (WAITING), writes the summary and exits with 128 + the signal number."""
+    both = [sweep / j / "checkpoint-2" / "trainer_state.json" for j in "01"]
+    _until(lambda: all(p.is_file() for p in both) or proc.poll() is not None)
+    pids = [int((marks / f"{j}.started").read_text().split()[1]) for j in "01"]
+    assert proc.pid not in pids and pids[0] != pids[1]  # two job processes
+    proc.send_signal(signum)
+    log = _wait(proc, cwd)
+    name = signal.Signals(signum).name
+    assert proc.returncode == 128 + signum, log[-3000:]
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log, log[-3000:]
+    trials = _trials(sweep / "optuna.db")
+    assert [t.state for t in trials] == [TrialState.FAIL, TrialState.FAIL, TrialState.WAITING, TrialState.WAITING]
+    assert all(t.user_attrs["hflight:interrupted"] == f"stopped by {name}" for t in trials[:2])
+    for job in "01":
+        assert f"Training stopped by {name} after step" in (sweep / job / "error.txt").read_text()
+        assert _steps(sweep / job)[-1] > 2 and not list((sweep / job).glob("checkpoint-*.tmp*"))
+    assert [r["state"] for r in _summary(sweep)] == ["FAIL", "FAIL"]
+    return pids
+
+
+def _retries_continue(sweep: Path, marks: Path, cwd: Path) -> None:
+    """``resume=<sweep>``: the two interrupted trials run again from their checkpoints and complete with the values
+    of uninterrupted jobs."""
+    _resume(sweep, cwd, TINY_MARK=str(marks))
+    trials = _trials(sweep / "optuna.db")
+    assert [t.state for t in trials] == [TrialState.FAIL] * 2 + [TrialState.COMPLETE] * 2
+    for retry in trials[2:]:
+        _assert_continued(retry, trials[retry.system_attrs["retry_history"][0]], marks)
+        assert retry.value == pytest.approx(UNINTERRUPTED[_lr(retry)], rel=1e-5)
+    assert [r["state"] for r in _summary(sweep)] == ["FAIL", "FAIL", "COMPLETE", "COMPLETE"]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_joblib_runs_two_jobs_at_once_and_a_signal_stops_both_with_their_checkpoints(tmp_path, signum):
+    """hydra/launcher=joblib, 2 jobs at a time, each with half the cores this test runs on as torch threads; SIGTERM
+    or SIGINT to the sweeper reaches both jobs, which stop with a checkpoint; the trials are FAIL (interrupted) and
+    continue from there on resume (shown once, after SIGTERM)."""
     sweep, marks = tmp_path / "sweep", tmp_path / "marks"
     marks.mkdir()
     joblib = ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "hydra.sweeper.n_jobs=2", "hydra.sweeper.n_trials=2"]
     proc = _start(tmp_path, *SWEEP, f"hydra.sweep.dir={sweep}", *joblib, TINY_STEP_SLEEP="0.5", TINY_MARK=str(marks))
-    both = [sweep / j / "checkpoint-2" / "trainer_state.json" for j in "01"]
-    _until(lambda: all(p.is_file() for p in both) or proc.poll() is not None)
-    pids = [int((marks / f"{j}.started").read_text().split()[1]) for j in "01"]
-    assert proc.pid not in pids and pids[0] != pids[1]  # two worker processes
-    assert [(marks / f"{j}.started").read_text().split()[0] for j in "01"] == ["1", "1"]  # 2 cores / 2 jobs
-    proc.send_signal(signal.SIGTERM)
-    log = _wait(proc, tmp_path)
-    assert proc.returncode == 143, log[-3000:]
-    trials = _trials(sweep / "optuna.db")
-    assert [t.state for t in trials] == [TrialState.FAIL, TrialState.FAIL, TrialState.WAITING, TrialState.WAITING]
-    assert all(t.user_attrs["hflight:interrupted"] == "stopped by SIGTERM" for t in trials[:2])
-    for job in "01":
-        assert "Training stopped by SIGTERM" in (sweep / job / "error.txt").read_text()
-        assert not list((sweep / job).glob("checkpoint-*.tmp*"))
-    assert [r["state"] for r in _summary(sweep)] == ["FAIL", "FAIL"]
-
-    resumed = subprocess.run([sys.executable, "-m", "hflight", f"resume={sweep}"], cwd=tmp_path, env=_env(),
-                             capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    trials = _trials(sweep / "optuna.db")
-    assert [t.state for t in trials] == [TrialState.FAIL] * 2 + [TrialState.COMPLETE] * 2
-    for retry in trials[2:]:
-        assert retry.value == pytest.approx(UNINTERRUPTED[_lr(retry)], rel=1e-5)  # continued, not restarted
-    assert [r["state"] for r in _summary(sweep)] == ["FAIL", "FAIL", "COMPLETE", "COMPLETE"]
+    _stopped_batch(sweep, marks, proc, signum, tmp_path)
+    threads = max(1, len(os.sched_getaffinity(0)) // 2)  # the cores this process (and the sweep) may run on
+    assert [(marks / f"{j}.started").read_text().split()[0] for j in "01"] == [str(threads)] * 2
+    if signum == signal.SIGTERM:
+        _retries_continue(sweep, marks, tmp_path)
 
 
-def test_submitit_local_runs_the_jobs_as_its_own_processes(tmp_path):
-    """hydra/launcher=submitit_local: submitit pickles each job and runs it in a subprocess of its local executor."""
+def test_submitit_local_runs_the_jobs_as_its_own_processes_and_sigint_stops_them(tmp_path):
+    """hydra/launcher=submitit_local: submitit pickles each job and runs it in a subprocess of its local executor.
+    SIGINT to the sweeper reaches the jobs, not submitit's controller processes between them (which would turn it
+    into a KeyboardInterrupt, then a second SIGINT and a SIGKILL a second later for their job); the jobs stop with
+    their checkpoints and continue on resume, submitit running them again."""
     sweep, marks = tmp_path / "sweep", tmp_path / "marks"
     marks.mkdir()
     proc = _start(tmp_path, *SWEEP, f"hydra.sweep.dir={sweep}", "hydra/launcher=submitit_local",
-                  "hydra.sweeper.n_jobs=2", "hydra.sweeper.n_trials=2", TINY_MARK=str(marks))  # fmt: skip
-    log = _wait(proc, tmp_path)
-    assert proc.returncode == 0, log[-3000:]
-    trials = _trials(sweep / "optuna.db")
-    assert [t.state for t in trials] == [TrialState.COMPLETE] * 2
-    assert [t.value for t in trials] == [pytest.approx(UNINTERRUPTED[_lr(t)], rel=1e-5) for t in trials]
-    assert len(list((sweep / ".submitit").glob("*/*_result.pkl"))) == 2
-    pids = {int((marks / f"{j}.started").read_text().split()[1]) for j in "01"}
-    assert proc.pid not in pids and len(pids) == 2
-    assert [r["state"] for r in _summary(sweep)] == ["COMPLETE", "COMPLETE"]
+                  "hydra.sweeper.n_jobs=2", "hydra.sweeper.n_trials=2", TINY_STEP_SLEEP="0.5",
+                  TINY_MARK=str(marks))  # fmt: skip
+    _stopped_batch(sweep, marks, proc, signal.SIGINT, tmp_path)
+    _retries_continue(sweep, marks, tmp_path)
+    assert len(list((sweep / ".submitit").glob("*/*_result.pkl"))) == 4
+
+
+def _final_evaluation(folder: Path) -> dict[str, float]:
+    results = json.loads((folder / "all_results.json").read_text())
+    return {k: v for k, v in results.items() if k.startswith("eval_") and not k.endswith(("runtime", "per_second"))}
+
+
+def test_a_killed_mrc_trial_continues_from_its_checkpoint_with_best_model_tracking(tmp_path):
+    """The mrc recipe's own search and arguments (an evaluation and a checkpoint per epoch for 3 epochs,
+    load_best_model_at_end by f1, save_total_limit=2) at tiny sizes: the sweeper is SIGKILLed while trial 0 trains,
+    right after its first checkpoint (a callback holds the job there), and ``resume=<sweep>`` runs its parameters
+    again from that checkpoint in a new folder. The retry failed at once before ("best_model_checkpoint
+    '<sweep>/0/checkpoint-N' lies outside output_dir (<sweep>/1)"); it continues, with the first epoch's best
+    checkpoint carried over, and ends with an uninterrupted run's metrics."""
+    sweep, pause = tmp_path / "sweep", tmp_path / "pause"
+    pause.mkdir()
+    search = ["+hparams_search=mrc_optuna", "hydra.sweeper.n_trials=1", "hydra.sweeper.heartbeat_interval=1"]
+    hold = "+callbacks.pause._target_=signal_callbacks.PauseAfterFirstSave"
+    proc = _start(tmp_path, "-m", *MRC_TINY, *search, f"hydra.sweep.dir={sweep}", hold, PAUSE_AFTER_SAVE=str(pause))
+    _until(lambda: (pause / "paused").is_file() or proc.poll() is not None, timeout=240)
+    proc.kill()
+    proc.wait()
+    epoch = int((pause / "paused").read_text())  # the steps of one epoch: the first checkpoint's
+    assert [t.state for t in _trials(sweep / "optuna.db", "mrc")] == [TrialState.RUNNING]
+    assert _steps(sweep / "0") == [epoch]
+
+    _resume(sweep, tmp_path)
+    killed, retry = _trials(sweep / "optuna.db", "mrc")
+    assert killed.state == TrialState.FAIL and retry.state == TrialState.COMPLETE
+    assert retry.system_attrs["retry_history"] == [0] and retry.params == killed.params
+    folder = sweep / "1"
+    assert _steps(folder) == [2 * epoch, 3 * epoch]  # the first epoch's checkpoint is trial 0's only
+    logged = list(csv.DictReader((folder / "hflight" / "version_0" / "metrics.csv").open()))
+    assert min(int(row["step"]) for row in logged) > epoch  # nothing logged again for the first epoch
+    state = json.loads((folder / "trainer_state.json").read_text())
+    best = Path(state["best_model_checkpoint"])
+    assert state["global_step"] == 3 * epoch and best.is_dir()
+    assert best == sweep / "0" / f"checkpoint-{epoch}" or best.parent == folder  # carried over, or a later one
+
+    reference = tmp_path / "reference"  # the same parameters, never interrupted
+    values = [f"{key}={value}" for key, value in killed.params.items()]
+    done = subprocess.run([sys.executable, "-m", "hflight", *MRC_TINY, *values, f"hydra.run.dir={reference}"],
+                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _final_evaluation(folder) == _final_evaluation(reference)
+    assert retry.value == _final_evaluation(reference)["eval_f1"]

@@ -1,4 +1,5 @@
-"""``report_to`` writes what transformers writes (issue 31), read back with each tool's own reader.
+"""``report_to`` writes what transformers writes (issue 31), read back with TensorBoard's and MLflow's own readers
+and, for W&B, its offline run file parsed here with W&B's own protobuf record classes.
 
 tests/jobs/tracking_job.py trains a tiny classifier reporting to TensorBoard, MLflow (an SQLite store) and W&B
 (offline), evaluating every 4 steps, then evaluates and predicts once more; it runs once with transformers.Trainer and

@@ -1,7 +1,7 @@
 """A plain script stopped by SIGINT mid-training; a second SIGINT arrives while the interpreter runs its exit callbacks
 (as when a slow library shuts down and the user presses Ctrl-C again), or, with ``--finalizing``, a SIGTERM arrives
 while the interpreter tears its modules down after them (as srun's --kill-on-bad-exit sends it to a task that is still
-exiting). Run by test_signals.py.
+exiting; OUT/sigterm_when_collected.txt says it was sent and delivered). Run by test_signals.py.
 
     python tests/jobs/sigint_at_exit.py OUT [--finalizing]
 """
@@ -11,6 +11,7 @@ import functools
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -29,15 +30,27 @@ def slow_shutdown() -> None:
 
 
 class SigtermWhenCollected:
-    """Kept in a module global: collected when Python tears ``__main__`` down, after the exit callbacks."""
+    """Kept in a module global: collected when Python tears ``__main__`` down, after the exit callbacks. It sends
+    SIGTERM to the main thread (this one) while the signal is blocked there, records that the signal is pending (sent
+    and waiting to be delivered), unblocks it (delivered now: its default action would end the process here) and
+    records that the process lived on, in ``record`` (``sent pending``, then ``survived``). Directed at the thread:
+    a signal to the process would go to one of torch's threads, which do not block it."""
 
-    def __init__(self):  # bound now: the module's globals are gone (None) when this is collected
-        self.send = functools.partial(os.kill, os.getpid(), signal.SIGTERM)
-        self.sleep = time.sleep
+    def __init__(self, record: str):  # bound now: the module's globals are gone (None) when this is collected
+        fd = os.open(record, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.write = functools.partial(os.write, fd)
+        self.send = functools.partial(signal.pthread_kill, threading.get_ident(), signal.SIGTERM)
+        self.block = functools.partial(signal.pthread_sigmask, signal.SIG_BLOCK, [signal.SIGTERM])
+        self.unblock = functools.partial(signal.pthread_sigmask, signal.SIG_UNBLOCK, [signal.SIGTERM])
+        self.pending, self.signum, self.sleep = signal.sigpending, int(signal.SIGTERM), time.sleep
 
     def __del__(self):
+        self.block()
         self.send()
-        self.sleep(0.5)  # a signal's default action lands here
+        self.write(b"sent pending\n" if self.signum in {int(s) for s in self.pending()} else b"sent, not pending\n")
+        self.unblock()  # delivered here: ignored, or the process ends with -15
+        self.sleep(0.5)
+        self.write(b"survived\n")
 
 
 class SendSigint(hflight.TrainerCallback):
@@ -48,7 +61,7 @@ class SendSigint(hflight.TrainerCallback):
 
 if __name__ == "__main__":
     if "--finalizing" in sys.argv:
-        collected_last = SigtermWhenCollected()
+        collected_last = SigtermWhenCollected(str(Path(sys.argv[1]) / "sigterm_when_collected.txt"))
     else:
         atexit.register(slow_shutdown)
     args = hflight.TrainingArguments(

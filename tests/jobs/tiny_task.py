@@ -1,8 +1,9 @@
 """A task for sweep tests (``--config-dir tests/jobs/sweep_conf task=tiny``): hflight's Trainer fitting y = 3x - 1
 with one linear layer, in a second, so that a sweep's behaviour (trials, pruning, kills, launchers) is tested
 through real ``hflight-train`` jobs without MRC's data and model. ``TINY_STEP_SLEEP`` (seconds) slows each step;
-``TINY_MARK`` names a folder where each job writes ``<job number>.started`` (its torch threads inside) when its
-training starts."""
+``TINY_MARK`` names a folder where each job writes ``<job number>.started`` when its training starts (its torch
+threads, its pid and the global step it starts from: 0, or a resumed checkpoint's) and appends the global step of
+each logged training loss to ``<job number>.logged``."""
 
 from __future__ import annotations
 
@@ -35,10 +36,18 @@ class _Slow(TrainerCallback):
     def __init__(self, sleep: float, mark: str | None) -> None:
         self.sleep, self.mark = sleep, mark
 
+    def _mark(self, suffix: str) -> Path:
+        job = HydraConfig.get().job.num if HydraConfig.initialized() else 0
+        return Path(self.mark, f"{job}.{suffix}")
+
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.mark:
-            job = HydraConfig.get().job.num if HydraConfig.initialized() else 0
-            Path(self.mark, f"{job}.started").write_text(f"{torch.get_num_threads()}\n{os.getpid()}\n")
+            self._mark("started").write_text(f"{torch.get_num_threads()}\n{os.getpid()}\n{state.global_step}\n")
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+        if self.mark and "loss" in (logs or {}):
+            with self._mark("logged").open("a") as handle:
+                handle.write(f"{state.global_step}\n")
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.sleep:

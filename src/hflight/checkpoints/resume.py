@@ -3,11 +3,12 @@ beyond plain tensors and the RNG states' numpy arrays.
 
 Order of :func:`resolve_resume`: the folder is complete and undamaged (its manifest's sizes and checksums, see
 ``hflight.checkpoints.manifest``), its ``trainer_state.json`` is valid (types, required keys, finite numbers, a best
-checkpoint inside ``output_dir``), its weights fit the model (keys and shapes), its RNG, optimizer, scheduler and scaler
-files load safely and fit what they will be loaded into (``hflight.checkpoints.optim_state``: the optimizer and
-scheduler the run will build), stateful callbacks can be rebuilt from their saved arguments; only then are weights
-copied in. Once Lightning has built the optimizer, the loop positions the run (:func:`resumed_state`) (and warns about
-every argument that changes the data position or the step arithmetic), ``parts.restore_optimizer`` and
+checkpoint inside ``output_dir`` or the resumed run's folder), its weights fit the model (keys and shapes), its RNG,
+optimizer, scheduler and scaler files load safely and fit what they will be loaded into
+(``hflight.checkpoints.optim_state``: the optimizer and scheduler the run will build), stateful callbacks can be
+rebuilt from their saved arguments; only then are weights copied in. Once Lightning has built the optimizer, the loop
+positions the run (:func:`resumed_state`) (and warns about every argument that changes the data position or the step
+arithmetic), ``parts.restore_optimizer`` and
 ``parts.load_rng_state`` restore the rest. Every error names the file (and the key) at fault. Files are read only
 through ``hflight.checkpoints.files.regular_file`` (no path outside the folder, no named pipe or device), RNG files only
 by the names the run that wrote the checkpoint used.
@@ -41,7 +42,7 @@ from hflight.checkpoints.parts import (
     rebuilt_callbacks,
 )
 from hflight.checkpoints.weights import checked_weights, load_model_weights
-from hflight.surface import TrainerSurface, weight_hooks
+from hflight.surface import RunView, TrainerSurface, weight_hooks
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +131,9 @@ def _resume_from(facade: TrainerSurface, folder: Path, manifest: dict[str, Any] 
         regular_file(folder, TRAINER_STATE_NAME) or folder / TRAINER_STATE_NAME, type(facade.state)
     )
     where = folder / TRAINER_STATE_NAME
-    state.best_model_checkpoint = check_best_checkpoint(state.best_model_checkpoint, facade.args.output_dir, where)
+    state.best_model_checkpoint = check_best_checkpoint(
+        state.best_model_checkpoint, facade.args.output_dir, where, folder
+    )
     model_only = _is_model_only(folder, manifest)
     checked_weights(facade.model, folder)  # refused here, before anything changes, if they do not fit
     training_states = {} if model_only else read_training_states(facade, folder, manifest, state)
@@ -151,27 +154,41 @@ def _resume_from(facade: TrainerSurface, folder: Path, manifest: dict[str, Any] 
     return ResumePoint(str(folder), state, manifest, model_only, training_states, rebuilt)
 
 
-def check_best_checkpoint(best: str | None, output_dir: str, source: Path | str) -> str | None:
-    """The best checkpoint to use, inside ``output_dir`` (its weights are loaded at the end of training); ``source``:
-    where the path was read, for messages.
+def check_best_checkpoint(
+    best: str | None, output_dir: str, source: Path | str, resumed: str | os.PathLike | None = None
+) -> str | None:
+    """The best checkpoint to use (its weights are loaded at the end of training); ``source``: where the path was
+    read, for messages; ``resumed``: the checkpoint folder the run continues from, if any.
 
-    A recorded path outside ``output_dir`` whose folder name exists inside it (the run folder was copied or moved)
-    is taken from ``output_dir``, with a warning; one that does not exist is returned as it is (the resumed run
-    warns and ignores it, as transformers does); any other path outside ``output_dir`` is an error.
+    As transformers carries it over, a best checkpoint recorded by the resumed run stays where it is: a path inside
+    ``output_dir``, or a ``checkpoint-N`` folder of the resumed checkpoint's own run folder (a sweep's retry, a copied
+    run, ``resume_from_checkpoint=<a folder elsewhere>``: the run continues in its new ``output_dir`` and loads that
+    best model at the end unless it finds a better one). A recorded path outside both whose folder name is a
+    checkpoint of that run folder (``output_dir`` without ``resumed``) is taken from there, with a warning: the run
+    folder was copied or moved. Any other path that does not exist is returned as it is (the resumed run warns and
+    ignores it, as transformers does); any other existing one is an error: a crafted ``trainer_state.json`` does not
+    make hflight load weights from elsewhere.
     """
-    if best is None or inside(best, output_dir) or not os.path.isdir(best):
+    if best is None or inside(best, output_dir):
         return best
-    here = os.path.join(output_dir, os.path.basename(os.path.normpath(best)))
-    if CHECKPOINT_RE.match(os.path.basename(here)) and os.path.isdir(here):
+    run = os.path.dirname(os.path.normpath(resumed)) if resumed is not None else output_dir
+    name = os.path.basename(os.path.normpath(best))
+    if CHECKPOINT_RE.match(name) and os.path.realpath(os.path.dirname(os.path.normpath(best))) == os.path.realpath(run):
+        return best  # a checkpoint of the resumed run's own folder
+    here = os.path.join(run, name)
+    if CHECKPOINT_RE.match(name) and os.path.isdir(here):
         logger.warning(
-            f"{source}: best_model_checkpoint {best!r} lies outside output_dir (the run folder was copied or moved?); "
-            f"using {here} instead."
+            f"{source}: best_model_checkpoint {best!r} lies outside output_dir and outside the run folder of the "
+            f"checkpoint (the run folder was copied or moved?); using {here} instead."
         )
         return here
+    if not os.path.isdir(best):
+        return best
+    beside = f" and outside {run}, the run folder of the checkpoint resumed" if resumed is not None else ""
     raise ValueError(
-        f"{source}: best_model_checkpoint {best!r} lies outside output_dir ({output_dir}); hflight loads a best model "
-        "only from a checkpoint of the run's own output_dir. Resume with output_dir set to the folder that holds it, "
-        "or set best_model_checkpoint to null in the file."
+        f"{source}: best_model_checkpoint {best!r} lies outside output_dir ({output_dir}){beside}; hflight loads a "
+        "best model only from a checkpoint of the run's own output_dir or of the run it continues. Resume with "
+        "output_dir set to the folder that holds it, or set best_model_checkpoint to null in the file."
     )
 
 
@@ -253,9 +270,12 @@ def _warn_changed_arguments(facade: TrainerSurface, point: ResumePoint, now: dic
 
 
 # ---- best model -----------------------------------------------------------------------------------------------------
-def load_best_model(facade: TrainerSurface) -> None:
+def load_best_model(facade: TrainerSurface, run: RunView | None = None) -> None:
     """``load_best_model_at_end``: the best checkpoint's weights (single file or shards), checked first: inside
-    ``output_dir``, the model files' sizes and checksums as saved, keys and shapes as the model's."""
-    best = check_best_checkpoint(facade.state.best_model_checkpoint, facade.args.output_dir, "TrainerState")
+    ``output_dir`` or a checkpoint of the run folder ``run`` resumed from (see :func:`check_best_checkpoint`), the
+    model files' sizes and checksums as saved, keys and shapes as the model's."""
+    resumed = run.resume.folder if run is not None and run.resume is not None else None
+    state = facade.state
+    best = check_best_checkpoint(state.best_model_checkpoint, facade.args.output_dir, "TrainerState", resumed)
     verify_checkpoint(best, full=True, model_files_only=True)
     load_model_weights(facade.model, best)

@@ -12,7 +12,7 @@ model into the run folder, and prints a table of the final metrics. The modules,
 - :mod:`~hflight.cli.loggers`: the ``logger`` group's options, the config as hyperparameters.
 - :mod:`~hflight.cli.report`: the final metrics' table, ``optimized_metric``, ``training_curves.png``.
 - :mod:`~hflight.cli.jobs`: a run as a job of a sweep (threads, its Optuna trial, submitit's requeue signal).
-- :mod:`~hflight.cli.curves`, :mod:`~hflight.cli.sweep_summary`: ``training_curves.png``, a multirun's summary.
+- :mod:`~hflight.cli.curves`: ``training_curves.png`` (a multirun's summary is ``hflight.sweeps.summary``).
 
 May import: ``hflight.config``, ``hflight.arguments``, ``hflight.run.interrupt``, ``hflight.checkpoints.manifest``,
 ``hflight.surface``, ``hflight._util``, ``hflight.sweeps`` (a job of an Optuna search: ``trial``, ``launchers``);

@@ -7,11 +7,14 @@ and what a job needs to know about the launcher running it.
 - :mod:`hflight.sweeps.sweeper`: the search loop (:class:`~hflight.sweeps.sweeper.OptunaSearch`).
 - :mod:`hflight.sweeps.trial`: the job's side: its trial, reported to at every evaluation, and pruning.
 - :mod:`hflight.sweeps.launchers`: CPU threads per job under a parallel launcher.
+- :mod:`hflight.sweeps.summary`: ``summary.csv``/``summary.md`` of any multirun (a Hydra callback, whatever the
+  sweeper), also written by the search when it stops early.
 
 Needs ``pip install "hflight[sweeps]"`` (Optuna, Hydra's joblib and submitit launchers, psutil); only
-:mod:`~hflight.sweeps.trial` and :mod:`~hflight.sweeps.launchers` are imported without it.
+:mod:`~hflight.sweeps.trial`, :mod:`~hflight.sweeps.launchers` and :mod:`~hflight.sweeps.summary` are imported
+without it.
 
-May import: ``hflight.checkpoints.manifest`` (a retried trial continues from the interrupted job's last checkpoint),
-``hflight.cli.sweep_summary`` (the summary of a sweep stopped early); the CLI imports the job's side
-(``trial``, ``launchers``), never the search.
+May import: ``hflight.checkpoints.manifest`` (a retried trial continues from the interrupted job's last checkpoint).
+The CLI imports the job's side (``trial``, ``launchers``), never the search; Hydra instantiates the summary's
+callback from ``conf/hydra/default.yaml``.
 """

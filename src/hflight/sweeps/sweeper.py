@@ -50,6 +50,7 @@ from hflight.sweeps.study import (
     retry_trial,
     write_results,
 )
+from hflight.sweeps.summary import write_summary
 from hflight.sweeps.trial import SWEEPER_PID
 
 __all__ = ["OptunaSearch"]
@@ -111,8 +112,6 @@ def _continue_from(study: optuna.Study, trial: optuna.Trial) -> list[str]:
 
 def _summary(config: Any, sweep_dir: Path) -> None:
     """The sweep's summary when it stops early (Hydra's end-of-multirun callbacks do not run then)."""
-    from hflight.cli.sweep_summary import write_summary
-
     with contextlib.suppress(Exception):
         write_summary(sweep_dir, config.get("optimized_metric"), config.hydra.sweeper.get("direction"))
 
@@ -187,12 +186,25 @@ class _Signals:
             signal.signal(signum, handler)
 
 
+#: Launcher processes between the sweeper and its jobs that must not get the forwarded signal: submitit's local
+#: controller (``python -m submitit.local._local``) forwards SIGTERM to its job itself (the job would get it twice, the
+#: second time a stop at once without a checkpoint) and takes SIGINT as a KeyboardInterrupt, sending its job SIGINT
+#: and, a second later, SIGKILL. Its jobs are the sweeper's descendants too, and get the signal from the sweeper.
+_NOT_JOBS = ("submitit.local._local",)
+
+
 def _children() -> list[int]:
+    """The sweeper's descendant processes that get a forwarded signal: the launcher's workers and jobs; the
+    :data:`_NOT_JOBS` processes only when there is nothing else yet (a batch's first moment, no job started)."""
     try:
         import psutil
     except ImportError:  # the sweeps extra brings it; without it, only the process group's own signals reach jobs
         return []
-    return [child.pid for child in psutil.Process().children(recursive=True)]
+    jobs, launchers = [], []
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):  # exited meanwhile
+            (launchers if any(name in child.cmdline() for name in _NOT_JOBS) else jobs).append(child.pid)
+    return jobs or launchers
 
 
 @contextlib.contextmanager

@@ -382,7 +382,7 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
             self._push_from_checkpoint(folder)
 
     def _load_best_model(self) -> None:
-        resume.load_best_model(self)
+        resume.load_best_model(self, self._run)
 
     def _load_callback_state(self) -> None:
         # outside train() (a state set by hand), the callbacks are rebuilt from self.state, as transformers does
