@@ -15,6 +15,9 @@ import dataclasses
 import hashlib
 import json
 import os
+import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -180,10 +183,6 @@ NOT_OBSERVABLE = {
     "use_cpu": "the machine has only a CPU: the default runs there already",
 }
 
-_FSDP_ON_CPU = (
-    "Lightning's and torch's FSDP need a GPU; on the CPU hflight refuses it before launching (test_distributed)"
-)
-
 #: fields this machine cannot run, with the reason.
 NOT_RUNNABLE = {
     "output_dir": "each run needs its own folder (the files are compared, relative to it)",
@@ -199,9 +198,42 @@ NOT_RUNNABLE = {
     "hub_revision": "needs the hub",
     "accelerator_config": "accelerate's settings: hflight's data loading is Lightning's (test_training_args)",
     "parallelism_config": "tensor/context parallelism needs several GPUs",
-    "fsdp": _FSDP_ON_CPU,
-    "fsdp_config": _FSDP_ON_CPU,
-    "deepspeed": "deepspeed is not installed (the config's resolution is compared in test_arguments_on_lightning)",
+}
+
+#: fields that need several processes (transformers refuses fsdp in one; ZeRO partitions over the processes): swept
+#: with 2 processes a side under torchrun, checkpoints written (the sharded forms), by :func:`test_sharding_field_as_
+#: transformers`. transformers' FSDP route runs on the CPU only through a test stand-in (tests/fsdp_standin: accelerate
+#: starts FSDP for GPU-like devices only); its FULL_STATE_DICT save fails on the CPU inside accelerate, so the sharded
+#: form is swept; DeepSpeed's route runs as it is (ZeRO-2 here; ZeRO-3's model loading needs hflight's arguments on the
+#: CPU: test_deepspeed).
+_SAVED = dict(save_strategy="steps", save_steps=2, use_cpu=True)
+SHARDED_SWEEP: dict[str, dict] = {
+    # (the layer class named: with BERT's own _no_split_modules, which lists its embeddings, accelerate 1.15 shards
+    # the word embeddings twice and fails; hflight, which makes no separate embedding unit, does not)
+    "fsdp": dict(
+        fsdp="full_shard auto_wrap",
+        fsdp_config={"transformer_layer_cls_to_wrap": "BertLayer", "state_dict_type": "SHARDED_STATE_DICT"},
+        **_SAVED,
+    ),
+    "fsdp_config": dict(
+        fsdp=True,
+        fsdp_config={
+            "transformer_layer_cls_to_wrap": ["BertLayer"],
+            "reshard_after_forward": False,
+            "state_dict_type": "SHARDED_STATE_DICT",
+        },
+        **_SAVED,
+    ),  # fmt: skip
+    "deepspeed": dict(
+        deepspeed={
+            "zero_optimization": {"stage": 2},
+            "train_micro_batch_size_per_gpu": "auto",
+            "train_batch_size": "auto",
+            "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto",
+        },
+        **_SAVED,
+    ),  # fmt: skip
 }
 
 
@@ -215,7 +247,7 @@ def _files(folder: str) -> dict[str, str]:
     for root, dirs, names in os.walk(folder):
         dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("runs", "lightning_logs")]
         for name in names:
-            if not name.startswith(".") and name != "checkpoint_manifest.json":
+            if (not name.startswith(".") or name == ".metadata") and name != "checkpoint_manifest.json":
                 path = os.path.join(root, name)
                 found[os.path.relpath(path, folder)] = _content(path, folder)
     return dict(sorted(found.items()))
@@ -230,6 +262,11 @@ def _content(path: str, folder: str) -> str:
     digest = hashlib.sha256()
     if path.endswith(".json"):
         digest.update(json.dumps(_canonical(json.loads(Path(path).read_text()), folder), sort_keys=True).encode())
+    elif path.endswith(".metadata"):  # a distributed checkpoint's index: what it holds, not its ids and paths
+        from hflight.checkpoints.sharded import read_metadata
+
+        entries = read_metadata(Path(path).parent).state_dict_metadata
+        digest.update(repr(sorted((k, repr(v)) for k, v in entries.items())).encode())
     elif path.endswith((".pt", ".pth", ".bin")):
         digest.update(repr(_canonical(torch.load(path, weights_only=False), folder)).encode())
     else:
@@ -345,9 +382,51 @@ def test_field_as_transformers(field, tmp_path, fresh, default_run):
     assert (ours == default_run) == (field in NOT_OBSERVABLE), ours == default_run
 
 
+_STANDIN = Path(__file__).resolve().parent / "fsdp_standin"
+
+
+def _sharded_side(library: str, root: Path, fields: dict) -> subprocess.Popen:
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    job = Path(__file__).resolve().parent / "jobs" / "field_job.py"
+    path = [str(_STANDIN)] if library == "transformers" and "fsdp" in fields else []
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*path, str(Path(__file__).resolve().parents[1] / "src")]),
+           "OMP_NUM_THREADS": "1"}  # fmt: skip
+    root.mkdir(parents=True)
+    command = [torchrun, "--standalone", "--nproc_per_node=2", str(job), library, str(root / "out"),
+               json.dumps(fields), str(root / "result.pkl")]  # fmt: skip
+    return subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _sharded_result(process: subprocess.Popen, root: Path) -> dict:
+    output, _ = process.communicate(timeout=420)
+    assert process.returncode == 0, output[-4000:]
+    return pickle.loads((root / "result.pkl").read_bytes())
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(tmp_path_factory) -> dict:
+    """Every side of :data:`SHARDED_SWEEP` and hflight's 2-process run at the defaults (DDP), all at once."""
+    root = tmp_path_factory.mktemp("sharded_sweep")
+    jobs = {(field, library): _sharded_side(library, root / field / library, fields)
+            for field, fields in SHARDED_SWEEP.items() for library in ("transformers", "hflight")}  # fmt: skip
+    jobs[("defaults", "hflight")] = _sharded_side("hflight", root / "defaults", dict(use_cpu=True))
+    return {key: _sharded_result(p, root / key[0] / (key[1] if key[0] != "defaults" else "")) for key, p in
+            jobs.items()}  # fmt: skip
+
+
+@pytest.mark.parametrize("field", sorted(SHARDED_SWEEP))
+def test_sharding_field_as_transformers(field, sharded_runs):
+    """fsdp, fsdp_config and deepspeed, 2 processes a side: the same logs (grad norms included), metrics,
+    predictions, and files, the sharded checkpoints' contents included; different from the 2-process default run."""
+    ours, theirs = (_observed(sharded_runs[(field, library)]) for library in ("hflight", "transformers"))
+    assert list(ours[4]) == list(theirs[4])  # the same files (FSDP's or DeepSpeed's checkpoint forms)
+    assert ours == theirs  # bit for bit
+    assert ours != _observed(sharded_runs[("defaults", "hflight")])
+
+
 def test_every_field_is_swept_or_listed():
     fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
-    listed = set(SWEEP) | set(TESTED_ELSEWHERE) | set(NOT_RUNNABLE)
+    listed = set(SWEEP) | set(TESTED_ELSEWHERE) | set(NOT_RUNNABLE) | set(SHARDED_SWEEP)
     assert sorted(fields - listed) == []
     assert not (set(SWEEP) & set(NOT_RUNNABLE)) and not (set(TESTED_ELSEWHERE) & set(NOT_RUNNABLE))
     assert set(NOT_OBSERVABLE) <= set(SWEEP) and all(NOT_OBSERVABLE.values())
@@ -374,5 +453,5 @@ def test_the_guide_counts_the_fields_as_this_test_does():
 
     said = re.findall(r"\b(\d+) (?:fields|are compared|more run|have a comparison|could)", _guide("field-counts"))
     fields = len(dataclasses.fields(transformers.TrainingArguments))
-    compared = len(SWEEP) - len(NOT_OBSERVABLE)
+    compared = len(SWEEP) - len(NOT_OBSERVABLE) + len(SHARDED_SWEEP)
     assert [int(n) for n in said] == [fields, compared, len(NOT_OBSERVABLE), len(TESTED_ELSEWHERE), len(NOT_RUNNABLE)]

@@ -1,11 +1,13 @@
-"""Models larger than one device (issue 35): FSDP2 through hflight's FSDP2Strategy on this CPU (gloo), its checkpoints,
-and resuming them on another number of processes.
+"""Models larger than one device (issue 35): FSDP2 (hflight's FSDP2Strategy) and DeepSpeed ZeRO-3 on this CPU (gloo),
+their checkpoints, and resuming them on another number of processes.
 
-``tests/jobs/sharded_job.py`` trains a tiny GPT-2 with ``fsdp="full_shard auto_wrap"`` under ``torchrun
---nproc_per_node=2`` (both checkpoint forms at once), then resumes the sharded checkpoint on 1 process (no FSDP at
-all), and both forms on 4 (FSDP2), all at once. Each resumed run saves the whole model and optimizer states it holds
-once the checkpoint is restored: they must be the checkpoint's, bit for bit (torch.distributed.checkpoint reshards
-the states on the way). The numbers of a sharded run against transformers' own: tests/test_sharded_dropin.py.
+``tests/jobs/sharded_job.py`` trains a tiny GPT-2 under ``torchrun --nproc_per_node=2`` with ``fsdp="full_shard
+auto_wrap"`` (both checkpoint forms) and with ``deepspeed`` (ZeRO-3), all at once, then resumes the sharded
+checkpoint on 1 process (no FSDP at all) and on 4, the full one on 1, the ZeRO-3 one on 2. Each resumed FSDP run
+saves the whole model and optimizer states it holds once the checkpoint is restored: they must be the checkpoint's,
+bit for bit (torch.distributed.checkpoint reshards the states on the way). ZeRO-3 trains as FSDP2 does (the same
+arithmetic: each process's shard of every parameter, the Trainer's AdamW) and continues its own checkpoint bit for
+bit. The numbers of a sharded run against transformers' own: tests/test_sharded_dropin.py, tests/test_deepspeed.py.
 """
 
 from __future__ import annotations
@@ -54,16 +56,40 @@ def _finish(process: subprocess.Popen) -> str:
     return output
 
 
+#: DeepSpeed ZeRO-3 with the Trainer's own optimizer and schedule (transformers' "auto" values), the 16-bit weights
+#: gathered for save_model; the same without gathering (save_model then writes DeepSpeed's checkpoint instead)
+ZERO3 = {"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True},
+         "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
+         "gradient_clipping": "auto"}  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory) -> dict:
+    """FSDP2 (both forms) and ZeRO-3 on 2 processes at once; then the resumes at once: the sharded checkpoint on 1
+    process (no FSDP) and on 4, the full one on 1, the ZeRO-3 one on 2 (without gathering for save_model)."""
     root = tmp_path_factory.mktemp("sharding")
+    configs = {}
+    for name, gather in (("zero3", True), ("zero3_no_gather", False)):
+        config = json.loads(json.dumps(ZERO3))
+        config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = gather
+        configs[name] = root / f"{name}.json"
+        configs[name].write_text(json.dumps(config))
     trained = {form: _start(root / form, 2, "--form", form) for form in ("SHARDED_STATE_DICT", "FULL_STATE_DICT")}
+    trained["ZERO3"] = _start(root / "ZERO3", 2, "--deepspeed", str(configs["zero3"]))
     logs = {form: _finish(p) for form, p in trained.items()}
     sharded, full = root / "SHARDED_STATE_DICT" / "checkpoint-3", root / "FULL_STATE_DICT" / "checkpoint-3"
     resumed = {
         "sharded_on_1": _start(root / "sharded_on_1", 1, "--resume", str(sharded), "--no-fsdp"),
         "sharded_on_4": _start(root / "sharded_on_4", 4, "--resume", str(sharded)),
-        "full_on_4": _start(root / "full_on_4", 4, "--resume", str(full), "--form", "FULL_STATE_DICT"),
+        "full_on_1": _start(root / "full_on_1", 1, "--resume", str(full), "--no-fsdp"),
+        "zero3_resumed": _start(
+            root / "zero3_resumed",
+            2,
+            "--resume",
+            str(root / "ZERO3" / "checkpoint-3"),
+            "--deepspeed",
+            str(configs["zero3_no_gather"]),
+        ),  # fmt: skip
     }
     logs.update({name: _finish(p) for name, p in resumed.items()})
     return {"root": root, "logs": logs, "sharded": sharded, "full": full}
@@ -107,13 +133,13 @@ def test_a_sharded_checkpoint_is_transformers_layout_with_every_shard_in_the_man
     assert {"model.safetensors", "pytorch_model_fsdp.bin", "optimizer.bin", "config.json"} <= full_names
 
 
-@pytest.mark.parametrize("name", ["sharded_on_1", "sharded_on_4", "full_on_4"])
+@pytest.mark.parametrize("name", ["sharded_on_1", "sharded_on_4", "full_on_1"])
 def test_a_checkpoint_of_2_processes_resumes_on_1_and_4_with_the_same_states(jobs, name):
     """The whole model and optimizer states the resumed run holds before its first step are the checkpoint's, bit for
     bit: on 1 process without FSDP, and resharded onto 4; the change is said aloud; the run then trains to its end."""
     restored = torch.load(jobs["root"] / name / "restored.pt", weights_only=True)
-    source = jobs["full"] if name == "full_on_4" else jobs["sharded"]
-    if name == "full_on_4":
+    source = jobs["full"] if name == "full_on_1" else jobs["sharded"]
+    if name == "full_on_1":
         model = torch.load(source / "pytorch_model_fsdp.bin", weights_only=True)
         optimizer = _flat(torch.load(source / "optimizer.bin", weights_only=True))
     else:
@@ -123,13 +149,62 @@ def test_a_checkpoint_of_2_processes_resumes_on_1_and_4_with_the_same_states(job
     assert all(torch.equal(restored["model"][k], model[k]) for k in model)
     ours = _flat(restored["optimizer"])
     assert set(ours) == set(optimizer) and all(torch.equal(ours[k], optimizer[k]) for k in optimizer)
-    processes = 1 if name == "sharded_on_1" else 4
+    processes = 4 if name == "sharded_on_4" else 1
     log = jobs["logs"][name]
     assert f"world_size: {processes} (now) != 2 (checkpoint)" in log
-    if name != "full_on_4":
+    if name != "full_on_1":
         assert f"written by 2 process(es), read by {processes}: torch.distributed.checkpoint reshards" in log
     result = json.loads((jobs["root"] / name / "result.json").read_text())
     assert result["world_size"] == processes and result["log_history"][-1]["step"] == 6
+
+
+def _history(jobs: dict, name: str) -> list[dict]:
+    history = json.loads((jobs["root"] / name / "result.json").read_text())["log_history"]
+    return [{k: v for k, v in e.items() if not k.endswith(("_runtime", "_per_second"))} for e in history]
+
+
+def test_zero3_trains_as_fsdp2_and_continues_its_own_checkpoint_bit_for_bit(jobs):
+    """ZeRO-3 and FSDP2 do the same arithmetic (each process steps the Trainer's AdamW on its shard of every
+    parameter): the same learning rates, losses and gradient norms within 1e-6. Measured cause of the last bits: the
+    gradient norm, summed over the partitions in float64 by DeepSpeed and over the DTensor shards in float32 by FSDP2
+    (up to 1.2e-7 apart here), scales the gradients where it exceeds max_grad_norm (step 1: 1.054), and the losses
+    after follow (up to 6e-8). Resumed from its checkpoint-3 (every process reads its own partitions back), ZeRO-3
+    continues exactly as the run that did not stop."""
+    fsdp, zero3, resumed = (_history(jobs, name) for name in ("SHARDED_STATE_DICT", "ZERO3", "zero3_resumed"))
+    steps = [e for e in zero3 if "loss" in e]
+    assert len(steps) == 6 and len(fsdp) == len(zero3)
+    for a, b in zip(fsdp, zero3):
+        assert a.keys() == b.keys() and a.get("learning_rate") == b.get("learning_rate")
+        for key in ("loss", "grad_norm", "train_loss"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-6, abs=0), (a["step"], key)
+    assert [e for e in zero3 if e["step"] > 3 and "loss" in e] == [e for e in resumed if e["step"] > 3 and "loss" in e]
+
+
+def test_a_zero3_checkpoint_is_deepspeed_s_own_and_zero_to_fp32_rebuilds_its_weights(jobs):
+    """checkpoint-N of a DeepSpeed run holds what transformers' holds: DeepSpeed's global_stepN/ (each process's
+    partitions), latest and zero_to_fp32.py, and, with stage3_gather_16bit_weights_on_model_save, the gathered
+    model.safetensors; zero_to_fp32 (DeepSpeed's own route) rebuilds the same weights, under the model's own names.
+    Without the option, save_model writes DeepSpeed's checkpoint and no weights, saying so, as transformers."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import load_file
+
+    folder = jobs["root"] / "ZERO3" / "checkpoint-3"
+    names = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
+    partitions = {f"global_step3/zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt" for r in (0, 1)
+                  for kind in ("model", "optim")}  # fmt: skip
+    assert partitions | {"latest", "zero_to_fp32.py", "model.safetensors", "scheduler.pt"} <= names
+    assert partitions <= set(read_manifest(folder)["files"]) and verify_checkpoint(folder, full=True)
+    gathered = load_file(folder / "model.safetensors")
+    rebuilt = get_fp32_state_dict_from_zero_checkpoint(str(folder))
+    assert set(gathered) <= set(rebuilt) and all(torch.equal(rebuilt[k], gathered[k]) for k in gathered)
+    final = jobs["root"] / "zero3_resumed"
+    assert "stage3_gather_16bit_weights_on_model_save=false. Saving the full checkpoint instead" in jobs["logs"][
+        "zero3_resumed"]  # fmt: skip
+    assert not (final / "model.safetensors").exists() and (final / "global_step6").is_dir()
+    assert (final / "zero_to_fp32.py").is_file() and (final / "config.json").is_file()
+    assert not (final / "checkpoint-6" / "model.safetensors").exists()
+    verify_checkpoint(final / "checkpoint-6", full=True)  # DeepSpeed's partitions are its weights
 
 
 def test_a_damaged_or_missing_shard_makes_the_checkpoint_invalid_and_resume_auto_takes_the_one_before(jobs, tmp_path):

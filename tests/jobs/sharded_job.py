@@ -1,15 +1,16 @@
-"""A sharded training job for ``tests/test_sharding.py``: a tiny GPT-2 trained with FSDP2 under torchrun, or resumed
-from a checkpoint on another number of processes (sharded or not).
+"""A sharded training job for ``tests/test_sharding.py``: a tiny GPT-2 trained with FSDP2 (or DeepSpeed) under torchrun,
+or resumed from a checkpoint on another number of processes (sharded or not).
 
     torchrun --standalone --nproc_per_node=2 tests/jobs/sharded_job.py OUT --form SHARDED_STATE_DICT
+    torchrun --standalone --nproc_per_node=2 tests/jobs/sharded_job.py OUT --deepspeed ZERO3.json
     torchrun --standalone --nproc_per_node=4 tests/jobs/sharded_job.py OUT --resume CKPT
     python tests/jobs/sharded_job.py OUT --resume CKPT --no-fsdp
 
-Training: 6 steps of 4 blocks per process (seed 0, dropout on), a checkpoint every 3 steps. Rank 0 writes
-``OUT/result.json``: the world size, and for each rank the elements of every parameter it holds (its local shard) and
-of the whole parameter. Resuming: a callback gathers, once the run restored the checkpoint and before its first step,
-the whole model and optimizer states (parameters by name) and rank 0 saves them to ``OUT/restored.pt``; the run then
-trains to its end.
+Training: 6 steps of 4 blocks per process (seed 0, dropout on), a checkpoint every 3 steps, then ``save_model``. Rank 0
+writes ``OUT/result.json``: the world size, the log history, and for each rank the elements of every parameter it holds
+(its local shard) and of the whole parameter. Resuming: a callback gathers, once the run restored the checkpoint and
+before its first step, the whole model and optimizer states (parameters by name) and rank 0 saves them to
+``OUT/restored.pt``; the run then trains to its end.
 """
 
 import argparse
@@ -59,20 +60,25 @@ def main():
     parser.add_argument("--form", default="SHARDED_STATE_DICT")
     parser.add_argument("--resume")
     parser.add_argument("--no-fsdp", action="store_true")
+    parser.add_argument("--deepspeed", help="a DeepSpeed config file: ZeRO instead of FSDP2")
     opts = parser.parse_args()
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=16))
     sharding = {} if opts.no_fsdp else {
         "fsdp": "full_shard auto_wrap",
         "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"], "state_dict_type": opts.form},
     }  # fmt: skip
+    if opts.deepspeed:
+        sharding = {"deepspeed": opts.deepspeed}
     args = TrainingArguments(output_dir=opts.out, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                              max_steps=6, save_steps=3, logging_steps=1, learning_rate=1e-2, use_cpu=True, seed=0,
                              report_to="none", disable_tqdm=True, **sharding)  # fmt: skip
-    callbacks = [DumpRestored(os.path.join(opts.out, "restored.pt"))] if opts.resume else []
+    torch.manual_seed(0)  # the arguments first: with ZeRO-3 they connect the processes the model is partitioned over
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=16))
+    dump = opts.resume and not opts.deepspeed  # (a DeepSpeed run's optimizer holds ZeRO's flat partitions)
+    callbacks = [DumpRestored(os.path.join(opts.out, "restored.pt"))] if dump else []
     trainer = Trainer(model, args, train_dataset=blocks(96, 1), callbacks=callbacks)
     trainer.train(resume_from_checkpoint=opts.resume)
+    trainer.save_model()  # every process, as transformers' examples call it
     elements = trainer.accelerator.world.gather_objects([local_elements(trainer.model)])
     if trainer.is_world_process_zero():
         result = {"world_size": trainer.accelerator.num_processes, "elements": elements,

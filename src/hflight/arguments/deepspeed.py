@@ -27,13 +27,45 @@ HIDDEN_SIZE_KEYS = (
 )
 
 
+#: ZeRO's stages (0: none; 1: optimizer states; 2: and gradients; 3: and parameters)
+ZERO_STAGES = (0, 1, 2, 3)
+
+
 def load_deepspeed_config(value: Any) -> dict[str, Any]:
-    """``args.deepspeed`` as a dict (a copy: the caller's dict is never filled in)."""
+    """``args.deepspeed`` as a dict (a copy: the caller's dict is never filled in), checked: a file that cannot be
+    read or is not JSON (the file and the position named), a value that is no config, a ZeRO stage out of range."""
+    config = _read_config(value)
+    if not isinstance(config, dict):
+        raise ValueError(
+            f"deepspeed config {describe_source(value)} must be a JSON object, got {type(config).__name__}"
+        )
+    zero = config.get("zero_optimization", {})
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else None
+    if not isinstance(zero, dict) or stage not in ZERO_STAGES or isinstance(stage, bool):
+        raise ValueError(
+            f"deepspeed config {describe_source(value)}: zero_optimization.stage must be one of "
+            f"{', '.join(map(str, ZERO_STAGES))}, got {stage if isinstance(zero, dict) else zero!r}"
+        )
+    return config
+
+
+def describe_source(value: Any) -> str:
+    return str(value) if isinstance(value, (str, os.PathLike)) and os.path.exists(value) else "(given inline)"
+
+
+def _read_config(value: Any) -> Any:
     if isinstance(value, dict):
         return copy.deepcopy(value)
     if isinstance(value, (str, os.PathLike)) and os.path.exists(value):
-        with open(value, encoding="utf-8") as handle:
-            return json.load(handle)
+        try:
+            with open(value, encoding="utf-8") as handle:
+                return json.load(handle)
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                f"deepspeed config {value} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+            ) from exc
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"deepspeed config {value} cannot be read: {exc}") from exc
     try:
         try:
             return json.loads(value)
@@ -51,6 +83,7 @@ class DeepSpeedConfigResolver:
 
     def __init__(self, value: Any) -> None:
         self.config = load_deepspeed_config(value)
+        self.source = describe_source(value)
         self.mismatches: list[str] = []
 
     # -- reading the config ------------------------------------------------------------------------------------------
@@ -100,6 +133,13 @@ class DeepSpeedConfigResolver:
             self.config.setdefault("checkpoint", {})["use_node_local_storage"] = True
         self.fill("fp16.enabled", bool(args.fp16 or args.fp16_full_eval), "fp16|fp16_full_eval")
         self.fill("bf16.enabled", bool(args.bf16 or args.bf16_full_eval), "bf16|bf16_full_eval")
+        # what accelerate's DeepSpeed plugin adds: the mixed precision's section, the other one off, and no step logs
+        mixed = "fp16" if args.fp16 else "bf16" if args.bf16 else None
+        if mixed is not None:
+            self.config.setdefault(mixed, {"enabled": True})
+        for dtype in ("fp16", "bf16"):
+            self.config.setdefault(dtype, {"enabled": False})
+        self.config["steps_per_print"] = float("inf")
 
     def finalize(self, args: Any, model: Any, num_training_steps: int) -> dict[str, Any]:
         """The values that need the model (ZeRO buckets from its hidden size) and the run's length (the scheduler's

@@ -315,33 +315,33 @@ def _fsdp2_wrap(plugin: dict[str, Any], model: nn.Module) -> Callable[[nn.Module
 
 
 def deepspeed_strategy(args: Any) -> Any:
-    """Lightning's ``DeepSpeedStrategy`` on the DeepSpeed config ``args.deepspeed`` (a dict or a JSON file path), its
-    ``"auto"`` values filled in from the arguments as transformers fills them; the values that need the model and the
-    run's length are filled in when the run is planned (:func:`finalize_deepspeed`, before the engine is built)."""
-    from lightning.pytorch.strategies import DeepSpeedStrategy
+    """hflight's DeepSpeed strategy (``hflight.sharding``: Lightning's ``DeepSpeedStrategy`` on CUDA or the CPU) on
+    the DeepSpeed config ``args.deepspeed`` (a dict, a JSON file path, JSON text), its ``"auto"`` values filled in
+    from the arguments as transformers fills them; the values that need the model and the run's length are filled in
+    when the run is planned (:func:`finalize_deepspeed`, before the engine is built). A config naming DeepSpeed's own
+    ``optimizer``/``scheduler`` is refused (the Trainer's optimizer and schedule run in the engine instead)."""
+    from hflight.arguments.registry import SHARDING_STRATEGIES
 
     resolver = DeepSpeedConfigResolver(args.deepspeed)
+    own = [key for key in ("optimizer", "scheduler") if key in resolver.config]
+    if own:
+        raise ValueError(
+            f"deepspeed config {resolver.source}: {' and '.join(own)} ({', '.join(repr(k) for k in own)}) choose "
+            "DeepSpeed's own optimizer/schedule, which hflight does not run (the engine runs the Trainer's: "
+            "args.optim, learning_rate, lr_scheduler_type and warmup, the same math for AdamW and a linear schedule). "
+            "Remove them from the config."
+        )
     resolver.process(args)
-    strategy = DeepSpeedStrategy(config=resolver.config, **process_group_settings(args))
-    strategy.hf_deepspeed_resolver = resolver
-    return strategy
+    resolver.config["zero_allow_untested_optimizer"] = True  # the Trainer's optimizer, as transformers sets it
+    return SHARDING_STRATEGIES["deepspeed"](resolver, process_group_settings(args))
 
 
 def finalize_deepspeed(strategy: Any, args: Any, model: nn.Module, num_training_steps: int) -> None:
     """For a strategy :func:`deepspeed_strategy` built: the config's remaining ``"auto"`` values (ZeRO buckets, the
-    scheduler's steps), then what Lightning sets itself taken out: ``gradient_accumulation_steps`` (Lightning's
-    strategy refuses it in the config; hflight's loop accumulates, so more than 1 is refused naming the field)."""
+    scheduler's steps), filled in place before the engine is built."""
     resolver = getattr(strategy, "hf_deepspeed_resolver", None)
-    if resolver is None:
-        return
-    config = resolver.finalize(args, model, num_training_steps)
-    accumulation = config.pop("gradient_accumulation_steps", 1)
-    if accumulation != 1 or args.gradient_accumulation_steps != 1:
-        raise ValueError(
-            f"gradient_accumulation_steps={args.gradient_accumulation_steps} with deepspeed: hflight runs DeepSpeed "
-            "through Lightning's DeepSpeedStrategy, which accumulates in its engine; accumulation there is not "
-            "supported. Use gradient_accumulation_steps=1 (and a larger per_device_train_batch_size)."
-        )
+    if resolver is not None:
+        resolver.finalize(args, model, num_training_steps)
 
 
 def strategy_from_args(strategy: Any, args: Any, model: nn.Module | None) -> Any:

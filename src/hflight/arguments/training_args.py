@@ -180,6 +180,8 @@ class TrainingArguments(HFTrainingArguments):
             self.accelerator_config.pop("use_configured_state", False)
         device = _device_for(self)
         self._n_gpu = 1 if device.type == "cuda" else 0
+        if self.deepspeed and cluster.launched_world_size() not in (None, 1):
+            _connect_for_deepspeed(self, device)
         return device
 
     @property
@@ -558,6 +560,21 @@ def _device_for(args: TrainingArguments) -> torch.device:
         devices = [int(d) for d in devices.split(",") if d.strip()]
     index = devices[local_rank] if isinstance(devices, list) and local_rank < len(devices) else local_rank
     return torch.device("cuda", index)
+
+
+def _connect_for_deepspeed(args: TrainingArguments, device: torch.device) -> None:
+    """Under an external launcher with ``deepspeed``: the processes connected now, as transformers' device setup does
+    (``deepspeed.init_distributed``), because with ZeRO-3 the model the script builds next is partitioned as it is
+    created (transformers' ``from_pretrained`` runs inside ``deepspeed.zero.Init``), which needs them; Lightning keeps
+    the connection."""
+    import datetime
+
+    import deepspeed
+
+    backend = args.ddp_backend or ("nccl" if device.type == "cuda" else "gloo")
+    deepspeed.init_distributed(
+        dist_backend=backend, auto_mpi_discovery=False, timeout=datetime.timedelta(seconds=args.ddp_timeout)
+    )
 
 
 def _initialized_dist() -> Any:

@@ -51,6 +51,7 @@ from hflight.checkpoints.manifest import (
     write_manifest,
 )
 from hflight.checkpoints.parts import TRAINER_STATE_NAME, write_trainer_state, write_training_states
+from hflight.checkpoints.sharded import NotGathered
 from hflight.checkpoints.weights import WEIGHT_FILES
 from hflight.surface import RunView, TrainerSurface
 
@@ -250,7 +251,13 @@ def save_model(facade: TrainerSurface, output_dir: str, backend: Any) -> None:
     backend's own files (a failed write raises :class:`CheckpointWriteError`)."""
     if not _WRITING:
         backend.hf_sync_to_host()
-    state_dict = backend.hf_checkpoint_state().full_model_state(facade.model)
+    form = backend.hf_checkpoint_state()
+    try:
+        state_dict = form.full_model_state(facade.model)
+    except NotGathered as not_gathered:  # transformers' way: the run's own checkpoint form, and no weights file
+        _hf_logger.warning(str(not_gathered))
+        _save_without_weights(facade, form, output_dir)
+        return
     if facade.args.should_save:
         _saving_checkpoint(output_dir)
         with writing(output_dir, f"the model in {output_dir}", discard=False):
@@ -259,6 +266,18 @@ def save_model(facade: TrainerSurface, output_dir: str, backend: Any) -> None:
             else:
                 facade._save(output_dir, state_dict=state_dict)
             backend.hf_save_files(output_dir)
+
+
+def _save_without_weights(facade: TrainerSurface, form: Any, output_dir: str) -> None:
+    """``save_model`` of a run whose weights are not gathered: the config, processing class and arguments, and the
+    run's checkpoint form (every process writes its partition) with its script to rebuild the weights."""
+    if facade.args.should_save:
+        with writing(output_dir, f"the model in {output_dir}", discard=False):
+            facade._save(output_dir, state_dict={})
+            for name in WEIGHT_FILES:  # the empty weights file save_pretrained wrote
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(output_dir, name))
+    form.write(output_dir, facade.model, facade.optimizer, facade.args.should_save)
 
 
 def run_arguments(args: Any, world_size: int, plan: Any, num_nodes: int | None = None) -> dict[str, Any]:

@@ -58,6 +58,7 @@ from hflight.checkpoints.sharded import (
     FSDP_OPTIMIZER_DIR,
     FSDP_OPTIMIZER_FILE,
     OPTIMIZER_KEY,
+    deepspeed_tag,
     is_dcp_folder,
     load_dcp_optimizer,
     read_metadata,
@@ -330,14 +331,20 @@ def read_training_states(
     return states
 
 
+#: the form of an optimizer that DeepSpeed's engine reads itself (``global_step<N>/``)
+DEEPSPEED_FORM = "deepspeed"
+
+
 def optimizer_form(folder: str | os.PathLike) -> str | None:
     """The optimizer file (or folder) of a checkpoint, in the order a resume reads them: ``optimizer.pt``
     (parameters by position), a sharded run's ``optimizer.bin`` (by name), its ``optimizer_0/``
-    (``torch.distributed.checkpoint``); None when there is none."""
+    (``torch.distributed.checkpoint``), DeepSpeed's own checkpoint; None when there is none."""
     for name in OPTIMIZER_FILES:
         if regular_file(folder, name) is not None:
             return name
-    return FSDP_OPTIMIZER_DIR if is_dcp_folder(Path(folder) / FSDP_OPTIMIZER_DIR) else None
+    if is_dcp_folder(Path(folder) / FSDP_OPTIMIZER_DIR):
+        return FSDP_OPTIMIZER_DIR
+    return DEEPSPEED_FORM if deepspeed_tag(Path(folder)) is not None else None
 
 
 def _read_optimizer(folder: Path, form: str, optimizer: torch.optim.Optimizer, names: dict[int, str]) -> Any:
@@ -345,6 +352,8 @@ def _read_optimizer(folder: Path, form: str, optimizer: torch.optim.Optimizer, n
     (``optimizer.pt``, ``optimizer.bin``), or, for a distributed-checkpoint folder, checked from its metadata and left
     to be read into the run's own shards (its path is kept)."""
     path = Path(folder) / form
+    if form == DEEPSPEED_FORM:  # read by the run's engine once it is built (DeepSpeedState.restore)
+        return Path(folder)
     if form == FSDP_OPTIMIZER_DIR:
         shapes = tensor_shapes(path, OPTIMIZER_KEY)
         groups = sum(1 for key in read_metadata(path).state_dict_metadata if _GROUP_PARAMS_RE.match(key))
@@ -361,10 +370,13 @@ def _read_optimizer(folder: Path, form: str, optimizer: torch.optim.Optimizer, n
 _GROUP_PARAMS_RE = re.compile(rf"^{OPTIMIZER_KEY}\.param_groups\.\d+\.params$")
 
 
-def _restore_optimizer_state(facade: TrainerSurface, folder: str, form: str, saved: Any) -> None:
+def _restore_optimizer_state(facade: TrainerSurface, run: RunView, folder: str, form: str, saved: Any) -> None:
     """``saved`` (what :func:`_read_optimizer` read) into the run's optimizer, as the form holds it: by position, by
-    name (whole tensors, cut to the run's shards), or resharded from the distributed checkpoint."""
-    if form == OPTIMIZER_NAME:
+    name (whole tensors, cut to the run's shards), resharded from the distributed checkpoint, or by the run's engine
+    (DeepSpeed's, with the weights)."""
+    if form == DEEPSPEED_FORM:
+        run.backend.hf_checkpoint_state().restore(Path(saved))
+    elif form == OPTIMIZER_NAME:
         check_training_states(folder, {form: saved}, {form: facade.optimizer}, {})
         facade.optimizer.load_state_dict(saved)
     elif form == FSDP_OPTIMIZER_FILE:
@@ -488,12 +500,12 @@ def restore_optimizer(facade: TrainerSurface, run: RunView) -> None:
     if scaler is not None and SCALER_NAME in states:
         targets[SCALER_NAME] = scaler
     check_training_states(point.folder, {n: s for n, s in states.items() if n in targets}, targets, {})
-    form = next((name for name in (*OPTIMIZER_FILES, FSDP_OPTIMIZER_DIR) if name in states), None)
+    form = next((name for name in (*OPTIMIZER_FILES, FSDP_OPTIMIZER_DIR, DEEPSPEED_FORM) if name in states), None)
     for name in ([form] if form else []) + [n for n in targets if n in states]:
         path = Path(point.folder) / name
         try:
             if name == form:
-                _restore_optimizer_state(facade, point.folder, name, states[name])
+                _restore_optimizer_state(facade, run, point.folder, name, states[name])
             else:
                 targets[name].load_state_dict(states[name])
         except (IncompatibleTrainingState, UnsafeCheckpointFile):

@@ -35,6 +35,7 @@ from hflight.checkpoints.folders import RUN_ARGUMENTS, run_arguments
 from hflight.checkpoints.manifest import CHECKPOINT_RE, checkpoint_folders, get_last_checkpoint, verify_checkpoint
 from hflight.checkpoints.optim_state import OPTIMIZER_NAME, SCHEDULER_NAME
 from hflight.checkpoints.parts import (
+    DEEPSPEED_FORM,
     TRAINER_STATE_NAME,
     optimizer_form,
     read_trainer_state,
@@ -135,13 +136,22 @@ def _resume_from(facade: TrainerSurface, folder: Path, manifest: dict[str, Any] 
         state.best_model_checkpoint, facade.args.output_dir, where, folder
     )
     model_only = _is_model_only(folder, manifest)
-    checked_weights(facade.model, folder)  # refused here, before anything changes, if they do not fit
+    engine_reads = optimizer_form(folder) == DEEPSPEED_FORM and not model_only
+    if engine_reads and not facade.args.deepspeed:
+        raise ValueError(
+            f"Checkpoint {folder} holds DeepSpeed's own checkpoint, whose optimizer partitions only a DeepSpeed run "
+            "reads: resume it with the deepspeed config it was written with (or from a checkpoint written without "
+            "DeepSpeed)."
+        )
+    if not engine_reads:  # DeepSpeed's engine restores the weights with the optimizer, once it is built
+        checked_weights(facade.model, folder)  # refused here, before anything changes, if they do not fit
     training_states = {} if model_only else read_training_states(facade, folder, manifest, state)
     rebuilt = rebuilt_callbacks(facade, state, where)
     callbacks = facade.callback_handler.callbacks
     for callback in weight_hooks(callbacks, "check_checkpoint_state"):
         callback.check_checkpoint_state(str(folder), facade.model)
-    facade._load_from_checkpoint(str(folder))  # transformers' override point; hflight's loads the checked weights
+    if not engine_reads:
+        facade._load_from_checkpoint(str(folder))  # transformers' override point; hflight's loads the checked weights
     for callback in weight_hooks(callbacks, "load_checkpoint_state"):
         callback.load_checkpoint_state(str(folder), facade.model)
     if model_only:
@@ -278,4 +288,7 @@ def load_best_model(facade: TrainerSurface, run: RunView | None = None) -> None:
     state = facade.state
     best = check_best_checkpoint(state.best_model_checkpoint, facade.args.output_dir, "TrainerState", resumed)
     verify_checkpoint(best, full=True, model_files_only=True)
+    if run is not None and optimizer_form(best) == DEEPSPEED_FORM:  # the engine reads its own, as transformers'
+        run.backend.hf_checkpoint_state().restore(Path(best), module_only=True)
+        return
     load_model_weights(facade.model, best)

@@ -301,6 +301,15 @@ class ProcessZeroState:
         """The whole state dict ``save_model`` writes (collective; None: the model's own ``state_dict()``)."""
         return full_model_state(model, self.rank0_only)
 
+    def restore(self, folder: Path, module_only: bool = False) -> None:
+        """A checkpoint the run's engine reads itself (DeepSpeed's); forms hflight reads (weights files, optimizer
+        files or distributed-checkpoint folders) never come here."""
+        raise ValueError(
+            f"{folder} holds DeepSpeed's own checkpoint ({deepspeed_tag(folder)}/), whose optimizer partitions only a "
+            "DeepSpeed run reads: resume it with the deepspeed config it was written with, or from a checkpoint "
+            "written without DeepSpeed."
+        )
+
     def write(self, folder: str, model: nn.Module, optimizer: torch.optim.Optimizer, is_main: bool) -> list[str]:
         """Write the form's model and optimizer files into ``folder`` (every process calls it); returns the names this
         process wrote, largest first."""
@@ -347,3 +356,127 @@ class ShardedState(ProcessZeroState):
             writer = dcp.FileSystemWriter(os.path.join(folder, name))
             dcp.save(state, storage_writer=writer, no_dist=not collective())
         return list(states)
+
+
+#: DeepSpeed's checkpoint files (``engine.save_checkpoint``): the tag folder, the file naming the latest tag, the script
+#: that rebuilds whole fp32 weights from the partitions
+DEEPSPEED_LATEST = "latest"
+DEEPSPEED_SCRIPT = "zero_to_fp32.py"
+DEEPSPEED_TAG_PREFIX = "global_step"
+#: the prefix of the engine's module's keys: under Lightning the engine holds hflight's LightningModule, whose
+#: ``model`` is the transformers model
+ENGINE_PREFIX = "model."
+
+
+class NotGathered(Exception):
+    """The run's weights are not gathered for ``save_model`` (DeepSpeed ZeRO-3 without
+    ``stage3_gather_16bit_weights_on_model_save``): its checkpoint form is written in their place."""
+
+
+class DeepSpeedState(ProcessZeroState):
+    """DeepSpeed: ``engine.save_checkpoint`` (``global_step<N>/`` with every process's partition of the weights and
+    optimizer states, ``latest``, ``zero_to_fp32.py``), as transformers' Trainer writes it; the model files beside it
+    when the weights can be gathered (ZeRO 0-2 always; ZeRO-3 only with
+    ``zero_optimization.stage3_gather_16bit_weights_on_model_save``, as in transformers, which otherwise writes none
+    and points to ``zero_to_fp32.py``)."""
+
+    optimizer_name = DEEPSPEED_TAG_PREFIX
+
+    def __init__(self, engine: Any, config: dict[str, Any]) -> None:
+        super().__init__()
+        self.engine = engine
+        zero = config.get("zero_optimization") or {}
+        self.stage3 = zero.get("stage") == 3
+        self.with_model_files = not self.stage3 or bool(zero.get("stage3_gather_16bit_weights_on_model_save"))
+
+    def full_model_state(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
+        if not self.stage3:  # whole on every process; cloned as accelerate's get_state_dict does under DeepSpeed (so
+            # save_pretrained writes tied weights twice, as transformers' checkpoints hold them)
+            return {k: v.detach().clone().cpu() for k, v in model.state_dict().items()}
+        if not self.with_model_files:
+            raise NotGathered(
+                "stage3_gather_16bit_weights_on_model_save=false. Saving the full checkpoint instead, use "
+                f"{DEEPSPEED_SCRIPT} to recover weights"  # transformers' words
+            )
+        state = self.engine._zero3_consolidated_16bit_state_dict() or {}  # whole on global rank 0 (collective)
+        return {k[len(ENGINE_PREFIX) :]: v for k, v in state.items() if k.startswith(ENGINE_PREFIX)}
+
+    def write(self, folder: str, model: nn.Module, optimizer: torch.optim.Optimizer, is_main: bool) -> list[str]:
+        self.engine.save_checkpoint(folder)  # every process: its partitions; the tag global_step<N>
+        tag = f"{DEEPSPEED_TAG_PREFIX}{self.engine.global_steps}"
+        for states in self._own_model_states(Path(folder) / tag):
+            _names_as_transformers(states)
+        return [tag]
+
+    def _own_model_states(self, folder: Path) -> list[Path]:
+        """The files this process wrote that name parameters: its model states (ZeRO 0-2: global rank 0's one; ZeRO-3:
+        one per process) and its optimizer partition."""
+        rank = self.engine.global_rank
+        names = [f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt", f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt",
+                 f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt", *(["mp_rank_00_model_states.pt"] if rank == 0
+                                                                           else [])]  # fmt: skip
+        return [folder / name for name in names if (folder / name).is_file()]
+
+    def restore(self, folder: Path, module_only: bool = False) -> None:
+        """A DeepSpeed checkpoint into the engine (every process its partitions): the weights and, unless
+        ``module_only``, the optimizer's states; the schedule is the Trainer's (``scheduler.pt``). Its number of
+        processes must be the run's (DeepSpeed's partitions do not reshard on load)."""
+        import torch.distributed as dist
+
+        tag = deepspeed_tag(folder)
+        written = len(list((folder / tag).glob("*_optim_states.pt"))) if tag else 0
+        now = dist.get_world_size() if dist.is_initialized() else 1
+        if not module_only and written not in (now, 1):  # ZeRO-0 writes one optimizer file whatever the processes
+            raise ValueError(
+                f"{folder / str(tag)}: DeepSpeed's optimizer partitions of {written} processes cannot be read by {now} "
+                "(they do not reshard on load; DeepSpeed's universal checkpoint conversion, ds_to_universal, does). "
+                f"Resume on {written} processes."
+            )
+        self.engine.load_checkpoint(
+            str(folder), tag=tag, load_module_strict=True, load_optimizer_states=not module_only,
+            load_lr_scheduler_states=False, load_module_only=module_only, custom_load_fn=_load_as_engine_module,
+        )  # fmt: skip
+
+
+def _names_as_transformers(path: Path) -> None:
+    """A model-states file DeepSpeed just wrote, its parameter and buffer names as transformers' Trainer writes them
+    (its engine holds the model itself; under Lightning it holds hflight's module, whose ``model`` is the model), so
+    that either trainer resumes the other's checkpoint and ``zero_to_fp32.py`` gives the model's own names."""
+
+    def strip(name: str) -> str:
+        return name[len(ENGINE_PREFIX) :] if isinstance(name, str) and name.startswith(ENGINE_PREFIX) else name
+
+    states = torch.load(path, map_location="cpu", weights_only=False)  # written by this process a moment ago
+    if "module" in states:
+        states["module"] = {strip(k): v for k, v in (states.get("module") or {}).items()}
+    optimizer = states.get("optimizer_state_dict")
+    if isinstance(optimizer, dict) and isinstance(optimizer.get("param_slice_mappings"), list):
+        optimizer["param_slice_mappings"] = [type(group)((strip(k), v) for k, v in group.items())
+                                             for group in optimizer["param_slice_mappings"]]  # fmt: skip
+    for key in ("param_shapes", "frozen_param_shapes"):
+        value = states.get(key)
+        if isinstance(value, list):
+            states[key] = [type(group)((strip(k), v) for k, v in group.items()) for group in value]
+        elif isinstance(value, dict):
+            states[key] = type(value)((strip(k), v) for k, v in value.items())
+    if isinstance(states.get("shared_params"), dict):
+        states["shared_params"] = {strip(k): strip(v) for k, v in states["shared_params"].items()}
+    if isinstance(states.get("buffer_names"), list):
+        states["buffer_names"] = [strip(name) for name in states["buffer_names"]]
+    torch.save(states, path)
+
+
+def _load_as_engine_module(src: dict[str, torch.Tensor], dst: nn.Module) -> None:
+    """DeepSpeed's ``custom_load_fn``: a model-states ``module`` with the model's own names (transformers', and
+    hflight's since :func:`_names_as_transformers`) into the engine's module (hflight's, whose ``model`` is the
+    model)."""
+    dst.load_state_dict({k if k.startswith(ENGINE_PREFIX) else ENGINE_PREFIX + k: v for k, v in src.items()})
+
+
+def deepspeed_tag(folder: Path) -> str | None:
+    """The DeepSpeed checkpoint a folder holds (the tag ``latest`` names, its folder there), or None."""
+    latest = folder / DEEPSPEED_LATEST
+    if not latest.is_file() or latest.is_symlink():
+        return None
+    tag = latest.read_text(encoding="utf-8").strip()
+    return tag if tag.startswith(DEEPSPEED_TAG_PREFIX) and (folder / tag).is_dir() else None

@@ -37,9 +37,11 @@ import torch
 from hflight.checkpoints.files import IncompleteCheckpointError, UnsafeCheckpointFile, regular_file, relative_name
 from hflight.checkpoints.sharded import (
     DCP_METADATA,
+    DEEPSPEED_TAG_PREFIX,
     FSDP_MODEL_DIR,
     FSDP_MODEL_FILE,
     dcp_files,
+    deepspeed_tag,
     is_dcp_folder,
     is_sharded,
     read_full_model,
@@ -71,6 +73,7 @@ def is_weight_file(name: str) -> bool:
         or bool(_SHARD_RE.match(PurePosixPath(name).name))
         or name == FSDP_MODEL_FILE
         or name.split("/", 1)[0] == FSDP_MODEL_DIR
+        or (name.startswith(DEEPSPEED_TAG_PREFIX) and "/" in name)
     )
 
 
@@ -103,7 +106,10 @@ def weights_in_use(folder: str | os.PathLike) -> list[str]:
         if path is not None:
             return [name, *shard_names(path)] if name.endswith(".index.json") else [name]
     sharded = Path(folder) / FSDP_MODEL_DIR
-    return dcp_files(sharded) if is_dcp_folder(sharded) else []
+    if is_dcp_folder(sharded):
+        return dcp_files(sharded)
+    tag = deepspeed_tag(Path(folder))  # DeepSpeed's partitions (ZeRO-3 without gathered weights: its only copy)
+    return sorted(f"{tag}/{p.name}" for p in (Path(folder) / tag).iterdir() if p.is_file()) if tag else []
 
 
 #: transformers' ``TRAINING_ARGS_NAME``: the arguments, pickled, for transformers' tools (hflight never loads it).

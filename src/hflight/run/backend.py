@@ -62,12 +62,13 @@ class HFBackend:
         """The loader the loop iterates (a backend may re-batch it, e.g. into poptorch's combined batches)."""
         return loader
 
-    def hf_gradients_stay_local(self, strategy: Any) -> contextlib.AbstractContextManager[Any]:
-        """The context of a micro-batch that does not end its accumulation cycle: its gradients are added to the
-        process's own, without a collective (DDP's ``no_sync``, which accelerate's ``accumulate`` enters, through
-        Lightning's ``block_backward_sync``); the cycle's last micro-batch synchronises the sum once."""
+    def hf_micro_batch(self, strategy: Any, last: bool) -> contextlib.AbstractContextManager[Any]:
+        """The context of one micro-batch's forward and backward; ``last``: it ends its accumulation cycle. Those
+        before the last keep their gradients local, added to the process's own without a collective (DDP's
+        ``no_sync``, which accelerate's ``accumulate`` enters, through Lightning's ``block_backward_sync``); the last
+        synchronises the sum once."""
         block = getattr(strategy, "block_backward_sync", None)
-        return block() if block is not None else contextlib.nullcontext()
+        return block() if block is not None and not last else contextlib.nullcontext()
 
     def hf_configure_optimizer(self, facade: TrainerSurface) -> None:
         """Called once the facade built its optimizer and scheduler for a fit (a backend may convert them)."""

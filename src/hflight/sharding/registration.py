@@ -11,7 +11,14 @@ def _fsdp2(plan: Any, process_group: dict[str, Any]) -> Any:
     return FSDP2Strategy(plan, **process_group)
 
 
+def _deepspeed(resolver: Any, process_group: dict[str, Any]) -> Any:
+    from hflight.sharding.deepspeed import HFDeepSpeedStrategy
+
+    return HFDeepSpeedStrategy(resolver, **process_group)
+
+
 def register(accelerator_registry: Any, strategy_registry: Any) -> None:
     from hflight.arguments.registry import SHARDING_STRATEGIES
 
     SHARDING_STRATEGIES.setdefault("fsdp2", _fsdp2)
+    SHARDING_STRATEGIES.setdefault("deepspeed", _deepspeed)
