@@ -140,6 +140,8 @@ def _same(a, b, where: str, differences: list[str]) -> None:
             differences.append(f"{where}: {len(a)} vs {len(b)} items")
         for i, (x, y) in enumerate(zip(a, b)):
             _same(x, y, f"{where}/{i}", differences)
+    elif type(a) is type(b) and hasattr(a, "__dict__") and not isinstance(a, type):  # an object: its attributes
+        _same(vars(a), vars(b), where, differences)
     elif a != b and not (a != a and b != b):  # NaN equals NaN here
         differences.append(f"{where}: {a!r} vs {b!r}")
 
@@ -160,6 +162,10 @@ _LOADERS = {
     r"scheduler\.pt": lambda path: __import__("torch").load(path, weights_only=True),
     r"rng_state(_\d+)?\.pth": lambda path: __import__("torch").load(path, weights_only=False),
     r"trainer_state\.json": lambda path: _without_timings(read_json(path)),
+    # DeepSpeed's own checkpoint files (pickles it writes; loaded here only to compare what they hold)
+    r"(bf16_)?(zero_pp_rank_\d+_)?mp_rank_\d+_(model|optim)_states\.pt": lambda path: __import__("torch").load(
+        path, weights_only=False
+    ),
 }
 
 

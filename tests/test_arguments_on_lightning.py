@@ -345,56 +345,43 @@ def test_fsdp1_arguments_configure_lightning_s_fsdp_strategy(factory, monkeypatc
         hflight.TrainingArguments("o", fsdp=True, strategy="ddp")
 
 
-def test_deepspeed_argument_asks_lightning_for_its_deepspeed_strategy(monkeypatch):
+def test_deepspeed_argument_builds_hflight_s_deepspeed_strategy():
+    """deepspeed (a dict here; a file in test_deepspeed): hflight's DeepSpeed strategy on the config as transformers
+    and accelerate resolve it (batch size filled, the Trainer's optimizer allowed, accelerate's precision sections and
+    no step logs), the caller's dict left as given, the process-group settings passed on."""
+    from hflight.sharding.deepspeed import HFDeepSpeedStrategy
+
     config = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto"}
-    args = hflight.TrainingArguments("o", report_to="none")  # transformers' class needs deepspeed for the field
-    args.deepspeed = config
-    try:
-        import deepspeed  # noqa: F401
-    except ImportError:
-        from lightning.fabric.utilities.exceptions import MisconfigurationException
-
-        with pytest.raises(MisconfigurationException, match=r"must have DeepSpeed installed.*pip install -U deepspeed"):
-            strategy_settings.deepspeed_strategy(args)  # Lightning's own error, from its strategy's constructor
-    else:
-        resolved = strategy_settings.deepspeed_strategy(args).config
-        assert resolved == {**config, "train_micro_batch_size_per_gpu": 8}
-
-    class Recorder:  # stands for Lightning's DeepSpeedStrategy: what hflight builds it with
-        def __init__(self, **kwargs):
-            self.kwargs = kwargs
-
-    import lightning.pytorch.strategies
-
-    monkeypatch.setattr(lightning.pytorch.strategies, "DeepSpeedStrategy", Recorder)
-    built = strategy_settings.deepspeed_strategy(args)
-    assert built.kwargs["config"] == {**config, "train_micro_batch_size_per_gpu": 8}
-    assert built.kwargs["config"] is not config  # the caller's dict is left as given
-    assert {k: v for k, v in built.kwargs.items() if k != "config"} == strategy_settings.process_group_settings(args)
+    args = hflight.TrainingArguments("o", report_to="none", deepspeed=config, ddp_timeout=90)
+    strategy = strategy_settings.deepspeed_strategy(args)
+    assert isinstance(strategy, HFDeepSpeedStrategy)
+    assert strategy.config == {**config, "train_micro_batch_size_per_gpu": 8, "zero_allow_untested_optimizer": True,
+                               "fp16": {"enabled": False}, "bf16": {"enabled": False},
+                               "steps_per_print": float("inf")}  # fmt: skip
+    assert config["train_micro_batch_size_per_gpu"] == "auto"
+    assert strategy._timeout == datetime.timedelta(seconds=90)
 
 
-def test_finalize_deepspeed_fills_what_needs_the_model_and_refuses_accumulation(factory):
+def test_finalize_deepspeed_fills_what_needs_the_model_and_keeps_accumulation(factory):
     """The second half of the resolution, on the strategy's own config dict (Lightning keeps the dict it is given):
-    the scheduler's steps and ZeRO-3's buckets, gradient_accumulation_steps taken out (Lightning refuses it there)."""
+    the scheduler's steps and ZeRO-3's buckets; gradient_accumulation_steps stays (the engine accumulates, as
+    transformers has it)."""
     import json
     from types import SimpleNamespace
 
     from hflight.arguments.deepspeed import DeepSpeedConfigResolver
 
     model = factory.cls_model()
-    for accumulation, refused in ((1, False), (2, True)):
+    for accumulation in (1, 2):
         args = hflight.TrainingArguments("o", report_to="none", gradient_accumulation_steps=accumulation)
         resolver = DeepSpeedConfigResolver(AUTO_EVERYWHERE)
         resolver.process(args)
         strategy = SimpleNamespace(config=resolver.config, hf_deepspeed_resolver=resolver)
-        if refused:
-            with pytest.raises(ValueError, match=r"gradient_accumulation_steps=2 with deepspeed"):
-                strategy_settings.finalize_deepspeed(strategy, args, model, 40)
-            continue
         strategy_settings.finalize_deepspeed(strategy, args, model, 40)
-        expected = _transformers_resolution(AUTO_EVERYWHERE, args, model, 40)
-        expected.pop("gradient_accumulation_steps")
-        assert strategy.config == expected and "auto" not in json.dumps(strategy.config)
+        assert strategy.config == _transformers_resolution(AUTO_EVERYWHERE, args, model, 40)
+        assert (
+            "auto" not in json.dumps(strategy.config) and strategy.config["gradient_accumulation_steps"] == accumulation
+        )
         assert strategy.config["scheduler"]["params"]["total_num_steps"] == 40
     untouched = SimpleNamespace(config={"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}})
     strategy_settings.finalize_deepspeed(untouched, args, model, 40)  # not one deepspeed_strategy built: left alone
@@ -402,8 +389,8 @@ def test_finalize_deepspeed_fills_what_needs_the_model_and_refuses_accumulation(
 
 
 def _transformers_resolution(config, args, model, num_training_steps):
-    """transformers' own HfTrainerDeepSpeedConfig methods, run on accelerate's HfDeepSpeedConfig (their base class
-    when deepspeed is installed; here it is not, and transformers' constructor only checks that it is)."""
+    """transformers' own HfTrainerDeepSpeedConfig methods, run on accelerate's HfDeepSpeedConfig (their base class;
+    transformers' constructor would also check that deepspeed is importable)."""
     from accelerate.utils.deepspeed import HfDeepSpeedConfig
     from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 

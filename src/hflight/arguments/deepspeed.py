@@ -133,7 +133,10 @@ class DeepSpeedConfigResolver:
             self.config.setdefault("checkpoint", {})["use_node_local_storage"] = True
         self.fill("fp16.enabled", bool(args.fp16 or args.fp16_full_eval), "fp16|fp16_full_eval")
         self.fill("bf16.enabled", bool(args.bf16 or args.bf16_full_eval), "bf16|bf16_full_eval")
-        # what accelerate's DeepSpeed plugin adds: the mixed precision's section, the other one off, and no step logs
+
+    def plugin_defaults(self, args: Any) -> None:
+        """What accelerate's DeepSpeed plugin adds to transformers' resolved config before the engine sees it: the
+        mixed precision's section, the other one off, and no step logs on stdout."""
         mixed = "fp16" if args.fp16 else "bf16" if args.bf16 else None
         if mixed is not None:
             self.config.setdefault(mixed, {"enabled": True})

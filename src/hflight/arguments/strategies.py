@@ -332,6 +332,7 @@ def deepspeed_strategy(args: Any) -> Any:
             "Remove them from the config."
         )
     resolver.process(args)
+    resolver.plugin_defaults(args)
     resolver.config["zero_allow_untested_optimizer"] = True  # the Trainer's optimizer, as transformers sets it
     return SHARDING_STRATEGIES["deepspeed"](resolver, process_group_settings(args))
 

@@ -40,6 +40,7 @@ from transformers.trainer_utils import HubStrategy, IntervalStrategy, SaveStrate
 from transformers.training_args import OptimizerNames, ParallelMode, trainer_log_levels
 
 from hflight.arguments import cluster
+from hflight.arguments.deepspeed import load_deepspeed_config
 from hflight.arguments.registry import register_backends
 
 logger = logging.getLogger(__name__)
@@ -150,6 +151,8 @@ class TrainingArguments(HFTrainingArguments):
             setattr(self, name, _check_choice(name, getattr(self, name), enum_cls, choices()))
         _check_lower_bounds(self)
         _check_requeue_signal(self)
+        if self.deepspeed:  # the file and the position named, before transformers' own reading of it
+            load_deepspeed_config(self.deepspeed)
         # An optimizer a backend registered (e.g. ONNX Runtime's "adamw_ort_fused") is no transformers
         # OptimizerNames member; transformers' __post_init__ converts `optim` to that enum, so it sees a stand-in.
         backend_optim = None if isinstance(self.optim, OptimizerNames) else self.optim

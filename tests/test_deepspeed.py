@@ -1,0 +1,129 @@
+"""DeepSpeed as transformers runs it (issue 35, items 2 and 3): transformers' run_clm.py under ``torchrun
+--nproc_per_node=2 ... --use_cpu --deepspeed ds_config.json`` (ZeRO-2, every value ``"auto"``, gradient accumulation 2,
+clipping at 1.0), once as written and once with the trainer import changed to hflight's: the same losses, gradient
+norms, learning rates, metrics, files, weights, scheduler, RNG states and DeepSpeed partitions, bit for bit; each
+trainer then resumes the other's ``checkpoint-5`` and ends as the other's run.
+
+transformers' own DeepSpeed route runs on this CPU for ZeRO 1-2 with ``--use_cpu`` (its DeepSpeed engine on gloo).
+ZeRO-3 does not get that far with transformers' arguments on the CPU: ``from_pretrained`` builds the model inside
+``deepspeed.zero.Init`` before DeepSpeed's processes are connected (transformers connects them for DeepSpeed only off
+the CPU), so its batch-size check sees one process. hflight's arguments connect them (as transformers does on GPUs):
+ZeRO-3 runs with ``from hflight import Trainer, TrainingArguments`` (tests/test_sharding.py: against FSDP2, resumed).
+Bad configs are refused before any process group starts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import hflight
+from hflight.arguments import lightning_kwargs
+from hflight.arguments import strategies as strategy_settings
+
+from . import dropin
+from . import test_run_clm_dropin as clm
+
+ZERO2 = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+         "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}  # fmt: skip
+ARGS = [
+    "--block_size", "16", "--do_train", "--do_eval", "--use_cpu",
+    "--per_device_train_batch_size", "2", "--per_device_eval_batch_size", "4", "--gradient_accumulation_steps", "2",
+    "--learning_rate", "2e-3", "--num_train_epochs", "2", "--logging_steps", "1",
+    "--eval_strategy", "epoch", "--save_steps", "5",
+]  # fmt: skip
+
+
+def _job(folder: Path, library: str, args: list[str]) -> dropin.Job:
+    changed = None if library == "transformers" else clm.CHANGED_IMPORT
+    return dropin.Job(folder, "run_clm", clm.ORIGINAL_IMPORT, changed, args, launcher=dropin.TORCHRUN_2)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("deepspeed")
+    inputs = clm._inputs(root / "inputs")
+    config = root / "ds_config.json"
+    config.write_text(json.dumps(ZERO2))
+    args = ["--model_name_or_path", str(inputs["model"]), "--train_file", str(inputs["train"]),
+            "--validation_file", str(inputs["validation"]), *ARGS, "--deepspeed", str(config)]  # fmt: skip
+    first = {library: _job(root / library, library, args) for library in ("transformers", "hflight")}
+    outs = {name: job.out() for name, job in first.items()}
+    crossed = {
+        f"{library}_from_{other}": _job(root / f"{library}_from_{other}", library,
+                                        [*args, "--resume_from_checkpoint", str(outs[other] / "checkpoint-5")])
+        for library, other in (("hflight", "transformers"), ("transformers", "hflight"))
+    }  # fmt: skip
+    outs.update({name: job.out() for name, job in crossed.items()})
+    return outs
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_zero2_is_transformers_deepspeed_bit_for_bit(runs):
+    both = {"transformers": runs["transformers"], "hflight": runs["hflight"]}
+    console = (runs["transformers"].parent / "console.txt").read_text()
+    assert "DDP constructor" not in console and (runs["transformers"] / "checkpoint-5" / "global_step5").is_dir()
+    dropin.assert_same_results(both, ("eval_results.json", "train_results.json", "all_results.json"))
+    dropin.assert_same_log_history(both, min_losses=8)  # the engine's gradient norm, clipped in the engine
+    dropin.assert_same_files(both)  # global_stepN/, latest, zero_to_fp32.py, the model files beside them
+    # weights (the model files of the run and of each checkpoint), scheduler, RNG and trainer states, and DeepSpeed's
+    # own partitions: parameter names, fp32 master weights and Adam's moments of every process
+    assert dropin.assert_same_training_state(both) >= 2 * 8 + 2
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+@pytest.mark.parametrize(("continued", "original"), [("hflight_from_transformers", "transformers"),
+                                                     ("transformers_from_hflight", "hflight")])  # fmt: skip
+def test_each_trainer_continues_the_other_s_deepspeed_checkpoint(runs, continued, original):
+    resumed = {"transformers": runs[original], "hflight": runs[continued]}
+    history = [dropin.read_json(p / "trainer_state.json")["log_history"] for p in resumed.values()]
+    timing = ("_runtime", "_per_second", "train_loss")  # train_loss: over the resumed call's steps, as transformers
+    assert [{k: v for k, v in e.items() if not k.endswith(timing)} for e in history[0]] == [
+        {k: v for k, v in e.items() if not k.endswith(timing)} for e in history[1]]  # fmt: skip
+    from safetensors.torch import load_file
+
+    ours, theirs = (load_file(p / "model.safetensors") for p in resumed.values())
+    assert ours.keys() == theirs.keys() and all(ours[k].equal(theirs[k]) for k in ours)
+
+
+# ---- bad configs, refused before any process group starts -----------------------------------------------------------
+def _refused(config, message: str, tmp_path: Path) -> None:
+    if isinstance(config, str):
+        path = tmp_path / "ds_config.json"
+        path.write_text(config)
+        config = str(path)
+    with pytest.raises(ValueError, match=message):
+        args = hflight.TrainingArguments("o", report_to="none", use_cpu=True, deepspeed=config)
+        strategy_settings.deepspeed_strategy(args)
+
+
+def test_an_invalid_deepspeed_json_is_named_with_its_position(tmp_path):
+    _refused('{"zero_optimization": {"stage": 2},\n  "gradient_clipping": }', r"ds_config\.json is not valid JSON: "
+             r"Expecting value at line 2 column 24", tmp_path)  # fmt: skip
+
+
+@pytest.mark.parametrize("stage", [4, -1, "2", True])
+def test_a_zero_stage_out_of_range_is_refused(stage, tmp_path):
+    _refused({"zero_optimization": {"stage": stage}}, r"zero_optimization\.stage must be one of 0, 1, 2, 3", tmp_path)
+
+
+def test_deepspeed_s_own_optimizer_and_fsdp_beside_it_are_refused(tmp_path):
+    _refused({**ZERO2, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, r"optimizer \('optimizer'\) choose "
+             r"DeepSpeed's own optimizer/schedule", tmp_path)  # fmt: skip
+    with pytest.raises(ValueError, match="fsdp and deepspeed and strategy='auto' each choose"):
+        hflight.TrainingArguments("o", fsdp=True, deepspeed=dict(ZERO2))
+
+
+def test_deepspeed_takes_gradient_accumulation_as_transformers(factory):
+    """transformers passes gradient_accumulation_steps to the engine; hflight's strategy keeps it in the config
+    (Lightning's own refuses it there)."""
+    args = hflight.TrainingArguments("o", report_to="none", use_cpu=True, gradient_accumulation_steps=4,
+                                     deepspeed=dict(ZERO2))  # fmt: skip
+    strategy = lightning_kwargs.strategy_for(args, factory.cls_model())
+    assert strategy.config["gradient_accumulation_steps"] == 4
+    strategy._format_batch_size_and_grad_accum_config()  # what Lightning calls before building the engine
+    assert strategy.config["gradient_accumulation_steps"] == 4
