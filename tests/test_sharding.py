@@ -80,7 +80,8 @@ def jobs(tmp_path_factory) -> dict:
     sharded, full = root / "SHARDED_STATE_DICT" / "checkpoint-3", root / "FULL_STATE_DICT" / "checkpoint-3"
     resumed = {
         "sharded_on_1": _start(root / "sharded_on_1", 1, "--resume", str(sharded), "--no-fsdp"),
-        "sharded_on_4": _start(root / "sharded_on_4", 4, "--resume", str(sharded)),
+        # 4 processes as 2 copies, each sharded over 2 (parallelism_config: HSDP)
+        "sharded_on_4": _start(root / "sharded_on_4", 4, "--resume", str(sharded), "--hsdp", "2,2"),
         "full_on_1": _start(root / "full_on_1", 1, "--resume", str(full), "--no-fsdp"),
         "zero3_resumed": _start(
             root / "zero3_resumed",
@@ -115,6 +116,31 @@ def test_every_process_holds_its_half_of_every_parameter(jobs):
         assert local + second[name][0] == whole, name  # each element on one process only
         assert local <= -(-whole // 2), name  # at most half (dim 0 split in two)
     assert sum(local for local, _ in first.values()) * 2 >= sum(whole for _, whole in first.values()) - 64
+
+
+def test_parallelism_config_replicates_two_sharded_copies_over_four_processes(jobs):
+    """dp_replicate_size=2, dp_shard_size=2 (transformers 5's parallelism_config, accelerate's HSDP): every process
+    holds half of every parameter, the halves of each copy on two processes."""
+    result = json.loads((jobs["root"] / "sharded_on_4" / "result.json").read_text())
+    assert result["world_size"] == 4
+    for name, (local, whole) in result["elements"][0].items():
+        assert [e[name] for e in result["elements"]] == [[local, whole]] * 4 and local <= -(-whole // 2), name
+    assert sum(e[name][0] for e in result["elements"] for name in e) == 2 * sum(w for _, w in result["elements"][0]
+                                                                                 .values())  # fmt: skip
+
+
+def test_parallelism_config_beyond_data_parallelism_is_refused_naming_the_field(factory):
+    from accelerate import ParallelismConfig
+
+    refused = r"(?s)parallelism_config=.*tp_size=2.*tensor, context and sequence parallelism"
+    with pytest.raises(ValueError, match=refused):
+        hflight.TrainingArguments("o", report_to="none", parallelism_config=ParallelismConfig(tp_size=2))
+    three = _args(fsdp=True, parallelism_config=ParallelismConfig(dp_replicate_size=3, dp_shard_size=2))
+    with pytest.raises(ValueError, match=r"3 x 2 = 6, but the run has 2 processes"):
+        lightning_kwargs.strategy_for(three, factory.cls_model())
+    unsharded = _args(parallelism_config=ParallelismConfig(dp_shard_size=2))
+    with pytest.raises(ValueError, match=r"dp_shard_size=2 shards the model.*set fsdp"):
+        lightning_kwargs.strategy_for(unsharded, factory.cls_model())
 
 
 def test_a_sharded_checkpoint_is_transformers_layout_with_every_shard_in_the_manifest(jobs):

@@ -61,6 +61,7 @@ def main():
     parser.add_argument("--resume")
     parser.add_argument("--no-fsdp", action="store_true")
     parser.add_argument("--deepspeed", help="a DeepSpeed config file: ZeRO instead of FSDP2")
+    parser.add_argument("--hsdp", help="REPLICATE,SHARD: parallelism_config's dp_replicate_size, dp_shard_size")
     opts = parser.parse_args()
     torch.set_num_threads(1)
     sharding = {} if opts.no_fsdp else {
@@ -69,6 +70,11 @@ def main():
     }  # fmt: skip
     if opts.deepspeed:
         sharding = {"deepspeed": opts.deepspeed}
+    if opts.hsdp:
+        from accelerate import ParallelismConfig
+
+        replicate, shard = map(int, opts.hsdp.split(","))
+        sharding["parallelism_config"] = ParallelismConfig(dp_replicate_size=replicate, dp_shard_size=shard)
     args = TrainingArguments(output_dir=opts.out, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                              max_steps=6, save_steps=3, logging_steps=1, learning_rate=1e-2, use_cpu=True, seed=0,
                              report_to="none", disable_tqdm=True, **sharding)  # fmt: skip

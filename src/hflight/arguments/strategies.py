@@ -186,6 +186,8 @@ def fsdp_strategy(args: Any, model: nn.Module) -> Any:
         )
     if args.fsdp_plugin_args["fsdp_version"] == 2:
         return SHARDING_STRATEGIES["fsdp2"](fsdp2_plan(args, model, world), process_group_settings(args))
+    if args.parallelism_config is not None:
+        raise ValueError("parallelism_config shards with FSDP2: set fsdp_config['version']=2 (transformers' default).")
     from lightning.pytorch.strategies import FSDPStrategy
 
     check_fsdp_device(args)
@@ -265,6 +267,9 @@ class FSDP2Plan:
     state_dict_type: str
     param_dtype: torch.dtype | None
     gather_to_every_writer: bool
+    #: ``parallelism_config``'s (dp_replicate_size, dp_shard_size) when it replicates shards (HSDP), else None: every
+    #: process shards one copy
+    hybrid: tuple[int, int] | None = None
 
 
 def fsdp2_plan(args: Any, model: nn.Module, world_size: int) -> FSDP2Plan:
@@ -285,6 +290,7 @@ def fsdp2_plan(args: Any, model: nn.Module, world_size: int) -> FSDP2Plan:
             f"on each node's writer), or a shared filesystem without save_on_each_node ({nodes} node(s) planned)."
         )
     return FSDP2Plan(
+        hybrid=data_parallel_sizes(args, world_size),
         wrap=_fsdp2_wrap(plugin, model),
         reshard_after_forward=bool(plugin.get("reshard_after_forward", True)),
         cpu_offload=bool(plugin.get("cpu_offload", False)),
@@ -294,6 +300,28 @@ def fsdp2_plan(args: Any, model: nn.Module, world_size: int) -> FSDP2Plan:
         param_dtype=torch.bfloat16 if args.bf16 else None,
         gather_to_every_writer=bool(args.save_on_each_node),
     )
+
+
+def data_parallel_sizes(args: Any, world_size: int) -> tuple[int, int] | None:
+    """transformers 5's ``parallelism_config`` under FSDP2 (accelerate's ``ParallelismConfig``): ``dp_shard_size``
+    processes shard one copy of the model, ``dp_replicate_size`` copies of them (HSDP), together the whole world;
+    (replicate, shard) when there are several copies, None for one (or no config). Its other dimensions are refused by
+    the arguments (:data:`~hflight.arguments.training_args.UNSUPPORTED`)."""
+    config = args.parallelism_config
+    if config is None:
+        return None
+    replicate, shard = (getattr(config, f"dp_{n}_size", None) or 1 for n in ("replicate", "shard"))
+    if replicate * shard != world_size:
+        raise ValueError(
+            f"parallelism_config: dp_replicate_size x dp_shard_size = {replicate} x {shard} = {replicate * shard}, but "
+            f"the run has {world_size} processes (accelerate's rule: their product is the number of processes)."
+        )
+    if shard == 1:
+        raise ValueError(
+            "parallelism_config: fsdp is set but dp_shard_size is 1, so FSDP has no dimension to shard across "
+            f"(dp_replicate_size={replicate} alone is plain data parallelism: leave fsdp unset for it)."
+        )
+    return (replicate, shard) if replicate > 1 else None
 
 
 def _fsdp2_wrap(plugin: dict[str, Any], model: nn.Module) -> Callable[[nn.Module], bool] | None:
@@ -345,11 +373,31 @@ def finalize_deepspeed(strategy: Any, args: Any, model: nn.Module, num_training_
         resolver.finalize(args, model, num_training_steps)
 
 
+def check_plain_data_parallel(args: Any) -> None:
+    """``parallelism_config`` without fsdp: only one copy per process (``dp_replicate_size`` the whole world, what
+    DDP does); sharding it asks for ``fsdp``."""
+    config = args.parallelism_config
+    if config is None:
+        return
+    if (getattr(config, "dp_shard_size", None) or 1) > 1:
+        raise ValueError(
+            f"parallelism_config: dp_shard_size={config.dp_shard_size} shards the model, which hflight does with "
+            "FSDP2: set fsdp (fsdp_config['version']=2) too."
+        )
+    replicate, world = getattr(config, "dp_replicate_size", None) or 1, planned_world_size(args)
+    if replicate not in (1, world):
+        raise ValueError(
+            f"parallelism_config: dp_replicate_size={replicate}, but the run has {world} processes (accelerate's "
+            "rule: the sizes' product is the number of processes)."
+        )
+
+
 def strategy_from_args(strategy: Any, args: Any, model: nn.Module | None) -> Any:
     """The Lightning strategy for ``strategy`` (a name or an object) under transformers' distributed arguments."""
     if isinstance(strategy, str) and strategy == "auto":
         if args.fsdp and model is not None:
             return fsdp_strategy(args, model)
+        check_plain_data_parallel(args)
         if args.deepspeed:
             return deepspeed_strategy(args)
         if ddp_settings(args) and (args.world_size > 1 or lightning_launches_several(args)):

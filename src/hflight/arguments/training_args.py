@@ -499,14 +499,21 @@ UNSUPPORTED: dict[str, tuple[Callable[[TrainingArguments], bool], str]] = {
         "(set `strategy`/`devices`)",
     ),
     "parallelism_config": (
-        lambda a: a.parallelism_config is None,
-        "choose a Lightning strategy instead (strategy='fsdp', 'deepspeed', or a ModelParallelStrategy object)",
+        lambda a: a.parallelism_config is None or _data_parallel_only(a.parallelism_config),
+        "tensor, context and sequence parallelism (tp_size, cp_size, sp_size > 1) need a model's tensor-parallel plan "
+        "on Lightning's tensor parallelism, which hflight does not map; its data-parallel sizes (dp_shard_size, "
+        "dp_replicate_size) are taken, with fsdp",
     ),
     "debug": (
         lambda a: DebugOption.TPU_METRICS_DEBUG not in a.debug,
         "tpu_metrics_debug prints torch_xla metrics, which only exist on TPUs; 'underflow_overflow' is supported",
     ),
 }
+
+
+def _data_parallel_only(config: Any) -> bool:
+    """Whether a ``ParallelismConfig`` sets only data-parallel sizes (tp, cp and sp at 1 or unset)."""
+    return all((getattr(config, f"{name}_size", None) or 1) == 1 for name in ("tp", "cp", "sp"))
 
 
 def _reject_unsupported(args: TrainingArguments) -> None:

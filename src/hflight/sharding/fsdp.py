@@ -71,7 +71,16 @@ class FSDP2Strategy(ModelParallelStrategy, HFBackend):
 
         if isinstance(model, FSDPModule):  # a later train()/evaluate() of the same trainer
             return
-        shard_model(model, self.plan, self.device_mesh["data_parallel"])
+        shard_model(model, self.plan, self._sharding_mesh())
+
+    def _sharding_mesh(self) -> Any:
+        """Every process shards one copy (Lightning's data-parallel dimension), or, with ``parallelism_config``'s
+        replication (HSDP), each group of ``dp_shard_size`` processes shards a copy: a 2-D mesh, replicate x shard."""
+        if self.plan.hybrid is None:
+            return self.device_mesh["data_parallel"]
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(self.root_device.type, self.plan.hybrid, mesh_dim_names=("dp_replicate", "dp_shard"))
 
     @override
     def hf_checkpoint_state(self) -> ProcessZeroState:
