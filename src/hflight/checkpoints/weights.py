@@ -28,6 +28,7 @@ import json
 import os
 import pickle
 import re
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -124,7 +125,7 @@ def save_model_files(
     ``training_args.bin``."""
     os.makedirs(output_dir, exist_ok=True)
     if hasattr(model, "save_pretrained"):
-        with _writing_on_this_process(model):
+        with _writing_on_this_process(model), _deepspeed_left_alone():
             model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
     else:
         from safetensors.torch import save_file
@@ -134,6 +135,24 @@ def save_model_files(
     if processing_class is not None and hasattr(processing_class, "save_pretrained"):
         processing_class.save_pretrained(output_dir)
     torch.save(args.to_transformers(), os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+
+@contextlib.contextmanager
+def _deepspeed_left_alone() -> Iterator[None]:
+    """``save_pretrained`` unwraps the model through accelerate, which imports DeepSpeed whenever it is installed, to
+    ask whether the model is a ``DeepSpeedEngine`` (0.9 s here, in every process that saves a model). No such engine
+    exists in a process that has not imported DeepSpeed: for the call, accelerate is told it is not there."""
+    if "deepspeed" in sys.modules:
+        yield
+        return
+    import accelerate.utils.other as unwrapping
+
+    available = unwrapping.is_deepspeed_available
+    unwrapping.is_deepspeed_available = lambda: False
+    try:
+        yield
+    finally:
+        unwrapping.is_deepspeed_available = available
 
 
 @contextlib.contextmanager
@@ -281,8 +300,9 @@ def _tied_groups(model: torch.nn.Module) -> dict[str, set[str]]:
     state = model.state_dict(keep_vars=True)
     by_storage: dict[tuple[int, int], set[str]] = {}
     for key, tensor in state.items():
-        if tensor.device.type == "meta" or tensor.numel() == 0:
-            by_storage.setdefault((id(tensor), 0), set()).add(key)
+        if tensor.device.type == "meta" or tensor.numel() == 0 or type(tensor).__name__ == "DTensor" or isinstance(
+            getattr(tensor, "data", None), torch.Tensor) and type(tensor.data).__name__ == "DTensor":  # fmt: skip
+            by_storage.setdefault((id(tensor), 0), set()).add(key)  # a shard: tied parameters are one object
             continue
         by_storage.setdefault((tensor.untyped_storage().data_ptr(), tensor.storage_offset()), set()).add(key)
     return {key: group for group in by_storage.values() for key in group}

@@ -25,6 +25,8 @@ tensor parallelism). Checkpoints: ``hflight.checkpoints.sharded`` (``state_dict_
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -83,9 +85,32 @@ class FSDP2Strategy(ModelParallelStrategy, HFBackend):
         return init_device_mesh(self.root_device.type, self.plan.hybrid, mesh_dim_names=("dp_replicate", "dp_shard"))
 
     @override
+    def hf_sync_to_host(self) -> None:
+        """Before a checkpoint or ``save_model``: every FSDP unit holds its shard again. A forward without a backward
+        (an evaluation) leaves the root unit's parameters gathered (FSDP2 keeps the root's last gather), and the
+        module then holds whole tensors the optimizer does not know."""
+        _reshard(self.lightning_module.model)
+
+    @override
+    @contextlib.contextmanager
+    def hf_evaluation_model(self, model: nn.Module, label_names: list[str]) -> Iterator[nn.Module]:
+        try:
+            yield model
+        finally:
+            _reshard(model)
+
+    @override
     def hf_checkpoint_state(self) -> ProcessZeroState:
         form = ShardedState if self.plan.state_dict_type == "SHARDED_STATE_DICT" else GatheredState
         return form(rank0_only=not self.plan.gather_to_every_writer)
+
+
+def _reshard(model: nn.Module) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def shard_model(model: nn.Module, plan: FSDP2Plan, mesh: Any) -> None:
