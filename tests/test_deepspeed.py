@@ -127,3 +127,16 @@ def test_deepspeed_takes_gradient_accumulation_as_transformers(factory):
     assert strategy.config["gradient_accumulation_steps"] == 4
     strategy._format_batch_size_and_grad_accum_config()  # what Lightning calls before building the engine
     assert strategy.config["gradient_accumulation_steps"] == 4
+
+
+def test_deepspeed_not_installed_is_named_with_the_install_command(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else find_spec(name, *a)
+    )
+    with pytest.raises(
+        ModuleNotFoundError, match=r'needs DeepSpeed, which is not installed: pip install "hflight\[deepspeed\]"'
+    ):
+        hflight.TrainingArguments("o", report_to="none", deepspeed=dict(ZERO2))

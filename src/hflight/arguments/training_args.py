@@ -152,6 +152,7 @@ class TrainingArguments(HFTrainingArguments):
         _check_lower_bounds(self)
         _check_requeue_signal(self)
         if self.deepspeed:  # the file and the position named, before transformers' own reading of it
+            _check_deepspeed_installed()
             load_deepspeed_config(self.deepspeed)
         # An optimizer a backend registered (e.g. ONNX Runtime's "adamw_ort_fused") is no transformers
         # OptimizerNames member; transformers' __post_init__ converts `optim` to that enum, so it sees a stand-in.
@@ -570,6 +571,15 @@ def _device_for(args: TrainingArguments) -> torch.device:
         devices = [int(d) for d in devices.split(",") if d.strip()]
     index = devices[local_rank] if isinstance(devices, list) and local_rank < len(devices) else local_rank
     return torch.device("cuda", index)
+
+
+def _check_deepspeed_installed() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        raise ModuleNotFoundError(
+            'TrainingArguments.deepspeed needs DeepSpeed, which is not installed: pip install "hflight[deepspeed]"'
+        )
 
 
 def _connect_for_deepspeed(args: TrainingArguments, device: torch.device) -> None:

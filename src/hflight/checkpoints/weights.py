@@ -66,16 +66,20 @@ CONFIG_FILES = ("config.json", "generation_config.json")
 _SHARD_RE = re.compile(r"^(?:model|pytorch_model)(?:-[\w.]+)?-\d{5}-of-\d{5}\.(?:safetensors|bin)$")
 
 
-def is_weight_file(name: str) -> bool:
-    """A file of the model's weights: transformers' files and shards, or a sharded run's forms
-    (``pytorch_model_fsdp.bin``, the files of ``pytorch_model_fsdp_0/``)."""
+def is_sharded_run_form(name: str) -> bool:
+    """A sharded run's own form of the weights (FSDP's gathered ``pytorch_model_fsdp.bin``, its distributed
+    checkpoint, DeepSpeed's partitions), beside or instead of the ``save_pretrained`` files."""
     return (
-        name in WEIGHT_FILES
-        or bool(_SHARD_RE.match(PurePosixPath(name).name))
-        or name == FSDP_MODEL_FILE
+        name == FSDP_MODEL_FILE
         or name.split("/", 1)[0] == FSDP_MODEL_DIR
         or (name.startswith(DEEPSPEED_TAG_PREFIX) and "/" in name)
     )
+
+
+def is_weight_file(name: str) -> bool:
+    """A file of the model's weights: transformers' files and shards, or a sharded run's forms
+    (``pytorch_model_fsdp.bin``, the files of ``pytorch_model_fsdp_0/``)."""
+    return name in WEIGHT_FILES or bool(_SHARD_RE.match(PurePosixPath(name).name)) or is_sharded_run_form(name)
 
 
 def read_weight_map(index_file: Path) -> dict[str, str]:

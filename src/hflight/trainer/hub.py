@@ -25,7 +25,7 @@ from transformers.trainer_utils import HubStrategy, SaveStrategy
 from transformers.utils import PushInProgress
 
 from hflight.checkpoints.parts import part_of
-from hflight.checkpoints.weights import TRAINING_ARGS_NAME
+from hflight.checkpoints.weights import TRAINING_ARGS_NAME, is_sharded_run_form
 from hflight.checkpoints.writelock import LOCK_NAME
 from hflight.run.events import dispatch
 from hflight.version import __version__
@@ -46,8 +46,14 @@ def hub_api() -> HfApi:
 
 def _modeling_files(checkpoint_folder: str) -> list[str]:
     """What a checkpoint push copies from the checkpoint folder into the output folder before uploading it: the
-    files of the checkpoint's model part (weights, index and shards, ``config.json``, ``generation_config.json``)."""
-    return sorted(name for name in os.listdir(checkpoint_folder) if part_of(name) == "model")
+    files of the checkpoint's model part (weights, index and shards, ``config.json``, ``generation_config.json``;
+    not a sharded run's own forms, which ``from_pretrained`` does not read)."""
+    return sorted(
+        name
+        for name in os.listdir(checkpoint_folder)
+        if part_of(name) == "model" and os.path.isfile(os.path.join(checkpoint_folder, name)) and not
+        is_sharded_run_form(name)
+    )  # fmt: skip
 
 
 class HubMixin:
