@@ -37,9 +37,10 @@ TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
 
 
-def _start(out: Path, processes: int, *options: str) -> subprocess.Popen:
+def _start(out: Path, processes: int, *options: str, restarts: int = 0) -> subprocess.Popen:
     out.mkdir(parents=True)
-    launcher = [sys.executable] if processes == 1 else [TORCHRUN, "--standalone", f"--nproc_per_node={processes}"]
+    torchrun = [TORCHRUN, "--standalone", f"--nproc_per_node={processes}", f"--max-restarts={restarts}"]
+    launcher = [sys.executable] if processes == 1 else torchrun
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "src"), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen([*launcher, str(JOB), str(out), *options], cwd=out, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
@@ -91,6 +92,10 @@ def jobs(tmp_path_factory) -> dict:
             "--deepspeed",
             str(configs["zero3_no_gather"]),
         ),  # fmt: skip
+        # under torchrun --max-restarts=1, continued by train(resume_from_checkpoint="auto") as a restart is:
+        # rank 0 killed while it writes checkpoint-6 (the shards written, not its manifest); SIGTERM mid-step 5
+        "killed_writing": _start(root / "killed_writing", 2, "--auto", "--fault", "SIGKILL,6,0,writing", restarts=1),
+        "sigterm": _start(root / "sigterm", 2, "--auto", "--fault", "SIGTERM,5,0,substep", restarts=1),
     }
     logs.update({name: _finish(p) for name, p in resumed.items()})
     return {"root": root, "logs": logs, "sharded": sharded, "full": full}
@@ -231,6 +236,29 @@ def test_a_zero3_checkpoint_is_deepspeed_s_own_and_zero_to_fp32_rebuilds_its_wei
     assert (final / "zero_to_fp32.py").is_file() and (final / "config.json").is_file()
     assert not (final / "checkpoint-6" / "model.safetensors").exists()
     verify_checkpoint(final / "checkpoint-6", full=True)  # DeepSpeed's partitions are its weights
+
+
+@pytest.mark.parametrize("name", ["killed_writing", "sigterm"])
+def test_a_sharded_run_stopped_or_killed_restarts_from_its_last_checkpoint_and_ends_as_the_uninterrupted_run(
+    jobs, name
+):
+    """torchrun restarts the workers, which continue from the last complete sharded checkpoint: rank 0 SIGKILLed while
+    it writes checkpoint-6 (its shards and the other rank's on disk, the folder never published, so checkpoint-3 is
+    taken, the half-written one removed); SIGTERM during step 5 (every rank stops at the step boundary, checkpoint-5
+    written by all, then the restart continues it). The log history (train_loss included: a continued run keeps the
+    loss bookkeeping) and the weights are the uninterrupted run's, bit for bit."""
+    from safetensors.torch import load_file
+
+    log = jobs["logs"][name]
+    start = "checkpoint-3" if name == "killed_writing" else "checkpoint-5"
+    assert f"resuming from {jobs['root'] / name / start}, the last valid checkpoint" in log, log[-3000:]
+    if name == "sigterm":
+        assert "Training stopped by SIGTERM after step 5 of 6; checkpoint saved in" in log
+    else:
+        assert "left behind by a checkpoint save or deletion that was interrupted" in log
+    assert _history(jobs, name) == _history(jobs, "SHARDED_STATE_DICT")
+    ours, reference = (load_file(jobs["root"] / n / "model.safetensors") for n in (name, "SHARDED_STATE_DICT"))
+    assert ours.keys() == reference.keys() and all(ours[k].equal(reference[k]) for k in ours)
 
 
 def test_a_damaged_or_missing_shard_makes_the_checkpoint_invalid_and_resume_auto_takes_the_one_before(jobs, tmp_path):

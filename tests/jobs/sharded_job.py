@@ -5,6 +5,8 @@ or resumed from a checkpoint on another number of processes (sharded or not).
     torchrun --standalone --nproc_per_node=2 tests/jobs/sharded_job.py OUT --deepspeed ZERO3.json
     torchrun --standalone --nproc_per_node=4 tests/jobs/sharded_job.py OUT --resume CKPT
     python tests/jobs/sharded_job.py OUT --resume CKPT --no-fsdp
+    torchrun --standalone --nproc_per_node=2 --max-restarts=1 tests/jobs/sharded_job.py OUT --auto \
+        --fault SIGKILL,6,0,writing
 
 Training: 6 steps of 4 blocks per process (seed 0, dropout on), a checkpoint every 3 steps, then ``save_model``. Rank 0
 writes ``OUT/result.json``: the world size, the log history, and for each rank the elements of every parameter it holds
@@ -62,6 +64,8 @@ def main():
     parser.add_argument("--no-fsdp", action="store_true")
     parser.add_argument("--deepspeed", help="a DeepSpeed config file: ZeRO instead of FSDP2")
     parser.add_argument("--hsdp", help="REPLICATE,SHARD: parallelism_config's dp_replicate_size, dp_shard_size")
+    parser.add_argument("--auto", action="store_true", help="train(resume_from_checkpoint='auto'), as a restart does")
+    parser.add_argument("--fault", help="SIGNAL,STEP,RANK,MOMENT: cluster_faults.SignalAt (first attempt only)")
     opts = parser.parse_args()
     torch.set_num_threads(1)
     sharding = {} if opts.no_fsdp else {
@@ -82,8 +86,13 @@ def main():
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=16))
     dump = opts.resume and not opts.deepspeed  # (a DeepSpeed run's optimizer holds ZeRO's flat partitions)
     callbacks = [DumpRestored(os.path.join(opts.out, "restored.pt"))] if dump else []
+    if opts.fault:
+        from cluster_faults import SignalAt
+
+        name, step, rank, moment = opts.fault.split(",")
+        callbacks.append(SignalAt(int(step), name, target="self", rank=int(rank), moment=moment))
     trainer = Trainer(model, args, train_dataset=blocks(96, 1), callbacks=callbacks)
-    trainer.train(resume_from_checkpoint=opts.resume)
+    trainer.train(resume_from_checkpoint="auto" if opts.auto else opts.resume)
     trainer.save_model()  # every process, as transformers' examples call it
     elements = trainer.accelerator.world.gather_objects([local_elements(trainer.model)])
     if trainer.is_world_process_zero():
