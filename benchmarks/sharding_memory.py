@@ -1,0 +1,189 @@
+"""Model-state memory per process under DDP, FSDP2 and DeepSpeed ZeRO-3, at 1, 2 and 4 processes (issue 35, item 6).
+
+Each run is ``torchrun --standalone --nproc_per_node=N`` of this script's worker: hflight's Trainer trains a GPT-2
+(default: 12 layers of 768, about 124M parameters, 500 MB of fp32 weights) for a few steps on the CPU with AdamW, and
+every process reports, from the tensors it holds itself:
+
+- parameters: its weights (FSDP2: the DTensor's local shard; ZeRO-3: DeepSpeed's partition ``ds_tensor``);
+- gradients: its gradients, measured before the optimizer step (FSDP2: local shards; ZeRO-3: the flat buffer of
+  its gradient partitions);
+- optimizer: Adam's moments, and ZeRO-3's fp32 master copy of its partition (DDP and FSDP2 step the weights
+  themselves);
+- peak RSS (``ru_maxrss``: everything the process ever held, the model as built before sharding included);
+- the time of a step after the first (its median), against DDP at the same number of processes.
+
+The table prints the per-process maximum of each, and each strategy's model-state bytes (parameters + gradients +
+optimizer) as a fraction of DDP's at the same N. Target (full sharding): <= 1/N + 10% of DDP's.
+
+    python benchmarks/sharding_memory.py                          # 124M parameters, 1 2 4 processes, 4 steps
+    python benchmarks/sharding_memory.py --layers 2 --hidden 64 --processes 1 2 --steps 2   # a quick look
+
+Runs are one after another (the CPU's cores are shared by the N processes of a run); a step's time on a 2-core
+machine with 4 processes measures mostly the contention, not the strategy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MIB = 1 << 20
+STRATEGIES = ("ddp", "fsdp2", "zero3")
+ZERO3 = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+         "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}  # fmt: skip
+
+
+def cpu() -> str:
+    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+# ---- the worker (one process of a torchrun job) ----------------------------------------------------------------------
+def _local_bytes(tensor) -> int:
+    from torch.distributed.tensor import DTensor
+
+    if tensor is None:
+        return 0
+    if isinstance(tensor, DTensor):
+        tensor = tensor.to_local()
+    partition = getattr(tensor, "ds_tensor", None)  # ZeRO-3: the process's partition of the parameter
+    if partition is not None:
+        tensor = partition
+    return tensor.numel() * tensor.element_size()
+
+
+def _optimizer_bytes(optimizer) -> int:
+    """Bytes of every tensor of the optimizer's state (and, for DeepSpeed's ZeRO optimizer, its fp32 partitions)."""
+    import torch
+
+    inner = getattr(optimizer, "optimizer", optimizer)
+    total = sum(_local_bytes(v) for state in inner.state.values() for v in state.values() if torch.is_tensor(v))
+    for group in getattr(optimizer, "fp32_partitioned_groups_flat", []) or []:
+        total += _local_bytes(group)
+    return total
+
+
+def _gradient_bytes(model, optimizer) -> int:
+    buffer = getattr(optimizer, "grad_partitions_flat_buffer", None)
+    if buffer is not None:  # ZeRO-3: the process's gradient partitions, in one flat buffer
+        return _local_bytes(buffer)
+    return sum(_local_bytes(p.grad) for p in model.parameters())
+
+
+def worker(opts: argparse.Namespace) -> None:
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback
+
+    from hflight import Trainer, TrainingArguments
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", "1"))))
+    sharding = {
+        "ddp": {},
+        "fsdp2": {"fsdp": "full_shard auto_wrap", "fsdp_config": {"transformer_layer_cls_to_wrap": ["GPT2Block"]}},
+        "zero3": {"deepspeed": ZERO3},
+    }[opts.strategy]
+    args = TrainingArguments(opts.out, per_device_train_batch_size=1, max_steps=opts.steps, learning_rate=1e-4,
+                             logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
+                             disable_tqdm=True, **sharding)  # fmt: skip
+    torch.manual_seed(0)
+    config = GPT2Config(n_embd=opts.hidden, n_layer=opts.layers, n_head=max(1, opts.hidden // 64), n_positions=256)
+    model = GPT2LMHeadModel(config)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, config.vocab_size, (64, opts.seq_len))]
+
+    class Measure(TrainerCallback):
+        def __init__(self):
+            self.figures: dict = {}
+            self.begun = 0.0
+            self.steps: list[float] = []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.begun = time.perf_counter()
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
+            self.figures["gradients"] = _gradient_bytes(model, _engine_optimizer(trainer) or optimizer)
+
+        def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+            self.steps.append(time.perf_counter() - self.begun)
+            engine_optimizer = _engine_optimizer(trainer) or optimizer
+            self.figures["parameters"] = sum(_local_bytes(p) for p in model.parameters())
+            self.figures["optimizer"] = _optimizer_bytes(engine_optimizer)
+
+    measure = Measure()
+    trainer = Trainer(model, args, train_dataset=data, callbacks=[measure])
+    trainer.train()
+    figures = {**measure.figures, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+               "step_s": statistics.median(measure.steps[1:] or measure.steps)}  # fmt: skip
+    everyone = trainer.accelerator.world.gather_objects([figures])
+    if trainer.is_world_process_zero():
+        Path(opts.out, "figures.json").write_text(json.dumps(everyone))
+
+
+def _engine_optimizer(trainer):
+    """DeepSpeed's ZeRO optimizer (which holds the partitions), when the run has an engine."""
+    engine = (
+        getattr(trainer.lightning_trainer.strategy, "deepspeed_engine", None) if trainer.lightning_trainer else None
+    )
+    return getattr(engine, "optimizer", None)
+
+
+# ---- the driver ------------------------------------------------------------------------------------------------------
+def run(strategy: str, processes: int, opts: argparse.Namespace, root: Path) -> list[dict]:
+    out = root / f"{strategy}-{processes}"
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    command = [torchrun, "--standalone", f"--nproc_per_node={processes}", __file__, "--worker", strategy,
+               "--out", str(out), "--layers", str(opts.layers), "--hidden", str(opts.hidden),
+               "--seq-len", str(opts.seq_len), "--steps", str(opts.steps)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // processes))}
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise SystemExit(f"{strategy} on {processes} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return json.loads((out / "figures.json").read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--processes", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--worker", choices=STRATEGIES, dest="strategy", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    opts = parser.parse_args()
+    if opts.strategy:
+        worker(opts)
+        return
+    root = Path(tempfile.mkdtemp(prefix="hflight-sharding-memory-"))
+    print(f"GPT-2, {opts.layers} layers of {opts.hidden}, sequences of {opts.seq_len}, batch 1 per process, AdamW; "
+          f"CPU: {cpu()} ({os.cpu_count()} cores)")  # fmt: skip
+    header = f"{'strategy':<8}{'N':>3}{'params MiB':>12}{'grads MiB':>11}{'optim MiB':>11}{'state MiB':>11}"
+    print(header + f"{'x DDP':>8}{'1/N+10%':>9}{'peak RSS MiB':>14}{'step s':>8}{'x DDP':>7}")
+    for processes in opts.processes:
+        reference = None
+        for strategy in STRATEGIES:
+            if strategy == "fsdp2" and processes == 1:  # transformers' own refusal, which hflight keeps
+                print(f"{strategy:<8}{processes:>3}  refused: fsdp needs several processes (as in transformers)")
+                continue
+            ranks = run(strategy, processes, opts, root)
+            worst = {key: max(rank[key] for rank in ranks) for key in ranks[0]}
+            state = worst["parameters"] + worst["gradients"] + worst["optimizer"]
+            reference = reference or {"state": state, "step_s": worst["step_s"]}
+            share = state / reference["state"]
+            print(f"{strategy:<8}{processes:>3}{worst['parameters'] / MIB:>12.1f}{worst['gradients'] / MIB:>11.1f}"
+                  f"{worst['optimizer'] / MIB:>11.1f}{state / MIB:>11.1f}{share:>8.3f}{1 / processes + 0.1:>9.3f}"
+                  f"{worst['peak_rss'] / MIB:>14.0f}{worst['step_s']:>8.2f}"
+                  f"{worst['step_s'] / reference['step_s']:>7.2f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
