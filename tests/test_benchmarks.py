@@ -124,3 +124,16 @@ def test_cluster_restart_times_a_requeue_and_a_restart():
                    "one checkpoint write", "target: step + write"):  # fmt: skip
         assert re.search(rf"^\s+{re.escape(figure)}\s+\d+\.\d+ s", out, re.M), out
     assert re.search(r"fresh start \d+\.\d+ s, restart \d+\.\d+ s", out), out
+
+
+def test_sharding_memory_prints_each_strategy_s_share_of_ddp_s_state():
+    """The table of benchmarks/sharding_memory.py on a tiny GPT-2 at 2 processes: FSDP2 holds half of DDP's
+    parameter, gradient and optimizer bytes in each process, ZeRO-3 half plus its fp32 master copy's quarter."""
+    command = [sys.executable, str(ROOT / "benchmarks" / "sharding_memory.py"), "--layers", "1", "--hidden", "32",
+               "--seq-len", "16", "--steps", "2", "--processes", "2"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    shares = {m.group(1): float(m.group(2)) for m in re.finditer(r"^(ddp|fsdp2|zero3)\s+2\s+(?:[\d.]+\s+){4}([\d.]+)",
+                                                                  done.stdout, re.M)}  # fmt: skip
+    assert shares["ddp"] == 1.0 and shares["fsdp2"] == pytest.approx(0.5, abs=0.01), done.stdout
+    assert shares["zero3"] == pytest.approx(0.625, abs=0.01), done.stdout

@@ -135,6 +135,8 @@ TESTED_ELSEWHERE = {
     "gradient_checkpointing": "test_training_args (deprecated alias of activation_checkpointing)",
     "gradient_checkpointing_kwargs": "test_training_args (alias)",
     "activation_checkpointing_kwargs": "test_arguments_on_lightning",
+    "parallelism_config": "test_sharding (its data-parallel sizes under FSDP2, HSDP over 4 processes; tensor, "
+    "context and sequence parallelism refused naming the field)",
     "ddp_backend": "test_arguments_on_lightning (Lightning's process_group_backend); in one process transformers' "
     "own arguments fail on it (accelerate asks for a process group that does not exist), hflight's do not",
 }
@@ -197,7 +199,6 @@ NOT_RUNNABLE = {
     "hub_model_id": "needs the hub",
     "hub_revision": "needs the hub",
     "accelerator_config": "accelerate's settings: hflight's data loading is Lightning's (test_training_args)",
-    "parallelism_config": "tensor/context parallelism needs several GPUs",
 }
 
 #: fields that need several processes (transformers refuses fsdp in one; ZeRO partitions over the processes): swept

@@ -397,11 +397,16 @@ def check_optuna(ran: Ran) -> None:
 
 
 def check_torchrun(ran: Ran) -> None:
-    """2 processes, one run folder (the command's hydra.run.dir), one set of results, half the steps."""
+    """2 processes, one run folder (the command's hydra.run.dir), one set of results, half the steps; data-parallel
+    with nothing named (DDP), or FSDP2 with args.fsdp (each process holding half of the model, docs/sharding.md)."""
     _succeeded(ran)
     run_dir = ran.cwd / next(t.partition("=")[2] for t in ran.tokens if t.startswith("hydra.run.dir="))
     assert ran.proc.stdout.count("Final metrics") == 1  # printed by rank 0 only
-    _backend_line(ran, "ddp")
+    sharded = any(t.startswith("args.fsdp=") for t in ran.tokens)
+    _backend_line(ran, "FSDP2Strategy" if sharded else "ddp")
+    if sharded:  # FULL_STATE_DICT (the default): transformers' FSDP files beside the gathered model
+        assert {"pytorch_model_fsdp.bin", "optimizer.bin"} <= {p.name for p in sorted(run_dir.glob("checkpoint-*"))[-1]
+                                                                .iterdir()}  # fmt: skip
     checkpoint = sorted(run_dir.glob("checkpoint-*"))[-1]
     assert sorted(p.name for p in checkpoint.glob("rng_state*")) == ["rng_state_0.pth", "rng_state_1.pth"]
     results = _results(run_dir)

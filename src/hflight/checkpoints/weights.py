@@ -370,7 +370,9 @@ def _check_architecture(model: torch.nn.Module, folder: Path) -> None:
         raise ValueError(f"Checkpoint config {config_file} is not valid JSON: {exc}") from exc
     saved_arch = saved.get("architectures") if isinstance(saved, dict) else None
     expected = getattr(config, "architectures", None) or [type(model).__name__]
-    if saved_arch and type(model).__name__ not in saved_arch and saved_arch != expected:
+    # a model sharded by FSDP2 is of FSDP2's subclass of its class (FSDP<name>): its own class counts
+    classes = {cls.__name__ for cls in type(model).__mro__}
+    if saved_arch and not classes & set(saved_arch) and saved_arch != expected:
         raise ValueError(
             f"Checkpoint {folder} was written for {saved_arch}, not for {type(model).__name__}: "
             "resume with the same model class the checkpoint was trained with."
