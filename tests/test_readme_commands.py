@@ -58,7 +58,6 @@ SKIPPED: dict[str, str] = {
     "sbatch examples/slurm/train.sbatch": (
         "SLURM: tests/test_slurm.py runs the script's srun line with srun's variables and stand-in srun/scontrol"
     ),
-    "python train.py +experiment=mrc_squad trainer=gpu args.strategy=fsdp args.devices=4": "4 GPUs, and the hub",
     'pip install "hflight[sweeps]"': _SETUP,
     "hflight-train resume=outputs/mrc/multiruns/2026-11-24_10-00-00": (
         "tests/test_sweeps.py continues searches with resume=<sweep folder>: one killed with SIGKILL, one stopped "
