@@ -75,6 +75,15 @@ def both(root: Path, example: str, original: str, changed: str, args: list[str],
     return {name: job.out() for name, job in jobs.items()}
 
 
+def crossed(job, root: Path, args: list[str], outs: dict[str, Path], checkpoint: str = "checkpoint-5") -> dict:
+    """Each library's run of ``args`` resumed from the other's ``checkpoint`` (``outs``: the two output folders),
+    named ``<library>_from_<other>``; ``job(folder, library, args)`` starts one; returns their output folders."""
+    jobs = {f"{library}_from_{other}": job(root / f"{library}_from_{other}", library,
+                                           [*args, "--resume_from_checkpoint", str(outs[other] / checkpoint)])
+            for library, other in (("hflight", "transformers"), ("transformers", "hflight"))}  # fmt: skip
+    return {name: started.out() for name, started in jobs.items()}
+
+
 def read_json(path: Path) -> dict:
     return json.loads(path.read_text(encoding="utf-8"))
 

@@ -51,12 +51,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
             "--validation_file", str(inputs["validation"]), *ARGS, "--deepspeed", str(config)]  # fmt: skip
     first = {library: _job(root / library, library, args) for library in ("transformers", "hflight")}
     outs = {name: job.out() for name, job in first.items()}
-    crossed = {
-        f"{library}_from_{other}": _job(root / f"{library}_from_{other}", library,
-                                        [*args, "--resume_from_checkpoint", str(outs[other] / "checkpoint-5")])
-        for library, other in (("hflight", "transformers"), ("transformers", "hflight"))
-    }  # fmt: skip
-    outs.update({name: job.out() for name, job in crossed.items()})
+    outs.update(dropin.crossed(_job, root, args, outs))  # each trainer continues the other's checkpoint-5
     return outs
 
 

@@ -53,13 +53,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
              "hflight": _job(root / "hflight", "hflight", sharded),
              "hflight_full": _job(root / "hflight_full", "hflight", full)}  # fmt: skip
     outs = {name: job.out() for name, job in first.items()}
-    # each trainer continues the other's checkpoint-5 (in an output folder of its own)
-    crossed = {
-        f"{library}_from_{other}": _job(root / f"{library}_from_{other}", library,
-                                        [*sharded, "--resume_from_checkpoint", str(outs[other] / "checkpoint-5")])
-        for library, other in (("hflight", "transformers"), ("transformers", "hflight"))
-    }  # fmt: skip
-    outs.update({name: job.out() for name, job in crossed.items()})
+    outs.update(dropin.crossed(_job, root, sharded, outs))  # each trainer continues the other's checkpoint-5
     return outs
 
 
