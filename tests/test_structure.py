@@ -32,12 +32,13 @@ from hflight.trainer.facade import Trainer
 
 SRC = Path(hflight.__file__).parent
 FACADE_FILE = SRC / "trainer" / "facade.py"
-BOTTOM = ("hflight.surface", "hflight._util", "hflight.version")
+BOTTOM = ("hflight.surface", "hflight._util", "hflight.version", "hflight.durable")
 
 #: module prefix -> the hflight modules it may import (prefixes). The longest matching prefix is a module's rule.
 LAYERS: dict[str, tuple[str, ...]] = {
     "hflight.surface": (),
     "hflight._util": (),
+    "hflight.durable": (),
     "hflight.version": (),
     "hflight.arguments": ("hflight.arguments", *BOTTOM),
     "hflight.checkpoints": ("hflight.checkpoints", *BOTTOM),
@@ -235,9 +236,9 @@ def test_the_layer_checker_finds_what_it_must():
     assert found == [
         "hflight.renamed: falls under no layer rule",
         "hflight.run.loop imports hflight.trainer (rule 'hflight.run' allows hflight.run, hflight.arguments, "
-        "hflight.checkpoints, hflight.callbacks, hflight.surface, hflight._util, hflight.version)",
+        "hflight.checkpoints, hflight.callbacks, hflight.surface, hflight._util, hflight.version, hflight.durable)",
         "hflight.run.module imports hflight.trainer.facade (rule 'hflight.run' allows hflight.run, hflight.arguments, "
-        "hflight.checkpoints, hflight.callbacks, hflight.surface, hflight._util, hflight.version)",
+        "hflight.checkpoints, hflight.callbacks, hflight.surface, hflight._util, hflight.version, hflight.durable)",
     ]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None

@@ -76,13 +76,14 @@ def _single_process_env(monkeypatch):
 HF_FIELDS = {f.name: f for f in dataclasses.fields(transformers.TrainingArguments)}
 
 
-def test_a_subclass_of_transformers_with_lightnings_four_fields_and_the_requeue_signal():
+def test_a_subclass_of_transformers_with_lightnings_four_fields_the_requeue_signal_and_save_async():
     """Every transformers field is ours with the same type, default and help (by construction: a subclass); the
-    only fields added are Lightning's four and SLURM's requeue signal (Lightning's SLURMEnvironment argument)."""
+    only fields added are Lightning's four, SLURM's requeue signal (Lightning's SLURMEnvironment argument) and
+    ``save_async`` (background checkpoint writes, off by default)."""
     ours = {f.name: f for f in dataclasses.fields(TrainingArguments)}
     assert issubclass(TrainingArguments, transformers.TrainingArguments)
-    assert [name for name in ours if name not in HF_FIELDS] == [*LIGHTNING_FIELDS, "requeue_signal"]
-    assert list(HFLIGHT_FIELDS) == [*LIGHTNING_FIELDS, "requeue_signal"]
+    assert [name for name in ours if name not in HF_FIELDS] == [*LIGHTNING_FIELDS, "requeue_signal", "save_async"]
+    assert list(HFLIGHT_FIELDS) == [*LIGHTNING_FIELDS, "requeue_signal", "save_async"]
     assert list(ours)[: len(HF_FIELDS)] == list(HF_FIELDS)
     hf_hints, our_hints = (
         typing.get_type_hints(transformers.TrainingArguments),

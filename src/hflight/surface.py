@@ -164,6 +164,7 @@ class RunView(Protocol):
     resume: Any  # hflight.checkpoints.resume.ResumePoint | None
     loop: Any  # hflight.run.loop.TrainingLoop (training runs)
     evaluator: Any  # hflight.run.evaluation.Evaluator while an evaluation runs
+    checkpoint_writer: Any  # hflight.checkpoints.asynchronous.CheckpointWriter (save_async: a background writer)
 
     @property
     def plan(self) -> Any: ...  # hflight.run.plan.TrainingPlan, set by the loop when the fit starts

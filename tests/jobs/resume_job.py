@@ -44,6 +44,22 @@ class Sleep(TrainerCallback):
         time.sleep(self.seconds)
 
 
+def slow_background_writes(seconds):
+    """Test code: every file save_async writes in the background takes ``seconds`` longer (a slow disk)."""
+    from hflight.checkpoints import asynchronous
+
+    def run(self, tracker):
+        for name, job in self.jobs:
+            print(f"writing {os.path.basename(tracker.folder)}/{name}", flush=True)
+            time.sleep(seconds)
+            tracker.file = name
+            job()
+        self.jobs.clear()
+        print(f"written {os.path.basename(tracker.folder)}", flush=True)
+
+    asynchronous.Deferred.run = run
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -55,7 +71,12 @@ def main():
     parser.add_argument("--model-seed", type=int, default=0)
     parser.add_argument("--early-stopping", type=int, help="patience; evaluates every step on eval_loss")
     parser.add_argument("--restore-callback-attributes", action="store_true", help="hflight's opt-in")
+    parser.add_argument("--save-async", action="store_true")
+    parser.add_argument("--slow-write", type=float, default=0.0, help="test hook: seconds added to each background "
+                        "file write, each announced on stdout (`writing NAME`)")  # fmt: skip
     opts = parser.parse_args()
+    if opts.slow_write:
+        slow_background_writes(opts.slow_write)
 
     model = tiny_bert_qa(opts.model_seed, hidden=32, layers=2, dropout=0.1, max_positions=64)
     callbacks = []
@@ -88,6 +109,7 @@ def main():
         seed=7,
         report_to="none",
         disable_tqdm=True,
+        save_async=opts.save_async,
         **extra,
     )
     trainer = Trainer(

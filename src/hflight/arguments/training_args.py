@@ -46,6 +46,7 @@ from hflight.arguments.registry import register_backends
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "CHECKPOINT_FIELDS",
     "CLUSTER_FIELDS",
     "HFLIGHT_FIELDS",
     "LIGHTNING_FIELDS",
@@ -73,8 +74,10 @@ SUPPORTED_ACCELERATORS: tuple[str, ...] = ("auto", "cpu", "gpu", "cuda", "mps", 
 LIGHTNING_FIELDS: tuple[str, ...] = ("accelerator", "devices", "strategy", "num_nodes")
 #: Fields for runs a cluster scheduler launches (Lightning's ``SLURMEnvironment(requeue_signal=...)``).
 CLUSTER_FIELDS: tuple[str, ...] = ("requeue_signal",)
+#: Checkpoint fields transformers lacks (``save_async``: background checkpoint writes, docs/checkpoints.md).
+CHECKPOINT_FIELDS: tuple[str, ...] = ("save_async",)
 #: Every field hflight adds to transformers', in order.
-HFLIGHT_FIELDS: tuple[str, ...] = (*LIGHTNING_FIELDS, *CLUSTER_FIELDS)
+HFLIGHT_FIELDS: tuple[str, ...] = (*LIGHTNING_FIELDS, *CLUSTER_FIELDS, *CHECKPOINT_FIELDS)
 #: Dict fields that only take a dict or a JSON object string (transformers also reads a file path for its
 #: accelerate/FSDP/DeepSpeed configs; for these a path means nothing).
 _JSON_ONLY_DICT_FIELDS = ("lr_scheduler_kwargs", "activation_checkpointing_kwargs", "gradient_checkpointing_kwargs")
@@ -144,6 +147,15 @@ class TrainingArguments(HFTrainingArguments):
         },
     )
 
+    save_async: bool = dataclasses.field(
+        default=False,
+        metadata={
+            "help": "Write checkpoints in the background: the training loop copies the state into host memory at the "
+            "step boundary and goes on; the checkpoint is published once every byte is on disk (docs/checkpoints.md). "
+            "False (default): written before training goes on, as transformers."
+        },
+    )
+
     def __post_init__(self) -> None:
         _coerce_field_types(self)
         _normalise_hflight_values(self)
@@ -163,6 +175,7 @@ class TrainingArguments(HFTrainingArguments):
         if backend_optim is not None:
             self.optim = backend_optim
         _reject_unsupported(self)
+        _check_save_async(self)
 
     def _validate_args(self) -> None:
         """transformers' checks; its bf16 check asks for a bf16 GPU unless ``use_cpu``, but Lightning also runs
@@ -424,6 +437,27 @@ def _check_lower_bounds(args: TrainingArguments) -> None:
         value = getattr(args, name)
         if value is not None and value < lower:
             raise ValueError(f"{name} must be {description}, got {value!r}")
+
+
+def _check_save_async(args: TrainingArguments) -> None:
+    """``save_async`` with a checkpoint whose writers must publish together or that the strategy writes itself."""
+    if not args.save_async:
+        return
+    fsdp_config = args.fsdp_config if isinstance(args.fsdp_config, dict) else {}
+    sharded = args.fsdp and fsdp_config.get("state_dict_type", "FULL_STATE_DICT") == "SHARDED_STATE_DICT"
+    refused = (
+        ("deepspeed", bool(args.deepspeed), "DeepSpeed writes its partitions itself, on every process"),
+        ("fsdp_config['state_dict_type']='SHARDED_STATE_DICT'", sharded, "every process writes its own shards with "
+         "torch.distributed.checkpoint, a collective"),
+        ("save_on_each_node with num_nodes > 1", args.save_on_each_node and args.num_nodes > 1, "the nodes' writers "
+         "must publish each checkpoint together"),
+    )  # fmt: skip
+    for name, chosen, why in refused:
+        if chosen:
+            raise ValueError(
+                f"save_async=True cannot be combined with {name}: {why}. Set save_async=False (checkpoints are then "
+                "written before training goes on, as in transformers)."
+            )
 
 
 def _check_requeue_signal(args: TrainingArguments) -> None:

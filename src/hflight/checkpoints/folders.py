@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import os
 import re
 import shutil
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +37,9 @@ from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import SaveStrategy, sort_checkpoints
 from transformers.utils import logging as hf_logging
 
+from hflight import durable
 from hflight._util import exception_chain
+from hflight.checkpoints.asynchronous import Deferred
 from hflight.checkpoints.files import IncompleteCheckpointError
 from hflight.checkpoints.manifest import (
     CHECKPOINT_RE,
@@ -208,7 +212,12 @@ class WriteTracker:
         return max(written, key=lambda p: p.stat().st_mtime_ns).relative_to(self.folder).as_posix()
 
 
-_WRITING: list[WriteTracker] = []  # the writes in progress in this process, outermost first
+class _Writes(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[WriteTracker] = []  # the writes in progress in this thread, outermost first
+
+
+_WRITES = _Writes()
 
 
 @contextlib.contextmanager
@@ -216,11 +225,11 @@ def writing(folder: str, what: str, discard: bool) -> Iterator[WriteTracker]:
     """Turn a failed write into ``folder`` into one :class:`CheckpointWriteError` naming ``what`` (the checkpoint or
     model being saved), the file and the cause; ``discard``: delete the unfinished ``folder`` first. Inside another
     ``writing`` (``save_model`` called by a checkpoint's write) the outer one reports the failure."""
-    if _WRITING:
-        yield _WRITING[-1]
+    if _WRITES.stack:
+        yield _WRITES.stack[-1]
         return
     tracker = WriteTracker(folder)
-    _WRITING.append(tracker)
+    _WRITES.stack.append(tracker)
     try:
         yield tracker
     except Exception as exc:
@@ -238,7 +247,7 @@ def writing(folder: str, what: str, discard: bool) -> Iterator[WriteTracker]:
         )
         raise CheckpointWriteError(f"Could not save {what}: writing {file} failed: {cause}.{after}") from exc
     finally:
-        _WRITING.pop()
+        _WRITES.stack.pop()
 
 
 # ---- writing -------------------------------------------------------------------------------------------------------
@@ -248,19 +257,21 @@ def save_model(facade: TrainerSurface, output_dir: str, backend: Any) -> None:
     """``Trainer.save_model`` (every process calls it, as in transformers): the host weights made current
     (``backend``: the strategy's hooks; a checkpoint's write, which calls this, made them current before it began),
     a sharded model's whole state dict gathered (collective), then, on the main process, the model files and the
-    backend's own files (a failed write raises :class:`CheckpointWriteError`)."""
-    if not _WRITING:
+    backend's own files, on disk before it returns (a failed write raises :class:`CheckpointWriteError`; inside a
+    checkpoint's write the checkpoint's publication makes them durable)."""
+    outer = not _WRITES.stack
+    if outer:
         backend.hf_sync_to_host()
     form = backend.hf_checkpoint_state()
     try:
         state_dict = form.full_model_state(facade.model)
     except NotGathered as not_gathered:  # transformers' way: the run's own checkpoint form, and no weights file
         _hf_logger.warning(str(not_gathered))
-        _save_without_weights(facade, form, output_dir)
+        _save_without_weights(facade, form, output_dir, outer)
         return
     if facade.args.should_save:
         _saving_checkpoint(output_dir)
-        with writing(output_dir, f"the model in {output_dir}", discard=False):
+        with writing(output_dir, f"the model in {output_dir}", discard=False), durable_writes(output_dir, outer):
             if state_dict is None:
                 facade._save(output_dir)
             else:
@@ -268,16 +279,44 @@ def save_model(facade: TrainerSurface, output_dir: str, backend: Any) -> None:
             backend.hf_save_files(output_dir)
 
 
-def _save_without_weights(facade: TrainerSurface, form: Any, output_dir: str) -> None:
+@contextlib.contextmanager
+def durable_writes(folder: str, enabled: bool = True) -> Iterator[None]:
+    """The files written into ``folder`` (directly) during the block are on disk when it ends, with ``folder``'s
+    entries (``hflight.durable``): ``save_model``, ``save_metrics``, ``save_state``."""
+    if not enabled:
+        yield
+        return
+    before = durable.stamps(folder)
+    yield
+    durable.sync_new_files(folder, before)
+
+
+def on_disk_when_returned(write: Callable[..., Any]) -> Callable[..., Any]:
+    """transformers' ``save_metrics``/``save_state`` (``write(trainer, ...)``), whose files are durable when it
+    returns (:func:`durable_writes` of ``trainer.args.output_dir`` on the process that writes them)."""
+
+    @functools.wraps(write)
+    def written(trainer: Any, *args: Any, **kwargs: Any) -> Any:
+        with durable_writes(trainer.args.output_dir, trainer.is_world_process_zero()):
+            return write(trainer, *args, **kwargs)
+
+    return written
+
+
+def _save_without_weights(facade: TrainerSurface, form: Any, output_dir: str, outer: bool) -> None:
     """``save_model`` of a run whose weights are not gathered: the config, processing class and arguments, and the
     run's checkpoint form (every process writes its partition) with its script to rebuild the weights."""
-    if facade.args.should_save:
-        with writing(output_dir, f"the model in {output_dir}", discard=False):
-            facade._save(output_dir, state_dict={})
-            for name in WEIGHT_FILES:  # the empty weights file save_pretrained wrote
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(os.path.join(output_dir, name))
-    form.write(output_dir, facade.model, facade.optimizer, facade.args.should_save)
+    with durable_writes(output_dir, outer and facade.args.should_save):
+        if facade.args.should_save:
+            with writing(output_dir, f"the model in {output_dir}", discard=False):
+                facade._save(output_dir, state_dict={})
+                for name in WEIGHT_FILES:  # the empty weights file save_pretrained wrote
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(os.path.join(output_dir, name))
+        written = form.write(output_dir, facade.model, facade.optimizer, facade.args.should_save)
+        if outer:
+            for name in written:
+                durable.sync_tree(os.path.join(output_dir, name))
 
 
 def run_arguments(args: Any, world_size: int, plan: Any, num_nodes: int | None = None) -> dict[str, Any]:
@@ -294,14 +333,19 @@ def run_arguments(args: Any, world_size: int, plan: Any, num_nodes: int | None =
 
 
 def save_checkpoint(facade: TrainerSurface, run: RunView, trial: Any = None) -> str:
-    """Write ``checkpoint-{global_step}`` atomically into ``facade._get_output_dir(trial)``, update the best
-    checkpoint, rotate old ones. The model files are ``facade.save_model``'s, as in transformers.
+    """Write ``checkpoint-{global_step}`` into ``facade._get_output_dir(trial)`` and publish it durably, update the
+    best checkpoint, rotate old ones (after the new one is durable). The model files are ``facade.save_model``'s, as
+    in transformers. With ``save_async`` (``run.checkpoint_writer``) the tensors are copied at the step boundary and
+    the tensor files, the manifest, the publication and the rotation happen in the background
+    (``hflight.checkpoints.asynchronous``); the folder returned then appears when that write is done.
 
     Raises:
         CheckpointWriteError: a write failed (full disk, permissions, I/O); the unfinished folder is removed and the
-            earlier checkpoints are as they were.
+            earlier checkpoints are as they were. With ``save_async`` a background failure is raised at the next step
+            boundary, checkpoint or the end of ``fit``.
     """
-    args, state, world = facade.args, facade.state, run.world
+    args, state, world, writer = facade.args, facade.state, run.world, run.checkpoint_writer
+    writer.wait()  # at most one write in flight; a failed one stops the run here
     facade.store_flos()
     run_dir = facade._get_output_dir(trial)
     name = f"{PREFIX}-{state.global_step}"
@@ -310,10 +354,47 @@ def save_checkpoint(facade: TrainerSurface, run: RunView, trial: Any = None) -> 
     is_main = args.should_save  # the main process; with save_on_each_node, the main process of each node
     if is_main:
         shutil.rmtree(tmp_dir, ignore_errors=True)
+    form = run.backend.hf_checkpoint_state()
+    if writer.asynchronous and not form.deferrable:  # a strategy object given directly (the arguments refuse theirs)
+        raise ValueError(
+            f"save_async=True cannot write this run's checkpoints in the background: {type(form).__name__} is written "
+            "by every process together. Set save_async=False."
+        )
     run.backend.hf_sync_to_host()
+    deferred, checksums = Deferred(writer), Checksums()
+    try:
+        progress = _write_files(facade, run, tmp_dir, final_dir, run_dir, deferred, checksums)
+    except BaseException:
+        checksums.close()
+        raise
+    if is_main:
+        manifest = (state.global_step, bool(args.save_only_model),
+                    run_arguments(args, world.size, run.plan, run.lightning_trainer.num_nodes), progress)  # fmt: skip
+        rotation = (run_dir, args.save_total_limit, state.best_model_checkpoint)
+        writer.submit(name, lambda: _complete(tmp_dir, final_dir, deferred, checksums, manifest, rotation))
+        if args.push_to_hub:  # the push reads the published folder
+            writer.wait()
+    else:
+        checksums.close()
+    world.barrier()
+    return final_dir
+
+
+def _write_files(
+    facade: TrainerSurface,
+    run: RunView,
+    tmp_dir: str,
+    final_dir: str,
+    run_dir: str,
+    deferred: Deferred,
+    checksums: Checksums,
+) -> dict[str, Any] | None:
+    """A checkpoint's files into ``tmp_dir`` (every process: its own part; the tensor files of ``save_async`` are
+    snapshotted into ``deferred``), and the best checkpoint updated; returns the loop's bookkeeping for the
+    manifest."""
+    args, state, world, is_main = facade.args, facade.state, run.world, facade.args.should_save
     with (
         writing(tmp_dir, f"checkpoint {final_dir}", discard=is_main) as tracker,
-        Checksums() as checksums,
         final_path_in_logs(tmp_dir, final_dir),
     ):
         if is_main:
@@ -321,12 +402,12 @@ def save_checkpoint(facade: TrainerSurface, run: RunView, trial: Any = None) -> 
         world.barrier()  # the folder exists for every process
         if not args.save_only_model:
             # The largest file first: its checksum is computed (in the background) while the model is written.
-            write_training_states(facade, run, tracker, is_main)
+            write_training_states(facade, run, tracker, is_main, deferred.save)
         if is_main:
             checksums.add_new(tmp_dir)
             tracker.file = None  # save_pretrained's files: found afterwards if one fails
         if run.backend.hf_checkpoint_state().with_model_files:
-            _write_model_files(facade, run, tmp_dir, is_main)  # every process: a sharded model is gathered first
+            _write_model_files(facade, run, tmp_dir, is_main, deferred)  # every process: sharded models gather
         if is_main:
             checksums.add_new(tmp_dir)
         _update_best_checkpoint(args, state, run_dir)
@@ -334,19 +415,34 @@ def save_checkpoint(facade: TrainerSurface, run: RunView, trial: Any = None) -> 
         world.barrier()
         if is_main:
             write_trainer_state(facade, tracker)
-            tracker.file = MANIFEST_NAME
-            run_args = run_arguments(args, world.size, run.plan, run.lightning_trainer.num_nodes)
-            write_manifest(tmp_dir, state.global_step, bool(args.save_only_model), run_args, checksums, progress)
+        run.checkpoint_writer.snapshot_done()
         # Every writer's folder is complete before any is published (save_on_each_node: one writer per node, each on
         # its own disk): a writer whose peer died mid-write fails here instead of publishing a checkpoint the other
         # nodes lack, so the nodes' last checkpoints agree.
         world.barrier()
-        if is_main:
+    return progress
+
+
+def _complete(
+    tmp_dir: str, final_dir: str, deferred: Deferred, checksums: Checksums, manifest: tuple, rotation: tuple
+) -> None:
+    """The end of a checkpoint's write (now, or in the background with ``save_async``): the deferred tensor files,
+    the manifest, the durable publication, then the rotation of older checkpoints."""
+    global_step, save_only_model, run_args, progress = manifest
+    try:
+        with (
+            writing(tmp_dir, f"checkpoint {final_dir}", discard=True) as tracker,
+            final_path_in_logs(tmp_dir, final_dir),
+        ):
+            deferred.run(tracker)
+            checksums.add_new(tmp_dir)
+            tracker.file = MANIFEST_NAME
+            write_manifest(tmp_dir, global_step, save_only_model, run_args, checksums, progress)
+            tracker.file = None
             publish(tmp_dir, final_dir)
-    if is_main:
-        rotate_checkpoints(run_dir, args.save_total_limit, state.best_model_checkpoint)
-    world.barrier()
-    return final_dir
+    finally:
+        checksums.close()
+    rotate_checkpoints(*rotation)
 
 
 class _FinalPathInLogs(logging.Filter):
@@ -388,25 +484,45 @@ def _update_best_checkpoint(args: Any, state: TrainerState, run_dir: str) -> Non
             state.best_model_checkpoint = best_dir
 
 
-def _write_model_files(facade: TrainerSurface, run: RunView, folder: str, is_main: bool) -> None:
+def _write_model_files(facade: TrainerSurface, run: RunView, folder: str, is_main: bool, deferred: Deferred) -> None:
     """The model (with the weights evaluation uses) and the backend's files, through ``save_model`` (every process:
     it gathers a sharded model, the main process writes), and the weight-protocol callbacks' files (main process;
-    the host weights are current)."""
-    with run.evaluation_weights():
-        facade.save_model(folder, _internal_call=True)  # the backend's files too
+    the host weights are current). With ``save_async`` the weights are snapshotted and written by ``_save`` in the
+    background, unless a subclass overrides ``save_model`` (its override is called, synchronously)."""
+    if deferred.asynchronous and _stock_save_model(facade):
+        _defer_model_files(facade, run, folder, is_main, deferred)
+    else:
+        with run.evaluation_weights():
+            facade.save_model(folder, _internal_call=True)  # the backend's files too
     if is_main:
         for callback in run.weight_hooks("save_checkpoint_state"):
             callback.save_checkpoint_state(folder, facade.model)
 
 
+def _stock_save_model(facade: TrainerSurface) -> bool:
+    """Whether ``save_model`` is hflight's own (not a user's override, which must be called as it is)."""
+    return getattr(type(facade).save_model, "__module__", "").startswith("hflight.")
+
+
+def _defer_model_files(facade: TrainerSurface, run: RunView, folder: str, is_main: bool, deferred: Deferred) -> None:
+    """``save_model``'s files with ``save_async``: the whole state dict (gathered from the shards, collective)
+    copied now, written by ``facade._save`` in the background; the backend's files now."""
+    backend = run.backend
+    with run.evaluation_weights():
+        state_dict = backend.hf_checkpoint_state().full_model_state(facade.model)
+        if not is_main:
+            return
+        snapshot = deferred.writer.snapshot("model", facade.model.state_dict() if state_dict is None else state_dict)
+    _saving_checkpoint(folder)
+    backend.hf_save_files(folder)
+    deferred.later(None, lambda: facade._save(folder, state_dict=snapshot))
+
+
 def publish(tmp_dir: str, final_dir: str) -> None:
-    """Rename the complete ``tmp_dir`` to ``final_dir``; an existing ``final_dir`` is deleted only afterwards."""
+    """Make the complete ``tmp_dir`` durable and rename it to ``final_dir`` (``hflight.durable.publish_folder``: the
+    only way a checkpoint is put into place); an existing ``final_dir`` is deleted only afterwards."""
     replaced = os.path.join(os.path.dirname(final_dir), f"{TMP_PREFIX}{os.path.basename(final_dir)}{REPLACED_SUFFIX}")
-    if os.path.exists(final_dir):
-        shutil.rmtree(replaced, ignore_errors=True)
-        os.replace(final_dir, replaced)
-    os.replace(tmp_dir, final_dir)
-    shutil.rmtree(replaced, ignore_errors=True)
+    durable.publish_folder(tmp_dir, final_dir, replaced)
 
 
 # ---- best model -------------------------------------------------------------------------------------------------

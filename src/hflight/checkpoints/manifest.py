@@ -78,6 +78,10 @@ class Checksums:
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the hashing thread (the checksums not asked for yet are dropped)."""
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     @staticmethod

@@ -141,13 +141,16 @@ def _check_rng_states(states: Any) -> None:
     torch.Generator().set_state(states["cpu"])
 
 
-def write_training_states(facade: TrainerSurface, run: RunView, tracker: Any, is_main: bool) -> None:
+def write_training_states(
+    facade: TrainerSurface, run: RunView, tracker: Any, is_main: bool, save: Any = torch.save
+) -> None:
     """The optimizer in the run's form (``optimizer.pt``; a sharded run's forms write model files too: every process
     takes part, see ``hflight.checkpoints.sharded``), scheduler and scaler (main process), and this process's RNG
-    states."""
+    states. ``save(obj, path)``: how the form writes its tensor files (``torch.save``, or ``save_async``'s
+    deferred write)."""
     form = run.backend.hf_checkpoint_state()
     tracker.file = form.optimizer_name
-    form.write(tracker.folder, facade.model, facade.optimizer, is_main)
+    form.write(tracker.folder, facade.model, facade.optimizer, is_main, save=save)
     files = {}
     if is_main:
         files[SCHEDULER_NAME] = facade.lr_scheduler.state_dict

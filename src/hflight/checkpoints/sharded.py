@@ -293,6 +293,8 @@ class ProcessZeroState:
     model_names: tuple[str, ...] = ()
     #: whether a checkpoint holds ``save_model``'s files (weights, config, processing class, ``training_args.bin``)
     with_model_files = True
+    #: whether :meth:`write` writes through its ``save`` argument (so that ``save_async`` can write in the background)
+    deferrable = True
 
     def __init__(self, rank0_only: bool = True) -> None:
         self.rank0_only = rank0_only
@@ -310,12 +312,14 @@ class ProcessZeroState:
             "written without DeepSpeed."
         )
 
-    def write(self, folder: str, model: nn.Module, optimizer: torch.optim.Optimizer, is_main: bool) -> list[str]:
+    def write(
+        self, folder: str, model: nn.Module, optimizer: torch.optim.Optimizer, is_main: bool, save: Any = torch.save
+    ) -> list[str]:
         """Write the form's model and optimizer files into ``folder`` (every process calls it); returns the names this
-        process wrote, largest first."""
+        process wrote, largest first. ``save(obj, path)``: ``torch.save``, or a deferred write (``save_async``)."""
         if not is_main:
             return []
-        torch.save(optimizer.state_dict(), os.path.join(folder, self.optimizer_name))
+        save(optimizer.state_dict(), os.path.join(folder, self.optimizer_name))
         return [self.optimizer_name]
 
 
@@ -326,13 +330,15 @@ class GatheredState(ProcessZeroState):
     optimizer_name = FSDP_OPTIMIZER_FILE
     model_names = (FSDP_MODEL_FILE,)
 
-    def write(self, folder: str, model: nn.Module, optimizer: torch.optim.Optimizer, is_main: bool) -> list[str]:
+    def write(
+        self, folder: str, model: nn.Module, optimizer: torch.optim.Optimizer, is_main: bool, save: Any = torch.save
+    ) -> list[str]:
         optimizer_state = named_optimizer_state(model, optimizer, full=True, rank0_only=self.rank0_only)
         model_state = self.full_model_state(model)
         if not is_main:
             return []
-        torch.save(optimizer_state, os.path.join(folder, FSDP_OPTIMIZER_FILE))
-        torch.save(model.state_dict() if model_state is None else model_state, os.path.join(folder, FSDP_MODEL_FILE))
+        save(optimizer_state, os.path.join(folder, FSDP_OPTIMIZER_FILE))
+        save(model.state_dict() if model_state is None else model_state, os.path.join(folder, FSDP_MODEL_FILE))
         return [FSDP_OPTIMIZER_FILE, FSDP_MODEL_FILE]
 
 
@@ -343,8 +349,11 @@ class ShardedState(ProcessZeroState):
     optimizer_name = FSDP_OPTIMIZER_DIR
     model_names = (FSDP_MODEL_DIR,)
     with_model_files = False  # as transformers: the shards are the model; save_model() still gathers a whole copy
+    deferrable = False  # every process writes through torch.distributed.checkpoint, a collective
 
-    def write(self, folder: str, model: nn.Module, optimizer: torch.optim.Optimizer, is_main: bool) -> list[str]:
+    def write(
+        self, folder: str, model: nn.Module, optimizer: torch.optim.Optimizer, is_main: bool, save: Any = torch.save
+    ) -> list[str]:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -401,7 +410,11 @@ class DeepSpeedState(ProcessZeroState):
         state = self.engine._zero3_consolidated_16bit_state_dict() or {}  # whole on global rank 0 (collective)
         return {k[len(ENGINE_PREFIX) :]: v for k, v in state.items() if k.startswith(ENGINE_PREFIX)}
 
-    def write(self, folder: str, model: nn.Module, optimizer: torch.optim.Optimizer, is_main: bool) -> list[str]:
+    deferrable = False  # the engine writes its partitions itself (a collective)
+
+    def write(
+        self, folder: str, model: nn.Module, optimizer: torch.optim.Optimizer, is_main: bool, save: Any = torch.save
+    ) -> list[str]:
         self.engine.save_checkpoint(folder)  # every process: its partitions; the tag global_step<N>
         tag = f"{DEEPSPEED_TAG_PREFIX}{self.engine.global_steps}"
         for states in self._own_model_states(Path(folder) / tag):

@@ -19,6 +19,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from hflight import durable
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["RECORD_NAME", "reusable", "write_record"]
@@ -79,7 +81,7 @@ def write_record(folder: str | os.PathLike, recipe: Mapping[str, Any]) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
-        os.replace(tmp, Path(folder) / RECORD_NAME)
+        durable.replace_file(tmp, Path(folder) / RECORD_NAME)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

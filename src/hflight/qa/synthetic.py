@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hflight import durable
 from hflight.qa import made
 
 __all__ = ["generate_squad", "write_squad_files", "squad_to_json"]
@@ -671,7 +672,7 @@ def replace_file(path: Path, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
-        os.replace(tmp, path)
+        durable.replace_file(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

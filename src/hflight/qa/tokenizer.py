@@ -21,6 +21,7 @@ from typing import Any
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, BertTokenizerFast, PreTrainedTokenizerFast
 
+from hflight import durable
 from hflight.qa import made
 
 __all__ = ["SPECIAL_TOKENS", "train_wordpiece_tokenizer", "squad_texts"]
@@ -163,7 +164,7 @@ def _save_in_place(wrapped: BertTokenizerFast, vocab: dict[str, int], out: Path)
             "".join(t + "\n" for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])), encoding="utf-8"
         )
         for name in sorted(os.listdir(staging)):
-            os.replace(os.path.join(staging, name), out / name)
+            durable.replace_file(os.path.join(staging, name), out / name)
 
 
 def _word_characters(texts: list[str], normalizer: Any, pre_tokenizer: Any) -> list[str]:

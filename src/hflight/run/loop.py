@@ -245,6 +245,7 @@ class TrainingLoop:
 
     def step_end(self, step_in_epoch: int, learning_rate: float) -> None:
         facade = self.facade
+        self.run.checkpoint_writer.raise_if_failed()  # save_async: a background write that failed stops the run
         self.learning_rate = learning_rate
         facade.state.global_step += 1
         facade.state.epoch = self._epoch_index() + (step_in_epoch + 1) / self.plan.steps_in_epoch
@@ -342,6 +343,7 @@ class TrainingLoop:
         if args.save_strategy != SaveStrategy.NO:
             if self.saved_step != step:
                 self._save(facade.model, self.trial)
+            self.run.checkpoint_writer.wait()  # save_async: the checkpoint is published before it is reported
             folder = os.path.join(args.output_dir, f"{PREFIX}-{step}")
         self.stop.exiting = True  # the checkpoint is on disk: a signal from now on changes nothing
         if self.stop.requeue:

@@ -18,6 +18,7 @@ from transformers.trainer_utils import TrainOutput
 
 from hflight.arguments.lightning_kwargs import lightning_trainer_kwargs, quiet_lightning
 from hflight.callbacks.hooks import evaluation_weights, weight_hooks
+from hflight.checkpoints.asynchronous import CheckpointWriter
 from hflight.checkpoints.resume import ResumePoint
 from hflight.run import cluster
 from hflight.run.backend import HFBackend, backend_of
@@ -52,6 +53,8 @@ class Run:
       processes; None before, and outside training).
     - ``epochs_offset``: epochs a resumed run had already trained (the loop's, with the plan).
     - ``evaluator``: the evaluation in progress, if any (``hflight.run.evaluation``, for one evaluation).
+    - ``checkpoint_writer``: who finishes each checkpoint's write, now or in the background (``save_async``;
+      ``hflight.checkpoints.asynchronous``); ``fit`` waits for it before it returns or raises (at creation).
     """
 
     def __init__(
@@ -72,6 +75,7 @@ class Run:
         self.fitting = fitting
         self.resume = resume
         self.evaluator: Any = None
+        self.checkpoint_writer = CheckpointWriter(asynchronous=bool(getattr(facade.args, "save_async", False)))
         self.loop = TrainingLoop(facade, self, trial, ignore_keys_for_eval) if fitting else None
         callbacks = [*(lightning_callbacks or []), *([LightningEvents(self.loop)] if fitting else [])]
         kwargs = lightning_trainer_kwargs(
@@ -122,8 +126,13 @@ class Run:
         step boundary (``hflight.run.interrupt``)."""
         args = self.facade.args
         stop = self.loop.stop.handling_signals(self.lightning_trainer, handed_over_signals(args), requeue_signal(args))
-        with quiet_lightning(), stop:
-            self.lightning_trainer.fit(self.module, datamodule=self.datamodule)
+        raising = True
+        try:
+            with quiet_lightning(), stop:
+                self.lightning_trainer.fit(self.module, datamodule=self.datamodule)
+            raising = False
+        finally:  # save_async: the write in flight is published (or fails) before fit is over, also when it raised
+            self.checkpoint_writer.close(raising)
 
     def finish_training(self, measure_memory: Any = None) -> TrainOutput:
         """After ``fit``: train metrics, best model, final rotation, ``on_train_end`` (see the loop);

@@ -25,6 +25,8 @@ import yaml
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from hflight import durable
+
 __all__ = ["CSV_NAME", "MARKDOWN_NAME", "JobRow", "SweepSummary", "collect_jobs", "write_summary"]
 
 log = logging.getLogger(__name__)
@@ -109,7 +111,12 @@ def write_summary(sweep_dir: str | Path, metric: str | None = None, direction: s
     with open(sweep_dir / CSV_NAME, "w", newline="", encoding="utf-8") as handle:
         csv.writer(handle).writerows([header, *table])
     (sweep_dir / MARKDOWN_NAME).write_text(_markdown(header, table, metric, best), encoding="utf-8")
-    return [sweep_dir / CSV_NAME, sweep_dir / MARKDOWN_NAME]
+    written = [sweep_dir / CSV_NAME, sweep_dir / MARKDOWN_NAME]
+    # on disk before the sweep reports success: the files, the sweep folder's entries (the study's database file
+    # too), and the sweep folder's own entry
+    durable.sync_files(written)
+    durable.fsync_dir(sweep_dir.resolve().parent)
+    return written
 
 
 def _markdown(header: list[str], table: list[list[str]], metric: str | None, best: JobRow | None) -> str:

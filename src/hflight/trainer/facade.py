@@ -361,8 +361,8 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
 
     log_metrics = log_metrics
     metrics_format = metrics_format
-    save_metrics = save_metrics
-    save_state = save_state
+    save_metrics = folders.on_disk_when_returned(save_metrics)  # transformers' own, then fsynced
+    save_state = folders.on_disk_when_returned(save_state)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         folders.save_model(self, output_dir if output_dir is not None else self.args.output_dir, self._backend())

@@ -1,0 +1,170 @@
+"""What a checkpoint costs the training loop: synchronous without fsync, synchronous durable, asynchronous durable.
+
+For each model, hflight's Trainer trains a few steps of extractive QA (random token ids: the checkpoint's cost does
+not depend on the data) with ``save_steps`` so that it writes ``--checkpoints`` checkpoints (AdamW: the weights,
+two moments, the scheduler, the RNG states, the config, the trainer state, the manifest), in three modes:
+
+- ``sync``: as before issue 36: the checkpoint written before training goes on, no fsync (``hflight.durable``'s
+  fsyncs turned off in this process: the same code otherwise; ``--check-baseline REF`` times the code of git ``REF``
+  once, so that the emulation can be compared with the code it stands for);
+- ``sync+fsync``: the default now: every file, folder and rename durable before training goes on;
+- ``async+fsync``: ``save_async=True``: the state copied into host memory at the step boundary, the rest written and
+  published durably by a background thread.
+
+Figures per mode (median over the checkpoints after the first, whose snapshot buffers are allocated; the first
+is printed too): ``blocked``, the time ``_save_checkpoint`` holds the loop; ``write``, the background write's own
+time (files, manifest, fsyncs, publication); ``snapshot``, the host memory the copy holds. The ratios are against
+``sync`` in the same run. Targets (issue 36): sync+fsync <= 1.2x, async+fsync <= 0.2x of sync's blocked time.
+
+    python benchmarks/checkpoint_cost.py                                  # MiniLM-L6 QA (MRC) and BERT-base QA
+    python benchmarks/checkpoint_cost.py --models minilm --checkpoints 3  # a quicker look
+
+Each mode runs in its own process, one after the other, writing into a folder on the disk of ``--dir`` (default: a
+temporary folder beside this script). The figures depend on the disk and its cache: name both with them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MODELS = {
+    # the MRC recipe with a pretrained MiniLM (all-MiniLM-L6-v2's shape): ~22.7M parameters, ~270 MB of state
+    "minilm": dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536),
+    # BERT-base's shape: ~109M parameters
+    "bert-base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
+    # for the test that runs the script end to end
+    "tiny": dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64),
+}
+MODES = ("sync", "sync+fsync", "async+fsync")
+MIB = 1 << 20
+
+
+def worker(model_name: str, mode: str, out: str, checkpoints: int) -> dict:
+    import torch
+    from transformers import BertConfig, BertForQuestionAnswering
+
+    import hflight
+
+    if mode == "sync":
+        try:
+            from hflight import durable
+        except ImportError:  # the code before issue 36: nothing to turn off
+            durable = None
+        if durable is not None:
+            durable.fsync_file = durable.fsync_dir = lambda path: None
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=30522, max_position_embeddings=512, **MODELS[model_name])
+    model = BertForQuestionAnswering(config)
+    generator = torch.Generator().manual_seed(0)
+    data = [
+        {
+            "input_ids": torch.randint(1000, 30000, (64,), generator=generator),
+            "attention_mask": torch.ones(64, dtype=torch.long),
+            "start_positions": torch.tensor(3),
+            "end_positions": torch.tensor(5),
+        }
+        for _ in range(64)
+    ]
+    save_steps = 2
+    extra = {"save_async": True} if mode.startswith("async") else {}
+    args = hflight.TrainingArguments(
+        output_dir=out, per_device_train_batch_size=2, max_steps=save_steps * checkpoints, save_steps=save_steps,
+        save_total_limit=2, logging_steps=1000, report_to="none", disable_tqdm=True, use_cpu=True, **extra,
+    )  # fmt: skip
+    trainer = hflight.Trainer(model, args, train_dataset=data)
+    blocked: list[float] = []
+    real_save = trainer._save_checkpoint
+
+    def timed(*a, **kw):
+        start = time.perf_counter()
+        real_save(*a, **kw)
+        blocked.append(time.perf_counter() - start)
+
+    trainer._save_checkpoint = timed
+    writes: list[float] = []
+    writer_state = {}
+    try:
+        from hflight.checkpoints import asynchronous
+
+        real_run = asynchronous.CheckpointWriter._run
+
+        def run(self, job):
+            start = time.perf_counter()
+            real_run(self, job)
+            writes.append(time.perf_counter() - start)
+            writer_state["snapshot"] = self.snapshot_bytes
+
+        asynchronous.CheckpointWriter._run = run
+    except ImportError:
+        pass
+    trainer.train()
+    params = sum(p.numel() for p in model.parameters())
+    size = sum(f.stat().st_size for f in Path(out, f"checkpoint-{save_steps * checkpoints}").iterdir())
+    return {"blocked": blocked, "write": writes, "snapshot": writer_state.get("snapshot", 0), "params": params,
+            "checkpoint_bytes": size, "hflight": str(Path(hflight.__file__).parent)}  # fmt: skip
+
+
+def _steady(values: list[float]) -> float:
+    return statistics.median(values[1:]) if len(values) > 1 else values[0]
+
+
+def run_mode(model: str, mode: str, folder: Path, checkpoints: int, pythonpath: str | None = None) -> dict:
+    out = tempfile.mkdtemp(prefix=f"{model}-{mode.replace('+', '-')}-", dir=folder)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    command = [sys.executable, __file__, "--worker", model, mode, out, str(checkpoints)]
+    result = subprocess.run(command, capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        raise SystemExit(f"{model} {mode} failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["minilm", "bert-base"], choices=list(MODELS))
+    parser.add_argument("--checkpoints", type=int, default=4)
+    parser.add_argument("--dir", type=Path, default=Path(__file__).parent)
+    parser.add_argument("--check-baseline", metavar="SRC", help="src/ folder of hflight before issue 36 (a git "
+                        "worktree of the commit): its synchronous save is timed beside the emulated one")  # fmt: skip
+    parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    opts = parser.parse_args()
+    if opts.worker:
+        model, mode, out, checkpoints = opts.worker
+        print(json.dumps(worker(model, mode, out, int(checkpoints))))
+        return
+    with tempfile.TemporaryDirectory(prefix="checkpoint_cost-", dir=opts.dir) as folder:
+        print(f"checkpoints written under {folder}; {opts.checkpoints} checkpoints per run, every 2 steps")
+        columns = ("model", "mode", "blocked s", "first s", "x sync", "write s", "snapshot MiB")
+        print("{:<10} {:<14} {:>9} {:>8} {:>7} {:>8} {:>12}".format(*columns))
+        for model in opts.models:
+            results = {mode: run_mode(model, mode, Path(folder), opts.checkpoints) for mode in MODES}
+            if opts.check_baseline:
+                results["sync (git ref)"] = run_mode(model, "sync", Path(folder), opts.checkpoints, opts.check_baseline)
+            base = _steady(results["sync"]["blocked"])
+            params, size = results["sync"]["params"] / 1e6, results["sync"]["checkpoint_bytes"] / MIB
+            print(f"{model}: {params:.1f}M parameters, checkpoint {size:.0f} MiB")
+            if opts.check_baseline:
+                print(f"sync (git ref): the code in {results['sync (git ref)']['hflight']}")
+            for mode, found in results.items():
+                _print_row(model, mode, found, base)
+
+
+def _print_row(model: str, mode: str, found: dict, base: float) -> None:
+    blocked = _steady(found["blocked"])
+    write = f"{_steady(found['write']):8.2f}" if found["write"] and mode.startswith("async") else f"{'-':>8}"
+    snapshot = f"{found['snapshot'] / MIB:12.0f}" if found["snapshot"] else f"{'-':>12}"
+    ratio = blocked / base
+    print(f"{model:<10} {mode:<14} {blocked:9.3f} {found['blocked'][0]:8.3f} {ratio:7.2f} {write} {snapshot}")
+
+
+if __name__ == "__main__":
+    main()
