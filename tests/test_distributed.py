@@ -22,9 +22,9 @@ from hflight.run.datamodule import ShardedBatchSampler, shard_loader
 JOB = Path(__file__).parent / "jobs" / "ddp_job.py"
 
 
-def run_job(out: Path, devices: int, batch_size: int) -> dict:
+def run_job(out: Path, devices: int, batch_size: int, *extra: str) -> dict:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, str(JOB), str(out), "--devices", str(devices), "--batch-size", str(batch_size)]
+    command = [sys.executable, str(JOB), str(out), "--devices", str(devices), "--batch-size", str(batch_size), *extra]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=out,
                                start_new_session=True)  # fmt: skip
     try:
@@ -40,6 +40,30 @@ def run_job(out: Path, devices: int, batch_size: int) -> dict:
 def runs(tmp_path_factory) -> tuple[dict, dict, Path, Path]:
     one, two = tmp_path_factory.mktemp("one_process"), tmp_path_factory.mktemp("ddp")
     return run_job(one, 1, 8), run_job(two, 2, 4), one, two
+
+
+def test_ddp_with_save_async_writes_the_synchronous_checkpoints_and_ends_the_same(runs, tmp_path):
+    """save_async under DDP: rank 0 writes in the background, every rank its RNG file at the step boundary; the
+    checkpoints are the synchronous run's byte for byte (but the output folder in training_args.bin, and so the
+    manifest's checksum of it), the run ends the same."""
+    _, ddp, _, two = runs
+    result = run_job(tmp_path, 2, 4, "--save-async")
+    assert result["checkpoints"] == ddp["checkpoints"] and result["train_loss"] == ddp["train_loss"]
+    final, reference = torch.load(tmp_path / "final.pt"), torch.load(two / "final.pt")
+    assert all(torch.equal(final[k], reference[k]) for k in reference)
+    for name in ddp["checkpoints"]:
+        ours, theirs = tmp_path / name, two / name
+        assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in theirs.iterdir())
+        differ = [p.name for p in sorted(ours.iterdir()) if p.read_bytes() != (theirs / p.name).read_bytes()]
+        assert set(differ) <= {"checkpoint_manifest.json", "training_args.bin", "trainer_state.json"}, (name, differ)
+        untimed = [_untimed(json.loads((f / "trainer_state.json").read_text())) for f in (ours, theirs)]
+        assert untimed[0] == untimed[1]  # the evaluation's timings apart
+
+
+def _untimed(state: dict) -> dict:
+    timing = ("_runtime", "_per_second")
+    state["log_history"] = [{k: v for k, v in e.items() if not k.endswith(timing)} for e in state["log_history"]]
+    return state
 
 
 def train_logs(result: dict) -> list[dict]:

@@ -78,6 +78,7 @@ def main():
     parser.add_argument("out")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--save-async", action="store_true")
     opts = parser.parse_args()
 
     model = tiny_bert_qa(0, hidden=16, layers=1, dropout=0.0, max_positions=32)
@@ -100,6 +101,7 @@ def main():
         train_sampling_strategy="sequential",
         report_to="none",
         disable_tqdm=True,
+        save_async=opts.save_async,
     )
     events = Events()
     trainer = Trainer(
