@@ -64,6 +64,7 @@ from typing import Any
 
 import numpy as np
 
+from hflight import durable
 from hflight.qa.postprocess_inputs import OffsetChunk, QAInputs, read_inputs, read_logits
 
 logger = logging.getLogger(__name__)
@@ -728,6 +729,7 @@ def write_qa_predictions(
         with open(path, "w") as writer:
             writer.write(json.dumps(data, indent=4) + "\n")
         paths[key] = path
+    durable.sync_files(paths.values())  # on disk before the run reports them
     return paths
 
 
