@@ -12,8 +12,10 @@ two moments, the scheduler, the RNG states, the config, the trainer state, the m
   published durably by a background thread.
 
 Figures per mode (median over the checkpoints after the first, whose snapshot buffers are allocated; the first
-is printed too): ``blocked``, the time ``_save_checkpoint`` holds the loop; ``write``, the background write's own
-time (files, manifest, fsyncs, publication); ``snapshot``, the host memory the copy holds. The ratios are against
+is printed too): ``blocked``, the time ``_save_checkpoint`` holds the loop, and ``waited``, the part of it spent
+waiting for the previous checkpoint's background write (checkpoints closer together than the disk can write them;
+``--save-steps`` spaces them); ``write``, the background write's own time (files, manifest, fsyncs, publication);
+``snapshot``, the host memory the copy holds. The ratios are against
 ``sync`` in the same run. Targets (issue 36): sync+fsync <= 1.2x, async+fsync <= 0.2x of sync's blocked time.
 
     python benchmarks/checkpoint_cost.py                                  # MiniLM-L6 QA (MRC) and BERT-base QA
@@ -73,7 +75,7 @@ def worker(model_name: str, mode: str, out: str, checkpoints: int) -> dict:
         }
         for _ in range(64)
     ]
-    save_steps = 2
+    save_steps = int(os.environ.get("CHECKPOINT_COST_SAVE_STEPS", "8"))
     extra = {"save_async": True} if mode.startswith("async") else {}
     args = hflight.TrainingArguments(
         output_dir=out, per_device_train_batch_size=2, max_steps=save_steps * checkpoints, save_steps=save_steps,
@@ -84,17 +86,26 @@ def worker(model_name: str, mode: str, out: str, checkpoints: int) -> dict:
     real_save = trainer._save_checkpoint
 
     def timed(*a, **kw):
+        waited.append(0.0)
         start = time.perf_counter()
         real_save(*a, **kw)
         blocked.append(time.perf_counter() - start)
 
     trainer._save_checkpoint = timed
     writes: list[float] = []
+    waited: list[float] = []
     writer_state = {}
     try:
         from hflight.checkpoints import asynchronous
 
-        real_run = asynchronous.CheckpointWriter._run
+        real_run, real_wait = asynchronous.CheckpointWriter._run, asynchronous.CheckpointWriter.wait
+
+        def wait(self):
+            start = time.perf_counter()
+            real_wait(self)
+            waited[-1] += time.perf_counter() - start
+
+        asynchronous.CheckpointWriter.wait = wait
 
         def run(self, job):
             start = time.perf_counter()
@@ -108,19 +119,24 @@ def worker(model_name: str, mode: str, out: str, checkpoints: int) -> dict:
     trainer.train()
     params = sum(p.numel() for p in model.parameters())
     size = sum(f.stat().st_size for f in Path(out, f"checkpoint-{save_steps * checkpoints}").iterdir())
-    return {"blocked": blocked, "write": writes, "snapshot": writer_state.get("snapshot", 0), "params": params,
-            "checkpoint_bytes": size, "hflight": str(Path(hflight.__file__).parent)}  # fmt: skip
+    return {
+        "blocked": blocked, "waited": waited, "write": writes, "snapshot": writer_state.get("snapshot", 0),
+        "params": params, "checkpoint_bytes": size, "hflight": str(Path(hflight.__file__).parent),
+    }  # fmt: skip
 
 
 def _steady(values: list[float]) -> float:
     return statistics.median(values[1:]) if len(values) > 1 else values[0]
 
 
-def run_mode(model: str, mode: str, folder: Path, checkpoints: int, pythonpath: str | None = None) -> dict:
+def run_mode(
+    model: str, mode: str, folder: Path, checkpoints: int, save_steps: int, pythonpath: str | None = None
+) -> dict:
     out = tempfile.mkdtemp(prefix=f"{model}-{mode.replace('+', '-')}-", dir=folder)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
+    env["CHECKPOINT_COST_SAVE_STEPS"] = str(save_steps)
     command = [sys.executable, __file__, "--worker", model, mode, out, str(checkpoints)]
     result = subprocess.run(command, capture_output=True, text=True, env=env)
     if result.returncode != 0:
@@ -132,6 +148,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["minilm", "bert-base"], choices=list(MODELS))
     parser.add_argument("--checkpoints", type=int, default=4)
+    parser.add_argument("--save-steps", type=int, default=8, help="optimizer steps between checkpoints")
     parser.add_argument("--dir", type=Path, default=Path(__file__).parent)
     parser.add_argument("--check-baseline", metavar="SRC", help="src/ folder of hflight before issue 36 (a git "
                         "worktree of the commit): its synchronous save is timed beside the emulated one")  # fmt: skip
@@ -142,13 +159,14 @@ def main() -> None:
         print(json.dumps(worker(model, mode, out, int(checkpoints))))
         return
     with tempfile.TemporaryDirectory(prefix="checkpoint_cost-", dir=opts.dir) as folder:
-        print(f"checkpoints written under {folder}; {opts.checkpoints} checkpoints per run, every 2 steps")
-        columns = ("model", "mode", "blocked s", "first s", "x sync", "write s", "snapshot MiB")
-        print("{:<10} {:<14} {:>9} {:>8} {:>7} {:>8} {:>12}".format(*columns))
+        print(f"under {folder}: {opts.checkpoints} checkpoints per run, every {opts.save_steps} steps")
+        columns = ("model", "mode", "blocked s", "waited s", "first s", "x sync", "write s", "snapshot MiB")
+        print("{:<10} {:<14} {:>9} {:>8} {:>8} {:>7} {:>8} {:>12}".format(*columns))
         for model in opts.models:
-            results = {mode: run_mode(model, mode, Path(folder), opts.checkpoints) for mode in MODES}
+            runs = (Path(folder), opts.checkpoints, opts.save_steps)
+            results = {mode: run_mode(model, mode, *runs) for mode in MODES}
             if opts.check_baseline:
-                results["sync (git ref)"] = run_mode(model, "sync", Path(folder), opts.checkpoints, opts.check_baseline)
+                results["sync (git ref)"] = run_mode(model, "sync", *runs, opts.check_baseline)
             base = _steady(results["sync"]["blocked"])
             params, size = results["sync"]["params"] / 1e6, results["sync"]["checkpoint_bytes"] / MIB
             print(f"{model}: {params:.1f}M parameters, checkpoint {size:.0f} MiB")
@@ -162,8 +180,9 @@ def _print_row(model: str, mode: str, found: dict, base: float) -> None:
     blocked = _steady(found["blocked"])
     write = f"{_steady(found['write']):8.2f}" if found["write"] and mode.startswith("async") else f"{'-':>8}"
     snapshot = f"{found['snapshot'] / MIB:12.0f}" if found["snapshot"] else f"{'-':>12}"
-    ratio = blocked / base
-    print(f"{model:<10} {mode:<14} {blocked:9.3f} {found['blocked'][0]:8.3f} {ratio:7.2f} {write} {snapshot}")
+    ratio, waited = blocked / base, _steady(found["waited"]) if found.get("waited") else 0.0
+    first = found["blocked"][0]
+    print(f"{model:<10} {mode:<14} {blocked:9.3f} {waited:8.3f} {first:8.3f} {ratio:7.2f} {write} {snapshot}")
 
 
 if __name__ == "__main__":

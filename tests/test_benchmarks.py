@@ -142,19 +142,13 @@ def test_sharding_memory_prints_each_strategy_s_share_of_ddp_s_state():
 def test_checkpoint_cost_prints_the_three_modes_with_their_ratios():
     """benchmarks/checkpoint_cost.py on a tiny BERT: each mode's blocked time against the synchronous one, the
     background write's time and the snapshot's host memory for save_async."""
-    command = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "checkpoint_cost.py"),
-        "--models",
-        "tiny",
-        "--checkpoints",
-        "2",
-    ]
+    script = str(ROOT / "benchmarks" / "checkpoint_cost.py")
+    command = [sys.executable, script, "--models", "tiny", "--checkpoints", "2", "--save-steps", "2"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     rows = {m.group(1): m.group(2).split() for m in re.finditer(r"^tiny\s+(\S+)\s+(.*)$", done.stdout, re.M)}
     assert set(rows) == {"sync", "sync+fsync", "async+fsync"}, done.stdout
-    assert rows["sync"][2] == "1.00" and rows["sync"][3:] == ["-", "-"], done.stdout
-    blocked, first, ratio, write, snapshot = rows["async+fsync"]
+    assert rows["sync"][3] == "1.00" and rows["sync"][4:] == ["-", "-"], done.stdout
+    blocked, waited, first, ratio, write, snapshot = rows["async+fsync"]
     assert float(write) > 0 and float(snapshot) >= 3, done.stdout  # ~1M parameters and two AdamW moments: ~12 MiB
     assert not list((ROOT / "benchmarks").glob("checkpoint_cost-*")), "the checkpoints are removed"

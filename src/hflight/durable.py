@@ -26,7 +26,7 @@ import errno
 import logging
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -82,13 +82,17 @@ def _unsupported(path: str | os.PathLike, exc: OSError) -> None:
     )
 
 
-def sync_tree(folder: str | os.PathLike) -> None:
-    """fsync every file under ``folder``, then every folder, deepest first, ``folder`` itself last."""
+def sync_tree(folder: str | os.PathLike, already: Collection[tuple[str, tuple[int, int]]] = ()) -> None:
+    """fsync every file under ``folder``, then every folder, deepest first, ``folder`` itself last. ``already``:
+    files fsynced before (absolute path, (size, mtime_ns) then): skipped while they are unchanged."""
     folders = []
     for root, dirs, files in os.walk(folder):
         for name in sorted(files):
             path = os.path.join(root, name)
-            if not os.path.islink(path):
+            if os.path.islink(path):
+                continue
+            info = os.stat(path)
+            if (os.path.abspath(path), (info.st_size, info.st_mtime_ns)) not in already:
                 fsync_file(path)
         folders.append(root)
         dirs.sort()
@@ -96,10 +100,16 @@ def sync_tree(folder: str | os.PathLike) -> None:
         fsync_dir(each)
 
 
-def publish_folder(tmp_dir: str | os.PathLike, final_dir: str | os.PathLike, aside: str | os.PathLike) -> None:
+def publish_folder(
+    tmp_dir: str | os.PathLike,
+    final_dir: str | os.PathLike,
+    aside: str | os.PathLike,
+    already: Collection[tuple[str, tuple[int, int]]] = (),
+) -> None:
     """Make the complete ``tmp_dir`` durable and rename it to ``final_dir``; an existing ``final_dir`` is first
-    renamed to ``aside`` and deleted once the new folder and the rename are durable."""
-    sync_tree(tmp_dir)
+    renamed to ``aside`` and deleted once the new folder and the rename are durable. ``already``: its files fsynced
+    while it was written (:func:`sync_tree`)."""
+    sync_tree(tmp_dir, already)
     replaced = False
     if os.path.exists(final_dir):
         shutil.rmtree(aside, ignore_errors=True)

@@ -439,7 +439,7 @@ def _complete(
             tracker.file = MANIFEST_NAME
             write_manifest(tmp_dir, global_step, save_only_model, run_args, checksums, progress)
             tracker.file = None
-            publish(tmp_dir, final_dir)
+            publish(tmp_dir, final_dir, checksums)
     finally:
         checksums.close()
     rotate_checkpoints(*rotation)
@@ -518,11 +518,12 @@ def _defer_model_files(facade: TrainerSurface, run: RunView, folder: str, is_mai
     deferred.later(None, lambda: facade._save(folder, state_dict=snapshot))
 
 
-def publish(tmp_dir: str, final_dir: str) -> None:
+def publish(tmp_dir: str, final_dir: str, checksums: Checksums | None = None) -> None:
     """Make the complete ``tmp_dir`` durable and rename it to ``final_dir`` (``hflight.durable.publish_folder``: the
-    only way a checkpoint is put into place); an existing ``final_dir`` is deleted only afterwards."""
+    only way a checkpoint is put into place); an existing ``final_dir`` is deleted only afterwards. ``checksums``:
+    the folder's, whose thread fsynced each file as it was complete (those are not fsynced again)."""
     replaced = os.path.join(os.path.dirname(final_dir), f"{TMP_PREFIX}{os.path.basename(final_dir)}{REPLACED_SUFFIX}")
-    durable.publish_folder(tmp_dir, final_dir, replaced)
+    durable.publish_folder(tmp_dir, final_dir, replaced, checksums.synced() if checksums is not None else ())
 
 
 # ---- best model -------------------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from hflight import durable
 from hflight.checkpoints.files import IncompleteCheckpointError, UnsafeCheckpointFile, regular_file, relative_name
 from hflight.checkpoints.parts import TRAINER_STATE_NAME, part_of
 from hflight.checkpoints.weights import WEIGHT_FILES, is_weight_file, weights_in_use
@@ -68,11 +69,17 @@ def file_digest(path: str | os.PathLike) -> str:
 class Checksums:
     """Checksums computed in a background thread as soon as each file of a folder being written is complete, so that
     hashing one file overlaps writing the next (``with Checksums() as checksums``; :meth:`add_new` after writing,
-    :meth:`digest` when the manifest is written). A file changed after it was submitted is hashed again."""
+    :meth:`digest` when the manifest is written). A file changed after it was submitted is hashed again.
+
+    Each complete file is also fsynced by a second background thread (its bytes go to the disk while the next file is
+    written); :meth:`synced` says which files are durable as they are now, so that the publication
+    (``hflight.durable.publish_folder``) fsyncs only the others."""
 
     def __init__(self) -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hflight-checksum")
+        self._sync_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hflight-fsync")
         self._pending: dict[Path, tuple[tuple[int, int], concurrent.futures.Future]] = {}
+        self._syncs: list[tuple[str, tuple[int, int], concurrent.futures.Future]] = []
 
     def __enter__(self) -> Checksums:
         return self
@@ -81,8 +88,9 @@ class Checksums:
         self.close()
 
     def close(self) -> None:
-        """Stop the hashing thread (the checksums not asked for yet are dropped)."""
+        """Stop the background threads (the checksums and fsyncs not asked for yet are dropped)."""
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._sync_pool.shutdown(wait=True, cancel_futures=True)
 
     @staticmethod
     def _stamp(path: Path) -> tuple[int, int]:
@@ -93,7 +101,14 @@ class Checksums:
         """Start hashing every file of ``folder`` not submitted yet."""
         for path in sorted(Path(folder).rglob("*")):
             if path.is_file() and path.name != MANIFEST_NAME and path not in self._pending:
-                self._pending[path] = (self._stamp(path), self._pool.submit(file_digest, path))
+                stamp = self._stamp(path)
+                self._pending[path] = (stamp, self._pool.submit(file_digest, path))
+                self._syncs.append((os.path.abspath(path), stamp, self._sync_pool.submit(durable.fsync_file, path)))
+
+    def synced(self) -> set[tuple[str, tuple[int, int]]]:
+        """The files fsynced in the background, with the size and time they had then (waits for those in progress;
+        a failed fsync is raised, naming its file)."""
+        return {(path, stamp) for path, stamp, future in self._syncs if future.result() is None}
 
     def digest(self, path: Path) -> str:
         stamp, future = self._pending.get(path, (None, None))
