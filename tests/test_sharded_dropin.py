@@ -35,8 +35,8 @@ ARGS = [
 FSDP_CONFIG = '{"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"], "state_dict_type": "%s"}'
 
 
-def _job(folder: Path, library: str, args: list[str]) -> dropin.Job:
-    changed = None if library == "transformers" else clm.CHANGED_IMPORT
+def _job(folder: Path, library: str, args: list[str], changed: str = clm.CHANGED_IMPORT) -> dropin.Job:
+    changed = None if library == "transformers" else changed
     path = [STANDIN] if library == "transformers" else []
     return dropin.Job(folder, "run_clm", clm.ORIGINAL_IMPORT, changed, args, launcher=dropin.TORCHRUN_2, path=path)
 
@@ -48,10 +48,13 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     base = ["--model_name_or_path", str(inputs["model"]), "--train_file", str(inputs["train"]),
             "--validation_file", str(inputs["validation"]), *ARGS]  # fmt: skip
     sharded = [*base, "--fsdp_config", FSDP_CONFIG % "SHARDED_STATE_DICT"]
-    full = [*base, "--fsdp_config", FSDP_CONFIG % "FULL_STATE_DICT"]
+    # hflight's own FULL_STATE_DICT run writes its checkpoints in the background: save_async, an hflight field, read
+    # by the script's HfArgumentParser once it imports hflight's TrainingArguments too
+    full = [*base, "--fsdp_config", FSDP_CONFIG % "FULL_STATE_DICT", "--save_async", "true"]
+    with_arguments = "from hflight import Trainer, TrainingArguments\n"
     first = {"transformers": _job(root / "transformers", "transformers", sharded),
              "hflight": _job(root / "hflight", "hflight", sharded),
-             "hflight_full": _job(root / "hflight_full", "hflight", full)}  # fmt: skip
+             "hflight_full": _job(root / "hflight_full", "hflight", full, with_arguments)}  # fmt: skip
     outs = {name: job.out() for name, job in first.items()}
     outs.update(dropin.crossed(_job, root, sharded, outs))  # each trainer continues the other's checkpoint-5
     return outs
@@ -94,6 +97,8 @@ def test_hflight_fsdp2_logs_and_writes_transformers_fsdp2_bit_for_bit(runs):
 
 
 def test_full_state_dict_trains_as_the_sharded_run_and_writes_transformers_full_files(runs):
+    """FULL_STATE_DICT (written with save_async) against SHARDED_STATE_DICT (synchronous): the same log, and the
+    gathered model and optimizer files hold the shards' tensors exactly."""
     sharded, full = runs["hflight"], runs["hflight_full"]
     dropin.assert_same_log_history({"transformers": sharded, "hflight": full}, min_losses=8)
     from safetensors.torch import load_file

@@ -77,7 +77,6 @@ def jobs(tmp_path_factory) -> dict:
         configs[name].write_text(json.dumps(config))
     trained = {form: _start(root / form, 2, "--form", form) for form in ("SHARDED_STATE_DICT", "FULL_STATE_DICT")}
     trained["ZERO3"] = _start(root / "ZERO3", 2, "--deepspeed", str(configs["zero3"]))
-    trained["FULL_async"] = _start(root / "FULL_async", 2, "--form", "FULL_STATE_DICT", "--save-async")
     logs = {form: _finish(p) for form, p in trained.items()}
     sharded, full = root / "SHARDED_STATE_DICT" / "checkpoint-3", root / "FULL_STATE_DICT" / "checkpoint-3"
     resumed = {
@@ -100,19 +99,6 @@ def jobs(tmp_path_factory) -> dict:
     }
     logs.update({name: _finish(p) for name, p in resumed.items()})
     return {"root": root, "logs": logs, "sharded": sharded, "full": full}
-
-
-def test_save_async_under_fsdp2_writes_the_gathered_checkpoints_of_the_synchronous_run(jobs):
-    """FULL_STATE_DICT with save_async: the whole state gathered on every process at the step boundary, copied and
-    written by rank 0 in the background: the synchronous run's files byte for byte (but the output folder in
-    training_args.bin, and so the manifest's checksum of it), the same log."""
-    root = jobs["root"]
-    for name in ("checkpoint-3", "checkpoint-6"):
-        ours, theirs = root / "FULL_async" / name, root / "FULL_STATE_DICT" / name
-        assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in theirs.iterdir())
-        differ = [p.name for p in sorted(ours.iterdir()) if p.read_bytes() != (theirs / p.name).read_bytes()]
-        assert differ == ["checkpoint_manifest.json", "training_args.bin"], (name, differ)
-    assert _history(jobs, "FULL_async") == _history(jobs, "FULL_STATE_DICT")
 
 
 def _whole_optimizer(folder: Path) -> dict[str, torch.Tensor]:

@@ -66,7 +66,6 @@ def main():
     parser.add_argument("--hsdp", help="REPLICATE,SHARD: parallelism_config's dp_replicate_size, dp_shard_size")
     parser.add_argument("--auto", action="store_true", help="train(resume_from_checkpoint='auto'), as a restart does")
     parser.add_argument("--fault", help="SIGNAL,STEP,RANK,MOMENT: cluster_faults.SignalAt (first attempt only)")
-    parser.add_argument("--save-async", action="store_true")
     opts = parser.parse_args()
     torch.set_num_threads(1)
     sharding = {} if opts.no_fsdp else {
@@ -82,7 +81,7 @@ def main():
         sharding["parallelism_config"] = ParallelismConfig(dp_replicate_size=replicate, dp_shard_size=shard)
     args = TrainingArguments(output_dir=opts.out, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                              max_steps=6, save_steps=3, logging_steps=1, learning_rate=1e-2, use_cpu=True, seed=0,
-                             report_to="none", disable_tqdm=True, save_async=opts.save_async, **sharding)  # fmt: skip
+                             report_to="none", disable_tqdm=True, **sharding)  # fmt: skip
     torch.manual_seed(0)  # the arguments first: with ZeRO-3 they connect the processes the model is partitioned over
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=16))
     dump = opts.resume and not opts.deepspeed  # (a DeepSpeed run's optimizer holds ZeRO's flat partitions)

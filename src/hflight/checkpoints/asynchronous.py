@@ -108,11 +108,6 @@ class CheckpointWriter:
         except BaseException as exc:  # reported on the training loop's thread
             self._error = exc
 
-    @property
-    def pending(self) -> str | None:
-        """The write in flight (e.g. "checkpoint-8"), or None."""
-        return self._what if self._thread is not None and self._thread.is_alive() else None
-
     def wait(self) -> None:
         """Wait for the write in flight (reporting a long wait); raise its error if it failed."""
         thread = self._thread
