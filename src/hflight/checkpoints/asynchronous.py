@@ -76,6 +76,8 @@ class CheckpointWriter:
             return shared[identity]
         buffer = self._buffers.get(key)
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            if buffer is not None:  # replaced: a tensor of this key changed shape or dtype
+                self.snapshot_bytes -= buffer.numel() * buffer.element_size()
             buffer = torch.empty_like(tensor, device="cpu", memory_format=torch.contiguous_format)
             if tensor.device.type == "cuda":
                 buffer = buffer.pin_memory()
