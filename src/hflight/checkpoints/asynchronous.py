@@ -137,12 +137,11 @@ class CheckpointWriter:
     def close(self, raising: bool) -> None:
         """At the end of ``fit``: wait for the write in flight. ``raising``: ``fit`` raised already; a failed write is
         then logged, not raised over the error that ended the run."""
-        if not raising:
-            self.wait()
-            return
         try:
             self.wait()
         except BaseException as exc:
+            if not raising:
+                raise
             logger.error(f"The background checkpoint write also failed: {exc}")
 
 

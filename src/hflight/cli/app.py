@@ -21,6 +21,7 @@ import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from hflight import durable
 from hflight.arguments.hardware import check_hardware, describe_backend
 from hflight.arguments.training_args import TrainingArguments
 from hflight.cli.failures import USER_ERRORS, RunFailed, _describe, _record_failure, _run_dir
@@ -174,6 +175,7 @@ def run(cfg: DictConfig) -> float | None:
     except JobPruned as exc:
         path = _run_dir(cfg) / PRUNED_FILE
         path.write_text(json.dumps({"trial": exc.number, "step": exc.step, "value": exc.value}) + "\n", "utf-8")
+        durable.sync_files([path])  # on disk before the job reports it
         log.warning(f"Job pruned: {exc}; its checkpoint is in {_run_dir(cfg)} ({PRUNED_FILE})")
         return None
     except Exception as exc:

@@ -18,6 +18,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from hflight import durable
+
 __all__ = ["FILE_NAME", "curves", "plot_training_curves"]
 
 #: The figure's name in the run folder.
@@ -85,4 +87,5 @@ def plot_training_curves(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
+    durable.sync_files([path])  # on disk before the run names it
     return path

@@ -12,6 +12,8 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
+from hflight import durable
+
 __all__ = ["ERROR_FILE", "USER_ERRORS", "RunFailed"]
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,7 @@ def _record_failure(cfg: DictConfig, text: str) -> Path:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")
+        durable.sync_files([path])  # on disk before the failure names it
     except OSError as exc:
         log.error(f"Could not write {path}: {exc}")
     return path
