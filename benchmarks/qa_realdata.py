@@ -265,15 +265,22 @@ def worker(kind: str, settings: Settings, result_file: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- parent
-def launch(kind: str, settings: Settings, result_file: Path) -> Measured:
+def launch(kind: str, settings: Settings, result_file: Path) -> subprocess.Popen:
+    """Starts one run of ``kind`` in a process of its own; :func:`collect` waits for it."""
     command = [sys.executable, __file__, "--worker", kind, "--result", str(result_file), "--data", str(settings.data),
                "--max-train", str(settings.max_train), "--max-eval", str(settings.max_eval),
                "--threads", str(settings.threads)]  # fmt: skip
     if settings.data_seed is not None:
         command += ["--data-seed", str(settings.data_seed)]
-    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **RUN_ENV.get(kind, {})})
-    if done.returncode != 0:
-        sys.exit(f"run {kind} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
+    env = {**os.environ, **RUN_ENV.get(kind, {})}
+    with open(result_file.with_suffix(".log"), "w") as log:  # a file, not a pipe: runs started together never block
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def collect(kind: str, run: subprocess.Popen, result_file: Path) -> Measured:
+    if run.wait() != 0:
+        output = result_file.with_suffix(".log").read_text(errors="replace")
+        sys.exit(f"run {kind} failed ({run.returncode}):\n{output[-8000:]}")
     return Measured(**json.loads(result_file.read_text()))
 
 
@@ -317,6 +324,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=1, help="runs of each kind; the order reverses every round")
     parser.add_argument("--data-seed", type=int, help="seed of the training order in every run (default: 42)")
     parser.add_argument("--runs", default=",".join(default_runs()), help=f"run kinds ({', '.join(RUNS)})")
+    parser.add_argument("--at-once", action="store_true",
+                        help="start a round's runs together (a quick check of the scores; the times then measure "
+                             "the runs' contention with each other and are not comparable)")  # fmt: skip
     parser.add_argument("--worker", choices=list(RUNS), help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
@@ -333,11 +343,17 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, list[Measured]] = {k: [] for k in kinds}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(opts.rounds):
-            for kind in kinds if r % 2 == 0 else kinds[::-1]:
+            order = kinds if r % 2 == 0 else kinds[::-1]
+            files = {kind: Path(tmp) / f"{kind}-{r}.json" for kind in order}
+            started = {kind: launch(kind, settings, files[kind]) for kind in order} if opts.at_once else {}
+            for kind in order:
                 start = time.perf_counter()
-                results[kind].append(launch(kind, settings, Path(tmp) / f"{kind}-{r}.json"))
+                run = started.get(kind) or launch(kind, settings, files[kind])
+                results[kind].append(collect(kind, run, files[kind]))
                 print(f"round {r + 1}: {kind} done in {time.perf_counter() - start:.0f} s: "
                       f"{json.dumps(asdict(results[kind][-1]))}", flush=True)  # fmt: skip
+    if opts.at_once:
+        print("--at-once: each round's runs shared the CPU; their times are not comparable")
     report(results, settings)
 
 

