@@ -37,8 +37,13 @@ def main() -> int:
     trainer.train()
     if trainer.is_world_process_zero():
         Path(out, f"{impl}.json").write_text(json.dumps(trainer.state.log_history))
+    if impl == "hf":  # transformers' side ends without the interpreter's teardown (seq2seq_ddp_job.py says why)
+        torch.distributed.barrier()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     # End the gloo group here, not in the interpreter's teardown, which sometimes aborted a rank ("terminate called
-    # without an active exception"). But only once transformers' DDP wrapper is gone: destroying the group while its
+    # without an active exception"). But only once the DDP wrapper is gone: destroying the group while its
     # Reducer still holds pending allgather work deadlocks (the group's destructor joins its worker thread holding the
     # GIL; the worker waits for the GIL to free the work's Python objects), a hang of 30-40% under load on 2 cores.
     torch.distributed.barrier()
