@@ -21,6 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import datasets  # noqa: E402
+import gloo_exit  # noqa: E402
 import seq2seq_data  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
@@ -77,22 +78,8 @@ def main():
         }
         (Path(opts.out) / "result.json").write_text(json.dumps(result))
     if opts.library == "transformers" and torch.distributed.is_initialized():
-        transformers_reference_exit()
+        gloo_exit.exit_without_teardown()  # rank 0 has written result.json
     return 0
-
-
-def transformers_reference_exit():
-    """End transformers' side without the interpreter's teardown. Its last collective before the exit is a barrier;
-    a gloo worker thread frees the barrier's work (and the all-gather before it, whose tensors have Python objects)
-    after the barrier returns, and a thread that takes the interpreter lock while Python finalizes aborts the process
-    ("terminate called without an active exception", SIGABRT; core dump: ``~AsyncBarrierWork`` ->
-    ``~AsyncAllgatherWork`` -> ``decref_pyobject`` -> ``take_gil`` -> ``pthread_exit``). Destroying the group first
-    did not prevent it: 4 of 108 runs, two at a time on 2 cores (none of 75 with this exit). torch's issue, not what
-    this test compares; the result is written by then."""
-    torch.distributed.barrier()  # rank 0 has written result.json
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":

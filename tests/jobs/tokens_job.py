@@ -15,6 +15,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import gloo_exit  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from conftest import Factory  # noqa: E402
@@ -37,11 +38,8 @@ def main() -> int:
     trainer.train()
     if trainer.is_world_process_zero():
         Path(out, f"{impl}.json").write_text(json.dumps(trainer.state.log_history))
-    if impl == "hf":  # transformers' side ends without the interpreter's teardown (seq2seq_ddp_job.py says why)
-        torch.distributed.barrier()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    if impl == "hf":  # transformers' side ends without the interpreter's teardown (tests/gloo_exit.py says why)
+        gloo_exit.exit_without_teardown()
     # End the gloo group here, not in the interpreter's teardown, which sometimes aborted a rank ("terminate called
     # without an active exception"). But only once the DDP wrapper is gone: destroying the group while its
     # Reducer still holds pending allgather work deadlocks (the group's destructor joins its worker thread holding the
