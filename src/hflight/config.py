@@ -2,10 +2,11 @@
 
 Three groups have a structured schema, so a misspelt key or a wrongly typed value fails while the config is
 composed, before anything is built: ``args`` has the fields of ``hflight.TrainingArguments`` typed for OmegaConf
-(:func:`hflight.training_args.config_schema`; ``TrainingArguments.from_config`` builds the arguments), ``model`` is
-:class:`ModelArguments` and ``data`` is :class:`DataTrainingArguments` (the field names of HF's ``run_qa.py``).
-The schemas are registered in Hydra's ``ConfigStore`` as ``schema/args``, ``schema/model`` and ``schema/data``
-when this module is imported; each group's YAML starts from its schema (``defaults: [/schema/args@_here_]``).
+(:func:`hflight.arguments.training_args.config_schema`; ``TrainingArguments.from_config`` builds the arguments),
+``model`` is :class:`ModelArguments` and ``data`` is :class:`DataTrainingArguments` (the field names of HF's
+``run_qa.py``). The schemas are registered in Hydra's ``ConfigStore`` as ``schema/args``, ``schema/model`` and
+``schema/data`` when this module is imported; each group's YAML starts from its schema
+(``defaults: [/schema/args@_here_]``).
 
 Where the tree is found (:func:`find_config_dir`), first match wins:
 
