@@ -141,6 +141,18 @@ def test_ddp_checkpoints_and_events_match_one_process(runs):
     assert not (two / ".hflight-writer.lock").exists()
 
 
+def test_each_rank_ends_its_process_group_before_the_interpreter_teardown(runs):
+    """hflight's end of the group (``hflight.arguments.process_group.end``, at exit) destroys it with its gloo worker
+    threads joined on each rank, so none is left to take the interpreter lock while Python finalizes (the abort
+    "terminate called without an active exception")."""
+    two = runs[3]
+    assert sorted(p.name for p in two.glob("gloo_threads_at_exit_*.txt")) == [
+        "gloo_threads_at_exit_0.txt",
+        "gloo_threads_at_exit_1.txt",
+    ]
+    assert {p.read_text() for p in two.glob("gloo_threads_at_exit_*.txt")} == {"0"}
+
+
 class FakeStrategy:
     """Two ranks as rank 0 sees them: ``other`` is what rank 1 contributes for each gathered tensor."""
 

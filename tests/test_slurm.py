@@ -258,10 +258,10 @@ def test_a_failed_scontrol_is_reported_and_the_checkpoint_kept(monkeypatch, tmp_
 def test_an_scontrol_that_does_not_answer_is_reported_and_the_checkpoint_kept(monkeypatch, tmp_path, factory):
     """SLURM's controller not answering: ``scontrol requeue`` is given up after ``SCONTROL_TIMEOUT`` (60 s; 1 s here)
     and reported as a failed requeue, the stop and its checkpoint unchanged."""
-    from hflight.run import cluster as run_cluster
+    from hflight.run import requeue as run_requeue
 
     log = slurm_task(monkeypatch, tmp_path, SCONTROL_HANG="1")
-    monkeypatch.setattr(run_cluster, "SCONTROL_TIMEOUT", 1.0)
+    monkeypatch.setattr(run_requeue, "SCONTROL_TIMEOUT", 1.0)
     with pytest.raises(TrainingInterrupted) as stopped:
         trainer(tmp_path / "run", factory, SignalAt(signal.SIGUSR1, step=2)).train()
     message = str(stopped.value)
@@ -367,7 +367,7 @@ def test_a_lightning_hpc_checkpoint_is_named_and_never_loaded(monkeypatch, tmp_p
     out.mkdir()
     (out / "hpc_ckpt_3.ckpt").write_bytes(b"not a checkpoint")
     run = trainer(out, factory)
-    with caplog.at_level("WARNING", logger="hflight.run.cluster"):
+    with caplog.at_level("WARNING", logger="hflight.run.lightning_fallbacks"):
         run.train()
     assert history(run) == history(uninterrupted())
     assert "holds Lightning's SLURM checkpoint(s) hpc_ckpt_3.ckpt" in caplog.text and "never loads them" in caplog.text

@@ -14,6 +14,7 @@ Trainer evaluates and predicts the untrained model too, for reference. Rank 0 wr
 """
 
 import argparse
+import atexit
 import json
 import os
 import sys
@@ -73,6 +74,19 @@ def transformers_first(out):
     return outputs_of(trainer.evaluate(), trainer.predict(dataset(11, 2)))
 
 
+def report_gloo_threads_at_exit(out):
+    """At exit, after hflight's end of the process group (registered later, so run earlier): how many gloo worker
+    threads this process still has (none, when the group was destroyed and joined before the interpreter's
+    teardown)."""
+    from hflight.arguments.process_group import gloo_worker_threads
+
+    def report():
+        rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))
+        Path(out, f"gloo_threads_at_exit_{rank}.txt").write_text(str(gloo_worker_threads()))
+
+    atexit.register(report)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -80,6 +94,7 @@ def main():
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--save-async", action="store_true")
     opts = parser.parse_args()
+    report_gloo_threads_at_exit(opts.out)
 
     model = tiny_bert_qa(0, hidden=16, layers=1, dropout=0.0, max_positions=32)
     args = TrainingArguments(

@@ -17,7 +17,7 @@ Beside the ranks, what a restart needs:
   competing run;
 - :func:`parse_requeue_signal` checks ``TrainingArguments.requeue_signal`` (SIGUSR1 by default, as Lightning's
   ``SLURMEnvironment``) and :func:`slurm_plugin` gives Lightning its SLURM environment with its own auto-requeue
-  switched off: under SLURM the requeue signal goes through hflight's checkpoints (``hflight.run.cluster``), never
+  switched off: under SLURM the requeue signal goes through hflight's checkpoints (``hflight.run.requeue``), never
   through Lightning's ``hpc_ckpt_*.ckpt``.
 
 May import: nothing of hflight beyond this package (it is below the run, the facade and the checkpoints).

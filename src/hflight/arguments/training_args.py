@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import functools
 import json
 import logging
@@ -39,7 +40,7 @@ from transformers.debug_utils import DebugOption
 from transformers.trainer_utils import HubStrategy, IntervalStrategy, SaveStrategy, SchedulerType
 from transformers.training_args import OptimizerNames, ParallelMode, trainer_log_levels
 
-from hflight.arguments import cluster
+from hflight.arguments import cluster, process_group
 from hflight.arguments.deepspeed import load_deepspeed_config
 from hflight.arguments.registry import register_backends
 
@@ -619,16 +620,15 @@ def _check_deepspeed_installed() -> None:
 def _connect_for_deepspeed(args: TrainingArguments, device: torch.device) -> None:
     """Under an external launcher with ``deepspeed``: the processes connected now, as transformers' device setup does
     (``deepspeed.init_distributed``), because with ZeRO-3 the model the script builds next is partitioned as it is
-    created (transformers' ``from_pretrained`` runs inside ``deepspeed.zero.Init``), which needs them; Lightning keeps
-    the connection."""
-    import datetime
-
+    created (transformers' ``from_pretrained`` runs inside ``deepspeed.zero.Init``), which needs them. hflight's one
+    connection (``hflight.arguments.process_group``) makes the group; DeepSpeed's communication layer wraps it, and
+    Lightning keeps it."""
     import deepspeed
 
-    backend = args.ddp_backend or ("nccl" if device.type == "cuda" else "gloo")
-    deepspeed.init_distributed(
-        dist_backend=backend, auto_mpi_discovery=False, timeout=datetime.timedelta(seconds=args.ddp_timeout)
-    )
+    backend = process_group.default_backend(device, args.ddp_backend)
+    timeout = datetime.timedelta(seconds=args.ddp_timeout)
+    process_group.connect(backend, timeout)
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)
 
 
 def _initialized_dist() -> Any:

@@ -34,7 +34,7 @@ Several processes stop together, and each exits 143 (130), whichever launched th
 Under SLURM (srun launched the process), the requeue signal (``TrainingArguments.requeue_signal``, SIGUSR1 by
 default, as ``#SBATCH --signal=USR1@90`` sends it before the time limit) is a stop request too: every rank stops at
 the same step boundary, one complete checkpoint is written, global rank 0 runs ``scontrol requeue`` once
-(``hflight.run.cluster``) and every process exits with 128 + the signal number (138), saying that the job was
+(``hflight.run.requeue``) and every process exits with 128 + the signal number (138), saying that the job was
 requeued and from which checkpoint it continues. The signal again, from srun and from SLURM, or during the
 checkpoint's write, is the same stop; a different signal afterwards (SLURM's SIGTERM at the time limit) stops at
 once, as a second signal does. Lightning's own requeue handler is not installed (``SLURMEnvironment(auto_requeue=
@@ -264,7 +264,7 @@ class StopRequest:
                 "before its remaining work."
             )
             if self.requeue:  # the ranks agree on no step any more: global rank 0 requeues, the others say so
-                from hflight.run.cluster import requeue_job, requeue_message
+                from hflight.run.requeue import requeue_job, requeue_message
 
                 where = "the run folder's last checkpoint"
                 message += " " + requeue_message(requeue_job(), where, kept=False)
@@ -366,7 +366,7 @@ def _raise_now(signum: int, frame: Any) -> None:
 
 
 def _requeue_now(signum: int, frame: Any) -> None:
-    from hflight.run.cluster import requeue_job, requeue_message
+    from hflight.run.requeue import requeue_job, requeue_message
 
     if _STOPPED:
         _exit_now(signum, frame)

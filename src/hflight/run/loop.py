@@ -42,7 +42,7 @@ from hflight.arguments.strategies import finalize_deepspeed
 from hflight.callbacks.hooks import new_trainer_state
 from hflight.checkpoints import folders, parts, resume
 from hflight.checkpoints.manifest import PREFIX
-from hflight.run import cluster, console
+from hflight.run import console, requeue
 from hflight.run.events import dispatch
 from hflight.run.interrupt import StopRequest, signal_name, stopped
 from hflight.run.plan import TrainingPlan
@@ -330,7 +330,7 @@ class TrainingLoop:
     # -- stops ---------------------------------------------------------------------------------------------------
     def stop_if_requested(self) -> None:
         """At a step boundary: if a stop signal arrived (on any rank), save a checkpoint and stop training; for SLURM's
-        requeue signal, requeue the job once the checkpoint is complete (``hflight.run.cluster``)."""
+        requeue signal, requeue the job once the checkpoint is complete (``hflight.run.requeue``)."""
         facade = self.facade
         step = facade.state.global_step
         self.stop.global_step = step
@@ -347,9 +347,9 @@ class TrainingLoop:
             folder = os.path.join(args.output_dir, f"{PREFIX}-{step}")
         self.stop.exiting = True  # the checkpoint is on disk: a signal from now on changes nothing
         if self.stop.requeue:
-            outcome = cluster.requeue_job(self.run.world)
+            outcome = requeue.requeue_job(self.run.world)
             saved = f"checkpoint saved in {folder}" if folder else "no checkpoint was saved (save_strategy='no')"
-            raise stopped(signum, f"{stopped_by}; {saved}. {cluster.requeue_message(outcome, folder)}", step, folder)
+            raise stopped(signum, f"{stopped_by}; {saved}. {requeue.requeue_message(outcome, folder)}", step, folder)
         if folder is None:
             raise stopped(signum, f"{stopped_by}; no checkpoint was saved (save_strategy='no').", step)
         raise stopped(

@@ -16,16 +16,18 @@ from typing import Any
 import lightning as L
 from transformers.trainer_utils import TrainOutput
 
+from hflight.arguments import process_group
 from hflight.arguments.lightning_kwargs import lightning_trainer_kwargs, quiet_lightning
 from hflight.callbacks.hooks import evaluation_weights, weight_hooks
 from hflight.checkpoints.asynchronous import CheckpointWriter
 from hflight.checkpoints.resume import ResumePoint
-from hflight.run import cluster
 from hflight.run.backend import HFBackend, backend_of
 from hflight.run.datamodule import HFDataModule
 from hflight.run.distributed import World
 from hflight.run.events import LightningEvents
 from hflight.run.interrupt import handed_over_signals, requeue_signal
+from hflight.run.launch_check import check_spans_launch
+from hflight.run.lightning_fallbacks import no_lightning_hpc_restore
 from hflight.run.loop import TrainingLoop
 from hflight.run.module import HFModule
 from hflight.run.plan import TrainingPlan
@@ -83,12 +85,12 @@ class Run:
         )
         with quiet_lightning():
             self.lightning_trainer = L.Trainer(**kwargs)
-        cluster.check_spans_launch(self.lightning_trainer, facade.args)  # never N copies of a one-process run
+        check_spans_launch(self.lightning_trainer, facade.args)  # never N copies of a one-process run
         self.world = World(self.lightning_trainer)
-        # hflight's checkpoints only: never Lightning's hpc_ckpt_*.ckpt; a torchrun attempt's own process group
-        cluster.no_lightning_hpc_restore(self.lightning_trainer, report=self.world.rank == 0)
-        cluster.init_elastic_process_group(self.lightning_trainer.strategy)
-        cluster.end_process_group_at_exit()
+        # hflight's checkpoints only: never Lightning's hpc_ckpt_*.ckpt
+        no_lightning_hpc_restore(self.lightning_trainer, report=self.world.rank == 0)
+        _connect(self.lightning_trainer.strategy)
+        process_group.end_at_exit()  # also the group Lightning connects for the processes it launches itself
         self.module = HFModule(facade, self, facade.model)
         self.datamodule = HFDataModule(facade, self) if fitting else None
 
@@ -149,3 +151,11 @@ class Run:
         finally:
             self.module.close_evaluation()
             self.evaluator = None
+
+
+def _connect(strategy: Any) -> None:
+    """The processes an external launcher started, connected before Lightning would, with the strategy's backend and
+    timeout (``hflight.arguments.process_group``); Lightning keeps the group."""
+    device = getattr(strategy, "root_device", None)
+    backend = process_group.default_backend(device, getattr(strategy, "_process_group_backend", None))
+    process_group.connect(backend, getattr(strategy, "_timeout", None))

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hflight.arguments import process_group
 from hflight.run.distributed import World
 from hflight.surface import RunView
 
@@ -142,10 +143,10 @@ class RunAccelerator:
         return reduced * scale if scale != 1.0 else reduced
 
     def end_training(self) -> None:
-        """Finish the run's loggers and destroy the process group (transformers' ``Trainer.end``)."""
+        """Finish the run's loggers and end the process group (accelerate's ``end_training``), as hflight ends it at
+        exit (``hflight.arguments.process_group.end``)."""
         run = self._current_run()
         if run is not None:
             for logger in run.lightning_trainer.loggers:
                 logger.finalize("success")
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        process_group.end()
