@@ -25,10 +25,10 @@ import torch
 
 import hflight
 from hflight.arguments import lightning_kwargs
-from hflight.arguments import strategies as strategy_settings
 from hflight.checkpoints.files import IncompleteCheckpointError, UnsafeCheckpointFile
 from hflight.checkpoints.manifest import get_last_checkpoint, read_manifest, verify_checkpoint
 from hflight.checkpoints.sharded import load_dcp, read_full_model, read_metadata, tensor_shapes
+from hflight.sharding import plans
 
 JOB = Path(__file__).parent / "jobs" / "sharded_job.py"
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -352,4 +352,4 @@ def test_fsdp2_settings_are_transformers_normalised_ones(factory):
     layer = next(m for m in factory.cls_model().modules() if isinstance(m, BertLayer))
     assert plan.wrap(layer) and not plan.wrap(factory.cls_model())
     size = _args(fsdp=True, fsdp_config={"auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 10**9})
-    assert not strategy_settings.fsdp2_plan(size, factory.cls_model(), 2).wrap(factory.cls_model())
+    assert not plans.fsdp2_plan(size, factory.cls_model(), 2).wrap(factory.cls_model())
