@@ -411,7 +411,8 @@ class ShardedState(ProcessZeroState):
 
     @classmethod
     def written_by(cls, args: Any) -> bool:
-        return bool(args.fsdp) and (args.fsdp_plugin_args or {}).get("state_dict_type") == "SHARDED_STATE_DICT"
+        state_dict_type = str((args.fsdp_plugin_args or {}).get("state_dict_type", "")).upper()
+        return bool(args.fsdp) and state_dict_type == "SHARDED_STATE_DICT"
 
     @classmethod
     def load_optimizer(
