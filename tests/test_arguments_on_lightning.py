@@ -318,6 +318,7 @@ def test_fsdp1_arguments_configure_lightning_s_fsdp_strategy(factory, monkeypatc
     from transformers.models.bert.modeling_bert import BertLayer
 
     from hflight.arguments import training_args
+    from hflight.sharding.plans import fsdp1_plan
 
     monkeypatch.setattr(training_args, "resolved_device_type", lambda args: "cuda")
     monkeypatch.setattr(strategy_settings, "planned_world_size", lambda args: 2)
@@ -335,7 +336,8 @@ def test_fsdp1_arguments_configure_lightning_s_fsdp_strategy(factory, monkeypatc
     assert strategy._timeout == datetime.timedelta(seconds=120)
     size_config = {"version": 1, "min_num_params": 1000, "auto_wrap_policy": "SIZE_BASED_WRAP"}
     size_based = hflight.TrainingArguments("o", fsdp=True, fsdp_config=size_config)
-    assert strategy_settings.fsdp_settings(size_based, model)["auto_wrap_policy"].keywords == {"min_num_params": 1000}
+    kwargs = fsdp1_plan(size_based, model, {}).strategy_kwargs()
+    assert kwargs["auto_wrap_policy"].keywords == {"min_num_params": 1000}
     with pytest.raises(ValueError, match="NoSuchLayer"):
         lightning_kwargs.strategy_for(
             hflight.TrainingArguments("o", fsdp=True, fsdp_config={"transformer_layer_cls_to_wrap": ["NoSuchLayer"]}),
@@ -370,6 +372,8 @@ def test_finalize_deepspeed_fills_what_needs_the_model_and_keeps_accumulation(fa
     from types import SimpleNamespace
 
     from hflight.arguments.deepspeed import DeepSpeedConfigResolver
+    from hflight.run.backend import backend_of
+    from hflight.sharding.deepspeed import HFDeepSpeedStrategy
 
     model = factory.cls_model()
     for accumulation in (1, 2):
@@ -377,14 +381,14 @@ def test_finalize_deepspeed_fills_what_needs_the_model_and_keeps_accumulation(fa
         resolver = DeepSpeedConfigResolver(AUTO_EVERYWHERE)
         resolver.process(args)
         strategy = SimpleNamespace(config=resolver.config, hf_deepspeed_resolver=resolver)
-        strategy_settings.finalize_deepspeed(strategy, args, model, 40)
+        HFDeepSpeedStrategy.hf_run_planned(strategy, args, model, 40)  # the loop's hook, on the strategy's resolver
         assert strategy.config == _transformers_resolution(AUTO_EVERYWHERE, args, model, 40)
         assert (
             "auto" not in json.dumps(strategy.config) and strategy.config["gradient_accumulation_steps"] == accumulation
         )
         assert strategy.config["scheduler"]["params"]["total_num_steps"] == 40
     untouched = SimpleNamespace(config={"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}})
-    strategy_settings.finalize_deepspeed(untouched, args, model, 40)  # not one deepspeed_strategy built: left alone
+    backend_of(untouched).hf_run_planned(args, model, 40)  # not one deepspeed_strategy built: left alone
     assert untouched.config == {"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}}
 
 

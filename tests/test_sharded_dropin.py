@@ -8,7 +8,9 @@ The transformers side therefore runs with a test stand-in on ``PYTHONPATH`` (``t
 the CPU run the state it gives a GPU run, and everything else is accelerate's and transformers' code, the script
 unchanged. With ``SHARDED_STATE_DICT`` both trainers write ``pytorch_model_fsdp_0/`` and ``optimizer_0/``; the logged
 losses, gradient norms, learning rates, metrics, and the shards, scheduler, RNG and trainer states of every checkpoint
-are the same bit for bit. Each trainer then resumes the other's ``checkpoint-5`` and ends with the other's run.
+are the same bit for bit. Each trainer then resumes the other's ``checkpoint-5`` and ends with the other's run; both
+resume it on one process too (``torchrun --nproc_per_node=1``: FSDP on one rank, which the stand-in gives transformers'
+side as accelerate gives it to one GPU) and train the same.
 (With ``FULL_STATE_DICT`` transformers' own save fails on the CPU inside accelerate's state-dict gathering, so hflight's
 FULL run is compared with hflight's sharded one: the same training, the other checkpoint form.)
 """
@@ -35,10 +37,15 @@ ARGS = [
 FSDP_CONFIG = '{"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"], "state_dict_type": "%s"}'
 
 
-def _job(folder: Path, library: str, args: list[str], changed: str = clm.CHANGED_IMPORT) -> dropin.Job:
+#: torchrun with one process: FSDP on one rank (transformers' Trainer refuses fsdp without a launcher)
+TORCHRUN_1 = [*dropin.TORCHRUN_2[:-1], "--nproc_per_node=1"]
+
+
+def _job(folder: Path, library: str, args: list[str], changed: str = clm.CHANGED_IMPORT,
+         launcher: list[str] = dropin.TORCHRUN_2) -> dropin.Job:  # fmt: skip
     changed = None if library == "transformers" else changed
     path = [STANDIN] if library == "transformers" else []
-    return dropin.Job(folder, "run_clm", clm.ORIGINAL_IMPORT, changed, args, launcher=dropin.TORCHRUN_2, path=path)
+    return dropin.Job(folder, "run_clm", clm.ORIGINAL_IMPORT, changed, args, launcher=launcher, path=path)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +63,12 @@ def runs(tmp_path_factory) -> dict[str, Path]:
              "hflight": _job(root / "hflight", "hflight", sharded),
              "hflight_full": _job(root / "hflight_full", "hflight", full, with_arguments)}  # fmt: skip
     outs = {name: job.out() for name, job in first.items()}
+    # both trainers continue transformers' 2-process checkpoint-5 on one process, beside the crossed resumes below
+    resumed = [*sharded, "--resume_from_checkpoint", str(outs["transformers"] / "checkpoint-5")]
+    on_one = {f"{library}_on_1": _job(root / f"{library}_on_1", library, resumed, launcher=TORCHRUN_1)
+              for library in ("transformers", "hflight")}  # fmt: skip
     outs.update(dropin.crossed(_job, root, sharded, outs))  # each trainer continues the other's checkpoint-5
+    outs.update({name: job.out() for name, job in on_one.items()})
     return outs
 
 
@@ -141,3 +153,26 @@ def test_each_trainer_continues_the_other_s_sharded_checkpoint(runs, continued, 
             a.pop(key, None), b.pop(key, None)
         dropin._same(a, b, name, differences)
     assert not differences, differences[:10]
+
+
+def test_fsdp_on_one_process_continues_the_2_process_checkpoint_as_transformers_does(runs):
+    """``torchrun --nproc_per_node=1`` with ``--fsdp``: transformers (accelerate's FSDP2 on one rank) and hflight
+    continue the 2-process SHARDED_STATE_DICT checkpoint-5 on one process (the distributed checkpoint resharded onto
+    it, no RNG file for one process: both warn and go on) and log, evaluate and write the same, bit for bit. hflight's
+    run is sharded (its checkpoints are FSDP's folders, written by one process) where it used to refuse fsdp with one
+    process."""
+    both = _pair(runs, "transformers_on_1", "hflight_on_1")
+    console = (runs["transformers_on_1"].parent / "console.txt").read_text()
+    assert "find_unused_parameters=True was specified in DDP constructor" not in console  # FSDP, not DDP
+    dropin.assert_same_results(both, ("eval_results.json", "train_results.json", "all_results.json"))
+    dropin.assert_same_log_history(both, min_losses=8)
+    checkpoints = sorted(p.name for p in both["hflight"].glob("checkpoint-*"))
+    assert checkpoints == sorted(p.name for p in both["transformers"].glob("checkpoint-*")) and checkpoints
+    for checkpoint in checkpoints:
+        names = {
+            p.relative_to(both["hflight"] / checkpoint).as_posix() for p in (both["hflight"] / checkpoint).rglob("*")
+        }
+        assert {"pytorch_model_fsdp_0/__0_0.distcp", "optimizer_0/__0_0.distcp", "rng_state.pth"} <= names
+        assert "pytorch_model_fsdp_0/__1_0.distcp" not in names and "optimizer.pt" not in names
+    # the distributed folders, scheduler, RNG and trainer states of every checkpoint, and the final trainer state
+    assert dropin.assert_same_training_state(both) == 5 * len(checkpoints) + 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -25,10 +26,10 @@ import torch
 
 import hflight
 from hflight.arguments import lightning_kwargs
-from hflight.arguments import strategies as strategy_settings
 from hflight.checkpoints.files import IncompleteCheckpointError, UnsafeCheckpointFile
 from hflight.checkpoints.manifest import get_last_checkpoint, read_manifest, verify_checkpoint
 from hflight.checkpoints.sharded import load_dcp, read_full_model, read_metadata, tensor_shapes
+from hflight.sharding import plans
 
 JOB = Path(__file__).parent / "jobs" / "sharded_job.py"
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -37,10 +38,11 @@ TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
 
 
-def _start(out: Path, processes: int, *options: str, restarts: int = 0) -> subprocess.Popen:
+def _start(out: Path, processes: int, *options: str, restarts: int = 0, torchrun: bool = False) -> subprocess.Popen:
+    """The job under ``torchrun`` (``processes`` > 1, or ``torchrun``), else in one plain Python process."""
     out.mkdir(parents=True)
-    torchrun = [TORCHRUN, "--standalone", f"--nproc_per_node={processes}", f"--max-restarts={restarts}"]
-    launcher = [sys.executable] if processes == 1 else torchrun
+    launched = [TORCHRUN, "--standalone", f"--nproc_per_node={processes}", f"--max-restarts={restarts}"]
+    launcher = launched if processes > 1 or torchrun else [sys.executable]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "src"), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen([*launcher, str(JOB), str(out), *options], cwd=out, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
@@ -66,8 +68,9 @@ ZERO3 = {"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory) -> dict:
-    """FSDP2 (both forms) and ZeRO-3 on 2 processes at once; then the resumes at once: the sharded checkpoint on 1
-    process (no FSDP) and on 4, the full one on 1, the ZeRO-3 one on 2 (without gathering for save_model)."""
+    """FSDP2 (both forms), ZeRO-3 and DDP on 2 processes at once; then the resumes at once: the sharded checkpoint on
+    1 process (no FSDP), on 4, and on FSDP over 1 process (torchrun --nproc_per_node=1), the full one on 1 process
+    with and without FSDP, the DDP one in FSDP2 on 2, the ZeRO-3 one on 2 (without gathering for save_model)."""
     root = tmp_path_factory.mktemp("sharding")
     configs = {}
     for name, gather in (("zero3", True), ("zero3_no_gather", False)):
@@ -77,6 +80,7 @@ def jobs(tmp_path_factory) -> dict:
         configs[name].write_text(json.dumps(config))
     trained = {form: _start(root / form, 2, "--form", form) for form in ("SHARDED_STATE_DICT", "FULL_STATE_DICT")}
     trained["ZERO3"] = _start(root / "ZERO3", 2, "--deepspeed", str(configs["zero3"]))
+    trained["DDP"] = _start(root / "DDP", 2, "--no-fsdp")
     logs = {form: _finish(p) for form, p in trained.items()}
     sharded, full = root / "SHARDED_STATE_DICT" / "checkpoint-3", root / "FULL_STATE_DICT" / "checkpoint-3"
     resumed = {
@@ -84,6 +88,13 @@ def jobs(tmp_path_factory) -> dict:
         # 4 processes as 2 copies, each sharded over 2 (parallelism_config: HSDP)
         "sharded_on_4": _start(root / "sharded_on_4", 4, "--resume", str(sharded), "--hsdp", "2,2"),
         "full_on_1": _start(root / "full_on_1", 1, "--resume", str(full), "--no-fsdp"),
+        # FSDP on one process (torchrun --nproc_per_node=1), from either form of 2 processes
+        "sharded_on_fsdp_1": _start(root / "sharded_on_fsdp_1", 1, "--resume", str(sharded), torchrun=True),
+        "full_on_fsdp_1": _start(
+            root / "full_on_fsdp_1", 1, "--resume", str(full), "--form", "FULL_STATE_DICT", torchrun=True
+        ),
+        # DDP's optimizer.pt (by position, whole tensors) into FSDP2's sharded optimizer
+        "ddp_to_fsdp2": _start(root / "ddp_to_fsdp2", 2, "--resume", str(root / "DDP" / "checkpoint-3")),
         "zero3_resumed": _start(
             root / "zero3_resumed",
             2,
@@ -164,13 +175,16 @@ def test_a_sharded_checkpoint_is_transformers_layout_with_every_shard_in_the_man
     assert {"model.safetensors", "pytorch_model_fsdp.bin", "optimizer.bin", "config.json"} <= full_names
 
 
-@pytest.mark.parametrize("name", ["sharded_on_1", "sharded_on_4", "full_on_1"])
+@pytest.mark.parametrize("name", ["sharded_on_1", "sharded_on_4", "full_on_1", "sharded_on_fsdp_1", "full_on_fsdp_1"])
 def test_a_checkpoint_of_2_processes_resumes_on_1_and_4_with_the_same_states(jobs, name):
     """The whole model and optimizer states the resumed run holds before its first step are the checkpoint's, bit for
-    bit: on 1 process without FSDP, and resharded onto 4; the change is said aloud; the run then trains to its end."""
+    bit: on 1 process without FSDP, with FSDP over 1 process (torchrun --nproc_per_node=1: FSDP on one rank, as
+    transformers runs it), and resharded onto 4; the change is said aloud; the run then trains to its end, sharded or
+    not as asked."""
     restored = torch.load(jobs["root"] / name / "restored.pt", weights_only=True)
-    source = jobs["full"] if name == "full_on_1" else jobs["sharded"]
-    if name == "full_on_1":
+    full_source = name.startswith("full_on")
+    source = jobs["full"] if full_source else jobs["sharded"]
+    if full_source:
         model = torch.load(source / "pytorch_model_fsdp.bin", weights_only=True)
         optimizer = _flat(torch.load(source / "optimizer.bin", weights_only=True))
     else:
@@ -183,10 +197,83 @@ def test_a_checkpoint_of_2_processes_resumes_on_1_and_4_with_the_same_states(job
     processes = 4 if name == "sharded_on_4" else 1
     log = jobs["logs"][name]
     assert f"world_size: {processes} (now) != 2 (checkpoint)" in log
-    if name != "full_on_1":
+    if not full_source:
         assert f"written by 2 process(es), read by {processes}: torch.distributed.checkpoint reshards" in log
     result = json.loads((jobs["root"] / name / "result.json").read_text())
     assert result["world_size"] == processes and result["log_history"][-1]["step"] == 6
+    assert result["sharded"] == (name not in ("sharded_on_1", "full_on_1"))  # DTensor parameters: FSDP2
+
+
+def _tiny_gpt2() -> torch.nn.Module:
+    """The job's model (``tests/jobs/sharded_job.py``), freshly initialised."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=16))
+
+
+def _position_names() -> list[str]:
+    """The parameters of the job's model in the order of the Trainer's optimizer (its groups: weight decay, then
+    none), i.e. what the positions of its ``optimizer.pt`` stand for; found without the product's conversion."""
+    model = _tiny_gpt2()
+    args = hflight.TrainingArguments("o", use_cpu=True, report_to="none")
+    optimizer = hflight.Trainer(model, args).create_optimizer()
+    names = {id(p): name for name, p in model.named_parameters()}
+    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def test_an_fsdp2_run_converts_a_ddp_checkpoint_and_continues_as_the_ddp_run(jobs):
+    """DDP's checkpoint-3 (optimizer.pt: whole states by position) resumed by FSDP2 on 2 processes: the states it holds
+    before its first step are the checkpoint's, bit for bit (each position's parameter named, the whole tensors cut to
+    each process's shard by torch's set_optimizer_state_dict); the old behaviour loaded them as plain tensors into the
+    DTensor-sharded optimizer and died in the first step ("aten._fused_adamw_.default got mixed torch.Tensor and
+    DTensor"). It then trains as the DDP run it continues: FSDP2's step is DDP's arithmetic, the gradients summed in
+    another order under accumulation and clipping (measured here: losses and gradient norms equal, weights up to
+    1.2e-6 apart after 3 steps)."""
+    from safetensors.torch import load_file
+
+    ddp = jobs["root"] / "DDP"
+    restored = torch.load(jobs["root"] / "ddp_to_fsdp2" / "restored.pt", weights_only=True)
+    weights = load_file(ddp / "checkpoint-3" / "model.safetensors")
+    assert all(torch.equal(restored["model"][k], weights[k]) for k in weights) and len(weights) >= 20
+    saved, names = torch.load(ddp / "checkpoint-3" / "optimizer.pt", weights_only=True), _position_names()
+    expected = {f"state.{names[pid]}.{key}": v for pid, entry in saved["state"].items() for key, v in entry.items()}
+    ours = _flat(restored["optimizer"])
+    assert set(ours) == set(expected) and all(torch.equal(ours[k], expected[k]) for k in expected)
+    assert json.loads((jobs["root"] / "ddp_to_fsdp2" / "result.json").read_text())["sharded"]
+    continued, uninterrupted = _history(jobs, "ddp_to_fsdp2"), _history(jobs, "DDP")
+    assert [e["step"] for e in continued] == [e["step"] for e in uninterrupted] and len(continued) == 7
+    for a, b in zip(uninterrupted[3:], continued[3:]):
+        for key in ("loss", "grad_norm", "learning_rate"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-6, abs=0), (a["step"], key)
+    ours_final, theirs = (load_file(jobs["root"] / n / "model.safetensors") for n in ("ddp_to_fsdp2", "DDP"))
+    assert all(torch.allclose(ours_final[k], theirs[k], rtol=0, atol=1e-5) for k in theirs)
+
+
+def test_deepspeed_and_the_other_forms_refuse_each_other_before_anything_is_loaded(jobs, tmp_path):
+    """DeepSpeed's partitions are read by its engine only, and its engine reads nothing else: a DDP checkpoint in a
+    DeepSpeed run, a ZeRO-3 checkpoint in a run without DeepSpeed (one process or FSDP2) stop in train() before any
+    weight is copied, naming both forms and what to do."""
+    fsdp2 = {"fsdp": True, "fsdp_config": {"state_dict_type": "SHARDED_STATE_DICT"}}
+    cases = [
+        (jobs["root"] / "DDP" / "checkpoint-3", {"deepspeed": {"zero_optimization": {"stage": 2}}},
+         r"holds a one-process/DDP checkpoint \(optimizer\.pt.*this run writes DeepSpeed's own checkpoint.*resume it "
+         r"without deepspeed"),
+        (jobs["root"] / "ZERO3" / "checkpoint-3", {},
+         r"holds DeepSpeed's own checkpoint.*this run writes a one-process/DDP checkpoint.*resume it with the "
+         r"deepspeed config it was written with.*zero_to_fp32\.py"),
+        (jobs["root"] / "ZERO3" / "checkpoint-3", fsdp2,
+         r"holds DeepSpeed's own checkpoint.*this run writes an FSDP2 SHARDED_STATE_DICT checkpoint"),
+    ]  # fmt: skip
+    for folder, settings, message in cases:
+        model = _tiny_gpt2()
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        args = hflight.TrainingArguments(str(tmp_path / "out"), max_steps=6, use_cpu=True, report_to="none", **settings)
+        data = [{"input_ids": torch.arange(16), "labels": torch.arange(16)}] * 8
+        trainer = hflight.Trainer(model, args, train_dataset=data)
+        with pytest.raises(ValueError, match=f"(?s)Checkpoint {re.escape(str(folder))}.*{message}"):
+            trainer.train(resume_from_checkpoint=str(folder))
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
 def _history(jobs: dict, name: str) -> list[dict]:
@@ -317,7 +404,11 @@ def test_fsdp_settings_that_cannot_run_are_refused_naming_the_key(settings, mess
         lightning_kwargs.strategy_for(_args(**settings), factory.cls_model())
 
 
-def test_fsdp_needs_several_processes_and_refuses_deepspeed_beside_it(factory):
+def test_fsdp_needs_a_launcher_and_refuses_deepspeed_beside_it(factory, monkeypatch):
+    """As transformers: fsdp in one process that no launcher started is refused; under torchrun with one process it
+    shards over that process (FSDP on one rank)."""
+    from hflight.sharding.fsdp import FSDP2Strategy
+
     one = hflight.TrainingArguments("o", accelerator="cpu", devices=1, fsdp=True, report_to="none")
     with pytest.raises(ValueError, match="Using fsdp only works in distributed training"):  # transformers' words
         lightning_kwargs.strategy_for(one, factory.cls_model())
@@ -325,6 +416,12 @@ def test_fsdp_needs_several_processes_and_refuses_deepspeed_beside_it(factory):
         hflight.TrainingArguments("o", fsdp=True, deepspeed={"zero_optimization": {"stage": 2}})
     with pytest.raises(ValueError, match="shard_what"):  # an fsdp string transformers does not know: its own error
         hflight.TrainingArguments("o", fsdp="shard_what")
+    torchrun_1 = {"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}  # torchrun's variables
+    for name, value in {**torchrun_1, "RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    strategy = lightning_kwargs.strategy_for(hflight.TrainingArguments("o", fsdp=True, report_to="none"),
+                                             factory.cls_model())  # fmt: skip
+    assert isinstance(strategy, FSDP2Strategy) and strategy.plan.hybrid is None
 
 
 def test_sharded_states_with_save_on_each_node_on_two_nodes_are_refused(factory):
@@ -352,4 +449,4 @@ def test_fsdp2_settings_are_transformers_normalised_ones(factory):
     layer = next(m for m in factory.cls_model().modules() if isinstance(m, BertLayer))
     assert plan.wrap(layer) and not plan.wrap(factory.cls_model())
     size = _args(fsdp=True, fsdp_config={"auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 10**9})
-    assert not strategy_settings.fsdp2_plan(size, factory.cls_model(), 2).wrap(factory.cls_model())
+    assert not plans.fsdp2_plan(size, factory.cls_model(), 2).wrap(factory.cls_model())

@@ -4,15 +4,17 @@ or resumed from a checkpoint on another number of processes (sharded or not).
     torchrun --standalone --nproc_per_node=2 tests/jobs/sharded_job.py OUT --form SHARDED_STATE_DICT
     torchrun --standalone --nproc_per_node=2 tests/jobs/sharded_job.py OUT --deepspeed ZERO3.json
     torchrun --standalone --nproc_per_node=4 tests/jobs/sharded_job.py OUT --resume CKPT
+    torchrun --standalone --nproc_per_node=1 tests/jobs/sharded_job.py OUT --resume CKPT
+    torchrun --standalone --nproc_per_node=2 tests/jobs/sharded_job.py OUT --no-fsdp
     python tests/jobs/sharded_job.py OUT --resume CKPT --no-fsdp
     torchrun --standalone --nproc_per_node=2 --max-restarts=1 tests/jobs/sharded_job.py OUT --auto \
         --fault SIGKILL,6,0,writing
 
 Training: 6 steps of 4 blocks per process (seed 0, dropout on), a checkpoint every 3 steps, then ``save_model``. Rank 0
-writes ``OUT/result.json``: the world size, the log history, and for each rank the elements of every parameter it holds
-(its local shard) and of the whole parameter. Resuming: a callback gathers, once the run restored the checkpoint and
-before its first step, the whole model and optimizer states (parameters by name) and rank 0 saves them to
-``OUT/restored.pt``; the run then trains to its end.
+writes ``OUT/result.json``: the world size, the log history, whether the parameters are sharded (DTensors), and for
+each rank the elements of every parameter it holds (its local shard) and of the whole parameter. Resuming: a callback
+gathers, once the run restored the checkpoint and before its first step, the whole model and optimizer states
+(parameters by name) and rank 0 saves them to ``OUT/restored.pt``; the run then trains to its end.
 """
 
 import argparse
@@ -26,7 +28,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback
 
 from hflight import Trainer, TrainingArguments
-from hflight.checkpoints.sharded import full_model_state, named_optimizer_state
+from hflight.checkpoints.sharded import full_model_state, is_sharded, named_optimizer_state
 
 
 def blocks(n, seed):
@@ -97,7 +99,7 @@ def main():
     elements = trainer.accelerator.world.gather_objects([local_elements(trainer.model)])
     if trainer.is_world_process_zero():
         result = {"world_size": trainer.accelerator.num_processes, "elements": elements,
-                  "log_history": trainer.state.log_history}  # fmt: skip
+                  "sharded": is_sharded(trainer.model), "log_history": trainer.state.log_history}  # fmt: skip
         with open(os.path.join(opts.out, "result.json"), "w") as handle:
             json.dump(result, handle)
     return 0

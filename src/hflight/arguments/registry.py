@@ -11,14 +11,26 @@ message saying what to install.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Protocol, TypedDict
+
+if TYPE_CHECKING:
+    from lightning.pytorch.strategies import Strategy
+    from torch import nn
+    from transformers import TrainingArguments
+
+    from hflight.arguments.deepspeed import DeepSpeedConfigResolver
 
 __all__ = [
     "BACKEND_PACKAGES",
     "DEFAULT_STRATEGIES",
-    "SHARDING_STRATEGIES",
+    "SHARDING",
     "STRATEGY_ACCELERATORS",
+    "DeepSpeedBuilder",
+    "FSDPBuilder",
+    "ProcessGroupSettings",
+    "ShardingBuilders",
     "register_backends",
 ]
 
@@ -27,9 +39,41 @@ DEFAULT_STRATEGIES: dict[str, str] = {}
 #: strategy name -> the accelerator hflight selects for it when ``accelerator="auto"`` (filled by registration).
 STRATEGY_ACCELERATORS: dict[str, str] = {}
 
-#: the sharding strategies for transformers' ``fsdp``/``deepspeed`` arguments: name -> builder(settings, process-group
-#: settings) -> a Lightning strategy (filled by ``hflight.sharding.registration``).
-SHARDING_STRATEGIES: dict[str, Callable[..., Any]] = {}
+
+class ProcessGroupSettings(TypedDict, total=False):
+    """``ddp_backend`` and ``ddp_timeout`` as the keyword arguments of Lightning's DDP, FSDP and DeepSpeed strategies
+    (only those the arguments set)."""
+
+    process_group_backend: str
+    timeout: timedelta
+
+
+class FSDPBuilder(Protocol):
+    """Builds the strategy for ``fsdp``/``fsdp_config`` (FSDP2, or FSDP1 for ``version`` 1) from the checked
+    arguments, the model its plan names layers of, and the number of processes the run spans."""
+
+    def __call__(
+        self, args: TrainingArguments, model: nn.Module, world_size: int, process_group: ProcessGroupSettings
+    ) -> Strategy: ...
+
+
+class DeepSpeedBuilder(Protocol):
+    """Builds the strategy for ``deepspeed`` from the config resolved from the arguments."""
+
+    def __call__(self, resolver: DeepSpeedConfigResolver, process_group: ProcessGroupSettings) -> Strategy: ...
+
+
+@dataclass
+class ShardingBuilders:
+    """The builders of the sharding strategies for transformers' ``fsdp`` and ``deepspeed`` arguments (set by
+    ``hflight.sharding.registration``; the arguments never import ``hflight.sharding``)."""
+
+    fsdp: FSDPBuilder | None = None
+    deepspeed: DeepSpeedBuilder | None = None
+
+
+#: the sharding strategies' builders (filled by registration).
+SHARDING = ShardingBuilders()
 
 #: hflight's backend modules; each has ``register(accelerator_registry, strategy_registry)``.
 BACKEND_PACKAGES: tuple[str, ...] = (

@@ -58,12 +58,12 @@ from hflight.checkpoints.sharded import (
     FSDP_OPTIMIZER_DIR,
     FSDP_OPTIMIZER_FILE,
     OPTIMIZER_KEY,
+    DeepSpeedState,
     deepspeed_tag,
     is_dcp_folder,
-    load_dcp_optimizer,
     read_metadata,
-    set_named_optimizer_state,
     tensor_shapes,
+    written_form,
 )
 from hflight.checkpoints.weights import CONFIG_FILES, TRAINING_ARGS_NAME, is_weight_file, refused_pickle
 from hflight.surface import RunView, TrainerSurface
@@ -335,7 +335,7 @@ def read_training_states(
 
 
 #: the form of an optimizer that DeepSpeed's engine reads itself (``global_step<N>/``)
-DEEPSPEED_FORM = "deepspeed"
+DEEPSPEED_FORM = DeepSpeedState.found_as
 
 
 def optimizer_form(folder: str | os.PathLike) -> str | None:
@@ -374,18 +374,12 @@ _GROUP_PARAMS_RE = re.compile(rf"^{OPTIMIZER_KEY}\.param_groups\.\d+\.params$")
 
 
 def _restore_optimizer_state(facade: TrainerSurface, run: RunView, folder: str, form: str, saved: Any) -> None:
-    """``saved`` (what :func:`_read_optimizer` read) into the run's optimizer, as the form holds it: by position, by
-    name (whole tensors, cut to the run's shards), resharded from the distributed checkpoint, or by the run's engine
-    (DeepSpeed's, with the weights)."""
-    if form == DEEPSPEED_FORM:
-        run.backend.hf_checkpoint_state().restore(Path(saved))
-    elif form == OPTIMIZER_NAME:
-        check_training_states(folder, {form: saved}, {form: facade.optimizer}, {})
-        facade.optimizer.load_state_dict(saved)
-    elif form == FSDP_OPTIMIZER_FILE:
-        set_named_optimizer_state(facade.model, facade.optimizer, saved, full=True)
-    else:
-        load_dcp_optimizer(Path(saved), facade.model, facade.optimizer)
+    """``saved`` (what :func:`_read_optimizer` read) into the run's optimizer, as its form reads it into a run of this
+    kind (``hflight.checkpoints.sharded``: by position, by name, resharded from the distributed checkpoint, converted
+    to the run's shards, or by the run's engine)."""
+    written = written_form(form)
+    assert written is not None, form  # optimizer_form() names a form
+    written.load_optimizer(Path(folder), saved, facade.model, facade.optimizer, run.backend.hf_checkpoint_state())
 
 
 def parameter_names(model: torch.nn.Module) -> dict[int, str]:

@@ -42,6 +42,7 @@ from hflight.checkpoints.parts import (
     read_training_states,
     rebuilt_callbacks,
 )
+from hflight.checkpoints.sharded import planned_form, written_form
 from hflight.checkpoints.weights import checked_weights, load_model_weights
 from hflight.surface import RunView, TrainerSurface, weight_hooks
 
@@ -136,13 +137,11 @@ def _resume_from(facade: TrainerSurface, folder: Path, manifest: dict[str, Any] 
         state.best_model_checkpoint, facade.args.output_dir, where, folder
     )
     model_only = _is_model_only(folder, manifest)
-    engine_reads = optimizer_form(folder) == DEEPSPEED_FORM and not model_only
-    if engine_reads and not facade.args.deepspeed:
-        raise ValueError(
-            f"Checkpoint {folder} holds DeepSpeed's own checkpoint, whose optimizer partitions only a DeepSpeed run "
-            "reads: resume it with the deepspeed config it was written with (or from a checkpoint written without "
-            "DeepSpeed)."
-        )
+    written = None if model_only else written_form(optimizer_form(folder))
+    refusal = planned_form(facade.args).refusal(written, folder) if written is not None else None
+    if refusal is not None:  # an optimizer this run cannot convert: refused before anything is loaded
+        raise ValueError(refusal)
+    engine_reads = written is not None and written.engine is not None
     if not engine_reads:  # DeepSpeed's engine restores the weights with the optimizer, once it is built
         checked_weights(facade.model, folder)  # refused here, before anything changes, if they do not fit
     training_states = {} if model_only else read_training_states(facade, folder, manifest, state)

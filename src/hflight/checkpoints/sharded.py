@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from hflight.checkpoints.files import UnsafeCheckpointFile
+from hflight.checkpoints.optim_state import OPTIMIZER_NAME, check_training_states
 
 logger = logging.getLogger(__name__)
 
@@ -286,18 +287,60 @@ class ProcessZeroState:
     main process, its parameters by position (what transformers writes outside FSDP and DeepSpeed).
 
     ``rank0_only``: gathered states go to global rank 0 alone (False: to every process, for ``save_on_each_node``,
-    where the main process of every node writes)."""
+    where the main process of every node writes).
+
+    Each form also knows how a run of any kind reads it (:meth:`load_optimizer`: converted to the run's sharding through
+    torch's distributed state-dict API) and which checkpoints its own runs can continue (:meth:`refusal`)."""
 
     #: the form's optimizer file or folder (and its model files beside ``save_model``'s)
-    optimizer_name = "optimizer.pt"
+    optimizer_name = OPTIMIZER_NAME
     model_names: tuple[str, ...] = ()
     #: whether a checkpoint holds ``save_model``'s files (weights, config, processing class, ``training_args.bin``)
     with_model_files = True
     #: whether :meth:`write` writes through its ``save`` argument (so that ``save_async`` can write in the background)
     deferrable = True
+    #: the form in messages
+    label = "a one-process/DDP checkpoint (optimizer.pt: the optimizer's states by parameter position)"
+    #: the name ``hflight.checkpoints.parts.optimizer_form`` finds the form's optimizer under
+    found_as = OPTIMIZER_NAME
+    #: the engine that alone reads the form's optimizer (DeepSpeed's partitions); None: hflight reads it into a run of
+    #: any sharding without such an engine, converting it
+    engine: str | None = None
+    #: with an ``engine``: what to do with a checkpoint of this form in a run without it, and with another form's
+    #: checkpoint in a run with it
+    advice_to_other_runs = advice_to_other_checkpoints = ""
 
     def __init__(self, rank0_only: bool = True) -> None:
         self.rank0_only = rank0_only
+
+    @classmethod
+    def written_by(cls, args: Any) -> bool:
+        """Whether a run of ``args`` (transformers' arguments) writes this form (:data:`FORMS` is asked in order)."""
+        return True
+
+    @classmethod
+    def refusal(cls, written: type[ProcessZeroState], folder: Path) -> str | None:
+        """Why a run writing this form cannot continue the optimizer of ``folder``, a checkpoint of the form
+        ``written``; None when it can (converting it to its own sharding where needed). An optimizer that only an
+        engine reads (DeepSpeed's partitions) goes to a run of that engine, and such a run reads nothing else."""
+        if written.engine == cls.engine:
+            return None
+        advice = written.advice_to_other_runs if written.engine else cls.advice_to_other_checkpoints
+        return f"Checkpoint {folder} holds {written.label}; this run writes {cls.label}. {advice}"
+
+    @classmethod
+    def load_optimizer(
+        cls, folder: Path, saved: Any, model: nn.Module, optimizer: torch.optim.Optimizer, run_form: ProcessZeroState
+    ) -> None:
+        """``saved`` (this form's optimizer as the resume read it: ``optimizer.pt``'s content) into the run's
+        ``optimizer``, checked against it first: as it is into an unsharded model (one process, DDP); into a sharded one
+        (FSDP2: DTensor parameters) with its positions turned into the parameters' names, each whole tensor cut to the
+        process's shard (``set_optimizer_state_dict(full_state_dict=True)``)."""
+        check_training_states(folder, {cls.optimizer_name: saved}, {cls.optimizer_name: optimizer}, {})
+        if is_sharded(model):
+            set_named_optimizer_state(model, optimizer, by_name(saved, model, optimizer), full=True)
+        else:
+            optimizer.load_state_dict(saved)
 
     def full_model_state(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
         """The whole state dict ``save_model`` writes (collective; None: the model's own ``state_dict()``)."""
@@ -306,11 +349,7 @@ class ProcessZeroState:
     def restore(self, folder: Path, module_only: bool = False) -> None:
         """A checkpoint the run's engine reads itself (DeepSpeed's); forms hflight reads (weights files, optimizer
         files or distributed-checkpoint folders) never come here."""
-        raise ValueError(
-            f"{folder} holds DeepSpeed's own checkpoint ({deepspeed_tag(folder)}/), whose optimizer partitions only a "
-            "DeepSpeed run reads: resume it with the deepspeed config it was written with, or from a checkpoint "
-            "written without DeepSpeed."
-        )
+        raise ValueError(type(self).refusal(DeepSpeedState, folder))
 
     def write(
         self, folder: str, model: nn.Module, optimizer: torch.optim.Optimizer, is_main: bool, save: Any = torch.save
@@ -327,8 +366,23 @@ class GatheredState(ProcessZeroState):
     """``FULL_STATE_DICT``: the whole model (``pytorch_model_fsdp.bin``) and optimizer (``optimizer.bin``, parameters by
     name) gathered onto the main process and written by it, beside ``save_model``'s ``model.safetensors``."""
 
-    optimizer_name = FSDP_OPTIMIZER_FILE
+    optimizer_name = found_as = FSDP_OPTIMIZER_FILE
     model_names = (FSDP_MODEL_FILE,)
+    label = (
+        "an FSDP2 FULL_STATE_DICT checkpoint (optimizer.bin: the optimizer's whole states by parameter name; "
+        "pytorch_model_fsdp.bin)"
+    )
+
+    @classmethod
+    def written_by(cls, args: Any) -> bool:
+        return bool(args.fsdp)
+
+    @classmethod
+    def load_optimizer(
+        cls, folder: Path, saved: Any, model: nn.Module, optimizer: torch.optim.Optimizer, run_form: ProcessZeroState
+    ) -> None:
+        """Whole states by name, cut to the run's shards (or taken whole by an unsharded run)."""
+        set_named_optimizer_state(model, optimizer, saved, full=True)
 
     def write(
         self, folder: str, model: nn.Module, optimizer: torch.optim.Optimizer, is_main: bool, save: Any = torch.save
@@ -346,10 +400,26 @@ class ShardedState(ProcessZeroState):
     """``SHARDED_STATE_DICT``: each process writes its own shards of the model (``pytorch_model_fsdp_0/``) and the
     optimizer (``optimizer_0/``) with ``torch.distributed.checkpoint``; no whole copy is made anywhere."""
 
-    optimizer_name = FSDP_OPTIMIZER_DIR
+    optimizer_name = found_as = FSDP_OPTIMIZER_DIR
     model_names = (FSDP_MODEL_DIR,)
+    label = (
+        "an FSDP2 SHARDED_STATE_DICT checkpoint (optimizer_0/ and pytorch_model_fsdp_0/: torch.distributed.checkpoint "
+        "shards)"
+    )
     with_model_files = False  # as transformers: the shards are the model; save_model() still gathers a whole copy
     deferrable = False  # every process writes through torch.distributed.checkpoint, a collective
+
+    @classmethod
+    def written_by(cls, args: Any) -> bool:
+        state_dict_type = str((args.fsdp_plugin_args or {}).get("state_dict_type", "")).upper()
+        return bool(args.fsdp) and state_dict_type == "SHARDED_STATE_DICT"
+
+    @classmethod
+    def load_optimizer(
+        cls, folder: Path, saved: Any, model: nn.Module, optimizer: torch.optim.Optimizer, run_form: ProcessZeroState
+    ) -> None:
+        """The folder's shards resharded onto the run's processes (whole tensors for an unsharded run)."""
+        load_dcp_optimizer(Path(saved), model, optimizer)
 
     def write(
         self, folder: str, model: nn.Module, optimizer: torch.optim.Optimizer, is_main: bool, save: Any = torch.save
@@ -390,6 +460,35 @@ class DeepSpeedState(ProcessZeroState):
     and points to ``zero_to_fp32.py``)."""
 
     optimizer_name = DEEPSPEED_TAG_PREFIX
+    found_as = engine = "deepspeed"
+    label = (
+        "DeepSpeed's own checkpoint (global_step<N>/: each process's ZeRO partitions of the weights and optimizer "
+        "states)"
+    )
+    advice_to_other_runs = (
+        "Only DeepSpeed's engine reads its optimizer partitions: resume it with the deepspeed config it was written "
+        "with, on the number of processes that wrote it (the partitions do not reshard on load; DeepSpeed's "
+        "ds_to_universal conversion makes a checkpoint that DeepSpeed alone reads), or start this run from its weights "
+        "with a fresh optimizer (zero_to_fp32.py in the folder rebuilds them; model.safetensors where they were "
+        "gathered), without resume_from_checkpoint."
+    )
+    advice_to_other_checkpoints = (
+        "DeepSpeed's engine restores only its own checkpoints, and hflight does not turn other optimizer states into "
+        "ZeRO partitions: resume it without deepspeed (hflight reads it on any number of processes, with FSDP2 or "
+        "without), or start the DeepSpeed run from its weights with a fresh optimizer (the model loaded from them), "
+        "without resume_from_checkpoint."
+    )
+
+    @classmethod
+    def written_by(cls, args: Any) -> bool:
+        return bool(args.deepspeed)
+
+    @classmethod
+    def load_optimizer(
+        cls, folder: Path, saved: Any, model: nn.Module, optimizer: torch.optim.Optimizer, run_form: ProcessZeroState
+    ) -> None:
+        """Read by the run's engine (a DeepSpeed run's form), with the weights: every process its partitions."""
+        run_form.restore(Path(saved))
 
     def __init__(self, engine: Any, config: dict[str, Any]) -> None:
         super().__init__()
@@ -493,3 +592,35 @@ def deepspeed_tag(folder: Path) -> str | None:
         return None
     tag = latest.read_text(encoding="utf-8").strip()
     return tag if tag.startswith(DEEPSPEED_TAG_PREFIX) and (folder / tag).is_dir() else None
+
+
+# ---- the forms, as a resume finds them ------------------------------------------------------------------------------
+#: every form, in the order a run's arguments are matched against them (:func:`planned_form`)
+FORMS: tuple[type[ProcessZeroState], ...] = (DeepSpeedState, ShardedState, GatheredState, ProcessZeroState)
+
+
+def written_form(found: str | None) -> type[ProcessZeroState] | None:
+    """The form of a checkpoint's optimizer, from the name ``hflight.checkpoints.parts.optimizer_form`` found it under
+    (None: the checkpoint holds no optimizer)."""
+    return next((form for form in FORMS if form.found_as == found), None)
+
+
+def planned_form(args: Any) -> type[ProcessZeroState]:
+    """The form a run of ``args`` (transformers' arguments) writes, known before its strategy is built: what it can
+    resume is asked of it (:meth:`ProcessZeroState.refusal`) before anything is loaded."""
+    return next(form for form in FORMS if form.written_by(args))
+
+
+def by_name(saved: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """An optimizer state by position (``optimizer.state_dict()``: parameters numbered across the groups in order) as
+    torch's distributed state-dict API takes it: each position replaced by the name the API gives the run optimizer's
+    parameter at that position (its own ``param_groups``, so wrappers such as activation checkpointing's are named as
+    it names them)."""
+    names = [name for group in named_optimizer_state(model, optimizer, full=False)["param_groups"]
+             for name in group["params"]]  # fmt: skip
+    positions = [position for group in saved["param_groups"] for position in group["params"]]
+    named = dict(zip(positions, names, strict=True))
+    return {
+        "state": {named[position]: entry for position, entry in saved["state"].items()},
+        "param_groups": [{**group, "params": [named[p] for p in group["params"]]} for group in saved["param_groups"]],
+    }

@@ -58,6 +58,11 @@ class HFBackend:
         accumulation = args.gradient_accumulation_steps
         return StepGeometry(accumulation, batch_size * accumulation * world_size)
 
+    def hf_run_planned(self, args: Any, model: torch.nn.Module, num_training_steps: int) -> None:
+        """Once a fit knows its length (``num_training_steps`` optimizer steps; the loaders built, the model not set
+        up by the strategy yet): a backend whose configuration needs the model or the run's length completes it here
+        (DeepSpeed's ``"auto"`` values)."""
+
     def hf_prepare_loader(self, loader: Any, training: bool) -> Any:
         """The loader the loop iterates (a backend may re-batch it, e.g. into poptorch's combined batches)."""
         return loader

@@ -38,7 +38,6 @@ from typing import Any
 import torch
 from transformers.trainer_utils import SaveStrategy, TrainOutput, speed_metrics
 
-from hflight.arguments.strategies import finalize_deepspeed
 from hflight.callbacks.hooks import new_trainer_state
 from hflight.checkpoints import folders, parts, resume
 from hflight.checkpoints.manifest import PREFIX
@@ -90,7 +89,7 @@ class TrainingLoop:
         # transformers' override point, at its moment (the loader built, nothing trained): the run's arithmetic
         values = facade.set_initial_training_values(facade.args, loader)
         self.plan = plan = TrainingPlan(*values, accumulation=datamodule.geometry.accumulation)
-        finalize_deepspeed(run.lightning_trainer.strategy, facade.args, facade.model, plan.max_steps)
+        run.backend.hf_run_planned(facade.args, facade.model, plan.max_steps)
         facade.state = new_trainer_state(
             facade.callback_handler.callbacks,
             facade.control,

@@ -29,6 +29,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from typing_extensions import override
 
+from hflight.arguments.deepspeed import DeepSpeedConfigResolver
 from hflight.checkpoints.sharded import DeepSpeedState, ProcessZeroState
 from hflight.run.backend import HFBackend
 
@@ -46,7 +47,7 @@ class HFDeepSpeedStrategy(DeepSpeedStrategy, HFBackend):
 
     strategy_name = "hflight_deepspeed"
 
-    def __init__(self, resolver: Any, **process_group: Any) -> None:
+    def __init__(self, resolver: DeepSpeedConfigResolver, **process_group: Any) -> None:
         super().__init__(config=resolver.config, **process_group)
         self.hf_deepspeed_resolver = resolver
 
@@ -125,6 +126,12 @@ class HFDeepSpeedStrategy(DeepSpeedStrategy, HFBackend):
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     # ---- HFBackend ------------------------------------------------------------------------------------------------
+    @override
+    def hf_run_planned(self, args: Any, model: torch.nn.Module, num_training_steps: int) -> None:
+        """The config's values that need the model and the run's length (ZeRO buckets from the hidden size, the
+        scheduler's steps), filled in place before Lightning builds the engine, as transformers fills them."""
+        self.hf_deepspeed_resolver.finalize(args, model, num_training_steps)
+
     @override
     @contextlib.contextmanager
     def hf_micro_batch(self, strategy: Any, last: bool) -> Iterator[None]:

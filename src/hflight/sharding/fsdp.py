@@ -35,16 +35,16 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from typing_extensions import override
 
-from hflight.arguments.strategies import FSDP2Plan
 from hflight.checkpoints.sharded import GatheredState, ProcessZeroState, ShardedState
 from hflight.run.backend import HFBackend
+from hflight.sharding.plans import FSDP2Plan, WrapPolicy
 
 
 class FSDP2Strategy(ModelParallelStrategy, HFBackend):
     """Lightning's ``ModelParallelStrategy`` with transformers' FSDP2 sharding (see the module docstring).
 
     Args:
-        plan: what to shard and how (``hflight.arguments.strategies.fsdp2_plan``).
+        plan: what to shard and how (``hflight.sharding.plans.fsdp2_plan``).
         process_group_backend: ``ddp_backend`` (default: NCCL on CUDA, gloo on the CPU).
         timeout: ``ddp_timeout``.
     """
@@ -152,7 +152,7 @@ def _bottom_up(model: nn.Module) -> list[nn.Module]:
     return list(dict.fromkeys(order))
 
 
-def _checkpoint_units(model: nn.Module, wrap: Any) -> None:
+def _checkpoint_units(model: nn.Module, wrap: WrapPolicy) -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     names = {id(m): name for name, m in model.named_modules()}

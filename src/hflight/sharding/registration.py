@@ -1,24 +1,46 @@
-"""Registers the sharding strategies with the arguments (their builders; nothing is imported until one is built)."""
+"""Registers the sharding strategies' builders with the arguments (``hflight.arguments.registry.SHARDING``); nothing
+heavy is imported until one is built."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lightning.pytorch.strategies import Strategy
+    from torch import nn
+    from transformers import TrainingArguments
+
+    from hflight.arguments.deepspeed import DeepSpeedConfigResolver
+    from hflight.arguments.registry import ProcessGroupSettings
 
 
-def _fsdp2(plan: Any, process_group: dict[str, Any]) -> Any:
-    from hflight.sharding.fsdp import FSDP2Strategy
+def build_fsdp(
+    args: TrainingArguments, model: nn.Module, world_size: int, process_group: ProcessGroupSettings
+) -> Strategy:
+    """``fsdp``/``fsdp_config`` (checked by the arguments): FSDP2's strategy on its plan (``version`` 2), or
+    Lightning's ``FSDPStrategy`` on FSDP1's settings (``version`` 1, CUDA only)."""
+    from hflight.sharding import plans
 
-    return FSDP2Strategy(plan, **process_group)
+    if args.fsdp_plugin_args["fsdp_version"] == 2:
+        from hflight.sharding.fsdp import FSDP2Strategy
+
+        return FSDP2Strategy(plans.fsdp2_plan(args, model, world_size), **process_group)
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    return FSDPStrategy(**plans.fsdp1_plan(args, model, process_group).strategy_kwargs())
 
 
-def _deepspeed(resolver: Any, process_group: dict[str, Any]) -> Any:
+def build_deepspeed(resolver: DeepSpeedConfigResolver, process_group: ProcessGroupSettings) -> Strategy:
+    """``deepspeed``: hflight's DeepSpeed strategy on the config resolved from the arguments."""
     from hflight.sharding.deepspeed import HFDeepSpeedStrategy
 
     return HFDeepSpeedStrategy(resolver, **process_group)
 
 
 def register(accelerator_registry: Any, strategy_registry: Any) -> None:
-    from hflight.arguments.registry import SHARDING_STRATEGIES
+    from hflight.arguments.registry import SHARDING
 
-    SHARDING_STRATEGIES.setdefault("fsdp2", _fsdp2)
-    SHARDING_STRATEGIES.setdefault("deepspeed", _deepspeed)
+    if SHARDING.fsdp is None:
+        SHARDING.fsdp = build_fsdp
+    if SHARDING.deepspeed is None:
+        SHARDING.deepspeed = build_deepspeed
