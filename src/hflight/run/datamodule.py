@@ -27,10 +27,16 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
+from torch.utils.data import IterableDataset
 
 from hflight.checkpoints.parts import rng_states
 from hflight.run.backend import StepGeometry, backend_of
-from hflight.run.loaders import EpochSeededRandomSampler, ShardedBatchSampler, shard_loader  # noqa: F401 (their former home)
+from hflight.run.loaders import (  # noqa: F401 (EpochSeededRandomSampler, ShardedBatchSampler: their former home)
+    EpochSeededRandomSampler,
+    ShardedBatchSampler,
+    check_even_shards,
+    shard_loader,
+)
 from hflight.surface import RunView, TrainerSurface
 
 
@@ -179,6 +185,22 @@ class HFDataModule(L.LightningDataModule):
             epoch_fn=lambda: self.run.epochs_offset + self.trainer.current_epoch,
             sync_each_batch=bool(accumulation_setting(facade.args, "sync_each_batch")),
         )
+        self._check_evaluation_shards()
+
+    def _check_evaluation_shards(self) -> None:
+        """``even_batches=False``: the evaluations during training (``eval_strategy``) are checked before it starts
+        (``check_even_shards``), not when the first one comes."""
+        args, processes = self.facade.args, self.trainer.world_size
+        if processes == 1 or accelerate_setting(args, "even_batches") is not False or args.eval_strategy == "no":
+            return
+        if accelerate_setting(args, "dispatch_batches"):  # dispatched batches are always even
+            return
+        evaluated = self.facade.eval_dataset
+        for dataset in evaluated.values() if isinstance(evaluated, dict) else [evaluated]:
+            if dataset is not None and not isinstance(dataset, IterableDataset) and hasattr(dataset, "__len__"):
+                split = bool(accelerate_setting(args, "split_batches"))
+                check_even_shards(len(dataset), args.eval_batch_size, args.dataloader_drop_last, processes, split,
+                                  training=False)  # fmt: skip
 
     def resume_at(
         self,

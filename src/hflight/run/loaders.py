@@ -281,21 +281,26 @@ def uneven_shards(samples: int, batch_size: int, drop_last: bool, processes: int
 
 
 def check_even(loader: Any, training: bool) -> None:
-    """``even_batches=False`` where the processes would get different numbers of batches (their gradient
-    synchronisations or gatherings would not pair: transformers' processes hang or abort), or, in an evaluation,
-    last batches of different sizes (accelerate's ``gather`` aborts the processes): a ``ValueError`` naming it."""
+    """:func:`check_even_shards` for a loader dealt by a :class:`ShardedBatchSampler` with ``even_batches=False``."""
     batches = getattr(loader, "batch_sampler", None)
     if not isinstance(batches, ShardedBatchSampler) or batches.even_batches or batches.batch_size is None:
         return
-    shards = uneven_shards(len(batches.sampler), batches.batch_size, batches.drop_last, batches.num_replicas,
-                           batches.split_batches)  # fmt: skip
+    check_even_shards(len(batches.sampler), batches.batch_size, batches.drop_last, batches.num_replicas,
+                      batches.split_batches, training)  # fmt: skip
+
+
+def check_even_shards(samples: int, batch_size: int, drop_last: bool, processes: int, split: bool, training: bool):
+    """``even_batches=False`` where the processes would get different numbers of batches (their gradient
+    synchronisations or gatherings would not pair: transformers' processes hang or abort), or, in an evaluation,
+    last batches of different sizes (accelerate's ``gather`` aborts the processes): a ``ValueError`` naming it."""
+    shards = uneven_shards(samples, batch_size, drop_last, processes, split)
     counts, sizes = {count for count, _ in shards}, {size for _, size in shards}
     if len(counts) == 1 and (training or len(sizes) == 1):
         return
     what = "training" if training else "evaluation"
     raise ValueError(
-        f"accelerator_config['even_batches']=False: {len(batches.sampler)} samples in batches of {batches.batch_size} "
-        f"on {batches.num_replicas} processes give them (batches, size of the last) {shards}; the {what} "
+        f"accelerator_config['even_batches']=False: {samples} samples in batches of {batch_size} on {processes} "
+        f"processes give them (batches, size of the last) {shards}; the {what} "
         f"{'synchronises gradients' if training else 'gathers every batch'} across the processes, which needs "
         f"{'as many batches' if training else 'batches of one size'} on each (transformers' processes hang or abort "
         "there). Set even_batches=True (the last batches are completed from the start, as by default), or "
@@ -642,9 +647,12 @@ def prepare_loader(
             split_batches=sharding.split_batches, even_batches=sharding.even_batches, batch_sampler=batch_sampler,
         )  # fmt: skip
     settings = _settings(loader)
-    return ShardedLoader(
-        dataset, prepared_from=prepared_from, generator_to_share=shared, batch_sampler=batch_sampler, **settings
-    )
+    if type(batch_sampler) is BatchSampler:  # one process: batched as given (the loader keeps its batch_size)
+        batching = {"batch_size": batch_sampler.batch_size, "sampler": batch_sampler.sampler,
+                    "drop_last": batch_sampler.drop_last}  # fmt: skip
+    else:
+        batching = {"batch_sampler": batch_sampler}
+    return ShardedLoader(dataset, prepared_from=prepared_from, generator_to_share=shared, **batching, **settings)
 
 
 def _with_sampler(batch_sampler: Any, sampler: Any) -> Any:
