@@ -18,7 +18,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -46,6 +45,7 @@ from . import dropin  # noqa: E402
 
 JOB = Path(__file__).parent / "jobs" / "accelcfg_job.py"
 RUNS = ("configured_state", "split_uneven", "dispatch", "iterable")
+LIBRARIES = ("transformers", "hflight")
 TIMINGS = ("_runtime", "_per_second", "_preparation_time")
 
 
@@ -72,9 +72,9 @@ def test_batches_are_dealt_as_accelerates_batch_sampler_shard(split, even, drop_
                                        split_batches=split, even_batches=even)  # fmt: skip
             assert list(ours) == list(theirs), (n, size, processes, rank)
             assert len(ours) == len(theirs), (n, size, processes, rank)
-        if not even and n:
-            dealt = [list(ShardedBatchSampler(SequentialSampler(range(n)), size, drop_last, processes, r,
-                                              split_batches=split, even_batches=False)) for r in range(processes)]  # fmt: skip
+        if not even:
+            dealt = [list(BatchSamplerShard(batches, processes, r, split_batches=split, even_batches=False))
+                     for r in range(processes)]  # fmt: skip
             expected = [(len(d), len(d[-1]) if d else 0) for d in dealt]
             assert uneven_shards(n, size, drop_last, processes, split) == expected, (n, size, processes)
 
@@ -136,7 +136,8 @@ def test_dispatched_batches_are_cut_as_accelerates_dispatcher(monkeypatch, n, si
     seen = []
     for rank in (0, 1):
         broadcast.rank = rank
-        loader = prepare_loader(DataLoader(data, batch_size=size), 2, rank, LoaderSharding(split, dispatch_batches=True))
+        sharding = LoaderSharding(split, dispatch_batches=True)
+        loader = prepare_loader(DataLoader(data, batch_size=size), 2, rank, sharding)
         assert isinstance(loader, DispatchedLoader) and loader.reads_ahead
         seen.append([batch.tolist() for batch in loader])
         assert len(loader) == len(seen[-1])
@@ -152,9 +153,10 @@ def test_random_samplers_get_accelerates_generators():
     assert isinstance(seeded.batch_sampler.sampler, EpochSeededRandomSampler)
     assert seeded.batch_sampler.sampler.seed == 5
     plain = RandomSampler(data)
-    loader = prepare_loader(DataLoader(data, sampler=plain), 2, 1, LoaderSharding(use_seedable_sampler=False))
+    torch_sampler = LoaderSharding(use_seedable_sampler=False)
+    loader = prepare_loader(DataLoader(data, sampler=plain), 2, 1, torch_sampler)
     assert plain.generator is not None and loader.generator_to_share is plain.generator
-    one = prepare_loader(DataLoader(data, sampler=RandomSampler(data)), 1, 0, LoaderSharding(use_seedable_sampler=False))
+    one = prepare_loader(DataLoader(data, sampler=RandomSampler(data)), 1, 0, torch_sampler)
     assert one.batch_sampler.sampler.generator is None  # one process: torch's sampler as it is
 
 
@@ -175,6 +177,14 @@ def test_uneven_batches_that_would_hang_the_processes_are_refused_naming_the_set
 
 
 # ---- input forms and errors, as transformers' TrainingArguments -------------------------------------------------
+def _trainers(model=None, **kwargs):
+    """transformers' Trainer and hflight's on :func:`_both`'s arguments (a tiny BERT classifier by default)."""
+    from .conftest import Factory
+
+    return [cls(model() if model else Factory.cls_model(), args, train_dataset=Factory.cls_dataset(8))
+            for cls, args in zip((transformers.Trainer, hflight.Trainer), _both(**kwargs))]  # fmt: skip
+
+
 def _both(**kwargs):
     """transformers' and hflight's arguments, each from its own copy of ``kwargs`` (transformers' Trainer writes into
     ``gradient_accumulation_kwargs``)."""
@@ -226,15 +236,13 @@ def test_gradient_accumulation_kwargs_as_transformers(tmp_path, factory):
     """``num_steps`` becomes ``gradient_accumulation_steps`` when the Trainer is built (with it set above 1 as well,
     transformers' error); the plugin's kwargs read back as transformers' accelerator has them."""
     kwargs = {"num_steps": 3, "adjust_scheduler": False, "sync_with_dataloader": False, "sync_each_batch": True}
-    trainers = [cls(factory.cls_model(), args) for cls, args in
-                zip((transformers.Trainer, hflight.Trainer), _both(accelerator_config={"gradient_accumulation_kwargs": dict(kwargs)}))]  # fmt: skip
-    theirs, ours = trainers
+    theirs, ours = _trainers(accelerator_config={"gradient_accumulation_kwargs": kwargs})
     assert ours.args.gradient_accumulation_steps == theirs.args.gradient_accumulation_steps == 3
     assert ours.accelerator.gradient_state.plugin_kwargs == theirs.accelerator.gradient_state.plugin_kwargs
     for name in ("num_steps", "adjust_scheduler", "sync_with_dataloader"):
         assert getattr(ours.accelerator.gradient_state, name) == getattr(theirs.accelerator.gradient_state, name)
-    for cls, args in zip((transformers.Trainer, hflight.Trainer),
-                         _both(gradient_accumulation_steps=2, accelerator_config={"gradient_accumulation_kwargs": {"num_steps": 4}})):  # fmt: skip
+    both = _both(gradient_accumulation_steps=2, accelerator_config={"gradient_accumulation_kwargs": {"num_steps": 4}})
+    for cls, args in zip((transformers.Trainer, hflight.Trainer), both):
         with pytest.raises(ValueError, match="The `AcceleratorConfig`'s `num_steps` is set but"):
             cls(factory.cls_model(), args)
 
@@ -242,7 +250,8 @@ def test_gradient_accumulation_kwargs_as_transformers(tmp_path, factory):
 def test_use_configured_state_uses_the_state_made_before_or_raises_as_transformers(fresh_accelerate_state):
     """No accelerate state: transformers' ``ValueError``. An ``Accelerator``/``PartialState`` made first: the
     arguments run on its device and ``trainer.accelerator.state`` is it (once the setting was dropped silently). With
-    ``deepspeed`` set and a state not made for DeepSpeed: transformers' ``RuntimeError``."""
+    ``deepspeed`` set and a state not made for DeepSpeed: transformers' ``RuntimeError``; an ``Accelerator`` made with
+    another mixed precision: accelerate's ``ValueError`` when the Trainer is built."""
     for args_cls in (transformers.TrainingArguments, hflight.TrainingArguments):
         with pytest.raises(ValueError, match="requires a pre-configured `AcceleratorState` or `PartialState`"):
             args_cls(output_dir="out", accelerator_config={"use_configured_state": True})
@@ -252,9 +261,15 @@ def test_use_configured_state_uses_the_state_made_before_or_raises_as_transforme
     assert ours.device == theirs.device == state.device and ours.accelerator == "cpu"
     trainer = hflight.Trainer(torch.nn.Linear(2, 1), ours)
     assert trainer.accelerator.state is ours.distributed_state and trainer.accelerator.state.num_processes == 1
+    deepspeed = {"zero_optimization": {"stage": 0}, "train_batch_size": "auto"}
     with pytest.raises(RuntimeError, match="not initialized for DeepSpeed"):
-        hflight.TrainingArguments(accelerator_config={"use_configured_state": True},
-                                  deepspeed={"zero_optimization": {"stage": 0}, "train_batch_size": "auto"})  # fmt: skip
+        hflight.TrainingArguments(accelerator_config={"use_configured_state": True}, deepspeed=deepspeed)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    accelerate.Accelerator(mixed_precision="bf16", cpu=True)  # a state whose precision the arguments do not ask for
+    with pytest.raises(ValueError, match="AcceleratorState has already been initialized and cannot be changed"):
+        _trainers(lambda: torch.nn.Linear(2, 1), accelerator_config={"use_configured_state": True})
+    with pytest.raises(ValueError, match="AcceleratorState has already been initialized and cannot be changed"):
+        hflight.Trainer(torch.nn.Linear(2, 1), _both(accelerator_config={"use_configured_state": True})[1])
 
 
 def test_one_process_without_the_seedable_sampler_draws_as_transformers(tmp_path, factory):
@@ -263,8 +278,8 @@ def test_one_process_without_the_seedable_sampler_draws_as_transformers(tmp_path
     losses = {}
     for cls, args_cls in ((transformers.Trainer, transformers.TrainingArguments),
                           (hflight.Trainer, hflight.TrainingArguments)):  # fmt: skip
-        args = args_cls(str(tmp_path / cls.__module__), **factory.pair_args(
-            train_sampling_strategy="random", num_train_epochs=2, accelerator_config={"use_seedable_sampler": False}))  # fmt: skip
+        fields = factory.pair_args(train_sampling_strategy="random", num_train_epochs=2)
+        args = args_cls(str(tmp_path / cls.__module__), accelerator_config={"use_seedable_sampler": False}, **fields)
         trainer = cls(factory.cls_model(dropout=0.1), args, train_dataset=factory.cls_dataset(12))
         trainer.train()
         losses[cls] = [(e["loss"], e["grad_norm"]) for e in trainer.state.log_history if "loss" in e]
@@ -283,8 +298,7 @@ def test_the_accelerator_answers_as_transformers_one_in_one_process(tmp_path, fa
     training: a real transformers ``Trainer``'s accelerator's (one process, the same arguments)."""
     config = {"split_batches": True, "even_batches": False, "non_blocking": True, "use_seedable_sampler": False,
               "gradient_accumulation_kwargs": {"sync_each_batch": True}}  # fmt: skip
-    trainers = [cls(factory.cls_model(), args, train_dataset=factory.cls_dataset(8)) for cls, args in
-                zip((transformers.Trainer, hflight.Trainer), _both(accelerator_config=config, **factory.pair_args()))]  # fmt: skip
+    trainers = _trainers(accelerator_config=config, **factory.pair_args())
     for when in ("before", "after"):
         theirs, ours = (t.accelerator for t in trainers)
         for name in SAME_VALUES:
@@ -297,7 +311,8 @@ def test_the_accelerator_answers_as_transformers_one_in_one_process(tmp_path, fa
         assert torch.equal(ours.pad_across_processes(torch.ones(2, 3), 1, 5, True),
                            theirs.pad_across_processes(torch.ones(2, 3), 1, 5, True))  # fmt: skip
         for reduction in ("sum", "mean", "max"):
-            assert torch.equal(ours.reduce(torch.tensor([2.0]), reduction), theirs.reduce(torch.tensor([2.0]), reduction))
+            two = torch.tensor([2.0])
+            assert torch.equal(ours.reduce(two, reduction), theirs.reduce(two, reduction))
         for accelerator in (ours, theirs):
             with pytest.raises(TypeError, match="Unsupported types"):
                 accelerator.reduce({"x": "text"})
@@ -318,8 +333,8 @@ def test_autocast_follows_the_run_and_accelerates_handler(tmp_path):
     """``autocast``: the arguments' mixed precision (bf16 here), turned off by accelerate's ``AutocastKwargs``."""
     from accelerate.utils import AutocastKwargs
 
-    accelerator = hflight.Trainer(torch.nn.Linear(2, 2), hflight.TrainingArguments(str(tmp_path), bf16=True,
-                                                                                   use_cpu=True)).accelerator  # fmt: skip
+    args = hflight.TrainingArguments(str(tmp_path), bf16=True, use_cpu=True)
+    accelerator = hflight.Trainer(torch.nn.Linear(2, 2), args).accelerator
     assert accelerator.mixed_precision == "bf16"
     with accelerator.autocast():
         assert torch.nn.Linear(2, 2)(torch.ones(1, 2)).dtype == torch.bfloat16
@@ -330,9 +345,9 @@ def test_autocast_follows_the_run_and_accelerates_handler(tmp_path):
 def test_what_lightning_has_not_raises_naming_it_and_what_to_use(tmp_path):
     accelerator = hflight.Trainer(torch.nn.Linear(2, 1), hflight.TrainingArguments(str(tmp_path))).accelerator
     with pytest.raises(AttributeError, match=r"trainer.accelerator.save_state: .* use Trainer.save_model"):
-        accelerator.save_state
+        _ = accelerator.save_state
     with pytest.raises(AttributeError, match="has no 'frobnicate'; docs/coming-from-transformers.md"):
-        accelerator.frobnicate
+        _ = accelerator.frobnicate
     assert getattr(accelerator, "scaler", None) is None  # getattr with a default still works
     with pytest.raises(NotImplementedError, match=r"prepare\(Linear\): hflight prepares data loaders only"):
         accelerator.prepare(torch.nn.Linear(2, 1))
@@ -454,8 +469,7 @@ def test_split_evaluation_loss(runs):
     """With ``split_batches``, transformers repeats each process's batch loss ``per_device_eval_batch_size`` times
     (its loop takes the argument, not the slice), hflight by the slice's size: the same mean of the same losses,
     summed in another order (float32): equal to 1e-7 (measured: 0.817304790 and 0.817304850)."""
-    theirs, ours = (_result(runs, library, "split_uneven", 0)["eval"]["eval_loss"] for library in ("transformers",
-                                                                                                     "hflight"))  # fmt: skip
+    theirs, ours = (_result(runs, library, "split_uneven", 0)["eval"]["eval_loss"] for library in LIBRARIES)
     assert ours == pytest.approx(theirs, rel=1e-6, abs=0)
 
 

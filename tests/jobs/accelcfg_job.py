@@ -34,8 +34,13 @@ RUNS = {
     # each global batch of 4 cut in two; the last one (3 samples) cut unevenly; torch's RandomSampler with the
     # generator accelerate gives it; gradients synchronised at every micro-batch; non-blocking copies
     "split_uneven": (
-        {"split_batches": True, "even_batches": False, "use_seedable_sampler": False, "non_blocking": True,
-         "gradient_accumulation_kwargs": {"sync_each_batch": True}},
+        {
+            "split_batches": True,
+            "even_batches": False,
+            "use_seedable_sampler": False,
+            "non_blocking": True,
+            "gradient_accumulation_kwargs": {"sync_each_batch": True},
+        },
         dict(train=11, eval=12, batch=4, accumulation=2, epochs=2),
     ),  # fmt: skip
     # rank 0 reads two batches of 2 and sends them; the last global batch (1 sample) completed from the first; the

@@ -262,7 +262,9 @@ def uneven_shards(samples: int, batch_size: int, drop_last: bool, processes: int
     """With ``even_batches=False``: for each process, (batches it gets, size of its last one, 0 without any) out of
     ``samples`` in batches of ``batch_size`` (:class:`ShardedBatchSampler`'s dealing, computed without iterating)."""
     batches = samples // batch_size if drop_last else math.ceil(samples / batch_size)
-    last = samples - (batches - 1) * batch_size if batches else 0
+    if batches == 0:
+        return [(0, 0)] * processes
+    last = samples - (batches - 1) * batch_size
     if split:
         size = batch_size // processes
         if drop_last or last == batch_size:
