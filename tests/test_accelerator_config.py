@@ -357,8 +357,11 @@ def test_what_lightning_has_not_raises_naming_it_and_what_to_use(tmp_path):
 def test_micro_batches_synchronise_as_sync_each_batch_says():
     """``sync_each_batch``: no micro-batch keeps its gradients local (DDP's ``no_sync`` is never entered); without it
     only the cycle's last synchronises. Batches move with ``non_blocking`` as configured."""
+    from types import SimpleNamespace
+
     from hflight.run.backend import HFBackend
     from hflight.run.datamodule import AccumulationCycles, to_device
+    from hflight.run.module import HFModule
 
     class Strategy:  # a test stand-in for Lightning's DDP strategy
         blocked = 0
@@ -368,13 +371,20 @@ def test_micro_batches_synchronise_as_sync_each_batch_says():
             Strategy.blocked += 1
             yield
 
+    # a test stand-in for the LightningModule's surroundings: the module's training_step runs as it is, with a facade
+    # whose step does nothing, a loop that records nothing, and no optimizer
+    facade = SimpleNamespace(training_step=lambda *_: torch.tensor(0.0), control=SimpleNamespace(
+        should_training_stop=False))  # fmt: skip
+    loop = SimpleNamespace(step_begin=lambda: None, add_loss=lambda *_: None, substep_end=lambda: None)
+    module = SimpleNamespace(facade=facade, run=SimpleNamespace(loop=loop), backend=HFBackend(), model=None,
+                             _compiled=None, trainer=SimpleNamespace(strategy=Strategy()))  # fmt: skip
+    module._optimizer_step = lambda batch: None
     for sync_each_batch, blocked in ((False, 3), (True, 0)):  # cycles of 3 and 2: 3 micro-batches before a last
         Strategy.blocked = 0
         cycles = AccumulationCycles([1, 2, 3, 4, 5], 3, lambda it, n: (list(itertools.islice(it, n)), None),
                                     epoch_fn=lambda: 0, sync_each_batch=sync_each_batch)  # fmt: skip
         for micro in cycles:
-            with HFBackend().hf_micro_batch(Strategy(), micro.is_last, micro.sync_each_batch):
-                pass
+            HFModule.training_step(module, micro, 0)
         assert Strategy.blocked == blocked
 
     copies = []
