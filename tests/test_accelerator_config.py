@@ -27,15 +27,8 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sequential
 from transformers.trainer_pt_utils import AcceleratorConfig
 
 import hflight
-from hflight.run.loaders import (
-    DispatchedLoader,
-    EpochSeededRandomSampler,
-    IterableShard,
-    LoaderSharding,
-    ShardedBatchSampler,
-    prepare_loader,
-    uneven_shards,
-)
+from hflight.run.loaders import DispatchedLoader, IterableShard, LoaderSharding, prepare_loader
+from hflight.run.samplers import EpochSeededRandomSampler, ShardedBatchSampler, check_even, uneven_shards
 
 accelerate = pytest.importorskip("accelerate")
 from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard, SeedableRandomSampler  # noqa: E402
@@ -164,8 +157,6 @@ def test_uneven_batches_that_would_hang_the_processes_are_refused_naming_the_set
     """``even_batches=False`` leaving the processes with different numbers of training batches: refused before
     training (transformers' DDP processes hang); in an evaluation, last batches of different sizes too (accelerate's
     gather aborts the processes)."""
-    from hflight.run.loaders import check_even
-
     batches = ShardedBatchSampler(SequentialSampler(range(10)), 4, False, 2, 1, even_batches=False)
     with pytest.raises(ValueError, match=r"even_batches'\]=False: 10 samples in batches of 4 on 2 processes .*"
                                          r"\[\(2, 2\), \(1, 4\)\]"):  # fmt: skip

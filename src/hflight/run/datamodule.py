@@ -1,6 +1,7 @@
 """Data side of a run: samplers, accumulation cycles and the LightningDataModule around the facade's loaders.
 
-The pieces (the samplers and how a loader is dealt to the processes are ``hflight.run.loaders``'):
+The pieces (the samplers are ``hflight.run.samplers``', how a loader is dealt to the processes
+``hflight.run.loaders``'):
 
 - ``AccumulationCycles``: wraps the training loader and reads ``gradient_accumulation_steps`` batches ahead,
   as transformers' ``get_batch_samples`` does (plus one batch, as accelerate's loader reads one ahead), so every
@@ -31,11 +32,11 @@ from torch.utils.data import IterableDataset
 
 from hflight.checkpoints.parts import rng_states
 from hflight.run.backend import StepGeometry, backend_of
-from hflight.run.loaders import (  # noqa: F401 (EpochSeededRandomSampler, ShardedBatchSampler: their former home)
+from hflight.run.loaders import shard_loader
+from hflight.run.samplers import (  # noqa: F401 (EpochSeededRandomSampler, ShardedBatchSampler: their former home)
     EpochSeededRandomSampler,
     ShardedBatchSampler,
     check_even_shards,
-    shard_loader,
 )
 from hflight.surface import RunView, TrainerSurface
 

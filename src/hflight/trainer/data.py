@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
 from hflight.run import console
-from hflight.run.loaders import EpochSeededRandomSampler, check_even
+from hflight.run.samplers import EpochSeededRandomSampler, check_even
 
 
 def empty_batch(signature_columns: list[str]) -> ValueError:
