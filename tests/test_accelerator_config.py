@@ -35,6 +35,7 @@ from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard, Seed
 from accelerate.state import AcceleratorState  # noqa: E402
 
 from . import dropin  # noqa: E402
+from .sync_records import SyncRecorder  # noqa: E402
 
 JOB = Path(__file__).parent / "jobs" / "accelcfg_job.py"
 RUNS = ("configured_state", "split_uneven", "dispatch", "iterable")
@@ -289,7 +290,11 @@ def test_the_accelerator_answers_as_transformers_one_in_one_process(tmp_path, fa
     training: a real transformers ``Trainer``'s accelerator's (one process, the same arguments)."""
     config = {"split_batches": True, "even_batches": False, "non_blocking": True, "use_seedable_sampler": False,
               "gradient_accumulation_kwargs": {"sync_each_batch": True}}  # fmt: skip
-    trainers = _trainers(accelerator_config=config, **factory.pair_args())
+    trainers = _trainers(accelerator_config=config, **factory.pair_args(gradient_accumulation_steps=2))
+    recorded = {}
+    for trainer in trainers:  # sync_gradients as the step events see it, micro-batch by micro-batch
+        recorded[trainer] = []
+        trainer.add_callback(SyncRecorder(trainer, recorded[trainer]))
     for when in ("before", "after"):
         theirs, ours = (t.accelerator for t in trainers)
         for name in SAME_VALUES:
@@ -315,9 +320,11 @@ def test_the_accelerator_answers_as_transformers_one_in_one_process(tmp_path, fa
             assert ours.sync_gradients
         with ours.main_process_first():
             ours.wait_for_everyone()
-        for trainer in trainers:
-            trainer.train()
+        if when == "before":
+            for trainer in trainers:
+                trainer.train()
     assert trainers[1].accelerator.gradient_state.plugin_kwargs == trainers[0].accelerator.gradient_state.plugin_kwargs
+    assert recorded[trainers[1]] == recorded[trainers[0]] == [("begin", False), ("substep", False), ("end", True)]
 
 
 def test_autocast_follows_the_run_and_accelerates_handler(tmp_path):

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gloo_exit  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
+from sync_records import SyncRecorder  # noqa: E402
 from torch import nn  # noqa: E402
 
 import hflight  # noqa: E402
@@ -84,22 +85,6 @@ class Stream(torch.utils.data.IterableDataset):
 
     def __iter__(self):
         yield from self.items
-
-
-class SyncRecorder(transformers.TrainerCallback):
-    """``trainer.accelerator.sync_gradients`` at each step event (transformers sets it per micro-batch)."""
-
-    def __init__(self) -> None:
-        self.trainer, self.events = None, []
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self.events.append(("begin", self.trainer.accelerator.sync_gradients))
-
-    def on_substep_end(self, args, state, control, **kwargs):
-        self.events.append(("substep", self.trainer.accelerator.sync_gradients))
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.events.append(("end", self.trainer.accelerator.sync_gradients))
 
 
 def surface(trainer, eval_rows: list[dict]) -> dict:
