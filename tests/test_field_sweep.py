@@ -137,6 +137,8 @@ TESTED_ELSEWHERE = {
     "activation_checkpointing_kwargs": "test_arguments_on_lightning",
     "parallelism_config": "test_sharding (its data-parallel sizes under FSDP2, HSDP over 4 processes; tensor, "
     "context and sequence parallelism refused naming the field)",
+    "accelerator_config": "test_accelerator_config (every field under torchrun, 2 processes, against transformers; "
+    "the input forms and errors)",
     "ddp_backend": "test_arguments_on_lightning (Lightning's process_group_backend); in one process transformers' "
     "own arguments fail on it (accelerate asks for a process group that does not exist), hflight's do not",
 }
@@ -198,7 +200,6 @@ NOT_RUNNABLE = {
     "hub_token": "needs the hub",
     "hub_model_id": "needs the hub",
     "hub_revision": "needs the hub",
-    "accelerator_config": "accelerate's settings: hflight's data loading is Lightning's (test_training_args)",
 }
 
 #: fields that need several processes (transformers refuses fsdp in one; ZeRO partitions over the processes): swept

@@ -169,7 +169,6 @@ def test_lightning_defaults_equal_lightning_trainer(name):
     [
         ({"optim_target_modules": ["attn"]}, "optim_target_modules"),
         ({"use_liger_kernel": True}, "use_liger_kernel"),
-        ({"accelerator_config": {"split_batches": True}}, "accelerator_config"),
         ({"debug": "tpu_metrics_debug"}, "debug"),
     ],
 )

@@ -58,6 +58,8 @@ __all__ = [
     "TrainingArguments",
     "coerce_training_args",
     "config_schema",
+    "configured_accelerate_state",
+    "gradient_accumulation_plugin_kwargs",
     "register_parser_types",
     "supported_accelerators",
     "supported_optimizers",
@@ -176,6 +178,7 @@ class TrainingArguments(HFTrainingArguments):
         if backend_optim is not None:
             self.optim = backend_optim
         _reject_unsupported(self)
+        _check_accelerator_config(self)
         _check_save_async(self)
 
     def _validate_args(self) -> None:
@@ -192,11 +195,15 @@ class TrainingArguments(HFTrainingArguments):
     # ---- devices and processes: Lightning's side, not accelerate's -------------------------------------------------
     @cached_property
     def _setup_devices(self) -> torch.device:
-        """The device of this process as Lightning will use it (no accelerate state is created)."""
-        self.distributed_state = None
-        if hasattr(self.accelerator_config, "pop"):  # as transformers' setup: accelerate's switch leaves the config
-            self.accelerator_config.pop("use_configured_state", False)
-        device = _device_for(self)
+        """The device of this process as Lightning will use it (no accelerate state is created); with
+        ``accelerator_config['use_configured_state']``, the device of the accelerate state the user made."""
+        self.distributed_state = configured_accelerate_state(self)
+        if self.distributed_state is not None:
+            device = self.distributed_state.device
+            if self.accelerator == "auto":  # Lightning runs where the configured state is
+                self.accelerator = {"cpu": "cpu", "cuda": "gpu", "mps": "mps"}.get(device.type, "auto")
+        else:
+            device = _device_for(self)
         self._n_gpu = 1 if device.type == "cuda" else 0
         if self.deepspeed and cluster.launched_world_size() not in (None, 1):
             _connect_for_deepspeed(self, device)
@@ -381,7 +388,7 @@ def _extra_types() -> dict[str, tuple[type, ...]]:
     with contextlib.suppress(ImportError):
         from transformers.trainer_pt_utils import AcceleratorConfig
 
-        extra["accelerator_config"] = (AcceleratorConfig,)
+        extra["accelerator_config"] = (AcceleratorConfig, type)  # a class: transformers' own NotImplementedError
     return extra
 
 
@@ -497,24 +504,93 @@ def _choice_lookup(enum_cls: type | None, choices: tuple[str, ...]) -> dict[str,
     return lookup
 
 
-def _default_accelerator_config(args: TrainingArguments) -> bool:
-    value = args.accelerator_config
-    if value is None:
-        return True
-
-    # transformers' device setup pops `use_configured_state` (an accelerate-only switch) from the config.
-    return _without_configured_state(value) == _default_accelerator_settings()
-
-
-def _without_configured_state(config: Any) -> dict[str, Any]:
-    return {k: v for k, v in config.to_dict().items() if k != "use_configured_state"}
+# ---- accelerator_config: accelerate's settings, honoured by hflight.run.loaders and trainer.accelerator -------------
+#: accelerate's ``GradientAccumulationPlugin`` fields and defaults: the keys ``gradient_accumulation_kwargs`` takes.
+GRADIENT_ACCUMULATION_KWARGS: dict[str, Any] = {
+    "num_steps": None,
+    "adjust_scheduler": True,
+    "sync_with_dataloader": True,
+    "sync_each_batch": False,
+}
 
 
-@functools.cache
-def _default_accelerator_settings() -> dict[str, Any]:
+def _check_accelerator_config(args: TrainingArguments) -> None:
+    """``accelerator_config`` as transformers makes it (an ``AcceleratorConfig``; without accelerate installed
+    transformers leaves it as given), and its ``gradient_accumulation_kwargs`` keys checked: transformers hands them
+    to accelerate's ``GradientAccumulationPlugin`` when the ``Trainer`` is built, which refuses unknown ones."""
     from transformers.trainer_pt_utils import AcceleratorConfig
 
-    return _without_configured_state(AcceleratorConfig())
+    config = args.accelerator_config
+    if config is None or isinstance(config, dict):
+        config = args.accelerator_config = AcceleratorConfig(**(config or {}))
+    elif isinstance(config, str):
+        config = args.accelerator_config = AcceleratorConfig.from_json_file(config)
+    kwargs = config.gradient_accumulation_kwargs
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, dict):
+        raise TypeError(f"accelerator_config['gradient_accumulation_kwargs'] must be a dict, got {kwargs!r}")
+    unknown = sorted(set(kwargs) - set(GRADIENT_ACCUMULATION_KWARGS))
+    if unknown:
+        raise TypeError(
+            f"accelerator_config['gradient_accumulation_kwargs'] has unknown keys {unknown}: accelerate's "
+            f"GradientAccumulationPlugin takes {', '.join(GRADIENT_ACCUMULATION_KWARGS)}"
+        )
+    steps = kwargs.get("num_steps")
+    if "num_steps" in kwargs and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise ValueError(
+            f"accelerator_config['gradient_accumulation_kwargs']['num_steps'] must be a positive integer, got {steps!r}"
+        )
+
+
+def gradient_accumulation_plugin_kwargs(args: Any) -> dict[str, Any]:
+    """What transformers' ``Trainer`` does with ``gradient_accumulation_kwargs`` when it is built
+    (``create_accelerator_and_postprocess``): ``num_steps`` becomes ``args.gradient_accumulation_steps`` (a
+    ``ValueError`` when that is set above 1 too), and accelerate's plugin gets ``num_steps=1`` (transformers
+    accumulates itself). Returns the plugin's kwargs as accelerate keeps them: those that differ from its defaults.
+    (transformers also writes ``num_steps=1`` into the dict itself, so that a second ``Trainer`` on the same arguments
+    raises; hflight leaves the dict as given.)"""
+    kwargs = dict(getattr(args.accelerator_config, "gradient_accumulation_kwargs", None) or {})
+    if "num_steps" in kwargs:
+        if args.gradient_accumulation_steps not in (1, kwargs["num_steps"]):
+            raise ValueError(
+                "The `AcceleratorConfig`'s `num_steps` is set but `gradient_accumulation_steps` is greater than 1 in "
+                "the passed `TrainingArguments`If using the passed `AcceleratorConfig` is desired, do not set the "
+                "`TrainingArguments` `gradient_accumulation_steps`."
+            )
+        args.gradient_accumulation_steps = kwargs["num_steps"]
+    kwargs["num_steps"] = 1
+    return {key: value for key, value in kwargs.items() if value != GRADIENT_ACCUMULATION_KWARGS[key]}
+
+
+def configured_accelerate_state(args: TrainingArguments) -> Any:
+    """``accelerator_config['use_configured_state']`` (taken out of the config, as transformers does): the accelerate
+    state the user made before the arguments, else None. "Made" means an accelerate ``PartialState`` exists in this
+    process (``PartialState()``, ``AcceleratorState()`` or ``Accelerator()`` create one); hflight then runs on its
+    device, and Lightning's strategy joins the process group it started. transformers' errors: none made
+    (``ValueError``), one not made for DeepSpeed while ``deepspeed`` is set (``RuntimeError``)."""
+    config = args.accelerator_config
+    if not hasattr(config, "pop") or not config.pop("use_configured_state", False):
+        return None
+    try:
+        from accelerate.state import PartialState
+        from accelerate.utils import DistributedType
+    except ImportError:
+        PartialState = None  # noqa: N806 - accelerate's class, absent
+    if PartialState is None or PartialState._shared_state == {}:
+        raise ValueError(
+            "Passing `'use_configured_state':True` to the AcceleratorConfig requires a pre-configured "
+            "`AcceleratorState` or `PartialState` to be defined before calling `TrainingArguments`. (hflight: create "
+            "accelerate's `PartialState()` or `Accelerator()` first; `pip install accelerate`.)"
+        )
+    state = PartialState(cpu=args.use_cpu)
+    if args.deepspeed and state.distributed_type != DistributedType.DEEPSPEED:
+        raise RuntimeError(
+            "Tried to use an already configured `Accelerator` or `PartialState` that was not initialized for "
+            "DeepSpeed, but also passed in a `deepspeed` configuration to the `TrainingArguments`. Please set "
+            "`use_configured_state:False` instead or setup your `Accelerator` or `PartialState` properly."
+        )
+    return state
 
 
 #: transformers fields that have no Lightning equivalent: field -> (still at its default?, what to do instead). Set to
@@ -529,11 +605,6 @@ UNSUPPORTED: dict[str, tuple[Callable[[TrainingArguments], bool], str]] = {
         "apply Liger kernels to the model before creating the Trainer (liger_kernel.transformers)",
     ),
     "liger_kernel_config": (lambda a: a.liger_kernel_config is None, "see use_liger_kernel"),
-    "accelerator_config": (
-        _default_accelerator_config,
-        "hflight has no accelerate Accelerator: batches are split and dispatched by Lightning's strategy "
-        "(set `strategy`/`devices`)",
-    ),
     "parallelism_config": (
         lambda a: a.parallelism_config is None or _data_parallel_only(a.parallelism_config),
         "tensor, context and sequence parallelism (tp_size, cp_size, sp_size > 1) need a model's tensor-parallel plan "

@@ -67,13 +67,16 @@ class HFBackend:
         """The loader the loop iterates (a backend may re-batch it, e.g. into poptorch's combined batches)."""
         return loader
 
-    def hf_micro_batch(self, strategy: Any, last: bool) -> contextlib.AbstractContextManager[Any]:
+    def hf_micro_batch(
+        self, strategy: Any, last: bool, sync_each_batch: bool = False
+    ) -> contextlib.AbstractContextManager[Any]:
         """The context of one micro-batch's forward and backward; ``last``: it ends its accumulation cycle. Those
         before the last keep their gradients local, added to the process's own without a collective (DDP's
         ``no_sync``, which accelerate's ``accumulate`` enters, through Lightning's ``block_backward_sync``); the last
-        synchronises the sum once."""
+        synchronises the sum once. ``sync_each_batch`` (accelerator_config's ``gradient_accumulation_kwargs``):
+        every micro-batch synchronises, as transformers then enters no ``no_sync``."""
         block = getattr(strategy, "block_backward_sync", None)
-        return block() if block is not None and not last else contextlib.nullcontext()
+        return block() if block is not None and not (last or sync_each_batch) else contextlib.nullcontext()
 
     def hf_configure_optimizer(self, facade: TrainerSurface) -> None:
         """Called once the facade built its optimizer and scheduler for a fit (a backend may convert them)."""

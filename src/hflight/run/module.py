@@ -89,7 +89,7 @@ class HFModule(L.LightningModule):
         if self._compiled is not None and model is self.model:  # a backend that runs its own graph is not compiled
             model = self._compiled
         # a micro-batch before the cycle's last keeps its gradients local (DDP's no_sync, as accelerate's accumulate)
-        with self.backend.hf_micro_batch(self.trainer.strategy, batch.is_last):
+        with self.backend.hf_micro_batch(self.trainer.strategy, batch.is_last, batch.sync_each_batch):
             loss = facade.training_step(model, batch.inputs, batch.num_items_in_batch)
         loop.add_loss(loss, batch.inputs)
         if batch.is_last:
