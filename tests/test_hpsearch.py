@@ -30,9 +30,11 @@ optuna = pytest.importorskip("optuna")
 
 LIBRARIES = {"transformers": transformers, "hflight": hflight}
 JOB = Path(__file__).parent / "jobs" / "hpsearch_job.py"
-#: the W&B sweep's config (``hp_space``); transformers' driver fills in the metric
+#: the W&B sweep's config (``hp_space``; transformers' driver fills in the metric): a learning rate, and a model's
+#: hyperparameter that ``model_init(config)`` reads (not a ``TrainingArguments`` field: skipped there with a warning)
 SWEEP = {"method": "random", "metric": {},
-         "parameters": {"learning_rate": {"distribution": "log_uniform_values", "min": 1e-4, "max": 1e-2}}}  # fmt: skip
+         "parameters": {"learning_rate": {"distribution": "log_uniform_values", "min": 1e-4, "max": 1e-2},
+                        "initializer_range": {"values": [0.02, 0.2]}}}  # fmt: skip
 
 
 class Record(transformers.TrainerCallback):
@@ -54,14 +56,24 @@ class Record(transformers.TrainerCallback):
         self.trials[-1]["eval_losses"].append(metrics["eval_loss"])
 
 
-def _trainer(library, output_dir, callbacks=(), **kwargs):
+def _trainer(library, output_dir, callbacks=(), model_init=None, **kwargs):
     """A tiny QA model built by ``model_init`` and trained 2 steps (seed 0 on both sides: transformers shuffles with
     torch's initial seed, which ``Factory.qa_model`` sets to 0, hflight with ``args.seed``)."""
     fields = dict(per_device_train_batch_size=4, max_steps=2, report_to="none", disable_tqdm=True, save_strategy="no",
                   logging_steps=1, seed=0, **({"use_cpu": True} if library is transformers else {}))  # fmt: skip
     args = library.TrainingArguments(output_dir=str(output_dir), **{**fields, **kwargs})
-    return library.Trainer(model_init=lambda: Factory.qa_model(), args=args, train_dataset=Factory.qa_dataset(16),
+    model_init = model_init or (lambda: Factory.qa_model())
+    return library.Trainer(model_init=model_init, args=args, train_dataset=Factory.qa_dataset(16),
                            eval_dataset=Factory.qa_dataset(8, seed=1), callbacks=list(callbacks))  # fmt: skip
+
+
+def _model_of(config):
+    """``model_init(trial)`` for a W&B sweep: the model's ``initializer_range`` from the run's config."""
+    import torch
+    from transformers import BertForQuestionAnswering
+
+    torch.manual_seed(0)
+    return BertForQuestionAnswering(Factory.config(initializer_range=config["initializer_range"] if config else 0.02))
 
 
 def _folders(root: Path) -> set[str]:
@@ -157,7 +169,7 @@ def test_bad_input_is_refused_before_any_trial(tmp_path, factory, monkeypatch):
         trainer.hyperparameter_search(n_trials=1)
     with pytest.raises(ValueError, match="unknown backend 'sigopt'; hflight supports: 'optuna', 'ray', 'wandb'"):
         _trainer(hflight, tmp_path).hyperparameter_search(n_trials=1, backend="sigopt")
-    with pytest.raises(ValueError, match="not TrainingArguments fields"):
+    with pytest.raises(ValueError, match=r"\['lr'\], which are not TrainingArguments fields, and model_init takes no"):
         _trainer(hflight, tmp_path).hyperparameter_search(hp_space=lambda t: {"lr": 0.1}, n_trials=1)
     pytest.importorskip("ray.tune")
     with pytest.raises(ValueError, match="give each trial at most 1 GPU"):
@@ -233,8 +245,8 @@ def test_ray_tune_reports_each_evaluation_and_keeps_checkpoints_as_transformers(
 def test_a_wandb_sweep_runs_and_returns_as_transformers(one_torch_thread, tmp_path, monkeypatch):
     """``backend="wandb"``: the sweep config (``hp_space``, the metric and goal transformers sets) goes to
     ``wandb.sweep``, the agent's runs train with the values it picked (read from each run's config, as W&B's agent
-    hands them over) in ``run-{W&B run id}``, each run logs its training and evaluation (offline run files), and the
-    ``BestRun`` is transformers'."""
+    hands them over; the model's own one through ``model_init(config)``) in ``run-{W&B run id}``, each run logs its
+    training and evaluation (offline run files), and the ``BestRun`` is transformers'."""
     pytest.importorskip("wandb")
     from . import wandb_records
     from .wandb_sweep_standin import Sweeps
@@ -245,8 +257,8 @@ def test_a_wandb_sweep_runs_and_returns_as_transformers(one_torch_thread, tmp_pa
     for name, library in LIBRARIES.items():
         monkeypatch.setenv("WANDB_DIR", str(tmp_path / name))
         server, record = Sweeps(seed=0).install(monkeypatch), Record()
-        trainer = _trainer(library, tmp_path / name / "out", [record], eval_strategy="steps", eval_steps=1,
-                           save_strategy="steps", save_steps=2)  # fmt: skip
+        trainer = _trainer(library, tmp_path / name / "out", [record], _model_of, eval_strategy="steps",
+                           eval_steps=1, save_strategy="steps", save_steps=2)  # fmt: skip
         best = trainer.hyperparameter_search(hp_space=lambda _: dict(SWEEP), backend="wandb", n_trials=2, project="hp")
         (sweep,) = server.sweeps.values()
         logged = {}
@@ -262,6 +274,7 @@ def test_a_wandb_sweep_runs_and_returns_as_transformers(one_torch_thread, tmp_pa
     best, sweep, picked, trials, logged, folders = seen["hflight"]
     assert sweep["config"]["metric"] == {"name": "eval/loss", "goal": "minimize"} and sweep["project"] == "hp"
     assert [t["lr"] for t in trials] == [p["learning_rate"] for p in picked] == [lr for lr, _ in logged.values()]
+    assert [t["params"]["initializer_range"] for t in trials] == [p["initializer_range"] for p in picked]
     assert [t["eval_losses"] for t in trials] == [losses for _, losses in logged.values()]
     assert best.run_id == "sweep000r" + str(min((0, 1), key=lambda i: trials[i]["eval_losses"][-1]))
     assert {"run-sweep000r0/checkpoint-2/model.safetensors", "run-sweep000r1/checkpoint-2/model.safetensors"} <= folders

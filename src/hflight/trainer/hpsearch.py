@@ -3,11 +3,11 @@
 The backend is the one named, else the one transformers picks (``default_hp_search_backend``: the first installed of
 optuna, ray, wandb). Each trial builds a fresh model through ``model_init`` and, in ``train(trial=...)`` right after
 it (``_hp_search_setup``, transformers' moment), sets the trial's hyperparameters on ``args`` in place, validated as
-any ``TrainingArguments``; its checkpoints go into ``output_dir/run-{id}`` (``_get_output_dir``), every evaluation
-reports the objective (``_report_to_hp_search``: optuna's pruners, Ray Tune's schedulers and checkpoints), and it is
-scored by ``compute_objective`` on its last evaluation. As in transformers, ``args`` keep the last trial's values
-afterwards. The backends, and how a search spans the processes of a launcher, are in
-:mod:`hflight.trainer.hpsearch_backends`.
+any ``TrainingArguments`` (other names are the model's, for ``model_init(trial)``); its checkpoints go into
+``output_dir/run-{id}`` (``_get_output_dir``), every evaluation reports the objective (``_report_to_hp_search``:
+optuna's pruners, Ray Tune's schedulers and checkpoints), and it is scored by ``compute_objective`` on its last
+evaluation. As in transformers, ``args`` keep the last trial's values afterwards. The backends, and how a search
+spans the processes of a launcher, are in :mod:`hflight.trainer.hpsearch_backends`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.trainer_callback import TrainerControl
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, BestRun, HPSearchBackend, default_compute_objective
+from transformers.trainer_utils import (
+    PREFIX_CHECKPOINT_DIR,
+    BestRun,
+    HPSearchBackend,
+    default_compute_objective,
+    number_of_arguments,
+)
 
 from hflight.trainer.hpsearch_backends import BACKENDS, SearchBackend
 
@@ -78,23 +84,30 @@ def hyperparameter_search(
         trainer.hp_search_backend = None
 
 
-def set_hyperparameters(args: Any, params: dict[str, Any]) -> None:
+def set_hyperparameters(args: Any, params: dict[str, Any], model_init_takes_trial: bool) -> None:
     """``params`` onto ``args`` in place, as transformers sets a trial's values (a number cast to the field's current
-    type: ``num_train_epochs`` 3 -> 3.0, a Ray ``seed`` 7.9 -> 7), validated first on a copy of ``args``.
+    type: ``num_train_epochs`` 3 -> 3.0, a Ray ``seed`` 7.9 -> 7), validated first on a copy of ``args``. A name that
+    is not a ``TrainingArguments`` field is skipped with transformers' warning when ``model_init`` takes the trial
+    (which carries it: a model's hyperparameter, as transformers' own Ray and W&B tests search them).
 
     Raises:
-        ValueError: a name that is not a ``TrainingArguments`` field (transformers skips it with a warning), or a
-            value the field refuses.
+        ValueError: such a name while ``model_init`` takes no trial (nothing would use the value), or a value the
+            field refuses.
     """
     fields = {f.name for f in dataclasses.fields(args) if f.init}
     unknown = sorted(set(params) - fields)
-    if unknown:
+    if unknown and not model_init_takes_trial:
         raise ValueError(
-            f"hp_space returned {unknown}, which are not TrainingArguments fields: return only fields of "
-            "TrainingArguments (read other values in model_init(trial))."
+            f"hp_space returned {unknown}, which are not TrainingArguments fields, and model_init takes no trial, so "
+            "nothing would use them: read them in model_init(trial), or return only TrainingArguments fields."
+        )
+    for key in unknown:
+        logger.warning(
+            f"Trying to set {key} in the hyperparameter search but there is no corresponding field in "
+            "`TrainingArguments`."
         )
     values = {}
-    for key, value in params.items():
+    for key, value in ((k, v) for k, v in params.items() if k in fields):
         current = getattr(args, key)
         is_number = isinstance(current, (int, float)) and not isinstance(current, bool)
         values[key] = type(current)(value) if is_number and isinstance(value, (int, float)) else value
@@ -127,7 +140,7 @@ class HyperparameterSearchMixin:
         if self.hp_search_backend is None or trial is None:
             return
         params = BACKENDS[self.hp_search_backend].params(self, trial)
-        set_hyperparameters(self.args, params)
+        set_hyperparameters(self.args, params, number_of_arguments(self.model_init) == 1)
         logger.info(f"Trial: {params}")
         self.create_accelerator_and_postprocess()
 
