@@ -164,6 +164,9 @@ def test_the_default_backend_is_the_one_transformers_picks(monkeypatch, installe
 
 
 def test_bad_input_is_refused_before_any_trial(tmp_path, factory, monkeypatch):
+    """No ``model_init``; an unknown backend; a name that is no ``TrainingArguments`` field with a ``model_init``
+    that takes no trial; Ray Tune with 2 GPUs a trial or memory metrics; several processes Lightning would launch
+    itself; Ray or W&B under a launcher's processes: each refused with what to do, before any trial trains."""
     trainer = hflight.Trainer(factory.qa_model(), hflight.TrainingArguments(output_dir=str(tmp_path), report_to="none"))
     with pytest.raises(RuntimeError, match="model_init"):
         trainer.hyperparameter_search(n_trials=1)
@@ -176,6 +179,8 @@ def test_bad_input_is_refused_before_any_trial(tmp_path, factory, monkeypatch):
         _trainer(hflight, tmp_path).hyperparameter_search(backend="ray", resources_per_trial={"cpu": 1, "gpu": 2})
     with pytest.raises(ValueError, match="set skip_memory_metrics=True"):
         _trainer(hflight, tmp_path, skip_memory_metrics=False).hyperparameter_search(backend="ray")
+    with pytest.raises(ValueError, match="over 2 processes that Lightning would launch itself"):
+        _trainer(hflight, tmp_path, accelerator="cpu", devices=2, strategy="ddp").hyperparameter_search(n_trials=1)
     monkeypatch.setenv("WORLD_SIZE", "2")  # as if a launcher had started two processes
     for backend in ("ray", "wandb"):
         with pytest.raises(ValueError, match=f"backend='{backend}'\\) under a launcher with 2 processes"):

@@ -284,9 +284,9 @@ def connect(trainer: TrainerSurface) -> Processes:
     kwargs = lightning_trainer_kwargs(args, [], fitting=False, strategy=trainer.lightning_strategy, model=trainer.model)
     with quiet_lightning():
         lightning_trainer = L.Trainer(**kwargs)
+    run_cluster.check_spans_launch(lightning_trainer, args)  # before the study: never a study per process
     if lightning_trainer.world_size <= 1:
         return current
-    run_cluster.check_spans_launch(lightning_trainer, args)
     if cluster.environment() == "lightning":
         raise ValueError(
             f"hyperparameter_search over {lightning_trainer.world_size} processes that Lightning would launch "
