@@ -14,7 +14,8 @@ hyperparameters a trial sets, the id of its ``run-{id}`` folder, and what an eva
 - **ray** and **wandb** run transformers' own drivers (``run_hp_search_ray``, ``run_hp_search_wandb``: the same
   keyword arguments, defaults and results), which call back into the facade's ``_hp_search_setup``,
   ``_report_to_hp_search``, ``_tune_save_checkpoint`` and ``_get_output_dir`` as transformers' ``Trainer`` does.
-  Both run their trials in one process per trial, so several launched processes are refused.
+  Neither spans a launcher's processes (Ray Tune trains each trial in a worker process of its own, a W&B agent in the
+  process that calls it), so under a launcher they are refused.
 """
 
 from __future__ import annotations
@@ -235,9 +236,8 @@ def one_process(name: str, trainer: TrainerSurface) -> None:
     if trainer.args.world_size > 1:
         raise ValueError(
             f"hyperparameter_search(backend={name!r}) under a launcher with {trainer.args.world_size} processes: "
-            f"{name} runs each trial in a process of its own, so the launched processes would each run the whole "
-            "search. Start the script as one process (python script.py), or use backend='optuna', which spans "
-            "the launched processes."
+            "each process would run a search of its own (hflight spans a launcher's processes with backend='optuna' "
+            "only). Start the script as one process (python script.py), or use backend='optuna'."
         )
 
 
