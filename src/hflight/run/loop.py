@@ -96,6 +96,7 @@ class TrainingLoop:
             is_local_process_zero=facade.is_local_process_zero(),
             is_world_process_zero=facade.is_world_process_zero(),
         )
+        facade.state.is_hyper_param_search = self.trial is not None  # integrations read it (W&B: a run per trial)
         facade.state.train_batch_size = run.train_batch_size
         facade.state.compute_steps(facade.args, plan.max_steps)
         epochs_trained, skip = 0, 0

@@ -62,8 +62,8 @@ NOT_CALLED: dict[str, str] = {
         (
             "_inner_training_loop", "_run_epoch", "_finalize_training", "_prepare_for_training",
             "_init_training_state", "_build_accelerator_args", "_wrap_model", "_move_model_to_device",
-            "_validate_args", "_update_auto_batch_size", "_track_num_input_tokens", "_hp_search_setup",
-            "_tune_save_checkpoint", "_prepare_context_parallel_inputs", "_defer_fsdp_gradient_reduction",
+            "_validate_args", "_update_auto_batch_size", "_track_num_input_tokens",
+            "_prepare_context_parallel_inputs", "_defer_fsdp_gradient_reduction",
             "_has_mixed_mesh_grads", "_mixed_mesh_grad_norm", "_sync_replicated_trainable_parameters",
         ),
         _LOOP,

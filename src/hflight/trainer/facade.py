@@ -125,11 +125,8 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
         self.neftune_noise_alpha = self.args.neftune_noise_alpha
         self._user_scheduler = self.lr_scheduler is not None
         self._train_batch_size = self.args.train_batch_size  # auto_find_batch_size may lower it
-        self.current_gradient_accumulation_steps = 1
-        self.current_flos = 0
-        self.is_in_train = False
-        self.hp_name, self.hp_search_backend, self._trial = None, None, None
-        self.objective: Any = None
+        self.current_gradient_accumulation_steps, self.current_flos, self.is_in_train = 1, 0, False
+        self.hp_name, self.hp_search_backend, self._trial, self.objective = None, None, None, None
         self._setup_callbacks(callbacks or [])
         if self.args.push_to_hub:
             self.init_hf_repo()
@@ -237,11 +234,15 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
     ) -> TrainOutput:
         self._memory_tracker.start_stage("train")
         resume_from_checkpoint = resume.requested(resume_from_checkpoint, self.args)
-        # One writer per output folder, from before the folder is read until the last checkpoint is rotated.
+        # One writer per run folder (a trial's: run-{id}), from before the folder is read until the last checkpoint.
         job, rank = cluster.job_identity(), self.args.process_index  # the lock tells ranks of a job from other runs
-        with output_dir_lock(self.args.output_dir, enabled=self.args.should_save, job=job, rank=rank):
+        folder = self.args.output_dir if trial is None else self._get_output_dir(trial)
+        with output_dir_lock(folder, enabled=self.args.should_save, job=job, rank=rank):
             self._trial = trial
             self._prepare_model_for_training()
+            self._hp_search_setup(trial)  # a search's trial onto self.args, after model_init (transformers' moment)
+            if self.hp_search_backend is not None and trial is not None:
+                self._train_batch_size = self.args.train_batch_size  # the trial's batch size
             point = resume.resolve_resume(self, resume_from_checkpoint)
             if point is not None and self.args.auto_find_batch_size and point.state.train_batch_size is not None:
                 self._train_batch_size = point.state.train_batch_size  # the size the checkpoint's run found
@@ -359,8 +360,7 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
                     logger.save()
         dispatch(self, "on_log", logs)
 
-    log_metrics = log_metrics
-    metrics_format = metrics_format
+    log_metrics, metrics_format = log_metrics, metrics_format
     save_metrics = folders.on_disk_when_returned(save_metrics)  # transformers' own, then fsynced
     save_state = folders.on_disk_when_returned(save_state)
 
