@@ -43,7 +43,7 @@ from hflight.arguments import cluster
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["connect", "default_backend", "end", "end_at_exit", "gloo_worker_threads"]
+__all__ = ["connect", "connect_strategy", "default_backend", "end", "end_at_exit", "gloo_worker_threads"]
 
 #: torchrun's store key under which rank 0 publishes the process-group store of the attempt.
 ELASTIC_STORE_KEY = "hflight/process_group_store"
@@ -80,6 +80,13 @@ def connect(backend: str, timeout: datetime.timedelta | None = None) -> bool:
     logger.debug(f"Connected rank {launched.global_rank} of {launched.world_size} ({backend})")
     end_at_exit()
     return True
+
+
+def connect_strategy(strategy: Any) -> bool:
+    """:func:`connect` with a Lightning strategy's backend (its ``process_group_backend``, else :func:`default_backend`
+    for its device) and timeout, before the strategy would connect; Lightning keeps the group."""
+    backend = default_backend(getattr(strategy, "root_device", None), getattr(strategy, "_process_group_backend", None))
+    return connect(backend, getattr(strategy, "_timeout", None))
 
 
 def _cluster_environment() -> Any:

@@ -27,10 +27,10 @@ import lightning as L
 from transformers.hyperparameter_search import ALL_HYPERPARAMETER_SEARCH_BACKENDS
 from transformers.trainer_utils import BestRun, HPSearchBackend
 
-from hflight.arguments import cluster
+from hflight.arguments import cluster, process_group
 from hflight.arguments.lightning_kwargs import lightning_trainer_kwargs, quiet_lightning
-from hflight.run import cluster as run_cluster
 from hflight.run.events import dispatch
+from hflight.run.launch_check import check_spans_launch
 from hflight.trainer.memory import release_memory
 
 if TYPE_CHECKING:
@@ -273,7 +273,7 @@ def connect(trainer: TrainerSurface) -> Processes:
     process: nothing to connect.
 
     Raises:
-        WorldMismatchError: the strategy would not span the launched processes (``hflight.run.cluster``).
+        WorldMismatchError: the strategy would not span the launched processes (``hflight.run.launch_check``).
         ValueError: several processes that Lightning itself would launch (no torchrun, srun, ...): each trial's run
             would start them anew, running the script, and the search, again.
     """
@@ -284,7 +284,7 @@ def connect(trainer: TrainerSurface) -> Processes:
     kwargs = lightning_trainer_kwargs(args, [], fitting=False, strategy=trainer.lightning_strategy, model=trainer.model)
     with quiet_lightning():
         lightning_trainer = L.Trainer(**kwargs)
-    run_cluster.check_spans_launch(lightning_trainer, args)  # before the study: never a study per process
+    check_spans_launch(lightning_trainer, args)  # before the study: never a study per process
     if lightning_trainer.world_size <= 1:
         return current
     if cluster.environment() == "lightning":
@@ -295,7 +295,6 @@ def connect(trainer: TrainerSurface) -> Processes:
             "devices='auto'; every trial then trains on all of them."
         )
     strategy = lightning_trainer.strategy
-    run_cluster.init_elastic_process_group(strategy)
-    run_cluster.end_process_group_at_exit()
+    process_group.connect_strategy(strategy)
     strategy.setup_environment()
     return Processes.current()
