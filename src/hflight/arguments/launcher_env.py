@@ -66,6 +66,14 @@ _REFUSED: dict[str, tuple[Callable[[Mapping[str, str]], bool], str]] = {
         "it downcasts to bf16 on TPUs through torch_xla, which hflight does not run; unset it (drop downcast_bf16)",
     ),
 }
+#: what accelerate's ``DeepSpeedPlugin`` reads (``_deepspeed`` builds one): a config file, or the settings that make one
+DEEPSPEED_VARIABLES = (
+    "ACCELERATE_DEEPSPEED_CONFIG_FILE", "ACCELERATE_CONFIG_DS_FIELDS", "ACCELERATE_DEEPSPEED_ZERO_STAGE",
+    "ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "ACCELERATE_GRADIENT_CLIPPING",
+    "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE",
+    "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_NVME_PATH", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_NVME_PATH",
+    "ACCELERATE_DEEPSPEED_ZERO3_INIT", "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL",
+)  # fmt: skip
 #: ``FSDP_*`` settings of accelerate's plugin that hflight's FSDP2 does not have
 _FSDP_REFUSED = {
     "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD": "activations offloaded to the CPU; set it false (keep activation "
@@ -78,9 +86,10 @@ class LauncherEnvironmentError(ValueError):
     """A variable of accelerate's launcher that hflight cannot honour, or that contradicts the arguments."""
 
 
-def apply(args: Any, environ: Mapping[str, str] | None = None) -> None:
+def apply(args: Any, device_type: Callable[[], str], environ: Mapping[str, str] | None = None) -> None:
     """Set ``args``' fields from accelerate's launcher variables in ``environ`` (default: ``os.environ``), where the
-    arguments leave them to the environment as transformers' do; see the module's docstring.
+    arguments leave them to the environment as transformers' do; see the module's docstring. ``device_type()``: the
+    device type Lightning will pick for the arguments (``cpu``, ``cuda``, ``mps``).
 
     Raises:
         LauncherEnvironmentError: a variable hflight cannot honour, a value accelerate would refuse, or a variable
@@ -89,11 +98,11 @@ def apply(args: Any, environ: Mapping[str, str] | None = None) -> None:
     env = os.environ if environ is None else environ
     _refuse(env)
     _check_local_rank(args, env)
-    _device(args, env)
+    _device(args, env, device_type)
     deepspeed = bool(args.deepspeed) or _flag(env, "ACCELERATE_USE_DEEPSPEED")
     _check_one_strategy(args, env, deepspeed)
     _mixed_precision(args, env, deepspeed)
-    _fsdp(args, env)
+    _fsdp(args, env, device_type)
     _deepspeed(args, env)
     _dynamo(args, env)
     _parallelism(args, env)
@@ -183,10 +192,8 @@ def _check_one_strategy(args: Any, env: Mapping[str, str], deepspeed: bool) -> N
 # ---------------------------------------------------------------------- device, precision
 
 
-def _device(args: Any, env: Mapping[str, str]) -> None:
+def _device(args: Any, env: Mapping[str, str], device_type: Callable[[], str]) -> None:
     """``ACCELERATE_USE_CPU`` (``--cpu``): the CPU even where there are GPUs, as accelerate's ``cpu=True``."""
-    from hflight.arguments.training_args import resolved_device_type
-
     if _flag(env, "ACCELERATE_USE_CPU"):
         if isinstance(args.accelerator, str) and args.accelerator not in ("auto", "cpu"):
             raise LauncherEnvironmentError(
@@ -197,7 +204,7 @@ def _device(args: Any, env: Mapping[str, str]) -> None:
             args.accelerator = "cpu"
     wanted = env.get("ACCELERATE_TORCH_DEVICE")
     if wanted:
-        picked = "cpu" if args.use_cpu else resolved_device_type(args)
+        picked = "cpu" if args.use_cpu else device_type()
         if torch.device(wanted).type != picked or torch.device(wanted).index is not None:
             raise LauncherEnvironmentError(
                 f"ACCELERATE_TORCH_DEVICE={wanted!r}: hflight's device is Lightning's (here {picked!r}, one per "
@@ -285,7 +292,7 @@ def _fsdp1_from_env(env: Mapping[str, str]) -> dict[str, Any]:
     }
 
 
-def _fsdp(args: Any, env: Mapping[str, str]) -> None:
+def _fsdp(args: Any, env: Mapping[str, str], device_type: Callable[[], str]) -> None:
     """``ACCELERATE_USE_FSDP``: ``fsdp`` from the ``FSDP_*`` variables. With ``fsdp`` in the arguments, the variables
     fill what transformers leaves to accelerate's plugin (which reads them whenever FSDP is on)."""
     launched = _flag(env, "ACCELERATE_USE_FSDP")
@@ -299,7 +306,7 @@ def _fsdp(args: Any, env: Mapping[str, str]) -> None:
         return
     config = fsdp_config_from_env(env)
     if config["version"] == 1:
-        _check_fsdp1_device(args)
+        _check_fsdp1_device(args, device_type)
     args.fsdp, args.fsdp_config = True, config
 
 
@@ -309,10 +316,8 @@ def _fsdp_asks(env: Mapping[str, str], name: str) -> bool:
     return _flag(env, name)
 
 
-def _check_fsdp1_device(args: Any) -> None:
-    from hflight.arguments.training_args import resolved_device_type
-
-    device = "cpu" if args.use_cpu else resolved_device_type(args)
+def _check_fsdp1_device(args: Any, device_type: Callable[[], str]) -> None:
+    device = "cpu" if args.use_cpu else device_type()
     if device != "cuda":
         raise LauncherEnvironmentError(
             f"FSDP_VERSION=1 (the accelerate config's fsdp_version, 1 when it names none): FSDP1 needs CUDA GPUs "
@@ -368,8 +373,7 @@ def _deepspeed(args: Any, env: Mapping[str, str]) -> None:
         )
     from accelerate.utils import DeepSpeedPlugin
 
-    source = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
-    where = f"ACCELERATE_DEEPSPEED_CONFIG_FILE={source}" if source != "none" else "ACCELERATE_DEEPSPEED_* variables"
+    where = ", ".join(f"{name}={env[name]}" for name in DEEPSPEED_VARIABLES if name in env) or "ZeRO-2, no file"
     try:
         plugin = DeepSpeedPlugin()
         plugin.set_mixed_precision("fp16" if args.fp16 else "bf16" if args.bf16 else "no")

@@ -160,7 +160,7 @@ class TrainingArguments(HFTrainingArguments):
 
     def __post_init__(self) -> None:
         _coerce_field_types(self)
-        launcher_env.apply(self)  # accelerate launch's variables, where transformers' arguments read them
+        launcher_env.apply(self, lambda: resolved_device_type(self))  # accelerate launch's variables
         _normalise_hflight_values(self)
         for name, (enum_cls, choices) in _CHOICES.items():
             setattr(self, name, _check_choice(name, getattr(self, name), enum_cls, choices()))
