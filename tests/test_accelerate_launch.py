@@ -448,8 +448,9 @@ def _free_port() -> str:
 
 
 @pytest.fixture(scope="module")
-def launches(tmp_path_factory) -> dict[str, dict[str, Path]]:
-    """Every launch at once, one thread per process: name -> {"transformers": output folder, "hflight": ...}."""
+def launches(tmp_path_factory) -> dict[str, dict[str, Path | AssertionError]]:
+    """Every launch at once, one thread per process: name -> {"transformers": output folder, "hflight": ...}, or the
+    failure of a job that did not finish (each test then fails on its own jobs: :func:`outputs`)."""
     root = tmp_path_factory.mktemp("accelerate_launch")
     inputs, configs = clm._inputs(root / "inputs"), write_configs(root / "configs")
     args = ["--model_name_or_path", str(inputs["model"]), "--train_file", str(inputs["train"]),
@@ -471,16 +472,30 @@ def launches(tmp_path_factory) -> dict[str, dict[str, Path]]:
     jobs["deepspeed_launcher", "hflight"] = dropin.Job(
         root / "deepspeed_launcher" / "hflight", "run_clm", clm.ORIGINAL_IMPORT, clm.CHANGED_IMPORT,
         [*args, "--deepspeed", str(configs["zero2"])], launcher=deepspeed, env=env)  # fmt: skip
-    outs: dict[str, dict[str, Path]] = {}
+    outs: dict[str, dict[str, Path | AssertionError]] = {}
     for (name, library), job in jobs.items():
-        outs.setdefault(name, {})[library] = job.out()
+        try:
+            folder: Path | AssertionError = job.out()
+        except AssertionError as failure:  # every job waited for, none left running
+            folder = failure
+        outs.setdefault(name, {})[library] = folder
     return outs
+
+
+def outputs(launches: dict, name: str, **sides: str) -> dict[str, Path]:
+    """The output folders of launch ``name`` (``sides``: another launch's side, e.g. ``hflight="deepspeed_launcher"``),
+    failing with the job's own error where it did not finish."""
+    folders = {library: launches[sides.get(library, name)][library] for library in ("transformers", "hflight")}
+    for folder in folders.values():
+        if isinstance(folder, AssertionError):
+            raise folder
+    return folders
 
 
 def test_bf16_launch_of_one_process_gives_transformers_numbers(launches):
     """``accelerate launch --num_processes 1 --mixed_precision bf16 run_clm.py``: transformers trains under bf16
     autocast; hflight does the same (before: its fp32 numbers): losses, gradient norms, metrics, weights, optimizer."""
-    both = launches["bf16"]
+    both = outputs(launches, "bf16")
     dropin.assert_same_results(both, ("eval_results.json", "train_results.json", "all_results.json"))
     dropin.assert_same_log_history(both, min_losses=5)
     dropin.assert_same_files(both)
@@ -530,7 +545,7 @@ def test_each_config_file_runs_its_strategy_across_the_launched_processes_with_t
     over both processes accelerate started (its checkpoint's form and world), and logs transformers' numbers (losses,
     gradient norms, learning rates, metrics) and writes its weights, optimizer states, shards or partitions, bit for
     bit."""
-    both = launches[config]
+    both = outputs(launches, config)
     if config == "deepspeed_zero3":
         _zero3_total_flos(both)
     checkpoint = _spans_two(both["hflight"])
@@ -543,8 +558,7 @@ def test_each_config_file_runs_its_strategy_across_the_launched_processes_with_t
 def test_the_deepspeed_launcher_runs_zero2_across_its_processes_with_transformers_numbers(launches):
     """``deepspeed --num_gpus 2 run_clm.py --deepspeed ds_config_zero2.json`` (DeepSpeed's launcher, ``--local_rank``
     passed): both processes train ZeRO-2 together, with the numbers and partitions of transformers' ZeRO-2 run."""
-    both = {"transformers": launches["deepspeed_zero2"]["transformers"],
-            "hflight": launches["deepspeed_launcher"]["hflight"]}  # fmt: skip
+    both = outputs(launches, "deepspeed_zero2", hflight="deepspeed_launcher")
     checkpoint = _spans_two(both["hflight"])
     assert list(checkpoint.glob(FORMS["deepspeed_zero2"][1]))
     dropin.assert_same_results(both, ("eval_results.json", "train_results.json", "all_results.json"))
