@@ -492,6 +492,8 @@ def outputs(launches: dict, name: str, **sides: str) -> dict[str, Path]:
     return folders
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_bf16_launch_of_one_process_gives_transformers_numbers(launches):
     """``accelerate launch --num_processes 1 --mixed_precision bf16 run_clm.py``: transformers trains under bf16
     autocast; hflight does the same (before: its fp32 numbers): losses, gradient norms, metrics, weights, optimizer."""
@@ -539,6 +541,8 @@ def _zero3_total_flos(both: dict[str, Path]) -> None:
         (both["hflight"] / name).write_text(json.dumps(ours, indent=2), encoding="utf-8")
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_each_config_file_runs_its_strategy_across_the_launched_processes_with_transformers_numbers(launches, config):
     """``accelerate launch --config_file <config>.yaml run_clm.py``: hflight trains with the strategy the file names,
@@ -555,6 +559,8 @@ def test_each_config_file_runs_its_strategy_across_the_launched_processes_with_t
     assert dropin.assert_same_training_state(both) >= 4
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_the_deepspeed_launcher_runs_zero2_across_its_processes_with_transformers_numbers(launches):
     """``deepspeed --num_gpus 2 run_clm.py --deepspeed ds_config_zero2.json`` (DeepSpeed's launcher, ``--local_rank``
     passed): both processes train ZeRO-2 together, with the numbers and partitions of transformers' ZeRO-2 run."""
