@@ -4,7 +4,9 @@ The class subclasses ``transformers.TrainingArguments``, so every field (name, t
 method of transformers' is hflight's by construction, and transformers' own ``__post_init__`` normalises, derives and
 validates. hflight adds, in this order around it:
 
-1. type checks that name the field (command-line strings and OmegaConf containers are converted first);
+1. type checks that name the field (command-line strings and OmegaConf containers are converted first), then the
+   variables of accelerate's launcher (``accelerate launch``) as the fields they stand for
+   (``hflight.arguments.launcher_env``);
 2. the choices hflight can run (``optim``, ``train_sampling_strategy``, Lightning's ``accelerator``/``strategy``);
 3. transformers' ``__post_init__``, with the device answered by Lightning's side (no accelerate ``PartialState`` is
    created: Lightning launches and connects the processes);
@@ -40,7 +42,7 @@ from transformers.debug_utils import DebugOption
 from transformers.trainer_utils import HubStrategy, IntervalStrategy, SaveStrategy, SchedulerType
 from transformers.training_args import OptimizerNames, ParallelMode, trainer_log_levels
 
-from hflight.arguments import cluster, process_group
+from hflight.arguments import cluster, launcher_env, process_group
 from hflight.arguments.deepspeed import load_deepspeed_config
 from hflight.arguments.registry import register_backends
 
@@ -161,6 +163,7 @@ class TrainingArguments(HFTrainingArguments):
 
     def __post_init__(self) -> None:
         _coerce_field_types(self)
+        launcher_env.apply(self, lambda: resolved_device_type(self))  # accelerate launch's variables
         _normalise_hflight_values(self)
         for name, (enum_cls, choices) in _CHOICES.items():
             setattr(self, name, _check_choice(name, getattr(self, name), enum_cls, choices()))

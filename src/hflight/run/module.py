@@ -20,6 +20,7 @@ import torch
 from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from typing_extensions import override
 
+from hflight.arguments.launcher_env import compile_model
 from hflight.run.backend import HFBackend, backend_of
 from hflight.run.datamodule import MicroBatch
 from hflight.surface import RunView, TrainerSurface
@@ -70,7 +71,7 @@ class HFModule(L.LightningModule):
         self.model.train()
         args = self.facade.args
         if args.torch_compile:
-            self._compiled = torch.compile(self.model, backend=args.torch_compile_backend, mode=args.torch_compile_mode)
+            self._compiled = compile_model(self.model, args)  # as accelerate's TorchDynamoPlugin
 
     @override
     def on_train_batch_start(self, batch: MicroBatch, batch_idx: int) -> int | None:
