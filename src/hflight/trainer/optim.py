@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 from torch import nn
-
 from transformers import Trainer as HFTrainer
 
 from hflight.arguments.optimizers import (
