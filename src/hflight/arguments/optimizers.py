@@ -91,8 +91,10 @@ def optim_name(args: TrainingArguments) -> str:
 def check_optim_args(optim_args: str | None) -> None:
     """``optim_args`` as transformers reads it (``"k1=v1,k2=v2"``, spaces ignored); a pair without exactly one ``=``
     raises ``ValueError`` naming the field (transformers fails on it with an unpacking error)."""
-    for item in (optim_args or "").replace(" ", "").split(",") if optim_args else ():
-        if item.count("=") != 1 or not item.split("=")[0]:
+    if not optim_args:
+        return
+    for item in optim_args.replace(" ", "").split(","):
+        if item.count("=") != 1 or item.startswith("="):
             raise ValueError(
                 f"optim_args must be 'key=value' pairs separated by commas (as transformers reads it), got "
                 f"{optim_args!r}: {item!r} is not one"
@@ -247,8 +249,8 @@ def set_optimizer_mode(optimizer: Any, training: bool) -> None:
 
 __all__ = [
     "OPTIMIZERS",
-    "AcceleratedView",
     "OPTIONAL_PACKAGES",
+    "AcceleratedView",
     "OptionalPackage",
     "build_scheduler",
     "check_optim_args",
