@@ -90,7 +90,6 @@ def _both(factory, tmp_path, **kwargs):
 # ---- every optim name -------------------------------------------------------------------------------------------
 def test_every_optim_name_is_run_or_raises_here():
     assert set(RUNNING) | set(RAISING) == {name.value for name in OptimizerNames}
-    assert set(hflight.TrainingArguments(optim=RUNNING[0]).__class__.__mro__) >= {transformers.TrainingArguments}
     for name in OptimizerNames:
         assert hflight.TrainingArguments(optim=name.value).optim is name
 
