@@ -68,9 +68,9 @@ __all__ = [
     "supported_strategies",
 ]
 
-#: ``optim`` values hflight can build (see ``hflight.arguments.optimizers``); all are transformers ``OptimizerNames``
-# values.
-SUPPORTED_OPTIMIZERS: tuple[str, ...] = ("adamw_torch", "adamw_torch_fused", "adafactor", "sgd", "adagrad", "rmsprop")
+#: ``optim`` values hflight builds: every transformers ``OptimizerNames`` value, by transformers' own
+#: ``get_optimizer_cls_and_kwargs`` (see ``hflight.arguments.optimizers``; backends may register more).
+SUPPORTED_OPTIMIZERS: tuple[str, ...] = tuple(member.value for member in OptimizerNames)
 #: ``train_sampling_strategy`` values hflight implements (transformers also has "batch_rebalance").
 SUPPORTED_TRAIN_SAMPLING_STRATEGIES: tuple[str, ...] = ("random", "sequential", "group_by_length")
 #: ``accelerator`` names accepted by hflight (Lightning's names).
@@ -106,10 +106,11 @@ def supported_accelerators() -> tuple[str, ...]:
 
 
 def supported_optimizers() -> tuple[str, ...]:
-    """Valid ``optim`` names: the optimizers ``hflight.arguments.optimizers`` can build (backends may add their own)."""
+    """Valid ``optim`` names: transformers' ``OptimizerNames`` and the optimizers backends registered (ONNX Runtime's
+    "adamw_ort_fused")."""
     from hflight.arguments.optimizers import OPTIMIZERS
 
-    return tuple(OPTIMIZERS)
+    return tuple(dict.fromkeys((*SUPPORTED_OPTIMIZERS, *OPTIMIZERS)))
 
 
 @dataclasses.dataclass
@@ -599,15 +600,6 @@ def configured_accelerate_state(args: TrainingArguments) -> Any:
 #: transformers fields that have no Lightning equivalent: field -> (still at its default?, what to do instead). Set to
 #: anything else, they raise ``ValueError`` (all named at once) when the arguments are built.
 UNSUPPORTED: dict[str, tuple[Callable[[TrainingArguments], bool], str]] = {
-    "optim_target_modules": (
-        lambda a: a.optim_target_modules is None,
-        f"it only configures GaLore/APOLLO-style optimizers, and hflight builds {', '.join(SUPPORTED_OPTIMIZERS)}",
-    ),
-    "use_liger_kernel": (
-        lambda a: not a.use_liger_kernel,
-        "apply Liger kernels to the model before creating the Trainer (liger_kernel.transformers)",
-    ),
-    "liger_kernel_config": (lambda a: a.liger_kernel_config is None, "see use_liger_kernel"),
     "parallelism_config": (
         lambda a: a.parallelism_config is None or _data_parallel_only(a.parallelism_config),
         "tensor, context and sequence parallelism (tp_size, cp_size, sp_size > 1) need a model's tensor-parallel plan "

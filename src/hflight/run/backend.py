@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hflight.arguments.optimizers import step_taken_in_backward, updates_in_backward
 from hflight.checkpoints.sharded import ProcessZeroState
 
 if TYPE_CHECKING:
@@ -86,8 +87,14 @@ class HFBackend:
         return model
 
     def hf_optimizer_step(self, module: L.LightningModule) -> bool:
-        """One optimizer step on the host; False when mixed precision skipped it (inf/NaN gradients)."""
+        """One optimizer step on the host; False when mixed precision skipped it (inf/NaN gradients). An optimizer
+        that updated the parameters during the backward pass (LOMO, layer-wise GaLore/APOLLO) takes no step, as in
+        transformers: clipping and ``on_pre_optimizer_step`` run all the same."""
         optimizer = module.optimizers()
+        if updates_in_backward(optimizer.optimizer):
+            module.on_before_optimizer_step(optimizer.optimizer)
+            step_taken_in_backward(module.facade.lr_scheduler)
+            return True
         scaler = getattr(module.trainer.precision_plugin, "scaler", None)
         scale_before = scaler.get_scale() if scaler is not None else None
         # Clipping and on_pre_optimizer_step run inside step(), in on_before_optimizer_step: the one point

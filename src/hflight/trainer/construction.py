@@ -188,6 +188,17 @@ def call_model_init(model_init: Callable[..., nn.Module], trial: Any = None) -> 
     return model
 
 
+def prepare_model_for_training(model: nn.Module, args: Any) -> None:
+    """What transformers' ``train()`` does to the model before building the optimizer: Liger's kernels patched in
+    (``use_liger_kernel``, with ``liger_kernel_config``: transformers' own ``apply_liger_kernel``, which raises its
+    ``ImportError`` where liger-kernel is not installed), then activation checkpointing."""
+    if args.use_liger_kernel:
+        from transformers.integrations.liger import apply_liger_kernel
+
+        apply_liger_kernel(model, args.liger_kernel_config)
+    enable_activation_checkpointing(model, args)
+
+
 def enable_activation_checkpointing(model: nn.Module, args: Any) -> None:
     """``gradient_checkpointing_enable`` with ``args.gradient_checkpointing_kwargs`` when asked and supported."""
     if args.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):

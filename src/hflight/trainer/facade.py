@@ -277,13 +277,13 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
         )
 
     def _prepare_model_for_training(self) -> None:
-        """A fresh model from ``model_init`` (and a fresh optimizer), or a fresh schedule; activation checkpointing."""
+        """A fresh model from ``model_init`` (and optimizer), or a fresh schedule; Liger, activation checkpointing."""
         if self.model_init is not None:
             self._seed()
             self.model = self.call_model_init(self._trial)
             self._inspect_model(self.model)
             self.optimizer, self.lr_scheduler = None, None
-        construction.enable_activation_checkpointing(self.model, self.args)
+        construction.prepare_model_for_training(self.model, self.args)
 
     # ---- evaluation --------------------------------------------------------------------------------------------
     def _evaluate(self, trial: Any, ignore_keys_for_eval: list[str] | None, skip_scheduler: bool = False) -> dict:

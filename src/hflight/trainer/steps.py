@@ -17,6 +17,7 @@ from torch import nn
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.trainer_pt_utils import nested_detach
 
+from hflight.arguments.optimizers import passes_learning_rate, set_optimizer_mode
 from hflight.run.datamodule import loader_length
 from hflight.run.plan import plan_training
 from hflight.surface import TrainerSurface
@@ -78,16 +79,17 @@ def training_step(
     model: nn.Module,
     inputs: dict[str, Any],
     num_items_in_batch: torch.Tensor | int | None,
-    backward: Callable[[torch.Tensor], None],
+    backward: Callable[..., None],
 ) -> torch.Tensor:
     """Forward, loss scaled for gradient accumulation as HF scales it, ``backward`` (Lightning's, which applies the
     precision plugin's scaling and the strategy's hooks)."""
     model.train()
-    if hasattr(trainer.optimizer, "train") and callable(trainer.optimizer.train):
-        trainer.optimizer.train()
+    set_optimizer_mode(trainer.optimizer, training=True)  # a schedule-free optimizer trains its own sequence
     inputs = trainer._prepare_inputs(inputs)  # an override point at transformers' moment (Lightning moved the batch)
     with trainer.compute_loss_context_manager():  # transformers' override point, around the forward and the loss
         loss = trainer.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+    # "lomo"/"adalomo": the learning rate goes with the loss, for LOMO's fused backward (accelerate's, in transformers)
+    kwargs = {"learning_rate": trainer._get_learning_rate()} if passes_learning_rate(trainer.args) else {}
     every = trainer.args.torch_empty_cache_steps
     if every is not None and trainer.state.global_step % every == 0:
         memory.empty_device_cache()
@@ -101,7 +103,7 @@ def training_step(
         ) or trainer.compute_loss_func is not None
     if not already_scaled:
         loss = loss / trainer.current_gradient_accumulation_steps
-    backward(loss)
+    backward(loss, **kwargs)
     return loss.detach()
 
 
@@ -133,6 +135,8 @@ def prediction_step(
     with torch.no_grad():
         if has_labels or loss_without_labels:
             num_items = trainer._get_num_items_in_batch([inputs], None)
+            if trainer.args.use_liger_kernel and prediction_loss_only:  # Liger's loss without the logits
+                inputs = {**inputs, "skip_logits": True}
             with trainer.compute_loss_context_manager():
                 loss, outputs = trainer.compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items)
             loss = loss.detach().mean()
