@@ -299,6 +299,39 @@ def test_predict_without_labels_returns_logits_only(tmp_path, factory):
     assert "test_loss" not in output.metrics and "test_runtime" in output.metrics
 
 
+def test_label_smoothing_is_disabled_with_a_warning_for_multi_label_classification(tmp_path, factory):
+    """transformers' rule: a multi-label classifier (BCE loss) gets no label smoother, and a UserWarning says so."""
+    model = factory.cls_model()
+    args = _args(tmp_path, label_smoothing_factor=0.1)
+    assert Trainer(model, args).label_smoother is not None
+    model.config.problem_type = "multi_label_classification"
+    with pytest.warns(UserWarning, match="Label smoothing is not compatible with multi-label classification"):
+        assert Trainer(model, args).label_smoother is None
+
+
+class _SkipLogitsRecorder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear, self.seen = nn.Linear(2, 2), []
+
+    def forward(self, x, labels=None, skip_logits=None):
+        self.seen.append(skip_logits)
+        return {"loss": self.linear(x).sum(), "logits": self.linear(x)}
+
+
+def test_prediction_step_asks_liger_models_to_skip_logits_for_a_loss_only_evaluation(tmp_path):
+    """With ``use_liger_kernel`` (set on the arguments object: building it with the flag is the optimizer helpers'
+    part), a loss-only prediction step passes ``skip_logits=True``, as transformers', and not otherwise."""
+    model = _SkipLogitsRecorder()
+    trainer = Trainer(model, _args(tmp_path))
+    batch = {"x": torch.ones(1, 2), "labels": torch.zeros(1)}
+    trainer.prediction_step(model, dict(batch), prediction_loss_only=True)
+    trainer.args.use_liger_kernel = True
+    trainer.prediction_step(model, dict(batch), prediction_loss_only=False)
+    trainer.prediction_step(model, dict(batch), prediction_loss_only=True)
+    assert model.seen == [None, None, True]
+
+
 # ---- bad input -------------------------------------------------------------------------------------------------
 class NoLossModel(nn.Module):
     def __init__(self):

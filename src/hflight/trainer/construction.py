@@ -7,6 +7,7 @@ transformers' error messages where scripts may match on them.
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -15,8 +16,9 @@ import torch
 from torch import nn
 from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase, default_data_collator
 from transformers.feature_extraction_sequence_utils import SequenceFeatureExtractor
+from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 from transformers.trainer_pt_utils import LabelSmoother
-from transformers.trainer_utils import SaveStrategy
+from transformers.trainer_utils import SaveStrategy, unwrap_peft_model
 from transformers.utils import can_return_loss, find_labels
 
 
@@ -152,24 +154,45 @@ class ModelFacts:
     can_return_loss: bool
     label_smoother: LabelSmoother | None
     num_params: int  # without embeddings, for ``floating_point_ops``
+    loss_shifts_labels: bool  # a causal-LM loss: position 0 of each label row is never a target
 
 
 def inspect_model(model: nn.Module, args: Any) -> ModelFacts:
-    """:class:`ModelFacts` of ``model`` under ``args`` (``label_names``, ``label_smoothing_factor``)."""
-    if hasattr(model, "accepts_loss_kwargs"):
-        accepts_loss_kwargs = model.accepts_loss_kwargs
+    """:class:`ModelFacts` of ``model`` under ``args`` (``label_names``, ``label_smoothing_factor``); a PEFT model is
+    inspected through its base model, as transformers does."""
+    inspected = unwrap_peft_model(model)
+    if hasattr(inspected, "accepts_loss_kwargs"):
+        accepts_loss_kwargs = inspected.accepts_loss_kwargs
     else:
-        params = inspect.signature(model.forward).parameters.values()
+        params = inspect.signature(inspected.forward).parameters.values()
         accepts_loss_kwargs = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
-    label_names = find_labels(type(model)) if args.label_names is None else list(args.label_names)
-    eps = args.label_smoothing_factor
+    label_names = find_labels(type(inspected)) if args.label_names is None else list(args.label_names)
+    config = getattr(inspected, "config", None)
     return ModelFacts(
         accepts_loss_kwargs=accepts_loss_kwargs,
         label_names=label_names,
-        can_return_loss=can_return_loss(type(model)),
-        label_smoother=LabelSmoother(epsilon=eps) if eps != 0 else None,
+        can_return_loss=can_return_loss(type(inspected)),
+        label_smoother=_label_smoother(args.label_smoothing_factor, getattr(model, "config", None)),
         num_params=model.num_parameters(exclude_embeddings=True) if hasattr(model, "num_parameters") else 0,
+        loss_shifts_labels=LOSS_MAPPING.get(getattr(inspected, "loss_type", None)) is ForCausalLMLoss
+        and not getattr(config, "is_encoder_decoder", False),
     )
+
+
+def _label_smoother(epsilon: float, config: Any) -> LabelSmoother | None:
+    """transformers' rule: none without ``label_smoothing_factor``, and none (with its warning) for a multi-label
+    classifier, whose BCE loss label smoothing does not apply to."""
+    if epsilon == 0:
+        return None
+    if getattr(config, "problem_type", None) == "multi_label_classification":
+        warnings.warn(
+            "Label smoothing is not compatible with multi-label classification. "
+            "Disabling label smoothing for this training run.",
+            UserWarning,
+            stacklevel=3,
+        )
+        return None
+    return LabelSmoother(epsilon=epsilon)
 
 
 def default_collator(processing_class: Any) -> Callable:

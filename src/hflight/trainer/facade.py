@@ -153,7 +153,7 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
         facts = construction.inspect_model(model, self.args)
         self.model_accepts_loss_kwargs, self.label_names = facts.accepts_loss_kwargs, facts.label_names
         self.can_return_loss, self.label_smoother = facts.can_return_loss, facts.label_smoother
-        self._num_params = facts.num_params
+        self._num_params, self._loss_shifts_labels = facts.num_params, facts.loss_shifts_labels
 
     def _setup_callbacks(self, callbacks: list[Any]) -> None:
         hf_callbacks, self._lightning_callbacks = split_callbacks(callbacks)
@@ -214,7 +214,7 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
 
     # ---- per-batch pieces that need the run ---------------------------------------------------------------------
     def _get_num_items_in_batch(self, batch_samples: list[Any], device: torch.device | None) -> torch.Tensor | None:
-        return steps.count_items_in_cycle(self, batch_samples, self._backend(), self._world())
+        return steps.count_items_in_cycle(self, batch_samples, self._backend(), self._world(), self._loss_shifts_labels)
 
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:
         return steps.floating_point_ops(self.model, inputs, self._num_params)
