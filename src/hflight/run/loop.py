@@ -203,7 +203,7 @@ class TrainingLoop:
             return
         main_input = getattr(facade.model, "main_input_name", "input_ids")
         if main_input not in inputs:
-            logger.warning(
+            console.logger.warning(  # transformers' own line, on its logger
                 "Tried to track the number of tokens seen, however the current model is not configured properly to "
                 "know what item is the input. To fix this, add a `main_input_name` attribute to the model class you "
                 "are using."
@@ -216,7 +216,7 @@ class TrainingLoop:
             tokens = (inputs[main_input] != pad_id).sum()
         else:
             if mode == "non_padding":
-                logger.warning(
+                console.logger.warning(
                     "Could not determine method to count non-padding tokens, falling back to counting all tokens."
                 )
             tokens = inputs[main_input].numel()
