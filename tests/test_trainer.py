@@ -392,6 +392,26 @@ def test_wrong_argument_types_raise(tmp_path, factory, kwargs, error, match):
         Trainer(**base)
 
 
+@pytest.mark.parametrize("lib", [transformers, hflight])
+def test_constructor_refuses_what_transformers_refuses(tmp_path, factory, lib):
+    """An evaluation strategy without an evaluation set, an optimizer given twice, and an optimizer for a model that
+    ``model_init`` replaces: transformers refuses each when the Trainer is built; so does hflight, with its words."""
+    model = factory.qa_model()
+    args = {"output_dir": str(tmp_path), "report_to": "none"}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="but you didn't pass an `eval_dataset` to `Trainer`"):
+        lib.Trainer(model, lib.TrainingArguments(**args, eval_strategy="steps", eval_steps=1))
+    with pytest.raises(RuntimeError, match="Passing both `optimizers` and `optimizer_cls_and_kwargs`"):
+        lib.Trainer(
+            model,
+            lib.TrainingArguments(**args),
+            optimizers=(optimizer, None),
+            optimizer_cls_and_kwargs=(torch.optim.SGD, {}),
+        )
+    with pytest.raises(RuntimeError, match="Passing a `model_init` is incompatible with providing the `optimizers`"):
+        lib.Trainer(args=lib.TrainingArguments(**args), model_init=lambda: model, optimizers=(optimizer, None))
+
+
 def test_model_or_model_init_required():
     with pytest.raises(RuntimeError, match="requires either a `model` or `model_init`"):
         Trainer()

@@ -77,6 +77,7 @@ class TrainingLoop:
         self.warned_nonfinite = False
         self.epoch_end_pending = False  # the last step ended an epoch whose end has not run yet
         self.loss_since_step = 0  # train_loss averages the steps after this one
+        self.began = False  # on_train_begin dispatched (Lightning skips on_train_start for a run without a step)
 
     def _epoch_index(self) -> int:
         return self.epochs_offset + self.run.lightning_trainer.current_epoch
@@ -154,6 +155,7 @@ class TrainingLoop:
         self.start_time = time.time()
         self.initial_num_input_tokens_seen = facade.state.num_input_tokens_seen  # tokens/s of this call only
         facade.model.zero_grad(set_to_none=True)
+        self.began = True
         dispatch(facade, "on_train_begin")
         if self.run.resume is not None and self.run.resume.continued and self.epoch_end_pending:
             self._finish_pending_epoch(self.run.resume)
@@ -372,6 +374,9 @@ class TrainingLoop:
         the run's Lightning loggers, flushed after the last entry; ``measure_memory(metrics)``: adds
         ``skip_memory_metrics=False``'s metrics."""
         facade = self.facade
+        if not self.began:  # no step to run (num_train_epochs=0, resumed at the last step): transformers begins anyway
+            trainer = self.run.lightning_trainer
+            self.train_begin(trainer.datamodule.train_loader, trainer.strategy.root_device)
         console.training_completed()
         train_loss = self.train_loss()
         steps_run = facade.state.global_step - self.initial_global_step

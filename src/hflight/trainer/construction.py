@@ -116,12 +116,21 @@ def check_inputs(
     """The constructor's arguments have usable types, and exactly one of ``model``/``model_init`` is given.
 
     Raises:
-        RuntimeError, ValueError: transformers' messages for a missing or doubled model, and for
-            ``save_strategy="best"`` without ``metric_for_best_model``.
+        RuntimeError, ValueError: transformers' messages for a missing or doubled model, for
+            ``save_strategy="best"``/``load_best_model_at_end`` without ``metric_for_best_model``, and for an
+            ``eval_strategy`` without an ``eval_dataset``.
         TypeError: naming the argument and the type it must have.
     """
-    if args.save_strategy == SaveStrategy.BEST and args.metric_for_best_model is None:
-        raise ValueError("`args.metric_for_best_model` must be provided when using 'best' save_strategy.")
+    if (args.save_strategy == SaveStrategy.BEST or args.load_best_model_at_end) and args.metric_for_best_model is None:
+        raise ValueError(
+            "`args.metric_for_best_model` must be provided when using 'best' save_strategy or if "
+            "`args.load_best_model_at_end` is set to `True`."
+        )
+    if args.eval_strategy is not None and args.eval_strategy != "no" and eval_dataset is None:
+        raise ValueError(
+            f"You have set `args.eval_strategy` to {args.eval_strategy} but you didn't pass an `eval_dataset` to "
+            "`Trainer`. Either set `args.eval_strategy` to `no` or pass an `eval_dataset`. "
+        )
     if model is None and model_init is None:
         raise RuntimeError("`Trainer` requires either a `model` or `model_init` argument")
     if model is not None and model_init is not None:
@@ -143,6 +152,18 @@ def check_inputs(
                 "argument which will be triggered after the last batch of the eval set to signal that the summary "
                 "statistics should be returned by the function."
             )
+
+
+def check_optimizer_inputs(optimizers: tuple[Any, Any], optimizer_cls_and_kwargs: Any, model_init: Any) -> None:
+    """transformers' refusals: an optimizer given twice, or an optimizer for a model ``model_init`` replaces (the
+    optimizer would update the parameters of a model that is not trained)."""
+    if optimizer_cls_and_kwargs is not None and optimizers[0] is not None:
+        raise RuntimeError("Passing both `optimizers` and `optimizer_cls_and_kwargs` arguments is incompatible.")
+    if model_init is not None and (optimizers[0] is not None or optimizers[1] is not None):
+        raise RuntimeError(
+            "Passing a `model_init` is incompatible with providing the `optimizers` argument. "
+            "You should subclass `Trainer` and override the `create_optimizer_and_scheduler` method."
+        )
 
 
 @dataclass(frozen=True)

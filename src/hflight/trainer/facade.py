@@ -27,13 +27,7 @@ from transformers.trainer_callback import (
 )
 from transformers.trainer_jit_checkpoint import JITCheckpointCallback
 from transformers.trainer_pt_utils import log_metrics, metrics_format, save_metrics, save_state
-from transformers.trainer_utils import (
-    EvalLoopOutput,
-    PredictionOutput,
-    TrainOutput,
-    enable_full_determinism,
-    set_seed,
-)
+from transformers.trainer_utils import EvalLoopOutput, PredictionOutput, TrainOutput, enable_full_determinism, set_seed
 
 from hflight.arguments import cluster, reporting
 from hflight.arguments.lightning_kwargs import split_callbacks
@@ -110,6 +104,7 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
         construction.check_inputs(
             self.args, model, model_init, train_dataset, eval_dataset, callbacks, optimizers, compute_metrics
         )
+        construction.check_optimizer_inputs(optimizers, optimizer_cls_and_kwargs, model_init)
         self.create_accelerator_and_postprocess()
         self.model_init = model_init
         self.model = model if model is not None else self.call_model_init()
