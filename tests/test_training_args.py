@@ -271,6 +271,7 @@ def test_normalisations():
     assert TrainingArguments(output_dir="~/x").output_dir.endswith("/x")
     assert TrainingArguments(output_dir=Path("~/x")).output_dir == os.path.expanduser("~/x")  # a str, as transformers'
     assert TrainingArguments(resume_from_checkpoint=Path("run/ckpt")).resume_from_checkpoint == "run/ckpt"
+    assert TrainingArguments(fp16=0, ddp_find_unused_parameters=1).ddp_find_unused_parameters is True  # as flags
     assert TrainingArguments().output_dir == "trainer_output"
     assert TrainingArguments(learning_rate="1e-3", per_device_train_batch_size="4", fp16="false").learning_rate == 1e-3
 
@@ -362,6 +363,7 @@ def test_value_errors(kwargs, match):
         ({"per_device_train_batch_size": 2.5}, "per_device_train_batch_size", "int"),
         ({"per_device_train_batch_size": True}, "per_device_train_batch_size", "int"),
         ({"fp16": "maybe"}, "fp16", "bool"),
+        ({"greater_is_better": 2}, "greater_is_better", "bool or None"),
         ({"seed": [1]}, "seed", "int"),
         ({"data_seed": "x"}, "data_seed", "int or None"),
         ({"label_names": "labels"}, "label_names", "list[str] or None"),

@@ -749,6 +749,8 @@ def _to_enum(value: Any, enum_cls: type[Enum]) -> Any:
 def _to_bool(value: Any) -> Any:
     if isinstance(value, bool):
         return value
+    if isinstance(value, numbers.Integral) and value in (0, 1):  # transformers takes 0/1 (truthiness) for a flag
+        return bool(value)
     if isinstance(value, str) and value.lower() in _TRUE_STRINGS + _FALSE_STRINGS:
         return value.lower() in _TRUE_STRINGS
     return _INVALID
