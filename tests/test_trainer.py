@@ -259,6 +259,24 @@ def test_save_model_is_loadable_with_from_pretrained(tmp_path, factory):
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("lib", [transformers, hflight])
+def test_save_model_saves_the_collators_tokenizer_without_a_processing_class(tmp_path, factory, lib):
+    """transformers' fallback: no ``processing_class``, a data collator with a ``tokenizer``: that tokenizer is saved
+    beside the model (so the folder loads with ``AutoTokenizer``)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel({"[UNK]": 0, "[PAD]": 1, "hi": 2}, unk_token="[UNK]")),
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+    )
+    collator = transformers.DataCollatorWithPadding(tokenizer)
+    trainer = lib.Trainer(factory.qa_model(), lib.TrainingArguments(str(tmp_path), report_to="none"), collator)
+    trainer.save_model(str(tmp_path / "saved"))
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "saved").get_vocab() == tokenizer.get_vocab()
+
+
 def test_progress_callbacks_follow_disable_tqdm(tmp_path, factory):
     quiet = Trainer(factory.qa_model(), _args(tmp_path, disable_tqdm=True))
     loud = Trainer(factory.qa_model(), _args(tmp_path, disable_tqdm=False))

@@ -366,7 +366,8 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
 
     def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        weights.save_model_files(self.model, self.processing_class, output_dir, self.args, state_dict)
+        processor = weights.saved_processor(self.processing_class, self.data_collator)
+        weights.save_model_files(self.model, processor, output_dir, self.args, state_dict)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         weights.load_model_weights(model if model is not None else self.model, resume_from_checkpoint)
