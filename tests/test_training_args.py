@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import os
 import re
 import typing
 import warnings
@@ -265,6 +266,9 @@ def test_normalisations():
     assert TrainingArguments(lr_scheduler_kwargs='{"num_cycles": "2"}').lr_scheduler_kwargs == {"num_cycles": 2}
     assert TrainingArguments(warmup_steps=10.0).warmup_steps == 10
     assert TrainingArguments(output_dir="~/x").output_dir.endswith("/x")
+    assert TrainingArguments(output_dir=Path("~/x")).output_dir == os.path.expanduser("~/x")  # a str, as transformers'
+    assert TrainingArguments(resume_from_checkpoint=Path("run/ckpt")).resume_from_checkpoint == "run/ckpt"
+    assert TrainingArguments(fp16=0, ddp_find_unused_parameters=1).ddp_find_unused_parameters is True  # as flags
     assert TrainingArguments().output_dir == "trainer_output"
     assert TrainingArguments(learning_rate="1e-3", per_device_train_batch_size="4", fp16="false").learning_rate == 1e-3
 
@@ -337,6 +341,9 @@ def test_choice_tables():
         ({"eval_strategy": "steps", "logging_strategy": "epoch", "logging_steps": 0}, "eval_steps or --logging_steps"),
         ({"lr_scheduler_type": "reduce_lr_on_plateau"}, "requires an eval strategy"),
         ({"dataloader_prefetch_factor": 2}, "dataloader_prefetch_factor"),
+        # transformers' own isinstance(int) check: a float is not converted to an int before it
+        ({"torch_empty_cache_steps": 1.0}, "torch_empty_cache_steps"),
+        ({"torch_empty_cache_steps": "none"}, "torch_empty_cache_steps"),
     ],
 )
 def test_value_errors(kwargs, match):
@@ -352,6 +359,7 @@ def test_value_errors(kwargs, match):
         ({"per_device_train_batch_size": 2.5}, "per_device_train_batch_size", "int"),
         ({"per_device_train_batch_size": True}, "per_device_train_batch_size", "int"),
         ({"fp16": "maybe"}, "fp16", "bool"),
+        ({"greater_is_better": 2}, "greater_is_better", "bool or None"),
         ({"seed": [1]}, "seed", "int"),
         ({"data_seed": "x"}, "data_seed", "int or None"),
         ({"label_names": "labels"}, "label_names", "list[str] or None"),
@@ -368,6 +376,7 @@ def test_value_errors(kwargs, match):
 def test_type_errors_name_field_type_and_value(kwargs, field, expected):
     with pytest.raises(TypeError) as info:
         TrainingArguments(**kwargs)
+    assert isinstance(info.value, ValueError)  # as transformers' checks raise for such values
     message = str(info.value)
     assert field in message and expected in message and repr(kwargs[field]) in message
 

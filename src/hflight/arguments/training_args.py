@@ -129,7 +129,8 @@ class TrainingArguments(HFTrainingArguments):
     ``Accelerator``), ``devices`` ("auto", a count, "0,1" or a list of indices; "2" becomes ``2``), ``strategy`` (see
     ``supported_strategies()``, or a Lightning ``Strategy``) and ``num_nodes``.
 
-    Wrong types raise ``TypeError`` and unknown choices ``ValueError``, each naming the field.
+    Wrong types raise ``TypeError`` (also a ``ValueError``, as transformers raises) and unknown choices
+    ``ValueError``, each naming the field.
     """
 
     accelerator: str = dataclasses.field(
@@ -396,6 +397,16 @@ def _extra_types() -> dict[str, tuple[type, ...]]:
     return extra
 
 
+class ArgumentTypeError(TypeError, ValueError):
+    """A field given a value of the wrong type. A ``TypeError``, and a ``ValueError`` as transformers' own checks
+    raise for the same values (``except ValueError`` written for transformers still catches it)."""
+
+
+#: Integer fields whose value transformers checks with ``isinstance(value, int)`` itself (raising ``ValueError`` for a
+#: float): not converted here, so its check sees the value as given.
+_EXACT_INT_FIELDS = frozenset({"torch_empty_cache_steps"})
+
+
 def _coerce_field_types(args: TrainingArguments) -> None:
     """Every init field converted to its annotation (command-line strings, OmegaConf containers), else a
     ``TypeError`` naming the field, the expected type and the value. Values whose type the annotation names as it
@@ -404,6 +415,8 @@ def _coerce_field_types(args: TrainingArguments) -> None:
     values = vars(args)
     for name, exact in _exact_types(type(args)).items():
         value = values[name]
+        if name in _EXACT_INT_FIELDS and isinstance(value, float):
+            continue
         if type(value) not in exact:
             setattr(args, name, _check_type(name, value, hints[name]))
 
@@ -751,7 +764,7 @@ def _check_type(name: str, value: Any, hint: Any) -> Any:
     converted = _convert(value, hint)
     if converted is _INVALID:
         expected = " or ".join([_describe(hint), *(t.__name__ for t in extra)])
-        raise TypeError(f"TrainingArguments.{name} expects {expected}, got {value!r} ({type(value).__name__})")
+        raise ArgumentTypeError(f"TrainingArguments.{name} expects {expected}, got {value!r} ({type(value).__name__})")
     return converted
 
 
@@ -802,6 +815,8 @@ def _to_enum(value: Any, enum_cls: type[Enum]) -> Any:
 def _to_bool(value: Any) -> Any:
     if isinstance(value, bool):
         return value
+    if isinstance(value, numbers.Integral) and value in (0, 1):  # transformers takes 0/1 (truthiness) for a flag
+        return bool(value)
     if isinstance(value, str) and value.lower() in _TRUE_STRINGS + _FALSE_STRINGS:
         return value.lower() in _TRUE_STRINGS
     return _INVALID
@@ -823,11 +838,19 @@ def _to_float(value: Any) -> Any:
     return value if isinstance(value, (int, float)) else float(value)
 
 
+def _to_str(value: Any) -> Any:
+    """A string, or a path (``pathlib.Path``, any ``os.PathLike``) as its string: transformers takes paths where it
+    documents ``str`` (``output_dir`` through ``os.path.expanduser``, file settings through ``open``)."""
+    if isinstance(value, str):
+        return value
+    return os.fspath(value) if isinstance(value, os.PathLike) else _INVALID
+
+
 _SCALAR_CONVERTERS: dict[type, Callable[[Any], Any]] = {
     bool: _to_bool,
     int: _to_int,
     float: _to_float,
-    str: lambda value: value if isinstance(value, str) else _INVALID,
+    str: _to_str,
 }
 
 
@@ -856,12 +879,13 @@ def _parse_json_dict(name: str, text: str) -> dict[str, Any]:
     """A JSON object string as a dict, with string values converted as transformers does."""
     from transformers.training_args import _convert_str_dict
 
+    message = f"TrainingArguments.{name} expects a dict or a JSON object string, got {text!r}"
     try:
         value = json.loads(text)
     except json.JSONDecodeError as err:
-        raise TypeError(f"TrainingArguments.{name} expects a dict or a JSON object string, got {text!r}") from err
+        raise ArgumentTypeError(message) from err
     if not isinstance(value, dict):
-        raise TypeError(f"TrainingArguments.{name} expects a dict or a JSON object string, got {text!r}")
+        raise ArgumentTypeError(message)
     return _convert_str_dict(value)
 
 

@@ -27,13 +27,7 @@ from transformers.trainer_callback import (
 )
 from transformers.trainer_jit_checkpoint import JITCheckpointCallback
 from transformers.trainer_pt_utils import log_metrics, metrics_format, save_metrics, save_state
-from transformers.trainer_utils import (
-    EvalLoopOutput,
-    PredictionOutput,
-    TrainOutput,
-    enable_full_determinism,
-    set_seed,
-)
+from transformers.trainer_utils import EvalLoopOutput, PredictionOutput, TrainOutput, enable_full_determinism, set_seed
 
 from hflight.arguments import cluster, reporting
 from hflight.arguments.lightning_kwargs import split_callbacks
@@ -110,6 +104,7 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
         construction.check_inputs(
             self.args, model, model_init, train_dataset, eval_dataset, callbacks, optimizers, compute_metrics
         )
+        construction.check_optimizer_inputs(optimizers, optimizer_cls_and_kwargs, model_init)
         self.create_accelerator_and_postprocess()
         self.model_init = model_init
         self.model = model if model is not None else self.call_model_init()
@@ -150,7 +145,7 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
         facts = construction.inspect_model(model, self.args)
         self.model_accepts_loss_kwargs, self.label_names = facts.accepts_loss_kwargs, facts.label_names
         self.can_return_loss, self.label_smoother = facts.can_return_loss, facts.label_smoother
-        self._num_params = facts.num_params
+        self._num_params, self._loss_shifts_labels = facts.num_params, facts.loss_shifts_labels
 
     def _setup_callbacks(self, callbacks: list[Any]) -> None:
         hf_callbacks, self._lightning_callbacks = split_callbacks(callbacks)
@@ -211,7 +206,7 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
 
     # ---- per-batch pieces that need the run ---------------------------------------------------------------------
     def _get_num_items_in_batch(self, batch_samples: list[Any], device: torch.device | None) -> torch.Tensor | None:
-        return steps.count_items_in_cycle(self, batch_samples, self._backend(), self._world())
+        return steps.count_items_in_cycle(self, batch_samples, self._backend(), self._world(), self._loss_shifts_labels)
 
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:
         return steps.floating_point_ops(self.model, inputs, self._num_params)
@@ -371,7 +366,8 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
 
     def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        weights.save_model_files(self.model, self.processing_class, output_dir, self.args, state_dict)
+        processor = weights.saved_processor(self.processing_class, self.data_collator)
+        weights.save_model_files(self.model, processor, output_dir, self.args, state_dict)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         weights.load_model_weights(model if model is not None else self.model, resume_from_checkpoint)
