@@ -171,3 +171,26 @@ def test_causal_lm_loss_normalisation_parity(tmp_path, smoothing):
         )
     ]
     _compare(*runs)
+
+
+def test_random_order_follows_torch_initial_seed_as_accelerate_draws_it(tmp_path, factory):
+    """The random training order is drawn from ``data_seed``, else from torch's initial seed when the loader is
+    prepared (accelerate's ``SeedableRandomSampler``), not from ``args.seed``: a ``model_init`` that seeds torch itself
+    moves both trainers' orders alike (args.seed 42, model_init seeding 0)."""
+
+    def model_init():
+        import torch
+
+        torch.manual_seed(0)
+        return factory.cls_model(seed=0)
+
+    train = factory.cls_dataset(24)
+    runs = []
+    for library in (transformers, hflight):
+        args = library.TrainingArguments(output_dir=str(tmp_path / library.__name__), per_device_train_batch_size=4,
+                                         max_steps=3, logging_steps=1, report_to="none", save_strategy="no",
+                                         disable_tqdm=True, seed=42, use_cpu=True)  # fmt: skip
+        trainer = library.Trainer(args=args, model_init=model_init, train_dataset=train)
+        trainer.train()
+        runs.append([entry["loss"] for entry in _step_logs(trainer.state.log_history)])
+    assert runs[0] == runs[1]

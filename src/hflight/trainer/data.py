@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
 from hflight.run import console
-from hflight.run.samplers import EpochSeededRandomSampler, check_even
+from hflight.run.samplers import check_even
 
 
 def empty_batch(signature_columns: list[str]) -> ValueError:
@@ -75,11 +75,14 @@ def _group_by_length(dataset: Any, args: Any, processing_class: Any, seed: int) 
 
 
 def _random(dataset: Any, args: Any, processing_class: Any, seed: int) -> Sampler[int]:
-    """accelerate's seedable sampler (``accelerator_config['use_seedable_sampler']``, the default): the order drawn
-    from ``seed + epoch``; otherwise torch's ``RandomSampler``, as transformers builds it (``prepare_loader`` gives it
-    the generator accelerate gives it)."""
-    if getattr(args.accelerator_config, "use_seedable_sampler", True):
-        return EpochSeededRandomSampler(len(dataset), seed)
+    """torch's ``RandomSampler``, as transformers builds it; ``trainer.accelerator.prepare`` then swaps it as
+    accelerate's ``prepare_data_loader`` does (``use_seedable_sampler``, the default: the order drawn from
+    ``data_seed``, else torch's initial seed, + epoch; otherwise the generator accelerate gives it). An empty dataset
+    is named here (torch's own error would say ``num_samples=0``)."""
+    if len(dataset) == 0:
+        raise ValueError(
+            "The training dataloader is empty: the train_dataset has no examples. Pass a non-empty train_dataset."
+        )
     return RandomSampler(dataset)
 
 
