@@ -412,8 +412,9 @@ def test_wrong_argument_types_raise(tmp_path, factory, kwargs, error, match):
 
 @pytest.mark.parametrize("lib", [transformers, hflight])
 def test_constructor_refuses_what_transformers_refuses(tmp_path, factory, lib):
-    """An evaluation strategy without an evaluation set, an optimizer given twice, and an optimizer for a model that
-    ``model_init`` replaces: transformers refuses each when the Trainer is built; so does hflight, with its words."""
+    """An evaluation strategy without an evaluation set, an optimizer given twice, an optimizer for a model that
+    ``model_init`` replaces, a ``model_init`` of two arguments: transformers refuses each when the Trainer is built;
+    so does hflight, with its words."""
     model = factory.qa_model()
     args = {"output_dir": str(tmp_path), "report_to": "none"}
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -428,6 +429,8 @@ def test_constructor_refuses_what_transformers_refuses(tmp_path, factory, lib):
         )
     with pytest.raises(RuntimeError, match="Passing a `model_init` is incompatible with providing the `optimizers`"):
         lib.Trainer(args=lib.TrainingArguments(**args), model_init=lambda: model, optimizers=(optimizer, None))
+    with pytest.raises(RuntimeError, match="model_init should have 0 or 1 argument."):
+        lib.Trainer(args=lib.TrainingArguments(**args), model_init=lambda trial, other: model)
 
 
 def test_model_or_model_init_required():
@@ -510,3 +513,40 @@ def test_import_hflight_is_light_and_backends_register_when_used(code):
 
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_with_persistent_workers_each_evaluation_set_keeps_its_loader_as_transformers(tmp_path, factory):
+    """``dataloader_persistent_workers``: transformers keeps one evaluation loader per set (a name of the eval_dataset
+    dict, else "eval"), so that its workers start once; without it every evaluation builds a new loader."""
+    sets = {"a": factory.qa_dataset(8), "b": factory.qa_dataset(8, seed=1)}
+    loaders = {}
+    for library in (transformers, hflight):
+        for persistent in (True, False):
+            args = library.TrainingArguments(output_dir=str(tmp_path / f"{library.__name__}{persistent}"),
+                                             dataloader_num_workers=2, dataloader_persistent_workers=persistent,
+                                             report_to="none", use_cpu=True)  # fmt: skip
+            trainer = library.Trainer(factory.qa_model(), args, eval_dataset=sets)
+            first = {name: trainer.get_eval_dataloader(name) for name in sets}
+            again = {name: trainer.get_eval_dataloader(name) for name in sets}
+            loaders[library.__name__, persistent] = (
+                [first[name] is again[name] for name in sets], first["a"] is first["b"],
+            )  # fmt: skip
+    assert loaders["hflight", True] == loaders["transformers", True] == ([True, True], False)
+    assert loaders["hflight", False] == loaders["transformers", False] == ([False, False], False)
+
+
+def test_a_training_step_called_outside_train_backpropagates_as_transformers(tmp_path, factory):
+    """``trainer.training_step(model, inputs, num_items_in_batch)`` by hand, outside ``train()`` (as transformers' own
+    tests call it): the same loss and gradients as transformers' (whose accelerator's backward is ``loss.backward``)."""
+    data = factory.qa_dataset(4)
+    results = []
+    for library in (transformers, hflight):
+        args = library.TrainingArguments(output_dir=str(tmp_path / library.__name__), report_to="none", use_cpu=True)
+        model = factory.qa_model()
+        trainer = library.Trainer(model, args, train_dataset=data)
+        inputs = next(iter(trainer.get_train_dataloader()))
+        loss = trainer.training_step(model, inputs, len(inputs["input_ids"]))
+        results.append((loss.item(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    (hf_loss, hf_grads), (hl_loss, hl_grads) = results
+    assert hl_loss == hf_loss
+    assert len(hl_grads) == len(hf_grads) > 0 and all(torch.equal(a, b) for a, b in zip(hf_grads, hl_grads))

@@ -326,10 +326,18 @@ class RunAccelerator:
 
     # ---- the step ----------------------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """Backward through the run's LightningModule (its precision plugin scales the loss, its strategy syncs)."""
+        """Backward through the run's LightningModule (its precision plugin scales the loss, its strategy syncs).
+        Outside ``train()`` (a ``training_step`` called by hand, as transformers' own tests do), ``loss.backward``, as
+        accelerate's backward without a gradient scaler; fp16 on CUDA, whose scaler exists only in a run, raises."""
         run = self._current_run()
         if run is None or not run.fitting:
-            raise RuntimeError("accelerator.backward() is only available while Trainer.train() runs.")
+            if self.mixed_precision == "fp16" and loss.device.type == "cuda":
+                raise RuntimeError(
+                    "accelerator.backward() outside Trainer.train() with fp16 on CUDA: the loss scaler is the run's "
+                    "precision plugin's; call it inside train() (a callback or training_step override)."
+                )
+            loss.backward(**kwargs)
+            return
         # outside autocast, as transformers' backward (accelerate autocasts the model's forward only): Lightning's
         # precision context spans the whole training_step, and the autograd engine takes the caller's autocast state
         # into the backward pass, where it would recast fp32 gradients to bf16/fp16

@@ -224,8 +224,13 @@ def default_collator(processing_class: Any) -> Callable:
 
 
 def call_model_init(model_init: Callable[..., nn.Module], trial: Any = None) -> nn.Module:
-    """``model_init()``, or ``model_init(trial)`` when it takes an argument (transformers' rule)."""
-    n_args = len(inspect.signature(model_init).parameters)
+    """``model_init()``, or ``model_init(trial)`` when it takes an argument; more arguments raise (transformers' rule
+    and error)."""
+    from transformers.trainer_utils import number_of_arguments
+
+    n_args = number_of_arguments(model_init)
+    if n_args > 1:
+        raise RuntimeError("model_init should have 0 or 1 argument.")
     model = model_init() if n_args == 0 else model_init(trial)
     if model is None:
         raise RuntimeError("model_init should not return None.")

@@ -175,6 +175,9 @@ class DataLoadersMixin:
             sampler = sampler_fn(dataset)
         loader = self.accelerator.prepare(make_dataloader(dataset, self.args, self.data_collator, batch_size, sampler))
         check_even(loader, is_training)
+        if dataloader_key is not None and self.args.dataloader_persistent_workers:
+            # kept, so that its persistent workers serve every evaluation (transformers' _eval_dataloaders)
+            self._eval_dataloaders = {**getattr(self, "_eval_dataloaders", {}), dataloader_key: loader}
         return loader
 
     def _get_train_sampler(self, train_dataset: Any = None) -> Sampler[int]:
@@ -195,10 +198,18 @@ class DataLoadersMixin:
             raise ValueError(
                 "Trainer: evaluation requires an eval_dataset. Pass `eval_dataset=` to the Trainer or to evaluate()."
             )
+        # with persistent workers, one loader per evaluation set (a name of the eval_dataset dict, else "eval": an
+        # eval_dataset passed in then gets the kept loader, as in transformers), so that its workers are started once
+        key = eval_dataset if isinstance(eval_dataset, str) else "eval"
+        kept = getattr(self, "_eval_dataloaders", {})
+        if key in kept and self.args.dataloader_persistent_workers:
+            return kept[key]
         if isinstance(eval_dataset, str):
             eval_dataset = self.eval_dataset[eval_dataset]
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        return self._get_dataloader(dataset, "Evaluation", self.args.eval_batch_size, self._get_eval_sampler)
+        return self._get_dataloader(
+            dataset, "Evaluation", self.args.eval_batch_size, self._get_eval_sampler, dataloader_key=key
+        )
 
     def get_test_dataloader(self, test_dataset: Any) -> DataLoader:
         return self._get_dataloader(test_dataset, "test", self.args.eval_batch_size, self._get_eval_sampler)
