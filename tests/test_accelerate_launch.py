@@ -340,6 +340,17 @@ def test_fsdp_in_the_arguments_takes_from_the_variables_what_transformers_leaves
     assert args.fsdp_plugin_args["transformer_cls_names_to_wrap"] == "GPT2MLP"
 
 
+@pytest.mark.parametrize("offload", ["true", "false"])
+def test_fsdp_config_as_a_json_string_is_read_as_transformers_reads_it(tmp_path, offload):
+    """``--fsdp_config '{...}'`` on the command line (transformers parses a JSON string in any dict field): the
+    launcher's variables fill it as they fill a dict, and a string with nothing to fill reaches transformers intact."""
+    config = '{"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"], "state_dict_type": "FULL_STATE_DICT"}'
+    args = arguments(tmp_path, {"FSDP_OFFLOAD_PARAMS": offload}, fsdp=True, fsdp_config=config)
+    assert args.fsdp_config["transformer_layer_cls_to_wrap"] == ["GPT2Block"]
+    assert args.fsdp_plugin_args["state_dict_type"] == "FULL_STATE_DICT"
+    assert bool(args.fsdp_config.get("cpu_offload")) is (offload == "true")
+
+
 def test_deepspeed_config_file_is_the_deepspeed_config_accelerates_plugin_builds(tmp_path):
     """``deepspeed_zero2.yaml``: ``ACCELERATE_USE_DEEPSPEED`` + ``ACCELERATE_DEEPSPEED_CONFIG_FILE``: ``deepspeed``
     is the config accelerate's ``DeepSpeedPlugin`` builds from the file (its precision set as transformers sets it),

@@ -346,10 +346,13 @@ def _fill_fsdp_config(args: Any, env: Mapping[str, str]) -> None:
 
 
 def _fsdp_config_dict(value: Any) -> dict[str, Any]:
-    """``fsdp_config`` as transformers reads it: a dict or a JSON file, ``fsdp_``-prefixed keys unprefixed."""
+    """``fsdp_config`` as transformers reads it: a dict, a JSON string or a JSON file, ``fsdp_``-prefixed keys
+    unprefixed."""
     if value is None:
         return {}
-    if isinstance(value, str):
+    if isinstance(value, str) and value.startswith("{"):
+        value = json.loads(value)
+    elif isinstance(value, str):
         with open(value, encoding="utf-8") as handle:
             value = json.load(handle)
     return {(key[5:] if key.startswith("fsdp_") else key): item for key, item in dict(value).items()}
