@@ -70,11 +70,13 @@ def file_digest(path: str | os.PathLike) -> str:
 
 
 class Checksums:
-    """The checksums of a folder being written, computed by one background thread as soon as each file is complete,
-    which then fsyncs it: hashing and putting one file on disk overlap writing the next (:meth:`add_new` after
-    writing, :meth:`digest` when the manifest is written, :meth:`synced` when the folder is published). A file changed
-    after it was submitted is hashed again. :meth:`synced` says which files are durable as they are now, so that the
-    publication (``hflight.durable.publish_folder``) fsyncs only the others.
+    """The checksums of a folder being written and the fsyncs of its files, by one background thread as soon as each
+    file is complete: putting one file on disk and hashing it overlap writing the next (:meth:`add_new` after writing,
+    :meth:`digest` when the manifest is written, :meth:`synced` when the folder is published). Each file is fsynced,
+    then hashed; a checksum the thread has not started when the manifest asks for it (the thread is waiting for the
+    disk) is computed by the thread that asks, so hashing never waits behind an fsync. A file changed after it was
+    submitted is hashed again. :meth:`synced` says which files are durable as they are now, so that the publication
+    (``hflight.durable.publish_folder``) fsyncs only the others.
 
     Opened and closed by the thread that finishes the folder's write (``hflight.checkpoints.job``)."""
 
@@ -99,15 +101,12 @@ class Checksums:
         return info.st_size, info.st_mtime_ns
 
     def add_new(self, folder: str | os.PathLike) -> None:
-        """Start hashing, then fsyncing, every file of ``folder`` not submitted yet (the checksums first: the
-        manifest waits for them, the publication for the fsyncs)."""
-        new = [p for p in sorted(Path(folder).rglob("*")) if p.is_file() and p.name != MANIFEST_NAME
-               and p not in self._pending]  # fmt: skip
-        stamps = {path: self._stamp(path) for path in new}
-        for path in new:
-            self._pending[path] = (stamps[path], self._pool.submit(file_digest, path))
-        for path in new:
-            self._syncs.append((os.path.abspath(path), stamps[path], self._pool.submit(durable.fsync_file, path)))
+        """Start fsyncing, then hashing, every file of ``folder`` not submitted yet."""
+        for path in sorted(Path(folder).rglob("*")):
+            if path.is_file() and path.name != MANIFEST_NAME and path not in self._pending:
+                stamp = self._stamp(path)
+                self._syncs.append((os.path.abspath(path), stamp, self._pool.submit(durable.fsync_file, path)))
+                self._pending[path] = (stamp, self._pool.submit(file_digest, path))
 
     def synced(self) -> set[tuple[str, tuple[int, int]]]:
         """The files fsynced in the background, with the size and time they had then (waits for those in progress;
@@ -115,9 +114,11 @@ class Checksums:
         return {(path, stamp) for path, stamp, future in self._syncs if future.result() is None}
 
     def digest(self, path: Path) -> str:
+        """``path``'s checksum: the thread's, or, when it has not started it (or the file changed since), this
+        thread's."""
         stamp, future = self._pending.get(path, (None, None))
-        if future is not None and stamp == self._stamp(path):
-            return future.result()
+        if future is not None and stamp == self._stamp(path) and not future.cancel():
+            return future.result()  # hashed, or being hashed
         return file_digest(path)
 
 
