@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 import hflight
 from hflight import durable
 from hflight.checkpoints import folders as checkpoint
-from hflight.checkpoints import parts
+from hflight.checkpoints import job, parts
 from hflight.checkpoints.manifest import MANIFEST_NAME, get_last_checkpoint, verify_checkpoint, write_manifest
 from hflight.checkpoints.parts import load_rng_file, read_trainer_state
 from hflight.checkpoints.weights import load_model_weights
@@ -129,6 +129,32 @@ def refresh_manifest(folder: Path) -> None:
 
 
 # ---- the folder format ---------------------------------------------------------------------------------------------
+def test_every_checkpoint_file_name_is_spelled_in_one_module():
+    """grep finds each checkpoint file name (transformers', accelerate's, DeepSpeed's, hflight's) in
+    hflight.checkpoints.names alone: the other modules import it (docstrings aside)."""
+    import ast
+
+    from hflight.checkpoints import names
+
+    spelled = [v for k, v in vars(names).items() if k.isupper() and isinstance(v, str) and not k.endswith(("PREFIX",
+               "SUFFIX"))] + [*names.WEIGHT_FILES, *names.CONFIG_FILES, "rng_state_"]  # fmt: skip
+    # a name with an extension is found inside a longer string too (a message, a piece of an f-string)
+    inside = re.compile("|".join(rf"(?<![\w-]){re.escape(n)}" for n in spelled if "." in n.lstrip(".") or n[-1] == "_"))
+    src, found = Path(names.__file__).parents[1], {}
+    for path in src.rglob("*.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        owners = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                      if isinstance(node, owners) and ast.get_docstring(node, clean=False) is not None}  # fmt: skip
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                hits = {node.value} & set(spelled) | {match.group() for match in inside.finditer(node.value)}
+                for name in hits:
+                    found.setdefault(name, set()).add(path.relative_to(src).as_posix())
+    assert {name: where for name, where in found.items() if where != {"checkpoints/names.py"}} == {}
+    assert set(found) == set(spelled)
+
+
 def test_manifest_lists_every_file_with_its_size_and_checksum(saved):
     import xxhash
 
@@ -187,7 +213,7 @@ def test_a_kill_at_any_point_of_a_resave_leaves_a_complete_checkpoint(saved, ref
         shutil.copytree(saved / f"checkpoint-{step}", out / f"checkpoint-{step}")
     versions = {name: {digest(out / name)} for name in ("checkpoint-3", "checkpoint-6")}
     snapshots = tmp_path / "snapshots"
-    sources = {checkpoint.__file__, durable.__file__}  # the save routine and the publication it calls
+    sources = {checkpoint.__file__, job.__file__, durable.__file__}  # the save routine, its job, the publication
     lines, states = [0], [None]
 
     def snapshot(frame, event, arg):

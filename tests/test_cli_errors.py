@@ -94,8 +94,8 @@ def test_a_failed_checkpoint_write_is_one_compact_message(cfg, tmp_path, monkeyp
     monkeypatch.setattr(shutil, "disk_usage", lambda p: real_usage(p)._replace(free=0))  # the disk is full
 
     def train(cfg):
-        with checkpoint.writing(str(folder), f"checkpoint {tmp_path / 'checkpoint-6'}", discard=True) as tracker:
-            tracker.file = "optimizer.pt"
+        what = f"checkpoint {tmp_path / 'checkpoint-6'}"
+        with checkpoint.writing(str(folder), what, discard=True, file="optimizer.pt"):
             raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
 
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)

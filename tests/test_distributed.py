@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -42,22 +43,45 @@ def runs(tmp_path_factory) -> tuple[dict, dict, Path, Path]:
     return run_job(one, 1, 8), run_job(two, 2, 4), one, two
 
 
-def test_ddp_with_save_async_writes_the_synchronous_checkpoints_and_ends_the_same(runs, tmp_path):
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory) -> tuple[dict, Path]:
+    """The DDP job with save_async, then its second training whose background write fails on rank 0."""
+    out = tmp_path_factory.mktemp("ddp_async")
+    return run_job(out, 2, 4, "--save-async", "--then-fail-a-write"), out
+
+
+def test_ddp_with_save_async_writes_the_synchronous_checkpoints_and_ends_the_same(runs, async_run):
     """save_async under DDP: rank 0 writes in the background, every rank its RNG file at the step boundary; the
     checkpoints are the synchronous run's byte for byte (but the output folder in training_args.bin, and so the
     manifest's checksum of it), the run ends the same."""
     _, ddp, _, two = runs
-    result = run_job(tmp_path, 2, 4, "--save-async")
+    result, folder = async_run
     assert result["checkpoints"] == ddp["checkpoints"] and result["train_loss"] == ddp["train_loss"]
-    final, reference = torch.load(tmp_path / "final.pt"), torch.load(two / "final.pt")
+    final, reference = torch.load(folder / "final.pt"), torch.load(two / "final.pt")
     assert all(torch.equal(final[k], reference[k]) for k in reference)
     for name in ddp["checkpoints"]:
-        ours, theirs = tmp_path / name, two / name
+        ours, theirs = folder / name, two / name
         assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in theirs.iterdir())
         differ = [p.name for p in sorted(ours.iterdir()) if p.read_bytes() != (theirs / p.name).read_bytes()]
         assert set(differ) <= {"checkpoint_manifest.json", "training_args.bin", "trainer_state.json"}, (name, differ)
         untimed = [_untimed(json.loads((f / "trainer_state.json").read_text())) for f in (ours, theirs)]
         assert untimed[0] == untimed[1]  # the evaluation's timings apart
+
+
+def test_a_failed_background_write_under_ddp_stops_every_rank_with_its_error(async_run):
+    """Only rank 0 writes in the background; when that write fails, every rank stops at the same step boundary with
+    the same CheckpointWriteError (none goes on into the next collective), and the checkpoint before it is intact."""
+    from hflight.checkpoints.manifest import get_last_checkpoint, verify_checkpoint
+
+    _, folder = async_run
+    outcomes = [json.loads((folder / f"failed_write_{rank}.json").read_text()) for rank in (0, 1)]
+    assert outcomes[0] == outcomes[1], outcomes
+    assert outcomes[0]["error"] == "CheckpointWriteError" and outcomes[0]["global_step"] < 8, outcomes[0]
+    assert re.search(r"checkpoint-4: writing optimizer\.pt failed: no space left on device", outcomes[0]["message"])
+    run = folder / "failed_write"
+    assert get_last_checkpoint(run) == str(run / "checkpoint-2")
+    assert verify_checkpoint(run / "checkpoint-2", full=True) is not None
+    assert not list(run.glob(".tmp-*"))
 
 
 def _untimed(state: dict) -> dict:

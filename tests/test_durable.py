@@ -1,10 +1,10 @@
 """Checkpoints that survive a power loss, and ``save_async``.
 
-The file-system calls a run makes (every ``fsync`` with the file it reached and that file's size and time, every
-rename, every deletion, the moment each public call returns) are recorded and replayed under the rules SQLite,
-LevelDB and etcd assume: a file's bytes are durable only after an fsync of it, a directory entry only after an fsync
-of the directory. The replay (:func:`violations`) must find nothing in a real run, and must find something when any
-single fsync of the run is removed from the record: every fsync is needed, none is missing.
+The file-system calls a run makes (every ``fsync``/``fdatasync`` with what it reached, every rename, every deletion,
+the moment each public call returns) are recorded and replayed under the rules SQLite, LevelDB and etcd assume
+(``tests/durability.py``): a file's bytes are durable only after an fsync that saw them as they are, a folder's entry
+only after an fsync of the folder that listed it. The replay must find nothing in a real run, and must find something
+when any single fsync of the run is removed from the record: every fsync is needed, none is missing.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import os
 import re
 import shutil
 import signal
-import stat
+import sys
 import threading
 import time
 from pathlib import Path
@@ -26,130 +26,11 @@ import transformers
 
 import hflight
 from hflight import durable
-from hflight.checkpoints import asynchronous, folders
-from hflight.checkpoints.manifest import get_last_checkpoint, verify_checkpoint
+from hflight.checkpoints import asynchronous, folders, job
+from hflight.checkpoints.manifest import Checksums, get_last_checkpoint, verify_checkpoint
 
+from .durability import CHECKPOINT, Recorder, violations
 from .test_checkpoint import make_trainer
-
-CHECKPOINT = re.compile(r"^checkpoint-\d+$")
-
-
-# ---- recording ------------------------------------------------------------------------------------------------------
-class Recorder:
-    """Records fsync/rename/delete calls (from any thread) and the public calls' returns."""
-
-    def __init__(self, out: Path) -> None:
-        self.out = str(out)
-        self.events: list[tuple] = []
-        self.lock = threading.Lock()
-
-    def add(self, *event) -> None:
-        with self.lock:
-            self.events.append(event)
-
-    def install(self, monkeypatch) -> None:
-        real_fsync, real_replace, real_rmtree = os.fsync, os.replace, shutil.rmtree
-
-        def fsync(fd):
-            info = os.fstat(fd)
-            path = os.readlink(f"/proc/self/fd/{fd}")
-            kind = "dir" if stat.S_ISDIR(info.st_mode) else "file"
-            real_fsync(fd)
-            self.add("fsync", kind, path, (info.st_size, info.st_mtime_ns))
-
-        def replace(src, dst, *args, **kwargs):
-            listing = _listing(src) if os.path.isdir(src) else None
-            real_replace(src, dst, *args, **kwargs)
-            self.add("replace", os.path.abspath(src), os.path.abspath(dst), listing)
-
-        def rmtree(path, *args, **kwargs):
-            self.add("rmtree", os.path.abspath(path))
-            return real_rmtree(path, *args, **kwargs)
-
-        monkeypatch.setattr(os, "fsync", fsync)
-        monkeypatch.setattr(os, "replace", replace)
-        monkeypatch.setattr(shutil, "rmtree", rmtree)
-
-    def returned(self, name: str) -> None:
-        """A public call returned: what it wrote must be on disk now."""
-        inside = {}
-        for folder in sorted(Path(self.out).glob("checkpoint-*")):
-            inside.update(durable.stamps(folder) or {})
-        self.add("returned", name, durable.stamps(self.out) or {}, inside)
-
-
-def _listing(folder: str) -> dict[str, list[str]]:
-    """folder -> its regular files and sub-folders (absolute paths)."""
-    found = {}
-    for root, dirs, files in os.walk(folder):
-        found[os.path.abspath(root)] = [os.path.join(os.path.abspath(root), n) for n in (*files, *dirs)]
-    return found
-
-
-# ---- the replay ----------------------------------------------------------------------------------------------------
-def violations(events: list[tuple], out: str) -> list[str]:
-    """What a power loss at some point of ``events`` could lose that the rules say must survive:
-
-    a. a checkpoint folder renamed into place before each of its files and folders was fsynced;
-    b. a checkpoint's rename into place not followed at once by an fsync of its folder; an older checkpoint retired
-       (renamed aside or deleted), or a public call returned, while the rename of a newer one was not durable;
-    c. a public call returned while a file of a checkpoint, or a file it left directly in the run folder, was not
-       fsynced since it last changed; or while a file new since the previous return was not made durable by an fsync
-       of the run folder (and the run folder's own entry by an fsync of its parent).
-    """
-    out = os.path.abspath(out)
-    problems: list[str] = []
-    synced_files: dict[str, set] = {}  # path -> stamps fsynced
-    synced_dirs: dict[str, int] = {}  # path -> index of the last fsync
-    published: list[tuple[int, str]] = []  # renames into checkpoint-N not yet followed by a parent fsync
-    previous: dict[str, tuple] = {}
-    first_file_sync: dict[str, int] = {}
-    for index, event in enumerate(events):
-        kind = event[0]
-        if kind == "fsync":
-            _, what, path, stamp = event
-            if what == "file":
-                synced_files.setdefault(path, set()).add(stamp)
-                first_file_sync.setdefault(path, index)
-            else:
-                synced_dirs[path] = index
-                published = [(i, p) for i, p in published if not (os.path.dirname(p) == path and i < index)]
-        elif kind == "replace":
-            _, src, dst, listing = event
-            if CHECKPOINT.match(os.path.basename(dst)) and listing is not None:
-                for folder, entries in listing.items():
-                    for entry in entries:
-                        if entry not in listing and not synced_files.get(entry):  # a file (folders: the keys)
-                            problems.append(f"{dst} published before {entry} was fsynced")
-                    if folder not in synced_dirs:
-                        problems.append(f"{dst} published before its folder {folder} was fsynced")
-                published.append((index, dst))
-                following = events[index + 1] if index + 1 < len(events) else None
-                if following is None or following[:3] != ("fsync", "dir", os.path.dirname(dst)):
-                    problems.append(f"the rename to {dst} was not made durable at once (fsync of its folder)")
-            elif CHECKPOINT.match(os.path.basename(src)):
-                problems += [f"{src} retired while the rename to {p} was not durable" for _, p in published]
-        elif kind == "rmtree":
-            if CHECKPOINT.match(os.path.basename(event[1])) or event[1].endswith(".replaced"):
-                problems += [f"{event[1]} deleted while the rename to {p} was not durable" for _, p in published]
-        elif kind == "returned":
-            _, name, files, checkpoint_files = event
-            problems += [f"{name} returned while the rename to {p} was not durable" for _, p in published]
-            for path, stamp in checkpoint_files.items():  # fsynced where it was written: in place or before the rename
-                where = {path, re.sub(r"/(checkpoint-\d+)/", r"/.tmp-\1/", path)}
-                if not any(stamp in synced_files.get(p, set()) for p in where):
-                    problems.append(f"{name} returned with {path} not fsynced")
-            for path, stamp in files.items():
-                if stamp not in synced_files.get(path, set()):
-                    problems.append(f"{name} returned with {os.path.basename(path)} not fsynced since it changed")
-                if path not in previous:
-                    last_dir_sync = synced_dirs.get(out, -1)
-                    if last_dir_sync < first_file_sync.get(path, index):
-                        problems.append(f"{name} returned before the entry of new {os.path.basename(path)} was durable")
-            if not previous and files and os.path.dirname(out) not in synced_dirs:
-                problems.append(f"{name} returned before the run folder's own entry was durable")
-            previous = dict(files)
-    return problems
 
 
 def _run_recorded(tmp_path, factory, monkeypatch, **overrides) -> tuple[Recorder, hflight.Trainer]:
@@ -174,19 +55,107 @@ def test_every_fsync_of_a_run_is_needed_and_none_is_missing(tmp_path, factory, m
     recorder, _ = _run_recorded(tmp_path, factory, monkeypatch, save_async=save_async)
     events, out = recorder.events, recorder.out
     assert violations(events, out) == []
-    fsyncs = [i for i, e in enumerate(events) if e[0] == "fsync"]
-    publishes = [e for e in events if e[0] == "replace" and CHECKPOINT.match(os.path.basename(e[2]))]
+    fsyncs = [i for i, e in enumerate(events) if e["kind"] == "fsync"]
+    publishes = [i for i, e in enumerate(events) if e["kind"] == "rename" and CHECKPOINT.match(Path(e["dst"]).name)]
     assert len(publishes) == 3 and len(fsyncs) > 3 * 8, (len(publishes), len(fsyncs))
     # the sequence of one checkpoint's save: its files, its folder, the rename, the parent, then the retirement
-    names = [Path(e[2]).name if e[0] == "fsync" else e[0] for e in events]
-    second = names.index("replace", names.index("replace") + 1)
-    assert names[second - 1] == ".tmp-checkpoint-4" and names[second + 1] == "run", names[second - 12 : second + 3]
-    retired = next(i for i, e in enumerate(events) if e[0] == "replace" and e[1].endswith("/checkpoint-2"))
-    assert retired > second + 1 and all(e[0] != "fsync" for e in events[second + 2 : retired]), "the retirement"
-    print("one checkpoint's save:", *(e[:3] for e in events[names.index("replace") + 3 : retired + 2]), sep="\n")
+    second = publishes[1]
+    before, after = events[second - 1], events[second + 1]
+    assert (before["kind"], Path(before["path"]).name) == ("fsync", ".tmp-checkpoint-4"), events[second - 12 : second]
+    assert (after["kind"], after["path"]) == ("fsync", out), after
+    retired = next(i for i, e in enumerate(events) if e["kind"] == "rename" and e["src"].endswith("/checkpoint-2"))
+    assert retired > second + 1 and all(e["kind"] != "fsync" for e in events[second + 2 : retired]), "the retirement"
+    shown = [(e["kind"], e.get("path", e.get("dst"))) for e in events[publishes[0] + 3 : retired + 2]]
+    print("one checkpoint's save:", *shown, sep="\n")
     for index in fsyncs:
         without = events[:index] + events[index + 1 :]
-        assert violations(without, out), f"removing fsync {events[index][1:3]} goes unnoticed"
+        assert violations(without, out), f"removing the fsync of {events[index]['path']} goes unnoticed"
+
+
+def _fsync(path, sync="fsync"):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        getattr(os, sync)(fd)  # looked up now: the recorder's
+    finally:
+        os.close(fd)
+
+
+def _publish(run: Path, steps: str) -> None:
+    """A checkpoint written and published by hand, in the order ``steps`` names (one letter each): m make the temporary
+    folder, w write its file, a append to it, f fsync the file, F fdatasync it, d fsync the temporary folder, r rename
+    it into place (os.replace), R rename it with Path.rename, p fsync the run folder, u delete the published file in
+    place."""
+    tmp, final = run / ".tmp-checkpoint-1", run / "checkpoint-1"
+    actions = {
+        "m": tmp.mkdir, "w": lambda: (tmp / "optimizer.pt").write_bytes(b"state" * 10),
+        "a": lambda: (tmp / "optimizer.pt").open("ab").write(b"more"), "f": lambda: _fsync(tmp / "optimizer.pt"),
+        "F": lambda: _fsync(tmp / "optimizer.pt", "fdatasync"), "d": lambda: _fsync(tmp),
+        "r": lambda: os.replace(tmp, final), "R": lambda: tmp.rename(final), "p": lambda: _fsync(run),
+        "u": lambda: os.unlink(final / "optimizer.pt"),
+    }  # fmt: skip
+    for step in steps:
+        actions[step]()
+
+
+@pytest.mark.parametrize(
+    "steps, found",
+    [
+        ("mwfdrp", None),  # the rules followed
+        ("mdwfrp", "published before the entry of"),  # the folder fsynced before its file was made
+        ("mwfadrp", "optimizer.pt was fsynced as it is"),  # the file changed after its fsync
+        ("mwfdRp", None),  # Path.rename (torch's distributed-checkpoint writer renames its .metadata so)
+        ("mwfdR", "was not made durable at once"),  # ... and its folder not fsynced after it
+        ("mwFdrp", None),  # fdatasync puts a file's bytes on disk too
+        ("mwfdrpu", "a file of a published checkpoint, was deleted in place"),
+    ],
+)
+def test_the_replay_is_strict_about_order_and_content(tmp_path, monkeypatch, steps, found):
+    """Each rule of the replay on a checkpoint published by hand: a folder fsync counts for the entries it listed, a
+    file fsync for the bytes it saw; renames, deletions and fdatasync are recorded whichever call makes them."""
+    run = tmp_path / "run"
+    recorder = Recorder(run)
+    recorder.install(monkeypatch)
+    run.mkdir()
+    _fsync(tmp_path)
+    _publish(run, steps)
+    recorder.returned("the save")
+    monkeypatch.undo()
+    problems = violations(recorder.events, recorder.out)
+    if found is None:
+        assert problems == []
+    else:
+        assert any(found in p for p in problems), problems
+
+
+def test_a_run_folder_made_again_at_the_same_path_gets_its_entry_fsynced_again(tmp_path, factory, monkeypatch):
+    """A run folder deleted and made again in one process (a notebook's second run, overwrite_output_dir, a sweep's
+    retry): its new entry in its parent is made durable by the new run's first publication too."""
+    out = tmp_path / "run"
+    make_trainer(out, factory, max_steps=2, save_steps=2).train()
+    shutil.rmtree(out)
+    trainer = make_trainer(out, factory, max_steps=2, save_steps=2)
+    recorder = Recorder(out)
+    recorder.install(monkeypatch)
+    trainer.train()
+    recorder.returned("train")
+    monkeypatch.undo()
+    assert violations(recorder.events, recorder.out) == []
+
+
+@pytest.mark.parametrize("save_async, threads", [(False, 1), (True, 2)], ids=["synchronous", "save_async"])
+def test_a_checkpoint_uses_the_threads_it_needs(tmp_path, factory, monkeypatch, save_async, threads):
+    """One thread that hashes and fsyncs each file as it is complete; with save_async, the one that writes in the
+    background besides. The checksums' thread is started and stopped by one thread: the one that finishes the job."""
+    started, checksums = [], []
+    real_start, real_init, real_close = threading.Thread.start, Checksums.__init__, Checksums.close
+    monkeypatch.setattr(threading.Thread, "start", lambda self: (started.append(self.name), real_start(self))[1])
+    monkeypatch.setattr(Checksums, "__init__", lambda self: (checksums.append(("open", threading.get_ident())),
+                                                             real_init(self))[1])  # fmt: skip
+    monkeypatch.setattr(Checksums, "close", lambda self: (checksums.append(("close", threading.get_ident())),
+                                                          real_close(self))[1])  # fmt: skip
+    make_trainer(tmp_path / "run", factory, max_steps=2, save_steps=2, save_async=save_async).train()
+    assert len([name for name in started if name.startswith("hflight-")]) == threads, started
+    assert len(checksums) == 2 and checksums[0][1] == checksums[1][1], checksums
 
 
 def test_the_replay_finds_what_transformers_trainer_leaves(tmp_path, factory, monkeypatch):
@@ -284,14 +253,14 @@ def test_save_async_writes_the_synchronous_checkpoint_byte_for_byte(tmp_path, fa
 def slow_writes(monkeypatch):
     """Each background file write takes ``delay[0]`` seconds longer; ``started`` is set when a write begins."""
     delay, started = [0.5], threading.Event()
-    real = asynchronous.Deferred.run
+    real = job.CheckpointJob.write_later
 
-    def run(self, tracker):
+    def write_later(self, file, step):
         started.set()
         time.sleep(delay[0])
-        real(self, tracker)
+        real(self, file, step)
 
-    monkeypatch.setattr(asynchronous.Deferred, "run", run)
+    monkeypatch.setattr(job.CheckpointJob, "write_later", write_later)
     return delay, started
 
 
@@ -367,6 +336,48 @@ def test_a_failed_background_write_stops_the_run_and_keeps_the_previous_checkpoi
     assert trainer.state.global_step < 8, "the run stopped"
     assert get_last_checkpoint(out) == str(out / "checkpoint-2")
     assert not (out / ".tmp-checkpoint-4").exists()
+
+
+def test_save_model_from_a_callback_during_a_background_write_leaves_accelerate_and_the_model_alone(
+    tmp_path, factory, monkeypatch
+):
+    """A callback's save_model while the background thread writes the checkpoint's model: accelerate's module (whose
+    unwrapping would import DeepSpeed, installed but not imported here) and the live model are as they were once
+    training is over, and the writer thread changed neither (the two saves are made to overlap: the background one
+    starts first, the callback's ends last)."""
+    import accelerate.utils.other as unwrapping
+
+    monkeypatch.delitem(sys.modules, "deepspeed", raising=False)
+    original = unwrapping.is_deepspeed_available
+    model = factory.qa_model(seed=0, dropout=0.1)
+    real, seen = model.save_pretrained, []
+    writer_in, loop_in = threading.Event(), threading.Event()
+
+    def save_pretrained(*args, **kwargs):
+        background = threading.current_thread() is not threading.main_thread()
+        seen.append((background, "should_save_on_this_rank" in vars(model)))
+        (writer_in if background else loop_in).set()
+        (loop_in if background else writer_in).wait(10)
+        if not background:  # the callback's save ends after the background one
+            mine, deadline = unwrapping.is_deepspeed_available, time.monotonic() + 10
+            while unwrapping.is_deepspeed_available is mine and _writing() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return real(*args, **kwargs)
+
+    model.save_pretrained = save_pretrained
+    exported = tmp_path / "exported"
+    export = After(2, lambda: (writer_in.wait(10), trainer.save_model(str(exported))))  # during the background write
+    trainer = make_trainer(tmp_path / "run", factory, model=model, max_steps=2, save_steps=2, save_async=True,
+                           callbacks=[export])  # fmt: skip
+    trainer.train()
+    assert unwrapping.is_deepspeed_available is original
+    assert sorted(seen) == [(False, False), (True, False)], seen  # no attribute set on the live model either
+    assert (exported / "model.safetensors").is_file()
+    assert verify_checkpoint(tmp_path / "run" / "checkpoint-2", full=True) is not None
+
+
+def _writing() -> bool:
+    return any(t.name.startswith("hflight-write") and t.is_alive() for t in threading.enumerate())
 
 
 @pytest.mark.parametrize(

@@ -31,6 +31,8 @@ from hflight.checkpoints.manifest import get_last_checkpoint, read_manifest, ver
 from hflight.checkpoints.sharded import load_dcp, read_full_model, read_metadata, tensor_shapes
 from hflight.sharding import plans
 
+from . import durability
+
 JOB = Path(__file__).parent / "jobs" / "sharded_job.py"
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
@@ -78,7 +80,11 @@ def jobs(tmp_path_factory) -> dict:
         config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = gather
         configs[name] = root / f"{name}.json"
         configs[name].write_text(json.dumps(config))
-    trained = {form: _start(root / form, 2, "--form", form) for form in ("SHARDED_STATE_DICT", "FULL_STATE_DICT")}
+    trained = {
+        # the sharded one records its file-system calls on both processes, for the power-loss replay
+        "SHARDED_STATE_DICT": _start(root / "SHARDED_STATE_DICT", 2, "--form", "SHARDED_STATE_DICT", "--record"),
+        "FULL_STATE_DICT": _start(root / "FULL_STATE_DICT", 2, "--form", "FULL_STATE_DICT"),
+    }
     trained["ZERO3"] = _start(root / "ZERO3", 2, "--deepspeed", str(configs["zero3"]))
     trained["DDP"] = _start(root / "DDP", 2, "--no-fsdp")
     logs = {form: _finish(p) for form, p in trained.items()}
@@ -132,6 +138,24 @@ def test_every_process_holds_its_half_of_every_parameter(jobs):
         assert local + second[name][0] == whole, name  # each element on one process only
         assert local <= -(-whole // 2), name  # at most half (dim 0 split in two)
     assert sum(local for local, _ in first.values()) * 2 >= sum(whole for _, whole in first.values()) - 64
+
+
+def test_a_sharded_checkpoint_survives_a_power_loss_at_any_point(jobs):
+    """The file-system calls of both processes of the 2-process SHARDED_STATE_DICT run (train() and save_model()),
+    replayed as one history under the power-loss rules (tests/durability.py): every shard each process wrote, the
+    distributed checkpoints' .metadata (renamed into place by torch's writer), the folders and the renames are durable
+    before a checkpoint is published, before an older one is retired and before a call returns."""
+    out = jobs["root"] / "SHARDED_STATE_DICT"
+    events = durability.merged(*sorted((out / "recorded").glob("fs_events_*.json")))
+    assert durability.violations(events, out) == []
+    assert len({e["pid"] for e in events}) == 2
+    fsyncs = [e for e in events if e["kind"] == "fsync"]
+    shards = {(e["pid"], Path(e["path"]).name) for e in fsyncs if e["path"].endswith(".distcp")}
+    assert {name for _, name in shards} >= {"__0_0.distcp", "__1_0.distcp"} and len({pid for pid, _ in shards}) == 2
+    metadata = [e for e in events if e["kind"] == "rename" and Path(e["dst"]).name == ".metadata"]
+    assert len(metadata) == 4, metadata  # optimizer_0/ and pytorch_model_fsdp_0/ of checkpoints 3 and 6
+    published = [Path(e["dst"]).name for e in events if e["kind"] == "rename" and e["tree"] is not None]
+    assert published == ["checkpoint-3", "checkpoint-6"], published
 
 
 def test_parallelism_config_replicates_two_sharded_copies_over_four_processes(jobs):

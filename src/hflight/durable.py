@@ -5,9 +5,10 @@ A file's bytes are durable once the file was fsynced; a directory entry (a new f
 fsynced (the rules SQLite, LevelDB and etcd rely on). Every writer that publishes by rename goes through here:
 
 - :func:`publish_folder` (a checkpoint): every file of the temporary folder fsynced, then each of its folders
-  (deepest first, the folder itself last), then the rename into place, then the parent folder fsynced. A folder the
-  new one replaces is deleted only once the new one is durable; the caller retires older checkpoints only after this
-  returns.
+  (deepest first, the folder itself last), then the rename into place, then the parent folder fsynced, and the
+  parent's own entry in its parent when the caller has not made it durable yet (a new run folder; a folder deleted
+  and made again at the same path is a new folder). A folder the new one replaces is deleted only once the new one is
+  durable; the caller retires older checkpoints only after this returns.
 - :func:`replace_file` (generated data, a tokenizer, the run record): the temporary file fsynced, renamed into
   place, the parent folder fsynced.
 - :func:`sync_files` (files written in place: ``save_model``, results, ``trainer_state.json``, a sweep's summary):
@@ -34,7 +35,6 @@ logger = logging.getLogger(__name__)
 #: Errors of a directory fsync that mean "not supported here", not "failed".
 _UNSUPPORTED = (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF, errno.EISDIR, errno.EACCES)
 _warned_filesystems: set[int] = set()
-_entries_synced: set[str] = set()  # folders whose own entry in their parent was made durable by this process
 
 
 def fsync_file(path: str | os.PathLike) -> None:
@@ -105,10 +105,13 @@ def publish_folder(
     final_dir: str | os.PathLike,
     aside: str | os.PathLike,
     already: Collection[tuple[str, tuple[int, int]]] = (),
+    entries_made_durable: set[tuple[int, int]] | None = None,
 ) -> None:
     """Make the complete ``tmp_dir`` durable and rename it to ``final_dir``; an existing ``final_dir`` is first
     renamed to ``aside`` and deleted once the new folder and the rename are durable. ``already``: its files fsynced
-    while it was written (:func:`sync_tree`)."""
+    while it was written (:func:`sync_tree`). ``entries_made_durable``: the caller's record of the folders (device,
+    inode) whose own entry in their parent it made durable (a run's: the parent's entry is fsynced at its first
+    publication into a folder, and again for a folder made anew); None: every time."""
     sync_tree(tmp_dir, already)
     replaced = False
     if os.path.exists(final_dir):
@@ -118,9 +121,12 @@ def publish_folder(
     os.replace(tmp_dir, final_dir)
     parent = os.path.dirname(os.path.abspath(final_dir))
     fsync_dir(parent)
-    if parent not in _entries_synced:  # the folder's own entry, once per process (a new run folder)
+    info = os.stat(parent)
+    folder = (info.st_dev, info.st_ino)
+    if entries_made_durable is None or folder not in entries_made_durable:  # the run folder's own entry
         fsync_dir(os.path.dirname(parent))
-        _entries_synced.add(parent)
+        if entries_made_durable is not None:
+            entries_made_durable.add(folder)
     if replaced:
         shutil.rmtree(aside, ignore_errors=True)
 

@@ -10,14 +10,18 @@ then evaluates on 12 examples and predicts on 11 (not a multiple of the 2 x 3 gl
 last batch is padded with repeats that must be dropped). The same evaluate() and predict() also run as the very first
 calls, before train(): under DDP they are the calls that launch the processes. With one process, transformers'
 Trainer evaluates and predicts the untrained model too, for reference. Rank 0 writes ``OUT/result.json`` and
-``OUT/final.pt``.
+``OUT/final.pt``. With ``--then-fail-a-write`` (and ``--save-async``) a second training follows whose background write
+of checkpoint-4 fails on rank 0 (a full disk's stand-in): each rank writes what stopped it to
+``OUT/failed_write_<rank>.json``.
 """
 
 import argparse
 import atexit
+import errno
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -87,12 +91,40 @@ def report_gloo_threads_at_exit(out):
     atexit.register(report)
 
 
+def failed_background_write(out):
+    """Test code: a save_async training whose background write of checkpoint-4 finds the disk full on rank 0."""
+    real = torch.save
+
+    def full_disk(obj, path, *args, **kwargs):
+        if ".tmp-checkpoint-4" in str(path) and threading.current_thread() is not threading.main_thread():
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real(obj, path, *args, **kwargs)
+
+    torch.save = full_disk
+    args = TrainingArguments(output_dir=str(Path(out) / "failed_write"), accelerator="cpu", devices=2, strategy="ddp",
+                             per_device_train_batch_size=4, max_steps=8, save_steps=2, save_total_limit=1,
+                             save_async=True, optim="sgd", report_to="none", disable_tqdm=True)  # fmt: skip
+    model = tiny_bert_qa(0, hidden=16, layers=1, dropout=0.0, max_positions=32)
+    trainer = Trainer(model, args, train_dataset=dataset(40, 0))
+    try:
+        trainer.train()
+        outcome = {"error": None}
+    except Exception as exc:  # noqa: BLE001 - the test compares what stopped each rank
+        outcome = {"error": type(exc).__name__, "message": str(exc)}
+    finally:
+        torch.save = real
+    outcome["global_step"] = trainer.state.global_step
+    rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))
+    Path(out, f"failed_write_{rank}.json").write_text(json.dumps(outcome))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--save-async", action="store_true")
+    parser.add_argument("--then-fail-a-write", action="store_true")
     opts = parser.parse_args()
     report_gloo_threads_at_exit(opts.out)
 
@@ -117,6 +149,8 @@ def main():
         report_to="none",
         disable_tqdm=True,
         save_async=opts.save_async,
+        # a rank left behind by the others (a fault of the run) fails in minutes rather than hanging for half an hour
+        **({"ddp_timeout": 180} if opts.then_fail_a_write else {}),
     )
     events = Events()
     trainer = Trainer(
@@ -151,6 +185,8 @@ def main():
         if opts.devices == 1:
             result["transformers_first"] = transformers_first(out / "transformers")
         (out / "result.json").write_text(json.dumps(result))
+    if opts.then_fail_a_write:
+        failed_background_write(opts.out)
     return 0
 
 

@@ -46,18 +46,16 @@ class Sleep(TrainerCallback):
 
 def slow_background_writes(seconds):
     """Test code: every file save_async writes in the background takes ``seconds`` longer (a slow disk)."""
-    from hflight.checkpoints import asynchronous
+    from hflight.checkpoints import job
 
-    def run(self, tracker):
-        for name, job in self.jobs:
-            print(f"writing {os.path.basename(tracker.folder)}/{name}", flush=True)
-            time.sleep(seconds)
-            tracker.file = name
-            job()
-        self.jobs.clear()
-        print(f"written {os.path.basename(tracker.folder)}", flush=True)
+    real = job.CheckpointJob.write_later
 
-    asynchronous.Deferred.run = run
+    def write_later(self, file, step):
+        print(f"writing {os.path.basename(self.folder)}/{file}", flush=True)
+        time.sleep(seconds)
+        real(self, file, step)
+
+    job.CheckpointJob.write_later = write_later
 
 
 def main():

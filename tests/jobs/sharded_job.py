@@ -14,13 +14,16 @@ Training: 6 steps of 4 blocks per process (seed 0, dropout on), a checkpoint eve
 writes ``OUT/result.json``: the world size, the log history, whether the parameters are sharded (DTensors), and for
 each rank the elements of every parameter it holds (its local shard) and of the whole parameter. Resuming: a callback
 gathers, once the run restored the checkpoint and before its first step, the whole model and optimizer states
-(parameters by name) and rank 0 saves them to ``OUT/restored.pt``; the run then trains to its end.
+(parameters by name) and rank 0 saves them to ``OUT/restored.pt``; the run then trains to its end. ``--record``: every
+process records the file-system calls of ``train()`` and ``save_model()`` (``tests/durability.py``) into
+``OUT/recorded/fs_events_<rank>.json``, for the power-loss replay.
 """
 
 import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -58,6 +61,16 @@ def local_elements(model):
             for name, p in model.named_parameters()}  # fmt: skip
 
 
+def recording(out):
+    """Test code: this process's file-system calls recorded from now on (``tests/durability.py``)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from durability import Recorder
+
+    recorder = Recorder(out)
+    recorder.install()
+    return recorder
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -68,6 +81,7 @@ def main():
     parser.add_argument("--hsdp", help="REPLICATE,SHARD: parallelism_config's dp_replicate_size, dp_shard_size")
     parser.add_argument("--auto", action="store_true", help="train(resume_from_checkpoint='auto'), as a restart does")
     parser.add_argument("--fault", help="SIGNAL,STEP,RANK,MOMENT: cluster_faults.SignalAt (first attempt only)")
+    parser.add_argument("--record", action="store_true", help="record the file-system calls for the replay")
     opts = parser.parse_args()
     torch.set_num_threads(1)
     sharding = {} if opts.no_fsdp else {
@@ -94,8 +108,18 @@ def main():
         name, step, rank, moment = opts.fault.split(",")
         callbacks.append(SignalAt(int(step), name, target="self", rank=int(rank), moment=moment))
     trainer = Trainer(model, args, train_dataset=blocks(96, 1), callbacks=callbacks)
+    recorder = recording(opts.out) if opts.record else None
     trainer.train(resume_from_checkpoint="auto" if opts.auto else opts.resume)
+    if recorder is not None and trainer.is_world_process_zero():
+        recorder.returned("train")
     trainer.save_model()  # every process, as transformers' examples call it
+    if recorder is not None:
+        if trainer.is_world_process_zero():
+            recorder.returned("save_model")
+        recorder.remove()
+        recorded = Path(opts.out, "recorded")  # not beside the files the replay checks
+        recorded.mkdir(exist_ok=True)
+        recorder.dump(recorded / f"fs_events_{trainer.accelerator.process_index}.json")
     elements = trainer.accelerator.world.gather_objects([local_elements(trainer.model)])
     if trainer.is_world_process_zero():
         result = {"world_size": trainer.accelerator.num_processes, "elements": elements,

@@ -24,9 +24,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BACKEND_PACKAGES",
+    "CHECKPOINTS",
     "DEFAULT_STRATEGIES",
     "SHARDING",
     "STRATEGY_ACCELERATORS",
+    "CheckpointForms",
     "DeepSpeedBuilder",
     "FSDPBuilder",
     "ProcessGroupSettings",
@@ -74,6 +76,25 @@ class ShardingBuilders:
 
 #: the sharding strategies' builders (filled by registration).
 SHARDING = ShardingBuilders()
+
+
+class SaveAsyncRefusal(Protocol):
+    """Why ``save_async`` cannot write the checkpoints of a run of these arguments (None: it can)."""
+
+    def __call__(self, args: TrainingArguments) -> str | None: ...
+
+
+@dataclass
+class CheckpointForms:
+    """What the checkpoint forms a run will write say about its arguments, before it starts (set by
+    ``hflight.sharding.registration`` from ``hflight.checkpoints.forms``: the arguments never import
+    ``hflight.checkpoints``)."""
+
+    save_async_refusal: SaveAsyncRefusal | None = None
+
+
+#: the checkpoint forms' answers (filled by registration).
+CHECKPOINTS = CheckpointForms()
 
 #: hflight's backend modules; each has ``register(accelerator_registry, strategy_registry)``.
 BACKEND_PACKAGES: tuple[str, ...] = (

@@ -44,7 +44,7 @@ from transformers.training_args import OptimizerNames, ParallelMode, trainer_log
 
 from hflight.arguments import cluster, launcher_env, process_group
 from hflight.arguments.deepspeed import load_deepspeed_config
-from hflight.arguments.registry import register_backends
+from hflight.arguments.registry import CHECKPOINTS, register_backends
 
 logger = logging.getLogger(__name__)
 
@@ -465,24 +465,16 @@ def _check_lower_bounds(args: TrainingArguments) -> None:
 
 
 def _check_save_async(args: TrainingArguments) -> None:
-    """``save_async`` with a checkpoint whose writers must publish together or that the strategy writes itself."""
+    """``save_async`` with a checkpoint whose writers must publish together or that the strategy writes itself: the
+    checkpoint forms say so (``hflight.checkpoints.forms.background_refusal``, through the registry)."""
     if not args.save_async:
         return
-    fsdp_config = args.fsdp_config if isinstance(args.fsdp_config, dict) else {}
-    sharded = args.fsdp and fsdp_config.get("state_dict_type", "FULL_STATE_DICT") == "SHARDED_STATE_DICT"
-    refused = (
-        ("deepspeed", bool(args.deepspeed), "DeepSpeed writes its partitions itself, on every process"),
-        ("fsdp_config['state_dict_type']='SHARDED_STATE_DICT'", sharded, "every process writes its own shards with "
-         "torch.distributed.checkpoint, a collective"),
-        ("save_on_each_node with num_nodes > 1", args.save_on_each_node and args.num_nodes > 1, "the nodes' writers "
-         "must publish each checkpoint together"),
-    )  # fmt: skip
-    for name, chosen, why in refused:
-        if chosen:
-            raise ValueError(
-                f"save_async=True cannot be combined with {name}: {why}. Set save_async=False (checkpoints are then "
-                "written before training goes on, as in transformers)."
-            )
+    refusal = CHECKPOINTS.save_async_refusal
+    if refusal is None:  # registration always fills it; never skip the check
+        raise RuntimeError("hflight's checkpoint forms are not registered (hflight.sharding.registration)")
+    reason = refusal(args)
+    if reason is not None:
+        raise ValueError(reason)
 
 
 def _check_requeue_signal(args: TrainingArguments) -> None:

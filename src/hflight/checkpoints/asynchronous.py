@@ -1,19 +1,23 @@
-"""Who finishes a checkpoint's write: the training loop itself (the default, as transformers), or, with
-``TrainingArguments(save_async=True)``, a background thread, so that the loop is blocked only while the state is
-copied.
+"""Who finishes a checkpoint's write (its :class:`~hflight.checkpoints.job.CheckpointJob`): the training loop itself
+(the default, as transformers), or, with ``TrainingArguments(save_async=True)``, a background thread, so that the loop
+is blocked only while the state is copied.
 
 With ``save_async``, at the step boundary the loop copies the model's and the optimizer's tensors into host memory
 (:meth:`CheckpointWriter.snapshot`: buffers kept from one checkpoint to the next, so only the first copy allocates),
-writes the small files (scheduler, RNG, ``trainer_state.json``, config, tokenizer) as before, and hands the rest to a
-background thread: the tensor files from the snapshot, the manifest, the durable publication
-(``hflight.durable.publish_folder``) and the rotation of older checkpoints. The next step cannot change what is
-written: the snapshot is a copy.
+writes the small files (scheduler, RNG, ``trainer_state.json``, config, tokenizer) as before, and hands the job to a
+background thread: the tensor files from the snapshot, their checksums and fsyncs, the manifest, the durable
+publication (``hflight.durable.publish_folder``) and the rotation of older checkpoints. The next step cannot change
+what is written: the snapshot is a copy. The job's decisions were all taken on the loop's thread; the writer thread
+changes nothing module-wide (accelerate's unwrapping is left alone for it, by the loop's thread, for as long as the job
+runs: ``hflight.checkpoints.weights.deepspeed_left_alone``).
 
 At most one write is in flight: a checkpoint that comes while the previous one is still written waits for it (and
 says so when the wait is long). :meth:`CheckpointWriter.wait` is called where the folder must exist: at the end of
 ``fit`` (also when it raised), before a stop by signal reports its checkpoint, before a checkpoint is pushed; the
 thread is not a daemon, so an interpreter that exits waits for it too. A write that fails stops the run at the next
-step boundary with the error (:class:`~hflight.checkpoints.folders.CheckpointWriteError`); its unfinished folder is
+step boundary with the error (:class:`~hflight.checkpoints.job.CheckpointWriteError`), on every process: while a write
+is in flight, the processes learn at each step boundary, together, whether it is done and how (the main process alone
+writes; the others would otherwise go on into the next collective and wait there for it). Its unfinished folder is
 removed, the checkpoints written before it are untouched. A process killed during the write leaves the unpublished
 ``.tmp-checkpoint-N`` (removed when the next run starts) and the last published checkpoint.
 
@@ -22,15 +26,17 @@ May import: ``hflight.checkpoints`` (its own modules).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
-import os
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from hflight.checkpoints.job import CheckpointJob, CheckpointWriteError
+from hflight.checkpoints.weights import deepspeed_left_alone
 
 logger = logging.getLogger(__name__)
 
@@ -39,16 +45,26 @@ LONG_WAIT_S = 10.0
 
 
 class CheckpointWriter:
-    """The run's checkpoint writer: synchronous (``asynchronous=False``: :meth:`submit` runs the job now) or one
-    background thread."""
+    """The run's checkpoint writer: synchronous (``asynchronous=False``: :meth:`submit` finishes the job now) or one
+    background thread. ``world``: the run's processes (``hflight.run.distributed.World``; None: one), which learn
+    together how a background write ended."""
 
-    def __init__(self, asynchronous: bool) -> None:
+    def __init__(self, asynchronous: bool, world: Any = None) -> None:
         self.asynchronous = asynchronous
+        self.world = world
         self._thread: threading.Thread | None = None
-        self._what: str | None = None
-        self._error: BaseException | None = None
+        self._in_flight: str | None = None  # every process: the checkpoint written in the background, until all know
+        self._outcome: BaseException | None = None
+        self._lease = contextlib.ExitStack()
         self._buffers: dict[tuple[str, ...], torch.Tensor] = {}
         self.snapshot_bytes = 0  # host memory the snapshot buffers hold
+        #: the run folders whose own entry in their parent this run's publications made durable
+        self.entries_made_durable: set[tuple[int, int]] = set()
+
+    def job(self, folder: str, final_dir: str, main: bool) -> CheckpointJob:
+        """A checkpoint's job, written into ``folder`` and published as ``final_dir`` (``main``: by this process)."""
+        snapshot = self.snapshot if self.asynchronous else None
+        return CheckpointJob(folder, final_dir, snapshot, main, self.entries_made_durable)
 
     # ---- the snapshot ----------------------------------------------------------------------------------------------
     def snapshot(self, name: str, state: Any) -> Any:
@@ -56,7 +72,7 @@ class CheckpointWriter:
         (tensors that share storage still do); unchanged when the writer is synchronous."""
         if not self.asynchronous:
             return state
-        self.wait()  # the buffers belong to the write in flight until it is done
+        self._join()  # the buffers belong to the write in flight until it is done
         # deepcopy with every tensor already mapped to its buffer: the copy has the original's structure exactly
         # (shared objects stay shared, so torch.save writes the same bytes)
         memo: dict[int, Any] = {}
@@ -93,56 +109,86 @@ class CheckpointWriter:
             torch.cuda.synchronize()
 
     # ---- the write -------------------------------------------------------------------------------------------------
-    def submit(self, what: str, job: Callable[[], None]) -> None:
-        """Run ``job`` (the rest of the write of ``what``, e.g. "checkpoint-8"): now, or in the background once the
-        previous write is done. A previous write's failure is raised here instead."""
+    def submit(self, job: CheckpointJob | None, what: str) -> None:
+        """Every process, once its part of checkpoint ``what`` (e.g. "checkpoint-8") is written: finish ``job`` (None:
+        this process has none to finish), now, or in the background once the previous write is done."""
         if not self.asynchronous:
-            job()
+            if job is not None and (failure := job.finish()) is not None:
+                raise failure
             return
         self.wait()
-        self._what = what
+        self._in_flight = what
+        if job is None:
+            return
+        self._lease.enter_context(deepspeed_left_alone())  # for the job's save_pretrained, until it is reaped
         self._thread = threading.Thread(target=self._run, args=(job,), name=f"hflight-write-{what}", daemon=False)
         self._thread.start()
 
-    def _run(self, job: Callable[[], None]) -> None:
-        try:
-            job()
-        except BaseException as exc:  # reported on the training loop's thread
-            self._error = exc
+    def _run(self, job: CheckpointJob) -> None:
+        self._outcome = job.finish()
+
+    def _join(self) -> None:
+        """Wait for this process's write in flight, reporting a long wait."""
+        thread = self._thread
+        if thread is None:
+            return
+        started = time.monotonic()
+        thread.join(LONG_WAIT_S)
+        if thread.is_alive():
+            logger.warning(
+                f"Waiting for the background write of {self._in_flight} to finish (at most one checkpoint is written "
+                f"at a time; {LONG_WAIT_S:.0f} s so far): the disk is slower than the checkpoints come."
+            )
+            thread.join()
+            logger.info(f"{self._in_flight} written after {time.monotonic() - started:.1f} s of waiting.")
 
     def wait(self) -> None:
-        """Wait for the write in flight (reporting a long wait); raise its error if it failed."""
-        thread = self._thread
-        if thread is not None:
-            started = time.monotonic()
-            thread.join(LONG_WAIT_S)
-            if thread.is_alive():
-                logger.warning(
-                    f"Waiting for the background write of {self._what} to finish (at most one checkpoint is written at "
-                    f"a time; {LONG_WAIT_S:.0f} s so far): the disk is slower than the checkpoints come."
-                )
-                thread.join()
-                logger.info(f"{self._what} written after {time.monotonic() - started:.1f} s of waiting.")
-            self._thread = None
-        self.raise_if_failed()
+        """Every process at once: wait for the write in flight; raise its error (on every process) if it failed."""
+        if self._in_flight is not None:
+            self._join()
+            self._settle(done=True)
 
     def raise_if_failed(self) -> None:
-        """At a step boundary: raise the error of a background write that failed (once)."""
-        if self._thread is not None and self._thread.is_alive():
+        """Every process, at a step boundary: raise the error of a background write that failed (once), on every
+        process; one small collective per step while a write is in flight, with several processes."""
+        if self._in_flight is not None:
+            self._settle(done=self._thread is None or not self._thread.is_alive())
+
+    def _settle(self, done: bool) -> None:
+        """The processes agree whether the write in flight is done (``done``: this process's is) and how it ended; if
+        done, the write is over for all of them, and its failure raised by each."""
+        mine = self._outcome if done and self._thread is not None else None
+        summary = (type(mine).__name__, str(mine)) if mine is not None else None
+        several = self.world is not None and self.world.size > 1
+        views = self.world.gather_objects([(done, summary)]) if several else [(done, summary)]
+        if not all(each_done for each_done, _ in views):
             return
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
+        self._thread, self._outcome, self._in_flight = None, None, None
+        self._lease.close()
+        failed = next((each for _, each in views if each is not None), None)
+        if mine is not None:
+            raise mine
+        if failed is not None:  # another process's write: the same error here
+            kind, message = failed
+            raise (
+                CheckpointWriteError(message)
+                if kind == CheckpointWriteError.__name__
+                else RuntimeError(
+                    f"The background checkpoint write failed on the process that writes checkpoints: {kind}: {message}"
+                )
+            )
 
     def close(self, raising: bool) -> None:
-        """At the end of ``fit``: wait for the write in flight. ``raising``: ``fit`` raised already; a failed write is
-        then logged, not raised over the error that ended the run."""
-        try:
+        """At the end of ``fit``: wait for the write in flight. ``raising``: ``fit`` raised already (on this process;
+        the others may not be here); a failed write is then logged, not raised over the error that ended the run."""
+        if not raising:
             self.wait()
-        except BaseException as exc:
-            if not raising:
-                raise
-            logger.error(f"The background checkpoint write also failed: {exc}")
+            return
+        self._join()
+        failure, self._thread, self._outcome, self._in_flight = self._outcome, None, None, None
+        self._lease.close()
+        if failure is not None:
+            logger.error(f"The background checkpoint write also failed: {failure}")
 
 
 def _tensors(value: Any, key: tuple[str, ...]) -> Any:
@@ -155,36 +201,3 @@ def _tensors(value: Any, key: tuple[str, ...]) -> Any:
     elif isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
             yield from _tensors(v, (*key, str(i)))
-
-
-class Deferred:
-    """The tensor files of one checkpoint: written now (synchronous writer) or listed, from a snapshot, for the
-    background write (:meth:`CheckpointWriter.submit`)."""
-
-    def __init__(self, writer: CheckpointWriter) -> None:
-        self.writer = writer
-        self.jobs: list[tuple[str | None, Callable[[], None]]] = []
-
-    @property
-    def asynchronous(self) -> bool:
-        return self.writer.asynchronous
-
-    def save(self, obj: Any, path: str) -> None:
-        """``torch.save(obj, path)``, now or later from a snapshot of ``obj``."""
-        if not self.writer.asynchronous:
-            torch.save(obj, path)
-            return
-        name = os.path.basename(path)
-        snapshot = self.writer.snapshot(name, obj)
-        self.jobs.append((name, lambda: torch.save(snapshot, path)))
-
-    def later(self, name: str | None, job: Callable[[], None]) -> None:
-        """Run ``job`` (writing file ``name``; None: several, found afterwards if one fails) in the background."""
-        self.jobs.append((name, job))
-
-    def run(self, tracker: Any) -> None:
-        """Write the listed files (``tracker.file``: the one being written)."""
-        for name, job in self.jobs:
-            tracker.file = name
-            job()
-        self.jobs.clear()

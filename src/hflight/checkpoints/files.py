@@ -2,12 +2,14 @@
 
 Every reader of a checkpoint (the manifest, each part, the hub push) opens a file only through :func:`regular_file`,
 which refuses a path leading outside the folder (``..``, an absolute path, a symbolic link elsewhere) and anything
-that is not a regular file (a named pipe, a device, a socket, a folder) before anything opens it.
+that is not a regular file (a named pipe, a device, a socket, a folder) before anything opens it; a file of tensors is
+loaded with ``torch.load(weights_only=True)`` (:func:`load_tensors_file`), never unpickling anything else.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import stat
 from pathlib import Path, PurePosixPath
@@ -76,3 +78,34 @@ def inside(path: str | os.PathLike, folder: str | os.PathLike) -> bool:
     """Whether ``path`` lies inside ``folder`` (links and ``..`` resolved)."""
     root, real = os.path.realpath(folder), os.path.realpath(path)
     return real != root and os.path.commonpath([root, real]) == root
+
+
+def refused_pickle(path: Path, exc: pickle.UnpicklingError, holds: str) -> UnsafeCheckpointFile:
+    """The error for a file ``torch.load(weights_only=True)`` refused: it names the file and the object, and does
+    not repeat torch's advice to load it with ``weights_only=False``."""
+    unsafe = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+    what = f" (it refers to {unsafe.group(1)})" if unsafe else ""
+    return UnsafeCheckpointFile(
+        f"{path} cannot be loaded safely: it holds objects other than {holds}{what}. hflight never unpickles "
+        "arbitrary objects from a checkpoint."
+    )
+
+
+def load_failure(path: Path, exc: BaseException) -> str:
+    """Why ``path`` could not be loaded, in a few words."""
+    if path.is_file() and path.stat().st_size == 0:
+        return "the file is empty (0 bytes)"
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text}" if text else f"{type(exc).__name__} (truncated or not written by torch.save)"
+
+
+def load_tensors_file(path: Path) -> Any:
+    """A file of tensors and plain values (an optimizer's, a scheduler's state), loaded without running code."""
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise refused_pickle(path, exc, "tensors and plain values") from None
+    except Exception as exc:
+        raise ValueError(f"Cannot restore {path}: {load_failure(path, exc)}") from exc

@@ -12,23 +12,26 @@ absent, never partial; leftover ``.tmp-checkpoint-*`` folders are removed when t
 :class:`CheckpointWriteError` naming the folder, the file and the cause, and leaves the earlier checkpoints as they
 were.
 
+The write of one checkpoint is a job (``hflight.checkpoints.job``): :func:`save_checkpoint` takes every decision
+on the training loop's thread, writes each process's part through the job's steps, and hands the job to the run's
+writer (``hflight.checkpoints.asynchronous``), which finishes it now or in the background.
+
 Reading is ``hflight.checkpoints.manifest``'s (:func:`verify_checkpoint`, :func:`get_last_checkpoint`, re-exported
 here).
 
 Folder contents: the parts in ``hflight.checkpoints.parts`` (transformers' names, so folders written by either
-trainer resume in both), and ``checkpoint_manifest.json`` (hflight's own).
+trainer resume in both; every name in ``hflight.checkpoints.names``), and ``checkpoint_manifest.json`` (hflight's
+own).
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
+import contextvars
 import functools
 import logging
 import os
-import re
 import shutil
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -38,25 +41,28 @@ from transformers.trainer_utils import SaveStrategy, sort_checkpoints
 from transformers.utils import logging as hf_logging
 
 from hflight import durable
-from hflight._util import exception_chain
-from hflight.checkpoints.asynchronous import Deferred
 from hflight.checkpoints.files import IncompleteCheckpointError
+from hflight.checkpoints.forms import NotGathered, background_refusal
+from hflight.checkpoints.job import CheckpointJob, CheckpointWriteError, write_error
 from hflight.checkpoints.manifest import (
-    CHECKPOINT_RE,
     MANIFEST_FORMAT,
-    MANIFEST_NAME,
     MANIFEST_VERSION,
-    PREFIX,
-    TMP_PREFIX,
-    Checksums,
     get_last_checkpoint,
     read_manifest,
     verify_checkpoint,
     write_manifest,
 )
-from hflight.checkpoints.parts import TRAINER_STATE_NAME, write_trainer_state, write_training_states
-from hflight.checkpoints.sharded import NotGathered
-from hflight.checkpoints.weights import WEIGHT_FILES
+from hflight.checkpoints.names import (
+    CHECKPOINT_RE,
+    DELETING_SUFFIX,
+    MANIFEST_NAME,
+    PREFIX,
+    TMP_PREFIX,
+    TRAINER_STATE_NAME,
+    WEIGHT_FILES,
+)
+from hflight.checkpoints.parts import write_trainer_state, write_training_states
+from hflight.checkpoints.weights import deepspeed_left_alone, saves_off_rank_zero
 from hflight.surface import RunView, TrainerSurface
 
 logger = logging.getLogger(__name__)
@@ -68,8 +74,6 @@ __all__ = [
     "read_manifest", "remove_checkpoint", "save_checkpoint", "verify_checkpoint", "write_manifest",
 ]  # fmt: skip
 
-REPLACED_SUFFIX = ".replaced"
-DELETING_SUFFIX = ".deleting"
 # The arguments that decide which examples a resumed run sees next and how global steps map onto batches.
 RUN_ARGUMENTS = (
     "per_device_train_batch_size",
@@ -146,108 +150,23 @@ def rotate_checkpoints(output_dir: str, save_total_limit: int | None, best_model
 
 
 # ---- write errors --------------------------------------------------------------------------------------------------
-class CheckpointWriteError(OSError):
-    """Writing a checkpoint (or the model) failed: the message names the folder, the file and the cause."""
-
-
-# What an error's text says when it carries no errno (safetensors' Rust errors, torch's C++ writer).
-_CAUSE_TEXTS = (
-    ("No space left on device", "no space left on device"),
-    ("StorageFull", "no space left on device"),
-    ("Disk quota exceeded", "disk quota exceeded"),
-    ("Permission denied", "permission denied"),
-    ("Read-only file system", "read-only file system"),
-    ("Input/output error", "input/output error"),
-)
-# torch's zip writer reports a failed write as "[enforce fail at inline_container.cc:...] unexpected pos ..." or
-# "basic_ios::clear: iostream error", without the operating system's reason.
-_WRITE_FAILURE = re.compile(r"inline_container|iostream|PytorchStreamWriter|file write failed|I/O error|IoError")
-_NEARLY_FULL = 1 << 20
-
-
-def _existing_dir(path: str) -> str:
-    while path and not os.path.isdir(path):
-        path = os.path.dirname(path)
-    return path or "."
-
-
-def write_failure_cause(exc: BaseException, folder: str) -> str | None:
-    """Why writing into ``folder`` failed ("no space left on device", "permission denied", ...), or None when
-    ``exc`` is not a write failure (a bug elsewhere is not disguised as one)."""
-    chain = list(exception_chain(exc))
-    code = next((e.errno for e in chain if isinstance(e, OSError) and e.errno), None)
-    if code is not None:
-        return os.strerror(code).lower()
-    text = " ".join(str(e) for e in chain)
-    cause = next((cause for marker, cause in _CAUSE_TEXTS if marker in text), None)
-    if cause is not None:
-        return cause
-    if not any(isinstance(e, OSError) for e in chain) and not _WRITE_FAILURE.search(text):
-        return None
-    where = _existing_dir(folder)
-    if shutil.disk_usage(where).free < _NEARLY_FULL:
-        return os.strerror(errno.ENOSPC).lower()
-    if not os.access(where, os.W_OK):
-        return os.strerror(errno.EACCES).lower()
-    first_line = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
-    return f"I/O error ({type(exc).__name__}: {first_line})"
-
-
-class WriteTracker:
-    """The file being written into ``folder`` (None: whichever ``save_pretrained`` was writing, found afterwards)."""
-
-    def __init__(self, folder: str) -> None:
-        self.folder = folder
-        self.file: str | None = None
-
-    def failed_file(self, exc: BaseException) -> str:
-        named = next((e.filename for e in exception_chain(exc) if isinstance(e, OSError) and e.filename), None)
-        if named:
-            return os.path.relpath(os.fspath(named), self.folder) if os.path.isabs(os.fspath(named)) else named
-        if self.file is not None:
-            return self.file
-        written = [p for p in Path(self.folder).rglob("*") if p.is_file()] if os.path.isdir(self.folder) else []
-        if not written:
-            return "its first file"
-        return max(written, key=lambda p: p.stat().st_mtime_ns).relative_to(self.folder).as_posix()
-
-
-class _Writes(threading.local):
-    def __init__(self) -> None:
-        self.stack: list[WriteTracker] = []  # the writes in progress in this thread, outermost first
-
-
-_WRITES = _Writes()
+#: set while the training loop's thread writes a checkpoint: ``save_model`` called by it (or by an override of it)
+#: leaves its failures to the checkpoint's step that called it, and its fsyncs to the checkpoint's publication
+_WRITING_CHECKPOINT: contextvars.ContextVar[bool] = contextvars.ContextVar("hflight_writing_checkpoint", default=False)
 
 
 @contextlib.contextmanager
-def writing(folder: str, what: str, discard: bool) -> Iterator[WriteTracker]:
+def writing(folder: str, what: str, discard: bool, file: str | None = None) -> Iterator[None]:
     """Turn a failed write into ``folder`` into one :class:`CheckpointWriteError` naming ``what`` (the checkpoint or
-    model being saved), the file and the cause; ``discard``: delete the unfinished ``folder`` first. Inside another
-    ``writing`` (``save_model`` called by a checkpoint's write) the outer one reports the failure."""
-    if _WRITES.stack:
-        yield _WRITES.stack[-1]
-        return
-    tracker = WriteTracker(folder)
-    _WRITES.stack.append(tracker)
+    model being saved), the file (``file``, else found from the error or the folder) and the cause; ``discard``:
+    delete the unfinished ``folder`` first (``hflight.checkpoints.job.write_error``)."""
     try:
-        yield tracker
+        yield
     except Exception as exc:
-        cause = write_failure_cause(exc, folder)
-        if cause is None:
+        error = write_error(exc, folder, what, file, discard)
+        if error is None:
             raise
-        file = tracker.failed_file(exc)
-        if discard:
-            shutil.rmtree(folder, ignore_errors=True)
-        after = (
-            f" The unfinished folder was removed; the checkpoints already in {os.path.dirname(folder) or '.'} are "
-            "unchanged."
-            if discard
-            else ""
-        )
-        raise CheckpointWriteError(f"Could not save {what}: writing {file} failed: {cause}.{after}") from exc
-    finally:
-        _WRITES.stack.pop()
+        raise error from exc
 
 
 # ---- writing -------------------------------------------------------------------------------------------------------
@@ -258,8 +177,8 @@ def save_model(facade: TrainerSurface, output_dir: str, backend: Any) -> None:
     (``backend``: the strategy's hooks; a checkpoint's write, which calls this, made them current before it began),
     a sharded model's whole state dict gathered (collective), then, on the main process, the model files and the
     backend's own files, on disk before it returns (a failed write raises :class:`CheckpointWriteError`; inside a
-    checkpoint's write the checkpoint's publication makes them durable)."""
-    outer = not _WRITES.stack
+    checkpoint's write the checkpoint reports it, and its publication makes the files durable)."""
+    outer = not _WRITING_CHECKPOINT.get()
     if outer:
         backend.hf_sync_to_host()
     form = backend.hf_checkpoint_state()
@@ -271,12 +190,18 @@ def save_model(facade: TrainerSurface, output_dir: str, backend: Any) -> None:
         return
     if facade.args.should_save:
         _saving_checkpoint(output_dir)
-        with writing(output_dir, f"the model in {output_dir}", discard=False), durable_writes(output_dir, outer):
+        with _model_writes(output_dir, outer), durable_writes(output_dir, outer), deepspeed_left_alone():
             if state_dict is None:
                 facade._save(output_dir)
             else:
                 facade._save(output_dir, state_dict=state_dict)
             backend.hf_save_files(output_dir)
+
+
+def _model_writes(output_dir: str, outer: bool) -> contextlib.AbstractContextManager[None]:
+    """``save_model``'s failures as one :class:`CheckpointWriteError` (inside a checkpoint's write: as they are, for
+    the checkpoint to report)."""
+    return writing(output_dir, f"the model in {output_dir}", discard=False) if outer else contextlib.nullcontext()
 
 
 @contextlib.contextmanager
@@ -308,7 +233,7 @@ def _save_without_weights(facade: TrainerSurface, form: Any, output_dir: str, ou
     run's checkpoint form (every process writes its partition) with its script to rebuild the weights."""
     with durable_writes(output_dir, outer and facade.args.should_save):
         if facade.args.should_save:
-            with writing(output_dir, f"the model in {output_dir}", discard=False):
+            with _model_writes(output_dir, outer), deepspeed_left_alone():
                 facade._save(output_dir, state_dict={})
                 for name in WEIGHT_FILES:  # the empty weights file save_pretrained wrote
                     with contextlib.suppress(FileNotFoundError):
@@ -335,14 +260,15 @@ def run_arguments(args: Any, world_size: int, plan: Any, num_nodes: int | None =
 def save_checkpoint(facade: TrainerSurface, run: RunView, trial: Any = None) -> str:
     """Write ``checkpoint-{global_step}`` into ``facade._get_output_dir(trial)`` and publish it durably, update the
     best checkpoint, rotate old ones (after the new one is durable). The model files are ``facade.save_model``'s, as
-    in transformers. With ``save_async`` (``run.checkpoint_writer``) the tensors are copied at the step boundary and
-    the tensor files, the manifest, the publication and the rotation happen in the background
+    in transformers. Every decision is taken here, on the training loop's thread, into the checkpoint's job
+    (``hflight.checkpoints.job``); with ``save_async`` (``run.checkpoint_writer``) the tensors are copied at the step
+    boundary and the tensor files, the manifest, the publication and the rotation happen in the background
     (``hflight.checkpoints.asynchronous``); the folder returned then appears when that write is done.
 
     Raises:
         CheckpointWriteError: a write failed (full disk, permissions, I/O); the unfinished folder is removed and the
             earlier checkpoints are as they were. With ``save_async`` a background failure is raised at the next step
-            boundary, checkpoint or the end of ``fit``.
+            boundary, checkpoint or the end of ``fit``, on every process.
     """
     args, state, world, writer = facade.args, facade.state, run.world, run.checkpoint_writer
     writer.wait()  # at most one write in flight; a failed one stops the run here
@@ -354,95 +280,59 @@ def save_checkpoint(facade: TrainerSurface, run: RunView, trial: Any = None) -> 
     is_main = args.should_save  # the main process; with save_on_each_node, the main process of each node
     if is_main:
         shutil.rmtree(tmp_dir, ignore_errors=True)
-    form = run.backend.hf_checkpoint_state()
-    if writer.asynchronous and not form.deferrable:  # a strategy object given directly (the arguments refuse theirs)
-        raise ValueError(
-            f"save_async=True cannot write this run's checkpoints in the background: {type(form).__name__} is written "
-            "by every process together. Set save_async=False."
-        )
+    if writer.asynchronous:  # a strategy object given directly (the arguments refuse theirs)
+        nodes = run.lightning_trainer.num_nodes if args.save_on_each_node else 1
+        refusal = background_refusal(run.backend.hf_checkpoint_state(), nodes)
+        if refusal is not None:
+            raise ValueError(refusal)
     run.backend.hf_sync_to_host()
-    deferred, checksums = Deferred(writer), Checksums()
+    job = writer.job(tmp_dir, final_dir, main=is_main)
     try:
-        progress = _write_files(facade, run, tmp_dir, final_dir, run_dir, deferred, checksums)
+        progress = _write_files(facade, run, job, run_dir)
     except BaseException:
-        checksums.close()
+        job.abandon()
         raise
     if is_main:
-        manifest = (state.global_step, bool(args.save_only_model),
-                    run_arguments(args, world.size, run.plan, run.lightning_trainer.num_nodes), progress)  # fmt: skip
-        rotation = (run_dir, args.save_total_limit, state.best_model_checkpoint)
-        writer.submit(name, lambda: _complete(tmp_dir, final_dir, deferred, checksums, manifest, rotation))
-        if args.push_to_hub:  # the push reads the published folder
-            writer.wait()
-    else:
-        checksums.close()
+        run_args = run_arguments(args, world.size, run.plan, run.lightning_trainer.num_nodes)
+        job.publish_with((state.global_step, bool(args.save_only_model), run_args, progress),
+                         functools.partial(rotate_checkpoints, run_dir, args.save_total_limit,
+                                           state.best_model_checkpoint))  # fmt: skip
+    writer.submit(job if is_main else None, name)
+    if args.push_to_hub:  # the push reads the published folder
+        writer.wait()
     world.barrier()
     return final_dir
 
 
-def _write_files(
-    facade: TrainerSurface,
-    run: RunView,
-    tmp_dir: str,
-    final_dir: str,
-    run_dir: str,
-    deferred: Deferred,
-    checksums: Checksums,
-) -> dict[str, Any] | None:
-    """A checkpoint's files into ``tmp_dir`` (every process: its own part; the tensor files of ``save_async`` are
-    snapshotted into ``deferred``), and the best checkpoint updated; returns the loop's bookkeeping for the
-    manifest."""
+def _write_files(facade: TrainerSurface, run: RunView, job: CheckpointJob, run_dir: str) -> dict[str, Any] | None:
+    """A checkpoint's files into the job's folder, each a step of the job (every process: its own part; the tensor
+    files of ``save_async`` are snapshotted for later), and the best checkpoint updated; returns the loop's
+    bookkeeping for the manifest."""
     args, state, world, is_main = facade.args, facade.state, run.world, facade.args.should_save
-    with (
-        writing(tmp_dir, f"checkpoint {final_dir}", discard=is_main) as tracker,
-        final_path_in_logs(tmp_dir, final_dir),
-    ):
-        if is_main:
-            os.makedirs(tmp_dir, exist_ok=True)
-        world.barrier()  # the folder exists for every process
-        if not args.save_only_model:
-            # The largest file first: its checksum is computed (in the background) while the model is written.
-            write_training_states(facade, run, tracker, is_main, deferred.save)
-        if is_main:
-            checksums.add_new(tmp_dir)
-            tracker.file = None  # save_pretrained's files: found afterwards if one fails
-        if run.backend.hf_checkpoint_state().with_model_files:
-            _write_model_files(facade, run, tmp_dir, is_main, deferred)  # every process: sharded models gather
-        if is_main:
-            checksums.add_new(tmp_dir)
-        _update_best_checkpoint(args, state, run_dir)
-        progress = run.loop.progress() if run.loop is not None else None  # every rank: their running losses
-        world.barrier()
-        if is_main:
-            write_trainer_state(facade, tracker)
-        run.checkpoint_writer.snapshot_done()
-        # Every writer's folder is complete before any is published (save_on_each_node: one writer per node, each on
-        # its own disk): a writer whose peer died mid-write fails here instead of publishing a checkpoint the other
-        # nodes lack, so the nodes' last checkpoints agree.
-        world.barrier()
-    return progress
-
-
-def _complete(
-    tmp_dir: str, final_dir: str, deferred: Deferred, checksums: Checksums, manifest: tuple, rotation: tuple
-) -> None:
-    """The end of a checkpoint's write (now, or in the background with ``save_async``): the deferred tensor files,
-    the manifest, the durable publication, then the rotation of older checkpoints."""
-    global_step, save_only_model, run_args, progress = manifest
+    writing_checkpoint = _WRITING_CHECKPOINT.set(True)
     try:
-        with (
-            writing(tmp_dir, f"checkpoint {final_dir}", discard=True) as tracker,
-            final_path_in_logs(tmp_dir, final_dir),
-        ):
-            deferred.run(tracker)
-            checksums.add_new(tmp_dir)
-            tracker.file = MANIFEST_NAME
-            write_manifest(tmp_dir, global_step, save_only_model, run_args, checksums, progress)
-            tracker.file = None
-            publish(tmp_dir, final_dir, checksums)
+        with final_path_in_logs(job.folder, job.final_dir):
+            if is_main:
+                job.write(None, lambda: os.makedirs(job.folder, exist_ok=True))
+            world.barrier()  # the folder exists for every process
+            if not args.save_only_model:
+                # The largest file first: its checksum is computed (in the background) while the model is written.
+                write_training_states(facade, run, job, is_main)
+            if run.backend.hf_checkpoint_state().with_model_files:
+                _write_model_files(facade, run, job, is_main)  # every process: sharded models gather
+            _update_best_checkpoint(args, state, run_dir)
+            progress = run.loop.progress() if run.loop is not None else None  # every rank: their running losses
+            world.barrier()
+            if is_main:
+                job.write(TRAINER_STATE_NAME, lambda: write_trainer_state(facade, job.folder))
+            run.checkpoint_writer.snapshot_done()
+            # Every writer's folder is complete before any is published (save_on_each_node: one writer per node, each
+            # on its own disk): a writer whose peer died mid-write fails here instead of publishing a checkpoint the
+            # other nodes lack, so the nodes' last checkpoints agree.
+            world.barrier()
     finally:
-        checksums.close()
-    rotate_checkpoints(*rotation)
+        _WRITING_CHECKPOINT.reset(writing_checkpoint)
+    return progress
 
 
 class _FinalPathInLogs(logging.Filter):
@@ -484,19 +374,20 @@ def _update_best_checkpoint(args: Any, state: TrainerState, run_dir: str) -> Non
             state.best_model_checkpoint = best_dir
 
 
-def _write_model_files(facade: TrainerSurface, run: RunView, folder: str, is_main: bool, deferred: Deferred) -> None:
+def _write_model_files(facade: TrainerSurface, run: RunView, job: CheckpointJob, is_main: bool) -> None:
     """The model (with the weights evaluation uses) and the backend's files, through ``save_model`` (every process:
     it gathers a sharded model, the main process writes), and the weight-protocol callbacks' files (main process;
     the host weights are current). With ``save_async`` the weights are snapshotted and written by ``_save`` in the
-    background, unless a subclass overrides ``save_model`` (its override is called, synchronously)."""
-    if deferred.asynchronous and _stock_save_model(facade):
-        _defer_model_files(facade, run, folder, is_main, deferred)
+    background, unless a subclass overrides ``save_model`` (its override is called, synchronously) or the process that
+    writes is not global rank 0 (transformers' ``save_pretrained`` is then told so, on this thread)."""
+    if job.background and _stock_save_model(facade) and not saves_off_rank_zero():
+        _defer_model_files(facade, run, job, is_main)
     else:
         with run.evaluation_weights():
-            facade.save_model(folder, _internal_call=True)  # the backend's files too
+            job.write(None, lambda: facade.save_model(job.folder, _internal_call=True))  # the backend's files too
     if is_main:
         for callback in run.weight_hooks("save_checkpoint_state"):
-            callback.save_checkpoint_state(folder, facade.model)
+            job.write(None, lambda callback=callback: callback.save_checkpoint_state(job.folder, facade.model))
 
 
 def _stock_save_model(facade: TrainerSurface) -> bool:
@@ -504,7 +395,7 @@ def _stock_save_model(facade: TrainerSurface) -> bool:
     return getattr(type(facade).save_model, "__module__", "").startswith("hflight.")
 
 
-def _defer_model_files(facade: TrainerSurface, run: RunView, folder: str, is_main: bool, deferred: Deferred) -> None:
+def _defer_model_files(facade: TrainerSurface, run: RunView, job: CheckpointJob, is_main: bool) -> None:
     """``save_model``'s files with ``save_async``: the whole state dict (gathered from the shards, collective)
     copied now, written by ``facade._save`` in the background; the backend's files now."""
     backend = run.backend
@@ -512,18 +403,10 @@ def _defer_model_files(facade: TrainerSurface, run: RunView, folder: str, is_mai
         state_dict = backend.hf_checkpoint_state().full_model_state(facade.model)
         if not is_main:
             return
-        snapshot = deferred.writer.snapshot("model", facade.model.state_dict() if state_dict is None else state_dict)
-    _saving_checkpoint(folder)
-    backend.hf_save_files(folder)
-    deferred.later(None, lambda: facade._save(folder, state_dict=snapshot))
-
-
-def publish(tmp_dir: str, final_dir: str, checksums: Checksums | None = None) -> None:
-    """Make the complete ``tmp_dir`` durable and rename it to ``final_dir`` (``hflight.durable.publish_folder``: the
-    only way a checkpoint is put into place); an existing ``final_dir`` is deleted only afterwards. ``checksums``:
-    the folder's, whose thread fsynced each file as it was complete (those are not fsynced again)."""
-    replaced = os.path.join(os.path.dirname(final_dir), f"{TMP_PREFIX}{os.path.basename(final_dir)}{REPLACED_SUFFIX}")
-    durable.publish_folder(tmp_dir, final_dir, replaced, checksums.synced() if checksums is not None else ())
+        snapshot = job.snapshot("model", facade.model.state_dict() if state_dict is None else state_dict)
+    _saving_checkpoint(job.folder)
+    job.write(None, lambda: backend.hf_save_files(job.folder))
+    job.later(None, lambda: facade._save(job.folder, state_dict=snapshot))
 
 
 # ---- best model -------------------------------------------------------------------------------------------------

@@ -35,18 +35,21 @@ from typing import Any
 
 from hflight import durable
 from hflight.checkpoints.files import IncompleteCheckpointError, UnsafeCheckpointFile, regular_file, relative_name
-from hflight.checkpoints.parts import TRAINER_STATE_NAME, part_of
+from hflight.checkpoints.names import CHECKPOINT_RE, MANIFEST_NAME, PREFIX, TMP_PREFIX, TRAINER_STATE_NAME
+from hflight.checkpoints.parts import part_of
 from hflight.checkpoints.weights import WEIGHT_FILES, is_weight_file, weights_in_use
 
 logger = logging.getLogger(__name__)
 
-PREFIX = "checkpoint"
-TMP_PREFIX = ".tmp-"
-MANIFEST_NAME = "checkpoint_manifest.json"
+__all__ = [
+    "CHECKPOINT_RE", "CHECKSUM", "MANIFEST_FORMAT", "MANIFEST_NAME", "MANIFEST_VERSION", "PREFIX", "TMP_PREFIX",
+    "Checksums", "IncompleteCheckpointError", "UnsafeCheckpointFile", "checkpoint_folders", "file_digest",
+    "get_last_checkpoint", "read_manifest", "verify_checkpoint", "write_manifest",
+]  # fmt: skip
+
 MANIFEST_FORMAT = "hflight-checkpoint"
 MANIFEST_VERSION = 2  # 1: sizes only; 2: sizes and checksums
 CHECKSUM = "xxh3_128"
-CHECKPOINT_RE = re.compile(rf"^{PREFIX}-(\d+)$")
 _CHUNK = 8 << 20
 _MAX_LISTED = 6
 
@@ -67,17 +70,18 @@ def file_digest(path: str | os.PathLike) -> str:
 
 
 class Checksums:
-    """Checksums computed in a background thread as soon as each file of a folder being written is complete, so that
-    hashing one file overlaps writing the next (``with Checksums() as checksums``; :meth:`add_new` after writing,
-    :meth:`digest` when the manifest is written). A file changed after it was submitted is hashed again.
+    """The checksums of a folder being written and the fsyncs of its files, by one background thread as soon as each
+    file is complete: putting one file on disk and hashing it overlap writing the next (:meth:`add_new` after writing,
+    :meth:`digest` when the manifest is written, :meth:`synced` when the folder is published). Each file is fsynced,
+    then hashed; a checksum the thread has not started when the manifest asks for it (the thread is waiting for the
+    disk) is computed by the thread that asks, so hashing never waits behind an fsync. A file changed after it was
+    submitted is hashed again. :meth:`synced` says which files are durable as they are now, so that the publication
+    (``hflight.durable.publish_folder``) fsyncs only the others.
 
-    Each complete file is also fsynced by a second background thread (its bytes go to the disk while the next file is
-    written); :meth:`synced` says which files are durable as they are now, so that the publication
-    (``hflight.durable.publish_folder``) fsyncs only the others."""
+    Opened and closed by the thread that finishes the folder's write (``hflight.checkpoints.job``)."""
 
     def __init__(self) -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hflight-checksum")
-        self._sync_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hflight-fsync")
         self._pending: dict[Path, tuple[tuple[int, int], concurrent.futures.Future]] = {}
         self._syncs: list[tuple[str, tuple[int, int], concurrent.futures.Future]] = []
 
@@ -88,9 +92,8 @@ class Checksums:
         self.close()
 
     def close(self) -> None:
-        """Stop the background threads (the checksums and fsyncs not asked for yet are dropped)."""
+        """Stop the background thread (the checksums and fsyncs not asked for yet are dropped)."""
         self._pool.shutdown(wait=True, cancel_futures=True)
-        self._sync_pool.shutdown(wait=True, cancel_futures=True)
 
     @staticmethod
     def _stamp(path: Path) -> tuple[int, int]:
@@ -98,12 +101,12 @@ class Checksums:
         return info.st_size, info.st_mtime_ns
 
     def add_new(self, folder: str | os.PathLike) -> None:
-        """Start hashing every file of ``folder`` not submitted yet."""
+        """Start fsyncing, then hashing, every file of ``folder`` not submitted yet."""
         for path in sorted(Path(folder).rglob("*")):
             if path.is_file() and path.name != MANIFEST_NAME and path not in self._pending:
                 stamp = self._stamp(path)
+                self._syncs.append((os.path.abspath(path), stamp, self._pool.submit(durable.fsync_file, path)))
                 self._pending[path] = (stamp, self._pool.submit(file_digest, path))
-                self._syncs.append((os.path.abspath(path), stamp, self._sync_pool.submit(durable.fsync_file, path)))
 
     def synced(self) -> set[tuple[str, tuple[int, int]]]:
         """The files fsynced in the background, with the size and time they had then (waits for those in progress;
@@ -111,9 +114,11 @@ class Checksums:
         return {(path, stamp) for path, stamp, future in self._syncs if future.result() is None}
 
     def digest(self, path: Path) -> str:
+        """``path``'s checksum: the thread's, or, when it has not started it (or the file changed since), this
+        thread's."""
         stamp, future = self._pending.get(path, (None, None))
-        if future is not None and stamp == self._stamp(path):
-            return future.result()
+        if future is not None and stamp == self._stamp(path) and not future.cancel():
+            return future.result()  # hashed, or being hashed
         return file_digest(path)
 
 

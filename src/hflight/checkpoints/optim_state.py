@@ -29,11 +29,10 @@ from typing import Any
 
 import torch
 
+from hflight.checkpoints.names import OPTIMIZER_NAME, SCALER_NAME, SCHEDULER_NAME
 from hflight.surface import TrainerSurface
 
 # Per-parameter state entries shaped like their parameter, across torch's optimizers and transformers' Adafactor.
-#: The files of the optimizer, scheduler and scaler parts (transformers' names).
-OPTIMIZER_NAME, SCHEDULER_NAME, SCALER_NAME = "optimizer.pt", "scheduler.pt", "scaler.pt"
 PARAM_SHAPED_STATE = frozenset(
     {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "sum", "square_avg", "grad_avg", "acc_delta",
      "exp_inf", "prev", "step_size", "ax"}

@@ -21,7 +21,8 @@
   ``manifest.verify_checkpoint``.
 
 :data:`PARTS` is the table of the named files: the hub push and the manifest ask it (:func:`part_of`) instead of
-naming files again.
+naming files again. The names are ``hflight.checkpoints.names``'s; the optimizer's (and a sharded run's model) files
+are those of the checkpoint forms (``hflight.checkpoints.forms``), each part asking them.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import math
 import os
 import pickle
 import random
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -42,35 +42,37 @@ import numpy as np
 import torch
 from transformers.trainer_callback import ExportableState, TrainerState
 
-from hflight.checkpoints.files import UnsafeCheckpointFile, regular_file
-from hflight.checkpoints.optim_state import (
-    OPTIMIZER_NAME,
+from hflight.checkpoints.files import (
+    UnsafeCheckpointFile,
+    load_failure,
+    load_tensors_file,
+    refused_pickle,
+    regular_file,
+)
+from hflight.checkpoints.forms import found_form, part_of_form
+from hflight.checkpoints.names import (
+    CONFIG_FILES,
+    RNG_RE,
     SCALER_NAME,
     SCHEDULER_NAME,
+    TRAINER_STATE_NAME,
+    TRAINING_ARGS_NAME,
+    rng_file_name,
+)
+from hflight.checkpoints.optim_state import (
+    OPTIMIZER_NAME,
     IncompatibleTrainingState,
-    check_distributed_optimizer,
-    check_named_optimizer_state,
     check_training_states,
     planned_optimizer,
     planned_scheduler,
 )
-from hflight.checkpoints.sharded import (
-    FSDP_OPTIMIZER_DIR,
-    FSDP_OPTIMIZER_FILE,
-    OPTIMIZER_KEY,
-    DeepSpeedState,
-    deepspeed_tag,
-    is_dcp_folder,
-    read_metadata,
-    tensor_shapes,
-    written_form,
-)
-from hflight.checkpoints.weights import CONFIG_FILES, TRAINING_ARGS_NAME, is_weight_file, refused_pickle
+from hflight.checkpoints.weights import is_weight_file
 from hflight.surface import RunView, TrainerSurface
 
 logger = logging.getLogger(__name__)
 
-TRAINER_STATE_NAME = "trainer_state.json"
+#: the key of a resume's training states under which the optimizer's is kept: (its form, what the form read)
+OPTIMIZER_PART = "optimizer"
 
 
 @dataclass(frozen=True)
@@ -81,18 +83,13 @@ class Part:
     owns: Callable[[str], bool]  # file name -> whether it belongs to this part
 
 
-_RNG_RE = re.compile(r"^rng_state(?:_(\d+))?\.pth$")
-#: an optimizer's files: by position (``optimizer.pt``), or a sharded run's by parameter name (``optimizer.bin``); the
-#: distributed-checkpoint folder ``optimizer_0/`` too
-OPTIMIZER_FILES = (OPTIMIZER_NAME, FSDP_OPTIMIZER_FILE)
-
 PARTS: tuple[Part, ...] = (
     Part("model", lambda name: is_weight_file(name) or name in CONFIG_FILES),
     Part("training arguments", lambda name: name == TRAINING_ARGS_NAME),
-    Part("optimizer", lambda name: name in OPTIMIZER_FILES or name.split("/", 1)[0] == FSDP_OPTIMIZER_DIR),
+    Part("optimizer", lambda name: part_of_form(name) == "optimizer"),  # each form's file or folder
     Part("scheduler", lambda name: name == SCHEDULER_NAME),
     Part("scaler", lambda name: name == SCALER_NAME),
-    Part("rng", lambda name: bool(_RNG_RE.match(name))),
+    Part("rng", lambda name: bool(RNG_RE.match(name))),
     Part("trainer state", lambda name: name == TRAINER_STATE_NAME),
 )
 
@@ -107,10 +104,6 @@ def part_of(name: str) -> str | None:
 #: order (transformers reads the other keys only): a resume in the middle of that epoch draws the same order again,
 #: also from a sampler that takes torch's global generator (transformers' length-grouped sampler).
 EPOCH_START_KEY = "hflight_epoch_start"
-
-
-def rng_file_name(world_size: int, rank: int) -> str:
-    return "rng_state.pth" if world_size <= 1 else f"rng_state_{rank}.pth"
 
 
 def rng_states() -> dict[str, Any]:
@@ -141,16 +134,13 @@ def _check_rng_states(states: Any) -> None:
     torch.Generator().set_state(states["cpu"])
 
 
-def write_training_states(
-    facade: TrainerSurface, run: RunView, tracker: Any, is_main: bool, save: Any = torch.save
-) -> None:
+def write_training_states(facade: TrainerSurface, run: RunView, job: Any, is_main: bool) -> None:
     """The optimizer in the run's form (``optimizer.pt``; a sharded run's forms write model files too: every process
-    takes part, see ``hflight.checkpoints.sharded``), scheduler and scaler (main process), and this process's RNG
-    states. ``save(obj, path)``: how the form writes its tensor files (``torch.save``, or ``save_async``'s
-    deferred write)."""
-    form = run.backend.hf_checkpoint_state()
-    tracker.file = form.optimizer_name
-    form.write(tracker.folder, facade.model, facade.optimizer, is_main, save=save)
+    takes part, see ``hflight.checkpoints.forms``), scheduler and scaler (main process), and this process's RNG
+    states, each a step of ``job`` (``hflight.checkpoints.job.CheckpointJob``: a failure names its file); the form's
+    tensor files through the job's ``save`` (now, or from a snapshot in the background with ``save_async``)."""
+    form, folder = run.backend.hf_checkpoint_state(), job.folder
+    job.write(form.optimizer_name, lambda: form.write(folder, facade.model, facade.optimizer, is_main, save=job.save))
     files = {}
     if is_main:
         files[SCHEDULER_NAME] = facade.lr_scheduler.state_dict
@@ -163,13 +153,12 @@ def write_training_states(
         **({EPOCH_START_KEY: epoch_start} if epoch_start is not None else {}),
     }
     for name, state in files.items():
-        tracker.file = name
-        torch.save(state(), os.path.join(tracker.folder, name))
+        job.write(name, lambda name=name, state=state: torch.save(state(), os.path.join(folder, name)))
 
 
-def write_trainer_state(facade: TrainerSurface, tracker: Any) -> None:
-    """``trainer_state.json``, with the current state of every stateful callback (several instances of one class
-    as a list, in order, as transformers reads them back)."""
+def write_trainer_state(facade: TrainerSurface, folder: str) -> None:
+    """``trainer_state.json`` into ``folder``, with the current state of every stateful callback (several instances of
+    one class as a list, in order, as transformers reads them back)."""
     state = facade.state
     stateful: dict[str, list[dict[str, Any]]] = {}
     for callback in facade.callback_handler.callbacks + [facade.control]:
@@ -180,14 +169,13 @@ def write_trainer_state(facade: TrainerSurface, tracker: Any) -> None:
         **(state.stateful_callbacks or {}),
         **{name: states[0] if len(states) == 1 else states for name, states in stateful.items()},
     }
-    tracker.file = TRAINER_STATE_NAME
     best = state.best_metric
     if best is not None and not math.isfinite(best):
         # transformers' starting point (±inf until an evaluation gives a better value) is written as null: a file
         # holds finite numbers only, and the next evaluation starts from the same point again.
         state.best_metric = None
     try:
-        state.save_to_json(os.path.join(tracker.folder, TRAINER_STATE_NAME))
+        state.save_to_json(os.path.join(folder, TRAINER_STATE_NAME))
     finally:
         state.best_metric = best
 
@@ -301,13 +289,13 @@ def rng_files(folder: Path, manifest: dict[str, Any] | None) -> list[Path]:
         world = world if type(world) is int else 1
         expected = [name for name in manifest["files"] if _written_for(name, world)]
     else:
-        expected = sorted(n for n in os.listdir(folder) if _RNG_RE.match(n))
+        expected = sorted(n for n in os.listdir(folder) if RNG_RE.match(n))
     return [path for name in expected if (path := regular_file(folder, name)) is not None]
 
 
 def _written_for(name: str, world: int) -> bool:
     """Whether ``name`` is an RNG file a run of ``world`` processes writes."""
-    match = _RNG_RE.match(name)
+    match = RNG_RE.match(name)
     if match is None:
         return False
     rank = match.group(1)
@@ -318,68 +306,21 @@ def read_training_states(
     facade: TrainerSurface, folder: Path, manifest: dict[str, Any] | None, state: TrainerState
 ) -> dict[str, Any]:
     """RNG, optimizer, scheduler and scaler files, loaded safely and checked against the optimizer and scheduler the
-    run will build (before anything is copied anywhere)."""
+    run will build (before anything is copied anywhere); the optimizer as its form reads it, under
+    :data:`OPTIMIZER_PART`."""
     for rng_file in rng_files(folder, manifest):
         load_rng_file(rng_file)  # a crafted file is rejected here, before anything changes
     names = (SCHEDULER_NAME, SCALER_NAME)
-    states = {name: _load_tensors_file(path) for name in names if (path := regular_file(folder, name)) is not None}
+    states = {name: load_tensors_file(path) for name in names if (path := regular_file(folder, name)) is not None}
     optimizer = planned_optimizer(facade)
     targets = {OPTIMIZER_NAME: optimizer}
     if SCHEDULER_NAME in states:
         targets[SCHEDULER_NAME] = planned_scheduler(facade, optimizer, state.max_steps)
     check_training_states(folder, states, targets, parameter_names(facade.model))
-    form = optimizer_form(folder)
+    form = found_form(folder)
     if form is not None:
-        states[form] = _read_optimizer(folder, form, optimizer, parameter_names(facade.model))
+        states[OPTIMIZER_PART] = (form, form.read_optimizer(Path(folder), optimizer, parameter_names(facade.model)))
     return states
-
-
-#: the form of an optimizer that DeepSpeed's engine reads itself (``global_step<N>/``)
-DEEPSPEED_FORM = DeepSpeedState.found_as
-
-
-def optimizer_form(folder: str | os.PathLike) -> str | None:
-    """The optimizer file (or folder) of a checkpoint, in the order a resume reads them: ``optimizer.pt``
-    (parameters by position), a sharded run's ``optimizer.bin`` (by name), its ``optimizer_0/``
-    (``torch.distributed.checkpoint``), DeepSpeed's own checkpoint; None when there is none."""
-    for name in OPTIMIZER_FILES:
-        if regular_file(folder, name) is not None:
-            return name
-    if is_dcp_folder(Path(folder) / FSDP_OPTIMIZER_DIR):
-        return FSDP_OPTIMIZER_DIR
-    return DEEPSPEED_FORM if deepspeed_tag(Path(folder)) is not None else None
-
-
-def _read_optimizer(folder: Path, form: str, optimizer: torch.optim.Optimizer, names: dict[int, str]) -> Any:
-    """The optimizer state of ``form``, checked against ``optimizer`` (the one the run will build): loaded
-    (``optimizer.pt``, ``optimizer.bin``), or, for a distributed-checkpoint folder, checked from its metadata and left
-    to be read into the run's own shards (its path is kept)."""
-    path = Path(folder) / form
-    if form == DEEPSPEED_FORM:  # read by the run's engine once it is built (DeepSpeedState.restore)
-        return Path(folder)
-    if form == FSDP_OPTIMIZER_DIR:
-        shapes = tensor_shapes(path, OPTIMIZER_KEY)
-        groups = sum(1 for key in read_metadata(path).state_dict_metadata if _GROUP_PARAMS_RE.match(key))
-        check_distributed_optimizer(path, shapes, groups, optimizer, names)
-        return path
-    saved = _load_tensors_file(path)
-    if form == OPTIMIZER_NAME:
-        check_training_states(folder, {form: saved}, {form: optimizer}, names)
-    else:
-        check_named_optimizer_state(path, saved, optimizer, names)
-    return saved
-
-
-_GROUP_PARAMS_RE = re.compile(rf"^{OPTIMIZER_KEY}\.param_groups\.\d+\.params$")
-
-
-def _restore_optimizer_state(facade: TrainerSurface, run: RunView, folder: str, form: str, saved: Any) -> None:
-    """``saved`` (what :func:`_read_optimizer` read) into the run's optimizer, as its form reads it into a run of this
-    kind (``hflight.checkpoints.sharded``: by position, by name, resharded from the distributed checkpoint, converted
-    to the run's shards, or by the run's engine)."""
-    written = written_form(form)
-    assert written is not None, form  # optimizer_form() names a form
-    written.load_optimizer(Path(folder), saved, facade.model, facade.optimizer, run.backend.hf_checkpoint_state())
 
 
 def parameter_names(model: torch.nn.Module) -> dict[int, str]:
@@ -469,25 +410,11 @@ def restore_callback_states(facade: TrainerSurface, point: Any, state: TrainerSt
                 setattr(callback, key, value)
 
 
-def _failure(path: Path, exc: BaseException) -> str:
-    if path.is_file() and path.stat().st_size == 0:
-        return "the file is empty (0 bytes)"
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"{type(exc).__name__}: {text}" if text else f"{type(exc).__name__} (truncated or not written by torch.save)"
-
-
-def _load_tensors_file(path: Path) -> Any:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise refused_pickle(path, exc, "tensors and plain values") from None
-    except Exception as exc:
-        raise ValueError(f"Cannot restore {path}: {_failure(path, exc)}") from exc
-
-
 def restore_optimizer(facade: TrainerSurface, run: RunView) -> None:
     """Optimizer, scheduler and scaler states, once Lightning built them (HF file names): checked against the real
-    objects (they were checked against the planned ones before the weights were loaded), then loaded."""
+    objects (they were checked against the planned ones before the weights were loaded), then loaded; the optimizer
+    as its form reads it into a run of this kind (``hflight.checkpoints.forms``: by position, by name, resharded from
+    the distributed checkpoint, converted to the run's shards, or by the run's engine)."""
     point = run.resume
     if point is None or point.model_only:
         return
@@ -497,19 +424,23 @@ def restore_optimizer(facade: TrainerSurface, run: RunView) -> None:
     if scaler is not None and SCALER_NAME in states:
         targets[SCALER_NAME] = scaler
     check_training_states(point.folder, {n: s for n, s in states.items() if n in targets}, targets, {})
-    form = next((name for name in (*OPTIMIZER_FILES, FSDP_OPTIMIZER_DIR, DEEPSPEED_FORM) if name in states), None)
-    for name in ([form] if form else []) + [n for n in targets if n in states]:
-        path = Path(point.folder) / name
+    folder = Path(point.folder)
+    loads = [(name, lambda name=name: targets[name].load_state_dict(states[name])) for name in targets
+             if name in states]  # fmt: skip
+    if OPTIMIZER_PART in states:
+        form, saved = states[OPTIMIZER_PART]
+        run_form = run.backend.hf_checkpoint_state()
+        optimizer = lambda: form.load_optimizer(folder, saved, facade.model, facade.optimizer, run_form)  # noqa: E731
+        loads.insert(0, (form.optimizer_name, optimizer))
+    for name, load in loads:
         try:
-            if name == form:
-                _restore_optimizer_state(facade, run, point.folder, name, states[name])
-            else:
-                targets[name].load_state_dict(states[name])
+            load()
         except (IncompatibleTrainingState, UnsafeCheckpointFile):
             raise
         except Exception as exc:
+            path = folder / name
             raise ValueError(
-                f"Cannot restore {path}: {_failure(path, exc)}. Was it saved for another model or optimizer?"
+                f"Cannot restore {path}: {load_failure(path, exc)}. Was it saved for another model or optimizer?"
             ) from exc
 
 
@@ -537,7 +468,7 @@ def load_rng_file(path: str | os.PathLike) -> dict[str, Any]:
             "reproducible)."
         ) from None
     except Exception as exc:
-        raise ValueError(f"Cannot restore {path}: {_failure(path, exc)}") from exc
+        raise ValueError(f"Cannot restore {path}: {load_failure(path, exc)}") from exc
     try:
         _check_rng_states(states)
         if EPOCH_START_KEY in states:

@@ -32,17 +32,10 @@ from transformers.trainer_utils import compare_trainer_and_checkpoint_args
 
 from hflight.checkpoints.files import IncompleteCheckpointError, UnsafeCheckpointFile, inside, regular_file
 from hflight.checkpoints.folders import RUN_ARGUMENTS, run_arguments
-from hflight.checkpoints.manifest import CHECKPOINT_RE, checkpoint_folders, get_last_checkpoint, verify_checkpoint
-from hflight.checkpoints.optim_state import OPTIMIZER_NAME, SCHEDULER_NAME
-from hflight.checkpoints.parts import (
-    DEEPSPEED_FORM,
-    TRAINER_STATE_NAME,
-    optimizer_form,
-    read_trainer_state,
-    read_training_states,
-    rebuilt_callbacks,
-)
-from hflight.checkpoints.sharded import planned_form, written_form
+from hflight.checkpoints.forms import found_form, planned_form
+from hflight.checkpoints.manifest import checkpoint_folders, get_last_checkpoint, verify_checkpoint
+from hflight.checkpoints.names import CHECKPOINT_RE, OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
+from hflight.checkpoints.parts import read_trainer_state, read_training_states, rebuilt_callbacks
 from hflight.checkpoints.weights import checked_weights, load_model_weights
 from hflight.surface import RunView, TrainerSurface, weight_hooks
 
@@ -137,7 +130,7 @@ def _resume_from(facade: TrainerSurface, folder: Path, manifest: dict[str, Any] 
         state.best_model_checkpoint, facade.args.output_dir, where, folder
     )
     model_only = _is_model_only(folder, manifest)
-    written = None if model_only else written_form(optimizer_form(folder))
+    written = None if model_only else found_form(folder)
     refusal = planned_form(facade.args).refusal(written, folder) if written is not None else None
     if refusal is not None:  # an optimizer this run cannot convert: refused before anything is loaded
         raise ValueError(refusal)
@@ -205,7 +198,7 @@ def _is_model_only(folder: Path, manifest: dict[str, Any] | None) -> bool:
     if manifest is not None:
         return bool(manifest.get("save_only_model"))
     # A transformers.Trainer folder: optimizer and scheduler come as a pair, or not at all (save_only_model).
-    present = {OPTIMIZER_NAME: optimizer_form(folder) is not None, SCHEDULER_NAME: regular_file(folder, SCHEDULER_NAME)
+    present = {OPTIMIZER_NAME: found_form(folder) is not None, SCHEDULER_NAME: regular_file(folder, SCHEDULER_NAME)
                is not None}  # fmt: skip
     if len(set(present.values())) > 1:
         have = next(n for n, p in present.items() if p)
@@ -287,7 +280,8 @@ def load_best_model(facade: TrainerSurface, run: RunView | None = None) -> None:
     state = facade.state
     best = check_best_checkpoint(state.best_model_checkpoint, facade.args.output_dir, "TrainerState", resumed)
     verify_checkpoint(best, full=True, model_files_only=True)
-    if run is not None and optimizer_form(best) == DEEPSPEED_FORM:  # the engine reads its own, as transformers'
+    form = found_form(best) if run is not None else None
+    if form is not None and form.engine is not None:  # the engine reads its own, as transformers'
         run.backend.hf_checkpoint_state().restore(Path(best), module_only=True)
         return
     load_model_weights(facade.model, best)

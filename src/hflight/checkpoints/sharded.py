@@ -1,20 +1,10 @@
-"""The model and optimizer parts of a checkpoint written by a sharded run, in transformers' (accelerate's) forms.
+"""The states of a sharded run (FSDP2's ``fully_shard``: DTensor parameters), as ``hflight.checkpoints.forms`` writes
+and reads them: whole or sharded state dicts through torch's distributed state-dict API, and
+``torch.distributed.checkpoint`` folders, read safely.
 
-A run whose parameters are sharded across processes (FSDP2's ``fully_shard``: DTensor parameters) writes its model and
-optimizer states as transformers' ``Trainer`` writes them for the same ``fsdp_config["state_dict_type"]``:
-
-- ``FULL_STATE_DICT`` (the default): the model as ``model.safetensors`` (``save_model``'s files, gathered) and
-  ``pytorch_model_fsdp.bin``, the optimizer as ``optimizer.bin`` (whole, parameters by name);
-- ``SHARDED_STATE_DICT``: the model as ``pytorch_model_fsdp_0/``, the optimizer as ``optimizer_0/``
-  (``torch.distributed.checkpoint`` folders, one file per process); no ``save_model`` files, as transformers.
-
-Writing (:class:`GatheredState`, :class:`ShardedState`) is collective: every process calls it, the gathered files are
-written by the main process, the distributed-checkpoint folders by every process (its own shard) and the main one (the
-``.metadata``). :class:`ProcessZeroState` is the one-process (and DDP) form: ``optimizer.pt`` by the main process.
-
-Reading goes by what the folder holds, not by how the run that reads it is sharded, so each form resumes on any
-number of processes, sharded or not: a distributed checkpoint is read into whole tensors (the model before training
-starts, as every process holds it then) or into the run's own shards (the optimizer, once the run built it), and
+Reading goes by what the folder holds, not by how the run that reads it is sharded, so each form resumes on any number
+of processes, sharded or not: a distributed checkpoint is read into whole tensors (the model before training starts,
+as every process holds it then) or into the run's own shards (the optimizer, once the run built it), and
 ``torch.distributed.checkpoint`` reshards on the way. Nothing in a checkpoint may run code: the ``.metadata`` pickle is
 read with an unpickler that admits only ``torch.distributed.checkpoint``'s metadata classes (torch's own reader
 unpickles anything), and the non-tensor entries (an optimizer's hyperparameters) with ``torch.load(weights_only=True)``.
@@ -24,7 +14,6 @@ from __future__ import annotations
 
 import io
 import logging
-import os
 import pickle
 from pathlib import Path
 from typing import Any
@@ -33,17 +22,10 @@ import torch
 from torch import nn
 
 from hflight.checkpoints.files import UnsafeCheckpointFile
-from hflight.checkpoints.optim_state import OPTIMIZER_NAME, check_training_states
+from hflight.checkpoints.names import DCP_METADATA, DCP_SHARDS
 
 logger = logging.getLogger(__name__)
 
-#: accelerate's names (``FSDP_MODEL_NAME``, ``OPTIMIZER_NAME``, index 0: the Trainer's one model and optimizer)
-FSDP_MODEL_FILE = "pytorch_model_fsdp.bin"
-FSDP_MODEL_DIR = "pytorch_model_fsdp_0"
-FSDP_OPTIMIZER_FILE = "optimizer.bin"
-FSDP_OPTIMIZER_DIR = "optimizer_0"
-#: the metadata file of a ``torch.distributed.checkpoint`` folder (written last, by the coordinating process)
-DCP_METADATA = ".metadata"
 #: the top-level keys under which transformers' folders hold the states
 MODEL_KEY, OPTIMIZER_KEY = "model", "optimizer"
 
@@ -253,7 +235,7 @@ def set_named_optimizer_state(
 
 def writers(folder: Path) -> int:
     """How many processes wrote a distributed-checkpoint folder (one ``__<rank>_0.distcp`` file each)."""
-    return sum(1 for p in folder.glob("__*_*.distcp"))
+    return sum(1 for p in folder.glob(DCP_SHARDS))
 
 
 def load_dcp_optimizer(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -279,336 +261,6 @@ def load_dcp_model(folder: Path, model: nn.Module) -> None:
     template = {MODEL_KEY: get_model_state_dict(model)}
     load_dcp(folder, template, collective=collective())
     set_model_state_dict(model, template[MODEL_KEY])
-
-
-# ---- writing ---------------------------------------------------------------------------------------------------------
-class ProcessZeroState:
-    """One process's (or DDP's, whose processes hold the same states) optimizer: ``optimizer.pt``, written by the
-    main process, its parameters by position (what transformers writes outside FSDP and DeepSpeed).
-
-    ``rank0_only``: gathered states go to global rank 0 alone (False: to every process, for ``save_on_each_node``,
-    where the main process of every node writes).
-
-    Each form also knows how a run of any kind reads it (:meth:`load_optimizer`: converted to the run's sharding through
-    torch's distributed state-dict API) and which checkpoints its own runs can continue (:meth:`refusal`)."""
-
-    #: the form's optimizer file or folder (and its model files beside ``save_model``'s)
-    optimizer_name = OPTIMIZER_NAME
-    model_names: tuple[str, ...] = ()
-    #: whether a checkpoint holds ``save_model``'s files (weights, config, processing class, ``training_args.bin``)
-    with_model_files = True
-    #: whether :meth:`write` writes through its ``save`` argument (so that ``save_async`` can write in the background)
-    deferrable = True
-    #: the form in messages
-    label = "a one-process/DDP checkpoint (optimizer.pt: the optimizer's states by parameter position)"
-    #: the name ``hflight.checkpoints.parts.optimizer_form`` finds the form's optimizer under
-    found_as = OPTIMIZER_NAME
-    #: the engine that alone reads the form's optimizer (DeepSpeed's partitions); None: hflight reads it into a run of
-    #: any sharding without such an engine, converting it
-    engine: str | None = None
-    #: with an ``engine``: what to do with a checkpoint of this form in a run without it, and with another form's
-    #: checkpoint in a run with it
-    advice_to_other_runs = advice_to_other_checkpoints = ""
-
-    def __init__(self, rank0_only: bool = True) -> None:
-        self.rank0_only = rank0_only
-
-    @classmethod
-    def written_by(cls, args: Any) -> bool:
-        """Whether a run of ``args`` (transformers' arguments) writes this form (:data:`FORMS` is asked in order)."""
-        return True
-
-    @classmethod
-    def refusal(cls, written: type[ProcessZeroState], folder: Path) -> str | None:
-        """Why a run writing this form cannot continue the optimizer of ``folder``, a checkpoint of the form
-        ``written``; None when it can (converting it to its own sharding where needed). An optimizer that only an
-        engine reads (DeepSpeed's partitions) goes to a run of that engine, and such a run reads nothing else."""
-        if written.engine == cls.engine:
-            return None
-        advice = written.advice_to_other_runs if written.engine else cls.advice_to_other_checkpoints
-        return f"Checkpoint {folder} holds {written.label}; this run writes {cls.label}. {advice}"
-
-    @classmethod
-    def load_optimizer(
-        cls, folder: Path, saved: Any, model: nn.Module, optimizer: torch.optim.Optimizer, run_form: ProcessZeroState
-    ) -> None:
-        """``saved`` (this form's optimizer as the resume read it: ``optimizer.pt``'s content) into the run's
-        ``optimizer``, checked against it first: as it is into an unsharded model (one process, DDP); into a sharded one
-        (FSDP2: DTensor parameters) with its positions turned into the parameters' names, each whole tensor cut to the
-        process's shard (``set_optimizer_state_dict(full_state_dict=True)``)."""
-        check_training_states(folder, {cls.optimizer_name: saved}, {cls.optimizer_name: optimizer}, {})
-        if is_sharded(model):
-            set_named_optimizer_state(model, optimizer, by_name(saved, model, optimizer), full=True)
-        else:
-            optimizer.load_state_dict(saved)
-
-    def full_model_state(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
-        """The whole state dict ``save_model`` writes (collective; None: the model's own ``state_dict()``)."""
-        return full_model_state(model, self.rank0_only)
-
-    def restore(self, folder: Path, module_only: bool = False) -> None:
-        """A checkpoint the run's engine reads itself (DeepSpeed's); forms hflight reads (weights files, optimizer
-        files or distributed-checkpoint folders) never come here."""
-        raise ValueError(type(self).refusal(DeepSpeedState, folder))
-
-    def write(
-        self, folder: str, model: nn.Module, optimizer: torch.optim.Optimizer, is_main: bool, save: Any = torch.save
-    ) -> list[str]:
-        """Write the form's model and optimizer files into ``folder`` (every process calls it); returns the names this
-        process wrote, largest first. ``save(obj, path)``: ``torch.save``, or a deferred write (``save_async``)."""
-        if not is_main:
-            return []
-        save(optimizer.state_dict(), os.path.join(folder, self.optimizer_name))
-        return [self.optimizer_name]
-
-
-class GatheredState(ProcessZeroState):
-    """``FULL_STATE_DICT``: the whole model (``pytorch_model_fsdp.bin``) and optimizer (``optimizer.bin``, parameters by
-    name) gathered onto the main process and written by it, beside ``save_model``'s ``model.safetensors``."""
-
-    optimizer_name = found_as = FSDP_OPTIMIZER_FILE
-    model_names = (FSDP_MODEL_FILE,)
-    label = (
-        "an FSDP2 FULL_STATE_DICT checkpoint (optimizer.bin: the optimizer's whole states by parameter name; "
-        "pytorch_model_fsdp.bin)"
-    )
-
-    @classmethod
-    def written_by(cls, args: Any) -> bool:
-        return bool(args.fsdp)
-
-    @classmethod
-    def load_optimizer(
-        cls, folder: Path, saved: Any, model: nn.Module, optimizer: torch.optim.Optimizer, run_form: ProcessZeroState
-    ) -> None:
-        """Whole states by name, cut to the run's shards (or taken whole by an unsharded run)."""
-        set_named_optimizer_state(model, optimizer, saved, full=True)
-
-    def write(
-        self, folder: str, model: nn.Module, optimizer: torch.optim.Optimizer, is_main: bool, save: Any = torch.save
-    ) -> list[str]:
-        optimizer_state = named_optimizer_state(model, optimizer, full=True, rank0_only=self.rank0_only)
-        model_state = self.full_model_state(model)
-        if not is_main:
-            return []
-        save(optimizer_state, os.path.join(folder, FSDP_OPTIMIZER_FILE))
-        save(model.state_dict() if model_state is None else model_state, os.path.join(folder, FSDP_MODEL_FILE))
-        return [FSDP_OPTIMIZER_FILE, FSDP_MODEL_FILE]
-
-
-class ShardedState(ProcessZeroState):
-    """``SHARDED_STATE_DICT``: each process writes its own shards of the model (``pytorch_model_fsdp_0/``) and the
-    optimizer (``optimizer_0/``) with ``torch.distributed.checkpoint``; no whole copy is made anywhere."""
-
-    optimizer_name = found_as = FSDP_OPTIMIZER_DIR
-    model_names = (FSDP_MODEL_DIR,)
-    label = (
-        "an FSDP2 SHARDED_STATE_DICT checkpoint (optimizer_0/ and pytorch_model_fsdp_0/: torch.distributed.checkpoint "
-        "shards)"
-    )
-    with_model_files = False  # as transformers: the shards are the model; save_model() still gathers a whole copy
-    deferrable = False  # every process writes through torch.distributed.checkpoint, a collective
-
-    @classmethod
-    def written_by(cls, args: Any) -> bool:
-        state_dict_type = str((args.fsdp_plugin_args or {}).get("state_dict_type", "")).upper()
-        return bool(args.fsdp) and state_dict_type == "SHARDED_STATE_DICT"
-
-    @classmethod
-    def load_optimizer(
-        cls, folder: Path, saved: Any, model: nn.Module, optimizer: torch.optim.Optimizer, run_form: ProcessZeroState
-    ) -> None:
-        """The folder's shards resharded onto the run's processes (whole tensors for an unsharded run)."""
-        load_dcp_optimizer(Path(saved), model, optimizer)
-
-    def write(
-        self, folder: str, model: nn.Module, optimizer: torch.optim.Optimizer, is_main: bool, save: Any = torch.save
-    ) -> list[str]:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        states = {
-            FSDP_OPTIMIZER_DIR: {OPTIMIZER_KEY: named_optimizer_state(model, optimizer, full=False)},
-            FSDP_MODEL_DIR: {MODEL_KEY: get_model_state_dict(model)},
-        }
-        for name, state in states.items():
-            writer = dcp.FileSystemWriter(os.path.join(folder, name))
-            dcp.save(state, storage_writer=writer, no_dist=not collective())
-        return list(states)
-
-
-#: DeepSpeed's checkpoint files (``engine.save_checkpoint``): the tag folder, the file naming the latest tag, the script
-#: that rebuilds whole fp32 weights from the partitions
-DEEPSPEED_LATEST = "latest"
-DEEPSPEED_SCRIPT = "zero_to_fp32.py"
-DEEPSPEED_TAG_PREFIX = "global_step"
-#: the prefix of the engine's module's keys: under Lightning the engine holds hflight's LightningModule, whose
-#: ``model`` is the transformers model
-ENGINE_PREFIX = "model."
-
-
-class NotGathered(Exception):
-    """The run's weights are not gathered for ``save_model`` (DeepSpeed ZeRO-3 without
-    ``stage3_gather_16bit_weights_on_model_save``): its checkpoint form is written in their place."""
-
-
-class DeepSpeedState(ProcessZeroState):
-    """DeepSpeed: ``engine.save_checkpoint`` (``global_step<N>/`` with every process's partition of the weights and
-    optimizer states, ``latest``, ``zero_to_fp32.py``), as transformers' Trainer writes it; the model files beside it
-    when the weights can be gathered (ZeRO 0-2 always; ZeRO-3 only with
-    ``zero_optimization.stage3_gather_16bit_weights_on_model_save``, as in transformers, which otherwise writes none
-    and points to ``zero_to_fp32.py``)."""
-
-    optimizer_name = DEEPSPEED_TAG_PREFIX
-    found_as = engine = "deepspeed"
-    label = (
-        "DeepSpeed's own checkpoint (global_step<N>/: each process's ZeRO partitions of the weights and optimizer "
-        "states)"
-    )
-    advice_to_other_runs = (
-        "Only DeepSpeed's engine reads its optimizer partitions: resume it with the deepspeed config it was written "
-        "with, on the number of processes that wrote it (the partitions do not reshard on load; DeepSpeed's "
-        "ds_to_universal conversion makes a checkpoint that DeepSpeed alone reads), or start this run from its weights "
-        "with a fresh optimizer (zero_to_fp32.py in the folder rebuilds them; model.safetensors where they were "
-        "gathered), without resume_from_checkpoint."
-    )
-    advice_to_other_checkpoints = (
-        "DeepSpeed's engine restores only its own checkpoints, and hflight does not turn other optimizer states into "
-        "ZeRO partitions: resume it without deepspeed (hflight reads it on any number of processes, with FSDP2 or "
-        "without), or start the DeepSpeed run from its weights with a fresh optimizer (the model loaded from them), "
-        "without resume_from_checkpoint."
-    )
-
-    @classmethod
-    def written_by(cls, args: Any) -> bool:
-        return bool(args.deepspeed)
-
-    @classmethod
-    def load_optimizer(
-        cls, folder: Path, saved: Any, model: nn.Module, optimizer: torch.optim.Optimizer, run_form: ProcessZeroState
-    ) -> None:
-        """Read by the run's engine (a DeepSpeed run's form), with the weights: every process its partitions."""
-        run_form.restore(Path(saved))
-
-    def __init__(self, engine: Any, config: dict[str, Any]) -> None:
-        super().__init__()
-        self.engine = engine
-        zero = config.get("zero_optimization") or {}
-        self.stage3 = zero.get("stage") == 3
-        self.with_model_files = not self.stage3 or bool(zero.get("stage3_gather_16bit_weights_on_model_save"))
-
-    def full_model_state(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
-        if not self.stage3:  # whole on every process; cloned as accelerate's get_state_dict does under DeepSpeed (so
-            # save_pretrained writes tied weights twice, as transformers' checkpoints hold them)
-            return {k: v.detach().clone().cpu() for k, v in model.state_dict().items()}
-        if not self.with_model_files:
-            raise NotGathered(
-                "stage3_gather_16bit_weights_on_model_save=false. Saving the full checkpoint instead, use "
-                f"{DEEPSPEED_SCRIPT} to recover weights"  # transformers' words
-            )
-        state = self.engine._zero3_consolidated_16bit_state_dict() or {}  # whole on global rank 0 (collective)
-        return {k[len(ENGINE_PREFIX) :]: v for k, v in state.items() if k.startswith(ENGINE_PREFIX)}
-
-    deferrable = False  # the engine writes its partitions itself (a collective)
-
-    def write(
-        self, folder: str, model: nn.Module, optimizer: torch.optim.Optimizer, is_main: bool, save: Any = torch.save
-    ) -> list[str]:
-        self.engine.save_checkpoint(folder)  # every process: its partitions; the tag global_step<N>
-        tag = f"{DEEPSPEED_TAG_PREFIX}{self.engine.global_steps}"
-        for states in self._own_model_states(Path(folder) / tag):
-            _names_as_transformers(states)
-        return [tag]
-
-    def _own_model_states(self, folder: Path) -> list[Path]:
-        """The files this process wrote that name parameters: its model states (ZeRO 0-2: global rank 0's one; ZeRO-3:
-        one per process) and its optimizer partition."""
-        rank = self.engine.global_rank
-        names = [f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt", f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt",
-                 f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt", *(["mp_rank_00_model_states.pt"] if rank == 0
-                                                                           else [])]  # fmt: skip
-        return [folder / name for name in names if (folder / name).is_file()]
-
-    def restore(self, folder: Path, module_only: bool = False) -> None:
-        """A DeepSpeed checkpoint into the engine (every process its partitions): the weights and, unless
-        ``module_only``, the optimizer's states; the schedule is the Trainer's (``scheduler.pt``). Its number of
-        processes must be the run's (DeepSpeed's partitions do not reshard on load)."""
-        import torch.distributed as dist
-
-        tag = deepspeed_tag(folder)
-        written = len(list((folder / tag).glob("*_optim_states.pt"))) if tag else 0
-        now = dist.get_world_size() if dist.is_initialized() else 1
-        if not module_only and written not in (now, 1):  # ZeRO-0 writes one optimizer file whatever the processes
-            raise ValueError(
-                f"{folder / str(tag)}: DeepSpeed's optimizer partitions of {written} processes cannot be read by {now} "
-                "(they do not reshard on load; DeepSpeed's universal checkpoint conversion, ds_to_universal, does). "
-                f"Resume on {written} processes."
-            )
-        self.engine.load_checkpoint(
-            str(folder), tag=tag, load_module_strict=True, load_optimizer_states=not module_only,
-            load_lr_scheduler_states=False, load_module_only=module_only, custom_load_fn=_load_as_engine_module,
-        )  # fmt: skip
-
-
-def _names_as_transformers(path: Path) -> None:
-    """A model-states file DeepSpeed just wrote, its parameter and buffer names as transformers' Trainer writes them
-    (its engine holds the model itself; under Lightning it holds hflight's module, whose ``model`` is the model), so
-    that either trainer resumes the other's checkpoint and ``zero_to_fp32.py`` gives the model's own names."""
-
-    def strip(name: str) -> str:
-        return name[len(ENGINE_PREFIX) :] if isinstance(name, str) and name.startswith(ENGINE_PREFIX) else name
-
-    states = torch.load(path, map_location="cpu", weights_only=False)  # written by this process a moment ago
-    if "module" in states:
-        states["module"] = {strip(k): v for k, v in (states.get("module") or {}).items()}
-    optimizer = states.get("optimizer_state_dict")
-    if isinstance(optimizer, dict) and isinstance(optimizer.get("param_slice_mappings"), list):
-        optimizer["param_slice_mappings"] = [type(group)((strip(k), v) for k, v in group.items())
-                                             for group in optimizer["param_slice_mappings"]]  # fmt: skip
-    for key in ("param_shapes", "frozen_param_shapes"):
-        value = states.get(key)
-        if isinstance(value, list):
-            states[key] = [type(group)((strip(k), v) for k, v in group.items()) for group in value]
-        elif isinstance(value, dict):
-            states[key] = type(value)((strip(k), v) for k, v in value.items())
-    if isinstance(states.get("shared_params"), dict):
-        states["shared_params"] = {strip(k): strip(v) for k, v in states["shared_params"].items()}
-    if isinstance(states.get("buffer_names"), list):
-        states["buffer_names"] = [strip(name) for name in states["buffer_names"]]
-    torch.save(states, path)
-
-
-def _load_as_engine_module(src: dict[str, torch.Tensor], dst: nn.Module) -> None:
-    """DeepSpeed's ``custom_load_fn``: a model-states ``module`` with the model's own names (transformers', and
-    hflight's since :func:`_names_as_transformers`) into the engine's module (hflight's, whose ``model`` is the
-    model)."""
-    dst.load_state_dict({k if k.startswith(ENGINE_PREFIX) else ENGINE_PREFIX + k: v for k, v in src.items()})
-
-
-def deepspeed_tag(folder: Path) -> str | None:
-    """The DeepSpeed checkpoint a folder holds (the tag ``latest`` names, its folder there), or None."""
-    latest = folder / DEEPSPEED_LATEST
-    if not latest.is_file() or latest.is_symlink():
-        return None
-    tag = latest.read_text(encoding="utf-8").strip()
-    return tag if tag.startswith(DEEPSPEED_TAG_PREFIX) and (folder / tag).is_dir() else None
-
-
-# ---- the forms, as a resume finds them ------------------------------------------------------------------------------
-#: every form, in the order a run's arguments are matched against them (:func:`planned_form`)
-FORMS: tuple[type[ProcessZeroState], ...] = (DeepSpeedState, ShardedState, GatheredState, ProcessZeroState)
-
-
-def written_form(found: str | None) -> type[ProcessZeroState] | None:
-    """The form of a checkpoint's optimizer, from the name ``hflight.checkpoints.parts.optimizer_form`` found it under
-    (None: the checkpoint holds no optimizer)."""
-    return next((form for form in FORMS if form.found_as == found), None)
-
-
-def planned_form(args: Any) -> type[ProcessZeroState]:
-    """The form a run of ``args`` (transformers' arguments) writes, known before its strategy is built: what it can
-    resume is asked of it (:meth:`ProcessZeroState.refusal`) before anything is loaded."""
-    return next(form for form in FORMS if form.written_by(args))
 
 
 def by_name(saved: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

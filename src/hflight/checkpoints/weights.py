@@ -1,7 +1,8 @@
-"""The model part of a checkpoint: its file names, how it is written, checked and loaded.
+"""The model part of a checkpoint: which of its files are weights, how they are written, checked and loaded.
 
-Names (:data:`WEIGHT_FILES`, shards, :data:`CONFIG_FILES`, :data:`TRAINING_ARGS_NAME`) as transformers writes
-and finds them; :func:`save_model_files` writes them (``save_pretrained`` or a plain safetensors file, the processing
+Names (``WEIGHT_FILES``, shards, ``CONFIG_FILES``, ``TRAINING_ARGS_NAME``: ``hflight.checkpoints.names``) as
+transformers writes and finds them, and each checkpoint form's own (``hflight.checkpoints.forms``);
+:func:`save_model_files` writes them (``save_pretrained`` or a plain safetensors file, the processing
 class, ``training_args.bin``). Loading (:func:`checked_weights`, :func:`load_model_weights`) checks everything before
 anything is copied.
 
@@ -27,8 +28,8 @@ import copy
 import json
 import os
 import pickle
-import re
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -36,14 +37,25 @@ from typing import Any
 import torch
 from transformers.utils import logging as hf_logging
 
-from hflight.checkpoints.files import IncompleteCheckpointError, UnsafeCheckpointFile, regular_file, relative_name
-from hflight.checkpoints.sharded import (
-    DCP_METADATA,
-    DEEPSPEED_TAG_PREFIX,
+from hflight.checkpoints.files import (
+    IncompleteCheckpointError,
+    UnsafeCheckpointFile,
+    refused_pickle,
+    regular_file,
+    relative_name,
+)
+from hflight.checkpoints.forms import own_weight_files, part_of_form
+from hflight.checkpoints.names import (
+    CONFIG_FILES,
+    CONFIG_NAME,
     FSDP_MODEL_DIR,
     FSDP_MODEL_FILE,
-    dcp_files,
-    deepspeed_tag,
+    SAFE_WEIGHTS_NAME,
+    SHARD_RE,
+    TRAINING_ARGS_NAME,
+    WEIGHT_FILES,
+)
+from hflight.checkpoints.sharded import (
     is_dcp_folder,
     is_sharded,
     read_full_model,
@@ -51,36 +63,22 @@ from hflight.checkpoints.sharded import (
     tensor_shapes,
 )
 
-# In transformers' order of preference: the first one present is the one loaded.
-WEIGHT_FILES = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-)
-
-
-# Written by ``save_pretrained`` beside the weights, so rewritten by a re-save.
-CONFIG_FILES = ("config.json", "generation_config.json")
-
-
-_SHARD_RE = re.compile(r"^(?:model|pytorch_model)(?:-[\w.]+)?-\d{5}-of-\d{5}\.(?:safetensors|bin)$")
+__all__ = [
+    "CONFIG_FILES", "TRAINING_ARGS_NAME", "WEIGHT_FILES", "checked_weights", "deepspeed_left_alone",
+    "is_sharded_run_form", "is_weight_file", "load_model_weights", "refused_pickle", "save_model_files",
+    "saves_off_rank_zero", "weights_in_use",
+]  # fmt: skip
 
 
 def is_sharded_run_form(name: str) -> bool:
-    """A sharded run's own form of the weights (FSDP's gathered ``pytorch_model_fsdp.bin``, its distributed
+    """A checkpoint form's own file of the weights (FSDP's gathered ``pytorch_model_fsdp.bin``, its distributed
     checkpoint, DeepSpeed's partitions), beside or instead of the ``save_pretrained`` files."""
-    return (
-        name == FSDP_MODEL_FILE
-        or name.split("/", 1)[0] == FSDP_MODEL_DIR
-        or (name.startswith(DEEPSPEED_TAG_PREFIX) and "/" in name)
-    )
+    return part_of_form(name) == "model"
 
 
 def is_weight_file(name: str) -> bool:
-    """A file of the model's weights: transformers' files and shards, or a sharded run's forms
-    (``pytorch_model_fsdp.bin``, the files of ``pytorch_model_fsdp_0/``)."""
-    return name in WEIGHT_FILES or bool(_SHARD_RE.match(PurePosixPath(name).name)) or is_sharded_run_form(name)
+    """A file of the model's weights: transformers' files and shards, or a checkpoint form's own."""
+    return name in WEIGHT_FILES or bool(SHARD_RE.match(PurePosixPath(name).name)) or is_sharded_run_form(name)
 
 
 def read_weight_map(index_file: Path) -> dict[str, str]:
@@ -104,22 +102,14 @@ def shard_names(index_file: Path) -> list[str]:
 
 
 def weights_in_use(folder: str | os.PathLike) -> list[str]:
-    """The weight files a load reads, transformers' way: the first of :data:`WEIGHT_FILES` present (an index with
-    the shards it names), else a sharded run's (``pytorch_model_fsdp.bin``, else the files of the
-    distributed-checkpoint folder ``pytorch_model_fsdp_0/``); empty when the folder has none."""
-    for name in (*WEIGHT_FILES, FSDP_MODEL_FILE):
+    """The weight files a load reads, transformers' way: the first of ``WEIGHT_FILES`` present (an index with the
+    shards it names), else a checkpoint form's own (``hflight.checkpoints.forms``: ``pytorch_model_fsdp.bin``, the
+    files of ``pytorch_model_fsdp_0/``, DeepSpeed's partitions); empty when the folder has none."""
+    for name in WEIGHT_FILES:
         path = regular_file(folder, name)
         if path is not None:
             return [name, *shard_names(path)] if name.endswith(".index.json") else [name]
-    sharded = Path(folder) / FSDP_MODEL_DIR
-    if is_dcp_folder(sharded):
-        return dcp_files(sharded)
-    tag = deepspeed_tag(Path(folder))  # DeepSpeed's partitions (ZeRO-3 without gathered weights: its only copy)
-    return sorted(f"{tag}/{p.name}" for p in (Path(folder) / tag).iterdir() if p.is_file()) if tag else []
-
-
-#: transformers' ``TRAINING_ARGS_NAME``: the arguments, pickled, for transformers' tools (hflight never loads it).
-TRAINING_ARGS_NAME = "training_args.bin"
+    return own_weight_files(folder)
 
 
 _hf_logger = hf_logging.get_logger("transformers.trainer")  # transformers' own line, as its Trainer writes it
@@ -141,47 +131,86 @@ def save_model_files(
 ) -> None:
     """The body of ``Trainer._save``: ``save_pretrained`` (safetensors) for transformers models, a bare safetensors
     state dict otherwise (``state_dict``: the weights to write instead of the model's own), the processing class and
-    ``training_args.bin``."""
+    ``training_args.bin``. Changes nothing outside the folder (accelerate's unwrapping is the caller's
+    :func:`deepspeed_left_alone`), nor the model unless this process is not global rank 0 (:func:`saves_off_rank_zero`:
+    only the training loop's thread writes so)."""
     os.makedirs(output_dir, exist_ok=True)
     if hasattr(model, "save_pretrained"):
-        with _writing_on_this_process(model), _deepspeed_left_alone():
+        with _writing_on_this_process(model):
             model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
     else:
         from safetensors.torch import save_file
 
         state = {k: v.contiguous() for k, v in (state_dict or model.state_dict()).items()}
-        save_file(state, os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})
+        save_file(state, os.path.join(output_dir, SAFE_WEIGHTS_NAME), metadata={"format": "pt"})
     if processing_class is not None and hasattr(processing_class, "save_pretrained"):
         processing_class.save_pretrained(output_dir)
     torch.save(args.to_transformers(), os.path.join(output_dir, TRAINING_ARGS_NAME))
 
 
-@contextlib.contextmanager
-def _deepspeed_left_alone() -> Iterator[None]:
-    """``save_pretrained`` unwraps the model through accelerate, which imports DeepSpeed whenever it is installed, to
-    ask whether the model is a ``DeepSpeedEngine`` (0.9 s here, in every process that saves a model). No such engine
-    exists in a process that has not imported DeepSpeed: for the call, accelerate is told it is not there."""
-    if "deepspeed" in sys.modules:
-        yield
-        return
-    import accelerate.utils.other as unwrapping
+class _Unwrapping:
+    """accelerate's unwrapping (``extract_model_from_parallel``, which ``save_pretrained`` calls) imports DeepSpeed
+    whenever it is installed, to ask whether the model is a ``DeepSpeedEngine`` (0.9 s here, in every process that
+    saves a model). While :meth:`held`, it asks DeepSpeed only once DeepSpeed is imported (no engine exists before):
+    the same answers, without the import. Re-entrant and thread-safe (held by several callers at once, in any
+    order); accelerate's own function is back when the last one lets go."""
 
-    available = unwrapping.is_deepspeed_available
-    unwrapping.is_deepspeed_available = lambda: False
-    try:
-        yield
-    finally:
-        unwrapping.is_deepspeed_available = available
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._original: Callable[[], bool] | None = None
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        self.take()
+        try:
+            yield
+        finally:
+            self.release()
+
+    def take(self) -> None:
+        import accelerate.utils.other as unwrapping
+
+        with self._lock:
+            if self._holders == 0:
+                original = self._original = unwrapping.is_deepspeed_available
+                unwrapping.is_deepspeed_available = lambda: "deepspeed" in sys.modules and original()
+            self._holders += 1
+
+    def release(self) -> None:
+        import accelerate.utils.other as unwrapping
+
+        with self._lock:
+            self._holders -= 1
+            if self._holders == 0:
+                unwrapping.is_deepspeed_available = self._original
+
+
+_UNWRAPPING = _Unwrapping()
+
+
+def deepspeed_left_alone() -> contextlib.AbstractContextManager[None]:
+    """For as long as the block runs, saving a model does not import DeepSpeed (see :class:`_Unwrapping`); taken on the
+    training loop's thread: by ``save_model``, and by the background writer for the length of its job."""
+    return _UNWRAPPING.held()
+
+
+def saves_off_rank_zero() -> bool:
+    """Whether this process, writing a model, is not global rank 0 (``save_on_each_node``'s other nodes):
+    transformers 5.23's ``save_pretrained`` writes on global rank 0 only once ``torch.distributed`` is initialised
+    (``should_save_on_this_rank``), so the model is told otherwise for the call (:func:`_writing_on_this_process`)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_rank() != 0
 
 
 @contextlib.contextmanager
 def _writing_on_this_process(model: torch.nn.Module) -> Iterator[None]:
-    """The caller writes the model on this process (``args.should_save``); transformers 5.23's ``save_pretrained``
-    writes on global rank 0 only once ``torch.distributed`` is initialised (``should_save_on_this_rank``), which left
-    the checkpoints of ``save_on_each_node``'s other nodes without their weights (not a checkpoint, so not resumed
-    from). For the length of the call the model answers with ``is_main_process`` alone."""
+    """The caller writes the model on this process (``args.should_save``). Off global rank 0 (which left the
+    checkpoints of ``save_on_each_node``'s other nodes without their weights: not a checkpoint, so not resumed from)
+    the model answers ``should_save_on_this_rank`` with ``is_main_process`` alone for the length of the call."""
     decides = getattr(model, "should_save_on_this_rank", None)
-    if decides is None or "should_save_on_this_rank" in vars(model):
+    if decides is None or "should_save_on_this_rank" in vars(model) or not saves_off_rank_zero():
         yield
         return
     model.should_save_on_this_rank = lambda is_main_process: is_main_process
@@ -205,17 +234,6 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(str(path))
-
-
-def refused_pickle(path: Path, exc: pickle.UnpicklingError, holds: str) -> UnsafeCheckpointFile:
-    """The error for a file ``torch.load(weights_only=True)`` refused: it names the file and the object, and does
-    not repeat torch's advice to load it with ``weights_only=False``."""
-    unsafe = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
-    what = f" (it refers to {unsafe.group(1)})" if unsafe else ""
-    return UnsafeCheckpointFile(
-        f"{path} cannot be loaded safely: it holds objects other than {holds}{what}. hflight never unpickles "
-        "arbitrary objects from a checkpoint."
-    )
 
 
 def _read_bin(path: Path) -> dict[str, torch.Tensor]:
@@ -293,7 +311,7 @@ def _weights_file(folder: Path) -> Path:
 def _sources(weights: Path) -> list[_Source]:
     if weights.name.endswith(".index.json"):
         return _shard_sources(weights)
-    return [_DistributedSource(weights) if (weights / DCP_METADATA).is_file() else _Source(weights)]
+    return [_DistributedSource(weights) if is_dcp_folder(weights) else _Source(weights)]
 
 
 def _shard_sources(index_file: Path) -> list[_Source]:
@@ -375,7 +393,7 @@ def _model_takes_shapes(model: torch.nn.Module, sources: list[_Source], keys: se
 
 
 def _check_architecture(model: torch.nn.Module, folder: Path) -> None:
-    config_file = regular_file(folder, "config.json")
+    config_file = regular_file(folder, CONFIG_NAME)
     config = getattr(model, "config", None)
     if config is None or config_file is None:
         return

@@ -33,6 +33,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
+from hflight.checkpoints.names import CONFIG_NAME
 from hflight.ipu.config import IPUConfig
 from hflight.ipu.data import pad_on_batch_axis
 from hflight.ipu.generation import IPUGeneration, check_generation_options
@@ -308,7 +309,7 @@ class IPUStrategy(SingleDeviceStrategy, HFBackend):
         if name is None or getattr(config, "architectures", None) != [f"Poptorch{name}"]:
             return
         config.architectures = [name]
-        if os.path.isfile(os.path.join(output_dir, "config.json")):
+        if os.path.isfile(os.path.join(output_dir, CONFIG_NAME)):
             config.save_pretrained(output_dir)
 
     # ---- compile_only ------------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hflight.arguments.optimizers import step_taken_in_backward, updates_in_backward
-from hflight.checkpoints.sharded import ProcessZeroState
+from hflight.checkpoints.forms import CheckpointForm, ProcessZeroState
 
 if TYPE_CHECKING:
     import lightning as L
@@ -119,10 +119,10 @@ class HFBackend:
         shards the model (FSDP2's ``fully_shard``) does it here, in place; the model may be sharded already (a later
         ``train()``/``evaluate()`` of the same trainer)."""
 
-    def hf_checkpoint_state(self) -> ProcessZeroState:
-        """How the run's model and optimizer states go into a checkpoint (``hflight.checkpoints.sharded``): the
-        optimizer file or folder, the model files beside ``save_model``'s, the whole state dict ``save_model`` writes
-        (gathered from the shards of a sharded model: DTensor parameters)."""
+    def hf_checkpoint_state(self) -> CheckpointForm:
+        """How the run's model and optimizer states go into a checkpoint: its form (``hflight.checkpoints.forms``: the
+        optimizer file or folder, the model files beside ``save_model``'s, the whole state dict ``save_model`` writes,
+        gathered from the shards of a sharded model, whether it can be written in the background)."""
         return ProcessZeroState()
 
     def hf_save_files(self, output_dir: str) -> None:

@@ -77,7 +77,6 @@ class Run:
         self.fitting = fitting
         self.resume = resume
         self.evaluator: Any = None
-        self.checkpoint_writer = CheckpointWriter(asynchronous=bool(getattr(facade.args, "save_async", False)))
         self.loop = TrainingLoop(facade, self, trial, ignore_keys_for_eval) if fitting else None
         callbacks = [*(lightning_callbacks or []), *([LightningEvents(self.loop)] if fitting else [])]
         kwargs = lightning_trainer_kwargs(
@@ -87,6 +86,7 @@ class Run:
             self.lightning_trainer = L.Trainer(**kwargs)
         check_spans_launch(self.lightning_trainer, facade.args)  # never N copies of a one-process run
         self.world = World(self.lightning_trainer)
+        self.checkpoint_writer = CheckpointWriter(bool(getattr(facade.args, "save_async", False)), self.world)
         # hflight's checkpoints only: never Lightning's hpc_ckpt_*.ckpt
         no_lightning_hpc_restore(self.lightning_trainer, report=self.world.rank == 0)
         process_group.connect_strategy(self.lightning_trainer.strategy)  # before Lightning, for a launcher's

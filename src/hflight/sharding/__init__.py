@@ -13,7 +13,7 @@ sharding strategies.
   the backend hook ``hf_run_planned``, never through a backend test in the loop.
 
 What a sharded run writes into ``checkpoint-N`` is transformers' layout for the same settings
-(``hflight.checkpoints.sharded``), through hflight's one checkpoint writer: manifest, checksums, atomic publish.
+(``hflight.checkpoints.forms``), through hflight's one checkpoint writer: manifest, checksums, atomic publish.
 
 May import: the run's backend hooks (``hflight.run.backend``), the arguments and the checkpoints (as ``ipu``/``ort``).
 """

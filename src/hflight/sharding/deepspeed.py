@@ -10,7 +10,7 @@ optimizer and zeroes the gradients; the gradient norm logged is the engine's. Th
 hflight's backend hooks. Lightning's strategy refuses every accelerator but CUDA and hands DeepSpeed a GPU index; on the
 CPU it is given the process's local rank, which DeepSpeed's CPU accelerator takes.
 
-Checkpoints (``hflight.checkpoints.sharded.DeepSpeedState``): DeepSpeed's own ``global_step<N>/`` folder (every process
+Checkpoints (``hflight.checkpoints.forms.DeepSpeedState``): DeepSpeed's own ``global_step<N>/`` folder (every process
 writes its partition), ``latest`` and ``zero_to_fp32.py``, as transformers writes them; the model files beside them
 when the weights can be gathered (ZeRO 0-2 always, ZeRO-3 with ``stage3_gather_16bit_weights_on_model_save``, as in
 transformers).
@@ -30,7 +30,7 @@ from lightning.pytorch.strategies.ddp import DDPStrategy
 from typing_extensions import override
 
 from hflight.arguments.deepspeed import DeepSpeedConfigResolver
-from hflight.checkpoints.sharded import DeepSpeedState, ProcessZeroState
+from hflight.checkpoints.forms import CheckpointForm, DeepSpeedState
 from hflight.run.backend import HFBackend
 
 
@@ -151,5 +151,5 @@ class HFDeepSpeedStrategy(DeepSpeedStrategy, HFBackend):
         return bool(engine.was_step_applied())
 
     @override
-    def hf_checkpoint_state(self) -> ProcessZeroState:
+    def hf_checkpoint_state(self) -> CheckpointForm:
         return DeepSpeedState(self.deepspeed_engine, self.hf_deepspeed_resolver.config)

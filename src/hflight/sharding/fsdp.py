@@ -20,7 +20,7 @@ What differs is the gradient norm, summed from each process's shard (its last bi
 gradients are reduce-scattered at every micro-batch, as accelerate does for FSDP2.
 
 One data-parallel dimension spans every process (Lightning's ``"auto"`` sizes would split nodes x devices into data x
-tensor parallelism). Checkpoints: ``hflight.checkpoints.sharded`` (``state_dict_type``).
+tensor parallelism). Checkpoints: ``hflight.checkpoints.forms`` (``state_dict_type``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from typing_extensions import override
 
-from hflight.checkpoints.sharded import GatheredState, ProcessZeroState, ShardedState
+from hflight.checkpoints.forms import CheckpointForm, GatheredState, ShardedState
 from hflight.run.backend import HFBackend
 from hflight.sharding.plans import FSDP2Plan, WrapPolicy
 
@@ -100,7 +100,7 @@ class FSDP2Strategy(ModelParallelStrategy, HFBackend):
             _reshard(model)
 
     @override
-    def hf_checkpoint_state(self) -> ProcessZeroState:
+    def hf_checkpoint_state(self) -> CheckpointForm:
         form = ShardedState if self.plan.state_dict_type == "SHARDED_STATE_DICT" else GatheredState
         return form(rank0_only=not self.plan.gather_to_every_writer)
 

@@ -1,5 +1,6 @@
-"""Registers the sharding strategies' builders with the arguments (``hflight.arguments.registry.SHARDING``); nothing
-heavy is imported until one is built."""
+"""Registers the sharding strategies' builders with the arguments (``hflight.arguments.registry.SHARDING``), and the
+checkpoint forms' answer to ``save_async`` (``hflight.arguments.registry.CHECKPOINTS``: the forms a sharded run writes
+are the ones that cannot be written in the background); nothing heavy is imported until one is built."""
 
 from __future__ import annotations
 
@@ -37,9 +38,18 @@ def build_deepspeed(resolver: DeepSpeedConfigResolver, process_group: ProcessGro
     return HFDeepSpeedStrategy(resolver, **process_group)
 
 
-def register(accelerator_registry: Any, strategy_registry: Any) -> None:
-    from hflight.arguments.registry import SHARDING
+def save_async_refusal(args: TrainingArguments) -> str | None:
+    """Why ``save_async`` cannot write the checkpoints of a run of ``args``: the checkpoint forms' answer."""
+    from hflight.checkpoints.forms import save_async_refusal
 
+    return save_async_refusal(args)
+
+
+def register(accelerator_registry: Any, strategy_registry: Any) -> None:
+    from hflight.arguments.registry import CHECKPOINTS, SHARDING
+
+    if CHECKPOINTS.save_async_refusal is None:
+        CHECKPOINTS.save_async_refusal = save_async_refusal
     if SHARDING.fsdp is None:
         SHARDING.fsdp = build_fsdp
     if SHARDING.deepspeed is None:

@@ -28,6 +28,7 @@ from transformers.trainer_utils import (
     number_of_arguments,
 )
 
+from hflight.checkpoints import names
 from hflight.trainer.hpsearch_backends import BACKENDS, SearchBackend
 
 if TYPE_CHECKING:
@@ -167,6 +168,6 @@ class HyperparameterSearchMixin:
         self.save_model(output_dir, _internal_call=True)
         if self.args.should_save:
             self.state.stateful_callbacks[TrainerControl.__name__] = self.control.state()
-            self.state.save_to_json(os.path.join(output_dir, "trainer_state.json"))
-            torch.save(self.optimizer.state_dict(), os.path.join(output_dir, "optimizer.pt"))
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+            self.state.save_to_json(os.path.join(output_dir, names.TRAINER_STATE_NAME))
+            torch.save(self.optimizer.state_dict(), os.path.join(output_dir, names.OPTIMIZER_NAME))
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, names.SCHEDULER_NAME))

@@ -1,0 +1,239 @@
+"""One checkpoint's write, as one job: it writes the files, checksums and fsyncs each as it is complete, writes the
+manifest, publishes the folder durably and retires the older checkpoints. The synchronous writer finishes it on the
+training loop's thread; with ``save_async``, one background thread does (``hflight.checkpoints.asynchronous``).
+
+Every decision is taken on the training loop's thread and passed in when the job is made: the folder, which files are
+written now and which later from a copy (``save``, :meth:`CheckpointJob.later`), the manifest's fields, the rotation
+that follows. The loop's thread writes its files through :meth:`CheckpointJob.write` (every process: its part); the
+thread that finishes the job (:meth:`CheckpointJob.finish`) writes the rest, and it alone opens and closes the
+folder's :class:`~hflight.checkpoints.manifest.Checksums`. Nothing module-wide is changed by it.
+
+A failed write is a value: each step of the job names its file; :func:`write_error` makes of the exception one
+:class:`CheckpointWriteError` naming the checkpoint, the file and the cause (None: it is not a write failure, and is
+raised as it is). :meth:`CheckpointJob.finish` returns it; the writer raises it on the training loop's thread.
+
+May import: ``hflight.checkpoints`` (its own modules), ``hflight.durable``, ``hflight._util``.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import os
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hflight import durable
+from hflight._util import exception_chain
+from hflight.checkpoints.manifest import Checksums, write_manifest
+from hflight.checkpoints.names import MANIFEST_NAME, REPLACED_SUFFIX, TMP_PREFIX
+
+Step = Callable[[], Any]
+
+
+# ---- write errors --------------------------------------------------------------------------------------------------
+class CheckpointWriteError(OSError):
+    """Writing a checkpoint (or the model) failed: the message names the folder, the file and the cause."""
+
+
+# What an error's text says when it carries no errno (safetensors' Rust errors, torch's C++ writer).
+_CAUSE_TEXTS = (
+    ("No space left on device", "no space left on device"),
+    ("StorageFull", "no space left on device"),
+    ("Disk quota exceeded", "disk quota exceeded"),
+    ("Permission denied", "permission denied"),
+    ("Read-only file system", "read-only file system"),
+    ("Input/output error", "input/output error"),
+)
+# torch's zip writer reports a failed write as "[enforce fail at inline_container.cc:...] unexpected pos ..." or
+# "basic_ios::clear: iostream error", without the operating system's reason.
+_WRITE_FAILURE = re.compile(r"inline_container|iostream|PytorchStreamWriter|file write failed|I/O error|IoError")
+_NEARLY_FULL = 1 << 20
+
+
+def _existing_dir(path: str) -> str:
+    while path and not os.path.isdir(path):
+        path = os.path.dirname(path)
+    return path or "."
+
+
+def write_failure_cause(exc: BaseException, folder: str) -> str | None:
+    """Why writing into ``folder`` failed ("no space left on device", "permission denied", ...), or None when
+    ``exc`` is not a write failure (a bug elsewhere is not disguised as one)."""
+    chain = list(exception_chain(exc))
+    code = next((e.errno for e in chain if isinstance(e, OSError) and e.errno), None)
+    if code is not None:
+        return os.strerror(code).lower()
+    text = " ".join(str(e) for e in chain)
+    cause = next((cause for marker, cause in _CAUSE_TEXTS if marker in text), None)
+    if cause is not None:
+        return cause
+    if not any(isinstance(e, OSError) for e in chain) and not _WRITE_FAILURE.search(text):
+        return None
+    where = _existing_dir(folder)
+    if shutil.disk_usage(where).free < _NEARLY_FULL:
+        return os.strerror(errno.ENOSPC).lower()
+    if not os.access(where, os.W_OK):
+        return os.strerror(errno.EACCES).lower()
+    first_line = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    return f"I/O error ({type(exc).__name__}: {first_line})"
+
+
+def failed_file(exc: BaseException, folder: str, file: str | None) -> str:
+    """The file a failed write of ``folder`` was writing: the one the error names, else the step's ``file``, else
+    (a step writing several, such as ``save_pretrained``) the one changed last."""
+    named = next((e.filename for e in exception_chain(exc) if isinstance(e, OSError) and e.filename), None)
+    if named:
+        return os.path.relpath(os.fspath(named), folder) if os.path.isabs(os.fspath(named)) else named
+    if file is not None:
+        return file
+    written = [p for p in Path(folder).rglob("*") if p.is_file()] if os.path.isdir(folder) else []
+    if not written:
+        return "its first file"
+    return max(written, key=lambda p: p.stat().st_mtime_ns).relative_to(folder).as_posix()
+
+
+def write_error(exc: BaseException, folder: str, what: str, file: str | None, discard: bool) -> OSError | None:
+    """``exc``, raised while writing ``file`` (None: not known) into ``folder`` for ``what`` (the checkpoint or model
+    being saved), as one :class:`CheckpointWriteError`; None when it is not a write failure. ``discard``: the
+    unfinished ``folder`` is deleted (a checkpoint's temporary folder)."""
+    cause = write_failure_cause(exc, folder)
+    if cause is None:
+        return None
+    file = failed_file(exc, folder, file)
+    after = ""
+    if discard:
+        shutil.rmtree(folder, ignore_errors=True)
+        where = os.path.dirname(folder) or "."
+        after = f" The unfinished folder was removed; the checkpoints already in {where} are unchanged."
+    return CheckpointWriteError(f"Could not save {what}: writing {file} failed: {cause}.{after}")
+
+
+# ---- the job -------------------------------------------------------------------------------------------------------
+class CheckpointJob:
+    """The write of one checkpoint into its temporary ``folder``, published as ``final_dir``.
+
+    ``snapshot(name, state)``: the background writer's copy of a state (``save_async``: the tensor files are written
+    later from it); None: every file is written now. ``main``: this process publishes the folder (the others write
+    their part now and finish nothing). ``entries_made_durable``: the run's record of the run folders whose entry in
+    their parent it made durable (``hflight.durable.publish_folder``)."""
+
+    def __init__(
+        self,
+        folder: str,
+        final_dir: str,
+        snapshot: Callable[[str, Any], Any] | None,
+        main: bool,
+        entries_made_durable: set[tuple[int, int]],
+    ) -> None:
+        self.folder, self.final_dir, self.main = folder, final_dir, main
+        self.what = f"checkpoint {final_dir}"
+        self._snapshot = snapshot
+        self._entries_made_durable = entries_made_durable
+        self._later: list[tuple[str | None, Step]] = []
+        self._manifest: tuple[Any, ...] = ()
+        self._rotate: Step = lambda: None
+        # synchronous: the loop's thread finishes the job, so it hashes each file as soon as it is written
+        self._checksums = Checksums() if main and snapshot is None else None
+
+    @property
+    def background(self) -> bool:
+        """Whether the tensor files are written later, from a snapshot, by the thread that finishes the job."""
+        return self._snapshot is not None
+
+    # ---- on the training loop's thread -------------------------------------------------------------------------------
+    def write(self, file: str | None, step: Step) -> Any:
+        """Run ``step``, which writes ``file`` (None: several, found afterwards if one fails) into the folder, now; a
+        write failure is raised as one :class:`CheckpointWriteError` (the unfinished folder removed by the main
+        process)."""
+        try:
+            result = step()
+        except Exception as exc:
+            error = write_error(exc, self.folder, self.what, file, discard=self.main)
+            if error is None:
+                raise
+            raise error from exc
+        if self._checksums is not None:
+            self._checksums.add_new(self.folder)
+        return result
+
+    def save(self, obj: Any, path: str) -> None:
+        """``torch.save(obj, path)``: now, or later from a snapshot of ``obj`` taken now."""
+        if self._snapshot is None:
+            torch.save(obj, path)
+            return
+        name = os.path.basename(path)
+        copy = self._snapshot(name, obj)
+        self._later.append((name, lambda: torch.save(copy, path)))
+
+    def snapshot(self, name: str, state: Any) -> Any:
+        """``state`` as the job writes it later: a copy taken now (``save_async``), or itself."""
+        return self._snapshot(name, state) if self._snapshot is not None else state
+
+    def later(self, file: str | None, step: Step) -> None:
+        """Run ``step`` (writing ``file``) when the job is finished; now when it is finished on this thread."""
+        if self._snapshot is None:
+            self.write(file, step)
+        else:
+            self._later.append((file, step))
+
+    def publish_with(self, manifest: tuple[Any, ...], rotate: Step) -> None:
+        """The manifest's fields (global step, ``save_only_model``, the run's arguments, the loop's bookkeeping) and
+        the rotation of older checkpoints that follows the publication."""
+        self._manifest, self._rotate = manifest, rotate
+
+    def abandon(self) -> None:
+        """The checkpoint will not be finished (its write raised on the loop's thread)."""
+        if self._checksums is not None:
+            self._checksums.close()
+
+    # ---- on the thread that finishes it ------------------------------------------------------------------------------
+    def finish(self) -> BaseException | None:
+        """The rest of the write: the files left for later, each checksummed and fsynced as it is complete, the
+        manifest, the durable publication, then the rotation. Returns what failed (a :class:`CheckpointWriteError`
+        for a write failure, the unfinished folder removed), None when the checkpoint is published."""
+        checksums = self._checksums or Checksums()  # in the background: opened (and closed) by this thread
+        try:
+            try:
+                checksums.add_new(self.folder)
+                later = [(file, functools.partial(self.write_later, file, step)) for file, step in self._later]
+                steps = [*later, (MANIFEST_NAME, lambda: self._write_manifest(checksums)),
+                         (None, lambda: self._publish(checksums))]  # fmt: skip
+                for file, step in steps:
+                    if (failure := self._run(file, step, checksums)) is not None:
+                        return failure
+            finally:
+                checksums.close()
+            self._rotate()
+        except BaseException as exc:  # noqa: BLE001 - returned: raised on the training loop's thread
+            return exc
+        return None
+
+    def _run(self, file: str | None, step: Step, checksums: Checksums) -> BaseException | None:
+        try:
+            step()
+            checksums.add_new(self.folder)
+        except Exception as exc:
+            return write_error(exc, self.folder, self.what, file, discard=True) or exc
+        return None
+
+    def _write_manifest(self, checksums: Checksums) -> None:
+        global_step, save_only_model, run_arguments, progress = self._manifest
+        write_manifest(self.folder, global_step, save_only_model, run_arguments, checksums, progress)
+
+    def write_later(self, file: str | None, step: Step) -> None:
+        """One of the files left for later, written by :meth:`finish` (a test slows the background write down here)."""
+        step()
+
+    def _publish(self, checksums: Checksums) -> None:
+        """The complete folder made durable and renamed into place (``hflight.durable.publish_folder``: the only way a
+        checkpoint is put into place); a ``final_dir`` already there is deleted only afterwards. The files the
+        checksums' thread fsynced as they were complete are not fsynced again."""
+        final = Path(self.final_dir)
+        replaced = final.with_name(f"{TMP_PREFIX}{final.name}{REPLACED_SUFFIX}")
+        durable.publish_folder(self.folder, final, replaced, checksums.synced(), self._entries_made_durable)
