@@ -3,7 +3,12 @@
 Outside of ``fit``, the loop runs as Lightning's ``validate`` (devices, precision, strategy, Lightning callbacks).
 Inside ``fit`` Lightning has no public way to validate *now* (HF's ``should_evaluate`` can fire at any step),
 so the same per-batch code is driven directly under the fit's precision context: that is the one contained
-mechanism for mid-training evaluation.
+mechanism for mid-training evaluation. Where ``validate`` would add nothing but its own bookkeeping (one process on
+Lightning's single-device strategy, no backend, full or mixed precision, no Lightning callbacks or loggers to call:
+:func:`evaluates_in_process`), an evaluation outside ``fit`` is driven the same direct way, doing what ``validate``
+does there (the model placed on the device and in eval mode, then its modes restored; inference mode; the precision
+plugin's step context; SIGTERM stopping between batches): Lightning's per-batch hooks, progress and result
+bookkeeping cost more than a small model's forward (benchmarks/loop_overhead.py).
 
 Every batch's outputs move to the CPU as numpy at once, so device memory stays bounded by one batch; the
 arrays are concatenated once at the end, padded with -100 like HF.
@@ -18,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from transformers.trainer_callback import TrainerState
 from transformers.trainer_pt_utils import find_batch_size, nested_numpify
 from transformers.trainer_utils import (
@@ -33,7 +39,7 @@ from hflight.arguments.lightning_kwargs import quiet_lightning
 from hflight.run import console
 from hflight.run.datamodule import EvaluationData, loader_length
 from hflight.run.events import dispatch
-from hflight.run.interrupt import sigterm_exits_non_zero
+from hflight.run.interrupt import sigterm_exits_non_zero, sigterm_stops_between_batches
 from hflight.surface import RunView, TrainerSurface
 
 
@@ -204,6 +210,54 @@ class Evaluator:
         return EvalLoopOutput(predictions=preds, label_ids=labels, metrics=metrics, num_samples=num_samples)
 
 
+def evaluates_in_process(lightning_trainer: Any) -> bool:
+    """Whether an evaluation outside ``fit`` can run without Lightning's ``validate`` and give the same results and
+    calls: one process on Lightning's own single-device strategy and accelerator (not a backend's), a precision
+    plugin that does not convert the model or the inputs, and no Lightning callback or logger whose hooks
+    ``validate`` would call."""
+    from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator, MPSAccelerator
+    from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    strategy = lightning_trainer.strategy
+    return (
+        type(strategy) is SingleDeviceStrategy
+        and type(strategy.accelerator) in (CPUAccelerator, CUDAAccelerator, MPSAccelerator)
+        and type(lightning_trainer.precision_plugin) in (Precision, MixedPrecision)
+        and not lightning_trainer.callbacks
+        and not lightning_trainer.loggers
+    )
+
+
+def _evaluate_in_process(evaluator: Evaluator, run: RunView, dataloader: Any) -> None:
+    """What Lightning's ``validate`` does for :func:`evaluates_in_process`'s runs, without its loop: the model on the
+    strategy's device and in eval mode (every module's mode restored afterwards), batches moved to the device, each
+    step under inference mode (``no_grad`` with a gloo process group, as Lightning) and the precision plugin's
+    validation-step context, SIGTERM stopping the evaluation between batches."""
+    trainer = run.lightning_trainer
+    strategy, precision = trainer.strategy, trainer.precision_plugin
+    device = strategy.root_device
+    strategy.accelerator.setup_device(device)
+    module = run.module.to(device)
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    gloo = torch.distributed.is_available() and torch.distributed.is_initialized()
+    grad_off = torch.no_grad if gloo and torch.distributed.get_backend() == "gloo" else torch.inference_mode
+    labels = evaluator.facade.label_names
+    try:
+        with grad_off(), sigterm_stops_between_batches("Evaluation") as stop_if_signalled:
+            with run.backend.hf_evaluation_model(module.model, labels) as evaluator.model:
+                for batch in dataloader:
+                    stop_if_signalled()
+                    if device.type != "cpu":  # on the CPU a batch is where it is used
+                        batch = move_data_to_device(batch, device)
+                    with precision.val_step_context():
+                        evaluator.step(batch)
+    finally:
+        for submodule, training in modes:
+            submodule.training = training
+
+
 def _evaluate_in_fit(evaluator: Evaluator, run: RunView, dataloader: Any) -> None:
     """Evaluate now, inside a running fit (Lightning has no public trigger for that), under the fit's precision."""
     backend, fit_trainer = run.backend, run.lightning_trainer
@@ -217,6 +271,14 @@ def _evaluate_in_fit(evaluator: Evaluator, run: RunView, dataloader: Any) -> Non
                     evaluator.step(batch)
     finally:
         model.train(was_training)
+
+
+def cast_for_full_eval(model: torch.nn.Module, args: Any) -> None:
+    """``fp16_full_eval``/``bf16_full_eval``: the model in half precision for an evaluation outside ``train()`` (as
+    transformers, the model keeps that dtype afterwards)."""
+    dtype = torch.float16 if args.fp16_full_eval else torch.bfloat16 if args.bf16_full_eval else None
+    if dtype is not None:
+        model.to(dtype=dtype)
 
 
 def _num_examples(facade: TrainerSurface, dataloader: Any) -> int | None:
@@ -239,12 +301,16 @@ def run_evaluation_loop(
     ``compute_metrics`` defaults to the facade's; pass ``None`` to collect predictions without scoring them (the
     QA trainer scores after post-processing)."""
     metrics_fn = facade.compute_metrics if compute_metrics is ... else compute_metrics
+    if not run.fitting:
+        cast_for_full_eval(facade.model, facade.args)
     console.evaluation_started(description, _num_examples(facade, dataloader), facade.args.eval_batch_size)
     evaluator = Evaluator(facade, run.world, description, prediction_loss_only, ignore_keys, metrics_fn)
     facade.callback_handler.eval_dataloader = dataloader
     with run.evaluating(evaluator), run.evaluation_weights():
         if run.fitting:
             _evaluate_in_fit(evaluator, run, dataloader)
+        elif evaluates_in_process(run.lightning_trainer):
+            _evaluate_in_process(evaluator, run, dataloader)
         else:
             with quiet_lightning(), sigterm_exits_non_zero("Evaluation"):
                 # sharded once the processes are launched: this call may be the one that launches them
