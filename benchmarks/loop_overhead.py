@@ -74,9 +74,12 @@ MODES = ("train", "evaluate", "predict")
 
 # ---- the model, the data, the metrics ---------------------------------------------------------------------------
 def build_model(opts) -> GPT2LMHeadModel:
+    """The same initial weights in every runner; no key/value cache (both trainers set ``config.use_cache`` from
+    ``args.use_cache``, False)."""
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=opts.vocab, n_embd=opts.hidden, n_layer=opts.layers, n_head=2,
-                        n_positions=opts.seq_len, bos_token_id=2, eos_token_id=3, pad_token_id=0)  # fmt: skip
+                        n_positions=opts.seq_len, bos_token_id=2, eos_token_id=3, pad_token_id=0,
+                        use_cache=False)  # fmt: skip
     return GPT2LMHeadModel(config)
 
 

@@ -36,7 +36,7 @@ from transformers.trainer_utils import (
 )
 
 from hflight.arguments.lightning_kwargs import quiet_lightning
-from hflight.run import console
+from hflight.run import console, eval_precision
 from hflight.run.datamodule import EvaluationData, loader_length
 from hflight.run.events import dispatch
 from hflight.run.interrupt import sigterm_exits_non_zero, sigterm_stops_between_batches
@@ -124,6 +124,7 @@ class Evaluator:
         self.losses, self.preds, self.labels, self.inputs = (Accumulator(concat=concat) for _ in range(4))
         self.observed = 0
         self.model: Any = None  # what prediction_step calls: the backend's evaluation model
+        self.quantized: Any = None  # int8_eval: the model's int8 copy, called instead (hflight.run.eval_precision)
         self.batch_metrics = bool(facade.args.batch_eval_metrics)
         self.keep_outputs = not self.batch_metrics or description == "Prediction"
         self.pending: EvalPrediction | None = None  # batch_eval_metrics: the last batch, not scored yet
@@ -140,8 +141,9 @@ class Evaluator:
         batch_size = find_batch_size(inputs)
         if batch_size is not None:
             self.observed += batch_size
+        model = self.model if self.quantized is None else self.quantized
         loss, logits, labels = facade.prediction_step(
-            self.model, inputs, self.prediction_loss_only, ignore_keys=self.ignore_keys
+            model, inputs, self.prediction_loss_only, ignore_keys=self.ignore_keys
         )
         gather = self.world.gather_as_objects if facade.args.eval_use_gather_object else self.world.gather
         if loss is not None:
@@ -273,14 +275,6 @@ def _evaluate_in_fit(evaluator: Evaluator, run: RunView, dataloader: Any) -> Non
         model.train(was_training)
 
 
-def cast_for_full_eval(model: torch.nn.Module, args: Any) -> None:
-    """``fp16_full_eval``/``bf16_full_eval``: the model in half precision for an evaluation outside ``train()`` (as
-    transformers, the model keeps that dtype afterwards)."""
-    dtype = torch.float16 if args.fp16_full_eval else torch.bfloat16 if args.bf16_full_eval else None
-    if dtype is not None:
-        model.to(dtype=dtype)
-
-
 def _num_examples(facade: TrainerSurface, dataloader: Any) -> int | None:
     return facade.num_examples(dataloader) if loader_length(dataloader) is not None else None
 
@@ -301,20 +295,14 @@ def run_evaluation_loop(
     ``compute_metrics`` defaults to the facade's; pass ``None`` to collect predictions without scoring them (the
     QA trainer scores after post-processing)."""
     metrics_fn = facade.compute_metrics if compute_metrics is ... else compute_metrics
-    if not run.fitting:
-        cast_for_full_eval(facade.model, facade.args)
-    console.evaluation_started(description, _num_examples(facade, dataloader), facade.args.eval_batch_size)
+    args = facade.args
+    eval_precision.prepare(args, run, facade.model)
+    console.evaluation_started(description, _num_examples(facade, dataloader), args.eval_batch_size)
     evaluator = Evaluator(facade, run.world, description, prediction_loss_only, ignore_keys, metrics_fn)
     facade.callback_handler.eval_dataloader = dataloader
     with run.evaluating(evaluator), run.evaluation_weights():
-        if run.fitting:
-            _evaluate_in_fit(evaluator, run, dataloader)
-        elif evaluates_in_process(run.lightning_trainer):
-            _evaluate_in_process(evaluator, run, dataloader)
-        else:
-            with quiet_lightning(), sigterm_exits_non_zero("Evaluation"):
-                # sharded once the processes are launched: this call may be the one that launches them
-                run.lightning_trainer.validate(run.module, datamodule=EvaluationData(dataloader), verbose=False)
+        with eval_precision.int8_evaluation_model(args, facade.model) as evaluator.quantized:
+            _run_batches(evaluator, run, dataloader)
     if evaluator.keep_all:  # as transformers after its loop: gather_for_metrics again
         facade.gather_function = facade.accelerator.gather_for_metrics
     dataset = getattr(dataloader, "dataset", None)
@@ -323,6 +311,19 @@ def run_evaluation_loop(
     except TypeError:
         num_samples = None
     return evaluator.finish(num_samples, metric_key_prefix)
+
+
+def _run_batches(evaluator: Evaluator, run: RunView, dataloader: Any) -> None:
+    """Every batch through ``evaluator.step``: in the running fit, in this process, or through Lightning's
+    ``validate``."""
+    if run.fitting:
+        _evaluate_in_fit(evaluator, run, dataloader)
+    elif evaluates_in_process(run.lightning_trainer):
+        _evaluate_in_process(evaluator, run, dataloader)
+    else:
+        with quiet_lightning(), sigterm_exits_non_zero("Evaluation"):
+            # sharded once the processes are launched: this call may be the one that launches them
+            run.lightning_trainer.validate(run.module, datamodule=EvaluationData(dataloader), verbose=False)
 
 
 # ---- the bodies of Trainer.evaluate and Trainer.predict ----------------------------------------------------------

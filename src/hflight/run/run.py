@@ -25,6 +25,7 @@ from hflight.checkpoints.resume import ResumePoint
 from hflight.run.backend import HFBackend, backend_of
 from hflight.run.datamodule import HFDataModule
 from hflight.run.distributed import World
+from hflight.run.eval_precision import refuse_int8_in_training
 from hflight.run.evaluation import evaluates_in_process
 from hflight.run.events import LightningEvents
 from hflight.run.interrupt import handed_over_signals, requeue_signal
@@ -80,6 +81,8 @@ class Run:
         self.resume = resume
         self.evaluator: Any = None
         self.checkpoint_writer = CheckpointWriter(asynchronous=bool(getattr(facade.args, "save_async", False)))
+        if fitting:
+            refuse_int8_in_training(facade.args)
         self.loop = TrainingLoop(facade, self, trial, ignore_keys_for_eval) if fitting else None
         callbacks = [*(lightning_callbacks or []), *([LightningEvents(self.loop)] if fitting else [])]
         kwargs = lightning_trainer_kwargs(
