@@ -103,20 +103,33 @@ def compute_metrics(prediction: EvalPrediction) -> dict[str, float]:
 
 # ---- turn-taking and timing -------------------------------------------------------------------------------------
 class PhasedBaton(Baton):
-    """train_overhead's baton, reused for one configuration after another: every runner enters a phase together."""
+    """train_overhead's baton, reused for one configuration after another: every runner enters a phase together,
+    and the turn goes round in either direction (each runner then follows the other ones in turn: a runner's turn
+    pays for what the one before it left in the caches)."""
 
     def __init__(self, ctx, names):
         super().__init__(ctx, names)
         self.barrier = ctx.Barrier(len(self.order))
+        self.direction = ctx.Value("i", 1, lock=False)  # guarded by cond
 
-    def enter_phase(self, first: int) -> None:
-        """Wait for every runner; then all are active again and ``first`` holds the baton."""
+    def enter_phase(self, round_index: int) -> None:
+        """Wait for every runner; then all are active again, and the round decides who starts and which way the
+        baton goes."""
         if self.barrier.wait() == 0:
             with self.cond:
                 for index in range(len(self.order)):
                     self.active[index] = True
-                self.turn.value = first
+                self.turn.value = round_index % len(self.order)
+                self.direction.value = 1 if round_index % 2 == 0 else -1
         self.barrier.wait()
+
+    def _advance(self, index: int) -> None:
+        for offset in range(1, len(self.order) + 1):
+            candidate = (index + self.direction.value * offset) % len(self.order)
+            if self.active[candidate]:
+                self.turn.value = candidate
+                break
+        self.cond.notify_all()
 
 
 class Laps:
@@ -269,13 +282,13 @@ def run_configuration(name: str, opts, mode: str, batch_size: int, laps: Laps, o
     if mode == "train":
         data = build_data(opts, batch_size * train_steps(opts), seed=1)
         runner = build_runner(name, opts, mode, batch_size, laps, out, data)
-        laps.baton.enter_phase(opts.first)
+        laps.baton.enter_phase(opts.round)
         runner.train(data) if name == "plain" else runner.train()
         return [laps.laps], None
     data = build_data(opts, batch_size * opts.steps, seed=2)
     runner = build_runner(name, opts, mode, batch_size, laps, out, data)
     calls, result = [], None
-    laps.baton.enter_phase(opts.first)
+    laps.baton.enter_phase(opts.round)
     laps.begin()
     for call in range(opts.calls):
         start = len(laps.laps)
@@ -292,7 +305,7 @@ def runner_process(name: str, opts, configurations, baton: PhasedBaton, results)
     try:
         with tempfile.TemporaryDirectory() as out:
             for round_index in range(opts.rounds + 1):  # round 0: warm-up (lazy imports, allocator), not reported
-                opts.first = round_index % len(RUNNERS)
+                opts.round = round_index
                 for mode, batch_size in configurations:
                     laps = Laps(name, baton)
                     calls, result = run_configuration(name, opts, mode, batch_size, laps, out)
