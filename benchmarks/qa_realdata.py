@@ -211,8 +211,11 @@ def _run_hflight(prep: Prepared, kind: str, padded: bool, backend: str = "auto")
     collator = default_data_collator if padded else DataCollatorWithPadding(prep.tokenizer)
     trainer = MRCTrainer(prep.model(), args, data_collator=collator, train_dataset=train, eval_dataset=dev,
                          eval_examples=prep.eval_examples, processing_class=prep.tokenizer)  # fmt: skip
-    train_order = list(iter(trainer._get_train_sampler(train)))
-    eval_order = list(iter(trainer._get_eval_sampler(dev)))
+    import torch
+
+    with torch.random.fork_rng():  # drawing an unseeded order here must not move the run's random state
+        train_order = list(iter(trainer._get_train_sampler(train)))
+        eval_order = list(iter(trainer._get_eval_sampler(dev)))
     start = time.perf_counter()
     result = trainer.train()
     train_s = time.perf_counter() - start

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,18 @@ def _torch_threads_restored():
     yield
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored():
+    """A library a test starts may install process-wide signal handlers and keep them (``ray.init`` sets SIGTERM to
+    ``sys.exit(15)``); each test starts with the session's handlers, so a signal test never sees another test's."""
+    signals = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+    handlers = {signum: signal.getsignal(signum) for signum in signals}
+    yield
+    for signum, handler in handlers.items():
+        if signal.getsignal(signum) is not handler and handler is not None:
+            signal.signal(signum, handler)
 
 
 @pytest.fixture

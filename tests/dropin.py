@@ -31,10 +31,12 @@ class Job:
     """``tests/scripts/<example>`` copied to ``folder`` and ``<example>.py`` started with ``args`` (``--output_dir``
     is ``folder/out``), after replacing the line ``original`` by ``changed`` when given; ``launcher``: the command
     that starts the script (``python``, or :data:`TORCHRUN_2`); ``path``: folders put first on ``PYTHONPATH`` (a test
-    stand-in's ``sitecustomize``). :meth:`out` waits for it and returns the output folder."""
+    stand-in's ``sitecustomize``); ``env``: variables added to the environment. :meth:`out` waits for it and returns
+    the output folder."""
 
     def __init__(self, folder: Path, example: str, original: str, changed: str | None, args: list[str],
-                 launcher: list[str] | None = None, path: list[Path] = ()) -> None:  # fmt: skip
+                 launcher: list[str] | None = None, path: list[Path] = (),
+                 env: dict[str, str] | None = None) -> None:  # fmt: skip
         shutil.copytree(SCRIPTS / example, folder)
         script = folder / f"{example}.py"
         source = script.read_text(encoding="utf-8")
@@ -44,7 +46,7 @@ class Job:
         command = [*(launcher or [sys.executable]), script.name, *args, "--output_dir", str(folder / "out"),
                    "--seed", "0", "--report_to", "none", "--disable_tqdm", "true"]  # fmt: skip
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, [*path, REPO_ROOT / "src"])), "HF_HUB_OFFLINE": "1",
-               "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}  # fmt: skip
+               "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}  # fmt: skip
         self.folder = folder
         self.process = subprocess.Popen(command, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                         text=True, start_new_session=True)  # fmt: skip

@@ -463,3 +463,15 @@ def test_deepspeed_config_mismatches_raise_as_transformers(factory):
         resolver.finalize(args, factory.cls_model(), 10)
     assert str(ours.value) == str(theirs.value)
     assert "- ds train_micro_batch_size_per_gpu=4 vs hf per_device_train_batch_size=8" in str(ours.value)
+
+
+def test_size_based_wrap_without_min_num_params_wraps_nothing_as_accelerate(factory):
+    """accelerate's ``SIZE_BASED_WRAP`` with ``min_num_params`` 0 (its default, ``FSDP_MIN_NUM_PARAMS`` unset) has no
+    policy: the whole model is the one unit; a positive count wraps the submodules above it."""
+    from hflight.sharding.plans import wrap_policy
+
+    model = factory.qa_model()
+    assert wrap_policy({"auto_wrap_policy": "SIZE_BASED_WRAP"}, model) is None
+    assert wrap_policy({"auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 0}, model) is None
+    policy = wrap_policy({"auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 1000}, model)
+    assert policy is not None and policy.min_num_params == 1000

@@ -112,6 +112,8 @@ SCENARIOS = {
         save_strategy="no",
         num_train_epochs=1,
     ),
+    # no step at all: transformers still begins and ends training (with its progress bar: disable_tqdm=False)
+    "e_no_step": dict(num_train_epochs=0, disable_tqdm=False),
 }
 
 
@@ -123,6 +125,25 @@ def test_event_sequence_matches_transformers(tmp_path, factory, scenario):
     hf_ckpts = sorted(p for p in os.listdir(hf_trainer.args.output_dir) if p.startswith("checkpoint-"))
     hl_ckpts = sorted(p for p in os.listdir(hl_trainer.args.output_dir) if p.startswith("checkpoint-"))
     assert hl_ckpts == hf_ckpts
+
+
+def test_resuming_at_the_last_step_begins_and_ends_training_as_transformers(tmp_path, factory):
+    """A run resumed from its final checkpoint has no step left: on_train_begin, on_log, on_train_end all the same
+    (Lightning starts no training loop then; transformers' progress bar, created on on_train_begin, must exist)."""
+    events = {}
+    for name, trainer_cls, args_cls in (
+        ("hf", transformers.Trainer, transformers.TrainingArguments),
+        ("hl", hflight.Trainer, hflight.TrainingArguments),
+    ):
+        args = args_cls(output_dir=str(tmp_path / name), **{**BASE, "max_steps": 2, "save_steps": 2})
+        trainer_cls(factory.qa_model(), args, train_dataset=factory.qa_dataset(8)).train()
+        recorder = Recorder()
+        args = args_cls(output_dir=str(tmp_path / name), **{**BASE, "max_steps": 2, "disable_tqdm": False})
+        trainer = trainer_cls(factory.qa_model(), args, train_dataset=factory.qa_dataset(8), callbacks=[recorder])
+        trainer.train(resume_from_checkpoint=str(tmp_path / name / "checkpoint-2"))
+        events[name] = recorder.events
+    assert events["hl"] == events["hf"]
+    assert [e[0] for e in events["hl"]] == ["on_init_end", "on_train_begin", "on_log", "on_train_end"]
 
 
 def test_events_receive_hf_keyword_arguments(tmp_path, factory):

@@ -125,8 +125,10 @@ TESTED_ELSEWHERE = {
     "eval_use_gather_object": "test_arguments_on_lightning",
     "dataloader_num_workers": "test_arguments_on_lightning",
     "dataloader_persistent_workers": "test_arguments_on_lightning (with and without workers, as transformers)",
-    "optim_target_modules": "test_training_args (refused on any machine: it configures GaLore/APOLLO optimizers, "
-    "which hflight does not build)",
+    "optim_target_modules": "test_optimizers (GaLore/APOLLO, layer-wise too, saved and resumed, against transformers)",
+    "use_liger_kernel": "test_optimizers (transformers' ImportError without liger-kernel; with a test stand-in of "
+    "Liger's patch, applied and evaluated as transformers does: liger-kernel needs CUDA/Triton)",
+    "liger_kernel_config": "test_optimizers (handed to Liger's patch as transformers hands it, via a test stand-in)",
     "report_to": "test_tracking (TensorBoard, MLflow and W&B offline: what each tool recorded, read back with "
     "TensorBoard's and MLflow's readers and W&B's protobuf records) and test_run_reports (names, errors, csv)",
     "dataloader_multiprocessing_context": "test_arguments_on_lightning",
@@ -137,6 +139,8 @@ TESTED_ELSEWHERE = {
     "activation_checkpointing_kwargs": "test_arguments_on_lightning",
     "parallelism_config": "test_sharding (its data-parallel sizes under FSDP2, HSDP over 4 processes; tensor, "
     "context and sequence parallelism refused naming the field)",
+    "accelerator_config": "test_accelerator_config (every field under torchrun, 2 processes, against transformers; "
+    "the input forms and errors)",
     "ddp_backend": "test_arguments_on_lightning (Lightning's process_group_backend); in one process transformers' "
     "own arguments fail on it (accelerate asks for a process group that does not exist), hflight's do not",
 }
@@ -189,8 +193,6 @@ NOT_OBSERVABLE = {
 NOT_RUNNABLE = {
     "output_dir": "each run needs its own folder (the files are compared, relative to it)",
     "tf32": "TF32 is a CUDA setting (no GPU here)",
-    "use_liger_kernel": "liger-kernel needs CUDA/Triton",
-    "liger_kernel_config": "liger-kernel needs CUDA/Triton",
     "trackio_space_id": "trackio needs the hub",
     "trackio_bucket_id": "trackio needs the hub",
     "trackio_static_space_id": "trackio needs the hub",
@@ -198,7 +200,6 @@ NOT_RUNNABLE = {
     "hub_token": "needs the hub",
     "hub_model_id": "needs the hub",
     "hub_revision": "needs the hub",
-    "accelerator_config": "accelerate's settings: hflight's data loading is Lightning's (test_training_args)",
 }
 
 #: fields that need several processes (transformers refuses fsdp in one; ZeRO partitions over the processes): swept

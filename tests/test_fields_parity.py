@@ -59,6 +59,30 @@ def test_include_num_input_tokens_seen_logs_as_transformers(tmp_path, factory, m
     assert "train_tokens_per_second" in hl.state.log_history[0]
 
 
+def test_non_padding_token_count_without_mask_or_pad_token_warns_on_transformers_logger(tmp_path, factory):
+    """No attention mask and no tokenizer: both trainers count every token and say so, per micro-batch, on
+    ``transformers.trainer``'s logger (where a script's transformers logging settings apply)."""
+    train = factory.cls_dataset(8).remove_columns(["attention_mask"])
+    seen, warnings_of = {}, {}
+    for name, trainer_cls, args_cls in PAIR:
+        records = []
+        handler = logging.Handler(logging.WARNING)
+        handler.emit = records.append
+        logging.getLogger("transformers.trainer").addHandler(handler)
+        try:
+            args = args_cls(
+                output_dir=str(tmp_path / name), **factory.pair_args(include_num_input_tokens_seen="non_padding")
+            )
+            trainer = trainer_cls(factory.cls_model(), args, train_dataset=train)
+            trainer.train()
+        finally:
+            logging.getLogger("transformers.trainer").removeHandler(handler)
+        seen[name] = trainer.state.num_input_tokens_seen
+        warnings_of[name] = [r for r in records if "count non-padding tokens" in r.getMessage()]
+    assert seen["hl"] == seen["hf"] == 8 * 16
+    assert len(warnings_of["hl"]) == len(warnings_of["hf"]) == 2  # 8 rows in micro-batches of 4
+
+
 # ---- eval_do_concat_batches, skip_memory_metrics ---------------------------------------------------------------------
 def test_eval_do_concat_batches_false_returns_per_batch_arrays_as_transformers(tmp_path, factory):
     seen = {}

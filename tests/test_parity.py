@@ -134,3 +134,63 @@ def test_parity_with_max_steps_and_epoch_logging(tmp_path, factory):
         _assert_close_rel(a["loss"], b["loss"], 1e-4, "loss")
         _assert_close_rel(a["epoch"], b["epoch"], 1e-9, "epoch")
     assert runs[1][0].state.global_step == 7
+
+
+def _causal_lm(seed: int = 0):
+    import torch
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def _padded_lm_dataset(n: int, seed: int = 0):
+    """Rows of 8 tokens whose labels end in a different amount of padding (-100), so the label items differ between
+    micro-batches and whether position 0 is counted changes the loss."""
+    import datasets
+
+    ids = np.random.default_rng(seed).integers(0, 50, size=(n, 8))
+    labels = [[t if j < 2 + i % 6 else -100 for j, t in enumerate(row)] for i, row in enumerate(ids.tolist())]
+    return datasets.Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels})
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_causal_lm_loss_normalisation_parity(tmp_path, smoothing):
+    """A causal LM whose loss shifts its labels (Llama: ``loss_type`` ForCausalLM) normalises by the items of
+    ``labels[..., 1:]`` over the accumulation cycle, with or without label smoothing (which then gets the count too):
+    transformers' numbers, step for step."""
+    train, evaluation = _padded_lm_dataset(16), _padded_lm_dataset(8, seed=1)
+    extra = {"gradient_accumulation_steps": 2, "label_smoothing_factor": smoothing}
+    runs = [
+        _run(cls, args_cls, tmp_path, name, _causal_lm(), train, evaluation, args=extra)
+        for name, cls, args_cls in (
+            ("hf", transformers.Trainer, transformers.TrainingArguments),
+            ("hl", hflight.Trainer, hflight.TrainingArguments),
+        )
+    ]
+    _compare(*runs)
+
+
+def test_random_order_follows_torch_initial_seed_as_accelerate_draws_it(tmp_path, factory):
+    """The random training order is drawn from ``data_seed``, else from torch's initial seed when the loader is
+    prepared (accelerate's ``SeedableRandomSampler``), not from ``args.seed``: a ``model_init`` that seeds torch itself
+    moves both trainers' orders alike (args.seed 42, model_init seeding 0)."""
+
+    def model_init():
+        import torch
+
+        torch.manual_seed(0)
+        return factory.cls_model(seed=0)
+
+    train = factory.cls_dataset(24)
+    runs = []
+    for library in (transformers, hflight):
+        args = library.TrainingArguments(output_dir=str(tmp_path / library.__name__), per_device_train_batch_size=4,
+                                         max_steps=3, logging_steps=1, report_to="none", save_strategy="no",
+                                         disable_tqdm=True, seed=42, use_cpu=True)  # fmt: skip
+        trainer = library.Trainer(args=args, model_init=model_init, train_dataset=train)
+        trainer.train()
+        runs.append([entry["loss"] for entry in _step_logs(trainer.state.log_history)])
+    assert runs[0] == runs[1]

@@ -259,6 +259,24 @@ def test_save_model_is_loadable_with_from_pretrained(tmp_path, factory):
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("lib", [transformers, hflight])
+def test_save_model_saves_the_collators_tokenizer_without_a_processing_class(tmp_path, factory, lib):
+    """transformers' fallback: no ``processing_class``, a data collator with a ``tokenizer``: that tokenizer is saved
+    beside the model (so the folder loads with ``AutoTokenizer``)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel({"[UNK]": 0, "[PAD]": 1, "hi": 2}, unk_token="[UNK]")),
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+    )
+    collator = transformers.DataCollatorWithPadding(tokenizer)
+    trainer = lib.Trainer(factory.qa_model(), lib.TrainingArguments(str(tmp_path), report_to="none"), collator)
+    trainer.save_model(str(tmp_path / "saved"))
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "saved").get_vocab() == tokenizer.get_vocab()
+
+
 def test_progress_callbacks_follow_disable_tqdm(tmp_path, factory):
     quiet = Trainer(factory.qa_model(), _args(tmp_path, disable_tqdm=True))
     loud = Trainer(factory.qa_model(), _args(tmp_path, disable_tqdm=False))
@@ -297,6 +315,39 @@ def test_predict_without_labels_returns_logits_only(tmp_path, factory):
     output = trainer.predict(data)
     assert output.label_ids is None and output.predictions[0].shape == (10, 24)
     assert "test_loss" not in output.metrics and "test_runtime" in output.metrics
+
+
+def test_label_smoothing_is_disabled_with_a_warning_for_multi_label_classification(tmp_path, factory):
+    """transformers' rule: a multi-label classifier (BCE loss) gets no label smoother, and a UserWarning says so."""
+    model = factory.cls_model()
+    args = _args(tmp_path, label_smoothing_factor=0.1)
+    assert Trainer(model, args).label_smoother is not None
+    model.config.problem_type = "multi_label_classification"
+    with pytest.warns(UserWarning, match="Label smoothing is not compatible with multi-label classification"):
+        assert Trainer(model, args).label_smoother is None
+
+
+class _SkipLogitsRecorder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear, self.seen = nn.Linear(2, 2), []
+
+    def forward(self, x, labels=None, skip_logits=None):
+        self.seen.append(skip_logits)
+        return {"loss": self.linear(x).sum(), "logits": self.linear(x)}
+
+
+def test_prediction_step_asks_liger_models_to_skip_logits_for_a_loss_only_evaluation(tmp_path):
+    """With ``use_liger_kernel`` (set on the arguments object: building it with the flag is the optimizer helpers'
+    part), a loss-only prediction step passes ``skip_logits=True``, as transformers', and not otherwise."""
+    model = _SkipLogitsRecorder()
+    trainer = Trainer(model, _args(tmp_path))
+    batch = {"x": torch.ones(1, 2), "labels": torch.zeros(1)}
+    trainer.prediction_step(model, dict(batch), prediction_loss_only=True)
+    trainer.args.use_liger_kernel = True
+    trainer.prediction_step(model, dict(batch), prediction_loss_only=False)
+    trainer.prediction_step(model, dict(batch), prediction_loss_only=True)
+    assert model.seen == [None, None, True]
 
 
 # ---- bad input -------------------------------------------------------------------------------------------------
@@ -359,6 +410,29 @@ def test_wrong_argument_types_raise(tmp_path, factory, kwargs, error, match):
         Trainer(**base)
 
 
+@pytest.mark.parametrize("lib", [transformers, hflight])
+def test_constructor_refuses_what_transformers_refuses(tmp_path, factory, lib):
+    """An evaluation strategy without an evaluation set, an optimizer given twice, an optimizer for a model that
+    ``model_init`` replaces, a ``model_init`` of two arguments: transformers refuses each when the Trainer is built;
+    so does hflight, with its words."""
+    model = factory.qa_model()
+    args = {"output_dir": str(tmp_path), "report_to": "none"}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="but you didn't pass an `eval_dataset` to `Trainer`"):
+        lib.Trainer(model, lib.TrainingArguments(**args, eval_strategy="steps", eval_steps=1))
+    with pytest.raises(RuntimeError, match="Passing both `optimizers` and `optimizer_cls_and_kwargs`"):
+        lib.Trainer(
+            model,
+            lib.TrainingArguments(**args),
+            optimizers=(optimizer, None),
+            optimizer_cls_and_kwargs=(torch.optim.SGD, {}),
+        )
+    with pytest.raises(RuntimeError, match="Passing a `model_init` is incompatible with providing the `optimizers`"):
+        lib.Trainer(args=lib.TrainingArguments(**args), model_init=lambda: model, optimizers=(optimizer, None))
+    with pytest.raises(RuntimeError, match="model_init should have 0 or 1 argument."):
+        lib.Trainer(args=lib.TrainingArguments(**args), model_init=lambda trial, other: model)
+
+
 def test_model_or_model_init_required():
     with pytest.raises(RuntimeError, match="requires either a `model` or `model_init`"):
         Trainer()
@@ -368,8 +442,8 @@ def test_transformers_training_arguments_are_accepted(tmp_path, factory):
     hf_args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), learning_rate=3e-4, report_to="none")
     trainer = Trainer(factory.qa_model(), hf_args)
     assert isinstance(trainer.args, TrainingArguments) and trainer.args.learning_rate == 3e-4
-    bad = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), use_liger_kernel=True, report_to="none")
-    with pytest.raises(ValueError, match="use_liger_kernel=True"):
+    bad = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), debug="tpu_metrics_debug", report_to="none")
+    with pytest.raises(ValueError, match="debug="):
         Trainer(factory.qa_model(), bad)
 
 
@@ -439,3 +513,40 @@ def test_import_hflight_is_light_and_backends_register_when_used(code):
 
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_with_persistent_workers_each_evaluation_set_keeps_its_loader_as_transformers(tmp_path, factory):
+    """``dataloader_persistent_workers``: transformers keeps one evaluation loader per set (a name of the eval_dataset
+    dict, else "eval"), so that its workers start once; without it every evaluation builds a new loader."""
+    sets = {"a": factory.qa_dataset(8), "b": factory.qa_dataset(8, seed=1)}
+    loaders = {}
+    for library in (transformers, hflight):
+        for persistent in (True, False):
+            args = library.TrainingArguments(output_dir=str(tmp_path / f"{library.__name__}{persistent}"),
+                                             dataloader_num_workers=2, dataloader_persistent_workers=persistent,
+                                             report_to="none", use_cpu=True)  # fmt: skip
+            trainer = library.Trainer(factory.qa_model(), args, eval_dataset=sets)
+            first = {name: trainer.get_eval_dataloader(name) for name in sets}
+            again = {name: trainer.get_eval_dataloader(name) for name in sets}
+            loaders[library.__name__, persistent] = (
+                [first[name] is again[name] for name in sets], first["a"] is first["b"],
+            )  # fmt: skip
+    assert loaders["hflight", True] == loaders["transformers", True] == ([True, True], False)
+    assert loaders["hflight", False] == loaders["transformers", False] == ([False, False], False)
+
+
+def test_a_training_step_called_outside_train_backpropagates_as_transformers(tmp_path, factory):
+    """``trainer.training_step(model, inputs, num_items_in_batch)`` by hand, outside ``train()`` (as transformers' own
+    tests call it): the same loss and gradients as transformers' (whose accelerator's backward is ``loss.backward``)."""
+    data = factory.qa_dataset(4)
+    results = []
+    for library in (transformers, hflight):
+        args = library.TrainingArguments(output_dir=str(tmp_path / library.__name__), report_to="none", use_cpu=True)
+        model = factory.qa_model()
+        trainer = library.Trainer(model, args, train_dataset=data)
+        inputs = next(iter(trainer.get_train_dataloader()))
+        loss = trainer.training_step(model, inputs, len(inputs["input_ids"]))
+        results.append((loss.item(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    (hf_loss, hf_grads), (hl_loss, hl_grads) = results
+    assert hl_loss == hf_loss
+    assert len(hl_grads) == len(hf_grads) > 0 and all(torch.equal(a, b) for a, b in zip(hf_grads, hl_grads))

@@ -50,6 +50,7 @@ OVERRIDE_POINTS: frozenset[str] = frozenset(
         "_get_train_sampler",  # (train_dataset=None)
         "_get_eval_sampler",  # (eval_dataset)
         "_report_to_hp_search",  # (trial, step, metrics): after an evaluation during a search
+        "_tune_save_checkpoint",  # (checkpoint_dir): a Ray Tune trial's checkpoint, reported with its evaluation
         "_push_from_checkpoint",  # (checkpoint_folder): hub_strategy uploads after a checkpoint save
         "_finish_current_push",  # (): wait for the checkpoint uploads still running
         "_load_callback_state",  # (): a resumed run's saved callback states into the callbacks (after the state loaded)

@@ -4,12 +4,14 @@ accelerate 1.15 turns a ``FullyShardedDataParallelPlugin`` into FSDP only for GP
 ``MULTI_XPU``, ...: ``AcceleratorState.__init__``); on the CPU (``use_cpu``, ``MULTI_CPU``) it drops the plugin, so
 transformers' Trainer, given ``--fsdp``, silently trains with DDP. With this folder on ``PYTHONPATH`` (Python imports
 ``sitecustomize`` at start-up), an ``Accelerator`` built with a plugin on ``MULTI_CPU`` takes the state accelerate
-gives a GPU run: ``distributed_type = FSDP`` and the plugin, so the rest (FSDP2 preparation, ``fully_shard`` over gloo,
+gives a GPU run: ``distributed_type = FSDP`` and the plugin (passed by transformers, or built from ``accelerate
+launch``'s ``FSDP_*`` variables as accelerate builds it), so the rest (FSDP2 preparation, ``fully_shard`` over gloo,
 the FSDP checkpoint writers and readers) is accelerate's and transformers' own code. The example script runs as
 written. Used by ``tests/test_sharded_dropin.py``."""
 
 import importlib.abc
 import importlib.util
+import os
 import sys
 
 
@@ -19,6 +21,9 @@ def _patch(accelerate) -> None:
     original = accelerate.Accelerator.__init__
 
     def __init__(self, *args, fsdp_plugin=None, **kwargs):
+        if fsdp_plugin is None and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+            # accelerate launch's FSDP: the plugin accelerate builds from the FSDP_* variables
+            fsdp_plugin = accelerate.utils.FullyShardedDataParallelPlugin()
         original(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
         if fsdp_plugin is not None and self.state.distributed_type == DistributedType.MULTI_CPU:
             self.state.distributed_type = DistributedType.FSDP

@@ -1,8 +1,10 @@
 """Which launcher started this process, as Lightning decides it: ranks, restarts, the job, SLURM's requeue signal.
 
-A multi-process run is launched by torchrun (torch elastic), by ``srun`` (SLURM), by LSF's ``jsrun``, by MPI, or by
+A multi-process run is launched by torchrun (torch elastic; ``accelerate launch`` starts its processes with it), by
+DeepSpeed's launcher (``deepspeed --num_gpus N script.py``), by ``srun`` (SLURM), by LSF's ``jsrun``, by MPI, or by
 Lightning itself (its subprocess launcher). Lightning picks its cluster environment in that order (torch elastic
-first: it can run inside SLURM) and reads the ranks from the launcher's variables; :func:`environment` makes the
+first: it can run inside SLURM; DeepSpeed's launcher, which Lightning does not know, is given to it as an environment
+of its own: :func:`launcher_plugin`) and reads the ranks from the launcher's variables; :func:`environment` makes the
 same choice, so that ``TrainingArguments.world_size``/``process_index``/``local_process_index`` (which decide who
 writes checkpoints and takes the writer lock) agree with Lightning before Lightning exists, whatever launched the
 process (``srun`` sets no ``WORLD_SIZE``/``RANK``).
@@ -25,6 +27,7 @@ May import: nothing of hflight beyond this package (it is below the run, the fac
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 from dataclasses import dataclass
@@ -35,8 +38,10 @@ __all__ = [
     "Ranks",
     "environment",
     "job_identity",
+    "deepspeed_launched",
     "launched_layout",
     "launched_world_size",
+    "launcher_plugin",
     "parse_requeue_signal",
     "ranks",
     "restart",
@@ -73,13 +78,28 @@ def slurm_detected() -> bool:
     return _is_srun_used() and not _torchelastic()
 
 
+#: what DeepSpeed's per-node launcher (``deepspeed.launcher.launch``, which the ``deepspeed`` command runs on each
+#: node) sets beside torch's ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/``MASTER_*``: the node's rank, the nodes, and the
+#: processes on this node (it also passes ``--local_rank=N`` to the script)
+DEEPSPEED_LAUNCH_VARIABLES = ("CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE")
+
+
+def deepspeed_launched() -> bool:
+    """DeepSpeed's launcher started this process (not torchrun: ``accelerate launch`` runs DeepSpeed under torchrun)."""
+    names = (*DEEPSPEED_LAUNCH_VARIABLES, "RANK", "LOCAL_RANK", "WORLD_SIZE")
+    return all(name in os.environ for name in names) and not _torchelastic()
+
+
 def environment() -> str:
-    """The cluster environment Lightning will choose: ``torchelastic``, ``slurm``, ``lsf``, ``mpi``, or ``lightning``
-    (no external launcher: Lightning launches the other processes itself, or there is one process)."""
+    """The cluster environment Lightning will choose: ``torchelastic``, ``deepspeed`` (DeepSpeed's launcher, given to
+    Lightning by :func:`launcher_plugin`), ``slurm``, ``lsf``, ``mpi``, or ``lightning`` (no external launcher:
+    Lightning launches the other processes itself, or there is one process)."""
     from lightning.fabric.plugins.environments import LSFEnvironment, MPIEnvironment
 
     if _torchelastic():
         return "torchelastic"
+    if deepspeed_launched():
+        return "deepspeed"
     if slurm_detected():
         return "slurm"
     if LSFEnvironment.detect():
@@ -104,6 +124,8 @@ def ranks(num_nodes: int = 1) -> Ranks | None:
     kind = environment()
     if kind == "torchelastic":
         return Ranks(_int("WORLD_SIZE", 1), _int("RANK"), _int("LOCAL_RANK"), _int("GROUP_RANK"))
+    if kind == "deepspeed":
+        return Ranks(_int("WORLD_SIZE", 1), _int("RANK"), _int("LOCAL_RANK"), _int("CROSS_RANK"))
     if kind == "slurm":
         return Ranks(_int("SLURM_NTASKS", 1), _int("SLURM_PROCID"), _int("SLURM_LOCALID"), _int("SLURM_NODEID"))
     if kind in ("lsf", "mpi"):
@@ -124,18 +146,19 @@ class Layout:
 
 
 def launched_layout() -> Layout | None:
-    """The processes per node and the nodes torchrun or srun started, when they started more than one process (None
-    otherwise, and for Lightning's own launch, which reads ``devices``/``num_nodes`` instead of setting them).
+    """The processes per node and the nodes torchrun, DeepSpeed's launcher or srun started, when they started more
+    than one process (None otherwise, and for Lightning's own launch, which reads ``devices``/``num_nodes`` instead of
+    setting them).
 
     transformers' ``Trainer`` under torchrun trains data-parallel over every process the launcher started, with
     nothing named; Lightning does so only when ``devices`` x ``num_nodes`` equals that world, so hflight derives them
-    from the launcher: torchrun's ``LOCAL_WORLD_SIZE`` and ``WORLD_SIZE``, srun's ``SLURM_NTASKS_PER_NODE`` (else
-    ``SLURM_NTASKS`` / ``SLURM_NNODES``) and ``SLURM_NNODES``.
+    from the launcher: torchrun's ``LOCAL_WORLD_SIZE`` and ``WORLD_SIZE``, DeepSpeed's ``LOCAL_SIZE`` and
+    ``WORLD_SIZE``, srun's ``SLURM_NTASKS_PER_NODE`` (else ``SLURM_NTASKS`` / ``SLURM_NNODES``) and ``SLURM_NNODES``.
     """
     kind = environment()
-    if kind == "torchelastic":
+    if kind in ("torchelastic", "deepspeed"):
         world = _int("WORLD_SIZE", 1)
-        per_node = _int("LOCAL_WORLD_SIZE", world) or world
+        per_node = _int("LOCAL_WORLD_SIZE" if kind == "torchelastic" else "LOCAL_SIZE", world) or world
     elif kind == "slurm":
         world = _int("SLURM_NTASKS", 1)
         nodes = _int("SLURM_NNODES", 0) or _int("SLURM_JOB_NUM_NODES", 1) or 1
@@ -192,6 +215,8 @@ def job_identity() -> str | None:
     if kind == "torchelastic":
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", "?")
         return f"torchrun {run_id} at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    if kind == "deepspeed":
+        return f"deepspeed launch at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
     if kind in ("lsf", "mpi"):
         return f"{kind} job {os.environ.get('LSB_JOBID') or os.environ.get('OMPI_MCA_ess_base_jobid', '?')}"
     if _int("WORLD_SIZE", 1) > 1 and "MASTER_PORT" in os.environ:
@@ -235,3 +260,35 @@ def slurm_plugin(requeue_signal: Any) -> Any:
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
     return SLURMEnvironment(auto_requeue=False, requeue_signal=parse_requeue_signal(requeue_signal) or signal.SIGUSR1)
+
+
+def launcher_plugin(requeue_signal: Any) -> Any:
+    """The cluster environment Lightning is given for the launcher that started this process, where its own choice
+    would be wrong: SLURM's with hflight's requeue (:func:`slurm_plugin`), or, for DeepSpeed's launcher, Lightning's
+    environment for processes started outside it with the node's rank from ``CROSS_RANK`` (Lightning reads
+    ``NODE_RANK``, which DeepSpeed does not set). None: Lightning's own choice stands."""
+    if deepspeed_launched():
+        return _deepspeed_environment()()
+    return slurm_plugin(requeue_signal)
+
+
+@functools.cache
+def _deepspeed_environment() -> type:
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    class DeepSpeedLauncherEnvironment(LightningEnvironment):
+        """Processes started by DeepSpeed's launcher: ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/``MASTER_*`` as torch's,
+        the node's rank in ``CROSS_RANK``."""
+
+        @staticmethod
+        def detect() -> bool:
+            return deepspeed_launched()
+
+        def node_rank(self) -> int:
+            return _int("CROSS_RANK")
+
+        def teardown(self) -> None:
+            """Nothing: the launcher's variables are not Lightning's to remove (Lightning's environment drops
+            ``WORLD_SIZE``, and the next run of the script, an ``evaluate()`` after ``train()``, must see it)."""
+
+    return DeepSpeedLauncherEnvironment

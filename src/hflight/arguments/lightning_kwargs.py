@@ -180,9 +180,9 @@ def lightning_trainer_kwargs(
         "default_root_dir": args.output_dir,
         "log_every_n_steps": 1,
     }
-    slurm = cluster.slurm_plugin(getattr(args, "requeue_signal", "SIGUSR1"))
-    if slurm is not None:  # under srun: Lightning's SLURM environment, its auto-requeue off (hflight requeues)
-        kwargs["plugins"] = [slurm]
+    launcher = cluster.launcher_plugin(getattr(args, "requeue_signal", "SIGUSR1"))
+    if launcher is not None:  # srun: SLURM's environment, its auto-requeue off (hflight requeues); DeepSpeed's launcher
+        kwargs["plugins"] = [launcher]
     return kwargs
 
 

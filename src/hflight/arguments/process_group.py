@@ -43,7 +43,7 @@ from hflight.arguments import cluster
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["connect", "default_backend", "end", "end_at_exit", "gloo_worker_threads"]
+__all__ = ["connect", "connect_strategy", "default_backend", "end", "end_at_exit", "gloo_worker_threads"]
 
 #: torchrun's store key under which rank 0 publishes the process-group store of the attempt.
 ELASTIC_STORE_KEY = "hflight/process_group_store"
@@ -68,32 +68,45 @@ def connect(backend: str, timeout: datetime.timedelta | None = None) -> bool:
     if launched is None or launched.world_size <= 1 or not dist.is_available() or dist.is_initialized():
         return False
     timeout = timeout or DEFAULT_TIMEOUT
+    rank, world_size = launched.global_rank, launched.world_size
     if _uses_agent_store():
-        store = _attempt_store(launched.global_rank, launched.world_size, timeout)
-        dist.init_process_group(
-            backend, store=store, rank=launched.global_rank, world_size=launched.world_size, timeout=timeout
-        )
+        store = _attempt_store(rank, world_size, timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     else:
-        from lightning.fabric.utilities.distributed import _init_dist_connection
-
-        _init_dist_connection(_cluster_environment(), backend, timeout=timeout)
-    logger.debug(f"Connected rank {launched.global_rank} of {launched.world_size} ({backend})")
+        _rendezvous_address()
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout)
+    logger.debug(f"Connected rank {rank} of {world_size} ({backend})")
     end_at_exit()
     return True
 
 
-def _cluster_environment() -> Any:
-    """Lightning's cluster environment of the launcher that started this process (it knows the launcher's rendezvous
-    variables: srun's node list, LSF's and MPI's hosts)."""
+def connect_strategy(strategy: Any) -> bool:
+    """:func:`connect` with a Lightning strategy's backend (its ``process_group_backend``, else :func:`default_backend`
+    for its device) and timeout, before the strategy would connect; Lightning keeps the group."""
+    backend = default_backend(getattr(strategy, "root_device", None), getattr(strategy, "_process_group_backend", None))
+    return connect(backend, getattr(strategy, "_timeout", None))
+
+
+def _rendezvous_address() -> None:
+    """``MASTER_ADDR``/``MASTER_PORT`` as Lightning's cluster environment of the launcher finds them, where the launcher
+    set none (srun's node list, LSF's and MPI's hosts); torchrun, accelerate's and DeepSpeed's launchers set both."""
+    if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+        return
     from lightning.fabric.plugins import environments
 
     chosen = {
-        "torchelastic": environments.TorchElasticEnvironment,
         "slurm": lambda: environments.SLURMEnvironment(auto_requeue=False),
         "lsf": environments.LSFEnvironment,
         "mpi": environments.MPIEnvironment,
-    }.get(cluster.environment(), environments.LightningEnvironment)
-    return chosen()
+    }.get(cluster.environment())
+    if chosen is None:
+        raise RuntimeError(
+            f"The processes were launched ({cluster.environment()}) without MASTER_ADDR and MASTER_PORT: set both to "
+            "the address and a free port of the node of global rank 0."
+        )
+    environment = chosen()
+    os.environ.setdefault("MASTER_ADDR", str(environment.main_address))
+    os.environ.setdefault("MASTER_PORT", str(environment.main_port))
 
 
 # ---- the end ---------------------------------------------------------------------------------------------------------

@@ -4,7 +4,9 @@ The class subclasses ``transformers.TrainingArguments``, so every field (name, t
 method of transformers' is hflight's by construction, and transformers' own ``__post_init__`` normalises, derives and
 validates. hflight adds, in this order around it:
 
-1. type checks that name the field (command-line strings and OmegaConf containers are converted first);
+1. type checks that name the field (command-line strings and OmegaConf containers are converted first), then the
+   variables of accelerate's launcher (``accelerate launch``) as the fields they stand for
+   (``hflight.arguments.launcher_env``);
 2. the choices hflight can run (``optim``, ``train_sampling_strategy``, Lightning's ``accelerator``/``strategy``);
 3. transformers' ``__post_init__``, with the device answered by Lightning's side (no accelerate ``PartialState`` is
    created: Lightning launches and connects the processes);
@@ -40,7 +42,7 @@ from transformers.debug_utils import DebugOption
 from transformers.trainer_utils import HubStrategy, IntervalStrategy, SaveStrategy, SchedulerType
 from transformers.training_args import OptimizerNames, ParallelMode, trainer_log_levels
 
-from hflight.arguments import cluster, process_group
+from hflight.arguments import cluster, launcher_env, process_group
 from hflight.arguments.deepspeed import load_deepspeed_config
 from hflight.arguments.registry import register_backends
 
@@ -59,15 +61,17 @@ __all__ = [
     "TrainingArguments",
     "coerce_training_args",
     "config_schema",
+    "configured_accelerate_state",
+    "gradient_accumulation_plugin_kwargs",
     "register_parser_types",
     "supported_accelerators",
     "supported_optimizers",
     "supported_strategies",
 ]
 
-#: ``optim`` values hflight can build (see ``hflight.arguments.optimizers``); all are transformers ``OptimizerNames``
-# values.
-SUPPORTED_OPTIMIZERS: tuple[str, ...] = ("adamw_torch", "adamw_torch_fused", "adafactor", "sgd", "adagrad", "rmsprop")
+#: ``optim`` values hflight builds: every transformers ``OptimizerNames`` value, by transformers' own
+#: ``get_optimizer_cls_and_kwargs`` (see ``hflight.arguments.optimizers``; backends may register more).
+SUPPORTED_OPTIMIZERS: tuple[str, ...] = tuple(member.value for member in OptimizerNames)
 #: ``train_sampling_strategy`` values hflight implements (transformers also has "batch_rebalance").
 SUPPORTED_TRAIN_SAMPLING_STRATEGIES: tuple[str, ...] = ("random", "sequential", "group_by_length")
 #: ``accelerator`` names accepted by hflight (Lightning's names).
@@ -105,10 +109,11 @@ def supported_accelerators() -> tuple[str, ...]:
 
 
 def supported_optimizers() -> tuple[str, ...]:
-    """Valid ``optim`` names: the optimizers ``hflight.arguments.optimizers`` can build (backends may add their own)."""
+    """Valid ``optim`` names: transformers' ``OptimizerNames`` and the optimizers backends registered (ONNX Runtime's
+    "adamw_ort_fused")."""
     from hflight.arguments.optimizers import OPTIMIZERS
 
-    return tuple(OPTIMIZERS)
+    return tuple(dict.fromkeys((*SUPPORTED_OPTIMIZERS, *OPTIMIZERS)))
 
 
 @dataclasses.dataclass
@@ -127,7 +132,8 @@ class TrainingArguments(HFTrainingArguments):
     ``Accelerator``), ``devices`` ("auto", a count, "0,1" or a list of indices; "2" becomes ``2``), ``strategy`` (see
     ``supported_strategies()``, or a Lightning ``Strategy``) and ``num_nodes``.
 
-    Wrong types raise ``TypeError`` and unknown choices ``ValueError``, each naming the field.
+    Wrong types raise ``TypeError`` (also a ``ValueError``, as transformers raises) and unknown choices
+    ``ValueError``, each naming the field.
     """
 
     accelerator: str = dataclasses.field(
@@ -170,6 +176,7 @@ class TrainingArguments(HFTrainingArguments):
 
     def __post_init__(self) -> None:
         _coerce_field_types(self)
+        launcher_env.apply(self, lambda: resolved_device_type(self))  # accelerate launch's variables
         _normalise_hflight_values(self)
         for name, (enum_cls, choices) in _CHOICES.items():
             setattr(self, name, _check_choice(name, getattr(self, name), enum_cls, choices()))
@@ -187,6 +194,7 @@ class TrainingArguments(HFTrainingArguments):
         if backend_optim is not None:
             self.optim = backend_optim
         _reject_unsupported(self)
+        _check_accelerator_config(self)
         _check_save_async(self)
 
     def _validate_args(self) -> None:
@@ -203,11 +211,15 @@ class TrainingArguments(HFTrainingArguments):
     # ---- devices and processes: Lightning's side, not accelerate's -------------------------------------------------
     @cached_property
     def _setup_devices(self) -> torch.device:
-        """The device of this process as Lightning will use it (no accelerate state is created)."""
-        self.distributed_state = None
-        if hasattr(self.accelerator_config, "pop"):  # as transformers' setup: accelerate's switch leaves the config
-            self.accelerator_config.pop("use_configured_state", False)
-        device = _device_for(self)
+        """The device of this process as Lightning will use it (no accelerate state is created); with
+        ``accelerator_config['use_configured_state']``, the device of the accelerate state the user made."""
+        self.distributed_state = configured_accelerate_state(self)
+        if self.distributed_state is not None:
+            device = self.distributed_state.device
+            if self.accelerator == "auto":  # Lightning runs where the configured state is
+                self.accelerator = {"cpu": "cpu", "cuda": "gpu", "mps": "mps"}.get(device.type, "auto")
+        else:
+            device = _device_for(self)
         self._n_gpu = 1 if device.type == "cuda" else 0
         if self.deepspeed and cluster.launched_world_size() not in (None, 1):
             _connect_for_deepspeed(self, device)
@@ -392,8 +404,18 @@ def _extra_types() -> dict[str, tuple[type, ...]]:
     with contextlib.suppress(ImportError):
         from transformers.trainer_pt_utils import AcceleratorConfig
 
-        extra["accelerator_config"] = (AcceleratorConfig,)
+        extra["accelerator_config"] = (AcceleratorConfig, type)  # a class: transformers' own NotImplementedError
     return extra
+
+
+class ArgumentTypeError(TypeError, ValueError):
+    """A field given a value of the wrong type. A ``TypeError``, and a ``ValueError`` as transformers' own checks
+    raise for the same values (``except ValueError`` written for transformers still catches it)."""
+
+
+#: Integer fields whose value transformers checks with ``isinstance(value, int)`` itself (raising ``ValueError`` for a
+#: float): not converted here, so its check sees the value as given.
+_EXACT_INT_FIELDS = frozenset({"torch_empty_cache_steps"})
 
 
 def _coerce_field_types(args: TrainingArguments) -> None:
@@ -404,6 +426,8 @@ def _coerce_field_types(args: TrainingArguments) -> None:
     values = vars(args)
     for name, exact in _exact_types(type(args)).items():
         value = values[name]
+        if name in _EXACT_INT_FIELDS and isinstance(value, float):
+            continue
         if type(value) not in exact:
             setattr(args, name, _check_type(name, value, hints[name]))
 
@@ -508,43 +532,98 @@ def _choice_lookup(enum_cls: type | None, choices: tuple[str, ...]) -> dict[str,
     return lookup
 
 
-def _default_accelerator_config(args: TrainingArguments) -> bool:
-    value = args.accelerator_config
-    if value is None:
-        return True
-
-    # transformers' device setup pops `use_configured_state` (an accelerate-only switch) from the config.
-    return _without_configured_state(value) == _default_accelerator_settings()
-
-
-def _without_configured_state(config: Any) -> dict[str, Any]:
-    return {k: v for k, v in config.to_dict().items() if k != "use_configured_state"}
+# ---- accelerator_config: accelerate's settings, honoured by hflight.run.loaders and trainer.accelerator -------------
+#: accelerate's ``GradientAccumulationPlugin`` fields and defaults: the keys ``gradient_accumulation_kwargs`` takes.
+GRADIENT_ACCUMULATION_KWARGS: dict[str, Any] = {
+    "num_steps": None,
+    "adjust_scheduler": True,
+    "sync_with_dataloader": True,
+    "sync_each_batch": False,
+}
 
 
-@functools.cache
-def _default_accelerator_settings() -> dict[str, Any]:
+def _check_accelerator_config(args: TrainingArguments) -> None:
+    """``accelerator_config`` as transformers makes it (an ``AcceleratorConfig``; without accelerate installed
+    transformers leaves it as given), and its ``gradient_accumulation_kwargs`` keys checked: transformers hands them
+    to accelerate's ``GradientAccumulationPlugin`` when the ``Trainer`` is built, which refuses unknown ones."""
     from transformers.trainer_pt_utils import AcceleratorConfig
 
-    return _without_configured_state(AcceleratorConfig())
+    config = args.accelerator_config
+    if config is None or isinstance(config, dict):
+        config = args.accelerator_config = AcceleratorConfig(**(config or {}))
+    elif isinstance(config, str):
+        config = args.accelerator_config = AcceleratorConfig.from_json_file(config)
+    kwargs = config.gradient_accumulation_kwargs
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, dict):
+        raise TypeError(f"accelerator_config['gradient_accumulation_kwargs'] must be a dict, got {kwargs!r}")
+    unknown = sorted(set(kwargs) - set(GRADIENT_ACCUMULATION_KWARGS))
+    if unknown:
+        raise TypeError(
+            f"accelerator_config['gradient_accumulation_kwargs'] has unknown keys {unknown}: accelerate's "
+            f"GradientAccumulationPlugin takes {', '.join(GRADIENT_ACCUMULATION_KWARGS)}"
+        )
+    steps = kwargs.get("num_steps")
+    if "num_steps" in kwargs and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise ValueError(
+            f"accelerator_config['gradient_accumulation_kwargs']['num_steps'] must be a positive integer, got {steps!r}"
+        )
+
+
+def gradient_accumulation_plugin_kwargs(args: Any) -> dict[str, Any]:
+    """What transformers' ``Trainer`` does with ``gradient_accumulation_kwargs`` when it is built
+    (``create_accelerator_and_postprocess``): ``num_steps`` becomes ``args.gradient_accumulation_steps`` (a
+    ``ValueError`` when that is set above 1 too), and accelerate's plugin gets ``num_steps=1`` (transformers
+    accumulates itself). Returns the plugin's kwargs as accelerate keeps them: those that differ from its defaults.
+    (transformers also writes ``num_steps=1`` into the dict itself, so that a second ``Trainer`` on the same arguments
+    raises; hflight leaves the dict as given.)"""
+    kwargs = dict(getattr(args.accelerator_config, "gradient_accumulation_kwargs", None) or {})
+    if "num_steps" in kwargs:
+        if args.gradient_accumulation_steps not in (1, kwargs["num_steps"]):
+            raise ValueError(
+                "The `AcceleratorConfig`'s `num_steps` is set but `gradient_accumulation_steps` is greater than 1 in "
+                "the passed `TrainingArguments`If using the passed `AcceleratorConfig` is desired, do not set the "
+                "`TrainingArguments` `gradient_accumulation_steps`."
+            )
+        args.gradient_accumulation_steps = kwargs["num_steps"]
+    kwargs["num_steps"] = 1
+    return {key: value for key, value in kwargs.items() if value != GRADIENT_ACCUMULATION_KWARGS[key]}
+
+
+def configured_accelerate_state(args: TrainingArguments) -> Any:
+    """``accelerator_config['use_configured_state']`` (taken out of the config, as transformers does): the accelerate
+    state the user made before the arguments, else None. "Made" means an accelerate ``PartialState`` exists in this
+    process (``PartialState()``, ``AcceleratorState()`` or ``Accelerator()`` create one); hflight then runs on its
+    device, and Lightning's strategy joins the process group it started. transformers' errors: none made
+    (``ValueError``), one not made for DeepSpeed while ``deepspeed`` is set (``RuntimeError``)."""
+    config = args.accelerator_config
+    if not hasattr(config, "pop") or not config.pop("use_configured_state", False):
+        return None
+    try:
+        from accelerate.state import PartialState
+        from accelerate.utils import DistributedType
+    except ImportError:
+        PartialState = None  # noqa: N806 - accelerate's class, absent
+    if PartialState is None or PartialState._shared_state == {}:
+        raise ValueError(
+            "Passing `'use_configured_state':True` to the AcceleratorConfig requires a pre-configured "
+            "`AcceleratorState` or `PartialState` to be defined before calling `TrainingArguments`. (hflight: create "
+            "accelerate's `PartialState()` or `Accelerator()` first; `pip install accelerate`.)"
+        )
+    state = PartialState(cpu=args.use_cpu)
+    if args.deepspeed and state.distributed_type != DistributedType.DEEPSPEED:
+        raise RuntimeError(
+            "Tried to use an already configured `Accelerator` or `PartialState` that was not initialized for "
+            "DeepSpeed, but also passed in a `deepspeed` configuration to the `TrainingArguments`. Please set "
+            "`use_configured_state:False` instead or setup your `Accelerator` or `PartialState` properly."
+        )
+    return state
 
 
 #: transformers fields that have no Lightning equivalent: field -> (still at its default?, what to do instead). Set to
 #: anything else, they raise ``ValueError`` (all named at once) when the arguments are built.
 UNSUPPORTED: dict[str, tuple[Callable[[TrainingArguments], bool], str]] = {
-    "optim_target_modules": (
-        lambda a: a.optim_target_modules is None,
-        f"it only configures GaLore/APOLLO-style optimizers, and hflight builds {', '.join(SUPPORTED_OPTIMIZERS)}",
-    ),
-    "use_liger_kernel": (
-        lambda a: not a.use_liger_kernel,
-        "apply Liger kernels to the model before creating the Trainer (liger_kernel.transformers)",
-    ),
-    "liger_kernel_config": (lambda a: a.liger_kernel_config is None, "see use_liger_kernel"),
-    "accelerator_config": (
-        _default_accelerator_config,
-        "hflight has no accelerate Accelerator: batches are split and dispatched by Lightning's strategy "
-        "(set `strategy`/`devices`)",
-    ),
     "parallelism_config": (
         lambda a: a.parallelism_config is None or _data_parallel_only(a.parallelism_config),
         "tensor, context and sequence parallelism (tp_size, cp_size, sp_size > 1) need a model's tensor-parallel plan "
@@ -696,7 +775,7 @@ def _check_type(name: str, value: Any, hint: Any) -> Any:
     converted = _convert(value, hint)
     if converted is _INVALID:
         expected = " or ".join([_describe(hint), *(t.__name__ for t in extra)])
-        raise TypeError(f"TrainingArguments.{name} expects {expected}, got {value!r} ({type(value).__name__})")
+        raise ArgumentTypeError(f"TrainingArguments.{name} expects {expected}, got {value!r} ({type(value).__name__})")
     return converted
 
 
@@ -747,6 +826,8 @@ def _to_enum(value: Any, enum_cls: type[Enum]) -> Any:
 def _to_bool(value: Any) -> Any:
     if isinstance(value, bool):
         return value
+    if isinstance(value, numbers.Integral) and value in (0, 1):  # transformers takes 0/1 (truthiness) for a flag
+        return bool(value)
     if isinstance(value, str) and value.lower() in _TRUE_STRINGS + _FALSE_STRINGS:
         return value.lower() in _TRUE_STRINGS
     return _INVALID
@@ -768,11 +849,19 @@ def _to_float(value: Any) -> Any:
     return value if isinstance(value, (int, float)) else float(value)
 
 
+def _to_str(value: Any) -> Any:
+    """A string, or a path (``pathlib.Path``, any ``os.PathLike``) as its string: transformers takes paths where it
+    documents ``str`` (``output_dir`` through ``os.path.expanduser``, file settings through ``open``)."""
+    if isinstance(value, str):
+        return value
+    return os.fspath(value) if isinstance(value, os.PathLike) else _INVALID
+
+
 _SCALAR_CONVERTERS: dict[type, Callable[[Any], Any]] = {
     bool: _to_bool,
     int: _to_int,
     float: _to_float,
-    str: lambda value: value if isinstance(value, str) else _INVALID,
+    str: _to_str,
 }
 
 
@@ -801,12 +890,13 @@ def _parse_json_dict(name: str, text: str) -> dict[str, Any]:
     """A JSON object string as a dict, with string values converted as transformers does."""
     from transformers.training_args import _convert_str_dict
 
+    message = f"TrainingArguments.{name} expects a dict or a JSON object string, got {text!r}"
     try:
         value = json.loads(text)
     except json.JSONDecodeError as err:
-        raise TypeError(f"TrainingArguments.{name} expects a dict or a JSON object string, got {text!r}") from err
+        raise ArgumentTypeError(message) from err
     if not isinstance(value, dict):
-        raise TypeError(f"TrainingArguments.{name} expects a dict or a JSON object string, got {text!r}")
+        raise ArgumentTypeError(message)
     return _convert_str_dict(value)
 
 

@@ -20,9 +20,10 @@ run on a shallow copy, so a subclass's override counts); once built, against the
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import numbers
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -61,12 +62,42 @@ def _is_number(value: Any) -> bool:
 # ---- what the run will build ---------------------------------------------------------------------------------------
 def planned_optimizer(facade: TrainerSurface) -> torch.optim.Optimizer:
     """The optimizer the fit will use: the facade's, or one built the way the fit builds it (``create_optimizer``,
-    overrides included) on a shallow copy of the facade, which is then dropped."""
+    overrides included) on a shallow copy of the facade, which is then dropped (with the gradient hooks building it
+    put on the model's parameters: LOMO's, the layer-wise optimizers' of GaLore/APOLLO)."""
     if facade.optimizer is not None:
         return facade.optimizer
     probe = copy.copy(facade)
     probe.optimizer = None
-    return probe.create_optimizer()
+    with _gradient_hooks_removed_after():
+        return probe.create_optimizer()
+
+
+_HOOK_REGISTRATIONS = ("register_hook", "register_post_accumulate_grad_hook")
+
+
+@contextlib.contextmanager
+def _gradient_hooks_removed_after() -> Iterator[None]:
+    """Gradient hooks registered on any tensor inside the block are removed when it ends (the probe optimizer's hooks
+    would otherwise update the parameters beside the real optimizer's)."""
+    handles = []
+    originals = {name: getattr(torch.Tensor, name) for name in _HOOK_REGISTRATIONS}
+
+    def recorded(original: Any) -> Any:
+        def register(tensor: torch.Tensor, hook: Any) -> Any:
+            handles.append(original(tensor, hook))
+            return handles[-1]
+
+        return register
+
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, recorded(original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+        for handle in handles:
+            handle.remove()
 
 
 def planned_scheduler(facade: TrainerSurface, optimizer: torch.optim.Optimizer, num_training_steps: int) -> Any:

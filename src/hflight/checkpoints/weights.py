@@ -34,6 +34,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
+from transformers.utils import logging as hf_logging
 
 from hflight.checkpoints.files import IncompleteCheckpointError, UnsafeCheckpointFile, regular_file, relative_name
 from hflight.checkpoints.sharded import (
@@ -119,6 +120,20 @@ def weights_in_use(folder: str | os.PathLike) -> list[str]:
 
 #: transformers' ``TRAINING_ARGS_NAME``: the arguments, pickled, for transformers' tools (hflight never loads it).
 TRAINING_ARGS_NAME = "training_args.bin"
+
+
+_hf_logger = hf_logging.get_logger("transformers.trainer")  # transformers' own line, as its Trainer writes it
+
+
+def saved_processor(processing_class: Any, data_collator: Any) -> Any:
+    """What ``Trainer._save`` saves beside the model: the processing class, else the data collator's tokenizer
+    (transformers' fallback, with its log line), else nothing."""
+    if processing_class is not None:
+        return processing_class
+    tokenizer = getattr(data_collator, "tokenizer", None)
+    if data_collator is not None and tokenizer is not None:
+        _hf_logger.info("Saving Trainer.data_collator.tokenizer by default as Trainer.processing_class is `None`")
+    return tokenizer
 
 
 def save_model_files(

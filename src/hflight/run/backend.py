@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hflight.arguments.optimizers import step_taken_in_backward, updates_in_backward
 from hflight.checkpoints.sharded import ProcessZeroState
 
 if TYPE_CHECKING:
@@ -67,13 +68,16 @@ class HFBackend:
         """The loader the loop iterates (a backend may re-batch it, e.g. into poptorch's combined batches)."""
         return loader
 
-    def hf_micro_batch(self, strategy: Any, last: bool) -> contextlib.AbstractContextManager[Any]:
+    def hf_micro_batch(
+        self, strategy: Any, last: bool, sync_each_batch: bool = False
+    ) -> contextlib.AbstractContextManager[Any]:
         """The context of one micro-batch's forward and backward; ``last``: it ends its accumulation cycle. Those
         before the last keep their gradients local, added to the process's own without a collective (DDP's
         ``no_sync``, which accelerate's ``accumulate`` enters, through Lightning's ``block_backward_sync``); the last
-        synchronises the sum once."""
+        synchronises the sum once. ``sync_each_batch`` (accelerator_config's ``gradient_accumulation_kwargs``):
+        every micro-batch synchronises, as transformers then enters no ``no_sync``."""
         block = getattr(strategy, "block_backward_sync", None)
-        return block() if block is not None and not last else contextlib.nullcontext()
+        return block() if block is not None and not (last or sync_each_batch) else contextlib.nullcontext()
 
     def hf_configure_optimizer(self, facade: TrainerSurface) -> None:
         """Called once the facade built its optimizer and scheduler for a fit (a backend may convert them)."""
@@ -83,8 +87,14 @@ class HFBackend:
         return model
 
     def hf_optimizer_step(self, module: L.LightningModule) -> bool:
-        """One optimizer step on the host; False when mixed precision skipped it (inf/NaN gradients)."""
+        """One optimizer step on the host; False when mixed precision skipped it (inf/NaN gradients). An optimizer
+        that updated the parameters during the backward pass (LOMO, layer-wise GaLore/APOLLO) takes no step, as in
+        transformers: clipping and ``on_pre_optimizer_step`` run all the same."""
         optimizer = module.optimizers()
+        if updates_in_backward(optimizer.optimizer):
+            module.on_before_optimizer_step(optimizer.optimizer)
+            step_taken_in_backward(module.facade.lr_scheduler)
+            return True
         scaler = getattr(module.trainer.precision_plugin, "scaler", None)
         scale_before = scaler.get_scale() if scaler is not None else None
         # Clipping and on_pre_optimizer_step run inside step(), in on_before_optimizer_step: the one point

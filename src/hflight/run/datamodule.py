@@ -1,11 +1,8 @@
 """Data side of a run: samplers, accumulation cycles and the LightningDataModule around the facade's loaders.
 
-Three pieces:
+The pieces (the samplers are ``hflight.run.samplers``', how a loader is dealt to the processes
+``hflight.run.loaders``'):
 
-- ``EpochSeededRandomSampler`` and ``ShardedBatchSampler``: the training order is a permutation drawn from
-  ``seed + epoch``, so every run, and every resume, sees the same order without restoring RNG state; under
-  several processes each rank takes every ``world_size``-th batch (as accelerate shards), so gathering batch by
-  batch restores the dataset order.
 - ``AccumulationCycles``: wraps the training loader and reads ``gradient_accumulation_steps`` batches ahead,
   as transformers' ``get_batch_samples`` does (plus one batch, as accelerate's loader reads one ahead), so every
   micro-batch knows the size of its cycle and the number of label items in it (the loss normaliser). Lightning
@@ -18,98 +15,30 @@ Three pieces:
   the one that launches the processes (Lightning's subprocess launcher), the launching process built it for one
   process while each launched rank built its shard, so it is re-dealt after the launch, as accelerate's
   ``prepare`` shards a loader.
+- ``to_device``: a batch's tensors on the device, with accelerate's ``non_blocking`` setting.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Callable, Iterator, Sized
+from collections.abc import Callable, Iterator, Mapping, Sized
 from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
-from torch.utils.data import BatchSampler, DataLoader, Sampler
+from torch.utils.data import IterableDataset
 
 from hflight.checkpoints.parts import rng_states
 from hflight.run.backend import StepGeometry, backend_of
+from hflight.run.loaders import shard_loader
+from hflight.run.samplers import (  # noqa: F401 (EpochSeededRandomSampler, ShardedBatchSampler: their former home)
+    EpochSeededRandomSampler,
+    ShardedBatchSampler,
+    check_even_shards,
+)
 from hflight.surface import RunView, TrainerSurface
-
-
-class EpochSeededRandomSampler(Sampler[int]):
-    """A random permutation of ``range(length)`` drawn from a generator seeded with ``seed + epoch``.
-
-    Example:
-        >>> sampler = EpochSeededRandomSampler(4, seed=0)
-        >>> sampler.set_epoch(1)
-        >>> sorted(sampler)
-        [0, 1, 2, 3]
-    """
-
-    def __init__(self, length: int, seed: int) -> None:
-        self.length = length
-        self.seed = seed
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self) -> Iterator[int]:
-        generator = torch.Generator()
-        generator.manual_seed(self.seed + self.epoch)
-        yield from torch.randperm(self.length, generator=generator).tolist()
-
-    def __len__(self) -> int:
-        return self.length
-
-
-class ShardedBatchSampler(Sampler[list[int]]):
-    """Batches of ``sampler`` dealt round-robin to ``num_replicas`` ranks, as accelerate shards them.
-
-    Every rank gets the same number of full batches, so collectives (gathering evaluation outputs) see equal
-    shapes: a short final batch is filled with samples from the start of the order, and ranks left without a
-    batch repeat batches from the start. Gathering batch by batch then yields the sampler's order followed by the
-    repeats, which the evaluation loop cuts off at the dataset length.
-    """
-
-    def __init__(self, sampler: Sampler[int], batch_size: int, drop_last: bool, num_replicas: int, rank: int):
-        if not 0 <= rank < num_replicas:
-            raise ValueError(f"rank must be in [0, {num_replicas}), got {rank}")
-        self.sampler = sampler
-        self.batch_size = batch_size
-        self.drop_last = drop_last
-        self.num_replicas = num_replicas
-        self.rank = rank
-
-    def set_epoch(self, epoch: int) -> None:
-        if hasattr(self.sampler, "set_epoch"):
-            self.sampler.set_epoch(epoch)
-
-    def _batches(self) -> list[list[int]]:
-        order = list(self.sampler)
-        batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
-        if batches and len(batches[-1]) < self.batch_size:
-            if self.drop_last:
-                batches.pop()
-            else:
-                missing = self.batch_size - len(batches[-1])
-                batches[-1] = batches[-1] + [order[i % len(order)] for i in range(missing)]
-        return batches
-
-    def __iter__(self) -> Iterator[list[int]]:
-        batches = self._batches()
-        if not batches:
-            return
-        per_rank = math.ceil(len(batches) / self.num_replicas)
-        padded = batches + [batches[i % len(batches)] for i in range(per_rank * self.num_replicas - len(batches))]
-        yield from padded[self.rank :: self.num_replicas]
-
-    def __len__(self) -> int:
-        n = len(self.sampler)
-        batches = n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
-        return math.ceil(batches / self.num_replicas)
 
 
 def set_loader_epoch(loader: Any, epoch: int) -> None:
@@ -144,6 +73,9 @@ class MicroBatch:
     cycle_size: int  # micro-batches in this cycle (the remainder for an epoch's last cycle)
     num_items_in_batch: torch.Tensor | int | None
     step_in_epoch: int  # micro-batch index within the epoch, 0-based
+    #: accelerator_config's gradient_accumulation_kwargs['sync_each_batch']: every micro-batch synchronises the
+    #: gradients across the processes (not only the cycle's last)
+    sync_each_batch: bool = False
 
     @property
     def is_last(self) -> bool:
@@ -154,7 +86,8 @@ class AccumulationCycles:
     """Iterates a training loader as HF's loop does: ``accumulation`` batches at a time, each tagged as a
     ``MicroBatch``. ``batch_samples(iterator, n)`` reads a cycle and counts its label items (the facade's
     ``get_batch_samples``, as transformers calls it once per cycle). ``skip_batches`` drops the first batches of the
-    next pass (used to resume mid-epoch)."""
+    next pass (used to resume mid-epoch). A loader that reads one batch ahead itself (``reads_ahead``: a dispatching
+    loader) is not read ahead again."""
 
     def __init__(
         self,
@@ -162,11 +95,13 @@ class AccumulationCycles:
         accumulation: int,
         batch_samples: Callable[[Iterator, int], tuple[list[Any], torch.Tensor | int | None]],
         epoch_fn: Callable[[], int],
+        sync_each_batch: bool = False,
     ) -> None:
         self.loader = loader
         self.accumulation = accumulation
         self.batch_samples = batch_samples
         self.epoch_fn = epoch_fn
+        self.sync_each_batch = sync_each_batch
         self.skip_batches = 0
         self.restore_rng: Callable[[], None] | None = None
         self.restore_epoch_start_rng: Callable[[], None] | None = None
@@ -197,7 +132,8 @@ class AccumulationCycles:
             next(iterator, None)
         if restore is not None and skip > 0:
             restore()
-        iterator = read_one_ahead(iterator)
+        if not getattr(self.loader, "reads_ahead", False):
+            iterator = read_one_ahead(iterator)
         step = skip - 1
         while True:
             cycle, num_items = self.batch_samples(iterator, self.accumulation)
@@ -205,7 +141,7 @@ class AccumulationCycles:
                 return
             for index, inputs in enumerate(cycle):
                 step += 1
-                yield MicroBatch(inputs, index, len(cycle), num_items, step)
+                yield MicroBatch(inputs, index, len(cycle), num_items, step, self.sync_each_batch)
 
 
 class HFDataModule(L.LightningDataModule):
@@ -223,14 +159,19 @@ class HFDataModule(L.LightningDataModule):
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         # Only a micro-batch's tensors travel; Lightning's generic path would deep-copy the whole dataclass
-        # on every step.
+        # on every step. Lightning calls this right before the micro-batch's step: from here until the next one,
+        # trainer.accelerator.sync_gradients says whether it ends its cycle (as transformers sets it per micro-batch).
+        non_blocking = accelerate_setting(getattr(self.facade, "args", None), "non_blocking")
         if isinstance(batch, MicroBatch):
+            state = getattr(getattr(self.facade, "accelerator", None), "gradient_state", None)
+            if state is not None:
+                state.sync_gradients = batch.is_last
             return dataclasses.replace(
                 batch,
-                inputs=move_data_to_device(batch.inputs, device),
-                num_items_in_batch=move_data_to_device(batch.num_items_in_batch, device),
+                inputs=to_device(batch.inputs, device, non_blocking),
+                num_items_in_batch=to_device(batch.num_items_in_batch, device, non_blocking),
             )
-        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+        return to_device(batch, device, non_blocking)
 
     def setup(self, stage: str) -> None:
         if stage != "fit" or self.cycles is not None:
@@ -243,7 +184,24 @@ class HFDataModule(L.LightningDataModule):
             self.geometry.accumulation,
             lambda iterator, num_batches: facade.get_batch_samples(iterator, num_batches, None),
             epoch_fn=lambda: self.run.epochs_offset + self.trainer.current_epoch,
+            sync_each_batch=bool(accumulation_setting(facade.args, "sync_each_batch")),
         )
+        self._check_evaluation_shards()
+
+    def _check_evaluation_shards(self) -> None:
+        """``even_batches=False``: the evaluations during training (``eval_strategy``) are checked before it starts
+        (``check_even_shards``), not when the first one comes."""
+        args, processes = self.facade.args, self.trainer.world_size
+        if processes == 1 or accelerate_setting(args, "even_batches") is not False or args.eval_strategy == "no":
+            return
+        if accelerate_setting(args, "dispatch_batches"):  # dispatched batches are always even
+            return
+        evaluated = self.facade.eval_dataset
+        for dataset in evaluated.values() if isinstance(evaluated, dict) else [evaluated]:
+            if dataset is not None and not isinstance(dataset, IterableDataset) and hasattr(dataset, "__len__"):
+                split = bool(accelerate_setting(args, "split_batches"))
+                check_even_shards(len(dataset), args.eval_batch_size, args.dataloader_drop_last, processes, split,
+                                  training=False)  # fmt: skip
 
     def resume_at(
         self,
@@ -273,38 +231,6 @@ def loader_length(loader: Any) -> int | None:
         return None
 
 
-def shard_loader(loader: Any, world_size: int, rank: int) -> Any:
-    """``loader`` with its batches dealt round-robin to ``world_size`` processes (``ShardedBatchSampler``), this
-    process taking those of ``rank``: a loader built for another number of processes (a plain ``BatchSampler``, or
-    shards of another world) is rebuilt with the same dataset, sampler, batch size and worker settings; one already
-    dealt for this world, one process, or a loader without a batch sampler (iterable datasets) is returned as is."""
-    batches = getattr(loader, "batch_sampler", None)
-    if world_size <= 1 or not isinstance(loader, DataLoader):
-        return loader
-    if isinstance(batches, ShardedBatchSampler):
-        if (batches.num_replicas, batches.rank) == (world_size, rank):
-            return loader
-    elif type(batches) is not BatchSampler:  # iterable datasets, or a batch sampler of the user's own
-        return loader
-    sharded = ShardedBatchSampler(batches.sampler, batches.batch_size, batches.drop_last, world_size, rank)
-    params: dict[str, Any] = {
-        "collate_fn": loader.collate_fn,
-        "num_workers": loader.num_workers,
-        "pin_memory": loader.pin_memory,
-        "timeout": loader.timeout,
-        "worker_init_fn": loader.worker_init_fn,
-        "generator": loader.generator,
-    }
-    if loader.num_workers > 0:
-        params.update(
-            multiprocessing_context=loader.multiprocessing_context,
-            prefetch_factor=loader.prefetch_factor,
-            persistent_workers=loader.persistent_workers,
-            in_order=getattr(loader, "in_order", True),
-        )
-    return DataLoader(loader.dataset, batch_sampler=sharded, **params)
-
-
 class EvaluationData(L.LightningDataModule):
     """The loader of one evaluation outside training, given to Lightning's ``validate``: Lightning asks for it after
     it launched the processes, when the world is known, and gets it sharded for this process (``shard_loader``)."""
@@ -315,3 +241,34 @@ class EvaluationData(L.LightningDataModule):
 
     def val_dataloader(self) -> Any:
         return shard_loader(self.loader, self.trainer.world_size, self.trainer.global_rank)
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        sharding = getattr(self.loader, "sharding", None)  # a prepared loader's accelerator_config settings
+        return to_device(batch, device, getattr(sharding, "non_blocking", False))
+
+
+def accelerate_setting(args: Any, name: str) -> Any:
+    """A field of ``args.accelerator_config`` (transformers' ``AcceleratorConfig``), None when it has none."""
+    return getattr(getattr(args, "accelerator_config", None), name, None)
+
+
+def accumulation_setting(args: Any, name: str) -> Any:
+    """A key of ``accelerator_config``'s ``gradient_accumulation_kwargs``, None when unset."""
+    return (accelerate_setting(args, "gradient_accumulation_kwargs") or {}).get(name)
+
+
+def to_device(data: Any, device: torch.device, non_blocking: bool | None = False) -> Any:
+    """``data`` on ``device`` as accelerate's ``send_to_device`` moves a batch: anything with a ``to`` (tensors, a
+    tokenizer's ``BatchEncoding``) moved with ``non_blocking`` (accelerator_config's), lists, tuples and mappings item
+    by item, anything else as it is."""
+    if hasattr(data, "to") and not isinstance(data, type):
+        try:
+            return data.to(device, non_blocking=bool(non_blocking))
+        except TypeError:  # a .to without non_blocking
+            return move_data_to_device(data, device)
+    if isinstance(data, Mapping):
+        return type(data)({key: to_device(value, device, non_blocking) for key, value in data.items()})
+    if isinstance(data, (list, tuple)):
+        moved = [to_device(value, device, non_blocking) for value in data]
+        return type(data)(*moved) if hasattr(data, "_fields") else type(data)(moved)
+    return data

@@ -36,6 +36,7 @@ from transformers.trainer_utils import (
 )
 
 from hflight.arguments.lightning_kwargs import quiet_lightning
+from hflight.arguments.optimizers import set_optimizer_mode, steps_on_metrics
 from hflight.run import console, eval_precision
 from hflight.run.datamodule import EvaluationData, loader_length
 from hflight.run.events import dispatch
@@ -299,6 +300,8 @@ def run_evaluation_loop(
     eval_precision.prepare(args, run, facade.model)
     console.evaluation_started(description, _num_examples(facade, dataloader), args.eval_batch_size)
     evaluator = Evaluator(facade, run.world, description, prediction_loss_only, ignore_keys, metrics_fn)
+    # a schedule-free optimizer evaluates its averaged parameters; the next training step switches it back
+    set_optimizer_mode(facade.optimizer, training=False)
     facade.callback_handler.eval_dataloader = dataloader
     with run.evaluating(evaluator), run.evaluation_weights():
         with eval_precision.int8_evaluation_model(args, facade.model) as evaluator.quantized:
@@ -377,10 +380,11 @@ def evaluate_in_training(
     facade: TrainerSurface, trial: Any, ignore_keys: list[str] | None, skip_scheduler: bool = False
 ) -> dict[str, float]:
     """The body of ``Trainer._evaluate``: evaluate, report the objective to a hyperparameter search, and step a
-    ``ReduceLROnPlateau`` schedule on ``metric_for_best_model`` (unless ``skip_scheduler``)."""
+    schedule that steps on a metric (``ReduceLROnPlateau``, ``GreedyLR``) on ``metric_for_best_model`` (unless
+    ``skip_scheduler``)."""
     metrics = facade.evaluate(ignore_keys=ignore_keys)
     facade._report_to_hp_search(trial, facade.state.global_step, metrics)
-    if isinstance(facade.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) and not skip_scheduler:
+    if steps_on_metrics(facade.lr_scheduler) and not skip_scheduler:
         facade.lr_scheduler.step(metrics[best_metric_key(facade.args.metric_for_best_model, metrics)])
     return metrics
 

@@ -39,6 +39,7 @@ def check_spans_launch(lightning_trainer: Any, args: Any) -> None:
 
 
 def _launch_variables() -> str:
-    names = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE", "SLURM_NNODES")
+    names = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "CROSS_SIZE", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE",
+             "SLURM_NNODES")  # fmt: skip
     shown = [f"{name}={os.environ[name]}" for name in names if name in os.environ]
     return ", ".join(shown) if shown else "torch.distributed is initialised"

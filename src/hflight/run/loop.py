@@ -76,6 +76,7 @@ class TrainingLoop:
         self.warned_nonfinite = False
         self.epoch_end_pending = False  # the last step ended an epoch whose end has not run yet
         self.loss_since_step = 0  # train_loss averages the steps after this one
+        self.began = False  # on_train_begin dispatched (Lightning skips on_train_start for a run without a step)
 
     def _epoch_index(self) -> int:
         return self.epochs_offset + self.run.lightning_trainer.current_epoch
@@ -96,6 +97,7 @@ class TrainingLoop:
             is_local_process_zero=facade.is_local_process_zero(),
             is_world_process_zero=facade.is_world_process_zero(),
         )
+        facade.state.is_hyper_param_search = self.trial is not None  # integrations read it (W&B: a run per trial)
         facade.state.train_batch_size = run.train_batch_size
         facade.state.compute_steps(facade.args, plan.max_steps)
         epochs_trained, skip = 0, 0
@@ -153,6 +155,7 @@ class TrainingLoop:
         self.start_time = time.time()
         self.initial_num_input_tokens_seen = facade.state.num_input_tokens_seen  # tokens/s of this call only
         facade.model.zero_grad(set_to_none=True)
+        self.began = True
         dispatch(facade, "on_train_begin")
         if self.run.resume is not None and self.run.resume.continued and self.epoch_end_pending:
             self._finish_pending_epoch(self.run.resume)
@@ -202,7 +205,7 @@ class TrainingLoop:
             return
         main_input = getattr(facade.model, "main_input_name", "input_ids")
         if main_input not in inputs:
-            logger.warning(
+            console.logger.warning(  # transformers' own line, on its logger
                 "Tried to track the number of tokens seen, however the current model is not configured properly to "
                 "know what item is the input. To fix this, add a `main_input_name` attribute to the model class you "
                 "are using."
@@ -215,7 +218,7 @@ class TrainingLoop:
             tokens = (inputs[main_input] != pad_id).sum()
         else:
             if mode == "non_padding":
-                logger.warning(
+                console.logger.warning(
                     "Could not determine method to count non-padding tokens, falling back to counting all tokens."
                 )
             tokens = inputs[main_input].numel()
@@ -371,6 +374,9 @@ class TrainingLoop:
         the run's Lightning loggers, flushed after the last entry; ``measure_memory(metrics)``: adds
         ``skip_memory_metrics=False``'s metrics."""
         facade = self.facade
+        if not self.began:  # no step to run (num_train_epochs=0, resumed at the last step): transformers begins anyway
+            trainer = self.run.lightning_trainer
+            self.train_begin(trainer.datamodule.train_loader, trainer.strategy.root_device)
         console.training_completed()
         train_loss = self.train_loss()
         steps_run = facade.state.global_step - self.initial_global_step

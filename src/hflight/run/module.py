@@ -20,6 +20,8 @@ import torch
 from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from typing_extensions import override
 
+from hflight.arguments.launcher_env import compile_model
+from hflight.arguments.optimizers import fused_backward, steps_on_metrics
 from hflight.run.backend import HFBackend, backend_of
 from hflight.run.datamodule import MicroBatch
 from hflight.surface import RunView, TrainerSurface
@@ -57,6 +59,10 @@ class HFModule(L.LightningModule):
         facade.create_optimizer()  # transformers' train() calls these two (not create_optimizer_and_scheduler)
         facade.create_scheduler(num_training_steps=self.run.plan.max_steps)
         self.backend.hf_configure_optimizer(facade)
+        if getattr(facade.lr_scheduler, "optimizer", None) is not facade.optimizer:
+            # a scheduler over another optimizer (transformers' over a layer-wise one sees it through a wrapper):
+            # hflight steps it; Lightning, which would refuse it, need not know it (manual optimization)
+            return facade.optimizer
         return {
             "optimizer": facade.optimizer,
             "lr_scheduler": {"scheduler": facade.lr_scheduler, "interval": "step"},
@@ -70,7 +76,7 @@ class HFModule(L.LightningModule):
         self.model.train()
         args = self.facade.args
         if args.torch_compile:
-            self._compiled = torch.compile(self.model, backend=args.torch_compile_backend, mode=args.torch_compile_mode)
+            self._compiled = compile_model(self.model, args)  # as accelerate's TorchDynamoPlugin
 
     @override
     def on_train_batch_start(self, batch: MicroBatch, batch_idx: int) -> int | None:
@@ -89,7 +95,7 @@ class HFModule(L.LightningModule):
         if self._compiled is not None and model is self.model:  # a backend that runs its own graph is not compiled
             model = self._compiled
         # a micro-batch before the cycle's last keeps its gradients local (DDP's no_sync, as accelerate's accumulate)
-        with self.backend.hf_micro_batch(self.trainer.strategy, batch.is_last):
+        with self.backend.hf_micro_batch(self.trainer.strategy, batch.is_last, batch.sync_each_batch):
             loss = facade.training_step(model, batch.inputs, batch.num_items_in_batch)
         loop.add_loss(loss, batch.inputs)
         if batch.is_last:
@@ -104,11 +110,24 @@ class HFModule(L.LightningModule):
         stepped = backend.hf_optimizer_step(self)
         loop.optimizer_stepped()
         learning_rate = facade._get_learning_rate()
-        if stepped and not isinstance(facade.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        if stepped and not steps_on_metrics(facade.lr_scheduler):  # those step after an evaluation, on its metric
             facade.lr_scheduler.step()
         backend.hf_after_scheduler_step(facade.optimizer)
         self.optimizers().zero_grad(set_to_none=True)
         loop.step_end(batch.step_in_epoch, learning_rate)
+
+    @override
+    def backward(self, loss: torch.Tensor, *args: Any, learning_rate: float | None = None, **kwargs: Any) -> None:
+        """Lightning's backward hook, as accelerate's ``backward``: given the ``learning_rate`` (transformers'
+        ``training_step`` passes it for "lomo"/"adalomo"), LOMO's ``fused_backward`` updates the parameters during the
+        pass; otherwise ``loss.backward()``."""
+        fused = fused_backward(self.facade.args, self.facade.optimizer) if learning_rate is not None else None
+        if fused is None:
+            if learning_rate is not None:  # as accelerate, which hands it on to torch
+                kwargs["learning_rate"] = learning_rate
+            super().backward(loss, *args, **kwargs)
+        else:
+            fused(loss, learning_rate)
 
     @override
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:

@@ -94,7 +94,7 @@ class Run:
         self.world = World(self.lightning_trainer)
         # hflight's checkpoints only: never Lightning's hpc_ckpt_*.ckpt
         no_lightning_hpc_restore(self.lightning_trainer, report=self.world.rank == 0)
-        _connect(self.lightning_trainer.strategy)
+        process_group.connect_strategy(self.lightning_trainer.strategy)  # before Lightning, for a launcher's
         process_group.end_at_exit()  # also the group Lightning connects for the processes it launches itself
         self.module = HFModule(facade, self, facade.model)
         self.datamodule = HFDataModule(facade, self) if fitting else None
@@ -176,11 +176,3 @@ class Run:
         finally:
             self.module.close_evaluation()
             self.evaluator = None
-
-
-def _connect(strategy: Any) -> None:
-    """The processes an external launcher started, connected before Lightning would, with the strategy's backend and
-    timeout (``hflight.arguments.process_group``); Lightning keeps the group."""
-    device = getattr(strategy, "root_device", None)
-    backend = process_group.default_backend(device, getattr(strategy, "_process_group_backend", None))
-    process_group.connect(backend, getattr(strategy, "_timeout", None))

@@ -134,7 +134,8 @@ class HFDeepSpeedStrategy(DeepSpeedStrategy, HFBackend):
 
     @override
     @contextlib.contextmanager
-    def hf_micro_batch(self, strategy: Any, last: bool) -> Iterator[None]:
+    def hf_micro_batch(self, strategy: Any, last: bool, sync_each_batch: bool = False) -> Iterator[None]:
+        # sync_each_batch changes nothing under DeepSpeed, as in transformers (it enters no no_sync there anyway)
         self.deepspeed_engine.set_gradient_accumulation_boundary(is_boundary=last)
         yield
 

@@ -29,8 +29,9 @@ from hflight.arguments.strategies import planned_nodes
 STATE_DICT_TYPES = {"FULL_STATE_DICT": "full", "SHARDED_STATE_DICT": "sharded"}
 #: ``state_dict_type`` values FSDP2 writes (``LOCAL_STATE_DICT`` is FSDP1's alone)
 FSDP2_STATE_DICT_TYPES = ("FULL_STATE_DICT", "SHARDED_STATE_DICT")
-#: transformers' (and accelerate's) default ``min_num_params`` of ``SIZE_BASED_WRAP``
-DEFAULT_MIN_NUM_PARAMS = int(1e8)
+#: accelerate's default ``min_num_params`` of ``SIZE_BASED_WRAP`` (``FSDP_MIN_NUM_PARAMS``, else 0: no unit but the
+#: whole model; transformers names the policy only with a positive ``min_num_params``)
+DEFAULT_MIN_NUM_PARAMS = 0
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,8 @@ def wrap_policy(plugin: dict[str, Any], model: nn.Module) -> WrapPolicy | None:
     (``SIZE_BASED_WRAP`` with ``min_num_params``), or None: no unit but the whole model."""
     policy = plugin.get("auto_wrap_policy", "TRANSFORMER_BASED_WRAP")
     if policy == "SIZE_BASED_WRAP":
-        return WrapPolicy(min_num_params=plugin.get("min_num_params", DEFAULT_MIN_NUM_PARAMS))
+        min_num_params = plugin.get("min_num_params", DEFAULT_MIN_NUM_PARAMS)
+        return WrapPolicy(min_num_params=min_num_params) if min_num_params > 0 else None  # accelerate drops 0
     if policy == "TRANSFORMER_BASED_WRAP":
         names = plugin.get("transformer_cls_names_to_wrap")
         names = names.split(",") if names else getattr(model, "_no_split_modules", None) or []

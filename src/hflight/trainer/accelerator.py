@@ -1,40 +1,174 @@
 """``Trainer.accelerator`` for code written against transformers' ``Trainer``, answered by the Lightning run.
 
-transformers' ``Trainer`` keeps an ``accelerate.Accelerator`` in ``self.accelerator``, and subclasses call it:
-``self.accelerator.backward(loss)`` in a custom ``training_step``, ``gather_for_metrics`` in an evaluation loop,
-``is_main_process`` before writing a file, ``unwrap_model`` before saving. hflight has no accelerate state (Lightning
-owns devices, processes and precision), so :class:`RunAccelerator` offers that part of accelerate's API and routes each
-call to the run in progress: backward through the ``LightningModule`` (precision scaling, strategy hooks), collectives
-through the run's :class:`~hflight.run.distributed.World`, autocast through Lightning's precision plugin. Outside a run
-it answers for a single process on ``args.device``. The rest of accelerate's API is not there (an ``AttributeError``
-names it); docs/coming-from-transformers.md lists what is.
+transformers' ``Trainer`` keeps an ``accelerate.Accelerator`` in ``self.accelerator``, built in
+``create_accelerator_and_postprocess`` from ``args.accelerator_config``, and its callbacks, integrations and subclasses
+read it: the process layout (``num_processes``, ``is_main_process``, ...), ``sync_gradients``, the loader settings,
+``gather_for_metrics`` in an evaluation loop, ``unwrap_model`` before saving, ``backward`` in a custom
+``training_step``. hflight has no accelerate state (Lightning owns devices, processes and precision), so
+:class:`RunAccelerator` answers with the same values from the run in progress: backward through the
+``LightningModule``, collectives through the run's :class:`~hflight.run.distributed.World`, autocast through
+Lightning's precision plugin, loaders dealt by :func:`~hflight.run.loaders.prepare_loader`. Outside a run it answers
+from the arguments (one process on ``args.device``, or the launcher's). ``distributed_type`` is accelerate's own enum;
+``state`` is a view of the run with ``AcceleratorState``'s names (creating accelerate's state would start a second
+process state beside Lightning's), or, with ``accelerator_config['use_configured_state']``, the accelerate state the
+user made. What cannot exist on Lightning raises an ``AttributeError`` naming what to use
+(docs/coming-from-transformers.md lists the whole surface).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import gc
+import logging
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from hflight.arguments import process_group
+from hflight.arguments.training_args import gradient_accumulation_plugin_kwargs
 from hflight.run.distributed import World
+from hflight.run.loaders import LoaderSharding, LoaderState, prepare_loader
 from hflight.surface import RunView
+
+logger = logging.getLogger(__name__)
+
+#: accelerate ``Accelerator`` members that hflight's does not have, and what to use instead.
+NOT_ON_LIGHTNING: dict[str, str] = {
+    "prepare_model": "Lightning's strategy wraps the model when Trainer.train() runs (trainer.lightning_trainer)",
+    "prepare_optimizer": "the optimizer is built by Trainer.create_optimizer and stepped by hflight's loop",
+    "prepare_scheduler": "the scheduler is built by Trainer.create_scheduler and stepped by hflight's loop",
+    "prepare_data_loader": "trainer.accelerator.prepare(dataloader)",
+    "save_state": "Trainer.save_model / the checkpoint-N folders (save_strategy, docs/checkpoints.md)",
+    "load_state": "Trainer.train(resume_from_checkpoint=...)",
+    "register_for_checkpointing": "a TrainerCallback with state (transformers' ExportableState), saved in checkpoints",
+    "save_model": "Trainer.save_model",
+    "skip_first_batches": "resume through Trainer.train(resume_from_checkpoint=...), which skips the trained batches",
+    "join_uneven_inputs": "accelerator_config={'even_batches': True} (every process gets as many batches)",
+    "scaler": "the run's precision plugin: trainer.lightning_trainer.precision_plugin.scaler",
+    "optimizer_step_was_skipped": "TrainerState: hflight's loop steps the scheduler only when the optimizer stepped",
+    "init_trackers": "report_to (transformers' integration callbacks)",
+    "log": "Trainer.log",
+    "get_tracker": "the integration callbacks of report_to (trainer.callback_handler.callbacks)",
+    "deepspeed_plugin": "Lightning's DeepSpeedStrategy: trainer.lightning_trainer.strategy (its .config)",
+    "fsdp_plugin": "Lightning's strategy: trainer.lightning_trainer.strategy",
+    "parallelism_config": "args.parallelism_config (data-parallel sizes only)",
+    "torch_device_mesh": "trainer.lightning_trainer.strategy.device_mesh (FSDP2 runs)",
+}
+
+#: accelerate's ``DistributedType`` member names for several processes on a device type.
+_MULTI = {"cpu": "MULTI_CPU", "cuda": "MULTI_GPU", "xpu": "MULTI_XPU", "npu": "MULTI_NPU", "mlu": "MULTI_MLU",
+          "hpu": "MULTI_HPU", "musa": "MULTI_MUSA"}  # fmt: skip
+#: Lightning precision -> accelerate's ``mixed_precision``.
+_MIXED_PRECISION = {"bf16-mixed": "bf16", "bf16-true": "bf16", "16-mixed": "fp16", "16-true": "fp16",
+                    "transformer-engine": "fp8"}  # fmt: skip
+
+
+def _distributed_type_member(strategy: Any, processes: int, device_type: str) -> str:
+    """accelerate's ``DistributedType`` member name for a Lightning strategy (None: before any run) on ``processes``."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy, XLAStrategy
+
+    kinds = ((DeepSpeedStrategy, "DEEPSPEED"), (FSDPStrategy, "FSDP"), (ModelParallelStrategy, "FSDP"),
+             (XLAStrategy, "XLA"))  # fmt: skip
+    for kind, member in kinds:
+        if isinstance(strategy, kind):
+            return member
+    return _MULTI.get(device_type, "MULTI_GPU") if processes > 1 else "NO"
+
+
+class GradientState(LoaderState):
+    """accelerate's ``GradientState`` as transformers' ``Trainer`` configures it: ``num_steps`` 1 (transformers
+    accumulates itself; ``args.gradient_accumulation_steps`` holds the count), ``sync_gradients`` True on the
+    micro-batch that ends an accumulation cycle (and outside training), the prepared loaders being iterated
+    (``end_of_dataloader``, ``remainder``), and ``plugin_kwargs``: ``gradient_accumulation_kwargs`` as accelerate's
+    ``GradientAccumulationPlugin`` keeps them (the values that differ from its defaults)."""
+
+    def __init__(self, plugin_kwargs: dict[str, Any]) -> None:
+        super().__init__()
+        self.plugin_kwargs = plugin_kwargs
+        self.sync_gradients = True
+
+    @property
+    def num_steps(self) -> int:
+        return self.plugin_kwargs.get("num_steps", 1)
+
+    @property
+    def adjust_scheduler(self) -> bool:
+        return self.plugin_kwargs.get("adjust_scheduler", False)
+
+    @property
+    def sync_with_dataloader(self) -> bool:
+        return self.plugin_kwargs.get("sync_with_dataloader", True)
+
+    def _set_sync_gradients(self, sync_gradients: bool) -> None:
+        """accelerate's setter (transformers' own loop calls it)."""
+        self.sync_gradients = sync_gradients
+
+
+class RunState:
+    """``trainer.accelerator.state``: the run's layout under ``AcceleratorState``'s names (not accelerate's object:
+    creating one would start accelerate's own process state beside Lightning's)."""
+
+    _NAMES = ("num_processes", "process_index", "local_process_index", "device", "distributed_type", "mixed_precision",
+              "is_main_process", "is_local_main_process", "use_distributed", "wait_for_everyone", "print",
+              "main_process_first", "local_main_process_first")  # fmt: skip
+
+    def __init__(self, accelerator: RunAccelerator) -> None:
+        self._accelerator = accelerator
+
+    initialized = True
+    debug = False
+
+    @property
+    def backend(self) -> str | None:
+        """The ``torch.distributed`` backend of the run's processes (None with one)."""
+        dist = torch.distributed
+        return dist.get_backend() if dist.is_available() and dist.is_initialized() else None
+
+    @property
+    def deepspeed_plugin(self) -> None:
+        return self._plugin("DEEPSPEED", "deepspeed_plugin")
+
+    @property
+    def fsdp_plugin(self) -> None:
+        return self._plugin("FSDP", "fsdp_plugin")
+
+    def _plugin(self, kind: str, name: str) -> None:
+        if self._accelerator.distributed_type.name == kind:
+            raise AttributeError(f"trainer.accelerator.state.{name}: hflight has no accelerate plugin; use "
+                                 f"{NOT_ON_LIGHTNING[name]}")  # fmt: skip
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        if name in RunState._NAMES:
+            return getattr(self._accelerator, name)
+        raise AttributeError(f"trainer.accelerator.state has no {name!r} in hflight (it answers "
+                             f"{', '.join(RunState._NAMES)}, backend, deepspeed_plugin, fsdp_plugin)")  # fmt: skip
 
 
 class RunAccelerator:
-    """accelerate's ``Accelerator`` surface that transformers ``Trainer`` subclasses use, on hflight's runs.
+    """accelerate's ``Accelerator`` surface that transformers ``Trainer`` code uses, on hflight's runs.
+
+    Built where transformers builds its ``Accelerator`` (``Trainer.__init__``): ``gradient_accumulation_kwargs``'
+    ``num_steps`` becomes ``args.gradient_accumulation_steps`` there, as in transformers.
 
     Args:
         current_run: returns the run in progress (or the last one), None before any.
-        args: the trainer's ``TrainingArguments`` (device and ranks before any run).
+        args: the trainer's ``TrainingArguments`` (device and ranks before any run, ``accelerator_config``).
     """
 
     def __init__(self, current_run: Callable[[], RunView | None], args: Any) -> None:
         self._current_run = current_run
         self._args = args
+        self._step = 0  # accumulate()'s count, as accelerate's Accelerator.step
+        self.gradient_state = GradientState(gradient_accumulation_plugin_kwargs(args))
+        if self.non_blocking and not args.dataloader_pin_memory:
+            logger.warning(
+                "`non_blocking` is enabled but `dataloader_pin_memory` is not. For the best performance, it's "
+                "recommended to enable both."
+            )
+        _check_configured_state(args)
 
     @property
     def world(self) -> World:
@@ -59,15 +193,49 @@ class RunAccelerator:
 
     @property
     def local_process_index(self) -> int:
-        return self._args.local_process_index
+        run = self._current_run()
+        return run.lightning_trainer.local_rank if run is not None else self._args.local_process_index
 
     @property
     def is_main_process(self) -> bool:
-        return self.world.rank == 0
+        return self.process_index == 0
 
     @property
     def is_local_main_process(self) -> bool:
         return self.local_process_index == 0
+
+    @property
+    def use_distributed(self) -> bool:
+        return self.num_processes > 1
+
+    @property
+    def distributed_type(self) -> Any:
+        """accelerate's ``DistributedType`` of the run (``NO``, ``MULTI_CPU``, ``MULTI_GPU``, ``DEEPSPEED``, ``FSDP``,
+        ``XLA``); before any run, of the strategy the arguments ask for."""
+        from accelerate.utils import DistributedType
+
+        run = self._current_run()
+        if run is not None:
+            strategy = run.lightning_trainer.strategy
+        else:
+            strategy = "DEEPSPEED" if self._args.deepspeed else "FSDP" if self._args.fsdp else None
+        if isinstance(strategy, str):
+            return DistributedType[strategy]
+        return DistributedType[_distributed_type_member(strategy, self.num_processes, self.device.type)]
+
+    @property
+    def state(self) -> Any:
+        """The accelerate state ``use_configured_state`` took (``args.distributed_state``), else :class:`RunState`."""
+        configured = getattr(self._args, "distributed_state", None)
+        return configured if configured is not None else RunState(self)
+
+    @property
+    def mixed_precision(self) -> str:
+        """``"no"``, ``"fp16"``, ``"bf16"`` or ``"fp8"``: the run's precision (before any run, the arguments')."""
+        run = self._current_run()
+        if run is None:
+            return getattr(self._args, "mixed_precision", "no")
+        return _MIXED_PRECISION.get(str(run.lightning_trainer.precision), "no")
 
     def wait_for_everyone(self) -> None:
         self.world.barrier()
@@ -86,12 +254,90 @@ class RunAccelerator:
         with self._args.main_process_first(local=True):
             yield
 
+    # ---- accelerator_config ------------------------------------------------------------------------------------
+    @property
+    def _sharding(self) -> LoaderSharding:
+        return LoaderSharding.from_config(self._args.accelerator_config, self._args.data_seed)
+
+    split_batches = property(lambda self: self._sharding.split_batches)
+    dispatch_batches = property(lambda self: self._sharding.dispatch_batches)
+    even_batches = property(lambda self: self._sharding.even_batches)
+    use_seedable_sampler = property(lambda self: self._sharding.use_seedable_sampler)
+    non_blocking = property(lambda self: self._sharding.non_blocking)
+
+    def prepare(self, *objects: Any) -> Any:
+        """Each ``DataLoader`` dealt to this process as ``accelerator_config`` says (accelerate's
+        ``prepare_data_loader``: ``hflight.run.loaders``). Models, optimizers and schedulers are Lightning's to
+        prepare, when ``Trainer.train()`` runs: passing one raises."""
+        prepared = []
+        for item in objects:
+            if not isinstance(item, torch.utils.data.DataLoader) and not hasattr(item, "sharding"):
+                raise NotImplementedError(
+                    f"trainer.accelerator.prepare({type(item).__name__}): hflight prepares data loaders only; "
+                    "Lightning's strategy wraps the model and runs the optimizer and scheduler when Trainer.train() "
+                    "runs"
+                )
+            prepared.append(
+                prepare_loader(item, self.num_processes, self.process_index, self._sharding, self.gradient_state)
+            )
+        return prepared[0] if len(prepared) == 1 else tuple(prepared)
+
+    # ---- gradient accumulation ---------------------------------------------------------------------------------
+    @property
+    def sync_gradients(self) -> bool:
+        return self.gradient_state.sync_gradients
+
+    @sync_gradients.setter
+    def sync_gradients(self, value: bool) -> None:
+        self.gradient_state.sync_gradients = value
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        """1, as in transformers' ``Trainer`` (it accumulates ``args.gradient_accumulation_steps`` batches itself)."""
+        return self.gradient_state.num_steps
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, steps: int) -> None:
+        self.gradient_state.plugin_kwargs["num_steps"] = steps
+
+    @contextlib.contextmanager
+    def accumulate(self, *models: nn.Module) -> Iterator[None]:
+        """accelerate's ``accumulate``: counts the call, sets ``sync_gradients`` (every ``gradient_accumulation_steps``
+        calls, 1 in transformers' ``Trainer``: every call), and keeps the gradients of ``models`` local when it does
+        not sync (unless ``sync_each_batch``)."""
+        state = self.gradient_state
+        if state.sync_with_dataloader and state.end_of_dataloader:
+            self._step, state.sync_gradients = 0, True
+        else:
+            self._step += 1
+            state.sync_gradients = self._step % state.num_steps == 0
+        allowed = state.sync_gradients or (self.use_distributed and state.plugin_kwargs.get("sync_each_batch", False))
+        with contextlib.ExitStack() as stack:
+            for model in models if not allowed else ():
+                stack.enter_context(self.no_sync(model))
+            yield
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        """``model.no_sync()`` with several processes (a ``DistributedDataParallel`` model), else nothing."""
+        context = getattr(model, "no_sync", contextlib.nullcontext) if self.use_distributed else contextlib.nullcontext
+        with context():
+            yield
+
     # ---- the step ----------------------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """Backward through the run's LightningModule (its precision plugin scales the loss, its strategy syncs)."""
+        """Backward through the run's LightningModule (its precision plugin scales the loss, its strategy syncs).
+        Outside ``train()`` (a ``training_step`` called by hand, as transformers' own tests do), ``loss.backward``, as
+        accelerate's backward without a gradient scaler; fp16 on CUDA, whose scaler exists only in a run, raises."""
         run = self._current_run()
         if run is None or not run.fitting:
-            raise RuntimeError("accelerator.backward() is only available while Trainer.train() runs.")
+            if self.mixed_precision == "fp16" and loss.device.type == "cuda":
+                raise RuntimeError(
+                    "accelerator.backward() outside Trainer.train() with fp16 on CUDA: the loss scaler is the run's "
+                    "precision plugin's; call it inside train() (a callback or training_step override)."
+                )
+            loss.backward(**kwargs)
+            return
         # outside autocast, as transformers' backward (accelerate autocasts the model's forward only): Lightning's
         # precision context spans the whole training_step, and the autograd engine takes the caller's autocast state
         # into the backward pass, where it would recast fp32 gradients to bf16/fp16
@@ -99,11 +345,18 @@ class RunAccelerator:
             run.module.manual_backward(loss, **kwargs)
 
     def autocast(self, autocast_handler: Any = None) -> contextlib.AbstractContextManager:
-        """Lightning's precision context of the run (autocast under mixed precision); empty outside a run."""
+        """The run's autocast: Lightning's precision context; with ``autocast_handler`` (accelerate's
+        ``AutocastKwargs``, or a dict of ``torch.autocast`` arguments), ``torch.autocast`` with the run's mixed
+        precision and those arguments (``enabled=False`` turns it off), as accelerate's."""
         run = self._current_run()
-        if run is None:
+        if run is not None and autocast_handler is None:
+            return run.lightning_trainer.precision_plugin.forward_context()
+        handler = autocast_handler
+        kwargs = handler.to_kwargs() if hasattr(handler, "to_kwargs") else dict(handler or {})
+        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}.get(self.mixed_precision)
+        if dtype is None:
             return contextlib.nullcontext()
-        return run.lightning_trainer.precision_plugin.forward_context()
+        return torch.autocast(device_type=self.device.type, dtype=dtype, **kwargs)
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
@@ -120,33 +373,159 @@ class RunAccelerator:
             else:
                 return model
 
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, Any]:
+        """The model's full state dict, as accelerate's: gathered from an FSDP2 model's shards (on every process, as
+        accelerate's ``broadcast_from_rank0``), else the (unwrapped) model's own."""
+        if self.distributed_type.name == "DEEPSPEED":
+            raise NotImplementedError(
+                "trainer.accelerator.get_state_dict under DeepSpeed: use Trainer.save_model(), which gathers ZeRO "
+                "weights as transformers does"
+            )
+        from torch.distributed.tensor import DTensor
+
+        if any(isinstance(p, DTensor) for p in model.parameters()):
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, cpu_offload=True)
+            return get_model_state_dict(model, options=options)
+        return (self.unwrap_model(model) if unwrap else model).state_dict()
+
+    def free_memory(self, *objects: Any) -> list[None]:
+        """accelerate's: every object given replaced by None, the garbage collected, the device's cache emptied."""
+        released: list[None] = [None] * len(objects)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        self._step = 0
+        return released
+
+    clear = free_memory
+
     # ---- collectives -------------------------------------------------------------------------------------------
     def gather(self, tensor: Any) -> Any:
+        """Every process's tensors concatenated along the first dimension (nested lists, tuples, dicts; a 0-d tensor
+        counts as one row); one process: as given."""
+        if self.use_distributed:
+            _tensors_only(tensor, "gather")
         return self.world.gather(tensor)
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
-        """Every process's values concatenated along the first dimension (hflight's evaluation loop cuts the
-        repeated samples of the last batch itself, after gathering)."""
+        """``gather`` (or, for objects, every process's list joined), then, on the last batch of a prepared loader,
+        only the samples that are not repeats (accelerate's ``remainder``)."""
+        try:
+            _tensors_only(input_data, "gather_for_metrics")
+        except TypeError:
+            use_gather_object = True
+        data = self.world.gather_objects(input_data) if use_gather_object else self.world.gather(input_data)
+        state = self.gradient_state
+        if not state.end_of_dataloader or state.remainder <= 0:
+            return data
         if use_gather_object:
-            return self.world.gather_objects(input_data)
-        return self.world.gather(input_data)
+            return data[: state.remainder]
+        return _apply(data, lambda t: t[: state.remainder])
 
     def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
-        if pad_first:
-            raise NotImplementedError("pad_across_processes(pad_first=True) is not available in hflight.")
-        return self.world.pad_across_processes(tensor, dim=dim, pad_index=pad_index)
+        """Each tensor padded along ``dim`` with ``pad_index`` to the largest size any process has (at the start
+        with ``pad_first``)."""
+        _tensors_only(tensor, "pad_across_processes")
+        return _apply(tensor, lambda t: self._pad(t, dim, pad_index, pad_first))
 
-    def reduce(self, tensor: torch.Tensor, reduction: str = "sum", scale: float = 1.0) -> torch.Tensor:
-        if reduction not in ("sum", "mean"):
-            raise ValueError(f"reduce: reduction must be 'sum' or 'mean', got {reduction!r}")
-        reduced = self.world.reduce_sum(tensor) if reduction == "sum" else self.world.reduce_mean(tensor)
-        return reduced * scale if scale != 1.0 else reduced
+    def _pad(self, tensor: torch.Tensor, dim: int, pad_index: int, pad_first: bool) -> torch.Tensor:
+        if dim >= tensor.dim() or dim < -tensor.dim():
+            return tensor
+        dim = dim % tensor.dim()
+        sizes = self.world.gather(torch.tensor(tensor.shape, device=tensor.device)[None])
+        longest = int(sizes[:, dim].max())
+        if longest == tensor.shape[dim]:
+            return tensor
+        shape = list(tensor.shape)
+        shape[dim] = longest
+        padded = tensor.new_zeros(shape) + pad_index
+        start = longest - tensor.shape[dim] if pad_first else 0
+        padded.narrow(dim, start, tensor.shape[dim]).copy_(tensor)
+        return padded
+
+    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+        """Each tensor (a copy) summed across processes (``"sum"``; also ``"none"``, as accelerate), averaged
+        (``"mean"``) or maximised (``"max"``). ``scale`` only acts on XLA devices in accelerate, so here neither."""
+        if reduction not in ("sum", "mean", "max", "none"):
+            raise ValueError(f"reduce: reduction must be 'sum', 'mean', 'max' or 'none', got {reduction!r}")
+        _tensors_only(tensor, "reduce")
+        processes = self.num_processes
+
+        def reduce_one(value: torch.Tensor) -> torch.Tensor:
+            copy = value.clone()
+            if processes > 1:
+                op = torch.distributed.ReduceOp.MAX if reduction == "max" else torch.distributed.ReduceOp.SUM
+                torch.distributed.all_reduce(copy, op)
+                if reduction == "mean":
+                    copy /= processes
+            return copy
+
+        return _apply(tensor, reduce_one)
 
     def end_training(self) -> None:
         """Finish the run's loggers and end the process group (accelerate's ``end_training``), as hflight ends it at
         exit (``hflight.arguments.process_group.end``)."""
         run = self._current_run()
         if run is not None:
-            for logger in run.lightning_trainer.loggers:
-                logger.finalize("success")
+            for logger_ in run.lightning_trainer.loggers:
+                logger_.finalize("success")
         process_group.end()
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        advice = NOT_ON_LIGHTNING.get(name)
+        what = f"use {advice}" if advice else "docs/coming-from-transformers.md lists what it offers"
+        raise AttributeError(
+            f"trainer.accelerator.{name}: hflight runs on Lightning, not accelerate, and its trainer.accelerator has "
+            f"no {name!r}; {what}"
+        )
+
+
+def _apply(data: Any, function: Callable[[torch.Tensor], Any]) -> Any:
+    """``function`` on every tensor of ``data`` (nested mappings, lists, tuples), the structure kept."""
+    if torch.is_tensor(data):
+        return function(data)
+    if isinstance(data, Mapping):
+        return type(data)({key: _apply(value, function) for key, value in data.items()})
+    if isinstance(data, (list, tuple)):
+        items = [_apply(value, function) for value in data]
+        return type(data)(*items) if hasattr(data, "_fields") else type(data)(items)
+    return data
+
+
+def _tensors_only(data: Any, operation: str) -> None:
+    """accelerate's check: ``operation`` takes nested lists, tuples and mappings of tensors only."""
+    if isinstance(data, Mapping):
+        values = data.values()
+    elif isinstance(data, (list, tuple)):
+        values = data
+    elif torch.is_tensor(data):
+        return
+    else:
+        raise TypeError(
+            f"Unsupported types ({type(data)}) passed to `{operation}`. Only nested list/tuple/dicts of objects that "
+            "are valid for `is_torch_tensor` should be passed."
+        )
+    for value in values:
+        _tensors_only(value, operation)
+
+
+def _check_configured_state(args: Any) -> None:
+    """With ``use_configured_state``, an ``AcceleratorState`` the user made must agree with the arguments' mixed
+    precision: transformers' ``Accelerator`` refuses to change it (accelerate's own error)."""
+    if getattr(args, "distributed_state", None) is None:
+        return
+    from accelerate.state import AcceleratorState
+
+    if AcceleratorState._shared_state == {}:  # only a PartialState: nothing to disagree with
+        return
+    configured, wanted = AcceleratorState().mixed_precision, getattr(args, "mixed_precision", "no")
+    if configured != wanted:
+        raise ValueError(
+            "AcceleratorState has already been initialized and cannot be changed, restart your runtime completely and "
+            f"pass `mixed_precision='{wanted}'` to `Accelerator()` (it was made with {configured!r}; "
+            "accelerator_config['use_configured_state']=True uses it as it is)."
+        )

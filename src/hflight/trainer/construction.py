@@ -7,6 +7,7 @@ transformers' error messages where scripts may match on them.
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -14,8 +15,9 @@ from typing import Any
 from torch import nn
 from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase, default_data_collator
 from transformers.feature_extraction_sequence_utils import SequenceFeatureExtractor
+from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 from transformers.trainer_pt_utils import LabelSmoother
-from transformers.trainer_utils import SaveStrategy
+from transformers.trainer_utils import SaveStrategy, unwrap_peft_model
 from transformers.utils import can_return_loss, find_labels
 
 
@@ -61,8 +63,8 @@ NOT_CALLED: dict[str, str] = {
         (
             "_inner_training_loop", "_run_epoch", "_finalize_training", "_prepare_for_training",
             "_init_training_state", "_build_accelerator_args", "_wrap_model", "_move_model_to_device",
-            "_validate_args", "_update_auto_batch_size", "_track_num_input_tokens", "_hp_search_setup",
-            "_tune_save_checkpoint", "_prepare_context_parallel_inputs", "_defer_fsdp_gradient_reduction",
+            "_validate_args", "_update_auto_batch_size", "_track_num_input_tokens",
+            "_prepare_context_parallel_inputs", "_defer_fsdp_gradient_reduction",
             "_has_mixed_mesh_grads", "_mixed_mesh_grad_norm", "_sync_replicated_trainable_parameters",
         ),
         _LOOP,
@@ -113,12 +115,21 @@ def check_inputs(
     """The constructor's arguments have usable types, and exactly one of ``model``/``model_init`` is given.
 
     Raises:
-        RuntimeError, ValueError: transformers' messages for a missing or doubled model, and for
-            ``save_strategy="best"`` without ``metric_for_best_model``.
+        RuntimeError, ValueError: transformers' messages for a missing or doubled model, for
+            ``save_strategy="best"``/``load_best_model_at_end`` without ``metric_for_best_model``, and for an
+            ``eval_strategy`` without an ``eval_dataset``.
         TypeError: naming the argument and the type it must have.
     """
-    if args.save_strategy == SaveStrategy.BEST and args.metric_for_best_model is None:
-        raise ValueError("`args.metric_for_best_model` must be provided when using 'best' save_strategy.")
+    if (args.save_strategy == SaveStrategy.BEST or args.load_best_model_at_end) and args.metric_for_best_model is None:
+        raise ValueError(
+            "`args.metric_for_best_model` must be provided when using 'best' save_strategy or if "
+            "`args.load_best_model_at_end` is set to `True`."
+        )
+    if args.eval_strategy is not None and args.eval_strategy != "no" and eval_dataset is None:
+        raise ValueError(
+            f"You have set `args.eval_strategy` to {args.eval_strategy} but you didn't pass an `eval_dataset` to "
+            "`Trainer`. Either set `args.eval_strategy` to `no` or pass an `eval_dataset`. "
+        )
     if model is None and model_init is None:
         raise RuntimeError("`Trainer` requires either a `model` or `model_init` argument")
     if model is not None and model_init is not None:
@@ -142,6 +153,18 @@ def check_inputs(
             )
 
 
+def check_optimizer_inputs(optimizers: tuple[Any, Any], optimizer_cls_and_kwargs: Any, model_init: Any) -> None:
+    """transformers' refusals: an optimizer given twice, or an optimizer for a model ``model_init`` replaces (the
+    optimizer would update the parameters of a model that is not trained)."""
+    if optimizer_cls_and_kwargs is not None and optimizers[0] is not None:
+        raise RuntimeError("Passing both `optimizers` and `optimizer_cls_and_kwargs` arguments is incompatible.")
+    if model_init is not None and (optimizers[0] is not None or optimizers[1] is not None):
+        raise RuntimeError(
+            "Passing a `model_init` is incompatible with providing the `optimizers` argument. "
+            "You should subclass `Trainer` and override the `create_optimizer_and_scheduler` method."
+        )
+
+
 @dataclass(frozen=True)
 class ModelFacts:
     """What the loop needs to know about a model, derived as transformers derives it."""
@@ -151,24 +174,45 @@ class ModelFacts:
     can_return_loss: bool
     label_smoother: LabelSmoother | None
     num_params: int  # without embeddings, for ``floating_point_ops``
+    loss_shifts_labels: bool  # a causal-LM loss: position 0 of each label row is never a target
 
 
 def inspect_model(model: nn.Module, args: Any) -> ModelFacts:
-    """:class:`ModelFacts` of ``model`` under ``args`` (``label_names``, ``label_smoothing_factor``)."""
-    if hasattr(model, "accepts_loss_kwargs"):
-        accepts_loss_kwargs = model.accepts_loss_kwargs
+    """:class:`ModelFacts` of ``model`` under ``args`` (``label_names``, ``label_smoothing_factor``); a PEFT model is
+    inspected through its base model, as transformers does."""
+    inspected = unwrap_peft_model(model)
+    if hasattr(inspected, "accepts_loss_kwargs"):
+        accepts_loss_kwargs = inspected.accepts_loss_kwargs
     else:
-        params = inspect.signature(model.forward).parameters.values()
+        params = inspect.signature(inspected.forward).parameters.values()
         accepts_loss_kwargs = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
-    label_names = find_labels(type(model)) if args.label_names is None else list(args.label_names)
-    eps = args.label_smoothing_factor
+    label_names = find_labels(type(inspected)) if args.label_names is None else list(args.label_names)
+    config = getattr(inspected, "config", None)
     return ModelFacts(
         accepts_loss_kwargs=accepts_loss_kwargs,
         label_names=label_names,
-        can_return_loss=can_return_loss(type(model)),
-        label_smoother=LabelSmoother(epsilon=eps) if eps != 0 else None,
+        can_return_loss=can_return_loss(type(inspected)),
+        label_smoother=_label_smoother(args.label_smoothing_factor, getattr(model, "config", None)),
         num_params=model.num_parameters(exclude_embeddings=True) if hasattr(model, "num_parameters") else 0,
+        loss_shifts_labels=LOSS_MAPPING.get(getattr(inspected, "loss_type", None)) is ForCausalLMLoss
+        and not getattr(config, "is_encoder_decoder", False),
     )
+
+
+def _label_smoother(epsilon: float, config: Any) -> LabelSmoother | None:
+    """transformers' rule: none without ``label_smoothing_factor``, and none (with its warning) for a multi-label
+    classifier, whose BCE loss label smoothing does not apply to."""
+    if epsilon == 0:
+        return None
+    if getattr(config, "problem_type", None) == "multi_label_classification":
+        warnings.warn(
+            "Label smoothing is not compatible with multi-label classification. "
+            "Disabling label smoothing for this training run.",
+            UserWarning,
+            stacklevel=3,
+        )
+        return None
+    return LabelSmoother(epsilon=epsilon)
 
 
 def default_collator(processing_class: Any) -> Callable:
@@ -179,12 +223,28 @@ def default_collator(processing_class: Any) -> Callable:
 
 
 def call_model_init(model_init: Callable[..., nn.Module], trial: Any = None) -> nn.Module:
-    """``model_init()``, or ``model_init(trial)`` when it takes an argument (transformers' rule)."""
-    n_args = len(inspect.signature(model_init).parameters)
+    """``model_init()``, or ``model_init(trial)`` when it takes an argument; more arguments raise (transformers' rule
+    and error)."""
+    from transformers.trainer_utils import number_of_arguments
+
+    n_args = number_of_arguments(model_init)
+    if n_args > 1:
+        raise RuntimeError("model_init should have 0 or 1 argument.")
     model = model_init() if n_args == 0 else model_init(trial)
     if model is None:
         raise RuntimeError("model_init should not return None.")
     return model
+
+
+def prepare_model_for_training(model: nn.Module, args: Any) -> None:
+    """What transformers' ``train()`` does to the model before building the optimizer: Liger's kernels patched in
+    (``use_liger_kernel``, with ``liger_kernel_config``: transformers' own ``apply_liger_kernel``, which raises its
+    ``ImportError`` where liger-kernel is not installed), then activation checkpointing."""
+    if args.use_liger_kernel:
+        from transformers.integrations.liger import apply_liger_kernel
+
+        apply_liger_kernel(model, args.liger_kernel_config)
+    enable_activation_checkpointing(model, args)
 
 
 def enable_activation_checkpointing(model: nn.Module, args: Any) -> None:

@@ -12,11 +12,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.apply_func import move_data_to_device
-from torch.utils.data import DataLoader, IterableDataset, Sampler, SequentialSampler
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
 from hflight.run import console
-from hflight.run.datamodule import EpochSeededRandomSampler, ShardedBatchSampler
+from hflight.run.samplers import check_even
 
 
 def empty_batch(signature_columns: list[str]) -> ValueError:
@@ -75,8 +74,20 @@ def _group_by_length(dataset: Any, args: Any, processing_class: Any, seed: int) 
     return length_grouped_sampler(dataset, args, processing_class, batch_size, None)
 
 
+def _random(dataset: Any, args: Any, processing_class: Any, seed: int) -> Sampler[int]:
+    """torch's ``RandomSampler``, as transformers builds it; ``trainer.accelerator.prepare`` then swaps it as
+    accelerate's ``prepare_data_loader`` does (``use_seedable_sampler``, the default: the order drawn from
+    ``data_seed``, else torch's initial seed, + epoch; otherwise the generator accelerate gives it). An empty dataset
+    is named here (torch's own error would say ``num_samples=0``)."""
+    if len(dataset) == 0:
+        raise ValueError(
+            "The training dataloader is empty: the train_dataset has no examples. Pass a non-empty train_dataset."
+        )
+    return RandomSampler(dataset)
+
+
 TRAIN_SAMPLERS: dict[str, Callable[[Any, Any, Any, int], Sampler[int]]] = {
-    "random": lambda dataset, args, processing_class, seed: EpochSeededRandomSampler(len(dataset), seed),
+    "random": _random,
     "sequential": lambda dataset, args, processing_class, seed: SequentialSampler(dataset),
     "group_by_length": _group_by_length,
 }
@@ -90,15 +101,10 @@ def train_sampler(dataset: Any, args: Any, processing_class: Any) -> Sampler[int
 
 
 def make_dataloader(
-    dataset: Any,
-    args: Any,
-    collator: Callable,
-    batch_size: int,
-    sampler: Sampler[int] | None,
-    world_size: int,
-    rank: int,
+    dataset: Any, args: Any, collator: Callable, batch_size: int, sampler: Sampler[int] | None
 ) -> DataLoader:
-    """A DataLoader with ``args``' worker settings; under several processes, batches dealt round-robin."""
+    """The DataLoader of all the data with ``args``' worker settings, as transformers builds it before
+    ``accelerator.prepare`` deals it to the processes (``trainer.accelerator.prepare``)."""
     params: dict[str, Any] = {
         "collate_fn": collator,
         "num_workers": args.dataloader_num_workers,
@@ -109,17 +115,14 @@ def make_dataloader(
     if args.dataloader_num_workers > 0:  # only worker processes have a start method and an order to keep
         params["multiprocessing_context"] = args.dataloader_multiprocessing_context
         params["in_order"] = args.dataloader_in_order
-    if isinstance(dataset, IterableDataset) or sampler is None:
+    if isinstance(dataset, IterableDataset):
         return DataLoader(dataset, batch_size=batch_size, **params)
-    if world_size > 1:
-        batches = ShardedBatchSampler(sampler, batch_size, args.dataloader_drop_last, world_size, rank)
-        return DataLoader(dataset, batch_sampler=batches, **params)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=args.dataloader_drop_last, **params)
 
 
 class DataLoadersMixin:
     """transformers' data surface of the ``Trainer`` (loader getters, samplers, column pruning), over its public
-    attributes; the processes to shard across come from ``self.accelerator`` (the run's world)."""
+    attributes; ``self.accelerator.prepare`` deals each loader to the run's processes."""
 
     _signature_columns: list[str] | None = None  # the model's forward arguments and label names, found once
 
@@ -149,7 +152,8 @@ class DataLoadersMixin:
         if isinstance(data, (tuple, list)):
             return type(data)(self._prepare_input(value) for value in data)
         device = self.accelerator.device
-        return move_data_to_device(data, device) if isinstance(data, torch.Tensor) and device is not None else data
+        # a plain (blocking) copy, as transformers' (accelerator_config's non_blocking is for the loaders' batches)
+        return data.to(device) if isinstance(data, torch.Tensor) and device is not None else data
 
     def _get_dataloader(
         self,
@@ -161,15 +165,20 @@ class DataLoadersMixin:
         dataloader_key: str | None = None,
     ) -> DataLoader:
         """``dataset`` in batches of ``batch_size``: unused columns removed (``_remove_unused_columns``), the sampler
-        from ``sampler_fn`` (none for iterable datasets), batches dealt across the processes."""
+        from ``sampler_fn`` (none for iterable datasets), dealt to the processes by ``self.accelerator.prepare`` (as
+        ``accelerator_config`` says)."""
         if dataset is None:
             raise ValueError(f"Trainer: {description.lower()} requires a dataset.")
         dataset = self._remove_unused_columns(dataset, description)
         sampler = None
         if not isinstance(dataset, IterableDataset) and sampler_fn is not None:
             sampler = sampler_fn(dataset)
-        processes, rank = self.accelerator.num_processes, self.accelerator.process_index
-        return make_dataloader(dataset, self.args, self.data_collator, batch_size, sampler, processes, rank)
+        loader = self.accelerator.prepare(make_dataloader(dataset, self.args, self.data_collator, batch_size, sampler))
+        check_even(loader, is_training)
+        if dataloader_key is not None and self.args.dataloader_persistent_workers:
+            # kept, so that its persistent workers serve every evaluation (transformers' _eval_dataloaders)
+            self._eval_dataloaders = {**getattr(self, "_eval_dataloaders", {}), dataloader_key: loader}
+        return loader
 
     def _get_train_sampler(self, train_dataset: Any = None) -> Sampler[int]:
         dataset = train_dataset if train_dataset is not None else self.train_dataset
@@ -189,10 +198,18 @@ class DataLoadersMixin:
             raise ValueError(
                 "Trainer: evaluation requires an eval_dataset. Pass `eval_dataset=` to the Trainer or to evaluate()."
             )
+        # with persistent workers, one loader per evaluation set (a name of the eval_dataset dict, else "eval": an
+        # eval_dataset passed in then gets the kept loader, as in transformers), so that its workers are started once
+        key = eval_dataset if isinstance(eval_dataset, str) else "eval"
+        kept = getattr(self, "_eval_dataloaders", {})
+        if key in kept and self.args.dataloader_persistent_workers:
+            return kept[key]
         if isinstance(eval_dataset, str):
             eval_dataset = self.eval_dataset[eval_dataset]
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        return self._get_dataloader(dataset, "Evaluation", self.args.eval_batch_size, self._get_eval_sampler)
+        return self._get_dataloader(
+            dataset, "Evaluation", self.args.eval_batch_size, self._get_eval_sampler, dataloader_key=key
+        )
 
     def get_test_dataloader(self, test_dataset: Any) -> DataLoader:
         return self._get_dataloader(test_dataset, "test", self.args.eval_batch_size, self._get_eval_sampler)

@@ -27,13 +27,7 @@ from transformers.trainer_callback import (
 )
 from transformers.trainer_jit_checkpoint import JITCheckpointCallback
 from transformers.trainer_pt_utils import log_metrics, metrics_format, save_metrics, save_state
-from transformers.trainer_utils import (
-    EvalLoopOutput,
-    PredictionOutput,
-    TrainOutput,
-    enable_full_determinism,
-    set_seed,
-)
+from transformers.trainer_utils import EvalLoopOutput, PredictionOutput, TrainOutput, enable_full_determinism, set_seed
 
 from hflight.arguments import cluster, reporting
 from hflight.arguments.lightning_kwargs import split_callbacks
@@ -110,6 +104,7 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
         construction.check_inputs(
             self.args, model, model_init, train_dataset, eval_dataset, callbacks, optimizers, compute_metrics
         )
+        construction.check_optimizer_inputs(optimizers, optimizer_cls_and_kwargs, model_init)
         self.create_accelerator_and_postprocess()
         self.model_init = model_init
         self.model = model if model is not None else self.call_model_init()
@@ -125,11 +120,8 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
         self.neftune_noise_alpha = self.args.neftune_noise_alpha
         self._user_scheduler = self.lr_scheduler is not None
         self._train_batch_size = self.args.train_batch_size  # auto_find_batch_size may lower it
-        self.current_gradient_accumulation_steps = 1
-        self.current_flos = 0
-        self.is_in_train = False
-        self.hp_name, self.hp_search_backend, self._trial = None, None, None
-        self.objective: Any = None
+        self.current_gradient_accumulation_steps, self.current_flos, self.is_in_train = 1, 0, False
+        self.hp_name, self.hp_search_backend, self._trial, self.objective = None, None, None, None
         self._setup_callbacks(callbacks or [])
         if self.args.push_to_hub:
             self.init_hf_repo()
@@ -153,7 +145,7 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
         facts = construction.inspect_model(model, self.args)
         self.model_accepts_loss_kwargs, self.label_names = facts.accepts_loss_kwargs, facts.label_names
         self.can_return_loss, self.label_smoother = facts.can_return_loss, facts.label_smoother
-        self._num_params = facts.num_params
+        self._num_params, self._loss_shifts_labels = facts.num_params, facts.loss_shifts_labels
 
     def _setup_callbacks(self, callbacks: list[Any]) -> None:
         hf_callbacks, self._lightning_callbacks = split_callbacks(callbacks)
@@ -216,7 +208,7 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
 
     # ---- per-batch pieces that need the run ---------------------------------------------------------------------
     def _get_num_items_in_batch(self, batch_samples: list[Any], device: torch.device | None) -> torch.Tensor | None:
-        return steps.count_items_in_cycle(self, batch_samples, self._backend(), self._world())
+        return steps.count_items_in_cycle(self, batch_samples, self._backend(), self._world(), self._loss_shifts_labels)
 
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:
         return steps.floating_point_ops(self.model, inputs, self._num_params)
@@ -239,11 +231,15 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
     ) -> TrainOutput:
         self._memory_tracker.start_stage("train")
         resume_from_checkpoint = resume.requested(resume_from_checkpoint, self.args)
-        # One writer per output folder, from before the folder is read until the last checkpoint is rotated.
+        # One writer per run folder (a trial's: run-{id}), from before the folder is read until the last checkpoint.
         job, rank = cluster.job_identity(), self.args.process_index  # the lock tells ranks of a job from other runs
-        with output_dir_lock(self.args.output_dir, enabled=self.args.should_save, job=job, rank=rank):
+        folder = self.args.output_dir if trial is None else self._get_output_dir(trial)
+        with output_dir_lock(folder, enabled=self.args.should_save, job=job, rank=rank):
             self._trial = trial
             self._prepare_model_for_training()
+            self._hp_search_setup(trial)  # a search's trial onto self.args, after model_init (transformers' moment)
+            if self.hp_search_backend is not None and trial is not None:
+                self._train_batch_size = self.args.train_batch_size  # the trial's batch size
             point = resume.resolve_resume(self, resume_from_checkpoint)
             if point is not None and self.args.auto_find_batch_size and point.state.train_batch_size is not None:
                 self._train_batch_size = point.state.train_batch_size  # the size the checkpoint's run found
@@ -278,13 +274,13 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
         )
 
     def _prepare_model_for_training(self) -> None:
-        """A fresh model from ``model_init`` (and a fresh optimizer), or a fresh schedule; activation checkpointing."""
+        """A fresh model from ``model_init`` (and optimizer), or a fresh schedule; Liger, activation checkpointing."""
         if self.model_init is not None:
             self._seed()
             self.model = self.call_model_init(self._trial)
             self._inspect_model(self.model)
             self.optimizer, self.lr_scheduler = None, None
-        construction.enable_activation_checkpointing(self.model, self.args)
+        construction.prepare_model_for_training(self.model, self.args)
 
     # ---- evaluation --------------------------------------------------------------------------------------------
     def _evaluate(self, trial: Any, ignore_keys_for_eval: list[str] | None, skip_scheduler: bool = False) -> dict:
@@ -359,8 +355,7 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
                     logger.save()
         dispatch(self, "on_log", logs)
 
-    log_metrics = log_metrics
-    metrics_format = metrics_format
+    log_metrics, metrics_format = log_metrics, metrics_format
     save_metrics = folders.on_disk_when_returned(save_metrics)  # transformers' own, then fsynced
     save_state = folders.on_disk_when_returned(save_state)
 
@@ -371,7 +366,8 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
 
     def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        weights.save_model_files(self.model, self.processing_class, output_dir, self.args, state_dict)
+        processor = weights.saved_processor(self.processing_class, self.data_collator)
+        weights.save_model_files(self.model, processor, output_dir, self.args, state_dict)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         weights.load_model_weights(model if model is not None else self.model, resume_from_checkpoint)

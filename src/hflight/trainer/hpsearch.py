@@ -1,138 +1,172 @@
-"""``Trainer.hyperparameter_search`` with transformers' semantics, on optuna.
+"""``Trainer.hyperparameter_search`` as transformers runs it: optuna, Ray Tune or W&B sweeps.
 
-Each trial builds a fresh model through ``model_init``, trains with the trial's hyperparameters written into a
-copy of ``TrainingArguments`` (validated like any other) in ``output_dir/run-{trial}``, reports every evaluation's
-objective to optuna (so pruners can stop bad trials) and is scored by ``compute_objective`` on its last
-evaluation. The default search space and objective are transformers' own (``default_hp_space_optuna``: learning
-rate, epochs, seed, batch size; ``default_compute_objective``: ``eval_loss`` alone, else the sum of the metrics).
+The backend is the one named, else the one transformers picks (``default_hp_search_backend``: the first installed of
+optuna, ray, wandb). Each trial builds a fresh model through ``model_init`` and, in ``train(trial=...)`` right after
+it (``_hp_search_setup``, transformers' moment), sets the trial's hyperparameters on ``args`` in place, validated as
+any ``TrainingArguments`` (other names are the model's, for ``model_init(trial)``); its checkpoints go into
+``output_dir/run-{id}`` (``_get_output_dir``), every evaluation reports the objective (``_report_to_hp_search``:
+optuna's pruners, Ray Tune's schedulers and checkpoints), and it is scored by ``compute_objective`` on its last
+evaluation. As in transformers, ``args`` keep the last trial's values afterwards. The backends, and how a search
+spans the processes of a launcher, are in :mod:`hflight.trainer.hpsearch_backends`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from transformers.trainer_utils import BestRun, default_compute_objective, default_hp_space_optuna
+import torch
+from transformers.trainer_callback import TrainerControl
+from transformers.trainer_utils import (
+    PREFIX_CHECKPOINT_DIR,
+    BestRun,
+    HPSearchBackend,
+    default_compute_objective,
+    number_of_arguments,
+)
 
-from hflight.run.events import dispatch
+from hflight.trainer.hpsearch_backends import BACKENDS, SearchBackend
 
 if TYPE_CHECKING:
     from hflight.surface import TrainerSurface
 
+logger = logging.getLogger(__name__)
 
-def _optuna():
+
+def backend_named(name: str | HPSearchBackend | None) -> SearchBackend:
+    """The backend ``name`` names, else transformers' default (the first installed of optuna, ray, wandb).
+
+    Raises:
+        ValueError: an unknown name. RuntimeError: the backend (or, unnamed, every backend) is not installed.
+    """
+    if name is None:
+        from transformers.hyperparameter_search import default_hp_search_backend
+
+        try:
+            name = default_hp_search_backend()
+        except RuntimeError:
+            raise RuntimeError(
+                "hyperparameter_search needs a search backend, and none is installed: pip install 'hflight[optuna]' "
+                "(or 'hflight[ray]' for Ray Tune, 'hflight[wandb]' for W&B sweeps)"
+            ) from None
     try:
-        import optuna
-    except ImportError as exc:
-        raise ImportError(
-            "hyperparameter_search(backend='optuna') needs optuna: "
-            "pip install 'hflight[optuna]' (or pip install optuna)"
-        ) from exc
-    return optuna
-
-
-def _run_optuna(
-    trainer: TrainerSurface, base_args: Any, n_trials: int, direction: str | list[str], **kwargs: Any
-) -> BestRun | list[BestRun]:
-    optuna = _optuna()
-
-    def objective(trial: Any) -> float | list[float]:
-        trainer.objective = None
-        trainer.args = apply_trial(trainer, base_args, trial)
-        trainer.train(trial=trial)
-        if trainer.objective is None:
-            trainer.objective = trainer.compute_objective(trainer.evaluate())
-        return trainer.objective
-
-    optimize_kwargs = {k: kwargs.pop(k) for k in ("timeout", "n_jobs", "gc_after_trial", "catch") if k in kwargs}
-    directions = direction if isinstance(direction, list) else None
-    study = optuna.create_study(direction=None if directions else direction, directions=directions, **kwargs)
-    study.optimize(objective, n_trials=n_trials, **optimize_kwargs)
-    if directions is None:
-        best = study.best_trial
-        return BestRun(str(best.number), best.value, best.params)
-    return [BestRun(str(t.number), t.values, t.params) for t in study.best_trials]
-
-
-BACKENDS: dict[str, dict[str, Callable]] = {
-    "optuna": {"run": _run_optuna, "default_hp_space": default_hp_space_optuna},
-}
+        backend = BACKENDS[HPSearchBackend(getattr(name, "value", name))]
+    except ValueError:
+        known = ", ".join(repr(b.value) for b in BACKENDS)
+        raise ValueError(f"hyperparameter_search: unknown backend {name!r}; hflight supports: {known}") from None
+    backend.ensure_available()
+    return backend
 
 
 def hyperparameter_search(
     trainer: TrainerSurface,
     hp_space: Callable[[Any], dict[str, Any]] | None,
-    compute_objective: Callable[[dict[str, float]], float] | None,
+    compute_objective: Callable[[dict[str, float]], Any] | None,
     n_trials: int,
     direction: str | list[str],
-    backend: str | None,
+    backend: str | HPSearchBackend | None,
     hp_name: Callable[[Any], str] | None,
     **kwargs: Any,
-) -> BestRun | list[BestRun]:
-    name = getattr(backend, "value", backend) or "optuna"
-    if name not in BACKENDS:
-        raise ValueError(f"hyperparameter_search: unknown backend {name!r}; hflight supports: {', '.join(BACKENDS)}")
+) -> BestRun | list[BestRun] | None:
+    chosen = backend_named(backend)
     if trainer.model_init is None:
         raise RuntimeError("To use hyperparameter search, you need to pass your model through a model_init function.")
-    spec = BACKENDS[name]
-    trainer.hp_space = hp_space if hp_space is not None else spec["default_hp_space"]
+    trainer.hp_search_backend = chosen.name
+    trainer.hp_space = hp_space if hp_space is not None else chosen.default_hp_space
     trainer.hp_name = hp_name
     trainer.compute_objective = compute_objective if compute_objective is not None else default_compute_objective
-    trainer.hp_search_backend = name
-    base_args = trainer.args
     try:
-        return spec["run"](trainer, base_args, n_trials, direction, **kwargs)
+        return chosen.run(trainer, n_trials, direction, **kwargs)
     finally:
-        trainer.args = base_args
         trainer.hp_search_backend = None
 
 
-def apply_trial(trainer: TrainerSurface, base_args: Any, trial: Any) -> Any:
-    """A copy of ``base_args`` with the trial's hyperparameters and its own ``run-{id}`` output folder."""
-    params = trainer.hp_space(trial) if trainer.hp_search_backend == "optuna" else dict(trial)
-    fields = {f.name for f in dataclasses.fields(base_args)}
+def set_hyperparameters(args: Any, params: dict[str, Any], model_init_takes_trial: bool) -> None:
+    """``params`` onto ``args`` in place, as transformers sets a trial's values (a number cast to the field's current
+    type: ``num_train_epochs`` 3 -> 3.0, a Ray ``seed`` 7.9 -> 7), validated first on a copy of ``args``. A name that
+    is not a ``TrainingArguments`` field is skipped with transformers' warning when ``model_init`` takes the trial
+    (which carries it: a model's hyperparameter, as transformers' own Ray and W&B tests search them).
+
+    Raises:
+        ValueError: such a name while ``model_init`` takes no trial (nothing would use the value), or a value the
+            field refuses.
+    """
+    fields = {f.name for f in dataclasses.fields(args) if f.init}
     unknown = sorted(set(params) - fields)
-    if unknown:
-        raise ValueError(f"hp_space returned {unknown}, which are not TrainingArguments fields.")
-    run_name = trainer.hp_name(trial) if trainer.hp_name is not None else f"run-{getattr(trial, 'number', 0)}"
-    output_dir = os.path.join(base_args.output_dir, run_name)
-    return dataclasses.replace(base_args, **params, output_dir=output_dir)
-
-
-def report(trainer: TrainerSurface, trial: Any, step: int, metrics: dict[str, float]) -> None:
-    """Tell optuna the objective after an evaluation; stop the trial if its pruner says so."""
-    if trainer.hp_search_backend is None or trial is None:
-        return
-    trainer.objective = trainer.compute_objective(metrics.copy())
-    if trainer.hp_search_backend == "optuna" and hasattr(trial, "report") and not isinstance(trainer.objective, list):
-        trial.report(trainer.objective, step)
-        if trial.should_prune():
-            dispatch(trainer, "on_train_end")
-            raise _optuna().TrialPruned()
+    if unknown and not model_init_takes_trial:
+        raise ValueError(
+            f"hp_space returned {unknown}, which are not TrainingArguments fields, and model_init takes no trial, so "
+            "nothing would use them: read them in model_init(trial), or return only TrainingArguments fields."
+        )
+    for key in unknown:
+        logger.warning(
+            f"Trying to set {key} in the hyperparameter search but there is no corresponding field in "
+            "`TrainingArguments`."
+        )
+    values = {}
+    for key, value in ((k, v) for k, v in params.items() if k in fields):
+        current = getattr(args, key)
+        is_number = isinstance(current, (int, float)) and not isinstance(current, bool)
+        values[key] = type(current)(value) if is_number and isinstance(value, (int, float)) else value
+    checked = dataclasses.replace(args, **values)
+    for key in values:
+        setattr(args, key, getattr(checked, key))
 
 
 class HyperparameterSearchMixin:
-    """``Trainer.hyperparameter_search`` (see :func:`hyperparameter_search`)."""
+    """``Trainer.hyperparameter_search`` and the trial hooks ``train()`` calls (transformers' names)."""
 
     def hyperparameter_search(
         self,
         hp_space: Callable[[Any], dict[str, Any]] | None = None,
-        compute_objective: Callable[[dict[str, float]], float] | None = None,
+        compute_objective: Callable[[dict[str, float]], Any] | None = None,
         n_trials: int = 20,
         direction: str | list[str] = "minimize",
-        backend: str | None = None,
+        backend: str | HPSearchBackend | None = None,
         hp_name: Callable[[Any], str] | None = None,
         **kwargs: Any,
-    ) -> BestRun | list[BestRun]:
-        """Search hyperparameters with optuna (transformers' semantics; needs ``model_init``)."""
+    ) -> BestRun | list[BestRun] | None:
+        """Search hyperparameters with optuna, Ray Tune or a W&B sweep, as transformers does (needs ``model_init``).
+
+        Returns the ``BestRun`` (a list of them for several objectives); under a launcher, on rank 0 (``None`` on
+        the other ranks, which train every trial with rank 0)."""
         return hyperparameter_search(self, hp_space, compute_objective, n_trials, direction, backend, hp_name, **kwargs)
 
+    def _hp_search_setup(self, trial: Any) -> None:
+        """The trial's hyperparameters onto ``self.args`` (called by ``train()`` after ``model_init``)."""
+        if self.hp_search_backend is None or trial is None:
+            return
+        params = BACKENDS[self.hp_search_backend].params(self, trial)
+        set_hyperparameters(self.args, params, number_of_arguments(self.model_init) == 1)
+        logger.info(f"Trial: {params}")
+        self.create_accelerator_and_postprocess()
+
     def _report_to_hp_search(self, trial: Any, step: int, metrics: dict[str, float]) -> None:
-        report(self, trial, step, metrics)
+        """The objective of an evaluation during a trial, to the backend (optuna's pruner may stop the trial)."""
+        if self.hp_search_backend is None or trial is None:
+            return
+        metrics = metrics.copy()
+        self.objective = self.compute_objective(metrics)
+        BACKENDS[self.hp_search_backend].report(self, trial, step, metrics)
 
     def _get_output_dir(self, trial: Any) -> str:
-        """Where this run writes: during a search, the trial's ``run-{n}`` folder is already ``args.output_dir``
-        (see :func:`apply_trial`)."""
-        return self.args.output_dir
+        """Where a checkpoint goes: during a search, the trial's folder ``output_dir/run-{id}`` (or ``hp_name``'s)."""
+        if self.hp_search_backend is None or trial is None:
+            return self.args.output_dir
+        run_id = BACKENDS[self.hp_search_backend].run_id(trial) if self.hp_name is None else None
+        name = self.hp_name(trial) if self.hp_name is not None else f"run-{run_id}"
+        return os.path.join(self.args.output_dir, name)
+
+    def _tune_save_checkpoint(self, checkpoint_dir: str) -> None:
+        """A Ray Tune checkpoint: ``checkpoint-{step}`` in ``checkpoint_dir`` with the model, the trainer state,
+        optimizer and scheduler (the files transformers writes there)."""
+        output_dir = os.path.join(checkpoint_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        self.save_model(output_dir, _internal_call=True)
+        if self.args.should_save:
+            self.state.stateful_callbacks[TrainerControl.__name__] = self.control.state()
+            self.state.save_to_json(os.path.join(output_dir, "trainer_state.json"))
+            torch.save(self.optimizer.state_dict(), os.path.join(output_dir, "optimizer.pt"))
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))

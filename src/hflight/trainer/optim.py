@@ -9,12 +9,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import Trainer as HFTrainer
 
 from hflight.arguments.optimizers import (
     build_scheduler,
     current_learning_rate,
     decay_parameter_names,
-    grouped_parameters,
     optimizer_cls_and_kwargs,
 )
 
@@ -25,23 +25,17 @@ class OptimizerMixin:
     """transformers' optimizer and scheduler surface of the ``Trainer``, over its public attributes (``args``,
     ``model``, ``optimizer``, ``lr_scheduler``, ``optimizer_cls_and_kwargs``).
 
-    ``create_optimizer`` asks ``get_decay_parameter_names`` and ``get_optimizer_cls_and_kwargs`` through ``self``, as
-    transformers does, so a subclass that overrides either changes the optimizer built.
+    ``create_optimizer`` is transformers' own, run on this trainer: it asks ``get_decay_parameter_names`` and
+    ``get_optimizer_cls_and_kwargs`` through ``self``, so a subclass that overrides either changes the optimizer built,
+    and what transformers does around the class it gets (GaLore/APOLLO's own parameter groups, LOMO's model, the
+    layer-wise optimizers' dictionary, optimizer factories, bitsandbytes' 32-bit embeddings) is done as there.
     """
 
     # transformers binds these helpers to its Trainer the same way.
     from transformers.trainer_pt_utils import get_learning_rates, get_num_trainable_parameters, get_optimizer_group
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
-        if self.optimizer is None:
-            opt_model = self.model if model is None else model
-            decay = self.get_decay_parameter_names(opt_model)
-            spec = self.optimizer_cls_and_kwargs
-            if spec is None:
-                spec = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
-            optimizer_cls, kwargs = spec
-            self.optimizer = optimizer_cls(grouped_parameters(opt_model, self.args.weight_decay, decay), **kwargs)
-        return self.optimizer
+        return HFTrainer.create_optimizer(self, model)
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
         if self.lr_scheduler is None:
@@ -61,5 +55,6 @@ class OptimizerMixin:
 
     @staticmethod
     def get_optimizer_cls_and_kwargs(args: Any, model: nn.Module | None = None) -> tuple[Any, Any]:
-        """The optimizer class and keyword arguments ``args.optim`` names (see :data:`OPTIMIZERS`)."""
-        return optimizer_cls_and_kwargs(args)
+        """The optimizer class and keyword arguments ``args.optim`` names: transformers' (``model``: needed by
+        GaLore, APOLLO and LOMO), or a backend's registered optimizer (``hflight.arguments.optimizers``)."""
+        return optimizer_cls_and_kwargs(args, model)

@@ -16,7 +16,9 @@ import torch
 from torch import nn
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.trainer_pt_utils import nested_detach
+from transformers.trainer_utils import unwrap_peft_model
 
+from hflight.arguments.optimizers import passes_learning_rate, set_optimizer_mode
 from hflight.run.datamodule import loader_length
 from hflight.run.plan import plan_training
 from hflight.surface import TrainerSurface
@@ -46,8 +48,8 @@ def compute_loss(
     if trainer.compute_loss_func is not None:
         loss = trainer.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
     elif labels is not None:
-        shift = type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
-        loss = trainer.label_smoother(outputs, labels, shift_labels=shift)
+        shift = _model_name(trainer.accelerator.unwrap_model(model)) in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+        loss = trainer.label_smoother(outputs, labels, shift_labels=shift, num_items_in_batch=num_items_in_batch)
     else:
         if isinstance(outputs, dict) and "loss" not in outputs:
             raise ValueError(
@@ -73,21 +75,27 @@ def compute_loss(
     return (loss, outputs) if return_outputs else loss
 
 
+def _model_name(model: nn.Module) -> str:
+    """The model class name transformers matches against the causal-LM names (a PEFT model's base model's)."""
+    return unwrap_peft_model(model)._get_name()
+
+
 def training_step(
     trainer: TrainerSurface,
     model: nn.Module,
     inputs: dict[str, Any],
     num_items_in_batch: torch.Tensor | int | None,
-    backward: Callable[[torch.Tensor], None],
+    backward: Callable[..., None],
 ) -> torch.Tensor:
     """Forward, loss scaled for gradient accumulation as HF scales it, ``backward`` (Lightning's, which applies the
     precision plugin's scaling and the strategy's hooks)."""
     model.train()
-    if hasattr(trainer.optimizer, "train") and callable(trainer.optimizer.train):
-        trainer.optimizer.train()
+    set_optimizer_mode(trainer.optimizer, training=True)  # a schedule-free optimizer trains its own sequence
     inputs = trainer._prepare_inputs(inputs)  # an override point at transformers' moment (Lightning moved the batch)
     with trainer.compute_loss_context_manager():  # transformers' override point, around the forward and the loss
         loss = trainer.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+    # "lomo"/"adalomo": the learning rate goes with the loss, for LOMO's fused backward (accelerate's, in transformers)
+    kwargs = {"learning_rate": trainer._get_learning_rate()} if passes_learning_rate(trainer.args) else {}
     every = trainer.args.torch_empty_cache_steps
     if every is not None and trainer.state.global_step % every == 0:
         memory.empty_device_cache()
@@ -101,7 +109,7 @@ def training_step(
         ) or trainer.compute_loss_func is not None
     if not already_scaled:
         loss = loss / trainer.current_gradient_accumulation_steps
-    backward(loss)
+    backward(loss, **kwargs)
     return loss.detach()
 
 
@@ -133,6 +141,8 @@ def prediction_step(
     with torch.no_grad():
         if has_labels or loss_without_labels:
             num_items = trainer._get_num_items_in_batch([inputs], None)
+            if trainer.args.use_liger_kernel and prediction_loss_only:  # Liger's loss without the logits
+                inputs = {**inputs, "skip_logits": True}
             with trainer.compute_loss_context_manager():
                 loss, outputs = trainer.compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items)
             loss = loss.detach().mean()
@@ -157,10 +167,14 @@ def prediction_step(
     return loss, logits, labels
 
 
-def count_items_in_cycle(trainer: TrainerSurface, batches: list[Any], backend: Any, world: Any) -> torch.Tensor | None:
+def count_items_in_cycle(
+    trainer: TrainerSurface, batches: list[Any], backend: Any, world: Any, shifts_labels: bool = False
+) -> torch.Tensor | None:
     """Label items (``labels != -100``) over an accumulation cycle, when the loss normalises by them (HF); summed
     over the processes of ``world`` with ``average_tokens_across_devices``. ``backend``: the running strategy's
-    hooks (a backend that accumulates on its device does not normalise by host counts)."""
+    hooks (a backend that accumulates on its device does not normalise by host counts). ``shifts_labels``: the model's
+    loss is a causal-LM loss, whose targets are ``labels[..., 1:]`` (transformers counts those, or the collator's
+    ``shift_labels`` when a batch carries them)."""
     if not batches or "labels" not in batches[0]:
         return None
     if not (trainer.model_accepts_loss_kwargs or trainer.compute_loss_func is not None):
@@ -168,12 +182,18 @@ def count_items_in_cycle(trainer: TrainerSurface, batches: list[Any], backend: A
     if not backend.hf_counts_loss_items:
         return None
     try:
-        count = sum(batch["labels"].ne(-100).sum() for batch in batches)
+        count = sum(_counted_labels(batch, shifts_labels).ne(-100).sum() for batch in batches)
     except (TypeError, AttributeError):
         return None
     if trainer.args.average_tokens_across_devices and world.size > 1:
         count = world.reduce_sum(count.float())
     return count
+
+
+def _counted_labels(batch: Any, shifts_labels: bool) -> torch.Tensor:
+    if "shift_labels" in batch:
+        return batch["shift_labels"]
+    return batch["labels"][..., 1:] if shifts_labels else batch["labels"]
 
 
 def flos_of_every_process(flos: float, world: Any, device: torch.device) -> float:

@@ -1,0 +1,489 @@
+"""How a data loader is dealt to the processes of a run: accelerate's ``prepare_data_loader``, on hflight's runs.
+
+transformers' ``Trainer`` passes every loader it builds through ``accelerator.prepare``, which gives each process its
+part as ``TrainingArguments.accelerator_config`` says. hflight has no accelerate state; :func:`prepare_loader` does the
+same with the run's processes, batch for batch (tests/test_accelerator_config.py compares each piece with accelerate's
+own class):
+
+- ``split_batches=False`` (the default): each process takes whole batches, dealt round-robin; ``True``: every batch is
+  cut into one slice per process, so the batch size is the global one (:class:`ShardedBatchSampler`).
+- ``even_batches=True`` (the default): the last round is completed with samples from the start of the order, so that
+  every process gets as many batches, all full; ``False``: each process gets what is left for it.
+- ``dispatch_batches``: process 0 alone reads the loader and sends each global batch to the others, which keep their
+  slice (:class:`DispatchedLoader`); ``None`` (the default) means True for iterable datasets only.
+- ``use_seedable_sampler=True`` (the default): a ``RandomSampler`` becomes an :class:`EpochSeededRandomSampler`
+  (accelerate's ``SeedableRandomSampler``: the order is drawn from ``data_seed + epoch``); ``False``: torch's sampler
+  as it is, whose generator process 0 shares with the others at each pass.
+- an iterable dataset that is not dispatched is read by every process, each keeping its slice of every global batch
+  (:class:`IterableShard`).
+
+Batches are not moved to the device here (accelerate's loaders do it): Lightning moves them, with ``non_blocking`` as
+configured. Each prepared loader reports to a :class:`LoaderState` while it is iterated (the innermost loader's
+``end_of_dataloader`` and ``remainder``, as accelerate's ``GradientState`` knows them), which
+``trainer.accelerator.gather_for_metrics`` reads to drop the samples that evened out the last batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
+from transformers.trainer_pt_utils import find_batch_size
+
+from hflight.run.samplers import EpochSeededRandomSampler, ShardedBatchSampler, split_batches_error
+
+#: DataLoader settings a prepared loader keeps from the loader it was built from (batching aside).
+_WORKER_SETTINGS = ("collate_fn", "num_workers", "pin_memory", "timeout", "worker_init_fn", "generator")
+_WORKER_PROCESS_SETTINGS = ("multiprocessing_context", "prefetch_factor", "persistent_workers", "in_order")
+
+
+@dataclass(frozen=True)
+class LoaderSharding:
+    """The data-loader part of transformers' ``AcceleratorConfig`` (same names, same defaults), and ``data_seed``."""
+
+    split_batches: bool = False
+    dispatch_batches: bool | None = None
+    even_batches: bool = True
+    use_seedable_sampler: bool = True
+    non_blocking: bool = False
+    data_seed: int | None = None
+
+    @classmethod
+    def from_config(cls, config: Any, data_seed: int | None = None) -> LoaderSharding:
+        """From an ``AcceleratorConfig`` (or a mapping with its field names; None: the defaults)."""
+        values = config if isinstance(config, Mapping) else vars(config) if config is not None else {}
+        names = {f.name for f in fields(cls)} - {"data_seed"}
+        return cls(**{k: v for k, v in values.items() if k in names}, data_seed=data_seed)
+
+
+class LoaderState:
+    """The prepared loaders being iterated, innermost last: what accelerate's ``GradientState`` knows of them."""
+
+    def __init__(self) -> None:
+        self.loaders: list[Any] = []
+
+    @property
+    def active_dataloader(self) -> Any:
+        return self.loaders[-1] if self.loaders else None
+
+    @property
+    def in_dataloader(self) -> bool:
+        return bool(self.loaders)
+
+    @property
+    def end_of_dataloader(self) -> bool:
+        """Whether the batch being processed is the last one of the innermost loader."""
+        return bool(self.loaders) and self.loaders[-1].end_of_dataloader
+
+    @property
+    def remainder(self) -> int:
+        """Samples of the innermost loader's last global batch that are real (the rest evened it out); -1 unknown."""
+        return self.loaders[-1].remainder if self.loaders else -1
+
+    def enter(self, loader: Any) -> None:
+        self.loaders.append(loader)
+
+    def leave(self, loader: Any) -> None:
+        self.loaders = [other for other in self.loaders if other is not loader]
+
+
+class IterableShard(IterableDataset):
+    """Process ``rank``'s samples of an iterable dataset, as accelerate's ``IterableDatasetShard``: every process reads
+    the whole stream and keeps its slice of each global batch (``batch_size * num_processes`` samples, or
+    ``batch_size`` with ``split_batches``); the last global batch is completed from the first one unless
+    ``drop_last``."""
+
+    def __init__(
+        self, dataset: Any, batch_size: int, drop_last: bool, num_processes: int, rank: int, split_batches: bool
+    ) -> None:
+        if split_batches and batch_size % num_processes != 0:
+            raise split_batches_error(batch_size, num_processes)
+        self.dataset, self.batch_size, self.drop_last = dataset, batch_size, drop_last
+        self.num_processes, self.rank, self.split_batches = num_processes, rank, split_batches
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        rounds = len(self.dataset) / (self.batch_size * self.num_processes)
+        return (math.floor(rounds) if self.drop_last else math.ceil(rounds)) * self.batch_size
+
+    def __iter__(self) -> Iterator[Any]:
+        generator = getattr(self.dataset, "generator", None)
+        if not hasattr(self.dataset, "set_epoch") and isinstance(generator, torch.Generator):
+            generator.manual_seed(self.epoch)
+        whole = self.batch_size if self.split_batches else self.batch_size * self.num_processes
+        size = self.batch_size // self.num_processes if self.split_batches else self.batch_size
+        mine = range(self.rank * size, (self.rank + 1) * size)
+        first: list[Any] | None = None
+        current: list[Any] = []
+        for item in self.dataset:
+            current.append(item)
+            if len(current) == whole:
+                yield from (current[i] for i in mine)
+                first = current if first is None else first
+                current = []
+        if not self.drop_last and current:
+            first = list(current) if first is None else first
+            while len(current) < whole:
+                current = current + first
+            yield from (current[i] for i in mine)
+
+
+class _Prepared:
+    """What every prepared loader has: where it came from (to deal it again for another world), its epoch, and its
+    report to the :class:`LoaderState` while it is iterated."""
+
+    end_of_dataloader = False
+    remainder = -1
+    reads_ahead = False  # whether iterating it already reads one batch ahead (as accelerate's loaders do)
+
+    def _prepared_from(self, origin: DataLoader, sharding: LoaderSharding, processes: int, rank: int, state: Any):
+        self.origin, self.sharding, self.num_processes, self.process_index = origin, sharding, processes, rank
+        self.state = state
+        self.iteration = 0
+
+    def _begin(self, drop_last: bool, total_batch_size: int | None) -> None:
+        self.end_of_dataloader, self.remainder = False, -1
+        try:
+            if not drop_last and total_batch_size:
+                self.remainder = len(self.dataset) % total_batch_size
+        except TypeError:  # no length
+            pass
+        if self.state is not None:
+            self.state.enter(self)
+
+    def _end(self) -> None:
+        if self.state is not None:
+            self.state.leave(self)
+
+    def _set_sampler_epoch(self, batch_sampler: Any, epoch: int) -> None:
+        self.iteration = epoch
+        for holder in (batch_sampler, getattr(batch_sampler, "sampler", None)):
+            if holder is not None and hasattr(holder, "set_epoch"):
+                holder.set_epoch(epoch)
+                return
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+
+
+class ShardedLoader(_Prepared, DataLoader):
+    """One process's part of a loader (accelerate's ``DataLoaderShard``, without the move to the device)."""
+
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        prepared_from: tuple[DataLoader, LoaderSharding, int, int, Any],
+        generator_to_share: torch.Generator | None = None,
+        **settings: Any,
+    ) -> None:
+        super().__init__(dataset, **settings)
+        self._prepared_from(*prepared_from)
+        self.generator_to_share = generator_to_share
+
+    @property
+    def total_batch_size(self) -> int | None:
+        """Samples in one step of all processes together (accelerate's: an iterable dataset's shard counts its own)."""
+        total = getattr(self.batch_sampler, "total_batch_size", None)
+        return total if total is not None else getattr(self.batch_sampler, "batch_size", None)
+
+    def set_epoch(self, epoch: int) -> None:
+        self._set_sampler_epoch(self.batch_sampler, epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.generator_to_share is not None:
+            share_generator(self.generator_to_share)
+        self.set_epoch(self.iteration)
+        self._begin(self.origin.drop_last, self.total_batch_size)
+        try:
+            try:
+                last = len(self) - 1
+            except TypeError:
+                last = -1
+            for index, batch in enumerate(super().__iter__()):
+                self.end_of_dataloader = index == last
+                yield batch
+            self.iteration += 1
+        finally:
+            self._end()
+
+
+def share_generator(generator: torch.Generator) -> None:
+    """Process 0's state of ``generator`` on every process (accelerate's ``synchronize_rng_state`` for a generator)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    if torch.distributed.get_world_size() == 1:
+        return
+    state = [generator.get_state()]
+    torch.distributed.broadcast_object_list(state, src=0)
+    generator.set_state(state[0])
+
+
+class DispatchedLoader(_Prepared):
+    """Process 0 reads ``base`` and sends each global batch to the others, which keep their slice (accelerate's
+    ``DataLoaderDispatcher``, with its numbers). Without ``split_batches`` a global batch is ``num_processes`` batches
+    of ``base`` put end to end, so each process gets a whole batch; with it, one batch of ``base`` is cut. An uneven
+    last global batch is cut into equal slices, completed with the first samples of the first global batch when it
+    does not divide (``drop_last`` drops it). The loader reads one global batch ahead, as accelerate's does, to know
+    the last one."""
+
+    reads_ahead = True
+
+    def __init__(
+        self, base: DataLoader, prepared_from: tuple[DataLoader, LoaderSharding, int, int, Any], drop_last: bool
+    ) -> None:
+        self._prepared_from(*prepared_from)
+        self.base, self.drop_last = base, drop_last
+        self.split_batches = self.sharding.split_batches
+        self._stopped = False
+
+    dataset = property(lambda self: self.base.dataset)
+    sampler = property(lambda self: self.base.sampler)
+    batch_sampler = property(lambda self: self.base.batch_sampler)
+    batch_size = property(lambda self: self.base.batch_size)
+
+    @property
+    def total_batch_size(self) -> int | None:
+        size = self.base.batch_size
+        return None if size is None else size if self.split_batches else size * self.num_processes
+
+    def set_epoch(self, epoch: int) -> None:
+        self._set_sampler_epoch(self.base.batch_sampler, epoch)
+
+    def __len__(self) -> int:
+        whole = len(self.base)
+        if self.split_batches:
+            return whole
+        return whole // self.num_processes if self.drop_last else math.ceil(whole / self.num_processes)
+
+    def __iter__(self) -> Iterator[Any]:
+        self.set_epoch(self.iteration)
+        self._begin(self.drop_last, self.total_batch_size)
+        try:
+            # every process creates the iterator (it draws the loader's base seed, on each as in accelerate); only
+            # process 0 reads from it
+            yield from self._dispatched(iter(self.base))
+            self.iteration += 1
+        finally:
+            self._end()
+
+    def _dispatched(self, reader: Iterator[Any]) -> Iterator[Any]:
+        n, rank = self.num_processes, self.process_index
+        self._stopped = False
+        first = None
+        batch = self._fetch(reader)
+        while True:
+            if batch is None:
+                raise ValueError("dispatch_batches=True: the loader gave no batch (an empty dataset?)")
+            if not self.drop_last and first is None:
+                first = slice_batch(batch, slice(0, n))
+            observed = find_batch_size(batch) or 0
+            size, last = observed // n, self._stopped
+            if not last:
+                following = self._fetch(reader)
+                last = self._stopped and following is None
+            if last and not self.drop_last and observed % n != 0:
+                batch, size = concatenate([batch, first]), size + 1
+            if last:
+                self.end_of_dataloader, self.remainder = True, observed
+            yield slice_batch(batch, slice(rank * size, (rank + 1) * size))
+            if last:
+                return
+            batch = following
+
+    def _fetch(self, reader: Iterator[Any]) -> Any:
+        """The next global batch on every process (None at the end); ``_stopped`` once ``base`` is exhausted."""
+        message: list[Any] = [None]
+        if self.process_index == 0:
+            message[0] = self._read(reader)
+        if self.num_processes > 1:
+            torch.distributed.broadcast_object_list(message, src=0)
+        batch, stopped, error = message[0]
+        if error is not None:
+            raise RuntimeError(error)
+        self._stopped = stopped
+        return batch
+
+    def _read(self, reader: Iterator[Any]) -> tuple[Any, bool, str | None]:
+        """Process 0's read: (global batch or None, base exhausted, an error every process raises)."""
+        batches: list[Any] = []
+        stopped = False
+        try:
+            for _ in range(1 if self.split_batches else self.num_processes):
+                batches.append(next(reader))
+        except StopIteration:
+            stopped = True
+        if not batches or (stopped and (self.split_batches or self.drop_last)):
+            return None, stopped, None
+        try:
+            return (batches[0] if self.split_batches else concatenate(batches)), stopped, None
+        except (RuntimeError, TypeError) as error:
+            return None, stopped, (
+                f"accelerator_config['dispatch_batches']: process 0 could not put {len(batches)} batches end to end "
+                f"({error}). Batches of different shapes cannot be dispatched: set dispatch_batches=False (each "
+                "process reads its own batches) or split_batches=True (one batch is read and cut)."
+            )  # fmt: skip
+
+
+def _rebuilt(like: Any, items: Iterable[Any]) -> Any:
+    if isinstance(like, Mapping):
+        return type(like)(dict(items))
+    items = list(items)
+    return type(like)(*items) if hasattr(like, "_fields") else type(like)(items)
+
+
+def slice_batch(batch: Any, rows: slice) -> Any:
+    """``batch``'s tensors cut along the first dimension (other leaves as they are)."""
+    if torch.is_tensor(batch):
+        return batch[rows]
+    if isinstance(batch, Mapping):
+        return _rebuilt(batch, ((k, slice_batch(v, rows)) for k, v in batch.items()))
+    if isinstance(batch, (list, tuple)):
+        return _rebuilt(batch, (slice_batch(v, rows) for v in batch))
+    return batch
+
+
+def concatenate(batches: list[Any]) -> Any:
+    """Batches of one structure put end to end along the first dimension (tensors only, as accelerate's)."""
+    first = batches[0]
+    if torch.is_tensor(first):
+        return torch.cat(batches, dim=0)
+    if isinstance(first, Mapping):
+        return _rebuilt(first, ((k, concatenate([b[k] for b in batches])) for k in first))
+    if isinstance(first, (list, tuple)):
+        return _rebuilt(first, (concatenate([b[i] for b in batches]) for i in range(len(first))))
+    raise TypeError(f"only tensors can be put end to end, got {type(first).__name__}")
+
+
+# ---- prepare -----------------------------------------------------------------------------------------------------
+def _settings(loader: DataLoader, generator: bool = True) -> dict[str, Any]:
+    """The worker settings of ``loader`` (what a prepared loader keeps)."""
+    names = _WORKER_SETTINGS if generator else tuple(n for n in _WORKER_SETTINGS if n != "generator")
+    settings = {name: getattr(loader, name) for name in names}
+    if loader.num_workers > 0:
+        settings.update({name: getattr(loader, name) for name in _WORKER_PROCESS_SETTINGS if hasattr(loader, name)})
+    return settings
+
+
+def _seedable(sampler: Any, sharding: LoaderSharding) -> Any:
+    """accelerate's swap: a plain ``RandomSampler`` becomes an :class:`EpochSeededRandomSampler` seeded with
+    ``data_seed``, else with torch's initial seed (``set_seed(args.seed)``'s)."""
+    if not sharding.use_seedable_sampler or type(sampler) is not RandomSampler:
+        return sampler
+    seed = sharding.data_seed if sharding.data_seed is not None else torch.random.initial_seed()
+    return EpochSeededRandomSampler(sampler.data_source, seed, sampler.replacement, sampler._num_samples)
+
+
+def _shared_generator(sampler: Any) -> torch.Generator | None:
+    """Without the seedable sampler, accelerate gives a generator-less random sampler one seeded from torch's global
+    RNG (when the loader is prepared); process 0 shares its state at each pass."""
+    if not hasattr(sampler, "generator"):
+        return None
+    if sampler.generator is None:
+        sampler.generator = torch.Generator()
+        sampler.generator.manual_seed(int(torch.empty((), dtype=torch.int64).random_().item()))
+    return sampler.generator
+
+
+def prepare_loader(
+    loader: DataLoader, num_processes: int, process_index: int, sharding: LoaderSharding, state: Any = None
+) -> Any:
+    """``loader`` (built for all the data, as transformers builds it) as process ``process_index`` of
+    ``num_processes`` iterates it: accelerate's ``prepare_data_loader`` with ``sharding``. A loader this function
+    prepared is prepared again from the loader it came from."""
+    if isinstance(loader, _Prepared):
+        loader = loader.origin
+    dataset = loader.dataset
+    iterable = isinstance(dataset, IterableDataset)
+    dispatch = sharding.dispatch_batches if sharding.dispatch_batches is not None else iterable
+    prepared_from = (loader, sharding, num_processes, process_index, state)
+    if sharding.split_batches and num_processes > 1:
+        size = loader.batch_size if loader.batch_size is not None else getattr(loader.batch_sampler, "batch_size", None)
+        if size is None or size % num_processes != 0:
+            raise split_batches_error(size, num_processes)
+    if not iterable:  # accelerate's swap applies to the sampler the batches are drawn from
+        sampler = _seedable(getattr(loader.batch_sampler, "sampler", None), sharding)
+        batch_sampler = _with_sampler(loader.batch_sampler, sampler)
+    if dispatch:
+        base_settings = _settings(loader, generator=False)
+        if iterable:
+            base = DataLoader(dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, **base_settings)
+        else:
+            base = DataLoader(dataset, batch_sampler=batch_sampler, **base_settings)
+        return DispatchedLoader(base, prepared_from, loader.drop_last)
+    if iterable:
+        return _iterable_shard(loader, prepared_from)
+    shared = None
+    if num_processes > 1:
+        if not sharding.use_seedable_sampler:
+            shared = _shared_generator(batch_sampler.sampler)
+        batch_sampler = ShardedBatchSampler(
+            None, None, False, num_processes, process_index,
+            split_batches=sharding.split_batches, even_batches=sharding.even_batches, batch_sampler=batch_sampler,
+        )  # fmt: skip
+    settings = _settings(loader)
+    if type(batch_sampler) is BatchSampler:  # one process: batched as given (the loader keeps its batch_size)
+        batching = {"batch_size": batch_sampler.batch_size, "sampler": batch_sampler.sampler,
+                    "drop_last": batch_sampler.drop_last}  # fmt: skip
+    else:
+        batching = {"batch_sampler": batch_sampler}
+    return ShardedLoader(dataset, prepared_from=prepared_from, generator_to_share=shared, **batching, **settings)
+
+
+def _with_sampler(batch_sampler: Any, sampler: Any) -> Any:
+    """``batch_sampler`` drawing from ``sampler`` (a new ``BatchSampler``; another kind gets its ``sampler`` set)."""
+    if batch_sampler is None or getattr(batch_sampler, "sampler", sampler) is sampler:
+        return batch_sampler
+    if type(batch_sampler) is BatchSampler:
+        return BatchSampler(sampler, batch_sampler.batch_size, batch_sampler.drop_last)
+    batch_sampler.sampler = sampler
+    return batch_sampler
+
+
+def _iterable_shard(loader: DataLoader, prepared_from: tuple) -> ShardedLoader:
+    """An iterable dataset read by every process: a ``datasets`` stream with enough shards is split by shard (as
+    accelerate does), any other through :class:`IterableShard`."""
+    _, sharding, processes, rank, _ = prepared_from
+    dataset, size, shared = loader.dataset, loader.batch_size, None
+    if processes > 1:
+        generator = getattr(dataset, "generator", None)
+        shared = generator if isinstance(generator, torch.Generator) else None
+        shards = getattr(dataset, "n_shards", 0)
+        if hasattr(dataset, "shard") and not sharding.split_batches and shards >= processes:
+            dataset = dataset.shard(num_shards=processes, index=rank)
+        else:
+            dataset = IterableShard(dataset, size, loader.drop_last, processes, rank, sharding.split_batches)
+        size = size // processes if sharding.split_batches else size
+    return ShardedLoader(
+        dataset, prepared_from=prepared_from, generator_to_share=shared, batch_size=size, drop_last=loader.drop_last,
+        **_settings(loader),
+    )  # fmt: skip
+
+
+def shard_loader(loader: Any, world_size: int, rank: int) -> Any:
+    """``loader`` for process ``rank`` of ``world_size``: a loader :func:`prepare_loader` made (or one of
+    :class:`ShardedBatchSampler`) for another world is dealt again for this one, with the same settings; a plain loader
+    with torch's ``BatchSampler`` (built before the processes were launched) is dealt with the default settings;
+    anything else (one already dealt for this world, a batch sampler of the user's own) is returned as it is."""
+    if isinstance(loader, _Prepared):
+        if (loader.num_processes, loader.process_index) == (world_size, rank):
+            return loader
+        return prepare_loader(loader, world_size, rank, loader.sharding, loader.state)
+    batches = getattr(loader, "batch_sampler", None)
+    if isinstance(batches, ShardedBatchSampler):
+        if (batches.num_replicas, batches.rank) == (world_size, rank):
+            return loader
+        whole = DataLoader(loader.dataset, batch_sampler=batches.batch_sampler, **_settings(loader))
+        sharding = LoaderSharding(split_batches=batches.split_batches, even_batches=batches.even_batches)
+        return prepare_loader(whole, world_size, rank, sharding)
+    if world_size <= 1 or not isinstance(loader, DataLoader) or type(batches) is not BatchSampler:
+        return loader
+    return prepare_loader(loader, world_size, rank, LoaderSharding())

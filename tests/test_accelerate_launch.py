@@ -1,0 +1,583 @@
+"""accelerate's launcher and its config files honoured (issue 40, item 1): what ``accelerate launch`` exports, read
+as transformers' ``TrainingArguments`` and accelerate's plugins read it (``hflight.arguments.launcher_env``), and
+DeepSpeed's own launcher recognised like torchrun (``hflight.arguments.cluster``).
+
+The unit tests take the environment from accelerate's own launcher code (``accelerate.utils.launch``'s
+``prepare_*_env`` on a parsed ``accelerate launch`` command line, nothing started) and check each variable's effect
+on hflight's arguments, against accelerate's own plugins where they read the same variables.
+
+The launches run transformers' ``run_clm.py`` (``tests/scripts/run_clm``) under ``accelerate launch`` once as written
+and once with the trainer import changed to hflight's: ``--num_processes 1 --mixed_precision bf16`` (transformers
+trains under bf16 autocast; hflight read none of it before), and the four config files transformers' own test suite
+ships for this (``tests/trainer/distributed/accelerate_configs/{ddp,fsdp2,deepspeed_zero2,deepspeed_zero3}.yaml`` in
+huggingface/transformers; :data:`CONFIGS` has their keys and values). On this CPU-only machine transformers' processes
+under ``accelerate launch`` each train alone unless the script gets ``--use_cpu`` (accelerate starts its CPU data
+parallelism for ``use_cpu`` alone), and accelerate drops FSDP on the CPU (it trains DDP): transformers' side therefore
+runs with ``--use_cpu``, and its FSDP2 run through the test stand-in ``tests/fsdp_standin`` (accelerate's own FSDP2
+code, the state a GPU run gets). hflight's side runs as a user writes it, without ``--use_cpu``. Last, hflight's
+run_clm under ``deepspeed --num_gpus 2 run_clm.py --deepspeed ds_config.json`` (DeepSpeed's launcher, which passes
+``--local_rank``) against transformers' ZeRO-2 run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import hflight
+from hflight.arguments import cluster, launcher_env
+from hflight.arguments.launcher_env import LauncherEnvironmentError
+
+from . import dropin
+from . import test_run_clm_dropin as clm
+
+ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
+DEEPSPEED = str(Path(sys.executable).with_name("deepspeed"))
+FSDP_STANDIN = Path(__file__).resolve().parent / "fsdp_standin"
+
+#: accelerate config files with the keys and values of transformers' own test suite's
+#: (huggingface/transformers, tests/trainer/distributed/accelerate_configs/<name>.yaml); ``{zero2}``/``{zero3}``: the
+#: DeepSpeed config files below
+CONFIGS = {
+    "ddp": "distributed_type: MULTI_GPU\nnum_machines: 1\nnum_processes: 2\n",
+    "fsdp2": "distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\nnum_processes: 2\n",
+    "deepspeed_zero2": "distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: {zero2}\n"
+    "num_processes: 2\n",
+    "deepspeed_zero3": "distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: {zero3}\n"
+    "num_processes: 2\n",
+}
+#: the DeepSpeed configs those files name (transformers' tests/trainer/distributed/scripts/ds_config_zero{2,3}.json):
+#: precision, batch sizes, accumulation and clipping "auto", ZeRO-3's buckets "auto". Their ``optimizer`` (AdamW) and
+#: ``scheduler`` (WarmupLR) sections, DeepSpeed's own, are left out here: hflight runs the Trainer's optimizer in the
+#: engine and refuses them (:data:`DEEPSPEED_OWN_OPTIMIZER`, test_a_deepspeed_config_of_its_own_optimizer_is_refused)
+_DS_AUTO = {"fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"}, "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto", "train_batch_size": "auto",
+            "train_micro_batch_size_per_gpu": "auto"}  # fmt: skip
+DEEPSPEED_CONFIGS = {
+    "zero2": {**_DS_AUTO, "zero_optimization": {"stage": 2}},
+    "zero3": {**_DS_AUTO, "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
+                                                "stage3_prefetch_bucket_size": "auto",
+                                                "stage3_param_persistence_threshold": "auto"}},
+}  # fmt: skip
+DEEPSPEED_OWN_OPTIMIZER = {
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                 "warmup_num_steps": "auto"}},
+}  # fmt: skip
+#: prefixes of the variables accelerate's launcher and plugins read
+PREFIXES = ("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_", "MEGATRON_LM_")
+#: what the launcher exports for readers other than accelerate: torch and torchrun (ranks, threads, devices), the
+#: OpenMP runtime, Python
+OTHER_READERS = ("OMP_NUM_THREADS", "KMP_AFFINITY", "KMP_BLOCKTIME", "MASTER_ADDR", "MASTER_PORT", "PYTHONPATH",
+                 "CUDA_VISIBLE_DEVICES")  # fmt: skip
+
+
+def write_configs(folder: Path) -> dict[str, Path]:
+    """The accelerate config files of :data:`CONFIGS` and the DeepSpeed ones they name, in ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths: dict[str, Path] = {}
+    for name, config in DEEPSPEED_CONFIGS.items():
+        paths[name] = folder / f"ds_config_{name}.json"
+        paths[name].write_text(json.dumps(config, indent=2), encoding="utf-8")
+    for name, text in CONFIGS.items():
+        paths[name] = folder / f"{name}.yaml"
+        paths[name].write_text(text.format(zero2=paths["zero2"], zero3=paths["zero3"]), encoding="utf-8")
+    return paths
+
+
+def launched_env(argv: list[str]) -> dict[str, str]:
+    """The variables ``accelerate launch <argv> script.py`` exports to the script (those that differ from this
+    process's environment), computed by accelerate's own launcher code without starting anything."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import launch
+
+    args = launch_command_parser().parse_args([*argv, "script.py"])
+    args, defaults, precision_from_config = _validate_launch_command(args)
+    if args.use_deepspeed:  # as accelerate's launch_command
+        fields = [*(defaults.deepspeed_config if defaults else {}), *(["mixed_precision"] * precision_from_config)]
+        args.deepspeed_fields_from_accelerate_config = ",".join(fields)
+        env = launch.prepare_deepspeed_cmd_env(args)[1]
+    elif args.use_fsdp or args.multi_gpu or args.use_megatron_lm:
+        env = launch.prepare_multi_gpu_env(args)
+    else:
+        env = launch.prepare_simple_launcher_cmd_env(args)[1]
+    return {name: value for name, value in env.items() if os.environ.get(name) != value}
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """Each test starts without accelerate's variables and leaves none behind (transformers' own ``__post_init__``
+    writes ``FSDP_CPU_RAM_EFFICIENT_LOADING``), nor DeepSpeed's global config (a ZeRO-3 config would make later
+    ``from_pretrained`` calls partition under ``deepspeed.zero.Init``), nor torch's distributed debug level."""
+    import torch.distributed as dist
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    saved, level = dict(os.environ), dist.get_debug_level()
+    for name in [name for name in os.environ if name.startswith(PREFIXES)]:
+        del os.environ[name]
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+    unset_hf_deepspeed_config()
+    dist.set_debug_level(level)
+
+
+def arguments(tmp_path: Path, env: dict[str, str], **fields) -> hflight.TrainingArguments:
+    """hflight's arguments built under ``env`` (the variables stay set for the test)."""
+    os.environ.update(env)
+    return hflight.TrainingArguments(output_dir=str(tmp_path / "out"), report_to="none", **fields)
+
+
+# ---------------------------------------------------------------------- every variable the launcher exports
+
+
+ALL_OPTIONS = [
+    ["--cpu", "--debug", "--enable_cpu_affinity", "--num_processes", "2", "--mixed_precision", "bf16",
+     "--dynamo_backend", "inductor", "--dynamo_mode", "max-autotune", "--dynamo_use_fullgraph", "--dynamo_use_dynamic",
+     "--dynamo_use_regional_compilation", "--gpu_ids", "0"],
+    ["--use_fsdp", "--num_processes", "2", "--main_process_port", "0", "--fsdp_version", "2",
+     "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP", "--fsdp_transformer_layer_cls_to_wrap", "GPT2Block",
+     "--fsdp_backward_prefetch", "BACKWARD_PRE", "--fsdp_state_dict_type", "FULL_STATE_DICT",
+     "--fsdp_activation_checkpointing", "true", "--use_parallelism_config", "--parallelism_config_dp_shard_size", "2"],
+    ["--use_deepspeed", "--num_processes", "2", "--main_process_port", "0", "--zero_stage", "3",
+     "--gradient_accumulation_steps", "2", "--gradient_clipping", "1.0", "--offload_optimizer_device", "cpu",
+     "--offload_param_device", "cpu", "--zero3_init_flag", "true", "--zero3_save_16bit_model", "true",
+     "--deepspeed_moe_layer_cls_names", "GPT2Block", "--enable_cpu_affinity"],
+    ["--use_megatron_lm", "--num_processes", "2", "--main_process_port", "0"],
+]  # fmt: skip
+
+
+def test_every_variable_accelerate_launch_exports_has_a_reader_in_hflight():
+    """Every variable ``accelerate launch`` exports with each of its options on (CPU and simple launcher, FSDP with a
+    parallelism config, DeepSpeed from flags, Megatron-LM) is read by ``launcher_env`` (mapped or refused, named in
+    it) or is for another reader (torch, torchrun, OpenMP, Python); the tests below check what each one does."""
+    source = Path(launcher_env.__file__).read_text(encoding="utf-8")
+    exported = {name for argv in ALL_OPTIONS for name in launched_env(argv)}
+    assert {"ACCELERATE_USE_FSDP", "ACCELERATE_DEEPSPEED_ZERO_STAGE", "MEGATRON_LM_TP_DEGREE"} <= exported
+    unread = sorted(
+        name for name in exported
+        if name not in OTHER_READERS and not name.startswith("MEGATRON_LM_")  # refused with ACCELERATE_USE_MEGATRON_LM
+        and not (name.startswith("PARALLELISM_CONFIG_") and "ParallelismConfig()" in source)  # accelerate's class reads
+        and f'"{name}"' not in source
+    )  # fmt: skip
+    assert not unread
+
+
+def test_mixed_precision_bf16_is_the_bf16_field_and_lightning_bf16_mixed(tmp_path):
+    """``accelerate launch --mixed_precision bf16``: transformers' ``mixed_precision`` from the launcher, Lightning's
+    ``bf16-mixed`` (accelerate autocasts bf16 on the CPU too); ``no`` changes nothing."""
+    from hflight.arguments.lightning_kwargs import precision_for
+
+    env = launched_env(["--num_processes", "1", "--mixed_precision", "bf16"])
+    assert env["ACCELERATE_MIXED_PRECISION"] == "bf16"
+    args = arguments(tmp_path, env)
+    assert (args.bf16, args.fp16, args.mixed_precision, precision_for(args)) == (True, False, "bf16", "bf16-mixed")
+    os.environ["ACCELERATE_MIXED_PRECISION"] = "no"
+    assert precision_for(hflight.TrainingArguments(output_dir=str(tmp_path))) == "32-true"
+
+
+def test_mixed_precision_fp16_on_the_cpu_runs_fp32_as_accelerate_and_the_arguments_win(tmp_path):
+    from hflight.arguments.lightning_kwargs import precision_for
+
+    args = arguments(tmp_path, {"ACCELERATE_MIXED_PRECISION": "fp16"}, use_cpu=True)
+    assert args.fp16 and precision_for(args) == "32-true"  # accelerate: no fp16 autocast or scaler on the CPU
+    explicit = arguments(tmp_path, {"ACCELERATE_MIXED_PRECISION": "fp16"}, bf16=True)  # transformers: bf16 wins
+    assert (explicit.bf16, explicit.fp16, explicit.mixed_precision) == (True, False, "bf16")
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        ({"ACCELERATE_MIXED_PRECISION": "fp8"}, "ACCELERATE_MIXED_PRECISION='fp8'"),
+        ({"ACCELERATE_MIXED_PRECISION": "fp12"}, "ACCELERATE_MIXED_PRECISION='fp12'"),
+        ({"ACCELERATE_FP8_BACKEND": "TE"}, "ACCELERATE_FP8_BACKEND"),
+        ({"ACCELERATE_USE_MEGATRON_LM": "true"}, "ACCELERATE_USE_MEGATRON_LM"),
+        ({"ACCELERATE_USE_SAGEMAKER": "true", "ACCELERATE_SAGEMAKER_DISTRIBUTED_TYPE": "DATA_PARALLEL"},
+         "ACCELERATE_SAGEMAKER_DISTRIBUTED_TYPE"),
+        ({"ACCELERATE_DOWNCAST_BF16": "1"}, "ACCELERATE_DOWNCAST_BF16"),
+        ({"ACCELERATE_USE_CPU": "maybe"}, "ACCELERATE_USE_CPU='maybe'"),
+        ({"ACCELERATE_TORCH_DEVICE": "cuda:1"}, "ACCELERATE_TORCH_DEVICE='cuda:1'"),
+        ({"ACCELERATE_DYNAMO_BACKEND": "FASTEST"}, "ACCELERATE_DYNAMO_BACKEND='FASTEST'"),
+        ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"}, "FSDP_VERSION=1"),
+        ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_ACTIVATION_CHECKPOINTING": "true",
+          "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD": "true"}, "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD"),
+        ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_IGNORED_MODULES": "lm_head"},
+         "FSDP_IGNORED_MODULES"),
+        ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "BY_MOOD"},
+         "FSDP_AUTO_WRAP_POLICY='BY_MOOD'"),
+        ({"ACCELERATE_USE_FSDP": "true", "ACCELERATE_USE_DEEPSPEED": "true"}, "ACCELERATE_USE_DEEPSPEED"),
+        ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES": "GPT2Block"},
+         "ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES"),
+        ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_MIXED_PRECISION": "bf16"}, "Pass --bf16"),
+        ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": "/no/such/ds.json"},
+         "ACCELERATE_DEEPSPEED_CONFIG_FILE=/no/such/ds.json"),
+        ({"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_TP_SIZE": "2"},
+         "PARALLELISM_CONFIG_TP_SIZE=2"),
+        ({"LOCAL_RANK": "0"}, "--local_rank=1 contradicts the launcher's LOCAL_RANK=0"),
+    ],
+)  # fmt: skip
+def test_what_hflight_cannot_honour_is_refused_naming_the_variable(tmp_path, env, named):
+    fields = {"local_rank": 1} if "LOCAL_RANK" in env else {}
+    with pytest.raises(LauncherEnvironmentError, match=named.replace("(", r"\(").replace("[", r"\[")):
+        arguments(tmp_path, env, **fields)
+
+
+def test_a_launched_strategy_and_a_strategy_argument_are_refused_together(tmp_path):
+    with pytest.raises(LauncherEnvironmentError, match=r"ACCELERATE_USE_FSDP=true .* strategy='ddp'"):
+        arguments(tmp_path, {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}, strategy="ddp")
+
+
+def test_use_cpu_is_the_cpu_accelerator(tmp_path):
+    env = launched_env(["--cpu", "--num_processes", "1"])
+    assert env["ACCELERATE_USE_CPU"] == "True"
+    assert arguments(tmp_path, env).accelerator == "cpu"
+    assert arguments(tmp_path, {"ACCELERATE_TORCH_DEVICE": "cpu"}).accelerator == "cpu"  # the device it runs on
+    with pytest.raises(LauncherEnvironmentError, match="ACCELERATE_USE_CPU=true .* accelerator='gpu'"):
+        arguments(tmp_path, env, accelerator="gpu")
+
+
+def test_dynamo_variables_compile_the_model_as_accelerates_dynamo_plugin(tmp_path, monkeypatch):
+    """``--dynamo_backend inductor --dynamo_mode reduce-overhead --dynamo_use_fullgraph``: the model compiled with
+    the keyword arguments accelerate's ``TorchDynamoPlugin`` (built by transformers' Trainer) gives ``torch.compile``;
+    ``--dynamo_use_regional_compilation``: accelerate's ``compile_regions``; an explicit ``torch_compile`` keeps its
+    backend (transformers passes it to the plugin)."""
+    import accelerate.utils
+    from accelerate.utils import TorchDynamoPlugin
+
+    argv = ["--num_processes", "1", "--dynamo_backend", "inductor", "--dynamo_mode", "reduce-overhead",
+            "--dynamo_use_fullgraph"]  # fmt: skip
+    args = arguments(tmp_path, launched_env(argv))
+    compile_fields = (args.torch_compile, args.torch_compile_backend, args.torch_compile_mode)
+    assert compile_fields == (True, "inductor", "reduce-overhead")
+    compiled: list[tuple[str, dict]] = []
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: compiled.append(("torch.compile", kw)) or model)
+    monkeypatch.setattr(accelerate.utils, "compile_regions", lambda m, **kw: compiled.append(("regions", kw)) or m)
+    launcher_env.compile_model(torch.nn.Linear(2, 2), args)
+    plugin = TorchDynamoPlugin(backend=args.torch_compile_backend, mode=args.torch_compile_mode)
+    assert compiled == [("torch.compile", {k: v for k, v in plugin.to_kwargs().items() if k != "options"})]
+    assert compiled[0][1] == {"backend": "inductor", "mode": "reduce-overhead", "fullgraph": True, "dynamic": False}
+    os.environ["ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION"] = "True"
+    launcher_env.compile_model(torch.nn.Linear(2, 2), args)
+    assert compiled[-1][0] == "regions"
+    os.environ["ACCELERATE_DYNAMO_BACKEND"] = "EAGER"
+    assert arguments(tmp_path, {}, torch_compile=True).torch_compile_backend == "inductor"
+
+
+def _plugin_view(plugin) -> dict:
+    """What accelerate's ``FullyShardedDataParallelPlugin`` holds, in transformers' ``fsdp_plugin_args`` terms."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
+
+    policy = {None: "NO_WRAP", transformer_auto_wrap_policy: "TRANSFORMER_BASED_WRAP",
+              size_based_auto_wrap_policy: "SIZE_BASED_WRAP"}[plugin.auto_wrap_policy]  # fmt: skip
+    if policy == "SIZE_BASED_WRAP" and not plugin.min_num_params:  # accelerate wraps nothing for 0 parameters
+        policy = "NO_WRAP"
+    names = plugin.transformer_cls_names_to_wrap if policy == "TRANSFORMER_BASED_WRAP" else None
+    return {"version": plugin.fsdp_version, "reshard_after_forward": plugin.reshard_after_forward,
+            "cpu_offload": isinstance(plugin.cpu_offload, CPUOffloadPolicy), "auto_wrap_policy": policy,
+            "min_num_params": plugin.min_num_params if policy == "SIZE_BASED_WRAP" else None,
+            "names": ",".join(names) if names else None, "state_dict_type": plugin.state_dict_type.name,
+            "activation_checkpointing": plugin.activation_checkpointing,
+            "cpu_ram_efficient_loading": plugin.cpu_ram_efficient_loading}  # fmt: skip
+
+
+def _args_view(plugin_args: dict) -> dict:
+    return {"version": plugin_args["fsdp_version"], "reshard_after_forward": plugin_args["reshard_after_forward"],
+            "cpu_offload": plugin_args.get("cpu_offload", False), "auto_wrap_policy": plugin_args["auto_wrap_policy"],
+            "min_num_params": plugin_args.get("min_num_params"),
+            "names": plugin_args.get("transformer_cls_names_to_wrap"),
+            "state_dict_type": plugin_args["state_dict_type"],
+            "activation_checkpointing": plugin_args.get("activation_checkpointing", False),
+            "cpu_ram_efficient_loading": plugin_args["cpu_ram_efficient_loading"]}  # fmt: skip
+
+
+FSDP_LAUNCHES = {
+    "fsdp2.yaml": ["--config_file", "{fsdp2}"],
+    "wrap layers, offload, full state, checkpointing": [
+        "--use_fsdp", "--fsdp_version", "2", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP",
+        "--fsdp_transformer_layer_cls_to_wrap", "GPT2Block,GPT2MLP", "--fsdp_offload_params", "true",
+        "--fsdp_state_dict_type", "FULL_STATE_DICT", "--fsdp_activation_checkpointing", "true",
+        "--fsdp_reshard_after_forward", "false", "--fsdp_cpu_ram_efficient_loading", "false"],
+    "wrap by size": ["--use_fsdp", "--fsdp_version", "2", "--fsdp_auto_wrap_policy", "SIZE_BASED_WRAP",
+                     "--fsdp_min_num_params", "1000"],
+    "wrap by size, 0 parameters": ["--use_fsdp", "--fsdp_version", "2", "--fsdp_auto_wrap_policy", "SIZE_BASED_WRAP",
+                                   "--fsdp_min_num_params", "0"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("launch", list(FSDP_LAUNCHES))
+def test_fsdp_variables_are_the_fsdp_settings_accelerates_plugin_reads(tmp_path, launch):
+    """``ACCELERATE_USE_FSDP`` + ``FSDP_*``: ``fsdp`` and the settings accelerate's ``FullyShardedDataParallelPlugin``
+    reads from the same variables (its defaults, not transformers': no wrapping, SHARDED_STATE_DICT under FSDP2),
+    which hflight's FSDP2 takes as transformers' normalised ``fsdp_plugin_args``."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    configs = write_configs(tmp_path / "configs")
+    argv = [part.format(**configs) for part in FSDP_LAUNCHES[launch]]
+    env = launched_env([*argv, "--num_processes", "2", "--main_process_port", "0"])
+    args = arguments(tmp_path, env)
+    assert args.fsdp is True
+    assert _args_view(args.fsdp_plugin_args) == _plugin_view(FullyShardedDataParallelPlugin())
+
+
+def test_fsdp_in_the_arguments_takes_from_the_variables_what_transformers_leaves_to_the_plugin(tmp_path):
+    """``--fsdp`` with a config naming no offload: accelerate's plugin reads ``FSDP_OFFLOAD_PARAMS`` (transformers
+    passes ``cpu_offload`` only when true), so does hflight; what the config names stays."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    env = {"FSDP_OFFLOAD_PARAMS": "true", "FSDP_TRANSFORMER_CLS_TO_WRAP": "GPT2Block", "FSDP_STATE_DICT_TYPE": "X"}
+    args = arguments(tmp_path, env, fsdp=True, fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["GPT2MLP"]})
+    plain = {key: value for key, value in args.fsdp_plugin_args.items() if key != "cpu_offload"}
+    plugin = FullyShardedDataParallelPlugin(**plain)  # transformers' kwargs; the plugin reads the rest
+    assert isinstance(plugin.cpu_offload, CPUOffloadPolicy) and args.fsdp_plugin_args["cpu_offload"] is True
+    assert args.fsdp_plugin_args["transformer_cls_names_to_wrap"] == "GPT2MLP"
+
+
+@pytest.mark.parametrize("offload", ["true", "false"])
+def test_fsdp_config_as_a_json_string_is_read_as_transformers_reads_it(tmp_path, offload):
+    """``--fsdp_config '{...}'`` on the command line (transformers parses a JSON string in any dict field): the
+    launcher's variables fill it as they fill a dict, and a string with nothing to fill reaches transformers intact."""
+    config = '{"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"], "state_dict_type": "FULL_STATE_DICT"}'
+    args = arguments(tmp_path, {"FSDP_OFFLOAD_PARAMS": offload}, fsdp=True, fsdp_config=config)
+    assert args.fsdp_config["transformer_layer_cls_to_wrap"] == ["GPT2Block"]
+    assert args.fsdp_plugin_args["state_dict_type"] == "FULL_STATE_DICT"
+    assert bool(args.fsdp_config.get("cpu_offload")) is (offload == "true")
+
+
+def test_deepspeed_config_file_is_the_deepspeed_config_accelerates_plugin_builds(tmp_path):
+    """``deepspeed_zero2.yaml``: ``ACCELERATE_USE_DEEPSPEED`` + ``ACCELERATE_DEEPSPEED_CONFIG_FILE``: ``deepspeed``
+    is the config accelerate's ``DeepSpeedPlugin`` builds from the file (its precision set as transformers sets it),
+    whose ``"auto"`` values hflight fills from the arguments as transformers does."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    configs = write_configs(tmp_path / "configs")
+    env = launched_env(["--config_file", str(configs["deepspeed_zero2"]), "--main_process_port", "0"])
+    assert env["ACCELERATE_DEEPSPEED_CONFIG_FILE"] == str(configs["zero2"])
+    args = arguments(tmp_path, env)
+    plugin = DeepSpeedPlugin()
+    plugin.set_mixed_precision("no")
+    assert args.deepspeed == plugin.deepspeed_config and args.deepspeed["zero_optimization"] == {"stage": 2}
+    assert args.hf_deepspeed_config.config["train_micro_batch_size_per_gpu"] == args.per_device_train_batch_size
+
+
+def test_deepspeed_flags_are_the_stage_offload_accumulation_and_clipping(tmp_path):
+    """``--use_deepspeed --zero_stage 3 --offload_optimizer_device cpu --gradient_accumulation_steps 4
+    --gradient_clipping 0.5 --zero3_save_16bit_model true``: the config accelerate's plugin builds from them; an
+    accumulation or clipping that differs from the arguments is transformers' mismatch error, before training."""
+    from hflight.arguments.deepspeed import DeepSpeedConfigResolver
+
+    argv = ["--use_deepspeed", "--num_processes", "2", "--main_process_port", "0", "--zero_stage", "3",
+            "--offload_optimizer_device", "cpu", "--gradient_accumulation_steps", "4", "--gradient_clipping", "0.5",
+            "--zero3_save_16bit_model", "true"]  # fmt: skip
+    args = arguments(tmp_path, launched_env(argv), bf16=True)
+    zero = args.deepspeed["zero_optimization"]
+    assert (zero["stage"], zero["offload_optimizer"]["device"], zero["stage3_gather_16bit_weights_on_model_save"]) == (
+        3, "cpu", True)  # fmt: skip
+    assert (args.deepspeed["gradient_accumulation_steps"], args.deepspeed["gradient_clipping"]) == (4, 0.5)
+    assert args.deepspeed["bf16"] == {"enabled": True}
+    resolver = DeepSpeedConfigResolver(args.deepspeed)
+    resolver.process(args)
+    assert resolver.mismatches == ["- ds gradient_accumulation_steps=4 vs hf gradient_accumulation_steps=1",
+                                   "- ds gradient_clipping=0.5 vs hf max_grad_norm=1.0"]  # fmt: skip
+
+
+def test_a_deepspeed_config_of_its_own_optimizer_is_refused(tmp_path):
+    """transformers' own ``ds_config_zero2.json`` names DeepSpeed's AdamW and WarmupLR: refused naming the file."""
+    config = tmp_path / "ds_config_zero2.json"
+    config.write_text(json.dumps({**DEEPSPEED_CONFIGS["zero2"], **DEEPSPEED_OWN_OPTIMIZER}), encoding="utf-8")
+    env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(config)}
+    with pytest.raises(LauncherEnvironmentError, match=f"ACCELERATE_DEEPSPEED_CONFIG_FILE={config}.*'optimizer'"):
+        arguments(tmp_path, env)
+    env["ACCELERATE_CONFIG_DS_FIELDS"] = "deepspeed_config_file,gradient_accumulation_steps"  # accelerate's own check
+    with pytest.raises(LauncherEnvironmentError, match="following accelerate config variables will be ignored"):
+        arguments(tmp_path, env)
+
+
+def test_parallelism_config_variables_are_accelerates_parallelism_config(tmp_path):
+    argv = ["--use_fsdp", "--fsdp_version", "2", "--num_processes", "2", "--main_process_port", "0",
+            "--use_parallelism_config", "--parallelism_config_dp_shard_size", "2"]  # fmt: skip
+    args = arguments(tmp_path, launched_env(argv))
+    assert (args.parallelism_config.dp_shard_size, args.parallelism_config.dp_replicate_size) == (2, 1)
+
+
+def test_debug_mode_checks_collectives_and_cpu_affinity_is_accelerates(tmp_path, monkeypatch):
+    """``--debug``: torch's DETAIL debug level (each collective's shapes compared across processes, as accelerate's
+    debug mode compares its operations' shapes); ``--enable_cpu_affinity``: accelerate's ``set_numa_affinity``."""
+    import accelerate.utils.environment
+    import torch.distributed as dist
+
+    pinned: list[int] = []
+    monkeypatch.setattr(accelerate.utils.environment, "set_numa_affinity", pinned.append)
+    env = launched_env(["--num_processes", "1", "--debug", "--enable_cpu_affinity"])
+    assert (env["ACCELERATE_DEBUG_MODE"], env["ACCELERATE_CPU_AFFINITY"]) == ("true", "1")
+    arguments(tmp_path, env)
+    assert dist.get_debug_level() == dist.DebugLevel.DETAIL and pinned == [0]
+
+
+def test_the_deepspeed_launcher_is_a_launcher_like_torchrun(monkeypatch, tmp_path):
+    """What ``deepspeed.launcher.launch`` sets on node 1 of 2 (two processes each): the ranks, the layout Lightning
+    spans, the job, and Lightning's environment with the node's rank from ``CROSS_RANK``."""
+    from hflight.arguments.lightning_kwargs import lightning_trainer_kwargs
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    for name, value in {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "CROSS_RANK": "1", "CROSS_SIZE": "2",
+                        "LOCAL_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    assert cluster.environment() == "deepspeed"
+    assert cluster.ranks() == cluster.Ranks(world_size=4, global_rank=3, local_rank=1, node_rank=1)
+    assert cluster.launched_layout() == cluster.Layout(devices=2, num_nodes=2)
+    assert cluster.job_identity() == "deepspeed launch at 10.0.0.1:29500"
+    args = arguments(tmp_path, {}, local_rank=1)  # deepspeed passes --local_rank=1
+    assert (args.world_size, args.process_index, args.local_process_index) == (4, 3, 1)
+    (environment,) = lightning_trainer_kwargs(args, [], fitting=False)["plugins"]
+    assert (environment.node_rank(), environment.local_rank(), environment.creates_processes_externally) == (1, 1, True)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "accelerate")  # accelerate launch runs DeepSpeed under torchrun
+    assert cluster.environment() == "torchelastic"
+
+
+# ---------------------------------------------------------------------- the launches: transformers' and hflight's
+
+
+ARGS = [
+    "--block_size", "16", "--do_train", "--do_eval", "--per_device_train_batch_size", "2",
+    "--per_device_eval_batch_size", "4", "--gradient_accumulation_steps", "2", "--learning_rate", "2e-3",
+    "--num_train_epochs", "1", "--logging_steps", "1", "--save_steps", "5",
+]  # fmt: skip
+
+
+def _free_port() -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return str(probe.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory) -> dict[str, dict[str, Path | AssertionError]]:
+    """Every launch at once, one thread per process: name -> {"transformers": output folder, "hflight": ...}, or the
+    failure of a job that did not finish (each test then fails on its own jobs: :func:`outputs`)."""
+    root = tmp_path_factory.mktemp("accelerate_launch")
+    inputs, configs = clm._inputs(root / "inputs"), write_configs(root / "configs")
+    args = ["--model_name_or_path", str(inputs["model"]), "--train_file", str(inputs["train"]),
+            "--validation_file", str(inputs["validation"]), *ARGS]  # fmt: skip
+    env = {"HF_HOME": str(root / "hf_home")}  # no accelerate config of the user's: only the command's
+    launchers = {"bf16": [ACCELERATE, "launch", "--num_processes", "1", "--mixed_precision", "bf16"]}
+    for name in CONFIGS:
+        launchers[name] = [ACCELERATE, "launch", "--config_file", str(configs[name]), "--main_process_port", "0"]
+    jobs = {}
+    for name, launcher in launchers.items():
+        for library in ("transformers", "hflight"):
+            # transformers on this CPU: --use_cpu for its processes to train together, the stand-in for FSDP
+            extra = ["--use_cpu"] if library == "transformers" and name != "bf16" else []
+            path = [FSDP_STANDIN] if library == "transformers" and name == "fsdp2" else []
+            jobs[name, library] = dropin.Job(root / name / library, "run_clm", clm.ORIGINAL_IMPORT,
+                                             None if library == "transformers" else clm.CHANGED_IMPORT,
+                                             [*args, *extra], launcher=launcher, path=path, env=env)  # fmt: skip
+    deepspeed = [DEEPSPEED, "--num_gpus", "2", "--master_port", _free_port()]
+    jobs["deepspeed_launcher", "hflight"] = dropin.Job(
+        root / "deepspeed_launcher" / "hflight", "run_clm", clm.ORIGINAL_IMPORT, clm.CHANGED_IMPORT,
+        [*args, "--deepspeed", str(configs["zero2"])], launcher=deepspeed, env=env)  # fmt: skip
+    outs: dict[str, dict[str, Path | AssertionError]] = {}
+    for (name, library), job in jobs.items():
+        try:
+            folder: Path | AssertionError = job.out()
+        except AssertionError as failure:  # every job waited for, none left running
+            folder = failure
+        outs.setdefault(name, {})[library] = folder
+    return outs
+
+
+def outputs(launches: dict, name: str, **sides: str) -> dict[str, Path]:
+    """The output folders of launch ``name`` (``sides``: another launch's side, e.g. ``hflight="deepspeed_launcher"``),
+    failing with the job's own error where it did not finish."""
+    folders = {library: launches[sides.get(library, name)][library] for library in ("transformers", "hflight")}
+    for folder in folders.values():
+        if isinstance(folder, AssertionError):
+            raise folder
+    return folders
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_bf16_launch_of_one_process_gives_transformers_numbers(launches):
+    """``accelerate launch --num_processes 1 --mixed_precision bf16 run_clm.py``: transformers trains under bf16
+    autocast; hflight does the same (before: its fp32 numbers): losses, gradient norms, metrics, weights, optimizer."""
+    both = outputs(launches, "bf16")
+    dropin.assert_same_results(both, ("eval_results.json", "train_results.json", "all_results.json"))
+    dropin.assert_same_log_history(both, min_losses=5)
+    dropin.assert_same_files(both)
+    assert dropin.assert_same_training_state(both) >= 4
+
+
+def _spans_two(out: Path) -> Path:
+    (checkpoint,) = out.glob("checkpoint-*")
+    manifest = json.loads((checkpoint / "checkpoint_manifest.json").read_text(encoding="utf-8"))
+    assert manifest["run"]["world_size"] == 2
+    assert sorted(p.name for p in checkpoint.glob("rng_state*")) == ["rng_state_0.pth", "rng_state_1.pth"]
+    return checkpoint
+
+
+#: config -> the files its strategy writes into a checkpoint (DDP: whole; FSDP2: accelerate's default for
+#: ``fsdp_version: 2``, sharded; ZeRO-2: the model whole, the optimizer partitioned; ZeRO-3: both partitioned)
+FORMS = {
+    "ddp": ("model.safetensors", "optimizer.pt"),
+    "fsdp2": ("pytorch_model_fsdp_0/.metadata", "optimizer_0/.metadata"),
+    "deepspeed_zero2": ("global_step*/mp_rank_00_model_states.pt",
+                        "global_step*/zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+    "deepspeed_zero3": ("global_step*/zero_pp_rank_1_mp_rank_00_model_states.pt",
+                        "global_step*/zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+}  # fmt: skip
+
+
+def _zero3_total_flos(both: dict[str, Path]) -> None:
+    """The one difference of the ZeRO-3 runs, outside the launcher: transformers counts ``total_flos`` from the
+    parameters the model holds at each step (under ZeRO-3 only those below ``stage3_param_persistence_threshold``
+    stay gathered), hflight from the parameters it counted when the Trainer was built (none: ``from_pretrained``
+    partitioned them all under ``deepspeed.zero.Init``), so it logs 0. Checked to be that, then set to transformers'
+    value in hflight's files so that everything else is compared bit for bit."""
+    for name in ("trainer_state.json", *(f"{p.name}/trainer_state.json" for p in both["hflight"].glob("checkpoint-*"))):
+        theirs, ours = (json.loads((both[k] / name).read_text(encoding="utf-8")) for k in ("transformers", "hflight"))
+        assert ours["total_flos"] == 0 < theirs["total_flos"]
+        ours["total_flos"] = theirs["total_flos"]
+        for mine, reference in zip(ours["log_history"], theirs["log_history"], strict=True):
+            if "total_flos" in mine:
+                assert mine["total_flos"] == 0 < reference["total_flos"]
+                mine["total_flos"] = reference["total_flos"]
+        (both["hflight"] / name).write_text(json.dumps(ours, indent=2), encoding="utf-8")
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_each_config_file_runs_its_strategy_across_the_launched_processes_with_transformers_numbers(launches, config):
+    """``accelerate launch --config_file <config>.yaml run_clm.py``: hflight trains with the strategy the file names,
+    over both processes accelerate started (its checkpoint's form and world), and logs transformers' numbers (losses,
+    gradient norms, learning rates, metrics) and writes its weights, optimizer states, shards or partitions, bit for
+    bit."""
+    both = outputs(launches, config)
+    if config == "deepspeed_zero3":
+        _zero3_total_flos(both)
+    checkpoint = _spans_two(both["hflight"])
+    assert all(list(checkpoint.glob(pattern)) for pattern in FORMS[config]), sorted(dropin.files(checkpoint))
+    dropin.assert_same_results(both, ("eval_results.json", "train_results.json", "all_results.json"))
+    dropin.assert_same_log_history(both, min_losses=3)
+    assert dropin.assert_same_training_state(both) >= 4
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_the_deepspeed_launcher_runs_zero2_across_its_processes_with_transformers_numbers(launches):
+    """``deepspeed --num_gpus 2 run_clm.py --deepspeed ds_config_zero2.json`` (DeepSpeed's launcher, ``--local_rank``
+    passed): both processes train ZeRO-2 together, with the numbers and partitions of transformers' ZeRO-2 run."""
+    both = outputs(launches, "deepspeed_zero2", hflight="deepspeed_launcher")
+    checkpoint = _spans_two(both["hflight"])
+    assert list(checkpoint.glob(FORMS["deepspeed_zero2"][1]))
+    dropin.assert_same_results(both, ("eval_results.json", "train_results.json", "all_results.json"))
+    dropin.assert_same_log_history(both, min_losses=3)
+    assert dropin.assert_same_training_state(both) >= 4
