@@ -45,40 +45,12 @@ from hflight import TrainingArguments  # noqa: E402
 from hflight.ort import ORTStrategy  # noqa: E402
 from hflight.ort.checks import TOLERANCES  # noqa: E402
 from hflight.ort.strategy import evaluation_sessions  # noqa: E402
-from hflight.qa import MRCTrainer, load_squad_json, prepare_train_features, prepare_validation_features  # noqa: E402
+from hflight.qa import MRCTrainer, load_squad_json, prepare_validation_features  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from squad_subsets import SQUAD_V1_DEV, encoder_dir, squad_subset  # noqa: E402
+from squad_subsets import SQUAD_V1_DEV, encoder_dir, fine_tuned_model, squad_subset  # noqa: E402
 
 DEFAULT_DATA = SQUAD_V1_DEV
-
-
-def fine_tuned_model(opts: argparse.Namespace, tokenizer, tmp: Path) -> Path:
-    """The encoder with a QA head trained briefly (cached in ``opts.cache``)."""
-    cache = opts.cache
-    if (cache / "model.safetensors").is_file():
-        return cache
-    examples = load_squad_json(squad_subset(opts.data, tmp / "train.json", articles=slice(-opts.train_articles, None)))
-    examples = examples.select(range(min(opts.train_questions, len(examples))))
-    features = examples.map(
-        functools.partial(prepare_train_features, tokenizer=tokenizer, max_seq_length=256, doc_stride=96),
-        batched=True,
-        remove_columns=examples.column_names,
-    )
-    torch.manual_seed(42)
-    model = AutoModelForQuestionAnswering.from_pretrained(encoder_dir())
-    args = TrainingArguments(
-        output_dir=str(tmp / "train"), per_device_train_batch_size=16, learning_rate=1e-4, num_train_epochs=1,
-        warmup_steps=0.1, weight_decay=0.01, seed=42, report_to="none", save_strategy="no", logging_steps=20,
-        disable_tqdm=True, accelerator="cpu",
-    )  # fmt: skip
-    start = time.perf_counter()
-    MRCTrainer(model, args, train_dataset=features, processing_class=tokenizer).train()
-    seconds = time.perf_counter() - start
-    print(f"fine-tuned the QA head on {len(examples)} questions ({len(features)} windows) in {seconds:.0f} s")
-    model.save_pretrained(cache)
-    tokenizer.save_pretrained(cache)
-    return cache
 
 
 def _trainer(model, strategy, tmp: Path, name: str, tokenizer, examples, batch_size: int, **kwargs) -> MRCTrainer:

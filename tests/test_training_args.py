@@ -77,14 +77,16 @@ def _single_process_env(monkeypatch):
 HF_FIELDS = {f.name: f for f in dataclasses.fields(transformers.TrainingArguments)}
 
 
-def test_a_subclass_of_transformers_with_lightnings_four_fields_the_requeue_signal_and_save_async():
+def test_a_subclass_of_transformers_with_lightnings_four_fields_the_requeue_signal_save_async_and_int8_eval():
     """Every transformers field is ours with the same type, default and help (by construction: a subclass); the
-    only fields added are Lightning's four, SLURM's requeue signal (Lightning's SLURMEnvironment argument) and
-    ``save_async`` (background checkpoint writes, off by default)."""
+    only fields added are Lightning's four, SLURM's requeue signal (Lightning's SLURMEnvironment argument),
+    ``save_async`` (background checkpoint writes, off by default) and ``int8_eval`` (evaluation on an int8 copy of
+    the model, off by default)."""
     ours = {f.name: f for f in dataclasses.fields(TrainingArguments)}
+    added = [*LIGHTNING_FIELDS, "requeue_signal", "save_async", "int8_eval"]
     assert issubclass(TrainingArguments, transformers.TrainingArguments)
-    assert [name for name in ours if name not in HF_FIELDS] == [*LIGHTNING_FIELDS, "requeue_signal", "save_async"]
-    assert list(HFLIGHT_FIELDS) == [*LIGHTNING_FIELDS, "requeue_signal", "save_async"]
+    assert [name for name in ours if name not in HF_FIELDS] == added
+    assert list(HFLIGHT_FIELDS) == added
     assert list(ours)[: len(HF_FIELDS)] == list(HF_FIELDS)
     hf_hints, our_hints = (
         typing.get_type_hints(transformers.TrainingArguments),

@@ -51,6 +51,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "CHECKPOINT_FIELDS",
     "CLUSTER_FIELDS",
+    "EVALUATION_FIELDS",
     "HFLIGHT_FIELDS",
     "LIGHTNING_FIELDS",
     "SUPPORTED_ACCELERATORS",
@@ -81,8 +82,10 @@ LIGHTNING_FIELDS: tuple[str, ...] = ("accelerator", "devices", "strategy", "num_
 CLUSTER_FIELDS: tuple[str, ...] = ("requeue_signal",)
 #: Checkpoint fields transformers lacks (``save_async``: background checkpoint writes, docs/checkpoints.md).
 CHECKPOINT_FIELDS: tuple[str, ...] = ("save_async",)
+#: Evaluation fields transformers lacks (``int8_eval``: evaluation on an int8 copy of the model, docs/benchmarks.md).
+EVALUATION_FIELDS: tuple[str, ...] = ("int8_eval",)
 #: Every field hflight adds to transformers', in order.
-HFLIGHT_FIELDS: tuple[str, ...] = (*LIGHTNING_FIELDS, *CLUSTER_FIELDS, *CHECKPOINT_FIELDS)
+HFLIGHT_FIELDS: tuple[str, ...] = (*LIGHTNING_FIELDS, *CLUSTER_FIELDS, *CHECKPOINT_FIELDS, *EVALUATION_FIELDS)
 #: Dict fields that only take a dict or a JSON object string (transformers also reads a file path for its
 #: accelerate/FSDP/DeepSpeed configs; for these a path means nothing).
 _JSON_ONLY_DICT_FIELDS = ("lr_scheduler_kwargs", "activation_checkpointing_kwargs", "gradient_checkpointing_kwargs")
@@ -160,6 +163,14 @@ class TrainingArguments(HFTrainingArguments):
             "help": "Write checkpoints in the background: the training loop copies the state into host memory at the "
             "step boundary and goes on; the checkpoint is published once every byte is on disk (docs/checkpoints.md). "
             "False (default): written before training goes on, as transformers."
+        },
+    )
+    int8_eval: bool = dataclasses.field(
+        default=False,
+        metadata={
+            "help": "evaluate()/predict() outside train() on a copy of the model whose linear layers are quantized "
+            "to int8 (torch's dynamic quantization; CPU, one process; the model itself is unchanged). Needs int8 "
+            "dot-product instructions (AVX512-VNNI, AVX-VNNI or AMX-INT8), else it warns and evaluates in float32."
         },
     )
 

@@ -3,7 +3,12 @@
 Outside of ``fit``, the loop runs as Lightning's ``validate`` (devices, precision, strategy, Lightning callbacks).
 Inside ``fit`` Lightning has no public way to validate *now* (HF's ``should_evaluate`` can fire at any step),
 so the same per-batch code is driven directly under the fit's precision context: that is the one contained
-mechanism for mid-training evaluation.
+mechanism for mid-training evaluation. Where ``validate`` would add nothing but its own bookkeeping (one process on
+Lightning's single-device strategy, no backend, full or mixed precision, no Lightning callbacks or loggers to call:
+:func:`evaluates_in_process`), an evaluation outside ``fit`` is driven the same direct way, doing what ``validate``
+does there (the model placed on the device and in eval mode, then its modes restored; inference mode; the precision
+plugin's step context; SIGTERM stopping between batches): Lightning's per-batch hooks, progress and result
+bookkeeping cost more than a small model's forward (benchmarks/loop_overhead.py).
 
 Every batch's outputs move to the CPU as numpy at once, so device memory stays bounded by one batch; the
 arrays are concatenated once at the end, padded with -100 like HF.
@@ -18,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from transformers.trainer_callback import TrainerState
 from transformers.trainer_pt_utils import find_batch_size, nested_numpify
 from transformers.trainer_utils import (
@@ -31,10 +37,10 @@ from transformers.trainer_utils import (
 
 from hflight.arguments.lightning_kwargs import quiet_lightning
 from hflight.arguments.optimizers import set_optimizer_mode, steps_on_metrics
-from hflight.run import console
+from hflight.run import console, eval_precision
 from hflight.run.datamodule import EvaluationData, loader_length
 from hflight.run.events import dispatch
-from hflight.run.interrupt import sigterm_exits_non_zero
+from hflight.run.interrupt import sigterm_exits_non_zero, sigterm_stops_between_batches
 from hflight.surface import RunView, TrainerSurface
 
 
@@ -119,6 +125,7 @@ class Evaluator:
         self.losses, self.preds, self.labels, self.inputs = (Accumulator(concat=concat) for _ in range(4))
         self.observed = 0
         self.model: Any = None  # what prediction_step calls: the backend's evaluation model
+        self.quantized: Any = None  # int8_eval: the model's int8 copy, called instead (hflight.run.eval_precision)
         self.batch_metrics = bool(facade.args.batch_eval_metrics)
         self.keep_outputs = not self.batch_metrics or description == "Prediction"
         self.pending: EvalPrediction | None = None  # batch_eval_metrics: the last batch, not scored yet
@@ -135,8 +142,9 @@ class Evaluator:
         batch_size = find_batch_size(inputs)
         if batch_size is not None:
             self.observed += batch_size
+        model = self.model if self.quantized is None else self.quantized
         loss, logits, labels = facade.prediction_step(
-            self.model, inputs, self.prediction_loss_only, ignore_keys=self.ignore_keys
+            model, inputs, self.prediction_loss_only, ignore_keys=self.ignore_keys
         )
         gather = self.world.gather_as_objects if facade.args.eval_use_gather_object else self.world.gather
         if loss is not None:
@@ -205,6 +213,54 @@ class Evaluator:
         return EvalLoopOutput(predictions=preds, label_ids=labels, metrics=metrics, num_samples=num_samples)
 
 
+def evaluates_in_process(lightning_trainer: Any) -> bool:
+    """Whether an evaluation outside ``fit`` can run without Lightning's ``validate`` and give the same results and
+    calls: one process on Lightning's own single-device strategy and accelerator (not a backend's), a precision
+    plugin that does not convert the model or the inputs, and no Lightning callback or logger whose hooks
+    ``validate`` would call."""
+    from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator, MPSAccelerator
+    from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    strategy = lightning_trainer.strategy
+    return (
+        type(strategy) is SingleDeviceStrategy
+        and type(strategy.accelerator) in (CPUAccelerator, CUDAAccelerator, MPSAccelerator)
+        and type(lightning_trainer.precision_plugin) in (Precision, MixedPrecision)
+        and not lightning_trainer.callbacks
+        and not lightning_trainer.loggers
+    )
+
+
+def _evaluate_in_process(evaluator: Evaluator, run: RunView, dataloader: Any) -> None:
+    """What Lightning's ``validate`` does for :func:`evaluates_in_process`'s runs, without its loop: the model on the
+    strategy's device and in eval mode (every module's mode restored afterwards), batches moved to the device, each
+    step under inference mode (``no_grad`` with a gloo process group, as Lightning) and the precision plugin's
+    validation-step context, SIGTERM stopping the evaluation between batches."""
+    trainer = run.lightning_trainer
+    strategy, precision = trainer.strategy, trainer.precision_plugin
+    device = strategy.root_device
+    strategy.accelerator.setup_device(device)
+    module = run.module.to(device)
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    gloo = torch.distributed.is_available() and torch.distributed.is_initialized()
+    grad_off = torch.no_grad if gloo and torch.distributed.get_backend() == "gloo" else torch.inference_mode
+    labels = evaluator.facade.label_names
+    try:
+        with grad_off(), sigterm_stops_between_batches("Evaluation") as stop_if_signalled:
+            with run.backend.hf_evaluation_model(module.model, labels) as evaluator.model:
+                for batch in dataloader:
+                    stop_if_signalled()
+                    if device.type != "cpu":  # on the CPU a batch is where it is used
+                        batch = move_data_to_device(batch, device)
+                    with precision.val_step_context():
+                        evaluator.step(batch)
+    finally:
+        for submodule, training in modes:
+            submodule.training = training
+
+
 def _evaluate_in_fit(evaluator: Evaluator, run: RunView, dataloader: Any) -> None:
     """Evaluate now, inside a running fit (Lightning has no public trigger for that), under the fit's precision."""
     backend, fit_trainer = run.backend, run.lightning_trainer
@@ -240,18 +296,16 @@ def run_evaluation_loop(
     ``compute_metrics`` defaults to the facade's; pass ``None`` to collect predictions without scoring them (the
     QA trainer scores after post-processing)."""
     metrics_fn = facade.compute_metrics if compute_metrics is ... else compute_metrics
-    console.evaluation_started(description, _num_examples(facade, dataloader), facade.args.eval_batch_size)
+    args = facade.args
+    eval_precision.prepare(args, run, facade.model)
+    console.evaluation_started(description, _num_examples(facade, dataloader), args.eval_batch_size)
     evaluator = Evaluator(facade, run.world, description, prediction_loss_only, ignore_keys, metrics_fn)
     # a schedule-free optimizer evaluates its averaged parameters; the next training step switches it back
     set_optimizer_mode(facade.optimizer, training=False)
     facade.callback_handler.eval_dataloader = dataloader
     with run.evaluating(evaluator), run.evaluation_weights():
-        if run.fitting:
-            _evaluate_in_fit(evaluator, run, dataloader)
-        else:
-            with quiet_lightning(), sigterm_exits_non_zero("Evaluation"):
-                # sharded once the processes are launched: this call may be the one that launches them
-                run.lightning_trainer.validate(run.module, datamodule=EvaluationData(dataloader), verbose=False)
+        with eval_precision.int8_evaluation_model(args, facade.model) as evaluator.quantized:
+            _run_batches(evaluator, run, dataloader)
     if evaluator.keep_all:  # as transformers after its loop: gather_for_metrics again
         facade.gather_function = facade.accelerator.gather_for_metrics
     dataset = getattr(dataloader, "dataset", None)
@@ -260,6 +314,19 @@ def run_evaluation_loop(
     except TypeError:
         num_samples = None
     return evaluator.finish(num_samples, metric_key_prefix)
+
+
+def _run_batches(evaluator: Evaluator, run: RunView, dataloader: Any) -> None:
+    """Every batch through ``evaluator.step``: in the running fit, in this process, or through Lightning's
+    ``validate``."""
+    if run.fitting:
+        _evaluate_in_fit(evaluator, run, dataloader)
+    elif evaluates_in_process(run.lightning_trainer):
+        _evaluate_in_process(evaluator, run, dataloader)
+    else:
+        with quiet_lightning(), sigterm_exits_non_zero("Evaluation"):
+            # sharded once the processes are launched: this call may be the one that launches them
+            run.lightning_trainer.validate(run.module, datamodule=EvaluationData(dataloader), verbose=False)
 
 
 # ---- the bodies of Trainer.evaluate and Trainer.predict ----------------------------------------------------------

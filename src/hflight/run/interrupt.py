@@ -59,7 +59,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -357,6 +357,34 @@ def sigterm_exits_non_zero(what: str) -> Iterator[None]:
         yield
     except SIGTERMException:
         raise stopped(signal.SIGTERM, f"{what} stopped by SIGTERM (Lightning's handler).") from None
+
+
+@contextlib.contextmanager
+def sigterm_stops_between_batches(what: str) -> Iterator[Callable[[], None]]:
+    """What Lightning's ``validate`` does on SIGTERM, for an evaluation hflight runs without it
+    (``hflight.run.evaluation``): the signal is noted (a handler installed before still runs, as Lightning composes
+    them), and the check this yields, called before each batch, raises :class:`TrainingInterrupted` (143) once it
+    came. Outside the main thread nothing is installed (as Lightning)."""
+    received = []
+    if not _main_thread():
+        yield lambda: None
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def note(signum: int, frame: Any) -> None:
+        received.append(signum)
+        if callable(previous):
+            previous(signum, frame)
+
+    def check() -> None:
+        if received:
+            raise stopped(signal.SIGTERM, f"{what} stopped by SIGTERM.")
+
+    signal.signal(signal.SIGTERM, note)
+    try:
+        yield check
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _raise_now(signum: int, frame: Any) -> None:

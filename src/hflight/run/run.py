@@ -10,6 +10,7 @@ the facade's private state. A training step, top to bottom: ``Trainer.train`` ->
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,6 +25,8 @@ from hflight.checkpoints.resume import ResumePoint
 from hflight.run.backend import HFBackend, backend_of
 from hflight.run.datamodule import HFDataModule
 from hflight.run.distributed import World
+from hflight.run.eval_precision import refuse_int8_in_training
+from hflight.run.evaluation import evaluates_in_process
 from hflight.run.events import LightningEvents
 from hflight.run.interrupt import handed_over_signals, requeue_signal
 from hflight.run.launch_check import check_spans_launch
@@ -77,6 +80,8 @@ class Run:
         self.fitting = fitting
         self.resume = resume
         self.evaluator: Any = None
+        if fitting:
+            refuse_int8_in_training(facade.args)
         self.loop = TrainingLoop(facade, self, trial, ignore_keys_for_eval) if fitting else None
         callbacks = [*(lightning_callbacks or []), *([LightningEvents(self.loop)] if fitting else [])]
         kwargs = lightning_trainer_kwargs(
@@ -93,6 +98,8 @@ class Run:
         process_group.end_at_exit()  # also the group Lightning connects for the processes it launches itself
         self.module = HFModule(facade, self, facade.model)
         self.datamodule = HFDataModule(facade, self) if fitting else None
+        # what an evaluation run was built from (``serves_evaluation``)
+        self._built_from = (facade, facade.args, repr(vars(facade.args)), strategy, list(lightning_callbacks or []))
 
     @property
     def plan(self) -> TrainingPlan | None:
@@ -112,6 +119,24 @@ class Run:
     def backend(self) -> HFBackend:
         """The running strategy's hooks into the HF loop (eager PyTorch unless a backend such as the IPU's)."""
         return backend_of(self.lightning_trainer.strategy)
+
+    def serves_evaluation(self, facade: TrainerSurface, strategy: Any, lightning_callbacks: list[L.Callback]) -> bool:
+        """Whether this run may run another ``evaluate()``/``predict()`` outside training, instead of a new run (and a
+        new ``lightning.Trainer``, whose creation scans every installed package's entry points): an evaluation run
+        that evaluates without Lightning's ``validate`` (``hflight.run.evaluation.evaluates_in_process``), for the
+        same facade, model, strategy and Lightning callbacks, with arguments unchanged since it was built."""
+        if self.fitting or not evaluates_in_process(self.lightning_trainer) or self.module.model is not facade.model:
+            return False
+        built_facade, args, snapshot, built_strategy, callbacks = self._built_from
+        same_callbacks = len(callbacks) == len(lightning_callbacks)
+        same_callbacks = same_callbacks and all(map(operator.is_, callbacks, lightning_callbacks))
+        return (
+            built_facade is facade
+            and args is facade.args
+            and built_strategy is strategy
+            and same_callbacks
+            and snapshot == repr(vars(args))
+        )
 
     # ---- the weights protocol (EMACallback and the like) -----------------------------------------------------------
     def weight_hooks(self, method: str) -> list[Any]:

@@ -12,7 +12,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase, default_data_collator
 from transformers.feature_extraction_sequence_utils import SequenceFeatureExtractor
@@ -252,14 +251,6 @@ def enable_activation_checkpointing(model: nn.Module, args: Any) -> None:
     """``gradient_checkpointing_enable`` with ``args.gradient_checkpointing_kwargs`` when asked and supported."""
     if args.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
-
-
-def cast_for_full_eval(model: nn.Module, args: Any) -> None:
-    """``fp16_full_eval``/``bf16_full_eval``: the model in half precision for an evaluation outside ``train()`` (as
-    transformers, the model keeps that dtype afterwards)."""
-    dtype = torch.float16 if args.fp16_full_eval else torch.bfloat16 if args.bf16_full_eval else None
-    if dtype is not None:
-        model.to(dtype=dtype)
 
 
 def _strategy_name(args: Any) -> str:

@@ -183,6 +183,8 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
     # ---- the run: the Lightning side of the call in progress ---------------------------------------------------
     def _new_run(self, fitting: bool, **kwargs: Any) -> Run:
         strategy, callbacks = self.lightning_strategy, self._lightning_callbacks
+        if not fitting and self._run is not None and self._run.serves_evaluation(self, strategy, callbacks):
+            return self._run  # another evaluation outside train(), nothing changed: no new lightning.Trainer
         # the loggers outlive a fit: evaluate()/predict() after train() log to the same ones, as in transformers
         loggers = None if fitting or self._run is None else self._run.lightning_trainer.loggers
         self._run = Run(
@@ -327,11 +329,9 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
     ) -> EvalLoopOutput:
         """HF's evaluation loop; ``compute_metrics=None`` collects predictions without scoring them (the QA
         trainer scores after post-processing), the default uses ``self.compute_metrics``. Inside ``train()`` it runs
-        in the training run; otherwise in a run of its own (Lightning's ``validate``)."""
+        in the training run; otherwise in an evaluation run (``hflight.run.evaluation``)."""
         if prediction_loss_only is None:
             prediction_loss_only = self.args.prediction_loss_only
-        if not self.is_in_train:
-            construction.cast_for_full_eval(self.model, self.args)
         run = self._run if self.is_in_train else self._new_run(False)
         return evaluation.run_evaluation_loop(
             self, run, dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix, compute_metrics
