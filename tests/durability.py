@@ -62,6 +62,19 @@ def _tree(folder: str) -> dict[str, Any]:
     return found
 
 
+def _inodes(path: Any) -> list[int]:
+    """The inodes a deletion of ``path`` frees (every file and folder under it): the file system may give them to the
+    next files made, which the replay must not take for the ones it saw fsynced."""
+    try:
+        found = [os.lstat(path).st_ino]
+    except FileNotFoundError:
+        return []
+    if os.path.isdir(path) and not os.path.islink(path):
+        for root, dirs, files in os.walk(path):
+            found += [os.lstat(os.path.join(root, name)).st_ino for name in (*dirs, *files)]
+    return found
+
+
 class Recorder:
     """Records the file-system calls of this process (any thread) and the public calls' returns."""
 
@@ -117,15 +130,17 @@ class Recorder:
 
     def _unlink(self, real: Any) -> Any:
         def unlink(path: Any, *args: Any, **kwargs: Any) -> None:
+            recorded = not getattr(self.quiet, "on", False) and kwargs.get("dir_fd") is None
+            removed = _inodes(path) if recorded else []
             real(path, *args, **kwargs)
-            if not getattr(self.quiet, "on", False) and kwargs.get("dir_fd") is None:
-                self.add("unlink", path=os.path.realpath(path))
+            if recorded:
+                self.add("unlink", path=os.path.realpath(path), removed=removed)
 
         return unlink
 
     def _rmtree(self, real: Any) -> Any:
         def rmtree(path: Any, *args: Any, **kwargs: Any) -> None:
-            self.add("rmtree", path=os.path.realpath(path))
+            self.add("rmtree", path=os.path.realpath(path), removed=_inodes(path))
             self.quiet.on = True
             try:
                 return real(path, *args, **kwargs)
@@ -172,6 +187,15 @@ class _Disk:
     def entry(self, folder_ino: int, name: str, ino: int) -> bool:
         return self.listed.get(folder_ino, {}).get(name) == ino
 
+    def forget(self, inodes: list[int]) -> None:
+        """Deleted: what an fsync saw of these inodes says nothing of the files that reuse them."""
+        gone = set(inodes)
+        for ino in gone:
+            self.content.pop(ino, None)
+            self.listed.pop(ino, None)
+        for folder, entries in self.listed.items():
+            self.listed[folder] = {name: ino for name, ino in entries.items() if ino not in gone}
+
 
 def violations(events: list[dict[str, Any]], out: str | os.PathLike) -> list[str]:
     """What a power loss at some point of ``events`` could lose that must survive (see the module's rules)."""
@@ -180,6 +204,7 @@ def violations(events: list[dict[str, Any]], out: str | os.PathLike) -> list[str
     pending: list[dict[str, Any]] = []  # checkpoint renames not yet listed by an fsync of their folder
     for index, event in enumerate(events):
         kind = event["kind"]
+        disk.forget(event.get("removed", []))  # a deletion: its inodes may come back as new files
         if kind == "fsync" and event["what"] == "file":
             disk.content.setdefault(event["ino"], set()).add(tuple(event["stamp"]))
         elif kind == "fsync":

@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ import transformers
 
 import hflight
 from hflight import durable
-from hflight.checkpoints import asynchronous, folders, job
+from hflight.checkpoints import asynchronous, folders, job, torch_file
 from hflight.checkpoints.manifest import Checksums, get_last_checkpoint, verify_checkpoint
 
 from .durability import CHECKPOINT, Recorder, violations
@@ -244,9 +245,18 @@ def test_save_async_writes_the_synchronous_checkpoint_byte_for_byte(tmp_path, fa
     for name in ("checkpoint-9", "checkpoint-12"):
         a, b = (folders_written[flag] / name for flag in (False, True))
         differ = [p.name for p in sorted(a.iterdir()) if p.read_bytes() != (b / p.name).read_bytes()]
-        # training_args.bin holds output_dir, so does the manifest through its checksum
-        assert differ == ["checkpoint_manifest.json", "training_args.bin"], differ
+        # training_args.bin holds output_dir, so does the manifest through its checksum; optimizer.pt is written in
+        # the background by hflight.checkpoints.torch_file: torch.save's records in another zip framing
+        assert differ == ["checkpoint_manifest.json", "optimizer.pt", "training_args.bin"], differ
         assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir())
+        records = [_zip_records(folder / "optimizer.pt") for folder in (a, b)]
+        assert list(records[0]) == list(records[1])  # the same records, each byte for byte but torch's random id
+        assert [k for k in records[0] if records[0][k] != records[1][k]] == [".data/serialization_id"]
+
+
+def _zip_records(path: Path) -> dict[str, bytes]:
+    with zipfile.ZipFile(path) as archive:
+        return {info.filename.split("/", 1)[1]: archive.read(info) for info in archive.infolist()}
 
 
 @pytest.fixture
@@ -321,14 +331,14 @@ def test_sigterm_waits_for_the_write_in_flight_and_reports_a_published_checkpoin
 
 
 def test_a_failed_background_write_stops_the_run_and_keeps_the_previous_checkpoint(tmp_path, factory, monkeypatch):
-    real = torch.save
+    real = torch_file.save  # the background writer's torch.save
 
     def full_disk(obj, path, *args, **kwargs):
         if "checkpoint-4" in str(path) and threading.current_thread() is not threading.main_thread():
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         return real(obj, path, *args, **kwargs)
 
-    monkeypatch.setattr(torch, "save", full_disk)
+    monkeypatch.setattr(torch_file, "save", full_disk)
     out = tmp_path / "run"
     trainer = make_trainer(out, factory, max_steps=8, save_steps=2, save_async=True, save_total_limit=1)
     with pytest.raises(folders.CheckpointWriteError, match=r"checkpoint-4.*optimizer\.pt failed: no space left"):

@@ -30,6 +30,7 @@ import torch
 
 from hflight import durable
 from hflight._util import exception_chain
+from hflight.checkpoints import torch_file
 from hflight.checkpoints.manifest import Checksums, write_manifest
 from hflight.checkpoints.names import MANIFEST_NAME, REPLACED_SUFFIX, TMP_PREFIX
 
@@ -163,13 +164,15 @@ class CheckpointJob:
         return result
 
     def save(self, obj: Any, path: str) -> None:
-        """``torch.save(obj, path)``: now, or later from a snapshot of ``obj`` taken now."""
+        """``torch.save(obj, path)``: now, or later from a snapshot of ``obj`` taken now (written by
+        :func:`hflight.checkpoints.torch_file.save`: the same file, without holding the interpreter lock while the
+        bytes are copied, so the training loop runs beside it)."""
         if self._snapshot is None:
             torch.save(obj, path)
             return
         name = os.path.basename(path)
         copy = self._snapshot(name, obj)
-        self._later.append((name, lambda: torch.save(copy, path)))
+        self._later.append((name, lambda: torch_file.save(copy, path)))
 
     def snapshot(self, name: str, state: Any) -> Any:
         """``state`` as the job writes it later: a copy taken now (``save_async``), or itself."""

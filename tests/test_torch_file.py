@@ -1,0 +1,78 @@
+"""hflight.checkpoints.torch_file: torch.save's archive, written by the background checkpoint writer without holding
+the interpreter lock; the same records as torch.save, read by torch.load in every mode."""
+
+from __future__ import annotations
+
+import struct
+import zipfile
+
+import pytest
+import torch
+
+from hflight.checkpoints import torch_file
+
+
+def _state() -> dict:
+    weight = torch.randn(64, 32)
+    state = {
+        "weight": weight,
+        "tied": weight,  # the same tensor: one storage
+        "view": weight[3:7],  # a view of it: the same storage, an offset
+        "ints": torch.arange(10, dtype=torch.int64),
+        "half": torch.randn(5, dtype=torch.bfloat16),
+        "empty": torch.empty(0),
+        "nested": {"step": 3, "moments": [torch.ones(3), torch.zeros(2, 2)], "name": "adamw"},
+    }
+    return state
+
+
+def _records(path) -> dict[str, bytes]:
+    with zipfile.ZipFile(path) as archive:  # zipfile checks every record's CRC-32 as it reads it
+        return {info.filename.split("/", 1)[1]: archive.read(info) for info in archive.infolist()}
+
+
+def test_the_records_are_torch_save_s_and_the_data_is_aligned_as_torch_aligns_it(tmp_path):
+    state = _state()
+    torch.save(state, tmp_path / "reference.pt")
+    torch_file.save(state, tmp_path / "written.pt")
+    ours, theirs = _records(tmp_path / "written.pt"), _records(tmp_path / "reference.pt")
+    assert list(ours) == list(theirs)  # the same records in the same order
+    differing = [name for name in ours if ours[name] != theirs[name]]
+    assert differing == [".data/serialization_id"]  # the pickle, every storage's bytes, the version: torch's
+    raw = (tmp_path / "written.pt").read_bytes()
+    with zipfile.ZipFile(tmp_path / "written.pt") as archive:
+        for info in archive.infolist():
+            name_length, extra_length = struct.unpack("<HH", raw[info.header_offset + 26 : info.header_offset + 30])
+            assert (info.header_offset + 30 + name_length + extra_length) % 64 == 0, info.filename
+
+
+@pytest.mark.parametrize("how", [{}, {"weights_only": True}, {"mmap": True}])
+def test_torch_load_reads_it_as_it_reads_torch_save_s(tmp_path, how):
+    state = _state()
+    torch_file.save(state, tmp_path / "written.pt")
+    loaded = torch.load(tmp_path / "written.pt", **how)
+    assert loaded["tied"] is loaded["weight"]  # shared storage stays shared
+    assert loaded["view"].storage_offset() == 3 * 32 and torch.equal(loaded["view"], state["view"])
+    for key in ("weight", "ints", "half", "empty"):
+        assert loaded[key].dtype == state[key].dtype and torch.equal(loaded[key], state[key])
+    assert loaded["nested"]["step"] == 3 and loaded["nested"]["name"] == "adamw"
+    assert all(torch.equal(a, b) for a, b in zip(loaded["nested"]["moments"], state["nested"]["moments"]))
+
+
+def test_a_torch_whose_save_internals_differ_gets_torch_save_itself(tmp_path, monkeypatch):
+    """The module drives ``torch.serialization._save``; where this torch's differs, ``torch.save`` writes the file."""
+    calls = []
+    real_save, real_internal = torch.save, torch.serialization._save
+
+    def changed(obj, zip_file, pickle_module, pickle_protocol, _disable_byteorder_record, new_option=None):
+        return real_internal(obj, zip_file, pickle_module, pickle_protocol, _disable_byteorder_record)
+
+    monkeypatch.setattr(torch.serialization, "_save", changed)
+    monkeypatch.setattr(torch, "save", lambda obj, path: calls.append(path) or real_save(obj, path))
+    torch_file._torch_records.cache_clear()
+    try:
+        torch_file.save({"x": torch.ones(2)}, tmp_path / "written.pt")
+    finally:
+        torch_file._torch_records.cache_clear()
+    assert calls == [tmp_path / "written.pt"]
+    assert torch.equal(torch.load(tmp_path / "written.pt")["x"], torch.ones(2))
