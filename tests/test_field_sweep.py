@@ -108,6 +108,9 @@ SWEEP: dict[str, dict] = {
 
 #: fields with a test of their own that compares with transformers (test file: what it checks).
 TESTED_ELSEWHERE = {
+    "fsdp": 'test_sharded_dropin (run_clm with --fsdp "full_shard auto_wrap", 2 processes a side, bit for bit, its '
+    "sharded and full checkpoints)",
+    "deepspeed": "test_deepspeed (ZeRO-2 bit for bit with transformers' run, 2 processes; ZeRO-3; the checkpoints)",
     "include_num_input_tokens_seen": "test_fields_parity",
     "eval_do_concat_batches": "test_fields_parity",
     "skip_memory_metrics": "test_fields_parity",
@@ -206,33 +209,18 @@ NOT_RUNNABLE = {
 #: with 2 processes a side under torchrun, checkpoints written (the sharded forms), by :func:`test_sharding_field_as_
 #: transformers`. transformers' FSDP route runs on the CPU only through a test stand-in (tests/fsdp_standin: accelerate
 #: starts FSDP for GPU-like devices only); its FULL_STATE_DICT save fails on the CPU inside accelerate, so the sharded
-#: form is swept; DeepSpeed's route runs as it is (ZeRO-2 here; ZeRO-3's model loading needs hflight's arguments on the
-#: CPU: test_deepspeed).
+#: form is swept. ``fsdp`` (the legacy "full_shard auto_wrap" string) and ``deepspeed`` (ZeRO-2, its checkpoints) are
+#: compared with their own two-process runs: TESTED_ELSEWHERE.
 _SAVED = dict(save_strategy="steps", save_steps=2, use_cpu=True)
 SHARDED_SWEEP: dict[str, dict] = {
     # (the layer class named: with BERT's own _no_split_modules, which lists its embeddings, accelerate 1.15 shards
     # the word embeddings twice and fails; hflight, which makes no separate embedding unit, does not)
-    "fsdp": dict(
-        fsdp="full_shard auto_wrap",
-        fsdp_config={"transformer_layer_cls_to_wrap": "BertLayer", "state_dict_type": "SHARDED_STATE_DICT"},
-        **_SAVED,
-    ),
     "fsdp_config": dict(
         fsdp=True,
         fsdp_config={
             "transformer_layer_cls_to_wrap": ["BertLayer"],
             "reshard_after_forward": False,
             "state_dict_type": "SHARDED_STATE_DICT",
-        },
-        **_SAVED,
-    ),  # fmt: skip
-    "deepspeed": dict(
-        deepspeed={
-            "zero_optimization": {"stage": 2},
-            "train_micro_batch_size_per_gpu": "auto",
-            "train_batch_size": "auto",
-            "gradient_accumulation_steps": "auto",
-            "gradient_clipping": "auto",
         },
         **_SAVED,
     ),  # fmt: skip
@@ -422,7 +410,7 @@ def sharded_runs(tmp_path_factory) -> dict:
 
 
 #: a file each sharded form writes in its checkpoints, which a data-parallel run (the 2-process default) never does
-_SHARDED_FORM = {"fsdp": "pytorch_model_fsdp_0/", "fsdp_config": "pytorch_model_fsdp_0/", "deepspeed": "global_step"}
+_SHARDED_FORM = {"fsdp_config": "pytorch_model_fsdp_0/"}
 
 
 @pytest.mark.parametrize("field", sorted(SHARDED_SWEEP))
