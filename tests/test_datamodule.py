@@ -72,3 +72,31 @@ def test_micro_batch_transfer_moves_only_tensors_and_keeps_cycle_tags():
     assert batch.inputs["input_ids"].device.type == "cpu"  # the loader's batch is left as it was
     plain = module.transfer_batch_to_device({"a": torch.ones(1)}, torch.device("meta"), 0)  # other batches: Lightning
     assert plain["a"].device.type == "meta"
+
+
+def test_the_loader_of_an_iterable_dataset_is_a_dataloader_as_accelerates_dispatcher(tmp_path):
+    """An iterable dataset's training loader is dispatched (accelerate's default for one): accelerate's
+    ``DataLoaderDispatcher`` is a ``DataLoader``, and so is hflight's, with the base loader's settings
+    (transformers' tests/trainer/test_trainer_data.py::test_training_iterable_dataset asserts it)."""
+    import hflight
+
+    class Rows(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            for i in range(8):
+                yield {"input_x": torch.tensor([float(i)]), "labels": torch.tensor([2.0 * i])}
+
+    class Linear(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(1, 1)
+
+        def forward(self, input_x, labels=None):
+            y = self.a(input_x)
+            return {"loss": torch.nn.functional.mse_loss(y, labels), "logits": y}
+
+    args = hflight.TrainingArguments(str(tmp_path), max_steps=2, report_to="none", per_device_train_batch_size=2)
+    loader = hflight.Trainer(Linear(), args, train_dataset=Rows()).get_train_dataloader()
+    assert isinstance(loader, torch.utils.data.DataLoader)
+    assert isinstance(loader.sampler, torch.utils.data.dataloader._InfiniteConstantSampler)
+    assert loader.num_workers == 0 and loader.batch_size == 2
+    assert [batch["labels"].flatten().tolist() for batch in loader][:2] == [[0.0, 2.0], [4.0, 6.0]]

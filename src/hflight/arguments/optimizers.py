@@ -112,7 +112,7 @@ def optimizer_cls_and_kwargs(args: TrainingArguments, model: nn.Module | None = 
     if name in OPTIMIZERS:
         return OPTIMIZERS[name](args)
     check_optim_args(args.optim_args)
-    from transformers import Trainer as HFTrainer
+    from transformers.trainer import Trainer as HFTrainer  # the module's: never a replaced top-level name
 
     try:
         return HFTrainer.get_optimizer_cls_and_kwargs(args, model)

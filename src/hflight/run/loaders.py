@@ -227,13 +227,16 @@ def share_generator(generator: torch.Generator) -> None:
     generator.set_state(state[0])
 
 
-class DispatchedLoader(_Prepared):
+class DispatchedLoader(_Prepared, DataLoader):
     """Process 0 reads ``base`` and sends each global batch to the others, which keep their slice (accelerate's
     ``DataLoaderDispatcher``, with its numbers). Without ``split_batches`` a global batch is ``num_processes`` batches
     of ``base`` put end to end, so each process gets a whole batch; with it, one batch of ``base`` is cut. An uneven
     last global batch is cut into equal slices, completed with the first samples of the first global batch when it
     does not divide (``drop_last`` drops it). The loader reads one global batch ahead, as accelerate's does, to know
-    the last one."""
+    the last one.
+
+    A ``DataLoader`` as accelerate's dispatcher is (``isinstance`` holds), whose loader settings are ``base``'s: it
+    iterates ``base`` rather than a loader of its own, so ``DataLoader.__init__`` is not run."""
 
     reads_ahead = True
 
@@ -244,6 +247,11 @@ class DispatchedLoader(_Prepared):
         self.base, self.drop_last = base, drop_last
         self.split_batches = self.sharding.split_batches
         self._stopped = False
+
+    def __getattr__(self, name: str) -> Any:  # the rest of the DataLoader settings (num_workers, collate_fn, ...)
+        if name == "base":
+            raise AttributeError(name)
+        return getattr(self.base, name)
 
     dataset = property(lambda self: self.base.dataset)
     sampler = property(lambda self: self.base.sampler)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import Trainer as HFTrainer
+from transformers.trainer import Trainer as HFTrainer
 
 from hflight.arguments.optimizers import (
     build_scheduler,
