@@ -22,8 +22,6 @@ from pathlib import Path
 import pytest
 
 from . import dropin
-from . import test_run_clm_dropin as clm
-from . import test_run_glue_dropin as glue
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
 
@@ -45,7 +43,7 @@ GLUE_ARGS = [
 def runs(tmp_path_factory) -> dict[str, dict[str, Path]]:
     """The four torchrun jobs at once (two processes each, one thread per process)."""
     root = tmp_path_factory.mktemp("torchrun_dropin")
-    clm_in, glue_in = clm._inputs(root / "clm_inputs"), glue._inputs(root / "glue_inputs")
+    clm_in, glue_in = dropin.clm_inputs(root / "clm_inputs"), dropin.glue_inputs(root / "glue_inputs")
     clm_args = ["--model_name_or_path", str(clm_in["model"]), "--train_file", str(clm_in["train"]),
                 "--validation_file", str(clm_in["validation"]), *CLM_ARGS]  # fmt: skip
     glue_args = ["--model_name_or_path", str(glue_in["model"]), "--train_file", str(glue_in["train"]),
@@ -57,8 +55,8 @@ def runs(tmp_path_factory) -> dict[str, dict[str, Path]]:
         (example, library): dropin.Job(
             root / example / library,
             example,
-            clm.ORIGINAL_IMPORT,
-            None if library == "transformers" else clm.CHANGED_IMPORT,
+            dropin.ORIGINAL_IMPORT,
+            None if library == "transformers" else dropin.CHANGED_IMPORT,
             [*args, *(["--use_cpu"] if library == "transformers" else [])],
             launcher=dropin.TORCHRUN_2,
         )  # fmt: skip
