@@ -15,13 +15,11 @@ for one device per process under torchrun: refused before training, naming both 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from . import dropin
+from . import dropin, launch
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
 
@@ -119,10 +117,8 @@ def test_a_strategy_that_does_not_span_the_launched_processes_is_refused(tmp_pat
     any step, naming both sizes and what to set (never two copies of a one-process run)."""
     script = tmp_path / "spans_one.py"
     script.write_text(SPANS_ONE, encoding="utf-8")
-    env = {**os.environ, "PYTHONPATH": str(dropin.REPO_ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([*dropin.TORCHRUN_2, str(script), str(tmp_path / "out")], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
-    output = done.stdout + done.stderr
+    done = launch.run([*launch.torchrun(2), script, tmp_path / "out"], tmp_path, timeout=300)
+    output = done.output
     assert done.returncode != 0
     assert "2 processes were launched (torchelastic: WORLD_SIZE=2, LOCAL_WORLD_SIZE=2)" in output, output[-3000:]
     assert "SingleDeviceStrategy spans 1 (devices=1, num_nodes=1" in output
