@@ -160,7 +160,7 @@ def test_a_checkpoint_uses_the_threads_it_needs(tmp_path, factory, monkeypatch, 
 
 def test_the_replay_finds_what_transformers_trainer_leaves(tmp_path, factory, monkeypatch):
     """The same run and calls with transformers' Trainer: published nothing durable (the check can fail)."""
-    from .conftest import Factory
+    from .support import Factory
 
     out = tmp_path / "hf"
     recorder = Recorder(out)

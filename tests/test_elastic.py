@@ -15,7 +15,7 @@ import socket
 import pytest
 
 from .cluster_runs import ELASTIC, TORCHRUN, TWO_NODES, Reference, finish, outcome, start, torchrun_argv
-from .test_readme_commands import fresh_clone
+from .support import fresh_clone
 
 FAULT = ["+callbacks.fault._target_=cluster_faults.SignalAt", "+callbacks.fault.signal=SIGKILL",
          "+callbacks.fault.target=self"]  # fmt: skip

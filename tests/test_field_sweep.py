@@ -16,7 +16,6 @@ import hashlib
 import json
 import os
 import pickle
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,6 +25,8 @@ import torch
 import transformers
 
 import hflight
+
+from . import launch
 
 #: field -> a plausible non-default value (with what it needs beside it).
 SWEEP: dict[str, dict] = {
@@ -303,7 +304,7 @@ _LIBRARIES = {"hf": "transformers", "hl": "hflight"}
 def run_field(library: str, out: str, fields: dict) -> dict:
     """One side of one field's comparison, run in a process of its own (see :func:`fresh`): train, evaluate and
     predict with ``library``'s Trainer and arguments, and return what the two sides are compared on."""
-    from tests.conftest import Factory  # the child imports the tests' builders itself
+    from tests.support import Factory  # the child imports the tests' builders itself
 
     module = {"transformers": transformers, "hflight": hflight}[library]
     args = module.TrainingArguments(output_dir=out, **Factory.pair_args(**fields))
@@ -326,7 +327,7 @@ def run_field(library: str, out: str, fields: dict) -> dict:
 #: itself would spend seconds on each run; transformers' Trainer imports DeepSpeed, when installed, in every run).
 _PRELOAD = [
     "torch", "datasets", "lightning.pytorch", "transformers.trainer", "transformers.models.bert.modeling_bert",
-    "deepspeed", "hflight.trainer", "hflight.run.run", "tests.conftest", "tests.test_field_sweep",
+    "deepspeed", "hflight.trainer", "hflight.run.run", "tests.support", "tests.test_field_sweep",
 ]  # fmt: skip
 
 
@@ -337,7 +338,6 @@ def fresh():
     and numpy's generators, transformers' log level, environment variables a field sets, compiled or patched
     modules), and neither library shares a process with the other, at the cost of a fork rather than an import."""
     import multiprocessing
-    import sys
     from concurrent.futures import ProcessPoolExecutor
 
     root = str(Path(__file__).resolve().parents[1])
@@ -394,22 +394,12 @@ def test_field_as_transformers(field, tmp_path, fresh, default_run):
 _STANDIN = Path(__file__).resolve().parent / "fsdp_standin"
 
 
-def _sharded_side(library: str, root: Path, fields: dict) -> subprocess.Popen:
-    torchrun = str(Path(sys.executable).with_name("torchrun"))
-    job = Path(__file__).resolve().parent / "jobs" / "field_job.py"
-    path = [str(_STANDIN)] if library == "transformers" and "fsdp" in fields else []
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*path, str(Path(__file__).resolve().parents[1] / "src")]),
-           "OMP_NUM_THREADS": "1"}  # fmt: skip
+def _sharded_side(library: str, root: Path, fields: dict) -> launch.Job:
+    path = [_STANDIN] if library == "transformers" and "fsdp" in fields else []
     root.mkdir(parents=True)
-    command = [torchrun, "--standalone", "--nproc_per_node=2", str(job), library, str(root / "out"),
-               json.dumps(fields), str(root / "result.pkl")]  # fmt: skip
-    return subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _sharded_result(process: subprocess.Popen, root: Path) -> dict:
-    output, _ = process.communicate(timeout=420)
-    assert process.returncode == 0, output[-4000:]
-    return pickle.loads((root / "result.pkl").read_bytes())
+    command = [*launch.torchrun(2), launch.JOBS / "field_job.py", library, root / "out", json.dumps(fields),
+               root / "result.pkl"]  # fmt: skip
+    return launch.Job(command, root, launch.environment(*path), timeout=420)
 
 
 @pytest.fixture(scope="module")
@@ -418,7 +408,8 @@ def sharded_runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("sharded_sweep")
     jobs = {(field, library): _sharded_side(library, root / field / library, fields)
             for field, fields in SHARDED_SWEEP.items() for library in ("transformers", "hflight")}  # fmt: skip
-    return {key: _sharded_result(p, root / key[0] / key[1]) for key, p in jobs.items()}
+    launch.all_ok(jobs)
+    return {key: pickle.loads((root / key[0] / key[1] / "result.pkl").read_bytes()) for key in jobs}
 
 
 #: a file each sharded form writes in its checkpoints, which a data-parallel run (the 2-process default) never does

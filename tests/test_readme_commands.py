@@ -28,8 +28,9 @@ import pytest
 import yaml
 
 from . import readme
-from .test_cli import RESULT_FILES
-from .test_cli import TINY as CLI_TINY
+from .support import RESULT_FILES, fresh_clone
+from .support import TINY as CLI_TINY
+from .support import clone_environment as _environment
 
 REPO = Path(__file__).resolve().parents[1]
 README_TEXT = readme.README.read_text(encoding="utf-8")
@@ -147,19 +148,6 @@ def test_readme_quickstart_is_examples_quickstart():
 
 
 # ---- running them -------------------------------------------------------------------------------------------------
-def fresh_clone(destination: Path) -> Path:
-    """The repository's files as a fresh clone has them: no outputs, environments or caches."""
-    ignore = shutil.ignore_patterns(".*", "outputs", "multirun", "__pycache__", "*.egg-info", "lightning_logs")
-    shutil.copytree(REPO, destination, ignore=ignore)
-    return destination
-
-
-def _environment(clone: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("HFLIGHT_ROOT", "HFLIGHT_CONFIG_DIR", "HYDRA_FULL_ERROR")}
-    pythonpath = [str(clone / "src"), *filter(None, [env.get("PYTHONPATH")])]
-    return {**env, "PYTHONPATH": os.pathsep.join(pythonpath), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-
-
 def _program(name: str) -> str:
     """``python`` is this interpreter; console scripts are those installed beside it."""
     if name in ("python", "python3"):

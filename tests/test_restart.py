@@ -22,7 +22,7 @@ from hflight.qa import made
 from hflight.qa.synthetic import write_squad_files
 from hflight.qa.tokenizer import squad_texts, train_wordpiece_tokenizer
 
-from .test_cli import TINY
+from .support import TINY
 
 LAUNCHER_VARIABLES = ("SLURM_", "TORCHELASTIC_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK", "MASTER_")
 

@@ -307,7 +307,7 @@ def test_the_requeue_signal_before_training_starts_requeues_at_once(monkeypatch,
     from hflight import cli
     from hflight.config import compose
 
-    from .test_cli import TINY
+    from .support import TINY
 
     log = slurm_task(monkeypatch, tmp_path)
     monkeypatch.syspath_prepend(str(Path(__file__).parent / "jobs"))  # the callback's _target_

@@ -46,7 +46,7 @@ from hflight.sweeps.study import (  # noqa: E402
     retry_trial,  # noqa: E402
 )
 
-from .test_cli import TINY  # noqa: E402
+from .support import TINY  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 JOBS = REPO / "tests" / "jobs"
