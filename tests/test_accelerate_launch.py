@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -34,7 +33,7 @@ import hflight
 from hflight.arguments import cluster, launcher_env
 from hflight.arguments.launcher_env import LauncherEnvironmentError
 
-from . import dropin
+from . import dropin, launch
 
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
 DEEPSPEED = str(Path(sys.executable).with_name("deepspeed"))
@@ -451,12 +450,6 @@ ARGS = [
 ]  # fmt: skip
 
 
-def _free_port() -> str:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return str(probe.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory) -> dict[str, dict[str, Path | AssertionError]]:
     """Every launch at once, one thread per process: name -> {"transformers": output folder, "hflight": ...}, or the
@@ -478,7 +471,7 @@ def launches(tmp_path_factory) -> dict[str, dict[str, Path | AssertionError]]:
             jobs[name, library] = dropin.Job(root / name / library, "run_clm", dropin.ORIGINAL_IMPORT,
                                              None if library == "transformers" else dropin.CHANGED_IMPORT,
                                              [*args, *extra], launcher=launcher, path=path, env=env)  # fmt: skip
-    deepspeed = [DEEPSPEED, "--num_gpus", "2", "--master_port", _free_port()]
+    deepspeed = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(launch.free_port())]
     jobs["deepspeed_launcher", "hflight"] = dropin.Job(
         root / "deepspeed_launcher" / "hflight", "run_clm", dropin.ORIGINAL_IMPORT, dropin.CHANGED_IMPORT,
         [*args, "--deepspeed", str(configs["zero2"])], launcher=deepspeed, env=env)  # fmt: skip
