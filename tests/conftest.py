@@ -63,3 +63,20 @@ def shared_data() -> Path:
 @pytest.fixture(scope="session")  # a stateless class: module-scoped fixtures use it too
 def factory() -> type[Factory]:
     return Factory
+
+
+# ---- the checkpoint tests' runs (tests/checkpoint_runs.py), built once per test process --------------------------
+@pytest.fixture
+def reference(tmp_path_factory, factory):
+    """The uninterrupted 12-step run of the checkpoint tests."""
+    from .checkpoint_runs import reference_run
+
+    return reference_run(tmp_path_factory, factory)
+
+
+@pytest.fixture
+def saved(tmp_path_factory, factory) -> Path:
+    """A run stopped at step 6 with checkpoints at steps 3 and 6 (tests that change them work on copies)."""
+    from .checkpoint_runs import saved_run
+
+    return saved_run(tmp_path_factory, factory)

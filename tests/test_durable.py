@@ -29,8 +29,8 @@ from hflight import durable
 from hflight.checkpoints import asynchronous, folders, job
 from hflight.checkpoints.manifest import Checksums, get_last_checkpoint, verify_checkpoint
 
+from .checkpoint_runs import make_trainer
 from .durability import CHECKPOINT, Recorder, violations
-from .test_checkpoint import make_trainer
 
 
 def _run_recorded(tmp_path, factory, monkeypatch, **overrides) -> tuple[Recorder, hflight.Trainer]:
