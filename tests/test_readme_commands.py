@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from . import readme
+from . import launch, readme
 from .support import RESULT_FILES, fresh_clone
 from .support import TINY as CLI_TINY
 from .support import clone_environment as _environment
@@ -183,7 +183,7 @@ class Ran:
     step: str
     tokens: list[str]
     cwd: Path  # where it ran
-    proc: subprocess.CompletedProcess
+    proc: launch.Ended
     created: set[str]  # what it added to cwd
 
     @property
@@ -248,8 +248,8 @@ def run_step(step: str, tmp_path: Path) -> Ran:
         cwd.mkdir()
     _provide_placeholders(cwd, tokens, clone)
     before = set(os.listdir(cwd))
-    argv = as_written(step)
-    proc = subprocess.run(argv, cwd=cwd, env=_environment(clone), capture_output=True, text=True, timeout=600)
+    argv = as_written(step)  # torchrun's commands too: the whole session goes if it hangs
+    proc = launch.run(argv, cwd, _environment(clone), merge=False, console=tmp_path / "console.txt", name=step)
     return Ran(step, tokens, cwd, proc, set(os.listdir(cwd)) - before)
 
 
