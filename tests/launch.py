@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,7 +108,8 @@ class Job:
         return self.process.pid
 
     def lines(self):
-        """The job's output line by line as it comes (kept for :meth:`wait`'s result and console)."""
+        """The job's output line by line as it comes (kept for :meth:`wait`'s result and console; ``merge`` only)."""
+        assert self.process.stderr is None, "lines() reads a job started with merge=True"
         for line in self.process.stdout:
             self._read.append(line)
             yield line
@@ -123,21 +125,36 @@ class Job:
         output's tail); whatever of its session is still running afterwards is killed too."""
         if self.ended is not None:
             return self.ended
-        timed_out = False
         try:
-            stdout, stderr = self.process.communicate(timeout=self.timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            self.kill()
-            stdout, stderr = self.process.communicate()
+            stdout, stderr, timed_out = self._output()
         finally:  # a hung worker (ranks disagreeing on a collective), or a test that failed while it ran
             self.kill()
-        self.ended = Ended(self.name, self.process.returncode, "".join(self._read) + (stdout or ""), stderr or "")
+        self.ended = Ended(self.name, self.process.returncode, "".join(self._read) + stdout, stderr or "")
         if self.console:
             self.console.write_text(self.ended.output, encoding="utf-8")
         if timed_out:
             raise AssertionError(f"{self.name} did not end within {self.timeout:.0f} s:\n{self.ended.tail()}")
         return self.ended
+
+    def _output(self) -> tuple[str, str, bool]:
+        """The rest of the job's output (stdout, stderr) once it ended, and whether its time limit ran out first."""
+        if not self._read:
+            try:
+                return (*self.process.communicate(timeout=self.timeout), False)
+            except subprocess.TimeoutExpired:
+                self.kill()
+                return (*self.process.communicate(), True)
+        # read line by line so far: the rest through the same file object, what it has buffered included
+        rest: list[str] = []
+        reader = threading.Thread(target=lambda: rest.append(self.process.stdout.read()), daemon=True)
+        reader.start()
+        reader.join(self.timeout)
+        timed_out = reader.is_alive()
+        if timed_out:
+            self.kill()
+            reader.join(30)
+        self.process.wait()
+        return "".join(rest), "", timed_out
 
     def ok(self) -> Ended:
         """:meth:`wait`, and the job exited 0 (else the test fails with its output's tail)."""
