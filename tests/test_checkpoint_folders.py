@@ -25,11 +25,7 @@ from hflight.checkpoints import folders as checkpoint
 from hflight.checkpoints import job, parts
 from hflight.checkpoints.manifest import MANIFEST_NAME, get_last_checkpoint, verify_checkpoint
 
-from .checkpoint_runs import (
-    assert_same,
-    digest,
-    make_trainer,
-)
+from .checkpoint_runs import assert_same, digest, make_trainer
 
 
 def test_every_checkpoint_file_name_is_spelled_in_one_module():

@@ -23,13 +23,7 @@ from safetensors.torch import load_file, save_file
 import hflight
 from hflight.checkpoints.manifest import MANIFEST_NAME, get_last_checkpoint, verify_checkpoint
 
-from .checkpoint_runs import (
-    ShardedBert,
-    copy_checkpoint,
-    make_trainer,
-    params,
-    refresh_manifest,
-)
+from .checkpoint_runs import ShardedBert, copy_checkpoint, make_trainer, params, refresh_manifest
 
 
 def test_manifest_lists_every_file_with_its_size_and_checksum(saved):

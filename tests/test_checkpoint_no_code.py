@@ -12,13 +12,7 @@ import torch
 from hflight.checkpoints.parts import load_rng_file
 from hflight.checkpoints.weights import load_model_weights
 
-from .checkpoint_runs import (
-    CreatesMarker,
-    copy_checkpoint,
-    make_trainer,
-    params,
-    refresh_manifest,
-)
+from .checkpoint_runs import CreatesMarker, copy_checkpoint, make_trainer, params, refresh_manifest
 
 
 def test_a_malicious_rng_state_is_never_unpickled(saved, tmp_path, factory):

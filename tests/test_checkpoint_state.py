@@ -17,13 +17,7 @@ import hflight
 from hflight.checkpoints.manifest import MANIFEST_NAME, verify_checkpoint
 from hflight.checkpoints.parts import read_trainer_state
 
-from .checkpoint_runs import (
-    CreatesMarker,
-    copy_checkpoint,
-    make_trainer,
-    params,
-    refresh_manifest,
-)
+from .checkpoint_runs import CreatesMarker, copy_checkpoint, make_trainer, params, refresh_manifest
 
 GOOD_STATE = {"global_step": 6, "epoch": 1.2, "max_steps": 12, "log_history": []}
 

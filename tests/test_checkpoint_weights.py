@@ -20,14 +20,7 @@ import hflight
 from hflight.checkpoints.manifest import get_last_checkpoint
 from hflight.checkpoints.weights import load_model_weights
 
-from .checkpoint_runs import (
-    ShardedBert,
-    assert_same,
-    copy_checkpoint,
-    make_trainer,
-    params,
-    refresh_manifest,
-)
+from .checkpoint_runs import ShardedBert, assert_same, copy_checkpoint, make_trainer, params, refresh_manifest
 
 
 def test_weights_the_model_ties_may_be_absent_from_the_file(tmp_path, factory):
