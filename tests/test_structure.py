@@ -535,6 +535,7 @@ LAUNCH_SPELLINGS = {
     "a fixed port": re.compile(
         r"""(--master[_-]port|--main[_-]process[_-]port|--rdzv[_-]endpoint)["']?\s*[,= ]?\s*["']?[1-9]\d*\b"""
         r"""|(127\.0\.0\.1|localhost):[1-9]\d{2,4}\b"""
+        r"""|(?<![\w."'$:])29[4-9]\d\d(?![\w"'])"""  # a number in torch's customary port range, outside a string
     ),
 }
 
@@ -595,7 +596,9 @@ def test_the_test_checkers_find_what_they_must():
         '["--main_process_port", "0"]',  # any free port: allowed
         '[DEEPSPEED, "--master_port", str(launch.free_port())]',
         'command.replace("$HEAD_NODE:29400", f"127.0.0.1:{port}")',
+        'for port, impl in ((29531, "hf"), (29532, "hl")):',
     ]
     assert launch_spellings("\n".join(lines)) == [
-        "1: torchrun's path", "2: a fixed port", "3: a fixed port", "4: a fixed port", "5: a fixed port"
+        "1: torchrun's path", "2: a fixed port", "3: a fixed port", "4: a fixed port", "5: a fixed port",
+        "9: a fixed port",
     ]  # fmt: skip
