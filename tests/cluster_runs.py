@@ -13,7 +13,6 @@ from pathlib import Path
 from . import launch, readme
 from .support import TINY, clone_environment, fresh_clone
 
-TORCHRUN = launch.TORCHRUN
 COMMANDS = [step.text for text in readme.documents().values() for step in readme.steps(text, "")]
 #: docs/hydra.md's torchrun commands that restart workers.
 ELASTIC = next(c for c in COMMANDS if c.startswith("torchrun --standalone") and "--max-restarts" in c)
@@ -58,7 +57,7 @@ def torchrun_argv(command: str, run_dir: str, *extra: str, port: int | None = No
     ``port``, :data:`SIZES` and ``extra`` appended."""
     tokens = command.replace("$HEAD_NODE:29400", f"127.0.0.1:{port}").split()
     tokens = [f"hydra.run.dir={run_dir}" if t.startswith("hydra.run.dir=") else t for t in tokens]
-    return [str(TORCHRUN), *tokens[1:], *SIZES, *extra]
+    return [str(launch.TORCHRUN), *tokens[1:], *SIZES, *extra]
 
 
 class Reference:
