@@ -6,9 +6,9 @@ stand-ins, ``accelerate launch``, DeepSpeed's launcher), in one place:
   jobs (or two test processes of ``pytest -n 2``) never meet on one;
 - :func:`environment` is what every job gets: the repository's sources first on ``PYTHONPATH`` (after a test's own
   folders: a stand-in's ``sitecustomize``), no downloads, one thread per process, unbuffered output;
-- :class:`Job` starts a command in a session of its own and finishes it: a time limit, the whole session (launcher
-  and workers) killed when it ends, fails or hangs (ranks waiting on each other), its output kept in a console file
-  and the exit status checked with the output's tail in the assertion message.
+- :class:`Job` starts a command in a session of its own and finishes it: its output written straight into a console
+  file, a time limit, the whole session (launcher and workers) killed when it ends, fails or hangs (ranks waiting on
+  each other), and the exit status checked with the output's tail in the assertion message.
 
 A support module, not a test module (tests/test_structure.py: no test spells torchrun's path or a fixed port but
 this one).
@@ -22,7 +22,8 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
+import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,34 +86,50 @@ class Ended:
 
 
 class Job:
-    """``argv`` started in ``cwd`` in a session of its own with ``env`` (:func:`environment` unless given). ``merge``:
-    stderr goes to stdout (the order the job wrote them in), else both are kept apart. ``console``: the file its output
-    is kept in once it ended (``cwd/console.txt`` unless given; ``False``: none). ``name``: how messages call it.
-    :meth:`wait` ends it; :meth:`ok` also checks that it exited 0. :attr:`groups`: process groups of sessions it
-    started itself (a wrapper's job), killed with it."""
+    """``argv`` started in ``cwd`` in a session of its own with ``env`` (:func:`environment` unless given), its output
+    written straight into its console file (``cwd/console.txt`` unless ``console`` names another; ``False``: a
+    temporary one), so that no job ever waits on a full pipe while the test waits on another. ``merge``: stderr goes
+    to the same file (in the order the job wrote them), else it is kept apart and appended to the console once the job
+    ended. ``name``: how messages call it. :meth:`wait` ends it; :meth:`ok` also checks that it exited 0.
+    :attr:`groups`: process groups of sessions it started itself (a wrapper's job), killed with it."""
 
     def __init__(self, argv: list[str], cwd: Path, env: dict[str, str] | None = None, *, merge: bool = True,
                  console: Path | bool = True, timeout: float = TIMEOUT, name: str | None = None) -> None:  # fmt: skip
         self.argv, self.cwd, self.timeout = [str(a) for a in argv], Path(cwd), timeout
         self.name = name or self.cwd.name
-        self.console = self.cwd / "console.txt" if console is True else console or None
+        self.temporary = console is False
+        if console is True:
+            console = self.cwd / "console.txt"
+        self.console = Path(tempfile.mkstemp(prefix="job-", suffix=".txt")[1]) if self.temporary else Path(console)
         self.groups: list[int] = []
         self.ended: Ended | None = None
-        self._read: list[str] = []
-        self.process = subprocess.Popen(self.argv, cwd=self.cwd, env=environment() if env is None else env,
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merge else subprocess.PIPE,
-                                        text=True, start_new_session=True)  # fmt: skip
+        self._started = time.monotonic()
+        with open(self.console, "wb") as out, tempfile.TemporaryFile() as err:
+            self._stderr = None if merge else os.dup(err.fileno())
+            self.process = subprocess.Popen(self.argv, cwd=self.cwd, env=environment() if env is None else env,
+                                            stdout=out, stderr=subprocess.STDOUT if merge else err,
+                                            start_new_session=True)  # fmt: skip
 
     @property
     def pid(self) -> int:
         return self.process.pid
 
     def lines(self):
-        """The job's output line by line as it comes (kept for :meth:`wait`'s result and console; ``merge`` only)."""
-        assert self.process.stderr is None, "lines() reads a job started with merge=True"
-        for line in self.process.stdout:
-            self._read.append(line)
-            yield line
+        """The job's output line by line as it comes, until it ends or its time limit runs out (``merge`` only)."""
+        assert self._stderr is None, "lines() reads a job started with merge=True"
+        with open(self.console, encoding="utf-8", errors="replace") as output:
+            pending = ""
+            while time.monotonic() - self._started < self.timeout:
+                pending += output.readline()
+                if pending.endswith("\n"):
+                    yield pending
+                    pending = ""
+                elif self.process.poll() is not None:
+                    rest = pending + output.read()
+                    yield from rest.splitlines(keepends=True)
+                    return
+                else:
+                    time.sleep(0.05)
 
     def kill(self) -> None:
         """SIGKILL to the job's whole session and to the groups it started."""
@@ -125,36 +142,33 @@ class Job:
         output's tail); whatever of its session is still running afterwards is killed too."""
         if self.ended is not None:
             return self.ended
+        timed_out = False
         try:
-            stdout, stderr, timed_out = self._output()
+            self.process.wait(timeout=self.timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            self.kill()
+            self.process.wait()
         finally:  # a hung worker (ranks disagreeing on a collective), or a test that failed while it ran
             self.kill()
-        self.ended = Ended(self.name, self.process.returncode, "".join(self._read) + stdout, stderr or "")
-        if self.console:
-            self.console.write_text(self.ended.output, encoding="utf-8")
+        self.ended = Ended(self.name, self.process.returncode, *self._output())
         if timed_out:
             raise AssertionError(f"{self.name} did not end within {self.timeout:.0f} s:\n{self.ended.tail()}")
         return self.ended
 
-    def _output(self) -> tuple[str, str, bool]:
-        """The rest of the job's output (stdout, stderr) once it ended, and whether its time limit ran out first."""
-        if not self._read:
-            try:
-                return (*self.process.communicate(timeout=self.timeout), False)
-            except subprocess.TimeoutExpired:
-                self.kill()
-                return (*self.process.communicate(), True)
-        # read line by line so far: the rest through the same file object, what it has buffered included
-        rest: list[str] = []
-        reader = threading.Thread(target=lambda: rest.append(self.process.stdout.read()), daemon=True)
-        reader.start()
-        reader.join(self.timeout)
-        timed_out = reader.is_alive()
-        if timed_out:
-            self.kill()
-            reader.join(30)
-        self.process.wait()
-        return "".join(rest), "", timed_out
+    def _output(self) -> tuple[str, str]:
+        """stdout and stderr (empty when merged); the console then holds both, or is removed when temporary."""
+        stdout = self.console.read_text(encoding="utf-8", errors="replace")
+        stderr = ""
+        if self._stderr is not None:
+            with os.fdopen(self._stderr, "rb") as err:
+                err.seek(0)
+                stderr = err.read().decode("utf-8", errors="replace")
+            with open(self.console, "a", encoding="utf-8") as console:
+                console.write(stderr)
+        if self.temporary:
+            self.console.unlink()
+        return stdout, stderr
 
     def ok(self) -> Ended:
         """:meth:`wait`, and the job exited 0 (else the test fails with its output's tail)."""
