@@ -360,7 +360,7 @@ def test_two_sweepers_on_one_storage_share_the_study(tmp_path):
                 assert math.isclose(results["eval_loss"], trial.value, rel_tol=1e-9)
 
 
-def _stopped_batch(sweep: Path, marks: Path, job: launch.Job, signum: int, cwd: Path) -> list:
+def _stopped_batch(sweep: Path, marks: Path, job: launch.Job, signum: int) -> list:
     """Sends ``signum`` to the sweeper once both jobs of its batch (2 trials, 2 at a time) have their checkpoint-2:
     each job stops at its next step boundary with a checkpoint, the sweeper marks both trials FAIL (interrupted),
     queues their parameters again (WAITING), writes the summary and exits with 128 + the signal number."""
@@ -407,7 +407,7 @@ def test_joblib_runs_two_jobs_at_once_and_a_signal_stops_both_with_their_checkpo
     marks.mkdir()
     joblib = ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "hydra.sweeper.n_jobs=2", "hydra.sweeper.n_trials=2"]
     proc = _start(tmp_path, *SWEEP, f"hydra.sweep.dir={sweep}", *joblib, TINY_STEP_SLEEP="0.5", TINY_MARK=str(marks))
-    _stopped_batch(sweep, marks, proc, signum, tmp_path)
+    _stopped_batch(sweep, marks, proc, signum)
     threads = max(1, len(os.sched_getaffinity(0)) // 2)  # the cores this process (and the sweep) may run on
     assert [(marks / f"{j}.started").read_text().split()[0] for j in "01"] == [str(threads)] * 2
     if signum == signal.SIGTERM:
@@ -424,7 +424,7 @@ def test_submitit_local_runs_the_jobs_as_its_own_processes_and_sigint_stops_them
     proc = _start(tmp_path, *SWEEP, f"hydra.sweep.dir={sweep}", "hydra/launcher=submitit_local",
                   "hydra.sweeper.n_jobs=2", "hydra.sweeper.n_trials=2", TINY_STEP_SLEEP="0.5",
                   TINY_MARK=str(marks))  # fmt: skip
-    _stopped_batch(sweep, marks, proc, signal.SIGINT, tmp_path)
+    _stopped_batch(sweep, marks, proc, signal.SIGINT)
     _retries_continue(sweep, marks, tmp_path)
     assert len(list((sweep / ".submitit").glob("*/*_result.pkl"))) == 4
 
