@@ -14,11 +14,10 @@ import shutil
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: conftest's Factory
-
-from conftest import Factory  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: tests.support's Factory
 
 import hflight  # noqa: E402
+from tests.support import Factory  # noqa: E402
 
 
 def digest(folder: Path) -> str:
