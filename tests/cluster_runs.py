@@ -1,24 +1,18 @@
 """Shared by the cluster tests (``test_elastic.py``, ``test_slurm.py``): the commands' tiny sizes, starting and
-ending a job (its whole process session is killed on a timeout: nothing may hang), what a run leaves that an
-interruption must not change, and one uninterrupted torchrun job (1 node x 2 processes) every cluster run is
-compared with, started once per session."""
+ending a job through ``tests/launch.py`` (its whole process session is killed on a timeout: nothing may hang), what a
+run leaves that an interruption must not change, and one uninterrupted torchrun job (1 node x 2 processes) every
+cluster run is compared with, started once per session."""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from . import readme
-from .test_cli import TINY
-from .test_readme_commands import _environment, fresh_clone
+from . import launch, readme
+from .support import TINY, clone_environment, fresh_clone
 
-JOBS = Path(__file__).parent / "jobs"
-TORCHRUN = Path(sys.executable).with_name("torchrun")
 COMMANDS = [step.text for text in readme.documents().values() for step in readme.steps(text, "")]
 #: docs/hydra.md's torchrun commands that restart workers.
 ELASTIC = next(c for c in COMMANDS if c.startswith("torchrun --standalone") and "--max-restarts" in c)
@@ -28,26 +22,21 @@ TWO_NODES = next(c for c in COMMANDS if c.startswith("torchrun --nnodes=2 --npro
 SIZES = [o for o in TINY if o != "+experiment=mrc"] + ["args.logging_steps=3", "args.per_device_train_batch_size=2"]
 
 
-def start(argv: list[str], cwd: Path, **env: str) -> subprocess.Popen:
-    """``argv`` in ``cwd``, with the repository's sources and ``tests/jobs`` importable, one thread per process, no
-    launcher variables of this process's own; ``env`` added."""
-    base = {k: v for k, v in _environment(cwd).items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))}
-    base.update(PYTHONPATH=os.pathsep.join([base["PYTHONPATH"], str(JOBS)]), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    base.update(env)
-    return subprocess.Popen(argv, cwd=cwd, env=base, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
-
-
-def finish(process: subprocess.Popen, timeout: float = 420) -> tuple[int, str]:
-    """Exit status and output; on a timeout the job's whole session (launcher and workers) is killed and the test
+def start(argv: list[str], cwd: Path, name: str, timeout: float = 420, **env: str) -> launch.Job:
+    """``argv`` in ``cwd`` (a copy of the repository, or a submit folder), with its sources and ``tests/jobs``
+    importable, one thread per process, no launcher variables of this process's own; ``env`` added. Its output is kept
+    in ``cwd/<name>.console.txt``; on a timeout its whole session (launcher and workers) is killed and the test
     fails."""
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        raise AssertionError(f"the job did not end within {timeout} s:\n{output[-4000:]}") from None
-    return process.returncode, output
+    base = {k: v for k, v in clone_environment(cwd).items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+    base["PYTHONPATH"] = os.pathsep.join([base["PYTHONPATH"], str(launch.JOBS)])
+    env = launch.environment(src=cwd / "src", base=base, **env)
+    return launch.Job(argv, cwd, env, console=cwd / f"{name}.console.txt", timeout=timeout, name=name)
+
+
+def finish(job: launch.Job) -> tuple[int, str]:
+    """Exit status and output, once the job ended (its whole session killed then)."""
+    ended = job.wait()
+    return ended.returncode, ended.output
 
 
 def outcome(run_dir: Path) -> dict:
@@ -68,7 +57,7 @@ def torchrun_argv(command: str, run_dir: str, *extra: str, port: int | None = No
     ``port``, :data:`SIZES` and ``extra`` appended."""
     tokens = command.replace("$HEAD_NODE:29400", f"127.0.0.1:{port}").split()
     tokens = [f"hydra.run.dir={run_dir}" if t.startswith("hydra.run.dir=") else t for t in tokens]
-    return [str(TORCHRUN), *tokens[1:], *SIZES, *extra]
+    return [str(launch.TORCHRUN), *tokens[1:], *SIZES, *extra]
 
 
 class Reference:
@@ -79,7 +68,7 @@ class Reference:
 
     def __init__(self) -> None:
         self.cwd = fresh_clone(Path(tempfile.mkdtemp(prefix="hflight-reference-")) / "hflight")
-        self.process = start(torchrun_argv(ELASTIC, "outputs/reference"), self.cwd)
+        self.job = start(torchrun_argv(ELASTIC, "outputs/reference"), self.cwd, "reference")
         self.ended: tuple[int, str] | None = None
 
     @classmethod
@@ -90,7 +79,7 @@ class Reference:
 
     def outcome(self) -> dict:
         if self.ended is None:
-            self.ended = finish(self.process)
+            self.ended = finish(self.job)
         code, output = self.ended
         assert code == 0, f"the reference job failed:\n{output[-4000:]}"
         return outcome(self.cwd / "outputs" / "reference")

@@ -1,4 +1,5 @@
-"""Shared fixtures: real public QA data from ../shared/data (skipped when absent)."""
+"""Shared fixtures: real public QA data from ../shared/data (skipped when absent), the tiny models' builder
+(:class:`tests.support.Factory`), the torch threads and signal handlers each test starts with."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import signal
 from pathlib import Path
 
 import pytest
+
+from .support import Factory
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -57,128 +60,23 @@ def shared_data() -> Path:
     return SHARED_DATA
 
 
-# ---- tiny models and data built locally (no downloads) --------------------------------------------------------
-class Factory:
-    """Builds tiny BERT models from configs and small random datasets, deterministically."""
-
-    VOCAB = 100
-    #: Arguments of short runs compared between transformers.Trainer and hflight.Trainer (one log entry per step).
-    PAIR_ARGS = dict(
-        per_device_train_batch_size=4,
-        per_device_eval_batch_size=8,
-        num_train_epochs=1,
-        learning_rate=1e-3,
-        logging_steps=1,
-        train_sampling_strategy="sequential",
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=0,
-    )
-
-    @staticmethod
-    def pair_args(**overrides):
-        """:attr:`PAIR_ARGS` with ``overrides``."""
-        return {**Factory.PAIR_ARGS, **overrides}
-
-    @staticmethod
-    def config(dropout: float = 0.0, **overrides):
-        from transformers import BertConfig
-
-        values = dict(
-            vocab_size=Factory.VOCAB,
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            intermediate_size=64,
-            max_position_embeddings=64,
-            hidden_dropout_prob=dropout,
-            attention_probs_dropout_prob=dropout,
-        )
-        values.update(overrides)
-        return BertConfig(**values)
-
-    @staticmethod
-    def qa_model(seed: int = 0, dropout: float = 0.0):
-        import torch
-        from transformers import BertForQuestionAnswering
-
-        torch.manual_seed(seed)
-        return BertForQuestionAnswering(Factory.config(dropout))
-
-    @staticmethod
-    def cls_model(seed: int = 0, num_labels: int = 3, dropout: float = 0.0):
-        import torch
-        from transformers import BertForSequenceClassification
-
-        torch.manual_seed(seed)
-        return BertForSequenceClassification(Factory.config(dropout, num_labels=num_labels))
-
-    @staticmethod
-    def qa_dataset(n: int = 40, length: int = 24, seed: int = 0, extra_columns: bool = False):
-        import datasets
-        import numpy as np
-
-        rng = np.random.default_rng(seed)
-        ids = rng.integers(5, Factory.VOCAB, size=(n, length))
-        start = rng.integers(1, length - 4, size=n)
-        end = start + rng.integers(0, 3, size=n)
-        columns = {
-            "input_ids": ids.tolist(),
-            "attention_mask": np.ones((n, length), dtype=int).tolist(),
-            "start_positions": start.tolist(),
-            "end_positions": end.tolist(),
-        }
-        if extra_columns:
-            columns["example_id"] = [f"q{i}" for i in range(n)]
-        return datasets.Dataset.from_dict(columns)
-
-    @staticmethod
-    def cls_dataset(n: int = 48, length: int = 16, seed: int = 0, num_labels: int = 3):
-        import datasets
-        import numpy as np
-
-        rng = np.random.default_rng(seed)
-        ids = rng.integers(5, Factory.VOCAB, size=(n, length))
-        labels = (ids[:, 0] % num_labels).tolist()  # learnable: the label is a function of the first token
-        return datasets.Dataset.from_dict(
-            {"input_ids": ids.tolist(), "attention_mask": np.ones((n, length), dtype=int).tolist(), "labels": labels}
-        )
-
-    @staticmethod
-    def run_qa_inputs(root: Path, dropout: float) -> dict[str, Path]:
-        """What a script written as run_qa.py reads: synthetic SQuAD train/validation files as flat records under
-        "data" (``load_dataset("json", field="data")``), and a tiny BERT QA model saved with a locally trained
-        tokenizer in ``root/"model"`` (loaded with ``from_pretrained``). Paths under "train", "validation", "model"."""
-        import json
-
-        import torch
-        from transformers import BertForQuestionAnswering
-
-        from hflight.qa import load_squad_json
-        from hflight.qa.synthetic import generate_squad
-        from hflight.qa.tokenizer import train_wordpiece_tokenizer
-
-        train, validation = generate_squad(
-            num_train_articles=8, num_validation_articles=3, paragraphs_per_article=3, seed=3
-        )
-        paths = {}
-        for name, squad in (("train", train), ("validation", validation)):
-            nested = root / f"{name}-squad.json"
-            nested.write_text(json.dumps(squad), encoding="utf-8")
-            paths[name] = root / f"{name}.json"
-            paths[name].write_text(json.dumps({"data": load_squad_json(nested).to_list()}), encoding="utf-8")
-        texts = [p["context"] for a in train["data"] for p in a["paragraphs"]]
-        texts += [q["question"] for a in train["data"] for p in a["paragraphs"] for q in p["qas"]]
-        tokenizer = train_wordpiece_tokenizer(texts, root / "tokenizer", vocab_size=600)
-        torch.manual_seed(0)
-        config = Factory.config(dropout, vocab_size=len(tokenizer), max_position_embeddings=128)
-        paths["model"] = root / "model"
-        BertForQuestionAnswering(config).save_pretrained(paths["model"])
-        tokenizer.save_pretrained(paths["model"])
-        return paths
-
-
 @pytest.fixture(scope="session")  # a stateless class: module-scoped fixtures use it too
 def factory() -> type[Factory]:
     return Factory
+
+
+# ---- the checkpoint tests' runs (tests/checkpoint_runs.py), built once per test process --------------------------
+@pytest.fixture
+def reference(tmp_path_factory, factory):
+    """The uninterrupted 12-step run of the checkpoint tests."""
+    from .checkpoint_runs import reference_run
+
+    return reference_run(tmp_path_factory, factory)
+
+
+@pytest.fixture
+def saved(tmp_path_factory, factory) -> Path:
+    """A run stopped at step 6 with checkpoints at steps 3 and 6 (tests that change them work on copies)."""
+    from .checkpoint_runs import saved_run
+
+    return saved_run(tmp_path_factory, factory)

@@ -4,27 +4,29 @@ the two output folders number for number."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
+import random
 import re
 import shutil
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from . import launch, seq2seq_data
+
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = launch.REPO_ROOT
 TIMINGS = ("_runtime", "_samples_per_second", "_steps_per_second")
 # hflight's own addition to every checkpoint folder (README "Checkpoints you can trust").
 HFLIGHT_ONLY = {"checkpoint_manifest.json"}
 
 
 #: how transformers users start several processes: the script under torchrun, nothing else named
-TORCHRUN_2 = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node=2"]
+TORCHRUN_2 = launch.torchrun(2)
+#: the one line of an example script that names transformers' Trainer, and what a user changes it to
+ORIGINAL_IMPORT = "from transformers import Trainer\n"
+CHANGED_IMPORT = "from hflight import Trainer\n"
 
 
 class Job:
@@ -45,20 +47,12 @@ class Job:
             script.write_text(source.replace(original, changed), encoding="utf-8")
         command = [*(launcher or [sys.executable]), script.name, *args, "--output_dir", str(folder / "out"),
                    "--seed", "0", "--report_to", "none", "--disable_tqdm", "true"]  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, [*path, REPO_ROOT / "src"])), "HF_HUB_OFFLINE": "1",
-               "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}  # fmt: skip
         self.folder = folder
-        self.process = subprocess.Popen(command, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        text=True, start_new_session=True)  # fmt: skip
+        self.job = launch.Job(command, folder, launch.environment(*path, **(env or {})), merge=False)
 
     def out(self) -> Path:
-        try:
-            stdout, stderr = self.process.communicate(timeout=600)
-        finally:  # a hung job (ranks disagreeing on a collective): its whole session goes
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-        (self.folder / "console.txt").write_text(stdout + stderr, encoding="utf-8")
-        assert self.process.returncode == 0, f"{self.folder.name} failed:\n{stdout[-3000:]}\n{stderr[-5000:]}"
+        """The output folder, once the job exited 0 (its output kept in ``console.txt``)."""
+        self.job.ok()
         return self.folder / "out"
 
 
@@ -84,6 +78,64 @@ def crossed(job, root: Path, args: list[str], outs: dict[str, Path], checkpoint:
                                            [*args, "--resume_from_checkpoint", str(outs[other] / checkpoint)])
             for library, other in (("hflight", "transformers"), ("transformers", "hflight"))}  # fmt: skip
     return {name: started.out() for name, started in jobs.items()}
+
+
+def clm_inputs(root: Path) -> dict[str, Path]:
+    """What run_clm.py reads: text files of random word sentences and a tiny GPT-2 (dropout 0.1) saved with the
+    WordPiece tokenizer."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    root.mkdir(parents=True)
+    rng = random.Random(11)
+    paths = {}
+    for name, lines in (("train", 50), ("validation", 16)):
+        text = "\n".join(" ".join(rng.choice(seq2seq_data.WORDS) for _ in range(rng.randint(4, 10)))
+                         for _ in range(lines))  # fmt: skip
+        paths[name] = root / f"{name}.txt"
+        paths[name].write_text(text + "\n", encoding="utf-8")
+    tokenizer = seq2seq_data.tokenizer(root / "tokenizer")
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2, n_positions=64,
+                        bos_token_id=2, eos_token_id=3, pad_token_id=0)  # fmt: skip
+    paths["model"] = root / "model"
+    GPT2LMHeadModel(config).save_pretrained(paths["model"])
+    tokenizer.save_pretrained(paths["model"])
+    return paths
+
+
+def _glue_records(n: int, seed: int) -> list[dict]:
+    """Sentence pairs of 3-8 random words, labelled "same" when they start with the same word, else "different"."""
+    rng = random.Random(seed)
+    words = seq2seq_data.WORDS
+    records = []
+    for _ in range(n):
+        first = [rng.choice(words) for _ in range(rng.randint(3, 8))]
+        second = [rng.choice(words) for _ in range(rng.randint(3, 8))]
+        if rng.random() < 0.5:
+            second[0] = first[0]
+        label = "same" if first[0] == second[0] else "different"
+        records.append({"sentence1": " ".join(first), "sentence2": " ".join(second), "label": label})
+    return records
+
+
+def glue_inputs(root: Path) -> dict[str, Path]:
+    """What run_glue.py reads: sentence-pair files (train, validation, test) and a tiny BERT classifier saved with
+    the WordPiece tokenizer."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    root.mkdir(parents=True)
+    paths = {name: seq2seq_data.write_jsonl(root / f"{name}.json", _glue_records(n, seed))
+             for name, n, seed in (("train", 40, 1), ("validation", 16, 2), ("test", 16, 3))}  # fmt: skip
+    tokenizer = seq2seq_data.tokenizer(root / "tokenizer")
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=64, num_labels=2)  # fmt: skip
+    paths["model"] = root / "model"
+    BertForSequenceClassification(config).save_pretrained(paths["model"])
+    tokenizer.save_pretrained(paths["model"])
+    return paths
 
 
 def read_json(path: Path) -> dict:

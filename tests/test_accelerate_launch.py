@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -34,8 +33,7 @@ import hflight
 from hflight.arguments import cluster, launcher_env
 from hflight.arguments.launcher_env import LauncherEnvironmentError
 
-from . import dropin
-from . import test_run_clm_dropin as clm
+from . import dropin, launch
 
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
 DEEPSPEED = str(Path(sys.executable).with_name("deepspeed"))
@@ -452,18 +450,12 @@ ARGS = [
 ]  # fmt: skip
 
 
-def _free_port() -> str:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return str(probe.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory) -> dict[str, dict[str, Path | AssertionError]]:
     """Every launch at once, one thread per process: name -> {"transformers": output folder, "hflight": ...}, or the
     failure of a job that did not finish (each test then fails on its own jobs: :func:`outputs`)."""
     root = tmp_path_factory.mktemp("accelerate_launch")
-    inputs, configs = clm._inputs(root / "inputs"), write_configs(root / "configs")
+    inputs, configs = dropin.clm_inputs(root / "inputs"), write_configs(root / "configs")
     args = ["--model_name_or_path", str(inputs["model"]), "--train_file", str(inputs["train"]),
             "--validation_file", str(inputs["validation"]), *ARGS]  # fmt: skip
     env = {"HF_HOME": str(root / "hf_home")}  # no accelerate config of the user's: only the command's
@@ -476,12 +468,12 @@ def launches(tmp_path_factory) -> dict[str, dict[str, Path | AssertionError]]:
             # transformers on this CPU: --use_cpu for its processes to train together, the stand-in for FSDP
             extra = ["--use_cpu"] if library == "transformers" and name != "bf16" else []
             path = [FSDP_STANDIN] if library == "transformers" and name == "fsdp2" else []
-            jobs[name, library] = dropin.Job(root / name / library, "run_clm", clm.ORIGINAL_IMPORT,
-                                             None if library == "transformers" else clm.CHANGED_IMPORT,
+            jobs[name, library] = dropin.Job(root / name / library, "run_clm", dropin.ORIGINAL_IMPORT,
+                                             None if library == "transformers" else dropin.CHANGED_IMPORT,
                                              [*args, *extra], launcher=launcher, path=path, env=env)  # fmt: skip
-    deepspeed = [DEEPSPEED, "--num_gpus", "2", "--master_port", _free_port()]
+    deepspeed = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(launch.free_port())]
     jobs["deepspeed_launcher", "hflight"] = dropin.Job(
-        root / "deepspeed_launcher" / "hflight", "run_clm", clm.ORIGINAL_IMPORT, clm.CHANGED_IMPORT,
+        root / "deepspeed_launcher" / "hflight", "run_clm", dropin.ORIGINAL_IMPORT, dropin.CHANGED_IMPORT,
         [*args, "--deepspeed", str(configs["zero2"])], launcher=deepspeed, env=env)  # fmt: skip
     outs: dict[str, dict[str, Path | AssertionError]] = {}
     for (name, library), job in jobs.items():

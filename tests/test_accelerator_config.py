@@ -15,9 +15,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-import os
-import signal
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -34,7 +31,7 @@ accelerate = pytest.importorskip("accelerate")
 from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard, SeedableRandomSampler  # noqa: E402
 from accelerate.state import AcceleratorState  # noqa: E402
 
-from . import dropin  # noqa: E402
+from . import launch  # noqa: E402
 from .sync_records import SyncRecorder  # noqa: E402
 
 JOB = Path(__file__).parent / "jobs" / "accelcfg_job.py"
@@ -171,7 +168,7 @@ def test_uneven_batches_that_would_hang_the_processes_are_refused_naming_the_set
 # ---- input forms and errors, as transformers' TrainingArguments -------------------------------------------------
 def _trainers(model=None, **kwargs):
     """transformers' Trainer and hflight's on :func:`_both`'s arguments (a tiny BERT classifier by default)."""
-    from .conftest import Factory
+    from .support import Factory
 
     return [cls(model() if model else Factory.cls_model(), args, train_dataset=Factory.cls_dataset(8))
             for cls, args in zip((transformers.Trainer, hflight.Trainer), _both(**kwargs))]  # fmt: skip
@@ -404,18 +401,10 @@ def test_micro_batches_synchronise_as_sync_each_batch_says():
 def runs(tmp_path_factory) -> Path:
     """Both torchrun jobs at once (two processes each, one thread per process)."""
     root = tmp_path_factory.mktemp("accelcfg")
-    env = {**os.environ, "PYTHONPATH": str(dropin.REPO_ROOT / "src"), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    jobs = {library: subprocess.Popen([*dropin.TORCHRUN_2, str(JOB), str(root), library], cwd=root, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      start_new_session=True)
+    jobs = {library: launch.Job([*launch.torchrun(2), JOB, root, library], root,
+                                console=root / f"{library}.console.txt", timeout=480, name=library)
             for library in ("transformers", "hflight")}  # fmt: skip
-    for library, job in jobs.items():
-        try:
-            output, _ = job.communicate(timeout=480)
-        finally:  # a hung job (ranks disagreeing on a collective): its whole session goes
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(job.pid, signal.SIGKILL)
-        assert job.returncode == 0, f"{library}:\n{output[-5000:]}"
+    launch.all_ok(jobs)  # a hung job (ranks disagreeing on a collective): its whole session goes
     return root
 
 

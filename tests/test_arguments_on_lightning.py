@@ -168,7 +168,7 @@ _COMPILE_JOB = """
 import json, sys
 import torch, torch._dynamo
 sys.path.insert(0, sys.argv[2])
-from conftest import Factory
+from support import Factory
 import hflight
 
 result = {}

@@ -19,36 +19,9 @@ from hflight import cli
 from hflight.checkpoints.manifest import verify_checkpoint
 from hflight.config import compose
 
+from .support import RESULT_FILES, TINY
+
 REPO = Path(__file__).resolve().parents[1]
-
-# Small enough to run in seconds, large enough to exercise every stage (2 epochs: evaluation and a checkpoint each).
-TINY = [
-    "+experiment=mrc",
-    "data.synthetic.num_train_articles=3",
-    "data.synthetic.num_validation_articles=1",
-    "data.synthetic.paragraphs_per_article=2",
-    "model.tokenizer_trainer.vocab_size=300",
-    "model.config.hidden_size=32",
-    "model.config.intermediate_size=64",
-    "model.config.max_position_embeddings=128",
-    "args.num_train_epochs=2",
-    "args.per_device_train_batch_size=8",
-    "args.logging_steps=2",
-    "args.disable_tqdm=true",
-    "args.dataloader_pin_memory=false",
-    # one thread: CI's 2 cores are shared with the other test processes (torch's default would take both)
-    "cpu_threads=1",
-]
-
-RESULT_FILES = (
-    "all_results.json",
-    "train_results.json",
-    "eval_results.json",
-    "trainer_state.json",
-    "eval_predictions.json",
-    "eval_nbest_predictions.json",
-    "model.safetensors",
-)
 
 
 def _run(

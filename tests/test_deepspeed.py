@@ -24,7 +24,6 @@ from hflight.arguments import lightning_kwargs
 from hflight.arguments import strategies as strategy_settings
 
 from . import dropin
-from . import test_run_clm_dropin as clm
 
 ZERO2 = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
          "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}  # fmt: skip
@@ -37,14 +36,14 @@ ARGS = [
 
 
 def _job(folder: Path, library: str, args: list[str]) -> dropin.Job:
-    changed = None if library == "transformers" else clm.CHANGED_IMPORT
-    return dropin.Job(folder, "run_clm", clm.ORIGINAL_IMPORT, changed, args, launcher=dropin.TORCHRUN_2)
+    changed = None if library == "transformers" else dropin.CHANGED_IMPORT
+    return dropin.Job(folder, "run_clm", dropin.ORIGINAL_IMPORT, changed, args, launcher=dropin.TORCHRUN_2)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("deepspeed")
-    inputs = clm._inputs(root / "inputs")
+    inputs = dropin.clm_inputs(root / "inputs")
     config = root / "ds_config.json"
     config.write_text(json.dumps(ZERO2))
     args = ["--model_name_or_path", str(inputs["model"]), "--train_file", str(inputs["train"]),

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,20 +17,15 @@ import hflight
 from hflight.run import distributed
 from hflight.run.datamodule import ShardedBatchSampler, shard_loader
 
+from . import launch
+
 JOB = Path(__file__).parent / "jobs" / "ddp_job.py"
 
 
 def run_job(out: Path, devices: int, batch_size: int, *extra: str) -> dict:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, str(JOB), str(out), "--devices", str(devices), "--batch-size", str(batch_size), *extra]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=out,
-                               start_new_session=True)  # fmt: skip
-    try:
-        _, stderr = process.communicate(timeout=300)
-    finally:  # a hung job (ranks disagreeing on a collective): rank 1, launched by rank 0, is killed with it
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-    assert process.returncode == 0, stderr[-4000:]
+    """tests/jobs/ddp_job.py in ``out`` (rank 1, launched by rank 0, is in its session: killed with it if it hangs)."""
+    command = [sys.executable, JOB, out, "--devices", devices, "--batch-size", batch_size, *extra]
+    launch.Job(command, out, merge=False, console=out.parent / f"{out.name}.console.txt", timeout=300).ok()
     return json.loads((out / "result.json").read_text())
 
 
@@ -208,20 +200,16 @@ def test_gather_concatenates_nested_tensors_in_rank_order():
 
 
 @pytest.mark.subprocess
+@launch.needs_torchrun
 def test_average_tokens_across_devices_logs_as_transformers_under_torchrun(tmp_path):
     """The same script under ``torchrun --nproc_per_node 2`` with transformers' Trainer and with hflight's: a model
     whose forward takes ``**kwargs`` gets its loss multiplied by the world size (average_tokens_across_devices), and
     the logged losses and gradient norms are transformers'."""
-    torchrun = Path(sys.executable).with_name("torchrun")
-    if not torchrun.exists():
-        pytest.skip("torchrun is not installed beside this Python")
-    job = Path(__file__).parent / "jobs" / "tokens_job.py"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    job = launch.JOBS / "tokens_job.py"
     logs = {}
-    for port, impl in ((29531, "hf"), (29532, "hl")):
-        command = [str(torchrun), "--nproc_per_node", "2", "--master_port", str(port), str(job), str(tmp_path), impl]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
-        assert done.returncode == 0, done.stderr[-4000:]
+    for impl in ("hf", "hl"):
+        command = [*launch.torchrun(2, standalone=False), job, tmp_path, impl]
+        launch.Job(command, tmp_path, merge=False, console=tmp_path / f"{impl}.console.txt", timeout=300).ok()
         history = json.loads((tmp_path / f"{impl}.json").read_text())
         logs[impl] = [(e["step"], e["loss"], e["grad_norm"], e["learning_rate"]) for e in history if "loss" in e]
     assert [s for s, *_ in logs["hl"]] == [s for s, *_ in logs["hf"]] == [1, 2, 3]

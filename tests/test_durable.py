@@ -30,8 +30,8 @@ from hflight import durable
 from hflight.checkpoints import asynchronous, folders, job, torch_file
 from hflight.checkpoints.manifest import Checksums, get_last_checkpoint, verify_checkpoint
 
+from .checkpoint_runs import make_trainer
 from .durability import CHECKPOINT, Recorder, violations
-from .test_checkpoint import make_trainer
 
 
 def _run_recorded(tmp_path, factory, monkeypatch, **overrides) -> tuple[Recorder, hflight.Trainer]:
@@ -161,7 +161,7 @@ def test_a_checkpoint_uses_the_threads_it_needs(tmp_path, factory, monkeypatch, 
 
 def test_the_replay_finds_what_transformers_trainer_leaves(tmp_path, factory, monkeypatch):
     """The same run and calls with transformers' Trainer: published nothing durable (the check can fail)."""
-    from .conftest import Factory
+    from .support import Factory
 
     out = tmp_path / "hf"
     recorder = Recorder(out)

@@ -10,23 +10,17 @@ the last checkpoint, which is then never used. Both are compared with the same c
 from __future__ import annotations
 
 import csv
-import socket
 
 import pytest
 
-from .cluster_runs import ELASTIC, TORCHRUN, TWO_NODES, Reference, finish, outcome, start, torchrun_argv
-from .test_readme_commands import fresh_clone
+from . import launch
+from .cluster_runs import ELASTIC, TWO_NODES, Reference, finish, outcome, start, torchrun_argv
+from .support import fresh_clone
 
 FAULT = ["+callbacks.fault._target_=cluster_faults.SignalAt", "+callbacks.fault.signal=SIGKILL",
          "+callbacks.fault.target=self"]  # fmt: skip
 
-pytestmark = pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed beside this Python")
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+pytestmark = launch.needs_torchrun
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +30,14 @@ def runs(tmp_path_factory) -> dict:
     reference = Reference.get()
     root = tmp_path_factory.mktemp("elastic")
     one, nodes = fresh_clone(root / "one"), [fresh_clone(root / f"node{n}") for n in range(2)]
-    port = _free_port()
+    port = launch.free_port()
     killed = [*FAULT, "+callbacks.fault.step=9", "+callbacks.fault.rank=1"]
     writing = [*FAULT, "+callbacks.fault.step=14", "+callbacks.fault.rank=0", "+callbacks.fault.moment=writing"]
     started = {
-        "killed": [start(torchrun_argv(ELASTIC, "outputs/killed", *killed), one)],
-        "two_nodes": [start(torchrun_argv(TWO_NODES, "outputs/two_nodes", *writing, port=port), n) for n in nodes],
+        "killed": [start(torchrun_argv(ELASTIC, "outputs/killed", *killed), one, "killed")],
+        "two_nodes": [
+            start(torchrun_argv(TWO_NODES, "outputs/two_nodes", *writing, port=port), n, "two_nodes") for n in nodes
+        ],
     }
     ended = {name: [finish(p) for p in processes] for name, processes in started.items()}
     return {"one": one, "nodes": nodes, "reference": reference.outcome(), **ended}

@@ -1,31 +1,30 @@
 """Field by field (issue 24, point 1): transformers.TrainingArguments' fields, each set to a plausible non-default
 value, run with transformers' Trainer and with hflight's on the same model and data (train, evaluate, predict), and
-compared bit for bit: the logged numbers and keys, the metrics, the predictions, and the files written, by name and
-by content (see :func:`_content`: timings aside, each side's own folder named alike, hflight's own additions left
-out). A swept field must change what the run shows (against hflight's run with every field at its default), or be
-listed in :data:`NOT_OBSERVABLE` with the reason it shows nothing in this setting: it runs, but is not counted as
-compared. Fields this machine cannot run are listed in :data:`NOT_RUNNABLE` with the reason; fields with a test of
-their own elsewhere in :data:`TESTED_ELSEWHERE`. A field in none of the three fails
+compared bit for bit: the logged numbers and keys, the metrics, the predictions, and the files written, by name and by
+content (see tests/field_runs.py's :func:`_content`: timings aside, each side's own folder named alike, hflight's own
+additions left out). A swept field must change what the run shows (against hflight's run with every field at its
+default), or be listed in :data:`NOT_OBSERVABLE` with the reason it shows nothing in this setting: it runs, but is not
+counted as compared. Fields this machine cannot run are listed in :data:`NOT_RUNNABLE` with the reason; fields with a
+test of their own elsewhere in :data:`TESTED_ELSEWHERE`. A field in none of the three fails
 :func:`test_every_field_is_swept_or_listed`; docs/coming-from-transformers.md gives the counts
 (:func:`test_the_guide_counts_the_fields_as_this_test_does`)."""
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import pickle
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 import transformers
 
-import hflight
+from . import launch
+from .field_runs import TIMES as _TIMES
+from .field_runs import run_field
 
 #: field -> a plausible non-default value (with what it needs beside it).
 SWEEP: dict[str, dict] = {
@@ -227,94 +226,14 @@ SHARDED_SWEEP: dict[str, dict] = {
 }
 
 
-_TIMES = ("runtime", "per_second")
-
-
-def _files(folder: str) -> dict[str, str]:
-    """Every file the run wrote (relative name -> :func:`_content`), but hflight's own checkpoint manifest and the
-    logging folders of integrations this setting does not use."""
-    found = {}
-    for root, dirs, names in os.walk(folder):
-        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("runs", "lightning_logs")]
-        for name in names:
-            if (not name.startswith(".") or name == ".metadata") and name != "checkpoint_manifest.json":
-                path = os.path.join(root, name)
-                found[os.path.relpath(path, folder)] = _content(path, folder)
-    return dict(sorted(found.items()))
-
-
-def _content(path: str, folder: str) -> str:
-    """A digest of what the file holds, equal on both sides when the contents are: JSON (``trainer_state.json``,
-    ``config.json``) parsed, without timings; ``torch.save`` files (optimizer, scheduler, RNG states, the training
-    arguments) loaded, tensors and arrays by dtype, shape and bytes, the arguments by ``to_dict()``, without hflight's
-    own ``hflight_*`` entries (the RNG file's epoch-start states); anything else (the weights) byte for byte. Each
-    side's output folder is named ``<output_dir>`` (each run writes into its own)."""
-    digest = hashlib.sha256()
-    if path.endswith(".json"):
-        digest.update(json.dumps(_canonical(json.loads(Path(path).read_text()), folder), sort_keys=True).encode())
-    elif path.endswith(".metadata"):  # a distributed checkpoint's index: what it holds, not its ids and paths
-        from hflight.checkpoints.sharded import read_metadata
-
-        entries = read_metadata(Path(path).parent).state_dict_metadata
-        digest.update(repr(sorted((k, repr(v)) for k, v in entries.items())).encode())
-    elif path.endswith((".pt", ".pth", ".bin")):
-        digest.update(repr(_canonical(torch.load(path, weights_only=False), folder)).encode())
-    else:
-        digest.update(Path(path).read_bytes())
-    return digest.hexdigest()
-
-
-def _canonical(value, folder: str):
-    """``value`` as plain, comparable data (see :func:`_content`)."""
-    if isinstance(value, dict):
-        return {str(k): _canonical(v, folder) for k, v in sorted(value.items(), key=lambda item: str(item[0]))
-                if not str(k).startswith("hflight_") and not any(t in str(k) for t in _TIMES)}  # fmt: skip
-    if isinstance(value, (list, tuple)):
-        return [_canonical(v, folder) for v in value]
-    if isinstance(value, str):
-        return value.replace(folder, "<output_dir>")
-    if isinstance(value, torch.Tensor):  # any dtype (bfloat16 has no numpy twin): its bytes
-        data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        return [str(value.dtype), list(value.shape), hashlib.sha256(data).hexdigest()]
-    if isinstance(value, np.ndarray):
-        return [str(value.dtype), list(value.shape), hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()]
-    if isinstance(value, transformers.TrainingArguments):
-        return _canonical(value.to_dict(), folder)
-    if value is None or isinstance(value, (bool, int, float)):
-        return value
-    return repr(value)
-
-
 _LIBRARIES = {"hf": "transformers", "hl": "hflight"}
-
-
-def run_field(library: str, out: str, fields: dict) -> dict:
-    """One side of one field's comparison, run in a process of its own (see :func:`fresh`): train, evaluate and
-    predict with ``library``'s Trainer and arguments, and return what the two sides are compared on."""
-    from tests.conftest import Factory  # the child imports the tests' builders itself
-
-    module = {"transformers": transformers, "hflight": hflight}[library]
-    args = module.TrainingArguments(output_dir=out, **Factory.pair_args(**fields))
-    train, evaluation = Factory.cls_dataset(16), Factory.cls_dataset(8, seed=1)
-    trainer = module.Trainer(Factory.cls_model(), args, train_dataset=train, eval_dataset=evaluation)
-    output = trainer.train()
-    metrics = trainer.evaluate()
-    prediction = trainer.predict(evaluation)
-    return {
-        "pid": os.getpid(),
-        "log_history": trainer.state.log_history,
-        "global_step": output.global_step,
-        "metrics": metrics,
-        "predictions": prediction.predictions,
-        "files": _files(out),
-    }
 
 
 #: what the fork server imports before any run (the libraries' lazy modules included: a child that imported them
 #: itself would spend seconds on each run; transformers' Trainer imports DeepSpeed, when installed, in every run).
 _PRELOAD = [
     "torch", "datasets", "lightning.pytorch", "transformers.trainer", "transformers.models.bert.modeling_bert",
-    "deepspeed", "hflight.trainer", "hflight.run.run", "tests.conftest", "tests.test_field_sweep",
+    "deepspeed", "hflight.trainer", "hflight.run.run", "tests.support", "tests.field_runs",
 ]  # fmt: skip
 
 
@@ -325,7 +244,6 @@ def fresh():
     and numpy's generators, transformers' log level, environment variables a field sets, compiled or patched
     modules), and neither library shares a process with the other, at the cost of a fork rather than an import."""
     import multiprocessing
-    import sys
     from concurrent.futures import ProcessPoolExecutor
 
     root = str(Path(__file__).resolve().parents[1])
@@ -382,22 +300,12 @@ def test_field_as_transformers(field, tmp_path, fresh, default_run):
 _STANDIN = Path(__file__).resolve().parent / "fsdp_standin"
 
 
-def _sharded_side(library: str, root: Path, fields: dict) -> subprocess.Popen:
-    torchrun = str(Path(sys.executable).with_name("torchrun"))
-    job = Path(__file__).resolve().parent / "jobs" / "field_job.py"
-    path = [str(_STANDIN)] if library == "transformers" and "fsdp" in fields else []
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*path, str(Path(__file__).resolve().parents[1] / "src")]),
-           "OMP_NUM_THREADS": "1"}  # fmt: skip
+def _sharded_side(library: str, root: Path, fields: dict) -> launch.Job:
+    path = [_STANDIN] if library == "transformers" and "fsdp" in fields else []
     root.mkdir(parents=True)
-    command = [torchrun, "--standalone", "--nproc_per_node=2", str(job), library, str(root / "out"),
-               json.dumps(fields), str(root / "result.pkl")]  # fmt: skip
-    return subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _sharded_result(process: subprocess.Popen, root: Path) -> dict:
-    output, _ = process.communicate(timeout=420)
-    assert process.returncode == 0, output[-4000:]
-    return pickle.loads((root / "result.pkl").read_bytes())
+    command = [*launch.torchrun(2), launch.JOBS / "field_job.py", library, root / "out", json.dumps(fields),
+               root / "result.pkl"]  # fmt: skip
+    return launch.Job(command, root, launch.environment(*path), timeout=420)
 
 
 @pytest.fixture(scope="module")
@@ -406,7 +314,8 @@ def sharded_runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("sharded_sweep")
     jobs = {(field, library): _sharded_side(library, root / field / library, fields)
             for field, fields in SHARDED_SWEEP.items() for library in ("transformers", "hflight")}  # fmt: skip
-    return {key: _sharded_result(p, root / key[0] / key[1]) for key, p in jobs.items()}
+    launch.all_ok(jobs)
+    return {key: pickle.loads((root / key[0] / key[1] / "result.pkl").read_bytes()) for key in jobs}
 
 
 #: a file each sharded form writes in its checkpoints, which a data-parallel run (the 2-process default) never does

@@ -8,12 +8,9 @@ for W&B's server and agent (tests/wandb_sweep_standin.py; no W&B server is reach
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import json
 import os
-import signal
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -23,8 +20,8 @@ from transformers.hyperparameter_search import default_hp_search_backend
 import hflight
 from hflight.trainer.hpsearch import backend_named
 
-from . import dropin
-from .conftest import Factory
+from . import dropin, launch
+from .support import Factory
 
 optuna = pytest.importorskip("optuna")
 
@@ -291,18 +288,10 @@ def torchrun_searches(tmp_path_factory) -> dict[str, dict[int, dict]]:
     """tests/jobs/hpsearch_job.py under ``torchrun --standalone --nproc_per_node=2``, with transformers' Trainer and
     with hflight's, both at once; each rank's report."""
     root = tmp_path_factory.mktemp("hpsearch_torchrun")
-    env = {**os.environ, "PYTHONPATH": str(dropin.REPO_ROOT / "src"), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    jobs = {impl: subprocess.Popen([*dropin.TORCHRUN_2, str(JOB), str(root), impl], cwd=root, env=env,
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                   start_new_session=True)
+    jobs = {impl: launch.Job([*launch.torchrun(2), JOB, root, impl], root, console=root / f"{impl}.console.txt",
+                             timeout=300, name=impl)
             for impl in ("hf", "hl")}  # fmt: skip
-    for impl, job in jobs.items():
-        try:
-            output, _ = job.communicate(timeout=300)
-        finally:  # a hung job (ranks waiting on each other): its whole session goes
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(job.pid, signal.SIGKILL)
-        assert job.returncode == 0, f"{impl}: {output[-6000:]}"
+    launch.all_ok(jobs)  # a hung job (ranks waiting on each other): its whole session goes
     return {impl: {rank: json.loads((root / f"{impl}-rank{rank}.json").read_text()) for rank in (0, 1)}
             for impl in ("hf", "hl")}  # fmt: skip
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from .test_cli import TINY
+from .support import TINY
 
 REPO = Path(__file__).resolve().parents[1]
 

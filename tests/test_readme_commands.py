@@ -27,9 +27,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from . import readme
-from .test_cli import RESULT_FILES
-from .test_cli import TINY as CLI_TINY
+from . import launch, readme
+from .support import RESULT_FILES, fresh_clone
+from .support import TINY as CLI_TINY
+from .support import clone_environment as _environment
 
 REPO = Path(__file__).resolve().parents[1]
 README_TEXT = readme.README.read_text(encoding="utf-8")
@@ -147,19 +148,6 @@ def test_readme_quickstart_is_examples_quickstart():
 
 
 # ---- running them -------------------------------------------------------------------------------------------------
-def fresh_clone(destination: Path) -> Path:
-    """The repository's files as a fresh clone has them: no outputs, environments or caches."""
-    ignore = shutil.ignore_patterns(".*", "outputs", "multirun", "__pycache__", "*.egg-info", "lightning_logs")
-    shutil.copytree(REPO, destination, ignore=ignore)
-    return destination
-
-
-def _environment(clone: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("HFLIGHT_ROOT", "HFLIGHT_CONFIG_DIR", "HYDRA_FULL_ERROR")}
-    pythonpath = [str(clone / "src"), *filter(None, [env.get("PYTHONPATH")])]
-    return {**env, "PYTHONPATH": os.pathsep.join(pythonpath), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-
-
 def _program(name: str) -> str:
     """``python`` is this interpreter; console scripts are those installed beside it."""
     if name in ("python", "python3"):
@@ -195,7 +183,7 @@ class Ran:
     step: str
     tokens: list[str]
     cwd: Path  # where it ran
-    proc: subprocess.CompletedProcess
+    proc: launch.Ended
     created: set[str]  # what it added to cwd
 
     @property
@@ -260,8 +248,8 @@ def run_step(step: str, tmp_path: Path) -> Ran:
         cwd.mkdir()
     _provide_placeholders(cwd, tokens, clone)
     before = set(os.listdir(cwd))
-    argv = as_written(step)
-    proc = subprocess.run(argv, cwd=cwd, env=_environment(clone), capture_output=True, text=True, timeout=600)
+    argv = as_written(step)  # torchrun's commands too: the whole session goes if it hangs
+    proc = launch.run(argv, cwd, _environment(clone), merge=False, console=tmp_path / "console.txt", name=step)
     return Ran(step, tokens, cwd, proc, set(os.listdir(cwd)) - before)
 
 

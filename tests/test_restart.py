@@ -22,7 +22,8 @@ from hflight.qa import made
 from hflight.qa.synthetic import write_squad_files
 from hflight.qa.tokenizer import squad_texts, train_wordpiece_tokenizer
 
-from .test_cli import TINY
+from . import launch
+from .support import TINY
 
 LAUNCHER_VARIABLES = ("SLURM_", "TORCHELASTIC_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK", "MASTER_")
 
@@ -145,10 +146,11 @@ with output_dir_lock(sys.argv[1], job=sys.argv[2], rank=0):
 
 
 def test_the_writer_lock_tells_a_rank_of_the_same_job_from_a_competing_run(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path), "slurm job 4242"], stdout=subprocess.PIPE,
-                              text=True)  # fmt: skip
+    console = tmp_path.with_name(f"{tmp_path.name}-holder.txt")
+    holder = launch.Job([sys.executable, "-c", HOLD, tmp_path, "slurm job 4242"], tmp_path, console=console,
+                        timeout=120, name="the lock's holder")  # fmt: skip
     try:
-        assert holder.stdout.readline().strip() == "held"
+        assert next(holder.lines()).strip() == "held"
         with pytest.raises(OutputDirInUse) as same, output_dir_lock(tmp_path, job="slurm job 4242", rank=1):
             pass
         assert f"Output folder {tmp_path} is written by rank 0 of this same job (slurm job 4242: process " in str(
@@ -164,7 +166,7 @@ def test_the_writer_lock_tells_a_rank_of_the_same_job_from_a_competing_run(tmp_p
         assert "(slurm job 4242, rank 0)" in str(other.value)
     finally:
         holder.kill()
-        holder.wait()
+        holder.wait()  # its output kept
 
 
 def test_processes_that_would_start_from_different_checkpoints_stop_naming_each(monkeypatch, tmp_path, factory):

@@ -6,46 +6,21 @@ epoch: the same losses, gradient norms, learning rates, accuracy, perplexity and
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
 
-from . import dropin, seq2seq_data
+from . import dropin
 
-ORIGINAL_IMPORT = "from transformers import Trainer\n"
-CHANGED_IMPORT = "from hflight import Trainer\n"
+ORIGINAL_IMPORT, CHANGED_IMPORT = dropin.ORIGINAL_IMPORT, dropin.CHANGED_IMPORT
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
-
-
-def _inputs(root: Path) -> dict[str, Path]:
-    """Text files of random word sentences and a tiny GPT-2 (dropout 0.1) saved with the WordPiece tokenizer."""
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    root.mkdir(parents=True)
-    rng = random.Random(11)
-    paths = {}
-    for name, lines in (("train", 50), ("validation", 16)):
-        text = "\n".join(" ".join(rng.choice(seq2seq_data.WORDS) for _ in range(rng.randint(4, 10)))
-                         for _ in range(lines))  # fmt: skip
-        paths[name] = root / f"{name}.txt"
-        paths[name].write_text(text + "\n", encoding="utf-8")
-    tokenizer = seq2seq_data.tokenizer(root / "tokenizer")
-    torch.manual_seed(0)
-    config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2, n_positions=64,
-                        bos_token_id=2, eos_token_id=3, pad_token_id=0)  # fmt: skip
-    paths["model"] = root / "model"
-    GPT2LMHeadModel(config).save_pretrained(paths["model"])
-    tokenizer.save_pretrained(paths["model"])
-    return paths
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("run_clm")
-    inputs = _inputs(root / "inputs")
+    inputs = dropin.clm_inputs(root / "inputs")
     args = [
         "--model_name_or_path", str(inputs["model"]), "--train_file", str(inputs["train"]),
         "--validation_file", str(inputs["validation"]), "--block_size", "16", "--do_train", "--do_eval",

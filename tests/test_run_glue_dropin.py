@@ -7,55 +7,21 @@ the same accuracy and losses, logged numbers (loss, grad_norm, learning_rate), p
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
 
-from . import dropin, seq2seq_data
+from . import dropin
 
-ORIGINAL_IMPORT = "from transformers import Trainer\n"
-CHANGED_IMPORT = "from hflight import Trainer\n"
+ORIGINAL_IMPORT, CHANGED_IMPORT = dropin.ORIGINAL_IMPORT, dropin.CHANGED_IMPORT
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
-
-
-def _records(n: int, seed: int) -> list[dict]:
-    """Sentence pairs of 3-8 random words, labelled "same" when they start with the same word, else "different"."""
-    rng = random.Random(seed)
-    words = seq2seq_data.WORDS
-    records = []
-    for _ in range(n):
-        first = [rng.choice(words) for _ in range(rng.randint(3, 8))]
-        second = [rng.choice(words) for _ in range(rng.randint(3, 8))]
-        if rng.random() < 0.5:
-            second[0] = first[0]
-        label = "same" if first[0] == second[0] else "different"
-        records.append({"sentence1": " ".join(first), "sentence2": " ".join(second), "label": label})
-    return records
-
-
-def _inputs(root: Path) -> dict[str, Path]:
-    import torch
-    from transformers import BertConfig, BertForSequenceClassification
-
-    root.mkdir(parents=True)
-    paths = {name: seq2seq_data.write_jsonl(root / f"{name}.json", _records(n, seed))
-             for name, n, seed in (("train", 40, 1), ("validation", 16, 2), ("test", 16, 3))}  # fmt: skip
-    tokenizer = seq2seq_data.tokenizer(root / "tokenizer")
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=64, num_labels=2)  # fmt: skip
-    paths["model"] = root / "model"
-    BertForSequenceClassification(config).save_pretrained(paths["model"])
-    tokenizer.save_pretrained(paths["model"])
-    return paths
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("run_glue")
-    inputs = _inputs(root / "inputs")
+    inputs = dropin.glue_inputs(root / "inputs")
     args = [
         "--model_name_or_path", str(inputs["model"]), "--train_file", str(inputs["train"]),
         "--validation_file", str(inputs["validation"]), "--test_file", str(inputs["test"]),

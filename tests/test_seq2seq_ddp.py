@@ -6,28 +6,24 @@ transformers' Seq2SeqTrainer's under torchrun, bit for bit."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-JOB = Path(__file__).parent / "jobs" / "seq2seq_ddp_job.py"
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from . import launch
+
+JOB = launch.JOBS / "seq2seq_ddp_job.py"
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
 
 
 def _run(out: Path, devices: int, torchrun: bool = False) -> dict:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT / "src")}
     if torchrun:  # transformers' own Seq2SeqTrainer, its processes launched by torchrun
-        launcher = [str(Path(sys.executable).with_name("torchrun")), "--nproc_per_node", str(devices)]
-        command = [*launcher, "--master_port", "29541", str(JOB), str(out), "--library", "transformers"]
+        command = [*launch.torchrun(devices, standalone=False), JOB, out, "--library", "transformers"]
     else:  # hflight's: Lightning launches the processes
-        command = [sys.executable, str(JOB), str(out), "--devices", str(devices)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=out)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+        command = [sys.executable, JOB, out, "--devices", devices]
+    launch.Job(command, out, merge=False, console=out.parent / f"{out.name}.console.txt", timeout=300).ok()
     return json.loads((out / "result.json").read_text())
 
 

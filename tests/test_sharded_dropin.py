@@ -22,8 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from . import dropin
-from . import test_run_clm_dropin as clm
+from . import dropin, launch
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
 
@@ -38,20 +37,20 @@ FSDP_CONFIG = '{"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"], "s
 
 
 #: torchrun with one process: FSDP on one rank (transformers' Trainer refuses fsdp without a launcher)
-TORCHRUN_1 = [*dropin.TORCHRUN_2[:-1], "--nproc_per_node=1"]
+TORCHRUN_1 = launch.torchrun(1)
 
 
-def _job(folder: Path, library: str, args: list[str], changed: str = clm.CHANGED_IMPORT,
+def _job(folder: Path, library: str, args: list[str], changed: str = dropin.CHANGED_IMPORT,
          launcher: list[str] = dropin.TORCHRUN_2) -> dropin.Job:  # fmt: skip
     changed = None if library == "transformers" else changed
     path = [STANDIN] if library == "transformers" else []
-    return dropin.Job(folder, "run_clm", clm.ORIGINAL_IMPORT, changed, args, launcher=launcher, path=path)
+    return dropin.Job(folder, "run_clm", dropin.ORIGINAL_IMPORT, changed, args, launcher=launcher, path=path)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("sharded_dropin")
-    inputs = clm._inputs(root / "inputs")
+    inputs = dropin.clm_inputs(root / "inputs")
     base = ["--model_name_or_path", str(inputs["model"]), "--train_file", str(inputs["train"]),
             "--validation_file", str(inputs["validation"]), *ARGS]  # fmt: skip
     sharded = [*base, "--fsdp_config", FSDP_CONFIG % "SHARDED_STATE_DICT"]

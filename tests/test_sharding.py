@@ -17,7 +17,6 @@ import os
 import pickle
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -31,34 +30,25 @@ from hflight.checkpoints.manifest import get_last_checkpoint, read_manifest, ver
 from hflight.checkpoints.sharded import load_dcp, read_full_model, read_metadata, tensor_shapes
 from hflight.sharding import plans
 
-from . import durability
+from . import durability, launch
 
-JOB = Path(__file__).parent / "jobs" / "sharded_job.py"
-REPO_ROOT = Path(__file__).resolve().parents[1]
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+JOB = launch.JOBS / "sharded_job.py"
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
 
 
-def _start(out: Path, processes: int, *options: str, restarts: int = 0, torchrun: bool = False) -> subprocess.Popen:
-    """The job under ``torchrun`` (``processes`` > 1, or ``torchrun``), else in one plain Python process."""
+def _start(out: Path, processes: int, *options: str, restarts: int = 0, torchrun: bool = False) -> launch.Job:
+    """The job under ``torchrun`` (``processes`` > 1, or ``torchrun``), else in one plain Python process; its output
+    kept beside ``out``."""
     out.mkdir(parents=True)
-    launched = [TORCHRUN, "--standalone", f"--nproc_per_node={processes}", f"--max-restarts={restarts}"]
+    launched = launch.torchrun(processes, f"--max-restarts={restarts}")
     launcher = launched if processes > 1 or torchrun else [sys.executable]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "src"), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([*launcher, str(JOB), str(out), *options], cwd=out, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    return launch.Job([*launcher, JOB, out, *options], out, console=out.parent / f"{out.name}.console.txt", timeout=420)
 
 
-def _finish(process: subprocess.Popen) -> str:
-    try:
-        output, _ = process.communicate(timeout=420)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, 9)
-        output, _ = process.communicate()
-        raise AssertionError(f"the job did not end:\n{output[-3000:]}") from None
-    assert process.returncode == 0, output[-5000:]
-    return output
+def _finish(jobs: dict[str, launch.Job]) -> dict[str, str]:
+    """Every job's output, once all ended and exited 0."""
+    return {name: ended.output for name, ended in launch.all_ok(jobs).items()}
 
 
 #: DeepSpeed ZeRO-3 with the Trainer's own optimizer and schedule (transformers' "auto" values), the 16-bit weights
@@ -87,7 +77,7 @@ def jobs(tmp_path_factory) -> dict:
     }
     trained["ZERO3"] = _start(root / "ZERO3", 2, "--deepspeed", str(configs["zero3"]))
     trained["DDP"] = _start(root / "DDP", 2, "--no-fsdp")
-    logs = {form: _finish(p) for form, p in trained.items()}
+    logs = _finish(trained)
     sharded, full = root / "SHARDED_STATE_DICT" / "checkpoint-3", root / "FULL_STATE_DICT" / "checkpoint-3"
     resumed = {
         "sharded_on_1": _start(root / "sharded_on_1", 1, "--resume", str(sharded), "--no-fsdp"),
@@ -114,7 +104,7 @@ def jobs(tmp_path_factory) -> dict:
         "killed_writing": _start(root / "killed_writing", 2, "--auto", "--fault", "SIGKILL,6,0,writing", restarts=1),
         "sigterm": _start(root / "sigterm", 2, "--auto", "--fault", "SIGTERM,5,0,substep", restarts=1),
     }
-    logs.update({name: _finish(p) for name, p in resumed.items()})
+    logs.update(_finish(resumed))
     return {"root": root, "logs": logs, "sharded": sharded, "full": full}
 
 

@@ -8,7 +8,6 @@ with the signal sent from outside and an exact resume, is ``test_resume.py::test
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -21,6 +20,8 @@ import pytest
 import hflight
 from hflight.checkpoints.manifest import get_last_checkpoint, verify_checkpoint
 from hflight.run.interrupt import StopRequest, TrainingInterrupted
+
+from . import launch
 
 
 class SendSignal(hflight.TrainerCallback):
@@ -193,30 +194,25 @@ def stop_ddp_job(out: Path, launcher: str, target: str, exit_delay: float) -> tu
     out.mkdir()
     job = [str(JOBS / "sigterm_ddp_job.py"), str(out), "--exit-delay", str(exit_delay)]
     if launcher == "torchrun":
-        torchrun = Path(sys.executable).with_name("torchrun")
-        job = [str(torchrun), "--nproc_per_node", "2", "--master_port", "29571", *job, "--torchrun"]
+        job = [*launch.torchrun(2, standalone=False), *job, "--torchrun"]
     else:
         job = [sys.executable, *job]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     codes_file = out / "codes.json"
-    wrapper = [sys.executable, str(JOBS / "reap_all.py"), str(codes_file), "150", "--", *job]
-    process = subprocess.Popen(wrapper, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    job_pid, lines = None, []
+    wrapper = launch.Job([sys.executable, JOBS / "reap_all.py", codes_file, "150", "--", *job], out.parent,
+                         console=out.parent / "console.txt", timeout=160, name="reap_all.py")  # fmt: skip
     try:
-        for line in process.stdout:
-            lines.append(line)
-            if line.startswith("job ") and job_pid is None:
-                job_pid = int(line.split()[1])
+        for line in wrapper.lines():
+            if line.startswith("job ") and not wrapper.groups:  # the job's own session: killed with the wrapper
+                wrapper.groups.append(int(line.split()[1]))
             if line.strip() == "step 3":
+                job_pid = wrapper.groups[0]
                 os.killpg(job_pid, signal.SIGTERM) if target == "group" else os.kill(job_pid, signal.SIGTERM)
                 break
-        lines.append(process.communicate(timeout=160)[0])
-    finally:
-        if process.poll() is None:  # the wrapper hung: kill the job's session and the wrapper
-            with contextlib.suppress(OSError):
-                os.killpg(job_pid, signal.SIGKILL)
-            process.kill()
-    return {int(pid): code for pid, code in json.loads(codes_file.read_text()).items()}, "".join(lines)
+    except BaseException:
+        wrapper.kill()
+        raise
+    output = wrapper.wait().output
+    return {int(pid): code for pid, code in json.loads(codes_file.read_text()).items()}, output
 
 
 @pytest.mark.subprocess
@@ -225,7 +221,7 @@ def test_sigterm_to_two_processes_exits_143_everywhere_with_the_checkpoint_compl
     """SIGTERM after step 3 to a 2-process DDP job whose rank 0 takes 6 s to exit (slow exit callbacks): each rank
     finishes the step, both write checkpoint-3 and exit 143. Under Lightning's launcher its child-process monitor
     (every 5 s) SIGKILLed rank 0 (-9) once rank 1 had exited 143; now rank 0 outlives the rank it launched."""
-    if launcher == "torchrun" and not Path(sys.executable).with_name("torchrun").exists():
+    if launcher == "torchrun" and not launch.TORCHRUN.exists():
         pytest.skip("torchrun is not installed beside this Python")
     out = tmp_path / "job"
     codes, output = stop_ddp_job(out, launcher, target, exit_delay=6.0)

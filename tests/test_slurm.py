@@ -15,7 +15,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from hflight.arguments import cluster
 from hflight.checkpoints.manifest import get_last_checkpoint, verify_checkpoint
 from hflight.run.interrupt import StopRequest, TrainingInterrupted
 
+from . import launch
 from .cluster_runs import SIZES, Reference, finish, outcome, start
 
 REPO = Path(__file__).resolve().parents[1]
@@ -307,7 +307,7 @@ def test_the_requeue_signal_before_training_starts_requeues_at_once(monkeypatch,
     from hflight import cli
     from hflight.config import compose
 
-    from .test_cli import TINY
+    from .support import TINY
 
     log = slurm_task(monkeypatch, tmp_path)
     monkeypatch.syspath_prepend(str(Path(__file__).parent / "jobs"))  # the callback's _target_
@@ -420,7 +420,7 @@ def test_auto_starts_fresh_without_a_checkpoint_and_skips_damaged_ones(tmp_path,
 
 
 # ---- the shipped batch script, its srun line run by bash with the stand-ins ---------------------------------------
-def sbatch(cwd: Path, job: str, *extra: str, nodes: int = 1, per_node: int = 2, restarts: int = 0) -> subprocess.Popen:
+def sbatch(cwd: Path, job: str, *extra: str, nodes: int = 1, per_node: int = 2, restarts: int = 0) -> launch.Job:
     """``bash examples/slurm/train.sbatch <sizes> <extra>`` as sbatch runs it, in ``cwd`` (the submit folder): the
     allocation's variables (job ``job``, ``nodes`` x ``per_node`` tasks), stand-in srun and scontrol first on PATH."""
     env = dict(SLURM_JOB_ID=job, SLURM_JOB_NAME="hflight-mrc", SLURM_NNODES=str(nodes),
@@ -429,7 +429,7 @@ def sbatch(cwd: Path, job: str, *extra: str, nodes: int = 1, per_node: int = 2, 
                PATH=os.pathsep.join([str(STANDIN), str(Path(sys.executable).parent), os.environ["PATH"]]))  # fmt: skip
     if restarts:
         env["SLURM_RESTART_COUNT"] = str(restarts)
-    return start(["bash", str(SBATCH), *SIZES, *extra], cwd, **env)
+    return start(["bash", str(SBATCH), *SIZES, *extra], cwd, f"sbatch-{job}-{restarts}", **env)
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,9 @@ facade's private state, one dispatcher fires HF events, and sizes stay small.
   keep transformers' own pattern where they mirror a class that does so).
 - **Sizes.** At most 10 modules directly under ``src/hflight``; every package's ``__init__`` says what the package is
   for and what it may import; ``trainer/facade.py`` has at most 400 lines; no function is longer than 60 lines.
+- **The tests.** No test module (``tests/test_*.py``) imports another test module or ``conftest`` (shared helpers live
+  in support modules: ``tests/support.py``, ``tests/launch.py``, ``tests/dropin.py``, ...); no test or job spells
+  torchrun's path or a fixed port but ``tests/launch.py``, which launches every multi-process job on a free port.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import re
 from pathlib import Path
 
 import pytest
@@ -518,3 +522,83 @@ def test_the_layout_page_lists_the_override_points_of_the_code():
     page = (SRC.parents[1] / "docs" / "layout.md").read_text()
     listed = page.split("<!-- override-points -->")[1].split("<!-- /override-points -->")[0]
     assert sorted(name.strip("`, \n") for name in listed.split(",")) == sorted(OVERRIDE_POINTS)
+
+
+# ---- the tests themselves ----------------------------------------------------------------------------------------
+TESTS = Path(__file__).resolve().parent
+#: the one module that may spell torchrun's path and choose ports
+LAUNCH = "launch.py"
+#: torchrun's path spelled out, and a fixed port given to a launcher or a rendezvous (0 is "any free port"; a
+#: ``MASTER_PORT`` a unit test sets for a launcher's environment to be read launches nothing)
+LAUNCH_SPELLINGS = {
+    "torchrun's path": re.compile(r"""with_name\(\s*["']torchrun["']\s*\)"""),
+    "a fixed port": re.compile(
+        r"""(--master[_-]port|--main[_-]process[_-]port|--rdzv[_-]endpoint)["']?\s*[,= ]?\s*["']?[1-9]\d*\b"""
+        r"""|(127\.0\.0\.1|localhost):[1-9]\d{2,4}\b"""
+        r"""|(?<![\w."'$:])29[4-9]\d\d(?![\w"'])"""  # a number in torch's customary port range, outside a string
+    ),
+}
+
+
+def imported_test_modules(source: str) -> list[str]:
+    """The test modules (``test_*``) and ``conftest`` modules that ``source`` imports, relatively or as
+    ``tests.<name>``, at the top or inside a function, from this folder or a folder of it (``..qa.conftest``)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").split(".")[0] == "tests"):
+            path = node.module.split(".") if node.module else []
+            package = not path or path[-1] == "tests" or (TESTS / path[-1]).is_dir()  # its names may be modules
+            names = [*path, *(alias.name for alias in node.names if package)]
+        elif isinstance(node, ast.Import):
+            names = [part for alias in node.names if alias.name.startswith("tests.") for part in alias.name.split(".")]
+        else:
+            continue
+        found += [name for name in names if name.startswith("test_") or name == "conftest"]
+    return found
+
+
+def launch_spellings(source: str) -> list[str]:
+    """Lines of ``source`` that spell torchrun's path or a fixed port, with what they spell."""
+    return [f"{number}: {what}" for number, line in enumerate(source.splitlines(), 1)
+            for what, pattern in LAUNCH_SPELLINGS.items() if pattern.search(line)]  # fmt: skip
+
+
+def test_no_test_module_imports_another_test_module_or_conftest():
+    found = [f"{path.relative_to(TESTS)} imports {name}" for path in sorted(TESTS.rglob("test_*.py"))
+             for name in imported_test_modules(path.read_text(encoding="utf-8"))]  # fmt: skip
+    assert found == [], f"{found}: move shared helpers into a support module (tests/support.py) or a fixture"
+
+
+def test_only_the_launch_module_spells_torchruns_path_or_a_fixed_port():
+    mine = (LAUNCH, Path(__file__).name)  # the launcher, and the checker's own examples below
+    files = [p for p in sorted([*TESTS.glob("*.py"), *(TESTS / "jobs").glob("*.py")]) if p.name not in mine]
+    found = [f"{path.relative_to(TESTS)}:{line}" for path in files
+             for line in launch_spellings(path.read_text(encoding="utf-8"))]  # fmt: skip
+    assert found == [], f"{found}: launch multi-process jobs through tests/launch.py (torchrun, free_port)"
+
+
+def test_the_test_checkers_find_what_they_must():
+    source = (
+        "from . import dropin, test_cli\nfrom .test_checkpoint import make_trainer\nfrom .conftest import Factory\n"
+        "import tests.test_x\nfrom tests.conftest import Factory\nfrom tests import test_y\n"
+        "def f():\n    from .test_z import Z\nfrom .support import Factory\nfrom . import launch\nimport testsuite\n"
+        "from ..qa.conftest import minilm_tokenizer_dir\nfrom ..qa import conftest\nfrom .dropin import test_like\n"
+    )
+    assert sorted(imported_test_modules(source)) == sorted(
+        ["test_cli", "test_checkpoint", "conftest", "test_x", "conftest", "test_y", "test_z", "conftest", "conftest"]
+    )
+    lines = [
+        'TORCHRUN = Path(sys.executable).with_name("torchrun")',
+        'command = [torchrun, "--master_port", "29531", job]',
+        'command = [torchrun, "--master_port=29541", job]',
+        '["--rdzv_endpoint", "29571"]',
+        'argv = ["--rdzv-endpoint=127.0.0.1:29400"]',
+        '["--main_process_port", "0"]',  # any free port: allowed
+        '[DEEPSPEED, "--master_port", str(launch.free_port())]',
+        'command.replace("$HEAD_NODE:29400", f"127.0.0.1:{port}")',
+        'for port, impl in ((29531, "hf"), (29532, "hl")):',
+    ]
+    assert launch_spellings("\n".join(lines)) == [
+        "1: torchrun's path", "2: a fixed port", "3: a fixed port", "4: a fixed port", "5: a fixed port",
+        "9: a fixed port",
+    ]  # fmt: skip

@@ -46,7 +46,8 @@ from hflight.sweeps.study import (  # noqa: E402
     retry_trial,  # noqa: E402
 )
 
-from .test_cli import TINY  # noqa: E402
+from . import launch  # noqa: E402
+from .support import TINY  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 JOBS = REPO / "tests" / "jobs"
@@ -246,20 +247,16 @@ def _env(**more: str) -> dict[str, str]:
     return {**env, **more}
 
 
-def _start(cwd: Path, *overrides: str, log: str = "sweep.log", **env: str) -> subprocess.Popen:
-    handle = open(cwd / log, "wb")  # noqa: SIM115 - closed with the process
-    return subprocess.Popen(
-        [sys.executable, "-m", "hflight", *overrides], cwd=cwd, env=_env(**env), stdout=handle, stderr=subprocess.STDOUT
-    )
+def _start(cwd: Path, *overrides: str, log: str = "sweep.log", **env: str) -> launch.Job:
+    """``python -m hflight <overrides>`` in ``cwd``, its output in ``cwd/<log>``: the sweeper and the jobs it starts
+    in a session of their own, killed when the test is done with them."""
+    return launch.Job([sys.executable, "-m", "hflight", *overrides], cwd, _env(**env), console=cwd / log, timeout=240,
+                      name=log)  # fmt: skip
 
 
-def _wait(proc: subprocess.Popen, cwd: Path, log: str = "sweep.log", timeout: float = 240) -> str:
-    try:
-        proc.wait(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    return (cwd / log).read_text(errors="replace")
+def _wait(job: launch.Job) -> str:
+    """The sweeper's output once it ended (within 240 s)."""
+    return job.wait().output
 
 
 def _until(condition, timeout: float = 120) -> None:
@@ -312,9 +309,9 @@ def test_a_killed_search_resumes_keeping_its_trials_and_continues_the_killed_tri
     marks.mkdir()
     proc = _start(tmp_path, *SWEEP, f"hydra.sweep.dir={sweep}", "+hydra/sweeper/pruner=median",
                   "hydra.sweeper.pruner.n_startup_trials=1", TINY_STEP_SLEEP="0.4", TINY_MARK=str(marks))  # fmt: skip
-    _until(lambda: (sweep / "2" / "checkpoint-2" / "trainer_state.json").is_file() or proc.poll() is not None)
-    proc.kill()
-    proc.wait()
+    _until(lambda: (sweep / "2" / "checkpoint-2" / "trainer_state.json").is_file() or proc.process.poll() is not None)
+    proc.process.kill()  # the sweeper alone, as before: what it started is left as a SIGKILL leaves it
+    proc.process.wait()
     before = _trials(sweep / "optuna.db")
     assert [t.state for t in before] == [TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING]
     assert _lr(before[1]) == 0.0 and before[1].intermediate_values == {2: pytest.approx(UNINTERRUPTED[0.0])}
@@ -348,8 +345,8 @@ def test_two_sweepers_on_one_storage_share_the_study(tmp_path):
     common = [*SWEEP, "hydra.sweeper.n_trials=6", f"hydra.sweeper.storage='sqlite:///{db}'"]
     procs = [_start(tmp_path, *common, f"hydra.sweep.dir={tmp_path / name}", f"hydra.sweeper.sampler.seed={seed}",
                     log=f"{name}.log") for name, seed in (("a", 1), ("b", 2))]  # fmt: skip
-    logs = [_wait(proc, tmp_path, f"{name}.log") for proc, name in zip(procs, "ab")]
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-2000:] for log in logs)
+    logs = [_wait(proc) for proc in procs]
+    assert [p.process.returncode for p in procs] == [0, 0], "\n".join(log[-2000:] for log in logs)
     trials = _trials(db)
     assert [t.number for t in trials] == list(range(6)) and all(t.state == TrialState.COMPLETE for t in trials)
     folders = [Path(t.user_attrs["hflight:job_dir"]).parent.name for t in trials]
@@ -363,16 +360,17 @@ def test_two_sweepers_on_one_storage_share_the_study(tmp_path):
                 assert math.isclose(results["eval_loss"], trial.value, rel_tol=1e-9)
 
 
-def _stopped_batch(sweep: Path, marks: Path, proc: subprocess.Popen, signum: int, cwd: Path) -> list:
+def _stopped_batch(sweep: Path, marks: Path, job: launch.Job, signum: int) -> list:
     """Sends ``signum`` to the sweeper once both jobs of its batch (2 trials, 2 at a time) have their checkpoint-2:
     each job stops at its next step boundary with a checkpoint, the sweeper marks both trials FAIL (interrupted),
     queues their parameters again (WAITING), writes the summary and exits with 128 + the signal number."""
     both = [sweep / j / "checkpoint-2" / "trainer_state.json" for j in "01"]
+    proc = job.process
     _until(lambda: all(p.is_file() for p in both) or proc.poll() is not None)
     pids = [int((marks / f"{j}.started").read_text().split()[1]) for j in "01"]
     assert proc.pid not in pids and pids[0] != pids[1]  # two job processes
     proc.send_signal(signum)
-    log = _wait(proc, cwd)
+    log = _wait(job)
     name = signal.Signals(signum).name
     assert proc.returncode == 128 + signum, log[-3000:]
     assert "Traceback" not in log and "KeyboardInterrupt" not in log, log[-3000:]
@@ -409,7 +407,7 @@ def test_joblib_runs_two_jobs_at_once_and_a_signal_stops_both_with_their_checkpo
     marks.mkdir()
     joblib = ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "hydra.sweeper.n_jobs=2", "hydra.sweeper.n_trials=2"]
     proc = _start(tmp_path, *SWEEP, f"hydra.sweep.dir={sweep}", *joblib, TINY_STEP_SLEEP="0.5", TINY_MARK=str(marks))
-    _stopped_batch(sweep, marks, proc, signum, tmp_path)
+    _stopped_batch(sweep, marks, proc, signum)
     threads = max(1, len(os.sched_getaffinity(0)) // 2)  # the cores this process (and the sweep) may run on
     assert [(marks / f"{j}.started").read_text().split()[0] for j in "01"] == [str(threads)] * 2
     if signum == signal.SIGTERM:
@@ -426,7 +424,7 @@ def test_submitit_local_runs_the_jobs_as_its_own_processes_and_sigint_stops_them
     proc = _start(tmp_path, *SWEEP, f"hydra.sweep.dir={sweep}", "hydra/launcher=submitit_local",
                   "hydra.sweeper.n_jobs=2", "hydra.sweeper.n_trials=2", TINY_STEP_SLEEP="0.5",
                   TINY_MARK=str(marks))  # fmt: skip
-    _stopped_batch(sweep, marks, proc, signal.SIGINT, tmp_path)
+    _stopped_batch(sweep, marks, proc, signal.SIGINT)
     _retries_continue(sweep, marks, tmp_path)
     assert len(list((sweep / ".submitit").glob("*/*_result.pkl"))) == 4
 
@@ -448,9 +446,9 @@ def test_a_killed_mrc_trial_continues_from_its_checkpoint_with_best_model_tracki
     search = ["+hparams_search=mrc_optuna", "hydra.sweeper.n_trials=1", "hydra.sweeper.heartbeat_interval=1"]
     hold = "+callbacks.pause._target_=signal_callbacks.PauseAfterFirstSave"
     proc = _start(tmp_path, "-m", *MRC_TINY, *search, f"hydra.sweep.dir={sweep}", hold, PAUSE_AFTER_SAVE=str(pause))
-    _until(lambda: (pause / "paused").is_file() or proc.poll() is not None, timeout=240)
-    proc.kill()
-    proc.wait()
+    _until(lambda: (pause / "paused").is_file() or proc.process.poll() is not None, timeout=240)
+    proc.process.kill()  # the sweeper alone, as before
+    proc.process.wait()
     epoch = int((pause / "paused").read_text())  # the steps of one epoch: the first checkpoint's
     assert [t.state for t in _trials(sweep / "optuna.db", "mrc")] == [TrialState.RUNNING]
     assert _steps(sweep / "0") == [epoch]

@@ -15,15 +15,11 @@ for one device per process under torchrun: refused before training, naming both 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from . import dropin
-from . import test_run_clm_dropin as clm
-from . import test_run_glue_dropin as glue
+from . import dropin, launch
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
 
@@ -45,7 +41,7 @@ GLUE_ARGS = [
 def runs(tmp_path_factory) -> dict[str, dict[str, Path]]:
     """The four torchrun jobs at once (two processes each, one thread per process)."""
     root = tmp_path_factory.mktemp("torchrun_dropin")
-    clm_in, glue_in = clm._inputs(root / "clm_inputs"), glue._inputs(root / "glue_inputs")
+    clm_in, glue_in = dropin.clm_inputs(root / "clm_inputs"), dropin.glue_inputs(root / "glue_inputs")
     clm_args = ["--model_name_or_path", str(clm_in["model"]), "--train_file", str(clm_in["train"]),
                 "--validation_file", str(clm_in["validation"]), *CLM_ARGS]  # fmt: skip
     glue_args = ["--model_name_or_path", str(glue_in["model"]), "--train_file", str(glue_in["train"]),
@@ -57,8 +53,8 @@ def runs(tmp_path_factory) -> dict[str, dict[str, Path]]:
         (example, library): dropin.Job(
             root / example / library,
             example,
-            clm.ORIGINAL_IMPORT,
-            None if library == "transformers" else clm.CHANGED_IMPORT,
+            dropin.ORIGINAL_IMPORT,
+            None if library == "transformers" else dropin.CHANGED_IMPORT,
             [*args, *(["--use_cpu"] if library == "transformers" else [])],
             launcher=dropin.TORCHRUN_2,
         )  # fmt: skip
@@ -121,10 +117,8 @@ def test_a_strategy_that_does_not_span_the_launched_processes_is_refused(tmp_pat
     any step, naming both sizes and what to set (never two copies of a one-process run)."""
     script = tmp_path / "spans_one.py"
     script.write_text(SPANS_ONE, encoding="utf-8")
-    env = {**os.environ, "PYTHONPATH": str(dropin.REPO_ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([*dropin.TORCHRUN_2, str(script), str(tmp_path / "out")], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
-    output = done.stdout + done.stderr
+    done = launch.run([*launch.torchrun(2), script, tmp_path / "out"], tmp_path, timeout=300)
+    output = done.output
     assert done.returncode != 0
     assert "2 processes were launched (torchelastic: WORLD_SIZE=2, LOCAL_WORLD_SIZE=2)" in output, output[-3000:]
     assert "SingleDeviceStrategy spans 1 (devices=1, num_nodes=1" in output

@@ -199,7 +199,7 @@ def test_cli_logger_groups_go_through_the_same_callbacks_with_the_composed_confi
     from hflight.config import compose
 
     from . import wandb_records
-    from .test_cli import TINY
+    from .support import TINY
 
     monkeypatch.chdir(tmp_path)
     for name, value in (("WANDB_MODE", "offline"), ("WANDB_DIR", str(tmp_path)), ("WANDB_SILENT", "true"),

@@ -1,9 +1,9 @@
-"""Trains into a small disk until a checkpoint save runs out of space (run by test_checkpoint.py inside a user and
-mount namespace, with DISK a tmpfs of a chosen size).
+"""Trains into a small disk until a checkpoint save runs out of space (run by test_checkpoint_folders.py inside a
+user and mount namespace, with DISK a tmpfs of a chosen size).
 
     python tests/jobs/full_disk_job.py DISK RESULTS
 
-The same run as test_checkpoint.py's ``saved`` fixture (checkpoints at steps 3 and 6). Writes RESULTS/result.json
+The same run as the checkpoint tests' ``saved`` fixture (checkpoints at steps 3 and 6). Writes RESULTS/result.json
 (the error's type and message, the checkpoint's file names, checkpoint-3's digest when it was written) and a copy of
 DISK as RESULTS/out, since the tmpfs goes away with the namespace.
 """
@@ -14,11 +14,10 @@ import shutil
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: conftest's Factory
-
-from conftest import Factory  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: tests.support's Factory
 
 import hflight  # noqa: E402
+from tests.support import Factory  # noqa: E402
 
 
 def digest(folder: Path) -> str:

@@ -23,7 +23,7 @@ import gloo_exit  # noqa: E402
 import optuna  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from conftest import Factory  # noqa: E402
+from support import Factory  # noqa: E402
 
 import hflight  # noqa: E402
 

@@ -15,9 +15,9 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: conftest's Factory
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: support's Factory
 
-from conftest import Factory  # noqa: E402
+from support import Factory  # noqa: E402
 
 import hflight  # noqa: E402
 

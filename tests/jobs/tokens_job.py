@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gloo_exit  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from conftest import Factory  # noqa: E402
+from support import Factory  # noqa: E402
 
 import hflight  # noqa: E402
 

@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from conftest import Factory  # noqa: E402
+from support import Factory  # noqa: E402
 
 
 def main() -> int:

@@ -189,7 +189,7 @@ def test_qa_answers_on_real_squad_windows_are_eager_ones(shared_data, tmp_path):
     from hflight.qa.preprocess import prepare_validation_features
     from hflight.qa.trainer import MRCTrainer
 
-    from ..qa.conftest import minilm_tokenizer_dir
+    from ..support import minilm_tokenizer_dir
 
     folder = minilm_tokenizer_dir()
     if folder is None:

