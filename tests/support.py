@@ -1,7 +1,7 @@
 """Support shared by several test modules (a support module, not a test module: tests/test_structure.py checks that no
 test module imports another, or conftest): the tiny models and data built locally (:class:`Factory`), the Hydra entry
 point's tiny sizes (:data:`TINY`), a fresh copy of the repository and its environment (:func:`fresh_clone`,
-:func:`clone_environment`)."""
+:func:`clone_environment`), the records of a ``torch.save`` archive (:func:`torch_file_records`)."""
 
 from __future__ import annotations
 
@@ -40,6 +40,16 @@ RESULT_FILES = (
     "eval_nbest_predictions.json",
     "model.safetensors",
 )
+
+
+def torch_file_records(path: Path) -> dict[str, bytes]:
+    """A ``torch.save`` archive's records by name (the archive's folder left out), each CRC-checked as it is read:
+    ``save_async`` writes torch's records in its own zip framing (hflight.checkpoints.torch_file), so its files equal
+    a synchronous save's record for record (torch's random serialization id apart), not byte for byte."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        return {info.filename.split("/", 1)[1]: archive.read(info) for info in archive.infolist()}
 
 
 def fresh_clone(destination: Path) -> Path:

@@ -18,7 +18,6 @@ import signal
 import sys
 import threading
 import time
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -32,6 +31,7 @@ from hflight.checkpoints.manifest import Checksums, get_last_checkpoint, verify_
 
 from .checkpoint_runs import make_trainer
 from .durability import CHECKPOINT, Recorder, violations
+from .support import torch_file_records
 
 
 def _run_recorded(tmp_path, factory, monkeypatch, **overrides) -> tuple[Recorder, hflight.Trainer]:
@@ -249,14 +249,9 @@ def test_save_async_writes_the_synchronous_checkpoint_byte_for_byte(tmp_path, fa
         # the background by hflight.checkpoints.torch_file: torch.save's records in another zip framing
         assert differ == ["checkpoint_manifest.json", "optimizer.pt", "training_args.bin"], differ
         assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir())
-        records = [_zip_records(folder / "optimizer.pt") for folder in (a, b)]
+        records = [torch_file_records(folder / "optimizer.pt") for folder in (a, b)]
         assert list(records[0]) == list(records[1])  # the same records, each byte for byte but torch's random id
         assert [k for k in records[0] if records[0][k] != records[1][k]] == [".data/serialization_id"]
-
-
-def _zip_records(path: Path) -> dict[str, bytes]:
-    with zipfile.ZipFile(path) as archive:
-        return {info.filename.split("/", 1)[1]: archive.read(info) for info in archive.infolist()}
 
 
 @pytest.fixture

@@ -11,6 +11,8 @@ import torch
 
 from hflight.checkpoints import torch_file
 
+from .support import torch_file_records
+
 
 def _state() -> dict:
     weight = torch.randn(64, 32)
@@ -26,16 +28,11 @@ def _state() -> dict:
     return state
 
 
-def _records(path) -> dict[str, bytes]:
-    with zipfile.ZipFile(path) as archive:  # zipfile checks every record's CRC-32 as it reads it
-        return {info.filename.split("/", 1)[1]: archive.read(info) for info in archive.infolist()}
-
-
 def test_the_records_are_torch_save_s_and_the_data_is_aligned_as_torch_aligns_it(tmp_path):
     state = _state()
     torch.save(state, tmp_path / "reference.pt")
     torch_file.save(state, tmp_path / "written.pt")
-    ours, theirs = _records(tmp_path / "written.pt"), _records(tmp_path / "reference.pt")
+    ours, theirs = torch_file_records(tmp_path / "written.pt"), torch_file_records(tmp_path / "reference.pt")
     assert list(ours) == list(theirs)  # the same records in the same order
     differing = [name for name in ours if ours[name] != theirs[name]]
     assert differing == [".data/serialization_id"]  # the pickle, every storage's bytes, the version: torch's

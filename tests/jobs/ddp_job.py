@@ -92,15 +92,18 @@ def report_gloo_threads_at_exit(out):
 
 
 def failed_background_write(out):
-    """Test code: a save_async training whose background write of checkpoint-4 finds the disk full on rank 0."""
-    real = torch.save
+    """Test code: a save_async training whose background write of checkpoint-4 finds the disk full on rank 0 (the
+    background writer writes torch.save's files with hflight.checkpoints.torch_file.save)."""
+    from hflight.checkpoints import torch_file
+
+    real = torch_file.save
 
     def full_disk(obj, path, *args, **kwargs):
         if ".tmp-checkpoint-4" in str(path) and threading.current_thread() is not threading.main_thread():
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         return real(obj, path, *args, **kwargs)
 
-    torch.save = full_disk
+    torch_file.save = full_disk
     args = TrainingArguments(output_dir=str(Path(out) / "failed_write"), accelerator="cpu", devices=2, strategy="ddp",
                              per_device_train_batch_size=4, max_steps=8, save_steps=2, save_total_limit=1,
                              save_async=True, optim="sgd", report_to="none", disable_tqdm=True)  # fmt: skip
@@ -112,7 +115,7 @@ def failed_background_write(out):
     except Exception as exc:  # noqa: BLE001 - the test compares what stopped each rank
         outcome = {"error": type(exc).__name__, "message": str(exc)}
     finally:
-        torch.save = real
+        torch_file.save = real
     outcome["global_step"] = trainer.state.global_step
     rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))
     Path(out, f"failed_write_{rank}.json").write_text(json.dumps(outcome))
