@@ -192,6 +192,23 @@ def test_sharding_memory_prints_each_strategy_s_share_of_ddp_s_state():
     assert shares["zero3"] == pytest.approx(0.625, abs=0.01), done.stdout
 
 
+def test_checkpoint_run_prints_each_kind_s_cost_per_checkpoint_against_the_synchronous_one(tmp_path):
+    """benchmarks/checkpoint_run.py on a tiny BERT, one round: the whole run's wall time with and without checkpoints
+    for transformers, hflight synchronous and save_async, each run in its own process (the script checks each run
+    wrote its checkpoints), the runs' folders removed."""
+    script = str(ROOT / "benchmarks" / "checkpoint_run.py")
+    command = [sys.executable, script, "--model", "tiny", "--steps", "4", "--save-steps", "2", "--threads", "1",
+               "--rounds", "1", "--dir", str(tmp_path)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    row = re.compile(r"^(transformers|hflight sync|hflight save_async)\s+(\S+\s+\S+\s+\S+\s+\S+)", re.M)
+    rows = {m.group(1): m.group(2).split() for m in row.finditer(done.stdout)}
+    assert set(rows) == {"transformers", "hflight sync", "hflight save_async"}, done.stdout
+    assert rows["hflight sync"][3] == "1.00", done.stdout
+    assert all(float(row[0]) > 0 and float(row[1]) > 0 for row in rows.values()), done.stdout
+    assert not list(tmp_path.iterdir()), "the runs' folders are removed"
+
+
 def test_checkpoint_cost_prints_the_three_modes_with_their_ratios(tmp_path):
     """benchmarks/checkpoint_cost.py on a tiny BERT: each mode's blocked time against the synchronous one, the
     background write's time and the snapshot's host memory for save_async. Its checkpoints go to ``--dir`` (here

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 import transformers
 
@@ -143,10 +144,16 @@ def test_a_run_folder_made_again_at_the_same_path_gets_its_entry_fsynced_again(t
     assert violations(recorder.events, recorder.out) == []
 
 
-@pytest.mark.parametrize("save_async, threads", [(False, 1), (True, 2)], ids=["synchronous", "save_async"])
-def test_a_checkpoint_uses_the_threads_it_needs(tmp_path, factory, monkeypatch, save_async, threads):
+@pytest.mark.parametrize(
+    "save_async, max_steps, threads",
+    [(False, 2, 1), (True, 2, 3), (True, 3, 2 + 3)],
+    ids=["synchronous", "save_async-last-checkpoint", "save_async-one-before"],
+)
+def test_a_checkpoint_uses_the_threads_it_needs(tmp_path, factory, monkeypatch, save_async, max_steps, threads):
     """One thread that hashes and fsyncs each file as it is complete; with save_async, the one that writes in the
-    background besides. The checksums' thread is started and stopped by one thread: the one that finishes the job."""
+    background besides, and for the run's last checkpoint (the loop waits for it) one more, so that the model and
+    the optimizer state are written side by side. The checksums' thread is started and stopped by one thread: the
+    one that finishes the job. (The files of this tiny model are too small for DirectFile's helper thread.)"""
     started, checksums = [], []
     real_start, real_init, real_close = threading.Thread.start, Checksums.__init__, Checksums.close
     monkeypatch.setattr(threading.Thread, "start", lambda self: (started.append(self.name), real_start(self))[1])
@@ -154,9 +161,11 @@ def test_a_checkpoint_uses_the_threads_it_needs(tmp_path, factory, monkeypatch, 
                                                              real_init(self))[1])  # fmt: skip
     monkeypatch.setattr(Checksums, "close", lambda self: (checksums.append(("close", threading.get_ident())),
                                                           real_close(self))[1])  # fmt: skip
-    make_trainer(tmp_path / "run", factory, max_steps=2, save_steps=2, save_async=save_async).train()
+    make_trainer(tmp_path / "run", factory, max_steps=max_steps, save_steps=2, save_async=save_async).train()
     assert len([name for name in started if name.startswith("hflight-")]) == threads, started
-    assert len(checksums) == 2 and checksums[0][1] == checksums[1][1], checksums
+    # one checkpoint at the end (and one at step 2 before it): each opens and closes its checksums on one thread
+    assert len(checksums) == 2 * (max_steps - 1), checksums
+    assert all(opened[1] == closed[1] for opened, closed in zip(checksums[::2], checksums[1::2])), checksums
 
 
 def test_the_replay_finds_what_transformers_trainer_leaves(tmp_path, factory, monkeypatch):
@@ -285,10 +294,33 @@ def test_save_async_does_not_block_and_train_waits_for_the_last_write(tmp_path, 
     def look():
         seen["published at on_save"] = (out / "checkpoint-6").exists()
 
-    trainer = make_trainer(out, factory, max_steps=6, save_steps=6, save_async=True, callbacks=[After(6, look)])
+    trainer = make_trainer(out, factory, max_steps=7, save_steps=6, save_async=True, callbacks=[After(6, look)])
     trainer.train()
     assert seen == {"published at on_save": False}  # the loop went on while the write was pending
     assert verify_checkpoint(out / "checkpoint-6", full=True) is not None  # train() returned after it
+
+
+def test_the_last_checkpoint_is_written_from_the_state_itself_before_training_ends(tmp_path, factory, monkeypatch):
+    """Training ends after the last checkpoint, so the loop waits for it: its state is not copied first (only the
+    checkpoint before it is), it is published when on_save comes, and it holds the final weights."""
+    copied, seen, out = [], {}, tmp_path / "run"
+    real = asynchronous.CheckpointWriter.snapshot
+
+    def snapshot(self, name, state):
+        copied.append(trainer.state.global_step)
+        return real(self, name, state)
+
+    def look():
+        seen["published at on_save"] = (out / "checkpoint-4").exists()
+
+    monkeypatch.setattr(asynchronous.CheckpointWriter, "snapshot", snapshot)
+    trainer = make_trainer(out, factory, max_steps=4, save_steps=2, save_async=True, callbacks=[After(4, look)])
+    trainer.train()
+    assert copied and set(copied) == {2}
+    assert seen == {"published at on_save": True}
+    verify_checkpoint(out / "checkpoint-4", full=True)
+    saved = safetensors.torch.load_file(out / "checkpoint-4" / "model.safetensors")
+    assert saved.keys() and all(torch.equal(saved[k], v) for k, v in trainer.model.state_dict().items() if k in saved)
 
 
 def test_a_checkpoint_waits_for_the_one_in_flight_and_says_so(tmp_path, factory, slow_writes, monkeypatch, caplog):

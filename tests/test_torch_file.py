@@ -73,3 +73,31 @@ def test_a_torch_whose_save_internals_differ_gets_torch_save_itself(tmp_path, mo
         torch_file._torch_records.cache_clear()
     assert calls == [tmp_path / "written.pt"]
     assert torch.equal(torch.load(tmp_path / "written.pt")["x"], torch.ones(2))
+
+
+def test_zip64_records_and_directory_are_read_by_zipfile_and_torch_load(tmp_path, monkeypatch):
+    """Files past 4 GiB need zip64 sizes and offsets; the framing is exercised on a small file by lowering the limit
+    (every size and offset above it goes into zip64 fields)."""
+    monkeypatch.setattr(torch_file, "_ZIP64_LIMIT", 16)
+    state = _state()
+    torch.save(state, tmp_path / "reference.pt")
+    torch_file.save(state, tmp_path / "written.pt")
+    raw = (tmp_path / "written.pt").read_bytes()
+    assert b"PK\x06\x06" in raw and b"PK\x06\x07" in raw  # the zip64 end records
+    with zipfile.ZipFile(tmp_path / "written.pt") as archive:
+        assert archive.testzip() is None  # every record's CRC-32 checks
+    ours, theirs = torch_file_records(tmp_path / "written.pt"), torch_file_records(tmp_path / "reference.pt")
+    assert [name for name in ours if ours[name] != theirs.get(name)] == [".data/serialization_id"]
+    for how in ({}, {"weights_only": True}, {"mmap": True}):
+        loaded = torch.load(tmp_path / "written.pt", **how)
+        assert torch.equal(loaded["weight"], state["weight"]) and loaded["tied"] is loaded["weight"]
+
+
+def test_the_hasher_sees_every_byte_of_the_file(tmp_path):
+    import xxhash
+
+    from hflight.checkpoints.manifest import file_digest
+
+    hasher = xxhash.xxh3_128()
+    torch_file.save(_state(), tmp_path / "written.pt", hasher=hasher)
+    assert hasher.hexdigest() == file_digest(tmp_path / "written.pt")

@@ -58,13 +58,21 @@ class CheckpointWriter:
         self._lease = contextlib.ExitStack()
         self._buffers: dict[tuple[str, ...], torch.Tensor] = {}
         self.snapshot_bytes = 0  # host memory the snapshot buffers hold
+        self._wait_at_submit = False  # the job made last is the run's last checkpoint: submit waits for it
         #: the run folders whose own entry in their parent this run's publications made durable
         self.entries_made_durable: set[tuple[int, int]] = set()
 
-    def job(self, folder: str, final_dir: str, main: bool) -> CheckpointJob:
-        """A checkpoint's job, written into ``folder`` and published as ``final_dir`` (``main``: by this process)."""
-        snapshot = self.snapshot if self.asynchronous else None
-        return CheckpointJob(folder, final_dir, snapshot, main, self.entries_made_durable)
+    def job(self, folder: str, final_dir: str, main: bool, last: bool = False) -> CheckpointJob:
+        """A checkpoint's job, written into ``folder`` and published as ``final_dir`` (``main``: by this process).
+        ``last``: (every process) training ends after this checkpoint, so the loop has nothing to do but wait for it:
+        with ``save_async`` the state is then not copied (nothing changes it before the write is over), the files
+        are written side by side on the cores the loop leaves free, and :meth:`submit` returns when the checkpoint is
+        published."""
+        self._wait_at_submit = self.asynchronous and last
+        if not self.asynchronous:
+            return CheckpointJob(folder, final_dir, None, main, self.entries_made_durable)
+        snapshot = _as_it_is if last else self.snapshot
+        return CheckpointJob(folder, final_dir, snapshot, main, self.entries_made_durable, parallel=last)
 
     # ---- the snapshot ----------------------------------------------------------------------------------------------
     def snapshot(self, name: str, state: Any) -> Any:
@@ -118,11 +126,13 @@ class CheckpointWriter:
             return
         self.wait()
         self._in_flight = what
-        if job is None:
-            return
-        self._lease.enter_context(deepspeed_left_alone())  # for the job's save_pretrained, until it is reaped
-        self._thread = threading.Thread(target=self._run, args=(job,), name=f"hflight-write-{what}", daemon=False)
-        self._thread.start()
+        if job is not None:
+            self._lease.enter_context(deepspeed_left_alone())  # for the job's save_pretrained, until it is reaped
+            self._thread = threading.Thread(target=self._run, args=(job,), name=f"hflight-write-{what}", daemon=False)
+            self._thread.start()
+        if self._wait_at_submit:  # the last checkpoint, written from the state itself: over before the loop goes on
+            self._wait_at_submit = False
+            self.wait()
 
     def _run(self, job: CheckpointJob) -> None:
         self._outcome = job.finish()
@@ -189,6 +199,11 @@ class CheckpointWriter:
         self._lease.close()
         if failure is not None:
             logger.error(f"The background checkpoint write also failed: {failure}")
+
+
+def _as_it_is(name: str, state: Any) -> Any:
+    """The last checkpoint's "snapshot": the state itself (the loop waits for the write; nothing changes it)."""
+    return state
 
 
 def _tensors(value: Any, key: tuple[str, ...]) -> Any:

@@ -286,7 +286,9 @@ def save_checkpoint(facade: TrainerSurface, run: RunView, trial: Any = None) -> 
         if refusal is not None:
             raise ValueError(refusal)
     run.backend.hf_sync_to_host()
-    job = writer.job(tmp_dir, final_dir, main=is_main)
+    # training ends after this checkpoint (every process sees the same): save_async writes it without a copy
+    last = state.global_step >= state.max_steps or facade.control.should_training_stop
+    job = writer.job(tmp_dir, final_dir, main=is_main, last=last)
     try:
         progress = _write_files(facade, run, job, run_dir)
     except BaseException:

@@ -17,6 +17,7 @@ May import: ``hflight.checkpoints`` (its own modules), ``hflight.durable``, ``hf
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import functools
 import os
@@ -31,7 +32,7 @@ import torch
 from hflight import durable
 from hflight._util import exception_chain
 from hflight.checkpoints import torch_file
-from hflight.checkpoints.manifest import Checksums, write_manifest
+from hflight.checkpoints.manifest import Checksums, new_digest, write_manifest
 from hflight.checkpoints.names import MANIFEST_NAME, REPLACED_SUFFIX, TMP_PREFIX
 
 Step = Callable[[], Any]
@@ -122,7 +123,8 @@ class CheckpointJob:
     ``snapshot(name, state)``: the background writer's copy of a state (``save_async``: the tensor files are written
     later from it); None: every file is written now. ``main``: this process publishes the folder (the others write
     their part now and finish nothing). ``entries_made_durable``: the run's record of the run folders whose entry in
-    their parent it made durable (``hflight.durable.publish_folder``)."""
+    their parent it made durable (``hflight.durable.publish_folder``). ``parallel``: :meth:`finish` writes the files
+    left for later side by side, one thread each (the training loop is waiting for this job: its cores are free)."""
 
     def __init__(
         self,
@@ -131,12 +133,14 @@ class CheckpointJob:
         snapshot: Callable[[str, Any], Any] | None,
         main: bool,
         entries_made_durable: set[tuple[int, int]],
+        parallel: bool = False,
     ) -> None:
-        self.folder, self.final_dir, self.main = folder, final_dir, main
+        self.folder, self.final_dir, self.main, self.parallel = folder, final_dir, main, parallel
         self.what = f"checkpoint {final_dir}"
         self._snapshot = snapshot
         self._entries_made_durable = entries_made_durable
         self._later: list[tuple[str | None, Step]] = []
+        self._finishing: Checksums | None = None  # the checksums of the thread finishing the job
         self._manifest: tuple[Any, ...] = ()
         self._rotate: Step = lambda: None
         # synchronous: the loop's thread finishes the job, so it hashes each file as soon as it is written
@@ -172,7 +176,14 @@ class CheckpointJob:
             return
         name = os.path.basename(path)
         copy = self._snapshot(name, obj)
-        self._later.append((name, lambda: torch_file.save(copy, path)))
+        self._later.append((name, lambda: self._save_later(copy, path)))
+
+    def _save_later(self, obj: Any, path: str) -> None:
+        """``obj`` written by :func:`~hflight.checkpoints.torch_file.save`, hashed as it is written."""
+        hasher = new_digest()
+        torch_file.save(obj, path, hasher)
+        if self._finishing is not None:
+            self._finishing.add_hashed(path, hasher.hexdigest())
 
     def snapshot(self, name: str, state: Any) -> Any:
         """``state`` as the job writes it later: a copy taken now (``save_async``), or itself."""
@@ -201,16 +212,22 @@ class CheckpointJob:
         manifest, the durable publication, then the rotation. Returns what failed (a :class:`CheckpointWriteError`
         for a write failure, the unfinished folder removed), None when the checkpoint is published."""
         checksums = self._checksums or Checksums()  # in the background: opened (and closed) by this thread
+        self._finishing = checksums
         try:
             try:
                 checksums.add_new(self.folder)
                 later = [(file, functools.partial(self.write_later, file, step)) for file, step in self._later]
-                steps = [*later, (MANIFEST_NAME, lambda: self._write_manifest(checksums)),
-                         (None, lambda: self._publish(checksums))]  # fmt: skip
-                for file, step in steps:
+                last = [(MANIFEST_NAME, lambda: self._write_manifest(checksums)),
+                        (None, lambda: self._publish(checksums))]  # fmt: skip
+                if self.parallel and len(later) > 1:
+                    if (failure := self._run_side_by_side(later, checksums)) is not None:
+                        return failure
+                    later = []
+                for file, step in [*later, *last]:
                     if (failure := self._run(file, step, checksums)) is not None:
                         return failure
             finally:
+                self._finishing = None
                 checksums.close()
             self._rotate()
         except BaseException as exc:  # noqa: BLE001 - returned: raised on the training loop's thread
@@ -218,12 +235,35 @@ class CheckpointJob:
         return None
 
     def _run(self, file: str | None, step: Step, checksums: Checksums) -> BaseException | None:
+        failure = self._attempt(step, checksums)
+        return None if failure is None else self._as_write_error(failure, file)
+
+    def _attempt(self, step: Step, checksums: Checksums | None) -> Exception | None:
+        """Run ``step``, then hand the files it made to ``checksums`` (None: later, once the steps beside it are
+        over, so that no file is taken while it is half written)."""
         try:
             step()
-            checksums.add_new(self.folder)
+            if checksums is not None:
+                checksums.add_new(self.folder)
         except Exception as exc:
-            return write_error(exc, self.folder, self.what, file, discard=True) or exc
+            return exc
         return None
+
+    def _as_write_error(self, exc: Exception, file: str | None) -> BaseException:
+        return write_error(exc, self.folder, self.what, file, discard=True) or exc
+
+    def _run_side_by_side(self, steps: list[tuple[str | None, Step]], checksums: Checksums) -> BaseException | None:
+        """``steps`` at once, the first on this thread, each other on one of its own; the first that failed (in
+        order), once all are over, so that the unfinished folder is removed only when nothing writes into it any
+        more."""
+        with concurrent.futures.ThreadPoolExecutor(len(steps) - 1, thread_name_prefix="hflight-write") as pool:
+            others = [pool.submit(self._attempt, step, None) for _, step in steps[1:]]
+            first = self._attempt(steps[0][1], None)
+            failures = list(zip([file for file, _ in steps], [first, *(other.result() for other in others)]))
+        file, failure = next(((file, failure) for file, failure in failures if failure is not None), (None, None))
+        if failure is None:
+            failure = self._attempt(lambda: None, checksums)
+        return None if failure is None else self._as_write_error(failure, file)
 
     def _write_manifest(self, checksums: Checksums) -> None:
         global_step, save_only_model, run_arguments, progress = self._manifest

@@ -30,6 +30,7 @@ import logging
 import mmap
 import os
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,14 @@ MANIFEST_VERSION = 2  # 1: sizes only; 2: sizes and checksums
 CHECKSUM = "xxh3_128"
 _CHUNK = 8 << 20
 _MAX_LISTED = 6
+
+
+def new_digest() -> Any:
+    """A streaming checksum of the manifest's kind (``update``, ``hexdigest``), for a writer that hashes the bytes it
+    writes (:meth:`Checksums.add_hashed`)."""
+    import xxhash
+
+    return xxhash.xxh3_128()
 
 
 def file_digest(path: str | os.PathLike) -> str:
@@ -84,6 +93,7 @@ class Checksums:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hflight-checksum")
         self._pending: dict[Path, tuple[tuple[int, int], concurrent.futures.Future]] = {}
         self._syncs: list[tuple[str, tuple[int, int], concurrent.futures.Future]] = []
+        self._lock = threading.Lock()  # the job's writers may add files from several threads
 
     def __enter__(self) -> Checksums:
         return self
@@ -102,11 +112,22 @@ class Checksums:
 
     def add_new(self, folder: str | os.PathLike) -> None:
         """Start fsyncing, then hashing, every file of ``folder`` not submitted yet."""
-        for path in sorted(Path(folder).rglob("*")):
-            if path.is_file() and path.name != MANIFEST_NAME and path not in self._pending:
-                stamp = self._stamp(path)
-                self._syncs.append((os.path.abspath(path), stamp, self._pool.submit(durable.fsync_file, path)))
-                self._pending[path] = (stamp, self._pool.submit(file_digest, path))
+        with self._lock:
+            for path in sorted(Path(folder).rglob("*")):
+                if path.is_file() and path.name != MANIFEST_NAME and path not in self._pending:
+                    stamp = self._stamp(path)
+                    self._syncs.append((os.path.abspath(path), stamp, self._pool.submit(durable.fsync_file, path)))
+                    self._pending[path] = (stamp, self._pool.submit(file_digest, path))
+
+    def add_hashed(self, path: str | os.PathLike, digest: str) -> None:
+        """Start fsyncing ``path``, whose checksum its writer computed from the bytes it wrote (``new_digest``)."""
+        path = Path(path)
+        with self._lock:
+            stamp = self._stamp(path)
+            self._syncs.append((os.path.abspath(path), stamp, self._pool.submit(durable.fsync_file, path)))
+            known: concurrent.futures.Future = concurrent.futures.Future()
+            known.set_result(digest)
+            self._pending[path] = (stamp, known)
 
     def synced(self) -> set[tuple[str, tuple[int, int]]]:
         """The files fsynced in the background, with the size and time they had then (waits for those in progress;

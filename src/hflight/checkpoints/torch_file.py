@@ -1,18 +1,22 @@
-"""``torch.save``'s file format, written without holding the interpreter lock while the tensor bytes go to disk.
+"""``torch.save``'s file format, written by the background checkpoint writer without holding the interpreter lock and
+past the page cache.
 
 ``torch.save`` writes each storage through torch's C++ zip writer with the interpreter lock held: a background
 checkpoint write (``save_async``) then stops the training loop's Python for as long as the optimizer's and the
 model's bytes take to copy into the page cache (measured: a MiniLM-L6 step of 310 ms took 470 ms while an
-``optimizer.pt`` of 180 MB was written beside it). :func:`save` produces the same archive with Python's ``zipfile``
-(stored, each data record aligned to 64 bytes as torch aligns it): ``zlib.crc32`` and the file writes release the
-lock for large buffers, so the loop runs while the bytes are copied.
+``optimizer.pt`` of 180 MB was written beside it). :func:`save` writes the same archive itself: each record stored,
+its data aligned to 64 bytes as torch aligns it, its CRC-32 computed (``zlib.crc32``, which releases the lock) before
+its header is written, so the file is written front to back, once, through
+:class:`~hflight.checkpoints.direct_file.DirectFile` (``O_DIRECT`` where the file system takes it; the lock released
+for every large copy and write). Zip64 records and directories where sizes or offsets need them, as ``zipfile`` and
+torch's reader expect.
 
 The records are torch's own: the pickle, the storages and their keys come from ``torch.serialization._save`` (the
 function ``torch.save`` calls), given this module's zip writer in place of torch's; the version record is the one
 this torch writes. ``torch.load`` (with ``weights_only``, with ``mmap``) reads the file as it reads ``torch.save``'s.
 Where this torch's ``_save`` is not the function this module was written against, :func:`save` is ``torch.save``.
 
-May import: nothing of hflight.
+May import: ``hflight.checkpoints.direct_file``.
 """
 
 from __future__ import annotations
@@ -25,17 +29,22 @@ import pickle
 import struct
 import uuid
 import zipfile
+import zlib
 from typing import Any
 
 import torch
+
+from hflight.checkpoints.direct_file import DirectFile
 
 #: torch aligns every storage's bytes in its archive to this (``torch.serialization._get_storage_alignment``)
 _DEFAULT_ALIGNMENT = 64
 #: the id of the extra field that pads a local header so that the record's data is aligned (torch's "FB")
 _PADDING_ID = 0x4246
-_LOCAL_HEADER = 30  # the fixed part of a zip local file header
-_ZIP64_EXTRA = 20  # zipfile's zip64 extra field in a local header
-_CHUNK = 64 << 20  # bytes handed to one write (and one crc32), the lock released for each
+_CHUNK = 64 << 20  # bytes handed to one crc32 (the lock released for each)
+#: above this, a size or offset goes into a zip64 extra field (a test lowers it to exercise the zip64 framing)
+_ZIP64_LIMIT = 0xFFFFFFFF
+_DOS_DATE = (1980 - 1980) << 9 | 1 << 5 | 1  # 1980-01-01, as torch's and zipfile's fixed-date records
+_STORED_VERSION, _ZIP64_VERSION = 20, 45
 
 
 def _alignment() -> int:
@@ -67,49 +76,81 @@ def _storage_bytes(storage: Any) -> memoryview:
 
 
 class _ZipRecords:
-    """The writer ``torch.serialization._save`` writes its records to, over ``zipfile``: stored, each record's data
-    aligned to ``alignment`` bytes in the file."""
+    """The writer ``torch.serialization._save`` writes its records to: each record stored, its data aligned to
+    ``alignment`` bytes in the file, written once, front to back, into ``out`` (a
+    :class:`~hflight.checkpoints.direct_file.DirectFile`); the central directory at :meth:`close`."""
 
-    def __init__(self, handle: Any, archive: str, alignment: int) -> None:
-        self._zip = zipfile.ZipFile(handle, "w", zipfile.ZIP_STORED, allowZip64=True)
-        self._archive, self._alignment = archive, alignment
+    def __init__(self, out: DirectFile, archive: str, alignment: int) -> None:
+        self._out, self._archive, self._alignment = out, archive, alignment
+        self._entries: list[tuple[bytes, int, int, int]] = []  # name, crc, size, local header offset
 
     def write_record(self, name: str, data: Any, size: int) -> None:
         if isinstance(data, str):
             data = data.encode("utf-8")
         view = memoryview(data) if isinstance(data, (bytes, bytearray, memoryview)) else _storage_bytes(data)
         view = view.cast("B")[:size]
-        info = zipfile.ZipInfo(f"{self._archive}/{name}", date_time=(1980, 1, 1, 0, 0, 0))
-        info.compress_type = zipfile.ZIP_STORED
-        info.file_size = size
-        zip64 = size * 1.05 > zipfile.ZIP64_LIMIT  # zipfile's own test for a record of this size
-        start = self._zip.start_dir  # where this record's local header begins
-        header = _LOCAL_HEADER + len(info.filename.encode("ascii")) + (_ZIP64_EXTRA if zip64 else 0) + 4
-        pad = -(start + header) % self._alignment
-        info.extra = struct.pack("<HH", _PADDING_ID, pad) + b"Z" * pad
-        with self._zip.open(info, "w", force_zip64=zip64) as out:
-            for begin in range(0, size, _CHUNK):
-                out.write(view[begin : begin + _CHUNK])
+        crc = 0
+        for begin in range(0, size, _CHUNK):
+            crc = zlib.crc32(view[begin : begin + _CHUNK], crc)
+        filename = f"{self._archive}/{name}".encode("ascii")
+        offset = self._out.tell()
+        zip64 = size >= _ZIP64_LIMIT
+        extra = struct.pack("<HHQQ", 1, 16, size, size) if zip64 else b""
+        fixed = 30 + len(filename) + len(extra) + 4  # with the padding field's own header
+        pad = -(offset + fixed) % self._alignment
+        extra += struct.pack("<HH", _PADDING_ID, pad) + b"Z" * pad
+        shown = 0xFFFFFFFF if zip64 else size
+        version = _ZIP64_VERSION if zip64 else _STORED_VERSION
+        header = struct.pack("<IHHHHHIIIHH", 0x04034B50, version, 0, 0, 0, _DOS_DATE, crc, shown, shown,
+                             len(filename), len(extra))  # fmt: skip
+        self._out.write(header + filename + extra)
+        self._out.write(view)
+        self._entries.append((filename, crc, size, offset))
 
     def write_record_metadata(self, name: str, size: int) -> None:
         raise NotImplementedError("hflight's torch file writer writes the data (torch's skip_data is not supported)")
 
     def close(self, records: dict[str, bytes]) -> None:
+        """The records torch's writer adds at the end (the version, the serialization id), then the directory."""
         for name, data in records.items():
             self.write_record(name, data, len(data))
         serialization_id = f"{uuid.uuid4().int:040d}"[:40].encode("ascii")
         self.write_record(".data/serialization_id", serialization_id, len(serialization_id))
-        self._zip.close()
+        start = self._out.tell()
+        for filename, crc, size, offset in self._entries:
+            large_size, large_offset = size >= _ZIP64_LIMIT, offset >= _ZIP64_LIMIT
+            wide = ([size, size] if large_size else []) + ([offset] if large_offset else [])
+            extra = struct.pack(f"<HH{len(wide)}Q", 1, 8 * len(wide), *wide) if wide else b""
+            version = _ZIP64_VERSION if wide else _STORED_VERSION
+            shown_size = 0xFFFFFFFF if large_size else size
+            shown_offset = 0xFFFFFFFF if large_offset else offset
+            self._out.write(struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, version, version, 0, 0, 0, _DOS_DATE, crc,
+                                        shown_size, shown_size, len(filename), len(extra), 0, 0, 0, 0, shown_offset)
+                            + filename + extra)  # fmt: skip
+        end = self._out.tell()
+        count, length = len(self._entries), end - start
+        if count >= 0xFFFF or start >= _ZIP64_LIMIT or length >= _ZIP64_LIMIT:
+            self._out.write(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, _ZIP64_VERSION, _ZIP64_VERSION, 0, 0, count,
+                                        count, length, start))  # fmt: skip
+            self._out.write(struct.pack("<IIQI", 0x07064B50, 0, end, 1))
+            count, length, start = min(count, 0xFFFF), min(length, 0xFFFFFFFF), min(start, 0xFFFFFFFF)
+        self._out.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count, count, length, start, 0))
 
 
-def save(obj: Any, path: str | os.PathLike) -> None:
-    """``torch.save(obj, path)``, the tensor bytes written with the interpreter lock released (see the module)."""
+def save(obj: Any, path: str | os.PathLike, hasher: Any = None) -> None:
+    """``torch.save(obj, path)``, written front to back without holding the interpreter lock for the tensor bytes
+    and past the page cache where the file system allows it (see the module). ``hasher``: given every byte of the
+    file (``update``), so its checksum needs no second read."""
     records = _torch_records()
     if records is None:
         torch.save(obj, path)
+        if hasher is not None:
+            with open(path, "rb") as handle:
+                while chunk := handle.read(_CHUNK):
+                    hasher.update(chunk)
         return
     archive = os.path.splitext(os.path.basename(os.fspath(path)))[0] or "archive"
-    with open(path, "wb") as handle:
-        writer = _ZipRecords(handle, archive, _alignment())
+    with DirectFile(path, hasher) as out:
+        writer = _ZipRecords(out, archive, _alignment())
         torch.serialization._save(obj, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
         writer.close(records)
