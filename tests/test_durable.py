@@ -375,6 +375,35 @@ def test_a_failed_background_write_stops_the_run_and_keeps_the_previous_checkpoi
     assert not (out / ".tmp-checkpoint-4").exists()
 
 
+def test_a_failed_write_of_the_last_checkpoint_raises_once_its_side_by_side_writes_are_over(
+    tmp_path, factory, monkeypatch
+):
+    """The run's last checkpoint writes the optimizer state and the model side by side: the optimizer's failure is
+    raised, naming its file, after the model's write beside it is over (the unfinished folder removed only then)."""
+    real_save, real_model_save = torch_file.save, hflight.Trainer._save
+    model_writes = []
+
+    def full_disk(obj, path, *args, **kwargs):
+        if "checkpoint-8" in str(path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real_save(obj, path, *args, **kwargs)
+
+    def model_save(self, output_dir=None, state_dict=None):
+        real_model_save(self, output_dir, state_dict=state_dict)
+        time.sleep(0.3)  # a slow model write: the optimizer's has failed by now
+        model_writes.append((output_dir, os.path.isdir(output_dir)))  # its folder still there when it is done
+
+    monkeypatch.setattr(torch_file, "save", full_disk)
+    monkeypatch.setattr(hflight.Trainer, "_save", model_save)
+    out = tmp_path / "run"
+    trainer = make_trainer(out, factory, max_steps=8, save_steps=2, save_async=True, save_total_limit=1)
+    with pytest.raises(folders.CheckpointWriteError, match=r"checkpoint-8.*optimizer\.pt failed: no space left"):
+        trainer.train()
+    assert model_writes[-1] == (str(out / ".tmp-checkpoint-8"), True)
+    assert get_last_checkpoint(out) == str(out / "checkpoint-6")
+    assert not (out / ".tmp-checkpoint-8").exists()
+
+
 def test_save_model_from_a_callback_during_a_background_write_leaves_accelerate_and_the_model_alone(
     tmp_path, factory, monkeypatch
 ):
