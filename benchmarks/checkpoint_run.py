@@ -37,6 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from checkpoint_cost import MODELS  # noqa: E402
+from references import missing_references  # noqa: E402
 
 KINDS = ("transformers", "hflight sync", "hflight save_async")
 
@@ -89,13 +90,6 @@ def run_once(kind: str, checkpoints: bool, threads: int, opts: argparse.Namespac
         raise SystemExit(f"{kind} wrote {result['checkpoints']}, expected {expected} checkpoints")
     shutil.rmtree(out, ignore_errors=True)  # each run writes about 1 GB of checkpoints
     return result
-
-
-def missing_references() -> list[str]:
-    import importlib.util
-
-    needed = {"transformers": "pip install transformers", "accelerate": "pip install 'accelerate>=1.1'"}
-    return [f"{name} ({how})" for name, how in needed.items() if importlib.util.find_spec(name) is None]
 
 
 def main() -> None:

@@ -28,7 +28,6 @@ default) the CPU time is the work done.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 import multiprocessing
 import os
@@ -44,14 +43,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore")
 
-REFERENCES = {"transformers": "pip install 'transformers>=5.23,<5.24'", "accelerate": "pip install 'accelerate>=1.1'"}
-
-
-def missing_references() -> list[str]:
-    """The reference libraries that are not installed (transformers.Trainer needs accelerate), with their install
-    commands."""
-    return [f"{name} ({command})" for name, command in REFERENCES.items() if importlib.util.find_spec(name) is None]
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from references import missing_references  # noqa: E402
 
 if __name__ == "__main__" and missing_references():
     sys.exit("loop_overhead.py compares with transformers.Trainer; missing: " + ", ".join(missing_references()))
@@ -60,13 +53,11 @@ import datasets  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
+from train_overhead import Baton  # noqa: E402
 from transformers import EvalPrediction, GPT2Config, GPT2LMHeadModel, default_data_collator, get_scheduler  # noqa: E402
 
 import hflight  # noqa: E402
 from hflight.arguments.optimizers import grouped_parameters  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_overhead import Baton  # noqa: E402
 
 RUNNERS = ("plain", "transformers", "hflight")
 MODES = ("train", "evaluate", "predict")

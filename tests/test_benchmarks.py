@@ -60,11 +60,12 @@ def test_loop_overhead_runs_the_three_loops_in_every_mode():
         assert len(re.findall(rf"^{mode} +2 +\d+\.\d+ +\d+\.\d+ \([+-]", done.stdout, re.M)) == 2, done.stdout
 
 
-def test_loop_overhead_names_a_missing_reference_library(monkeypatch):
+@pytest.mark.parametrize("script", ["loop_overhead", "checkpoint_run"])
+def test_a_benchmark_against_transformers_names_a_missing_reference_library(monkeypatch, script):
     """Without accelerate (transformers.Trainer needs it) the benchmark says which library and how to install it."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("loop_overhead", ROOT / "benchmarks" / "loop_overhead.py")
+    spec = importlib.util.spec_from_file_location(script, ROOT / "benchmarks" / f"{script}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     real = importlib.util.find_spec
