@@ -336,6 +336,9 @@ def test_a_zero3_checkpoint_is_deepspeed_s_own_and_zero_to_fp32_rebuilds_its_wei
     assert not (final / "model.safetensors").exists() and (final / "global_step6").is_dir()
     assert (final / "zero_to_fp32.py").is_file() and (final / "config.json").is_file()
     assert not (final / "checkpoint-6" / "model.safetensors").exists()
+    # what transformers' save_model writes into its checkpoints then: all but the weights
+    assert {"config.json", "training_args.bin"} <= {p.name for p in (final / "checkpoint-6").iterdir()}
+    assert jobs["logs"]["zero3_resumed"].count("Saving the full checkpoint instead") >= 2  # each save, as transformers
     verify_checkpoint(final / "checkpoint-6", full=True)  # DeepSpeed's partitions are its weights
 
 

@@ -230,7 +230,8 @@ def on_disk_when_returned(write: Callable[..., Any]) -> Callable[..., Any]:
 
 def _save_without_weights(facade: TrainerSurface, form: Any, output_dir: str, outer: bool) -> None:
     """``save_model`` of a run whose weights are not gathered: the config, processing class and arguments, and the
-    run's checkpoint form (every process writes its partition) with its script to rebuild the weights."""
+    run's checkpoint form (every process writes its partition) with its script to rebuild the weights (inside a
+    checkpoint's write, ``outer`` False, the checkpoint writes its form itself: transformers writes it twice)."""
     with durable_writes(output_dir, outer and facade.args.should_save):
         if facade.args.should_save:
             with _model_writes(output_dir, outer), deepspeed_left_alone():
@@ -238,8 +239,8 @@ def _save_without_weights(facade: TrainerSurface, form: Any, output_dir: str, ou
                 for name in WEIGHT_FILES:  # the empty weights file save_pretrained wrote
                     with contextlib.suppress(FileNotFoundError):
                         os.remove(os.path.join(output_dir, name))
-        written = form.write(output_dir, facade.model, facade.optimizer, facade.args.should_save)
         if outer:
+            written = form.write(output_dir, facade.model, facade.optimizer, facade.args.should_save)
             for name in written:
                 durable.sync_tree(os.path.join(output_dir, name))
 

@@ -331,8 +331,8 @@ class DeepSpeedState(CheckpointForm):
     """DeepSpeed: ``engine.save_checkpoint`` (``global_step<N>/`` with every process's partition of the weights and
     optimizer states, ``latest``, ``zero_to_fp32.py``), as transformers' Trainer writes it; the model files beside it
     when the weights can be gathered (ZeRO 0-2 always; ZeRO-3 only with
-    ``zero_optimization.stage3_gather_16bit_weights_on_model_save``, as in transformers, which otherwise writes none
-    and points to ``zero_to_fp32.py``)."""
+    ``zero_optimization.stage3_gather_16bit_weights_on_model_save``, as in transformers, which otherwise writes the
+    config, processing class and arguments without weights and points to ``zero_to_fp32.py``)."""
 
     label = (
         f"DeepSpeed's own checkpoint ({DEEPSPEED_TAG_PREFIX}<N>/: each process's ZeRO partitions of the weights and "
@@ -362,7 +362,9 @@ class DeepSpeedState(CheckpointForm):
         self.engine = engine
         zero = config.get("zero_optimization") or {}
         self.stage3 = zero.get("stage") == 3
-        self.with_model_files = not self.stage3 or bool(zero.get("stage3_gather_16bit_weights_on_model_save"))
+        # ZeRO-3 gathers the weights for save_model only with this; without it save_model writes all but the weights
+        # (config, processing class, arguments), into checkpoints too, as transformers' does
+        self.gathered = not self.stage3 or bool(zero.get("stage3_gather_16bit_weights_on_model_save"))
 
     @classmethod
     def written_by(cls, args: Any) -> bool:
@@ -399,7 +401,7 @@ class DeepSpeedState(CheckpointForm):
         if not self.stage3:  # whole on every process; cloned as accelerate's get_state_dict does under DeepSpeed (so
             # save_pretrained writes tied weights twice, as transformers' checkpoints hold them)
             return {k: v.detach().clone().cpu() for k, v in model.state_dict().items()}
-        if not self.with_model_files:
+        if not self.gathered:
             raise NotGathered(
                 "stage3_gather_16bit_weights_on_model_save=false. Saving the full checkpoint instead, use "
                 f"{DEEPSPEED_SCRIPT} to recover weights"  # transformers' words
