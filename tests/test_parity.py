@@ -8,21 +8,10 @@ import transformers
 
 import hflight
 
-COMMON = dict(
-    per_device_train_batch_size=4,
-    per_device_eval_batch_size=8,
-    num_train_epochs=2,
-    learning_rate=1e-3,
-    warmup_steps=0.1,
-    weight_decay=0.01,
-    max_grad_norm=1.0,
-    lr_scheduler_type="linear",
-    logging_steps=1,
-    train_sampling_strategy="sequential",
-    report_to="none",
-    save_strategy="no",
-    disable_tqdm=True,
-    seed=0,
+from .support import Factory
+
+COMMON = Factory.pair_args(
+    num_train_epochs=2, warmup_steps=0.1, weight_decay=0.01, max_grad_norm=1.0, lr_scheduler_type="linear"
 )
 
 

@@ -68,7 +68,7 @@ def test_a_torch_whose_save_internals_differ_gets_torch_save_itself(tmp_path, mo
     monkeypatch.setattr(torch, "save", lambda obj, path: calls.append(path) or real_save(obj, path))
     torch_file._torch_records.cache_clear()
     try:
-        torch_file.save({"x": torch.ones(2)}, tmp_path / "written.pt")
+        assert torch_file.save({"x": torch.ones(2)}, tmp_path / "written.pt", hasher=None) is False  # not hashed
     finally:
         torch_file._torch_records.cache_clear()
     assert calls == [tmp_path / "written.pt"]

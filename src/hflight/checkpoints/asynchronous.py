@@ -58,17 +58,14 @@ class CheckpointWriter:
         self._lease = contextlib.ExitStack()
         self._buffers: dict[tuple[str, ...], torch.Tensor] = {}
         self.snapshot_bytes = 0  # host memory the snapshot buffers hold
-        self._wait_at_submit = False  # the job made last is the run's last checkpoint: submit waits for it
         #: the run folders whose own entry in their parent this run's publications made durable
         self.entries_made_durable: set[tuple[int, int]] = set()
 
     def job(self, folder: str, final_dir: str, main: bool, last: bool = False) -> CheckpointJob:
         """A checkpoint's job, written into ``folder`` and published as ``final_dir`` (``main``: by this process).
-        ``last``: (every process) training ends after this checkpoint, so the loop has nothing to do but wait for it:
-        with ``save_async`` the state is then not copied (nothing changes it before the write is over), the files
-        are written side by side on the cores the loop leaves free, and :meth:`submit` returns when the checkpoint is
-        published."""
-        self._wait_at_submit = self.asynchronous and last
+        ``last``: training ends after this checkpoint, so the loop has nothing to do but wait for it (``submit(...,
+        last=True)``): with ``save_async`` the state is then not copied (nothing changes it before the write is
+        over) and the files are written side by side on the cores the loop leaves free."""
         if not self.asynchronous:
             return CheckpointJob(folder, final_dir, None, main, self.entries_made_durable)
         snapshot = _as_it_is if last else self.snapshot
@@ -117,9 +114,10 @@ class CheckpointWriter:
             torch.cuda.synchronize()
 
     # ---- the write -------------------------------------------------------------------------------------------------
-    def submit(self, job: CheckpointJob | None, what: str) -> None:
+    def submit(self, job: CheckpointJob | None, what: str, last: bool = False) -> None:
         """Every process, once its part of checkpoint ``what`` (e.g. "checkpoint-8") is written: finish ``job`` (None:
-        this process has none to finish), now, or in the background once the previous write is done."""
+        this process has none to finish), now, or in the background once the previous write is done. ``last``: the
+        job was made ``last`` (from the state itself): returns once the checkpoint is published."""
         if not self.asynchronous:
             if job is not None and (failure := job.finish()) is not None:
                 raise failure
@@ -130,8 +128,7 @@ class CheckpointWriter:
             self._lease.enter_context(deepspeed_left_alone())  # for the job's save_pretrained, until it is reaped
             self._thread = threading.Thread(target=self._run, args=(job,), name=f"hflight-write-{what}", daemon=False)
             self._thread.start()
-        if self._wait_at_submit:  # the last checkpoint, written from the state itself: over before the loop goes on
-            self._wait_at_submit = False
+        if last:  # written from the state itself: over before the loop goes on
             self.wait()
 
     def _run(self, job: CheckpointJob) -> None:

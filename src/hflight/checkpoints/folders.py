@@ -300,7 +300,7 @@ def save_checkpoint(facade: TrainerSurface, run: RunView, trial: Any = None) -> 
         job.publish_with((state.global_step, bool(args.save_only_model), run_args, progress),
                          functools.partial(rotate_checkpoints, run_dir, args.save_total_limit,
                                            state.best_model_checkpoint))  # fmt: skip
-    writer.submit(job if is_main else None, name)
+    writer.submit(job if is_main else None, name, last=last)
     if args.push_to_hub:  # the push reads the published folder
         writer.wait()
     world.barrier()

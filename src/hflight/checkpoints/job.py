@@ -179,10 +179,10 @@ class CheckpointJob:
         self._later.append((name, lambda: self._save_later(copy, path)))
 
     def _save_later(self, obj: Any, path: str) -> None:
-        """``obj`` written by :func:`~hflight.checkpoints.torch_file.save`, hashed as it is written."""
+        """``obj`` written by :func:`~hflight.checkpoints.torch_file.save`, hashed as it is written (where it could
+        not be, the checksums' thread hashes the file, as every other)."""
         hasher = new_digest()
-        torch_file.save(obj, path, hasher)
-        if self._finishing is not None:
+        if torch_file.save(obj, path, hasher) and self._finishing is not None:
             self._finishing.add_hashed(path, hasher.hexdigest())
 
     def snapshot(self, name: str, state: Any) -> Any:

@@ -115,19 +115,23 @@ class Checksums:
         with self._lock:
             for path in sorted(Path(folder).rglob("*")):
                 if path.is_file() and path.name != MANIFEST_NAME and path not in self._pending:
-                    stamp = self._stamp(path)
-                    self._syncs.append((os.path.abspath(path), stamp, self._pool.submit(durable.fsync_file, path)))
-                    self._pending[path] = (stamp, self._pool.submit(file_digest, path))
+                    self._add(path, None)
 
     def add_hashed(self, path: str | os.PathLike, digest: str) -> None:
         """Start fsyncing ``path``, whose checksum its writer computed from the bytes it wrote (``new_digest``)."""
-        path = Path(path)
         with self._lock:
-            stamp = self._stamp(path)
-            self._syncs.append((os.path.abspath(path), stamp, self._pool.submit(durable.fsync_file, path)))
-            known: concurrent.futures.Future = concurrent.futures.Future()
-            known.set_result(digest)
-            self._pending[path] = (stamp, known)
+            self._add(Path(path), digest)
+
+    def _add(self, path: Path, digest: str | None) -> None:
+        """``path``'s fsync submitted, then its checksum: ``digest``, else hashed by the thread (under the lock)."""
+        stamp = self._stamp(path)
+        self._syncs.append((os.path.abspath(path), stamp, self._pool.submit(durable.fsync_file, path)))
+        if digest is None:
+            hashed = self._pool.submit(file_digest, path)
+        else:
+            hashed = concurrent.futures.Future()
+            hashed.set_result(digest)
+        self._pending[path] = (stamp, hashed)
 
     def synced(self) -> set[tuple[str, tuple[int, int]]]:
         """The files fsynced in the background, with the size and time they had then (waits for those in progress;

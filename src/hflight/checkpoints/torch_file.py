@@ -137,20 +137,18 @@ class _ZipRecords:
         self._out.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count, count, length, start, 0))
 
 
-def save(obj: Any, path: str | os.PathLike, hasher: Any = None) -> None:
+def save(obj: Any, path: str | os.PathLike, hasher: Any = None) -> bool:
     """``torch.save(obj, path)``, written front to back without holding the interpreter lock for the tensor bytes
     and past the page cache where the file system allows it (see the module). ``hasher``: given every byte of the
-    file (``update``), so its checksum needs no second read."""
+    file (``update``), so its checksum needs no second read. Returns whether it was (False: ``torch.save`` wrote the
+    file, ``hasher`` untouched)."""
     records = _torch_records()
     if records is None:
         torch.save(obj, path)
-        if hasher is not None:
-            with open(path, "rb") as handle:
-                while chunk := handle.read(_CHUNK):
-                    hasher.update(chunk)
-        return
+        return False
     archive = os.path.splitext(os.path.basename(os.fspath(path)))[0] or "archive"
     with DirectFile(path, hasher) as out:
         writer = _ZipRecords(out, archive, _alignment())
         torch.serialization._save(obj, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
         writer.close(records)
+    return True
