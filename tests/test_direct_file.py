@@ -92,3 +92,34 @@ def test_other_write_errors_are_raised(tmp_path, small_stage, monkeypatch, size)
     monkeypatch.setattr(os, "pwrite", pwrite)
     with pytest.raises(OSError, match="No space left"), DirectFile(tmp_path / "f") as out:
         out.write(b"a" * size)
+
+
+@pytest.mark.parametrize("size", [5000, 2 * BLOCK + 5000])  # the whole file in close's write; after a full buffer
+def test_a_refusal_at_the_last_write_still_cuts_the_padding_off(tmp_path, small_stage, monkeypatch, size):
+    """A file system that opens with O_DIRECT and refuses close's write of the padded last block (a file under one
+    staging buffer has no other write): the page cache takes that write, and the file is cut to its length."""
+    real, refused, last = os.pwrite, [], size // direct_file.STAGE_BYTES * direct_file.STAGE_BYTES
+
+    def pwrite(fd, data, offset):
+        if offset == last and not refused:  # close's write: the last block, padded
+            refused.append(len(data))
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    data = os.urandom(size)
+    with DirectFile(tmp_path / "f") as out:
+        out.write(data)
+    assert refused == [-(-5000 // BLOCK) * BLOCK] and not out.direct
+    assert (tmp_path / "f").read_bytes() == data
+
+
+def test_no_descriptor_is_left_open_when_the_staging_buffers_cannot_be_had(tmp_path, monkeypatch):
+    def no_memory():
+        raise MemoryError
+
+    monkeypatch.setattr(direct_file, "_take_buffers", no_memory)
+    before = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(MemoryError):
+        DirectFile(tmp_path / "f")
+    assert set(os.listdir("/proc/self/fd")) == before

@@ -323,14 +323,36 @@ def test_the_last_checkpoint_is_written_from_the_state_itself_before_training_en
     assert saved.keys() and all(torch.equal(saved[k], v) for k, v in trainer.model.state_dict().items() if k in saved)
 
 
-def test_a_checkpoint_waits_for_the_one_in_flight_and_says_so(tmp_path, factory, slow_writes, monkeypatch, caplog):
+def test_a_checkpoint_waits_for_the_one_in_flight_and_says_so(tmp_path, factory, monkeypatch, caplog):
+    """Each background write but the last (which the loop waits for) is held until the next checkpoint's save has
+    begun, and goes on for longer than the wait that is reported: every checkpoint waits for the one before, whatever
+    the speed of the machine and its disk."""
     monkeypatch.setattr(asynchronous, "LONG_WAIT_S", 0.1)
+    begun, changed = [], threading.Condition()
+    real_save, real_write = folders.save_checkpoint, job.CheckpointJob.write_later
+
+    def save_checkpoint(facade, run, trial=None):
+        with changed:
+            begun.append(facade.state.global_step)
+            changed.notify_all()
+        return real_save(facade, run, trial)
+
+    def write_later(self, file, step):
+        mine = int(self.final_dir.rsplit("-", 1)[1])
+        if not self.parallel:
+            with changed:
+                assert changed.wait_for(lambda: any(each > mine for each in begun), timeout=60)
+            time.sleep(0.3)
+        real_write(self, file, step)
+
+    monkeypatch.setattr(folders, "save_checkpoint", save_checkpoint)
+    monkeypatch.setattr(job.CheckpointJob, "write_later", write_later)
     out = tmp_path / "run"
     trainer = make_trainer(out, factory, max_steps=4, save_steps=1, save_async=True, save_total_limit=2)
     with caplog.at_level(logging.WARNING, logger="hflight.checkpoints.asynchronous"):
         trainer.train()
     waits = [r.getMessage() for r in caplog.records if "Waiting for the background write" in r.getMessage()]
-    assert waits and "checkpoint-1" in waits[0], waits
+    assert [re.search(r"checkpoint-\d+", each).group() for each in waits] == [f"checkpoint-{n}" for n in (1, 2, 3)]
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
 
 
@@ -472,3 +494,78 @@ def test_a_snapshot_is_a_copy_taken_at_the_step_boundary():
     again = writer.snapshot("model", state)
     assert again["a"] is snapshot["a"], "the buffers are reused"
     assert writer.snapshot_bytes == 12
+
+
+class WritesIntoTheCheckpoint(transformers.TrainerCallback):
+    """Writes a file of its own into ``checkpoint-N`` at ``on_save`` (as PEFT's and other save callbacks do)."""
+
+    def __init__(self, text):
+        self.text = text
+
+    def on_save(self, args, state, control, **kwargs):
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        folder.mkdir(exist_ok=True)
+        (folder / "extra.txt").write_text(f"{self.text} {state.global_step}")
+
+
+@pytest.mark.parametrize("save_async", [False, True], ids=["synchronous", "save_async"])
+def test_what_on_save_writes_into_the_checkpoint_stays_in_it(tmp_path, factory, slow_writes, save_async):
+    """Files a callback writes into ``checkpoint-N`` at on_save are in every checkpoint, in both write modes (with
+    save_async, on_save comes before the background publication, which takes them into the folder it publishes), also
+    where the checkpoint replaces a folder of the same name (a second run into the same output folder)."""
+    out = tmp_path / "run"
+    for text in ("first", "second"):
+        trainer = make_trainer(out, factory, max_steps=6, save_steps=2, save_async=save_async,
+                               callbacks=[WritesIntoTheCheckpoint(text)])  # fmt: skip
+        trainer.train()
+        for step in (2, 4, 6):
+            assert (out / f"checkpoint-{step}" / "extra.txt").read_text() == f"{text} {step}", (text, step)
+            assert verify_checkpoint(out / f"checkpoint-{step}", full=True) is not None
+    assert not list(out.glob(".tmp-*"))
+
+
+def test_a_snapshot_keeps_keys_that_print_alike_apart():
+    """A dict with the keys ``1`` and ``"1"`` holds two tensors: two buffers."""
+    writer = asynchronous.CheckpointWriter(asynchronous=True)
+    snapshot = writer.snapshot("optimizer", {"state": {1: torch.ones(2), "1": torch.zeros(2)}})
+    assert torch.equal(snapshot["state"][1], torch.ones(2)) and torch.equal(snapshot["state"]["1"], torch.zeros(2))
+    assert writer.snapshot_bytes == 16
+
+
+@pytest.mark.parametrize("save_async", [False, True], ids=["synchronous", "save_async"])
+def test_a_failed_rotation_is_logged_and_the_run_goes_on(tmp_path, factory, monkeypatch, caplog, save_async):
+    """Removing an older checkpoint fails after the new one is published: the new one is whole, the old one is left,
+    the failure is logged and training goes on (transformers' rotation ignores such failures too)."""
+
+    def refused(folder):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(folder))
+
+    monkeypatch.setattr(folders, "remove_checkpoint", refused)
+    out = tmp_path / "run"
+    trainer = make_trainer(out, factory, max_steps=6, save_steps=2, save_async=save_async, save_total_limit=1)
+    with caplog.at_level(logging.WARNING, logger="hflight.checkpoints.job"):
+        trainer.train()
+    assert trainer.state.global_step == 6
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    assert all(verify_checkpoint(out / f"checkpoint-{n}", full=True) is not None for n in (2, 4, 6))
+    warnings = [
+        r.getMessage() for r in caplog.records if "removing older checkpoints after it failed" in r.getMessage()
+    ]
+    assert len(warnings) == 2 and "Permission denied" in warnings[0], warnings
+
+
+def test_a_background_failure_that_is_not_a_write_failure_leaves_no_unfinished_folder(tmp_path, factory, monkeypatch):
+    real = torch_file.save
+
+    def bug(obj, path, *args, **kwargs):
+        if "checkpoint-4" in str(path):
+            raise ValueError("a bug in the writer")
+        return real(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch_file, "save", bug)
+    out = tmp_path / "run"
+    trainer = make_trainer(out, factory, max_steps=8, save_steps=2, save_async=True)
+    with pytest.raises(ValueError, match="a bug in the writer"):
+        trainer.train()
+    assert get_last_checkpoint(out) == str(out / "checkpoint-2")
+    assert not list(out.glob(".tmp-*"))

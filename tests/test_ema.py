@@ -11,6 +11,8 @@ from safetensors.torch import load_file
 from hflight import Trainer, TrainingArguments
 from hflight.callbacks.ema import EMACallback
 
+from .support import torch_file_records
+
 
 class Snapshots(transformers.TrainerCallback):
     """Raw parameters (and the EMA's average, when given) after every optimizer step."""
@@ -133,3 +135,28 @@ def test_average_survives_resume(tmp_path, factory):
     resumed_losses = [e["loss"] for e in resumed.state.log_history if "loss" in e and e["step"] > 6]
     assert len(resumed_losses) == 6
     assert resumed_losses == pytest.approx(full_losses, rel=1e-6)
+
+
+def test_save_async_writes_the_synchronous_run_s_checkpoints_last_included(tmp_path, factory):
+    """With save_async the model files are written from a copy: the averaged weights' copy, for the run's last
+    checkpoint too (written from the state itself otherwise), so both runs' checkpoints are the same files, the
+    tensor archives record for record (save_async writes torch's records in its own framing)."""
+    runs = {}
+    for save_async in (False, True):
+        out = tmp_path / f"async-{save_async}"
+        trainer = _trainer(out, factory, [EMACallback(decay=0.5)], max_steps=4, save_strategy="steps", save_steps=2,
+                           save_async=save_async)  # fmt: skip
+        trainer.train()
+        runs[save_async] = out, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    (sync, averaged), (background, _) = runs[False], runs[True]
+    for name in ("checkpoint-2", "checkpoint-4"):
+        a, b = sync / name, background / name
+        assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir())
+        differ = [p.name for p in sorted(a.iterdir()) if p.read_bytes() != (b / p.name).read_bytes()]
+        assert set(differ) <= {"checkpoint_manifest.json", "optimizer.pt", "training_args.bin"}, (name, differ)
+        for archive in ("optimizer.pt", "ema_state.pt"):
+            ours, theirs = torch_file_records(a / archive), torch_file_records(b / archive)
+            assert [k for k in ours if ours[k] != theirs[k]] in ([], [".data/serialization_id"]), (name, archive)
+    last = load_file(str(background / "checkpoint-4" / "model.safetensors"))
+    for name, value in averaged.items():  # the model ends with the averaged weights: those of the last checkpoint
+        assert torch.equal(last[name], value), name

@@ -3,6 +3,8 @@ the interpreter lock; the same records as torch.save, read by torch.load in ever
 
 from __future__ import annotations
 
+import io
+import logging
 import struct
 import zipfile
 
@@ -101,3 +103,64 @@ def test_the_hasher_sees_every_byte_of_the_file(tmp_path):
     hasher = xxhash.xxh3_128()
     torch_file.save(_state(), tmp_path / "written.pt", hasher=hasher)
     assert hasher.hexdigest() == file_digest(tmp_path / "written.pt")
+
+
+def test_the_crc_of_a_record_is_carried_across_its_chunks(tmp_path, monkeypatch):
+    """A record's CRC-32 is computed a chunk at a time (64 MiB, the lock released for each): the chunk lowered so
+    that every storage spans several, each record's CRC still checks and the records are torch.save's."""
+    monkeypatch.setattr(torch_file, "_CHUNK", 1000)  # the 64x32 float weight: 9 chunks
+    state = _state()
+    torch.save(state, tmp_path / "reference.pt")
+    torch_file.save(state, tmp_path / "written.pt")
+    with zipfile.ZipFile(tmp_path / "written.pt") as archive:
+        assert archive.testzip() is None
+    ours, theirs = torch_file_records(tmp_path / "written.pt"), torch_file_records(tmp_path / "reference.pt")
+    assert [name for name in ours if ours[name] != theirs.get(name)] == [".data/serialization_id"]
+
+
+@pytest.fixture
+def fresh_probe():
+    """The module's check of this torch, made again in the test and again after it."""
+    torch_file._torch_records.cache_clear()
+    yield
+    torch_file._torch_records.cache_clear()
+
+
+def test_every_record_torch_s_writer_adds_at_the_end_is_carried_in_its_place(tmp_path, monkeypatch, fresh_probe):
+    """A torch whose writer ends its archives with one more record (after the serialization id): the file has it too,
+    with torch's bytes, in torch's order."""
+    real_save = torch.save
+
+    def save_with_a_new_record(obj, f, *args, **kwargs):
+        real_save(obj, f, *args, **kwargs)
+        if isinstance(f, io.BytesIO):
+            f.seek(0)
+        with zipfile.ZipFile(f, "a") as archive:
+            archive.writestr(f"{archive.namelist()[0].split('/')[0]}/.data/new_end_record", b"torch 9")
+
+    monkeypatch.setattr(torch, "save", save_with_a_new_record)
+    state = _state()
+    torch.save(state, tmp_path / "reference.pt")
+    assert torch_file.save(state, tmp_path / "written.pt") is True  # still hflight's writer
+    ours, theirs = torch_file_records(tmp_path / "written.pt"), torch_file_records(tmp_path / "reference.pt")
+    assert list(ours) == list(theirs) and list(ours)[-2:] == [".data/serialization_id", ".data/new_end_record"]
+    assert [name for name in ours if ours[name] != theirs[name]] == [".data/serialization_id"]
+
+
+def test_a_writer_whose_records_differ_from_torch_save_s_on_the_probe_gives_way_to_torch_save(
+    tmp_path, monkeypatch, fresh_probe, caplog
+):
+    """The probe written both ways at first use: where any record's bytes differ (here the byte order record, as a
+    torch that changed what ``_save`` hands its writer would make them), ``torch.save`` writes every file."""
+    real = torch_file._ZipRecords.write_record
+
+    def write_record(self, name, data, size):
+        if name == "byteorder":
+            data, size = "big", 3
+        real(self, name, data, size)
+
+    monkeypatch.setattr(torch_file._ZipRecords, "write_record", write_record)
+    with caplog.at_level(logging.WARNING, logger="hflight.checkpoints.torch_file"):
+        assert torch_file.save({"x": torch.ones(2)}, tmp_path / "written.pt") is False
+    assert "the bytes of ['byteorder'] differ" in caplog.text
+    assert torch_file_records(tmp_path / "written.pt")["byteorder"] == b"little"  # torch.save's file

@@ -53,10 +53,11 @@ class CheckpointWriter:
         self.asynchronous = asynchronous
         self.world = world
         self._thread: threading.Thread | None = None
+        self._callbacks_over: threading.Event | None = None  # the job in flight's: its on_save is over
         self._in_flight: str | None = None  # every process: the checkpoint written in the background, until all know
         self._outcome: BaseException | None = None
         self._lease = contextlib.ExitStack()
-        self._buffers: dict[tuple[str, ...], torch.Tensor] = {}
+        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
         self.snapshot_bytes = 0  # host memory the snapshot buffers hold
         #: the run folders whose own entry in their parent this run's publications made durable
         self.entries_made_durable: set[tuple[int, int]] = set()
@@ -68,8 +69,7 @@ class CheckpointWriter:
         over) and the files are written side by side on the cores the loop leaves free."""
         if not self.asynchronous:
             return CheckpointJob(folder, final_dir, None, main, self.entries_made_durable)
-        snapshot = _as_it_is if last else self.snapshot
-        return CheckpointJob(folder, final_dir, snapshot, main, self.entries_made_durable, parallel=last)
+        return CheckpointJob(folder, final_dir, self.snapshot, main, self.entries_made_durable, last=last)
 
     # ---- the snapshot ----------------------------------------------------------------------------------------------
     def snapshot(self, name: str, state: Any) -> Any:
@@ -88,7 +88,7 @@ class CheckpointWriter:
         return copy.deepcopy(state, memo)
 
     def _copy_tensor(
-        self, tensor: torch.Tensor, key: tuple[str, ...], shared: dict[tuple[Any, ...], torch.Tensor]
+        self, tensor: torch.Tensor, key: tuple[Any, ...], shared: dict[tuple[Any, ...], torch.Tensor]
     ) -> torch.Tensor:
         tensor = tensor.detach()
         identity = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape,
@@ -125,6 +125,7 @@ class CheckpointWriter:
         self.wait()
         self._in_flight = what
         if job is not None:
+            self._callbacks_over = job.callbacks_over
             self._lease.enter_context(deepspeed_left_alone())  # for the job's save_pretrained, until it is reaped
             self._thread = threading.Thread(target=self._run, args=(job,), name=f"hflight-write-{what}", daemon=False)
             self._thread.start()
@@ -134,8 +135,16 @@ class CheckpointWriter:
     def _run(self, job: CheckpointJob) -> None:
         self._outcome = job.finish()
 
+    def callbacks_done(self) -> None:
+        """The loop's ``on_save`` for the checkpoint submitted last is over (also when it raised): the background
+        write may publish the folder, with what the callbacks wrote into it. Any later call of the loop's on this
+        writer says so too (a checkpoint saved outside the loop has no ``on_save`` to wait for)."""
+        if self._callbacks_over is not None:
+            self._callbacks_over.set()
+
     def _join(self) -> None:
         """Wait for this process's write in flight, reporting a long wait."""
+        self.callbacks_done()
         thread = self._thread
         if thread is None:
             return
@@ -159,6 +168,7 @@ class CheckpointWriter:
         """Every process, at a step boundary: raise the error of a background write that failed (once), on every
         process; one small collective per step while a write is in flight, with several processes."""
         if self._in_flight is not None:
+            self.callbacks_done()
             self._settle(done=self._thread is None or not self._thread.is_alive())
 
     def _settle(self, done: bool) -> None:
@@ -170,7 +180,7 @@ class CheckpointWriter:
         views = self.world.gather_objects([(done, summary)]) if several else [(done, summary)]
         if not all(each_done for each_done, _ in views):
             return
-        self._thread, self._outcome, self._in_flight = None, None, None
+        self._thread, self._outcome, self._in_flight, self._callbacks_over = None, None, None, None
         self._lease.close()
         failed = next((each for _, each in views if each is not None), None)
         if mine is not None:
@@ -193,23 +203,20 @@ class CheckpointWriter:
             return
         self._join()
         failure, self._thread, self._outcome, self._in_flight = self._outcome, None, None, None
+        self._callbacks_over = None
         self._lease.close()
         if failure is not None:
             logger.error(f"The background checkpoint write also failed: {failure}")
 
 
-def _as_it_is(name: str, state: Any) -> Any:
-    """The last checkpoint's "snapshot": the state itself (the loop waits for the write; nothing changes it)."""
-    return state
-
-
-def _tensors(value: Any, key: tuple[str, ...]) -> Any:
-    """Every tensor in a nested state, with its path."""
+def _tensors(value: Any, key: tuple[Any, ...]) -> Any:
+    """Every tensor in a nested state, with its path (the keys themselves: a dict's ``1`` and ``"1"`` are two
+    tensors, and two buffers)."""
     if isinstance(value, torch.Tensor):
         yield key, value
     elif isinstance(value, dict):
         for k, v in value.items():
-            yield from _tensors(v, (*key, str(k)))
+            yield from _tensors(v, (*key, k))
     elif isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
-            yield from _tensors(v, (*key, str(i)))
+            yield from _tensors(v, (*key, i))

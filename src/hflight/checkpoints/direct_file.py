@@ -84,7 +84,12 @@ class DirectFile:
                 self.direct = False
         if self._fd < 0:
             self._fd = os.open(self.path, flags, 0o666)
-        self._maps = _take_buffers()
+        try:
+            self._maps = _take_buffers()
+        except BaseException:  # no memory for the staging buffers: the descriptor is not left open
+            os.close(self._fd)
+            self._fd = -1
+            raise
         self._stages = [np.frombuffer(each, dtype=np.uint8) for each in self._maps]
         self._current = 0  # the buffer being filled
         self._fill = 0  # bytes staged in it
@@ -148,15 +153,15 @@ class DirectFile:
             return
         try:
             self._wait()
-            size = self.tell()
-            if self._fill:
-                length = self._fill
-                if self.direct:
-                    length = -(-self._fill // BLOCK) * BLOCK
-                    self._stages[self._current][self._fill : length] = 0
+            size, length = self.tell(), self._fill
+            if self.direct:  # O_DIRECT writes whole blocks: the last one padded
+                length = -(-self._fill // BLOCK) * BLOCK
+                self._stages[self._current][self._fill : length] = 0
+            if length:
                 self._write_out(self._current, length, self._offset)
-            if self.direct:
-                os.ftruncate(self._fd, size)  # the padding of the last block cut off
+            if length != self._fill:
+                # the padding cut off, also where that last write fell back to the page cache (self.direct now False)
+                os.ftruncate(self._fd, size)
         finally:
             self.discard()
 

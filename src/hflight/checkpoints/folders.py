@@ -402,11 +402,15 @@ def _defer_model_files(facade: TrainerSurface, run: RunView, job: CheckpointJob,
     """``save_model``'s files with ``save_async``: the whole state dict (gathered from the shards, collective)
     copied now, written by ``facade._save`` in the background; the backend's files now."""
     backend = run.backend
+    # the weights evaluation uses (an EMA's averages) are swapped in for the save and out after it, before the job
+    # writes them: the model's state is then copied for every checkpoint, the run's last included
+    swapped = bool(run.weight_hooks("averaged_weights"))
     with run.evaluation_weights():
         state_dict = backend.hf_checkpoint_state().full_model_state(facade.model)
         if not is_main:
             return
-        snapshot = job.snapshot("model", facade.model.state_dict() if state_dict is None else state_dict)
+        state = facade.model.state_dict() if state_dict is None else state_dict
+        snapshot = job.snapshot("model", state, transient=swapped)
     _saving_checkpoint(job.folder)
     job.write(None, lambda: backend.hf_save_files(job.folder))
     job.later(None, lambda: facade._save(job.folder, state_dict=snapshot))

@@ -20,9 +20,11 @@ from __future__ import annotations
 import concurrent.futures
 import errno
 import functools
+import logging
 import os
 import re
 import shutil
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,8 @@ from hflight._util import exception_chain
 from hflight.checkpoints import torch_file
 from hflight.checkpoints.manifest import Checksums, new_digest, write_manifest
 from hflight.checkpoints.names import MANIFEST_NAME, REPLACED_SUFFIX, TMP_PREFIX
+
+logger = logging.getLogger(__name__)
 
 Step = Callable[[], Any]
 
@@ -123,8 +127,10 @@ class CheckpointJob:
     ``snapshot(name, state)``: the background writer's copy of a state (``save_async``: the tensor files are written
     later from it); None: every file is written now. ``main``: this process publishes the folder (the others write
     their part now and finish nothing). ``entries_made_durable``: the run's record of the run folders whose entry in
-    their parent it made durable (``hflight.durable.publish_folder``). ``parallel``: :meth:`finish` writes the files
-    left for later side by side, one thread each (the training loop is waiting for this job: its cores are free)."""
+    their parent it made durable (``hflight.durable.publish_folder``). ``last``: training ends after this checkpoint
+    and the loop waits for the job, so nothing changes the state before it is written: a state is copied only where
+    the loop itself changes it back before the job runs (``snapshot(..., transient=True)``), and :meth:`finish` writes
+    the files left for later side by side, one thread each (the loop's cores are free)."""
 
     def __init__(
         self,
@@ -133,9 +139,9 @@ class CheckpointJob:
         snapshot: Callable[[str, Any], Any] | None,
         main: bool,
         entries_made_durable: set[tuple[int, int]],
-        parallel: bool = False,
+        last: bool = False,
     ) -> None:
-        self.folder, self.final_dir, self.main, self.parallel = folder, final_dir, main, parallel
+        self.folder, self.final_dir, self.main, self.parallel = folder, final_dir, main, last
         self.what = f"checkpoint {final_dir}"
         self._snapshot = snapshot
         self._entries_made_durable = entries_made_durable
@@ -145,6 +151,11 @@ class CheckpointJob:
         self._rotate: Step = lambda: None
         # synchronous: the loop's thread finishes the job, so it hashes each file as soon as it is written
         self._checksums = Checksums() if main and snapshot is None else None
+        # In the background (the last checkpoint apart, published before the loop goes on), the loop's on_save comes
+        # before the publication: what its callbacks write into final_dir (made by them, or the folder this one
+        # replaces) goes into this checkpoint, as in transformers, whose on_save comes after the folder is complete.
+        self.callbacks_over = threading.Event()
+        self._found = _entries(final_dir) if main and self.background and not last else None
 
     @property
     def background(self) -> bool:
@@ -175,7 +186,7 @@ class CheckpointJob:
             torch.save(obj, path)
             return
         name = os.path.basename(path)
-        copy = self._snapshot(name, obj)
+        copy = self.snapshot(name, obj)
         self._later.append((name, lambda: self._save_later(copy, path)))
 
     def _save_later(self, obj: Any, path: str) -> None:
@@ -185,9 +196,14 @@ class CheckpointJob:
         if torch_file.save(obj, path, hasher) and self._finishing is not None:
             self._finishing.add_hashed(path, hasher.hexdigest())
 
-    def snapshot(self, name: str, state: Any) -> Any:
-        """``state`` as the job writes it later: a copy taken now (``save_async``), or itself."""
-        return self._snapshot(name, state) if self._snapshot is not None else state
+    def snapshot(self, name: str, state: Any, transient: bool = False) -> Any:
+        """``state`` as the job writes it later: a copy taken now (``save_async``), or itself (synchronous; the run's
+        last checkpoint, which nothing changes before it is written). ``transient``: the loop changes ``state``
+        before the job runs even so (the weights evaluation uses, swapped in for the save and out after it): copied
+        for the last checkpoint too."""
+        if self._snapshot is None or (self.parallel and not transient):
+            return state
+        return self._snapshot(name, state)
 
     def later(self, file: str | None, step: Step) -> None:
         """Run ``step`` (writing ``file``) when the job is finished; now when it is finished on this thread."""
@@ -229,10 +245,20 @@ class CheckpointJob:
             finally:
                 self._finishing = None
                 checksums.close()
-            self._rotate()
         except BaseException as exc:  # noqa: BLE001 - returned: raised on the training loop's thread
             return exc
+        self._retire_older()
         return None
+
+    def _retire_older(self) -> None:
+        """The rotation of older checkpoints, once this one is published: a failure there (a folder that cannot be
+        moved aside) is logged and leaves that folder, as transformers' rotation ignores it; the checkpoint written
+        is whole and the run goes on."""
+        try:
+            self._rotate()
+        except Exception as exc:
+            logger.warning(f"{self.final_dir} is saved, but removing older checkpoints after it failed "
+                           f"({type(exc).__name__}: {exc}); they are left as they are.")  # fmt: skip
 
     def _run(self, file: str | None, step: Step, checksums: Checksums) -> BaseException | None:
         failure = self._attempt(step, checksums)
@@ -250,7 +276,12 @@ class CheckpointJob:
         return None
 
     def _as_write_error(self, exc: Exception, file: str | None) -> BaseException:
-        return write_error(exc, self.folder, self.what, file, discard=True) or exc
+        """``exc`` as a :class:`CheckpointWriteError` (a write failure), else as it is; either way the unfinished
+        folder is removed (it will never be published)."""
+        error = write_error(exc, self.folder, self.what, file, discard=True)
+        if error is None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+        return error or exc
 
     def _run_side_by_side(self, steps: list[tuple[str | None, Step]], checksums: Checksums) -> BaseException | None:
         """``steps`` at once, the first on this thread, each other on one of its own; the first that failed (in
@@ -279,4 +310,44 @@ class CheckpointJob:
         checksums' thread fsynced as they were complete are not fsynced again."""
         final = Path(self.final_dir)
         replaced = final.with_name(f"{TMP_PREFIX}{final.name}{REPLACED_SUFFIX}")
+        if self._found is not None:
+            self.callbacks_over.wait()
+            self._take_callbacks_files()
         durable.publish_folder(self.folder, final, replaced, checksums.synced(), self._entries_made_durable)
+
+    def _take_callbacks_files(self) -> None:
+        """The entries the loop's ``on_save`` callbacks wrote into ``final_dir`` while this checkpoint was written
+        (new or changed since the job was made) moved into the folder about to be published (over a file of the same
+        name, as a callback's file written after a synchronous save replaces it)."""
+        taken = [name for name, found in _entries(self.final_dir).items() if self._found.get(name) != found]
+        for name in taken:
+            target = os.path.join(self.folder, name)
+            if os.path.isdir(target) and not os.path.islink(target):
+                shutil.rmtree(target)
+            elif os.path.lexists(target):
+                os.remove(target)
+            os.replace(os.path.join(self.final_dir, name), target)
+        if taken:
+            logger.info(f"{', '.join(taken)}, written into {self.final_dir} by on_save while it was written in the "
+                        "background, kept in it.")  # fmt: skip
+
+
+def _entries(folder: str) -> dict[str, tuple[Any, ...]]:
+    """What is in ``folder``, by name: for each entry, every file under it with its inode, size and times (an entry
+    written or changed gets another value)."""
+    if not os.path.isdir(folder):
+        return {}
+    found = {}
+    for entry in os.scandir(folder):
+        paths = [entry.path]
+        if entry.is_dir(follow_symlinks=False):
+            paths += sorted(
+                os.path.join(root, name) for root, dirs, files in os.walk(entry.path) for name in dirs + files
+            )
+        found[entry.name] = tuple((path, *_stat(path)) for path in paths)
+    return found
+
+
+def _stat(path: str) -> tuple[int, int, int, int]:
+    info = os.lstat(path)
+    return info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns

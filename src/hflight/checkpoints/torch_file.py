@@ -12,9 +12,12 @@ for every large copy and write). Zip64 records and directories where sizes or of
 torch's reader expect.
 
 The records are torch's own: the pickle, the storages and their keys come from ``torch.serialization._save`` (the
-function ``torch.save`` calls), given this module's zip writer in place of torch's; the version record is the one
-this torch writes. ``torch.load`` (with ``weights_only``, with ``mmap``) reads the file as it reads ``torch.save``'s.
-Where this torch's ``_save`` is not the function this module was written against, :func:`save` is ``torch.save``.
+function ``torch.save`` calls), given this module's zip writer in place of torch's; the records torch's own writer
+adds at the end (the version, and any other this torch adds) are copied from an archive this torch wrote.
+``torch.load`` (with ``weights_only``, with ``mmap``) reads the file as it reads ``torch.save``'s. ``_save`` is
+torch's private function: at first use a probe state is written both ways, and where this torch's ``_save`` is not
+the function this module was written against, or the records differ in any name, order or byte (the random
+serialization id apart), :func:`save` is ``torch.save`` (and says so once in the log).
 
 May import: ``hflight.checkpoints.direct_file``.
 """
@@ -24,9 +27,11 @@ from __future__ import annotations
 import functools
 import inspect
 import io
+import logging
 import os
 import pickle
 import struct
+import tempfile
 import uuid
 import zipfile
 import zlib
@@ -35,6 +40,8 @@ from typing import Any
 import torch
 
 from hflight.checkpoints.direct_file import DirectFile
+
+logger = logging.getLogger(__name__)
 
 #: torch aligns every storage's bytes in its archive to this (``torch.serialization._get_storage_alignment``)
 _DEFAULT_ALIGNMENT = 64
@@ -45,6 +52,8 @@ _CHUNK = 64 << 20  # bytes handed to one crc32 (the lock released for each)
 _ZIP64_LIMIT = 0xFFFFFFFF
 _DOS_DATE = (1980 - 1980) << 9 | 1 << 5 | 1  # 1980-01-01, as torch's and zipfile's fixed-date records
 _STORED_VERSION, _ZIP64_VERSION = 20, 45
+#: the record torch's writer fills with a random id for each file
+_SERIALIZATION_ID = ".data/serialization_id"
 
 
 def _alignment() -> int:
@@ -52,19 +61,75 @@ def _alignment() -> int:
     return int(get()) if get is not None else _DEFAULT_ALIGNMENT
 
 
+def _probe() -> dict[str, Any]:
+    """A small state with what checkpoints hold: several dtypes, shared storage, a view, an empty tensor, nesting
+    (built without drawing random numbers: the probe runs inside a training run)."""
+    weight = torch.arange(96, dtype=torch.float32).reshape(12, 8)
+    return {
+        "weight": weight,
+        "tied": weight,
+        "view": weight[2:5],
+        "half": torch.arange(6, dtype=torch.bfloat16),
+        "ints": torch.arange(4, dtype=torch.int64),
+        "empty": torch.empty(0),
+        "nested": {"step": 3, "moments": [torch.ones(3), torch.zeros(2, 2)], "name": "adamw"},
+    }
+
+
+def _records(data: bytes | str | os.PathLike) -> list[tuple[str, bytes]]:
+    """An archive's records in order, by name without the archive's folder."""
+    source = io.BytesIO(data) if isinstance(data, bytes) else data
+    with zipfile.ZipFile(source) as archive:
+        return [(info.filename.split("/", 1)[1], archive.read(info)) for info in archive.infolist()]
+
+
+class _RecordNames:
+    """A writer for ``torch.serialization._save`` that keeps only the names of the records it is given."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+
+    def write_record(self, name: str, data: Any, size: int) -> None:
+        self.names.add(name)
+
+    def write_record_metadata(self, name: str, size: int) -> None:
+        self.names.add(name)
+
+
 @functools.cache
-def _torch_records() -> dict[str, bytes] | None:
-    """The records ``torch.save`` writes itself at the end of an archive (``version``), from an empty save; None
-    when this torch's ``_save`` is not the one this module drives."""
+def _torch_records() -> list[tuple[str, bytes | None]] | None:
+    """The records ``torch.save``'s own writer adds at the end of an archive, in its order (the version, the
+    serialization id, and whatever else this torch adds; None in place of the serialization id, written anew for each
+    file), once this module's writer is seen, on a probe state, to give ``torch.save``'s records exactly (names,
+    order, bytes; the serialization id apart). None where it does not, or where this torch's ``_save`` is not the
+    function this module drives: ``torch.save`` is used then."""
     save = getattr(torch.serialization, "_save", None)
     expected = ["obj", "zip_file", "pickle_module", "pickle_protocol", "_disable_byteorder_record"]
     if save is None or list(inspect.signature(save).parameters) != expected:
-        return None
+        return _differs("torch.serialization._save has another signature")
     buffer = io.BytesIO()
-    torch.save({}, buffer)
-    with zipfile.ZipFile(io.BytesIO(buffer.getvalue())) as archive:
-        records = {info.filename.split("/", 1)[1]: archive.read(info) for info in archive.infolist()}
-    return {"version": records["version"]} if "version" in records else None
+    torch.save(_probe(), buffer)
+    reference = _records(buffer.getvalue())
+    written_by_save = _RecordNames()
+    save(_probe(), written_by_save, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
+    end = [(name, None if name == _SERIALIZATION_ID else data) for name, data in reference
+           if name not in written_by_save.names]  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="hflight-torch-file-") as folder:
+        path = os.path.join(folder, "probe.pt")
+        _write(_probe(), path, None, end)
+        ours = _records(path)
+    if [name for name, _ in ours] != [name for name, _ in reference]:
+        return _differs(f"records {[n for n, _ in ours]} where torch.save writes {[n for n, _ in reference]}")
+    differing = [a for (a, x), (_, y) in zip(ours, reference) if x != y and a != _SERIALIZATION_ID]
+    if differing:
+        return _differs(f"the bytes of {differing} differ from torch.save's")
+    return end
+
+
+def _differs(why: str) -> None:
+    logger.warning(f"torch.save writes the background checkpoint writer's tensor files: hflight's writer does not "
+                   f"give this torch's archive ({why}).")  # fmt: skip
+    return None
 
 
 def _storage_bytes(storage: Any) -> memoryview:
@@ -110,12 +175,13 @@ class _ZipRecords:
     def write_record_metadata(self, name: str, size: int) -> None:
         raise NotImplementedError("hflight's torch file writer writes the data (torch's skip_data is not supported)")
 
-    def close(self, records: dict[str, bytes]) -> None:
-        """The records torch's writer adds at the end (the version, the serialization id), then the directory."""
-        for name, data in records.items():
+    def close(self, records: list[tuple[str, bytes | None]]) -> None:
+        """The records torch's writer adds at the end (None: a serialization id of this file's own), then the
+        directory."""
+        for name, data in records:
+            if data is None:
+                data = f"{uuid.uuid4().int:040d}"[:40].encode("ascii")
             self.write_record(name, data, len(data))
-        serialization_id = f"{uuid.uuid4().int:040d}"[:40].encode("ascii")
-        self.write_record(".data/serialization_id", serialization_id, len(serialization_id))
         start = self._out.tell()
         for filename, crc, size, offset in self._entries:
             large_size, large_offset = size >= _ZIP64_LIMIT, offset >= _ZIP64_LIMIT
@@ -146,9 +212,14 @@ def save(obj: Any, path: str | os.PathLike, hasher: Any = None) -> bool:
     if records is None:
         torch.save(obj, path)
         return False
+    _write(obj, path, hasher, records)
+    return True
+
+
+def _write(obj: Any, path: str | os.PathLike, hasher: Any, records: list[tuple[str, bytes | None]]) -> None:
+    """``obj``'s archive into ``path`` through this module's writer, ending with ``records`` (torch's end records)."""
     archive = os.path.splitext(os.path.basename(os.fspath(path)))[0] or "archive"
     with DirectFile(path, hasher) as out:
         writer = _ZipRecords(out, archive, _alignment())
         torch.serialization._save(obj, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
         writer.close(records)
-    return True

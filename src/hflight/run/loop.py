@@ -315,7 +315,10 @@ class TrainingLoop:
     def _save(self, model: torch.nn.Module, trial: Any) -> None:
         self.facade._save_checkpoint(model, trial)
         self.saved_step = self.facade.state.global_step
-        dispatch(self.facade, "on_save")
+        try:
+            dispatch(self.facade, "on_save")
+        finally:  # save_async: the folder is published after on_save, with what its callbacks wrote into it
+            self.run.checkpoint_writer.callbacks_done()
 
     def _warn_if_nonfinite(self, logs: dict[str, float]) -> None:
         """Once per ``train()``: the first logged loss or gradient norm that is NaN or infinite."""
