@@ -569,3 +569,29 @@ def test_a_background_failure_that_is_not_a_write_failure_leaves_no_unfinished_f
         trainer.train()
     assert get_last_checkpoint(out) == str(out / "checkpoint-2")
     assert not list(out.glob(".tmp-*"))
+
+
+def test_a_file_system_that_opens_with_o_direct_and_refuses_its_writes_gets_whole_checkpoints(
+    tmp_path, factory, monkeypatch
+):
+    """Every O_DIRECT write refused (EINVAL, as some FUSE and network file systems do after taking the open): the
+    background writer's files go through the page cache, their lengths exact, so the checkpoints verify and resume."""
+    import fcntl
+
+    real, refused = os.pwrite, []
+
+    def pwrite(fd, data, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(fd)
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    out = tmp_path / "run"
+    make_trainer(out, factory, max_steps=4, save_steps=2, save_async=True).train()
+    assert refused, "the writer tried O_DIRECT"
+    for step in (2, 4):
+        verify_checkpoint(out / f"checkpoint-{step}", full=True)
+    resumed = make_trainer(out, factory, max_steps=4, save_steps=2)
+    resumed.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert resumed.state.global_step == 4
