@@ -43,6 +43,10 @@ WEIGHT_FILES = (SAFE_WEIGHTS_NAME, "model.safetensors.index.json", "pytorch_mode
 CONFIG_NAME = "config.json"
 CONFIG_FILES = (CONFIG_NAME, "generation_config.json")
 SHARD_RE = re.compile(r"^(?:model|pytorch_model)(?:-[\w.]+)?-\d{5}-of-\d{5}\.(?:safetensors|bin)$")
+#: a PEFT model's adapters (PEFT's names: safetensors first), the first adapter's at the top, each other's in a
+#: subfolder named after it
+ADAPTER_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+ADAPTER_CONFIG_NAME = "adapter_config.json"
 
 # ---- a sharded run's states (accelerate's names; index 0: the Trainer's one model and optimizer) ---------------
 FSDP_MODEL_FILE = "pytorch_model_fsdp.bin"

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 from transformers.trainer_callback import ExportableState, TrainerState
 
+from hflight.checkpoints.adapters import is_adapter_file
 from hflight.checkpoints.files import (
     UnsafeCheckpointFile,
     load_failure,
@@ -84,7 +85,7 @@ class Part:
 
 
 PARTS: tuple[Part, ...] = (
-    Part("model", lambda name: is_weight_file(name) or name in CONFIG_FILES),
+    Part("model", lambda name: is_weight_file(name) or name in CONFIG_FILES or is_adapter_file(name)),
     Part("training arguments", lambda name: name == TRAINING_ARGS_NAME),
     Part("optimizer", lambda name: part_of_form(name) == "optimizer"),  # each form's file or folder
     Part("scheduler", lambda name: name == SCHEDULER_NAME),

@@ -284,4 +284,4 @@ def load_best_model(facade: TrainerSurface, run: RunView | None = None) -> None:
     if form is not None and form.engine is not None:  # the engine reads its own, as transformers'
         run.backend.hf_checkpoint_state().restore(Path(best), module_only=True)
         return
-    load_model_weights(facade.model, best)
+    load_model_weights(facade.model, best, resuming=False)

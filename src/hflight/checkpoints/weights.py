@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from transformers.utils import logging as hf_logging
 
+from hflight.checkpoints.adapters import adapter_files, checked_adapters, is_adapter_file, is_peft_model
 from hflight.checkpoints.files import (
     IncompleteCheckpointError,
     UnsafeCheckpointFile,
@@ -46,6 +47,7 @@ from hflight.checkpoints.files import (
 )
 from hflight.checkpoints.forms import own_weight_files, part_of_form
 from hflight.checkpoints.names import (
+    ADAPTER_WEIGHT_FILES,
     CONFIG_FILES,
     CONFIG_NAME,
     FSDP_MODEL_DIR,
@@ -77,8 +79,15 @@ def is_sharded_run_form(name: str) -> bool:
 
 
 def is_weight_file(name: str) -> bool:
-    """A file of the model's weights: transformers' files and shards, or a checkpoint form's own."""
-    return name in WEIGHT_FILES or bool(SHARD_RE.match(PurePosixPath(name).name)) or is_sharded_run_form(name)
+    """A file of the model's weights: transformers' files and shards, a PEFT model's adapters, or a checkpoint form's
+    own."""
+    base = PurePosixPath(name).name
+    return (
+        name in WEIGHT_FILES
+        or bool(SHARD_RE.match(base))
+        or (is_adapter_file(name) and base in ADAPTER_WEIGHT_FILES)
+        or is_sharded_run_form(name)
+    )
 
 
 def read_weight_map(index_file: Path) -> dict[str, str]:
@@ -103,13 +112,14 @@ def shard_names(index_file: Path) -> list[str]:
 
 def weights_in_use(folder: str | os.PathLike) -> list[str]:
     """The weight files a load reads, transformers' way: the first of ``WEIGHT_FILES`` present (an index with the
-    shards it names), else a checkpoint form's own (``hflight.checkpoints.forms``: ``pytorch_model_fsdp.bin``, the
-    files of ``pytorch_model_fsdp_0/``, DeepSpeed's partitions); empty when the folder has none."""
+    shards it names), else a PEFT model's adapters (``hflight.checkpoints.adapters``), else a checkpoint form's own
+    (``hflight.checkpoints.forms``: ``pytorch_model_fsdp.bin``, the files of ``pytorch_model_fsdp_0/``, DeepSpeed's
+    partitions); empty when the folder has none."""
     for name in WEIGHT_FILES:
         path = regular_file(folder, name)
         if path is not None:
             return [name, *shard_names(path)] if name.endswith(".index.json") else [name]
-    return own_weight_files(folder)
+    return adapter_files(folder) or own_weight_files(folder)
 
 
 _hf_logger = hf_logging.get_logger("transformers.trainer")  # transformers' own line, as its Trainer writes it
@@ -412,8 +422,10 @@ def _check_architecture(model: torch.nn.Module, folder: Path) -> None:
         )
 
 
-def checked_weights(model: torch.nn.Module, folder: str | Path) -> Callable[[], None]:
+def checked_weights(model: torch.nn.Module, folder: str | Path, resuming: bool = True) -> Callable[[], None]:
     """Check the weights in ``folder`` against ``model`` without touching it; return a function that copies them in.
+    A PEFT model's adapters load as transformers loads them (``hflight.checkpoints.adapters``: ``resuming``, every
+    adapter, else the best model's active one).
 
     Raises:
         ValueError: no weights file, an unreadable file, a config for another architecture, or keys/shapes that
@@ -421,6 +433,15 @@ def checked_weights(model: torch.nn.Module, folder: str | Path) -> Callable[[], 
     """
     folder = Path(folder)
     weights = _weights_file(folder)
+    if weights.name in ADAPTER_WEIGHT_FILES or weights.is_dir() and adapter_files(weights):
+        if not is_peft_model(model):
+            raise ValueError(
+                f"Checkpoint {folder} holds PEFT adapters ({weights.name}), not a whole model, and "
+                f"{type(model).__name__} is not a PEFT model: give the Trainer the model with its adapters "
+                "(peft.get_peft_model(base, config), or PeftModel.from_pretrained(base, folder)), as when it was "
+                "trained."
+            )
+        return checked_adapters(model, folder, resuming)
     _check_architecture(model, folder)
     sources = _sources(weights)
     check_weights(model, sources, weights)
@@ -441,6 +462,6 @@ def _each(sources: list[_Source]) -> Iterator[dict[str, torch.Tensor]]:
         yield source.tensors()
 
 
-def load_model_weights(model: torch.nn.Module, folder: str | Path) -> None:
+def load_model_weights(model: torch.nn.Module, folder: str | Path, resuming: bool = True) -> None:
     """Check, then load, a checkpoint's weights into ``model`` in place (see :func:`checked_weights`)."""
-    checked_weights(model, folder)()
+    checked_weights(model, folder, resuming)()

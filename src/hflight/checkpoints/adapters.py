@@ -1,0 +1,135 @@
+"""PEFT adapters as a checkpoint's model files, written and loaded as transformers' Trainer does.
+
+A PEFT model's ``save_pretrained`` (what ``save_model`` calls) writes its adapters, not the frozen base model: the
+first adapter (``"default"``) as ``adapter_model.safetensors`` with its ``adapter_config.json`` at the top of the
+folder, every other adapter in a subfolder named after it. transformers' Trainer resumes such a checkpoint with
+``load_adapter`` (the active adapter trainable; with adapters in subfolders, each loaded under its folder's name and
+the active one set again) and loads the best checkpoint's active adapter at the end the same way; so does hflight,
+after checking every adapter file it will read against the model before anything changes: the file's keys and
+shapes are those the model's adapter of that name would save (PEFT's ``get_peft_model_state_dict``, the names
+``save_pretrained`` writes), and an adapter the model lacks must come with its ``adapter_config.json`` (PEFT adds it
+from there, as ``load_adapter`` does). A file that does not fit raises a ``ValueError`` naming it, the model left as
+it was.
+
+May import: ``hflight.checkpoints.files``, ``hflight.checkpoints.names``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hflight.checkpoints.files import regular_file
+from hflight.checkpoints.names import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHT_FILES
+
+_MAX_LISTED = 5
+
+
+def is_peft_model(model: Any) -> bool:
+    """Whether ``model`` is a PEFT model (transformers' test: PEFT installed, an instance of its model classes)."""
+    from transformers.trainer_utils import _is_peft_model
+
+    return _is_peft_model(model)
+
+
+def _adapter_file(folder: str | os.PathLike) -> str | None:
+    """The adapter weights directly in ``folder`` (safetensors first, as PEFT reads them)."""
+    return next((name for name in ADAPTER_WEIGHT_FILES if regular_file(folder, name) is not None), None)
+
+
+def adapter_subfolders(folder: str | os.PathLike) -> list[str]:
+    """The subfolders of ``folder`` holding an adapter (transformers' test: an adapter weights file in it)."""
+    if not os.path.isdir(folder):
+        return []
+    return sorted(e.name for e in os.scandir(folder) if e.is_dir(follow_symlinks=False) and _adapter_file(e.path))
+
+
+def adapter_files(folder: str | os.PathLike) -> list[str]:
+    """The adapter weight files of ``folder`` a load reads (as a manifest names them): the top one, then each
+    subfolder's; empty when there are none."""
+    top = _adapter_file(folder)
+    nested = [f"{name}/{_adapter_file(os.path.join(folder, name))}" for name in adapter_subfolders(folder)]
+    return ([top] if top else []) + nested
+
+
+def is_adapter_file(name: str) -> bool:
+    """A file of a checkpoint's adapters (weights or config; ``name`` as a manifest names it: at the top, or one
+    subfolder down)."""
+    parts = name.split("/")
+    return len(parts) <= 2 and parts[-1] in (*ADAPTER_WEIGHT_FILES, ADAPTER_CONFIG_NAME)
+
+
+def _loads(model: Any, folder: Path) -> list[tuple[Path, str, bool]]:
+    """transformers' loads of ``folder``'s adapters into ``model``: (adapter folder, adapter name, trainable), in its
+    order."""
+    active = model.active_adapters[0]
+    subfolders = adapter_subfolders(folder)
+    if not subfolders:
+        return [(folder, active, True)]
+    loads = [(folder, "default", active == "default")] if _adapter_file(folder) else []
+    return loads + [(folder / name, name, name == active) for name in subfolders]
+
+
+def _saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            return {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}  # noqa: SIM118 - not a dict
+    return {key: tuple(value.shape) for key, value in torch.load(path, map_location="cpu", weights_only=True).items()}
+
+
+def _check_adapter(model: Any, folder: Path, name: str) -> None:
+    """Raise a ValueError naming the file unless ``folder``'s adapter fits the model's adapter ``name``."""
+    from peft import get_peft_model_state_dict
+
+    weights = folder / _adapter_file(folder)
+    if name not in model.peft_config:
+        if regular_file(folder, ADAPTER_CONFIG_NAME) is None:
+            raise ValueError(f"Checkpoint adapter {weights} has no {ADAPTER_CONFIG_NAME} beside it: it cannot be added "
+                             f"to the model as adapter {name!r}.")  # fmt: skip
+        return  # a new adapter: PEFT builds it from that config, then loads the file into it
+    try:
+        found = _saved_shapes(weights)
+    except Exception as exc:
+        raise ValueError(f"Checkpoint adapter {weights} is corrupt or unreadable: {exc}") from exc
+    expected = {k: tuple(v.shape) for k, v in get_peft_model_state_dict(model, adapter_name=name).items()}
+    resized = [f"{k}: {list(found[k])} in the file, {list(v)} in the model" for k, v in expected.items()
+               if k in found and found[k] != v]  # fmt: skip
+    differing = [
+        f"{label} {items[:_MAX_LISTED]}"
+        for label, items in (
+            ("missing keys", sorted(set(expected) - set(found))),
+            ("unexpected keys", sorted(set(found) - set(expected))),
+            ("shapes", resized),
+        )
+        if items
+    ]
+    if differing:
+        raise ValueError(
+            f"Checkpoint adapter {weights} does not match the model's adapter {name!r}: {'; '.join(differing)}. Was it "
+            "written for another base model or adapter configuration? The model was left unchanged."
+        )
+
+
+def checked_adapters(model: Any, folder: str | os.PathLike, resuming: bool) -> Callable[[], None]:
+    """Check ``folder``'s adapters against the PEFT ``model`` without touching it; return what loads them as
+    transformers' Trainer does: ``resuming`` (``_load_from_checkpoint``) every adapter, the active one trainable;
+    otherwise (``_load_best_model``) the active adapter from the folder's top."""
+    folder = Path(folder)
+    loads = _loads(model, folder) if resuming else [(folder, model.active_adapters[0], False)]
+    for where, name, _ in loads:
+        _check_adapter(model, where, name)
+
+    def load() -> None:
+        active = model.active_adapters[0]
+        for where, name, trainable in loads:
+            model.load_adapter(str(where), name, is_trainable=trainable)
+        if resuming and len(loads) > 1:  # transformers sets the active adapter again after loading several
+            model.set_adapter(active)
+
+    return load

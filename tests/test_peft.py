@@ -1,0 +1,221 @@
+"""PEFT adapters on hflight's Trainer, beside transformers' Trainer: the same losses and gradient norms per step, the
+same adapter weights and checkpoint files, and each resuming from the other's checkpoints; several adapters,
+``modules_to_save``, ``save_only_model``, ``load_best_model_at_end``, ``save_async``, gradient checkpointing with the
+base frozen and NEFTune on a PEFT model (issue 47, item 1; one process)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+import hflight
+from hflight.checkpoints.manifest import verify_checkpoint
+
+peft = pytest.importorskip("peft")
+
+LIBRARIES = {"hf": (transformers.Trainer, transformers.TrainingArguments),
+             "hl": (hflight.Trainer, hflight.TrainingArguments)}  # fmt: skip
+
+
+def lora_model(seed: int = 0, second_adapter: str | None = None, **lora) -> torch.nn.Module:
+    """A tiny GPT-2 with LoRA on its attention (``lora``: more of LoraConfig's fields); ``second_adapter``: a second
+    adapter "other", and the adapter then active ("default" or "other")."""
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                                     bos_token_id=0, eos_token_id=0)  # fmt: skip
+    base = transformers.GPT2LMHeadModel(config)
+    model = peft.get_peft_model(base, peft.LoraConfig(**{"r": 4, "target_modules": ["c_attn"], **lora},
+                                                      task_type="CAUSAL_LM"))  # fmt: skip
+    if second_adapter:
+        model.add_adapter("other", peft.LoraConfig(r=2, target_modules=["c_attn"], task_type="CAUSAL_LM"))
+        model.set_adapter(second_adapter)
+    return model
+
+
+def tokens(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [{"input_ids": row, "labels": row} for row in torch.randint(0, 64, (n, 16), generator=generator)]
+
+
+def make(lib: str, out: Path, model=None, **overrides):
+    trainer_cls, args_cls = LIBRARIES[lib]
+    values = dict(per_device_train_batch_size=4, max_steps=8, save_steps=4, logging_steps=1, learning_rate=1e-2,
+                  seed=0, report_to="none", disable_tqdm=True, dataloader_pin_memory=False)  # fmt: skip
+    values.update(overrides)
+    args = args_cls(str(out), **values)
+    return trainer_cls(model if model is not None else lora_model(), args, train_dataset=tokens(64, 1),
+                       eval_dataset=tokens(16, 2))  # fmt: skip
+
+
+def logged(trainer, *keys: str) -> list[tuple]:
+    return [tuple(e[k] for k in keys) for e in trainer.state.log_history if keys[0] in e]
+
+
+def adapter_weights(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
+
+
+def files(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys() and a
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:3]
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tmp_path_factory):
+    """A LoRA run of 8 steps, a checkpoint every 4, with each library."""
+    root = tmp_path_factory.mktemp("lora")
+    runs = {}
+    for lib in LIBRARIES:
+        trainer = make(lib, root / lib)
+        trainer.train()
+        runs[lib] = root / lib, logged(trainer, "loss", "grad_norm"), adapter_weights(trainer.model)
+    return runs
+
+
+def test_a_lora_run_gives_transformers_losses_grad_norms_adapters_and_files(lora_runs):
+    (hf_out, hf_logs, hf_weights), (hl_out, hl_logs, hl_weights) = lora_runs["hf"], lora_runs["hl"]
+    assert len(hl_logs) == 8 and hl_logs == hf_logs
+    assert_same_weights(hl_weights, hf_weights)
+    for step in (4, 8):
+        theirs, ours = files(hf_out / f"checkpoint-{step}"), files(hl_out / f"checkpoint-{step}")
+        assert "adapter_model.safetensors" in theirs and "model.safetensors" not in theirs
+        assert ours == sorted([*theirs, "checkpoint_manifest.json"])
+        assert verify_checkpoint(hl_out / f"checkpoint-{step}", full=True) is not None
+        saved = [load_file(out / f"checkpoint-{step}" / "adapter_model.safetensors") for out in (hf_out, hl_out)]
+        assert_same_weights(*saved)
+
+
+@pytest.mark.parametrize("checkpoint_of", ["hf", "hl"])
+def test_a_lora_run_resumes_from_either_library_s_checkpoint_as_transformers_does(lora_runs, tmp_path, checkpoint_of):
+    """Each library resumes from ``checkpoint_of``'s checkpoint-4 (the adapters loaded, the optimizer's state matched
+    to the trainable parameters): steps 5 to 8 as the uninterrupted run, in both."""
+    folder = lora_runs[checkpoint_of][0] / "checkpoint-4"
+    for lib in LIBRARIES:
+        trainer = make(lib, tmp_path / lib)
+        trainer.train(resume_from_checkpoint=str(folder))
+        assert logged(trainer, "loss", "grad_norm")[4:] == lora_runs["hf"][1][4:], lib
+        assert_same_weights(adapter_weights(trainer.model), lora_runs["hf"][2])
+
+
+def test_an_adapter_that_does_not_fit_is_refused_naming_the_file_and_leaves_the_model_alone(lora_runs, tmp_path):
+    trainer = make("hl", tmp_path, model=lora_model(r=8))
+    before = adapter_weights(trainer.model)
+    with pytest.raises(ValueError, match=r"adapter_model\.safetensors does not match the model's adapter 'default'.*"
+                                         r"shapes"):  # fmt: skip
+        trainer.train(resume_from_checkpoint=str(lora_runs["hl"][0] / "checkpoint-4"))
+    assert_same_weights(adapter_weights(trainer.model), before)
+
+
+def test_a_checkpoint_of_adapters_is_refused_for_a_model_without_them(lora_runs, tmp_path):
+    torch.manual_seed(0)
+    plain = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2,
+                                                                 n_head=2))  # fmt: skip
+    trainer = make("hl", tmp_path, model=plain)
+    with pytest.raises(ValueError, match="holds PEFT adapters .* is not a PEFT model"):
+        trainer.train(resume_from_checkpoint=str(lora_runs["hl"][0] / "checkpoint-4"))
+
+
+def _compare(tmp_path, model_kwargs=None, resume_at=4, **overrides) -> dict[str, tuple]:
+    """Each library's run with ``overrides``, then resumed from its own ``checkpoint-{resume_at}``: their logs,
+    adapters and checkpoint files must agree."""
+    results = {}
+    for lib in LIBRARIES:
+        trainer = make(lib, tmp_path / lib, model=lora_model(**(model_kwargs or {})), **overrides)
+        trainer.train()
+        resumed = make(lib, tmp_path / lib, model=lora_model(**(model_kwargs or {})), **overrides)
+        resumed.train(resume_from_checkpoint=str(tmp_path / lib / f"checkpoint-{resume_at}"))
+        results[lib] = (logged(trainer, "loss", "grad_norm"), logged(resumed, "loss", "grad_norm"),
+                        adapter_weights(trainer.model), adapter_weights(resumed.model), trainer)  # fmt: skip
+    (hf_logs, hf_resumed, hf_w, hf_rw, _), (hl_logs, hl_resumed, hl_w, hl_rw, _) = results["hf"], results["hl"]
+    assert hl_logs == hf_logs and hl_resumed == hf_resumed
+    assert_same_weights(hl_w, hf_w)
+    assert_same_weights(hl_rw, hf_rw)
+    theirs = files(tmp_path / "hf" / f"checkpoint-{resume_at}")
+    assert files(tmp_path / "hl" / f"checkpoint-{resume_at}") == sorted([*theirs, "checkpoint_manifest.json"])
+    return results
+
+
+def test_several_adapters_the_active_one_trained_resume_as_in_transformers(tmp_path):
+    """A second adapter, active: save_pretrained writes it in its own subfolder; a resume loads both, the active one
+    trainable, and sets it active again."""
+    _compare(tmp_path, model_kwargs=dict(second_adapter="other"))
+    assert (tmp_path / "hl" / "checkpoint-4" / "other" / "adapter_model.safetensors").is_file()
+
+
+def test_an_adapter_the_model_lacks_is_added_from_the_checkpoint_frozen_as_in_transformers(tmp_path):
+    """The checkpoint has a second adapter ("other", not active) the resumed model lacks: transformers adds it from its
+    adapter_config.json, frozen, and goes on training the active one; so does hflight."""
+    ends = {}
+    for lib in LIBRARIES:
+        make(lib, tmp_path / lib, model=lora_model(second_adapter="default")).train()
+        resumed = make(lib, tmp_path / lib)  # the "default" adapter only
+        resumed.train(resume_from_checkpoint=str(tmp_path / lib / "checkpoint-4"))
+        assert set(resumed.model.peft_config) == {"default", "other"}
+        frozen = {k for k, v in resumed.model.named_parameters() if ".other." in k and not v.requires_grad}
+        ends[lib] = logged(resumed, "loss", "grad_norm"), adapter_weights(resumed.model), frozen
+    assert ends["hl"][0] == ends["hf"][0] and ends["hl"][2] == ends["hf"][2] and ends["hl"][2]
+    assert_same_weights(ends["hl"][1], ends["hf"][1])
+
+
+def test_modules_to_save_are_saved_and_resumed_as_in_transformers(tmp_path):
+    results = _compare(tmp_path, model_kwargs=dict(modules_to_save=["lm_head"]))
+    assert any("modules_to_save" in name for name in results["hl"][2])
+
+
+def test_save_only_model_resumes_as_in_transformers(tmp_path):
+    _compare(tmp_path, save_only_model=True)
+    assert "optimizer.pt" not in files(tmp_path / "hl" / "checkpoint-4")
+
+
+def test_save_async_writes_the_adapters_of_a_synchronous_save_and_resumes_from_them(lora_runs, tmp_path):
+    """transformers has no save_async: hflight's two write modes give the same adapter files (the last checkpoint's
+    too), and the background one's checkpoint resumes as the synchronous one's."""
+    background = make("hl", tmp_path / "async", save_async=True)
+    background.train()
+    for step in (4, 8):
+        a, b = (out / f"checkpoint-{step}" for out in (lora_runs["hl"][0], tmp_path / "async"))
+        assert files(a) == files(b)
+        assert (a / "adapter_model.safetensors").read_bytes() == (b / "adapter_model.safetensors").read_bytes()
+    resumed = make("hl", tmp_path / "resumed")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "async" / "checkpoint-4"))
+    assert logged(resumed, "loss", "grad_norm")[4:] == lora_runs["hf"][1][4:]
+
+
+def test_load_best_model_at_end_loads_the_best_adapter_as_transformers_does(tmp_path):
+    """Evaluation every 2 steps, the best by eval_loss: the best checkpoint's adapter is the model's at the end."""
+    best = dict(eval_strategy="steps", eval_steps=2, save_steps=2, load_best_model_at_end=True, learning_rate=5e-2,
+                metric_for_best_model="eval_loss", save_total_limit=2)  # fmt: skip
+    ends = {}
+    for lib in LIBRARIES:
+        trainer = make(lib, tmp_path / lib, **best)
+        trainer.train()
+        ends[lib] = trainer.state.best_model_checkpoint, adapter_weights(trainer.model)
+        saved = load_file(os.path.join(trainer.state.best_model_checkpoint, "adapter_model.safetensors"))
+        model_state = peft.get_peft_model_state_dict(trainer.model)
+        assert_same_weights({k: model_state[k] for k in saved}, saved)
+    assert Path(ends["hl"][0]).name == Path(ends["hf"][0]).name
+    assert_same_weights(ends["hl"][1], ends["hf"][1])
+
+
+@pytest.mark.parametrize("settings", [dict(gradient_checkpointing=True), dict(neftune_noise_alpha=5.0)],
+                         ids=["gradient_checkpointing", "neftune"])  # fmt: skip
+def test_gradient_checkpointing_and_neftune_on_a_peft_model_as_in_transformers(tmp_path, settings):
+    """With the base frozen, gradient checkpointing needs the inputs to require gradients (transformers enables it);
+    NEFTune's noise goes on the base model's input embeddings: both libraries' runs are the same, step for step."""
+    results = {}
+    for lib in LIBRARIES:
+        trainer = make(lib, tmp_path / lib, max_steps=4, save_strategy="no", **settings)
+        trainer.train()
+        results[lib] = logged(trainer, "loss", "grad_norm"), adapter_weights(trainer.model)
+    assert results["hl"][0] == results["hf"][0]
+    assert all(norm > 0 for _, norm in results["hl"][0])  # the adapters had gradients
+    assert_same_weights(results["hl"][1], results["hf"][1])
