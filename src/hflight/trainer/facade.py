@@ -27,7 +27,14 @@ from transformers.trainer_callback import (
 )
 from transformers.trainer_jit_checkpoint import JITCheckpointCallback
 from transformers.trainer_pt_utils import log_metrics, metrics_format, save_metrics, save_state
-from transformers.trainer_utils import EvalLoopOutput, PredictionOutput, TrainOutput, enable_full_determinism, set_seed
+from transformers.trainer_utils import (
+    EvalLoopOutput,
+    PredictionOutput,
+    TrainOutput,
+    enable_full_determinism,
+    set_seed,
+    validate_quantization_for_training,
+)
 
 from hflight.arguments import cluster, reporting
 from hflight.arguments.lightning_kwargs import split_callbacks
@@ -108,6 +115,7 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
         self.create_accelerator_and_postprocess()
         self.model_init = model_init
         self.model = model if model is not None else self.call_model_init()
+        validate_quantization_for_training(self.model)  # transformers' refusals of quantized models it cannot train
         vars(self).update(construction.transformers_attributes(self.args, self.model))
         self.processing_class = processing_class
         self._inspect_model(self.model)
