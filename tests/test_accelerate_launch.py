@@ -4,7 +4,8 @@ DeepSpeed's own launcher recognised like torchrun (``hflight.arguments.cluster``
 
 The unit tests take the environment from accelerate's own launcher code (``accelerate.utils.launch``'s
 ``prepare_*_env`` on a parsed ``accelerate launch`` command line, nothing started) and check each variable's effect
-on hflight's arguments, against accelerate's own plugins where they read the same variables.
+on hflight's arguments, against accelerate's own plugins where they read the same variables, and the DeepSpeed config
+hflight's engine gets against the one transformers' Trainer trains with (transformers' own calls, in this process).
 
 The launches run transformers' ``run_clm.py`` (``tests/scripts/run_clm``) under ``accelerate launch`` once as written
 and once with the trainer import changed to hflight's: ``--num_processes 1 --mixed_precision bf16`` (transformers
@@ -212,7 +213,6 @@ def test_mixed_precision_fp16_on_the_cpu_runs_fp32_as_accelerate_and_the_argumen
         ({"ACCELERATE_USE_FSDP": "true", "ACCELERATE_USE_DEEPSPEED": "true"}, "ACCELERATE_USE_DEEPSPEED"),
         ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES": "GPT2Block"},
          "ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES"),
-        ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_MIXED_PRECISION": "bf16"}, "Pass --bf16"),
         ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": "/no/such/ds.json"},
          "ACCELERATE_DEEPSPEED_CONFIG_FILE=/no/such/ds.json"),
         ({"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_TP_SIZE": "2"},
@@ -349,20 +349,180 @@ def test_fsdp_config_as_a_json_string_is_read_as_transformers_reads_it(tmp_path,
     assert bool(args.fsdp_config.get("cpu_offload")) is (offload == "true")
 
 
-def test_deepspeed_config_file_is_the_deepspeed_config_accelerates_plugin_builds(tmp_path):
-    """``deepspeed_zero2.yaml``: ``ACCELERATE_USE_DEEPSPEED`` + ``ACCELERATE_DEEPSPEED_CONFIG_FILE``: ``deepspeed``
-    is the config accelerate's ``DeepSpeedPlugin`` builds from the file (its precision set as transformers sets it),
-    whose ``"auto"`` values hflight fills from the arguments as transformers does."""
-    from accelerate.utils import DeepSpeedPlugin
+#: FSDP1's variables (``fsdp_version: 1``), each with a value and the setting it gives accelerate's plugin and
+#: Lightning's ``FSDPStrategy`` (the sharding strategy's name also by accelerate's 1-based number)
+FSDP1_VARIABLES = [
+    ("FSDP_SHARDING_STRATEGY", "SHARD_GRAD_OP", "sharding_strategy", "SHARD_GRAD_OP"),
+    ("FSDP_SHARDING_STRATEGY", "3", "sharding_strategy", "NO_SHARD"),
+    ("FSDP_BACKWARD_PREFETCH", "BACKWARD_POST", "backward_prefetch", "BACKWARD_POST"),
+    ("FSDP_BACKWARD_PREFETCH", "NO_PREFETCH", "backward_prefetch", None),
+    ("FSDP_FORWARD_PREFETCH", "true", "forward_prefetch", True),
+    ("FSDP_FORWARD_PREFETCH", "false", "forward_prefetch", False),
+    ("FSDP_USE_ORIG_PARAMS", "true", "use_orig_params", True),
+    ("FSDP_USE_ORIG_PARAMS", "false", "use_orig_params", False),
+    ("FSDP_SYNC_MODULE_STATES", "true", "sync_module_states", True),
+    ("FSDP_SYNC_MODULE_STATES", "false", "sync_module_states", False),
+]
 
+
+@pytest.mark.parametrize(("name", "value", "setting", "expected"), FSDP1_VARIABLES)
+def test_each_fsdp1_variable_is_the_setting_accelerates_plugin_reads(tmp_path, monkeypatch, factory, name, value,
+                                                                     setting, expected):  # fmt: skip
+    """``ACCELERATE_USE_FSDP`` with ``FSDP_VERSION=1`` on a CUDA machine (stand-ins: FSDP1 needs CUDA, and accelerate's
+    plugin asks for a device under ``sync_module_states``): each FSDP1 variable reaches Lightning's ``FSDPStrategy``
+    (hflight's FSDP1 plan of transformers' ``fsdp_plugin_args``) as accelerate's ``FullyShardedDataParallelPlugin``
+    reads it from the same variables, every other FSDP1 setting at the plugin's default (not transformers')."""
+    import accelerate.utils.dataclasses
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from hflight.arguments import training_args
+    from hflight.sharding.plans import fsdp1_plan
+
+    monkeypatch.setattr(training_args, "resolved_device_type", lambda args: "cuda")
+    monkeypatch.setattr(accelerate.utils.dataclasses, "is_cuda_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    args = arguments(tmp_path, {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1", name: value})
+    plan = fsdp1_plan(args, factory.cls_model(), {})
+    ours = _fsdp1_view(plan.sharding_strategy, plan.options.get("backward_prefetch"), plan.options.__getitem__)
+    plugin = FullyShardedDataParallelPlugin()
+    theirs = _fsdp1_view(plugin.sharding_strategy.name, plugin.backward_prefetch, lambda key: getattr(plugin, key))
+    assert ours == theirs and ours[setting] == expected
+
+
+def _fsdp1_view(sharding_strategy: str, backward_prefetch, option) -> dict:
+    """FSDP1's settings by name (``option``: one of the flags by its name)."""
+    flags = {key: option(key) for key in ("forward_prefetch", "use_orig_params", "sync_module_states")}
+    return {"sharding_strategy": sharding_strategy,
+            "backward_prefetch": backward_prefetch.name if backward_prefetch else None, **flags}  # fmt: skip
+
+
+#: accelerate's template config for DeepSpeed (accelerate's examples/config_yaml_templates/deepspeed.yaml): the
+#: DeepSpeed settings as fields of the accelerate config, no DeepSpeed file; ``{deepspeed}``: those fields, or a file
+DEEPSPEED_FIELDS_CONFIG = (
+    "distributed_type: DEEPSPEED\ndeepspeed_config:\n{deepspeed}mixed_precision: {precision}\nnum_machines: 1\n"
+    "num_processes: 2\n"
+)
+DEEPSPEED_FIELDS = (
+    "  gradient_accumulation_steps: 1\n  gradient_clipping: 1.0\n  offload_optimizer_device: none\n"
+    "  offload_param_device: none\n  zero3_init_flag: false\n  zero_stage: 2\n"
+)
+#: accelerate launch command lines with DeepSpeed (``{deepspeed_zero2}``, ...: :func:`write_configs`' files;
+#: ``{fields_bf16}``, ``{fields_no}``: :data:`DEEPSPEED_FIELDS_CONFIG` with that precision)
+DEEPSPEED_LAUNCHES = {
+    "deepspeed_zero2.yaml": ["--config_file", "{deepspeed_zero2}"],
+    "deepspeed_zero3.yaml": ["--config_file", "{deepspeed_zero3}"],
+    "deepspeed_zero2.yaml --mixed_precision bf16": ["--config_file", "{deepspeed_zero2}", "--mixed_precision", "bf16"],
+    "deepspeed_zero3.yaml --mixed_precision fp16": ["--config_file", "{deepspeed_zero3}", "--mixed_precision", "fp16"],
+    "accelerate's template config": ["--config_file", "{fields_no}"],
+    "accelerate's template config, bf16": ["--config_file", "{fields_bf16}"],
+    "flags: ZeRO-3, offload, 16-bit save, bf16": [
+        "--use_deepspeed", "--zero_stage", "3", "--offload_optimizer_device", "cpu", "--offload_param_device", "cpu",
+        "--zero3_save_16bit_model", "true", "--zero3_init_flag", "false", "--gradient_clipping", "1.0",
+        "--mixed_precision", "bf16"],
+}  # fmt: skip
+
+
+def deepspeed_launch(tmp_path: Path, argv: list[str]) -> dict[str, str]:
+    """What ``accelerate launch <argv>`` exports with :func:`write_configs`' files (and ``{fields_*}``) filled in."""
     configs = write_configs(tmp_path / "configs")
-    env = launched_env(["--config_file", str(configs["deepspeed_zero2"]), "--main_process_port", "0"])
-    assert env["ACCELERATE_DEEPSPEED_CONFIG_FILE"] == str(configs["zero2"])
+    for precision in ("bf16", "no"):
+        configs[f"fields_{precision}"] = tmp_path / "configs" / f"deepspeed_fields_{precision}.yaml"
+        text = DEEPSPEED_FIELDS_CONFIG.format(deepspeed=DEEPSPEED_FIELDS, precision=repr(precision))
+        configs[f"fields_{precision}"].write_text(text, encoding="utf-8")
+    return launched_env([*(part.format(**configs) for part in argv), "--main_process_port", "0"])
+
+
+def transformers_deepspeed_config(tmp_path: Path, model, num_training_steps: int, **fields) -> dict:
+    """The DeepSpeed config transformers' Trainer trains with under the launcher's variables (in ``os.environ``),
+    by transformers' own calls: its ``TrainingArguments`` build accelerate's ``DeepSpeedPlugin`` from the variables
+    and set the launcher's precision in it, accelerate's state sets it again (``AcceleratorState``), the Trainer fills
+    the ``"auto"`` values from the arguments (``propagate_args_to_deepspeed``) and, in ``train()``, from the model and
+    the run's length (``deepspeed_init``: ``trainer_config_finalize``, then ``zero_allow_untested_optimizer`` for the
+    Trainer's optimizer). Raises transformers' mismatch error where its ``train()`` stops."""
+    from types import SimpleNamespace
+
+    import transformers
+    from transformers.integrations.deepspeed import propagate_args_to_deepspeed
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "theirs"), report_to="none", use_cpu=True, **fields)
+    plugin = args.deepspeed_plugin
+    plugin.set_mixed_precision(args.mixed_precision)
+    propagate_args_to_deepspeed(SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin)), args)
+    plugin.hf_ds_config.trainer_config_finalize(args, model, num_training_steps)
+    return {**plugin.deepspeed_config, "zero_allow_untested_optimizer": True}
+
+
+def hflight_deepspeed_config(args: hflight.TrainingArguments, model, num_training_steps: int) -> dict:
+    """The DeepSpeed config hflight's engine gets: its strategy's, built from the arguments and finished when the run
+    is planned (the model and the run's length known)."""
+    from hflight.arguments.strategies import deepspeed_strategy
+
+    strategy = deepspeed_strategy(args)
+    strategy.hf_run_planned(args, model, num_training_steps)
+    return strategy.config
+
+
+@pytest.mark.parametrize("launch", list(DEEPSPEED_LAUNCHES))
+def test_a_launched_deepspeed_config_is_the_one_transformers_trains_with(tmp_path, factory, launch):
+    """``ACCELERATE_USE_DEEPSPEED`` with a DeepSpeed config file or the settings that make one, and the launcher's
+    precision or none: the DeepSpeed config hflight's engine gets is the one transformers' Trainer trains with for the
+    same variables, key for key (precision sections, ZeRO stage, offload, buckets, batch sizes, accumulation,
+    clipping). With a launcher's precision, transformers' own ``train()`` stops (its ``bf16``/``fp16`` argument
+    stays False against the config accelerate's plugin enabled): its config is then taken with ``--bf16``/``--fp16``
+    as well, the run it does train; hflight trains that run from the launcher's precision alone."""
+    model = factory.cls_model()
+    env = deepspeed_launch(tmp_path, DEEPSPEED_LAUNCHES[launch])
+    precision = env["ACCELERATE_MIXED_PRECISION"]
+    os.environ.update(env)
+    fields = {} if precision == "no" else {precision: True}
+    if fields:
+        with pytest.raises(ValueError, match=f"ds {precision}.enabled=True vs hf {precision}"):
+            transformers_deepspeed_config(tmp_path, model, 40)
+    expected = transformers_deepspeed_config(tmp_path, model, 40, **fields)
     args = arguments(tmp_path, env)
-    plugin = DeepSpeedPlugin()
-    plugin.set_mixed_precision("no")
-    assert args.deepspeed == plugin.deepspeed_config and args.deepspeed["zero_optimization"] == {"stage": 2}
-    assert args.hf_deepspeed_config.config["train_micro_batch_size_per_gpu"] == args.per_device_train_batch_size
+    assert hflight_deepspeed_config(args, model, 40) == expected
+    assert (expected["bf16"]["enabled"], expected["fp16"]["enabled"]) == (precision == "bf16", precision == "fp16")
+    assert (args.bf16, args.fp16) == (precision == "bf16", precision == "fp16")
+
+
+def test_a_deepspeed_file_beside_the_settings_it_holds_is_refused_as_accelerate_refuses_it(tmp_path):
+    """An accelerate config naming a DeepSpeed file and a setting the file holds (``mixed_precision: bf16``):
+    accelerate's plugin refuses it ("... will be ignored") when transformers' arguments build it, and so when
+    hflight's do; the same file with ``--mixed_precision`` on the command line is not refused (the test above)."""
+    import transformers
+
+    zero2 = write_configs(tmp_path / "configs")["zero2"]
+    config = tmp_path / "zero2_bf16.yaml"
+    config.write_text(DEEPSPEED_FIELDS_CONFIG.format(deepspeed=f"  deepspeed_config_file: {zero2}\n", precision="bf16"))
+    env = launched_env(["--config_file", str(config), "--main_process_port", "0"])
+    assert env["ACCELERATE_CONFIG_DS_FIELDS"] == "deepspeed_config_file,mixed_precision"
+    os.environ.update(env)
+    with pytest.raises(ValueError, match="will be ignored"):
+        transformers.TrainingArguments(output_dir=str(tmp_path / "theirs"), report_to="none")
+    with pytest.raises(LauncherEnvironmentError, match="ACCELERATE_DEEPSPEED_CONFIG_FILE=.* will be ignored"):
+        arguments(tmp_path, env)
+
+
+def test_the_launchers_precision_that_transformers_would_lose_under_deepspeed_is_refused(tmp_path):
+    """Where transformers trains fp32 whatever the launcher says, hflight refuses, naming the fix: a ``deepspeed``
+    config given to the script (transformers fills its precision from ``--bf16`` alone, and accelerate runs no
+    autocast under DeepSpeed), and a launched DeepSpeed file that turns bf16 off (accelerate's plugin keeps it off)."""
+    import transformers
+
+    zero2 = write_configs(tmp_path / "configs")["zero2"]
+    os.environ["ACCELERATE_MIXED_PRECISION"] = "bf16"
+    theirs = transformers.TrainingArguments(output_dir=str(tmp_path / "theirs"), report_to="none", deepspeed=str(zero2))
+    theirs.deepspeed_plugin.set_mixed_precision(theirs.mixed_precision)  # accelerate's state
+    assert theirs.deepspeed_plugin.deepspeed_config["bf16"] == {"enabled": False}
+    with pytest.raises(LauncherEnvironmentError, match="ACCELERATE_MIXED_PRECISION='bf16' .* Pass --bf16"):
+        arguments(tmp_path, {}, deepspeed=str(zero2))
+    off = tmp_path / "bf16_off.json"
+    off.write_text(json.dumps({**DEEPSPEED_CONFIGS["zero2"], "bf16": {"enabled": False}}), encoding="utf-8")
+    env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(off)}
+    os.environ.update(env)
+    assert transformers_deepspeed_config(tmp_path, None, 40)["bf16"] == {"enabled": False}  # trains fp32
+    with pytest.raises(LauncherEnvironmentError, match=f"{off}.*bf16.enabled=False.*ACCELERATE_MIXED_PRECISION"):
+        arguments(tmp_path, env)
 
 
 def test_deepspeed_flags_are_the_stage_offload_accumulation_and_clipping(tmp_path):
@@ -384,6 +544,46 @@ def test_deepspeed_flags_are_the_stage_offload_accumulation_and_clipping(tmp_pat
     resolver.process(args)
     assert resolver.mismatches == ["- ds gradient_accumulation_steps=4 vs hf gradient_accumulation_steps=1",
                                    "- ds gradient_clipping=0.5 vs hf max_grad_norm=1.0"]  # fmt: skip
+
+
+@pytest.mark.parametrize("device", ["cpu", "none"])
+def test_offload_param_device_is_the_parameter_offload_transformers_trains_with(tmp_path, factory, device):
+    """``ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE`` (``--offload_param_device``) with ZeRO-3: the parameters' offload
+    device in the config hflight's engine gets, transformers' for the same variables (the whole config compared)."""
+    model = factory.cls_model()
+    env = launched_env(["--use_deepspeed", "--num_processes", "2", "--main_process_port", "0", "--zero_stage", "3",
+                        "--offload_param_device", device])  # fmt: skip
+    assert env["ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE"] == device
+    os.environ.update(env)
+    expected = transformers_deepspeed_config(tmp_path, model, 40)
+    ours = hflight_deepspeed_config(arguments(tmp_path, env), model, 40)
+    assert ours == expected and ours["zero_optimization"]["offload_param"]["device"] == device
+
+
+@pytest.mark.parametrize("value", ["true", "false"])
+def test_zero3_init_flag_is_read_as_accelerate_and_zero3_loading_follows_the_config_as_transformers(tmp_path, value):
+    """``ACCELERATE_DEEPSPEED_ZERO3_INIT`` (``--zero3_init_flag``): accelerate's plugin reads it (a value it cannot
+    read is refused, naming the variable) for accelerate's own ``zero3_init_context_manager`` and
+    ``GatheredParameters``; transformers' ``from_pretrained`` partitions the model under ``deepspeed.zero.Init``
+    whenever the arguments' DeepSpeed config is ZeRO-3, whatever the flag says, and does so after hflight's arguments
+    as after transformers'."""
+    import transformers
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled, unset_hf_deepspeed_config
+
+    env = launched_env(["--use_deepspeed", "--num_processes", "2", "--main_process_port", "0", "--zero_stage", "3",
+                        "--zero3_init_flag", value])  # fmt: skip
+    assert env["ACCELERATE_DEEPSPEED_ZERO3_INIT"] == value
+    os.environ.update(env)
+    theirs = transformers.TrainingArguments(output_dir=str(tmp_path / "theirs"), report_to="none")
+    assert theirs.deepspeed_plugin.zero3_init_flag is (value == "true") and is_deepspeed_zero3_enabled()
+    unset_hf_deepspeed_config()
+    ours = arguments(tmp_path, env)
+    assert ours.deepspeed["zero_optimization"]["stage"] == 3 and is_deepspeed_zero3_enabled()
+    os.environ["ACCELERATE_DEEPSPEED_ZERO3_INIT"] = "maybe"
+    with pytest.raises(ValueError, match="invalid truth value maybe"):
+        transformers.TrainingArguments(output_dir=str(tmp_path / "theirs"), report_to="none")
+    with pytest.raises(LauncherEnvironmentError, match="ACCELERATE_DEEPSPEED_ZERO3_INIT=maybe.*invalid truth value"):
+        arguments(tmp_path, {})
 
 
 def test_a_deepspeed_config_of_its_own_optimizer_is_refused(tmp_path):

@@ -7,8 +7,9 @@ Several runs, one after the other in the same processes (:data:`RUNS`), of a tin
 inputs carry their sample id, so that each rank records the samples of every micro-batch it trained on. Each rank
 writes ``OUT/<library>/<run>_rank<r>.json``: the samples seen, ``sync_gradients`` at each step event, the log history,
 the final weights, evaluation and prediction results, and what ``trainer.accelerator`` answers (layout, settings,
-collectives). The first run uses an accelerate ``PartialState`` made before the arguments
-(``use_configured_state``).
+collectives), with whether the process group is still up when ``train()`` returns (transformers' Trainer leaves it to
+the process's exit or ``end_training``, and so must hflight's: the runs after it use it). The first run uses an
+accelerate ``PartialState`` made before the arguments (``use_configured_state``).
 """
 
 import gc
@@ -126,13 +127,14 @@ def run_one(library, name: str, config: dict, sizes: dict, out: Path) -> None:
     trainer = library.Trainer(model, args, train_dataset=train, callbacks=[recorder])
     recorder.trainer = trainer
     trainer.train()
+    group_after_train = torch.distributed.is_initialized()
     result = {"seen": model.seen, "sync": recorder.events, "log_history": trainer.state.log_history,
               "weights": {k: v.flatten().tolist() for k, v in model.state_dict().items()}}  # fmt: skip
     if eval_rows:
         result["eval"] = trainer.evaluate(eval_rows)
         predicted = trainer.predict(eval_rows)
         result["predictions"] = predicted.predictions.tolist()
-    result["accelerator"] = surface(trainer, eval_rows)
+    result["accelerator"] = {**surface(trainer, eval_rows), "group_after_train": group_after_train}
     rank = trainer.args.process_index
     (out / f"{name}_rank{rank}.json").write_text(json.dumps(result, default=str), encoding="utf-8")
 

@@ -10,14 +10,16 @@ the processes with torchrun (``accelerate.utils.launch``), and transformers' ``T
 transformers' own ``__post_init__`` normalises the fields:
 
 - ``ACCELERATE_MIXED_PRECISION`` -> ``bf16``/``fp16`` (Lightning's ``bf16-mixed``; ``fp16`` on the CPU runs fp32, as
-  accelerate's); under DeepSpeed the precision is the DeepSpeed config's (below);
+  accelerate's); under the launcher's DeepSpeed, the DeepSpeed config's ``bf16``/``fp16`` section enabled as
+  accelerate's plugin enables it for transformers (below);
 - ``ACCELERATE_USE_CPU`` -> ``accelerator="cpu"``; ``ACCELERATE_TORCH_DEVICE`` naming another device is refused;
 - ``ACCELERATE_DYNAMO_*`` -> ``torch_compile_backend``/``torch_compile_mode`` and :func:`compile_model`'s
   ``fullgraph``/``dynamic``/regional compilation (accelerate's ``compile_regions``);
 - ``ACCELERATE_USE_FSDP`` + ``FSDP_*`` -> ``fsdp=True`` and the ``fsdp_config`` accelerate's plugin reads from them
   (its defaults, which are not transformers': no wrapping, ``SHARDED_STATE_DICT`` under FSDP2);
 - ``ACCELERATE_USE_DEEPSPEED`` + ``ACCELERATE_DEEPSPEED_*`` (a config file, or ZeRO stage, offload, accumulation and
-  clipping) -> ``deepspeed``: the config accelerate's own ``DeepSpeedPlugin`` builds from them;
+  clipping) -> ``deepspeed``: the config accelerate's own ``DeepSpeedPlugin`` builds from them, with the launcher's
+  precision set in it as transformers' ``TrainingArguments`` set it (``set_mixed_precision``);
 - ``ACCELERATE_USE_PARALLELISM_CONFIG`` + ``PARALLELISM_CONFIG_*`` -> ``parallelism_config`` (accelerate's class);
 - ``ACCELERATE_DEBUG_MODE`` -> torch's distributed debug level ``DETAIL`` (each collective's shapes checked across
   processes); ``ACCELERATE_CPU_AFFINITY`` -> accelerate's ``set_numa_affinity`` for this process.
@@ -26,7 +28,10 @@ Who wins is transformers' rule for each: ``fp16``/``bf16``, ``torch_compile*``, 
 ``deepspeed`` and ``parallelism_config`` set in the arguments win over the environment, which fills only what
 accelerate's plugins would fill. The processes themselves are torchrun's (``hflight.arguments.cluster``). A variable
 hflight cannot honour (fp8, Megatron-LM, SageMaker data parallelism, XLA's bf16 downcast, FSDP's activation offload and
-ignored modules, DeepSpeed's MoE leaf modules) raises :class:`LauncherEnvironmentError` naming it and what to do.
+ignored modules, DeepSpeed's MoE leaf modules) raises :class:`LauncherEnvironmentError` naming it and what to do, and
+so does a launcher's precision beside a DeepSpeed config whose precision transformers fills from ``--bf16``/``--fp16``
+alone (the script's ``--deepspeed``, or a file that turns it off): transformers trains fp32 there, whatever the
+launcher says.
 
 May import: ``hflight.arguments`` (and accelerate, transformers' own dependency).
 """
@@ -99,9 +104,8 @@ def apply(args: Any, device_type: Callable[[], str], environ: Mapping[str, str] 
     _refuse(env)
     _check_local_rank(args, env)
     _device(args, env, device_type)
-    deepspeed = bool(args.deepspeed) or _flag(env, "ACCELERATE_USE_DEEPSPEED")
-    _check_one_strategy(args, env, deepspeed)
-    _mixed_precision(args, env, deepspeed)
+    _check_one_strategy(args, env, bool(args.deepspeed) or _flag(env, "ACCELERATE_USE_DEEPSPEED"))
+    _mixed_precision(args, env)
     _fsdp(args, env, device_type)
     _deepspeed(args, env)
     _dynamo(args, env)
@@ -226,20 +230,22 @@ def _env_precision(env: Mapping[str, str]) -> str:
     return value
 
 
-def _mixed_precision(args: Any, env: Mapping[str, str], deepspeed: bool) -> None:
-    """transformers' rule: ``fp16``/``bf16`` in the arguments win; else the launcher's precision. Under DeepSpeed the
-    precision is the DeepSpeed config's, whose ``"auto"`` transformers fills from ``fp16``/``bf16`` alone: with an
-    explicit config it trains fp32 whatever the launcher says, and from the launcher's config it stops at the
-    mismatch; refused here, naming the fix."""
+def _mixed_precision(args: Any, env: Mapping[str, str]) -> None:
+    """transformers' rule: ``fp16``/``bf16`` in the arguments win; else the launcher's precision. Under the launcher's
+    DeepSpeed too: transformers' ``TrainingArguments`` have accelerate's plugin enable it in the DeepSpeed config
+    (``set_mixed_precision``), and ``bf16``/``fp16`` set here keep the arguments in step with that config (transformers
+    leaves them False, and its ``train()`` stops on the mismatch it then finds). A ``deepspeed`` config given to the
+    script has its precision filled from ``--bf16``/``--fp16`` alone, and accelerate runs no autocast under DeepSpeed:
+    transformers trains fp32 whatever the launcher says; refused, naming the fix."""
     wanted = _env_precision(env)
     given = "fp16" if args.fp16 else "bf16" if args.bf16 else None
     if wanted == "no" or given is not None:
         return
-    if deepspeed:
+    if args.deepspeed:
         raise LauncherEnvironmentError(
-            f"ACCELERATE_MIXED_PRECISION={wanted!r} with DeepSpeed: transformers fills the DeepSpeed config's "
-            f"precision from --{wanted} alone (the launcher's is lost, or mismatches the config). Pass --{wanted} to "
-            f"the script (or set {wanted}=True), or set {wanted}.enabled in the DeepSpeed config and launch without it."
+            f"ACCELERATE_MIXED_PRECISION={wanted!r} with the script's DeepSpeed config: transformers fills its "
+            f"precision from --{wanted} alone, and accelerate does not autocast under DeepSpeed (transformers trains "
+            f"fp32 here). Pass --{wanted} to the script (or set {wanted}=True), or launch without --mixed_precision."
         )
     setattr(args, wanted, True)
 
@@ -374,15 +380,8 @@ def _deepspeed(args: Any, env: Mapping[str, str]) -> None:
             "leaf modules for mixture-of-experts layers are set by accelerate's prepare, which hflight does not run; "
             "unset it (deepspeed_moe_layer_cls_names)."
         )
-    from accelerate.utils import DeepSpeedPlugin
-
     where = ", ".join(f"{name}={env[name]}" for name in DEEPSPEED_VARIABLES if name in env) or "ZeRO-2, no file"
-    try:
-        plugin = DeepSpeedPlugin()
-        plugin.set_mixed_precision("fp16" if args.fp16 else "bf16" if args.bf16 else "no")
-    except (ValueError, OSError) as err:
-        raise LauncherEnvironmentError(f"accelerate launch's DeepSpeed settings ({where}): {err}") from err
-    config = copy.deepcopy(plugin.deepspeed_config)
+    config = _plugin_config(args, where)
     own = [key for key in ("optimizer", "scheduler") if key in config]
     if own:
         raise LauncherEnvironmentError(
@@ -391,6 +390,42 @@ def _deepspeed(args: Any, env: Mapping[str, str]) -> None:
             f"Remove {', '.join(repr(key) for key in own)} from the file."
         )
     args.deepspeed = config
+    _spend_config_fields(env)
+
+
+def _plugin_config(args: Any, where: str) -> dict[str, Any]:
+    """The config of accelerate's ``DeepSpeedPlugin`` built from the variables, its precision set as transformers'
+    ``TrainingArguments`` set it (the arguments' ``fp16``/``bf16``, the launcher's included). A file that turns that
+    precision off keeps it off (accelerate's plugin fills only ``"auto"``): refused, as transformers would train
+    fp32."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    precision = "fp16" if args.fp16 else "bf16" if args.bf16 else "no"
+    try:
+        plugin = DeepSpeedPlugin()
+        plugin.set_mixed_precision(precision)
+    except (ValueError, OSError) as err:
+        raise LauncherEnvironmentError(f"accelerate launch's DeepSpeed settings ({where}): {err}") from err
+    config = copy.deepcopy(plugin.deepspeed_config)
+    enabled = config[precision].get("enabled") if precision != "no" else True
+    if str(enabled).lower() != "true":
+        raise LauncherEnvironmentError(
+            f"The DeepSpeed config of accelerate launch ({where}) sets {precision}.enabled={enabled!r}, and "
+            f"{precision} is asked for (--{precision} or ACCELERATE_MIXED_PRECISION): transformers would train fp32 or "
+            f"stop on the mismatch. Set {precision}.enabled to 'auto' in the file, or ask for no {precision}."
+        )
+    return config
+
+
+def _spend_config_fields(env: Mapping[str, str]) -> None:
+    """``ACCELERATE_CONFIG_DS_FIELDS``: the accelerate config's DeepSpeed fields, which accelerate's plugin checks
+    against a DeepSpeed config file only (beside one, they would be ignored). Without a file they are the settings the
+    config was just built from, but transformers' ``__post_init__`` hands that config (now ``deepspeed``) to a
+    ``DeepSpeedPlugin`` of its own, which would check them as beside a file and raise accelerate's "... will be
+    ignored" where transformers, building its plugin from the variables, runs: the fields, spent, leave this process's
+    environment."""
+    if env is os.environ and env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none") == "none":
+        os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
 
 
 # ---------------------------------------------------------------------- compilation, parallelism, the process

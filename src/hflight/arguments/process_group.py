@@ -14,15 +14,17 @@ for the attempt, publishes its address with a random token on torchrun's store, 
 store that answers with that token. Processes Lightning starts itself (``devices=N`` with no launcher) are connected by
 Lightning's strategy, with the same default.
 
-**Ending** (:func:`end`, at exit through :func:`end_at_exit`). transformers' processes keep their group until they
-exit (accelerate never destroys it, and code after ``train()`` may still use it), and so do hflight's. At exit, on the
-main thread while the interpreter is whole, the group is destroyed and the objects that referenced it collected, so
-that torch destroys it there: gloo's destructor joins its worker threads with the interpreter lock released. Left to
-the interpreter's teardown, a worker still freeing a finished collective (whose tensors have Python objects) asks for
-the interpreter lock while Python finalizes, and the process aborts ("terminate called without an active exception",
-SIGABRT; 3 of 20 two-process runs of a few all-gathers and a barrier with torch 2.13 alone, 0 of 20 once destroyed).
-No sleep is involved. Where torch itself keeps a group referenced after ``destroy_process_group`` (torch 2.13: one
-group of an FSDP2 device mesh, with torch alone) its workers stay; they are idle by then (docs/sharding.md).
+**Ending** (:func:`end`, at exit through :func:`end_at_exit`, or at ``trainer.accelerator.end_training()``).
+transformers' processes keep their group until they exit or call accelerate's ``end_training``, which destroys it
+(transformers' Trainer never does: ``evaluate()``, ``predict()`` or another ``train()`` after ``train()`` use it), and
+so do hflight's: ``train()`` leaves the group up. At exit, on the main thread while the interpreter is whole, the group
+is destroyed and the objects that referenced it collected, so that torch destroys it there: gloo's destructor joins its
+worker threads with the interpreter lock released. Left to the interpreter's teardown, a worker still freeing a finished
+collective (whose tensors have Python objects) asks for the interpreter lock while Python finalizes, and the process
+aborts ("terminate called without an active exception", SIGABRT; 3 of 20 two-process runs of a few all-gathers and a
+barrier with torch 2.13 alone, 0 of 20 once destroyed). No sleep is involved. Where torch itself keeps a group
+referenced after ``destroy_process_group`` (torch 2.13: one group of an FSDP2 device mesh, with torch alone) its workers
+stay; they are idle by then (docs/sharding.md).
 
 May import: ``hflight.arguments.cluster`` (the launcher's ranks).
 """
