@@ -86,6 +86,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "hflight.ort.training_args": ("hflight.ort", "hflight.arguments", *BOTTOM),
     "hflight.ort.trainer_seq2seq": ("hflight.ort", "hflight.trainer", "hflight.arguments", *BOTTOM),
     "hflight.ipu.seq2seq": ("hflight.ipu", "hflight.trainer", "hflight.run", "hflight.arguments", *BOTTOM),
+    # TRL's trainers on the facade (hflight.trl): the facade, its arguments, the process group accelerate's state uses
+    "hflight.trl": ("hflight.trainer", "hflight.arguments", *BOTTOM),
     "hflight.qa": ("hflight.qa", *BOTTOM),  # data, features, post-processing, metrics: no Lightning, no facade
     "hflight.qa.trainer": ("hflight.qa", "hflight.trainer", "hflight.run", *BOTTOM),
     "hflight.qa.seq2seq_trainer": ("hflight.qa", "hflight.trainer", "hflight.run", *BOTTOM),

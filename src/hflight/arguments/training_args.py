@@ -913,8 +913,22 @@ def _copied(value: Any) -> Any:
 # ---------------------------------------------------------------------- entry points for other code
 
 
+#: a library's subclass of transformers' ``TrainingArguments`` -> its twin with hflight's beneath it (``hflight.trl``'s
+#: configs) and the fields its ``__post_init__`` derives, which :func:`coerce_training_args` makes of an instance
+_ARGUMENTS_TWINS: dict[type, tuple[type, tuple[str, ...]]] = {}
+
+
+def register_arguments_twin(theirs: type, ours: type, derived: tuple[str, ...] = ()) -> None:
+    """``ours`` (a dataclass of ``theirs`` and :class:`TrainingArguments`) is what an instance of ``theirs`` given to
+    hflight becomes, field for field, so that it stays an instance of ``theirs``. ``derived``: fields that ``theirs``'s
+    ``__post_init__`` fills from others when left None and refuses beside them (TRL's ``generation_batch_size`` beside
+    ``steps_per_generation``): left None for the twin's, which derives them again."""
+    _ARGUMENTS_TWINS[theirs] = (ours, derived)
+
+
 def coerce_training_args(args: Any) -> TrainingArguments:
-    """hflight ``TrainingArguments`` from ``args``: ours unchanged, a transformers one converted, None as default.
+    """hflight ``TrainingArguments`` from ``args``: ours unchanged, a registered library config as its twin
+    (:func:`register_arguments_twin`), another transformers one converted, None as default.
 
     Raises:
         TypeError: ``args`` is neither of these.
@@ -925,6 +939,9 @@ def coerce_training_args(args: Any) -> TrainingArguments:
     if args is None:
         logger.info("No `TrainingArguments` passed, using `output_dir=tmp_trainer`.")
         return TrainingArguments(output_dir="tmp_trainer")
+    if type(args) in _ARGUMENTS_TWINS:
+        twin, derived = _ARGUMENTS_TWINS[type(args)]
+        return twin(**{**field_values(twin, args)[0], **dict.fromkeys(derived)})
     if isinstance(args, HFTrainingArguments):
         return TrainingArguments.from_hf(args)
     raise TypeError(

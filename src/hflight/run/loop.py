@@ -150,7 +150,8 @@ class TrainingLoop:
         handler = facade.callback_handler
         handler.model, handler.optimizer, handler.lr_scheduler = facade.model, facade.optimizer, facade.lr_scheduler
         handler.train_dataloader = train_loader
-        parts.restore_optimizer(facade, self.run)
+        if self.run.resume is not None:  # transformers' override point, called when resuming
+            facade._load_optimizer_and_scheduler(self.run.resume.folder)
         self.tr_loss = self.tr_loss.to(device)
         self.start_time = time.time()
         self.initial_num_input_tokens_seen = facade.state.num_input_tokens_seen  # tokens/s of this call only

@@ -36,7 +36,6 @@ logger = logging.getLogger(__name__)
 
 #: accelerate ``Accelerator`` members that hflight's does not have, and what to use instead.
 NOT_ON_LIGHTNING: dict[str, str] = {
-    "prepare_model": "Lightning's strategy wraps the model when Trainer.train() runs (trainer.lightning_trainer)",
     "prepare_optimizer": "the optimizer is built by Trainer.create_optimizer and stepped by hflight's loop",
     "prepare_scheduler": "the scheduler is built by Trainer.create_scheduler and stepped by hflight's loop",
     "prepare_data_loader": "trainer.accelerator.prepare(dataloader)",
@@ -53,7 +52,6 @@ NOT_ON_LIGHTNING: dict[str, str] = {
     "get_tracker": "the integration callbacks of report_to (trainer.callback_handler.callbacks)",
     "deepspeed_plugin": "Lightning's DeepSpeedStrategy: trainer.lightning_trainer.strategy (its .config)",
     "fsdp_plugin": "Lightning's strategy: trainer.lightning_trainer.strategy",
-    "parallelism_config": "args.parallelism_config (data-parallel sizes only)",
     "torch_device_mesh": "trainer.lightning_trainer.strategy.device_mesh (FSDP2 runs)",
 }
 
@@ -236,6 +234,31 @@ class RunAccelerator:
         if run is None:
             return getattr(self._args, "mixed_precision", "no")
         return _MIXED_PRECISION.get(str(run.lightning_trainer.precision), "no")
+
+    @property
+    def parallelism_config(self) -> Any:
+        """accelerate's ``ParallelismConfig`` of the run: the arguments' (transformers hands its ``Accelerator``
+        ``args.parallelism_config``), None when they set none."""
+        return getattr(self._args, "parallelism_config", None)
+
+    def prepare_model(
+        self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
+    ) -> nn.Module:
+        """accelerate's ``prepare_model`` for a model used only for evaluation (``evaluation_mode=True``: TRL's
+        reference and reward models): placed on the run's device (unless ``device_placement`` is False), never
+        wrapped; the run's precision reaches it through Lightning's, whose autocast covers the training step that
+        calls it. The model being trained is prepared by Lightning's strategy when ``train()`` runs.
+
+        Raises:
+            NotImplementedError: ``evaluation_mode`` False (the trained model is Lightning's to wrap).
+        """
+        if not evaluation_mode:
+            raise NotImplementedError(
+                "trainer.accelerator.prepare_model(model) for training: Lightning's strategy wraps the model when "
+                "Trainer.train() runs (trainer.lightning_trainer); prepare_model(..., evaluation_mode=True) places a "
+                "model used for evaluation only."
+            )
+        return model.to(self.device) if device_placement is not False else model
 
     def wait_for_everyone(self) -> None:
         self.world.barrier()
@@ -420,9 +443,12 @@ class RunAccelerator:
         state = self.gradient_state
         if not state.end_of_dataloader or state.remainder <= 0:
             return data
-        if use_gather_object:
-            return data[: state.remainder]
-        return _apply(data, lambda t: t[: state.remainder])
+        try:
+            if use_gather_object:
+                return data[: state.remainder]
+            return _apply(data, lambda t: t[: state.remainder])
+        except Exception:  # noqa: BLE001 - accelerate's rule: what cannot be cut (a 0-d tensor, a scalar) as gathered
+            return data
 
     def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
         """Each tensor padded along ``dim`` with ``pad_index`` to the largest size any process has (at the start

@@ -12,12 +12,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import transformers
 from torch import nn
 from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase, default_data_collator
 from transformers.feature_extraction_sequence_utils import SequenceFeatureExtractor
 from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 from transformers.trainer_pt_utils import LabelSmoother
-from transformers.trainer_utils import SaveStrategy, unwrap_peft_model
+from transformers.trainer_utils import (  # noqa: F401 - validate_quantization_for_training: the facade calls it here
+    SaveStrategy,
+    unwrap_peft_model,
+    validate_quantization_for_training,
+)
 from transformers.utils import can_return_loss, find_labels
 
 
@@ -70,8 +75,7 @@ NOT_CALLED: dict[str, str] = {
         _LOOP,
     ),
     **dict.fromkeys(
-        ("_save_rng_state", "_load_rng_state", "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler",
-         "_save_scaler", "_load_scaler"),
+        ("_save_rng_state", "_load_rng_state", "_save_optimizer_and_scheduler", "_save_scaler", "_load_scaler"),
         _FILES,
     ),
     **dict.fromkeys(
@@ -93,8 +97,8 @@ def check_overrides(trainer_class: type) -> None:
         TypeError: naming the class, the method and what to override instead.
     """
     for klass in trainer_class.__mro__:
-        if klass.__module__.split(".")[0] in ("hflight", "builtins"):
-            continue
+        if klass.__module__.split(".")[0] in ("hflight", "builtins") or klass is transformers.Trainer:
+            continue  # transformers' own Trainer: beneath hflight's for hflight.trl's TRL trainers (isinstance only)
         for name in sorted(NOT_CALLED.keys() & vars(klass).keys()):
             raise TypeError(
                 f"{klass.__qualname__}.{name} overrides transformers.Trainer.{name}, which hflight's Trainer never "

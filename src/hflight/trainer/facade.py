@@ -27,14 +27,7 @@ from transformers.trainer_callback import (
 )
 from transformers.trainer_jit_checkpoint import JITCheckpointCallback
 from transformers.trainer_pt_utils import log_metrics, metrics_format, save_metrics, save_state
-from transformers.trainer_utils import (
-    EvalLoopOutput,
-    PredictionOutput,
-    TrainOutput,
-    enable_full_determinism,
-    set_seed,
-    validate_quantization_for_training,
-)
+from transformers.trainer_utils import EvalLoopOutput, PredictionOutput, TrainOutput, enable_full_determinism, set_seed
 
 from hflight.arguments import cluster, reporting
 from hflight.arguments.lightning_kwargs import split_callbacks
@@ -115,7 +108,7 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
         self.create_accelerator_and_postprocess()
         self.model_init = model_init
         self.model = model if model is not None else self.call_model_init()
-        validate_quantization_for_training(self.model)  # transformers' refusals of quantized models it cannot train
+        construction.validate_quantization_for_training(self.model)  # transformers' own refusals (quantized models)
         vars(self).update(construction.transformers_attributes(self.args, self.model))
         self.processing_class = processing_class
         self._inspect_model(self.model)
@@ -379,6 +372,9 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         weights.load_model_weights(model if model is not None else self.model, resume_from_checkpoint)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str) -> None:  # at train start, the run resuming checkpoint
+        parts.restore_optimizer(self, self._run)  # the states read and checked with its weights
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
         folder = folders.save_checkpoint(self, self._run, trial)

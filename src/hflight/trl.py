@@ -1,0 +1,136 @@
+"""TRL's trainers on hflight's Trainer: change one import, keep the script.
+
+    from hflight.trl import SFTConfig, SFTTrainer  # was: from trl import SFTConfig, SFTTrainer
+
+Each trainer here is TRL's own class with hflight's ``Trainer`` in place of transformers' beneath it:
+``hflight.trl.SFTTrainer`` subclasses ``trl.SFTTrainer``, whose code (its ``__init__``, data preparation,
+``compute_loss``, ``log``, ...) runs as it is, and where TRL calls transformers' Trainer (``super()``,
+``self.accelerator``, ``self.args``) it reaches hflight's. The classes, in order: this module's ``SFTTrainer``,
+``trl.SFTTrainer``, TRL's base trainer, :class:`TRLTrainerBase`, ``hflight.Trainer``, then ``transformers.Trainer``,
+which TRL's ``isinstance`` checks find but whose methods are never run: every method of transformers' Trainer that
+hflight's does not define is one its Lightning loop never calls, and :class:`TRLTrainerBase` raises on each, naming
+it; a TRL trainer that overrides one is refused when it is built (``hflight.trainer.construction.check_overrides``),
+never left silently unused. accelerate's process state, which TRL's code reads through accelerate's functions, is
+made as transformers' ``Accelerator`` makes it (:func:`accelerate_state`).
+
+Each config here is TRL's config with hflight's ``TrainingArguments`` beneath it (Lightning's ``accelerator``,
+``devices``, ``strategy``, ``num_nodes``, ``save_async``, hflight's checks): ``isinstance(args, trl.SFTConfig)`` holds,
+and a config of TRL's own given to a trainer of this module (or to ``hflight.Trainer``) becomes this module's, field for
+field (``hflight.arguments.training_args.coerce_training_args``).
+
+Needs TRL (``pip install 'hflight[trl]'``); what was compared with TRL on transformers, trainer by trainer, is in
+docs/fine-tuning.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import transformers
+
+from hflight.arguments import process_group
+from hflight.arguments.training_args import TrainingArguments, register_arguments_twin
+from hflight.trainer.construction import NOT_CALLED
+from hflight.trainer.facade import Trainer
+
+try:
+    import trl
+except ImportError as missing:  # pragma: no cover - the message is the point
+    raise ImportError("hflight.trl needs TRL, which is not installed: pip install 'hflight[trl]'") from missing
+
+#: TRL's trainers and their configs, as TRL exports them (``trl.__init__``)
+TRAINERS = ("DistillationTrainer", "DPOTrainer", "GRPOTrainer", "KTOTrainer", "RewardTrainer", "RLOOTrainer",
+            "SFTTrainer")  # fmt: skip
+CONFIGS = ("DistillationConfig", "DPOConfig", "GRPOConfig", "KTOConfig", "RewardConfig", "RLOOConfig", "SFTConfig")
+
+__all__ = ["TRLTrainerBase", *TRAINERS, *CONFIGS]
+
+#: the fields each config's ``__post_init__`` derives from others and refuses beside them
+_DERIVED = {"GRPOConfig": ("generation_batch_size",), "RLOOConfig": ("generation_batch_size",)}
+
+
+def _refused(name: str, why: str) -> Any:
+    def refused(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            f"{type(self).__name__}.{name}: transformers.Trainer.{name} is not part of hflight's Trainer, whose "
+            f"training loop never calls it ({why})."
+        )
+
+    refused.__name__ = refused.__qualname__ = name
+    return refused
+
+
+def _init(self: Any, *args: Any, **kwargs: Any) -> None:
+    """hflight's ``Trainer.__init__``, then accelerate's process state, which TRL's code reads through accelerate's
+    functions (``set_seed(..., device_specific=True)``, ``gather``, ``broadcast_object_list``) where transformers'
+    ``Accelerator`` made it: see :func:`accelerate_state`."""
+    Trainer.__init__(self, *args, **kwargs)
+    accelerate_state(self.args)
+
+
+def accelerate_state(args: Any) -> Any:
+    """accelerate's ``AcceleratorState`` for this process, as transformers' ``Accelerator`` makes it (its processes,
+    device and precision: ``args``'), over the process group hflight connects (under a launcher, connected first, as
+    the run would connect it: the state then takes that group, and Lightning the same later). hflight's own code never
+    reads it; an accelerate state made before (``use_configured_state``, a script's ``Accelerator()``) is kept."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import TorchDynamoPlugin
+
+    if AcceleratorState._shared_state.get("_mixed_precision") is not None:
+        return AcceleratorState()
+    process_group.connect(process_group.default_backend(args.device, args.ddp_backend))
+    precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
+    if PartialState._shared_state == {}:
+        PartialState(cpu=args.device.type == "cpu")
+    return AcceleratorState(mixed_precision=precision, cpu=args.device.type == "cpu", dynamo_plugin=TorchDynamoPlugin(),
+                            _from_accelerator=True)  # fmt: skip
+
+
+#: hflight's Trainer beneath TRL's trainers, with transformers' Trainer below it for TRL's ``isinstance`` checks; the
+#: methods of transformers' Trainer that hflight's never calls raise, naming themselves
+TRLTrainerBase = type(
+    "TRLTrainerBase",
+    (Trainer, transformers.Trainer),
+    {
+        "__module__": __name__,
+        "__doc__": "hflight's Trainer beneath a TRL trainer (see the module); transformers' Trainer below it for "
+        "isinstance only.",
+        "__init__": _init,
+        **{name: _refused(name, why) for name, why in NOT_CALLED.items() if not hasattr(Trainer, name)},
+    },
+)
+
+
+@functools.cache
+def _trainer(name: str) -> type:
+    theirs = getattr(trl, name)
+    namespace = {
+        "__module__": __name__,
+        "__qualname__": name,
+        "__doc__": f"trl.{name} on hflight's Trainer (see hflight.trl).",
+    }
+    return type(name, (theirs, TRLTrainerBase), namespace)
+
+
+@functools.cache
+def _config(name: str) -> type:
+    theirs = getattr(trl, name)
+    namespace = {"__module__": __name__, "__qualname__": name,
+                 "__doc__": f"trl.{name} with hflight's TrainingArguments beneath it (see hflight.trl)."}  # fmt: skip
+    ours = dataclasses.dataclass(type(name, (theirs, TrainingArguments), namespace))
+    register_arguments_twin(theirs, ours, _DERIVED.get(name, ()))
+    return ours
+
+
+def __getattr__(name: str) -> type:
+    if name in TRAINERS:
+        return _trainer(name)
+    if name in CONFIGS:
+        return _config(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+for _name in CONFIGS:  # a TRL config given to any trainer becomes its twin here, whichever trainer was imported
+    _config(_name)
