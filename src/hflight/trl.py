@@ -70,22 +70,40 @@ def _init(self: Any, *args: Any, **kwargs: Any) -> None:
     accelerate_state(self.args)
 
 
+def partial_state(args: Any, device: Any) -> Any:
+    """accelerate's ``PartialState`` of this process on ``device`` (the arguments'), which transformers' arguments keep
+    as ``distributed_state`` and TRL's code reads (its ``distributed_type``, ranks). Under a launcher the processes are
+    connected first, by hflight, as the run would connect them, so the state takes that group (and Lightning the same
+    later); a state made before (``use_configured_state``, a script's ``Accelerator()``) is kept."""
+    from accelerate.state import PartialState
+
+    if PartialState._shared_state == {}:
+        process_group.connect(process_group.default_backend(device, args.ddp_backend))
+    return PartialState(cpu=device.type == "cpu")
+
+
 def accelerate_state(args: Any) -> Any:
     """accelerate's ``AcceleratorState`` for this process, as transformers' ``Accelerator`` makes it (its processes,
-    device and precision: ``args``'), over the process group hflight connects (under a launcher, connected first, as
-    the run would connect it: the state then takes that group, and Lightning the same later). hflight's own code never
-    reads it; an accelerate state made before (``use_configured_state``, a script's ``Accelerator()``) is kept."""
-    from accelerate.state import AcceleratorState, PartialState
+    device and precision: ``args``'), over :func:`partial_state`. hflight's own code never reads it."""
+    from accelerate.state import AcceleratorState
     from accelerate.utils import TorchDynamoPlugin
 
+    partial_state(args, args.device)
     if AcceleratorState._shared_state.get("_mixed_precision") is not None:
         return AcceleratorState()
-    process_group.connect(process_group.default_backend(args.device, args.ddp_backend))
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
-    if PartialState._shared_state == {}:
-        PartialState(cpu=args.device.type == "cpu")
     return AcceleratorState(mixed_precision=precision, cpu=args.device.type == "cpu", dynamo_plugin=TorchDynamoPlugin(),
                             _from_accelerator=True)  # fmt: skip
+
+
+@functools.cached_property
+def _setup_devices(self: Any) -> Any:
+    """hflight's device of this process, and accelerate's state as ``distributed_state`` (transformers' arguments
+    keep one there, and TRL's trainers read it)."""
+    device = TrainingArguments._setup_devices.func(self)
+    if self.distributed_state is None:
+        self.distributed_state = partial_state(self, device)
+    return device
 
 
 #: hflight's Trainer beneath TRL's trainers, with transformers' Trainer below it for TRL's ``isinstance`` checks; the
@@ -117,7 +135,7 @@ def _trainer(name: str) -> type:
 @functools.cache
 def _config(name: str) -> type:
     theirs = getattr(trl, name)
-    namespace = {"__module__": __name__, "__qualname__": name,
+    namespace = {"__module__": __name__, "__qualname__": name, "_setup_devices": _setup_devices,
                  "__doc__": f"trl.{name} with hflight's TrainingArguments beneath it (see hflight.trl)."}  # fmt: skip
     ours = dataclasses.dataclass(type(name, (theirs, TrainingArguments), namespace))
     register_arguments_twin(theirs, ours, _DERIVED.get(name, ()))

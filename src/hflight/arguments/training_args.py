@@ -214,6 +214,9 @@ class TrainingArguments(HFTrainingArguments):
         """The device of this process as Lightning will use it (no accelerate state is created); with
         ``accelerator_config['use_configured_state']``, the device of the accelerate state the user made."""
         self.distributed_state = configured_accelerate_state(self)
+        #: whether distributed_state is one the user made (use_configured_state), which the run's accelerator answers
+        #: with; hflight.trl's configs keep one made for TRL's code there too, as transformers' arguments do
+        self.accelerate_state_configured = self.distributed_state is not None
         if self.distributed_state is not None:
             device = self.distributed_state.device
             if self.accelerator == "auto":  # Lightning runs where the configured state is

@@ -224,7 +224,7 @@ class RunAccelerator:
     @property
     def state(self) -> Any:
         """The accelerate state ``use_configured_state`` took (``args.distributed_state``), else :class:`RunState`."""
-        configured = getattr(self._args, "distributed_state", None)
+        configured = self._args.distributed_state if _configured(self._args) else None
         return configured if configured is not None else RunState(self)
 
     @property
@@ -539,10 +539,15 @@ def _tensors_only(data: Any, operation: str) -> None:
         _tensors_only(value, operation)
 
 
+def _configured(args: Any) -> bool:
+    """Whether the arguments' ``distributed_state`` is an accelerate state the user made (``use_configured_state``)."""
+    return getattr(args, "accelerate_state_configured", False)
+
+
 def _check_configured_state(args: Any) -> None:
     """With ``use_configured_state``, an ``AcceleratorState`` the user made must agree with the arguments' mixed
     precision: transformers' ``Accelerator`` refuses to change it (accelerate's own error)."""
-    if getattr(args, "distributed_state", None) is None:
+    if not _configured(args):
         return
     from accelerate.state import AcceleratorState
 
