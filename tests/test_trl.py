@@ -1,0 +1,209 @@
+"""TRL's trainers on hflight (``hflight.trl``, issue 47, items 3 and 4), one process: each trainer run with TRL on
+transformers and with the one import changed, same seed, compared step for step on everything TRL logs (losses,
+gradient norms, ``num_tokens``, ``mean_token_accuracy``, rewards, margins, log-probabilities; times apart), and the
+trained weights; SFT on plain text, on conversations with a chat template, with packing, with completion-only and
+assistant-only loss and with a LoRA ``peft_config``; DPO, Reward, GRPO with a Python reward function, KTO, RLOO and
+Distillation. A TRL config stays what it is, and what hflight's loop never calls refuses by name."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+import transformers
+
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+hflight_trl = pytest.importorskip("hflight.trl")
+
+#: the logged values that are times, not results
+TIMES = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }} "
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] }}<eos>{% endgeneration %}"
+    "{% else %}{{ message['content'] }}{% endif %} {% endfor %}{% if add_generation_prompt %}assistant {% endif %}"
+)
+
+
+def tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """A word-level tokenizer of 60 words, the chat roles and four special tokens, with a chat template that marks
+    the assistant's turns (for ``assistant_only_loss``)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(57)} | {"user": 57, "assistant": 58, "system": 59}
+    vocab |= {"[UNK]": 60, "[PAD]": 61, "<eos>": 62, "<bos>": 63}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    made = transformers.PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]", pad_token="[PAD]",
+                                                eos_token="<eos>", bos_token="<bos>")  # fmt: skip
+    made.chat_template = CHAT_TEMPLATE
+    return made
+
+
+def gpt2(seed: int = 0, head=transformers.GPT2LMHeadModel, **config):
+    torch.manual_seed(seed)
+    return head(transformers.GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=2, n_head=2,
+                                        bos_token_id=63, eos_token_id=62, pad_token_id=61, **config))  # fmt: skip
+
+
+def text(rng: random.Random, shortest: int, longest: int) -> str:
+    return " ".join(f"w{rng.randrange(57)}" for _ in range(rng.randrange(shortest, longest)))
+
+
+def columns(n: int, seed: int = 0, **lengths: tuple[int, int]):
+    rng = random.Random(seed)
+    return datasets.Dataset.from_dict({name: [text(rng, *span) for _ in range(n)] for name, span in lengths.items()})
+
+
+def conversations(n: int, seed: int = 0):
+    rng = random.Random(seed)
+    turns = [[{"role": "user", "content": text(rng, 3, 8)}, {"role": "assistant", "content": text(rng, 3, 8)}]
+             for _ in range(n)]  # fmt: skip
+    return datasets.Dataset.from_dict({"messages": turns})
+
+
+def reward_length(completions, **kwargs) -> list[float]:
+    """GRPO's and RLOO's reward: longer completions score higher."""
+    return [len(completion.split()) / 10 for completion in completions]
+
+
+@dataclasses.dataclass
+class Fresh:
+    """An input each run builds anew (a model, a tokenizer), so that both libraries start from the same state."""
+
+    make: object
+
+    def __call__(self):
+        return self.make()
+
+
+COMMON = dict(per_device_train_batch_size=4, max_steps=4, logging_steps=1, learning_rate=1e-3, seed=0,
+              report_to="none", disable_tqdm=True, bf16=False)  # fmt: skip
+
+
+def compare(tmp_path, name: str, config: dict, **trainer_inputs) -> dict[str, list[dict]]:
+    """``name`` (e.g. "SFT") with TRL on transformers and with hflight.trl, ``config`` beside :data:`COMMON`; every
+    logged value but the times must be the same, step for step, and so must the trained weights. Returns the logs."""
+    runs = {}
+    for library, module in (("trl", trl), ("hflight", hflight_trl)):
+        trainer_cls = getattr(module, f"{name}Trainer")
+        args = getattr(trl, f"{name}Config")(str(tmp_path / library), **{**COMMON, **config})
+        inputs = {key: value() if isinstance(value, Fresh) else value for key, value in trainer_inputs.items()}
+        trainer = trainer_cls(args=args, **inputs)
+        trainer.train()
+        logs = [{k: v for k, v in entry.items() if k not in TIMES} for entry in trainer.state.log_history]
+        weights = {k: v.detach().clone() for k, v in trainer.model.named_parameters() if v.requires_grad}
+        runs[library] = logs, weights, trainer
+    (theirs, their_weights, _), (ours, our_weights, trainer) = runs["trl"], runs["hflight"]
+    assert isinstance(trainer, getattr(trl, f"{name}Trainer")) and isinstance(trainer, transformers.Trainer)
+    assert isinstance(trainer.args, getattr(trl, f"{name}Config"))
+    steps = {**COMMON, **config}["max_steps"]
+    assert len([e for e in ours if "loss" in e]) == (steps if steps > 0 else len(theirs) - 1) > 0 and ours == theirs
+    assert their_weights.keys() == our_weights.keys() and their_weights
+    assert all(torch.equal(our_weights[k], their_weights[k]) for k in their_weights)
+    return {"trl": theirs, "hflight": ours}
+
+
+def sft_inputs(dataset) -> dict:
+    return dict(model=Fresh(gpt2), train_dataset=dataset, processing_class=Fresh(tokenizer))
+
+
+def test_sft_on_plain_text(tmp_path):
+    logs = compare(tmp_path, "SFT", {}, **sft_inputs(columns(64, text=(5, 20))))
+    assert {"num_tokens", "mean_token_accuracy", "entropy"} <= logs["hflight"][0].keys()
+
+
+def test_sft_on_conversations_with_a_chat_template(tmp_path):
+    compare(tmp_path, "SFT", {}, **sft_inputs(conversations(64)))
+
+
+def test_sft_with_packing(tmp_path):
+    """Packed sequences, a whole epoch: its last batch is short, where TRL gathers a 0-d token count for its metrics
+    (accelerate keeps what it cannot cut to the batch's remainder)."""
+    data = columns(56, text=(5, 20))  # 25 packed sequences: the last batch holds 1
+    logs = compare(tmp_path, "SFT", dict(packing=True, max_length=32, max_steps=-1, num_train_epochs=1),
+                   **sft_inputs(data))  # fmt: skip
+    assert len(logs["hflight"]) == 8  # 7 steps and the summary
+
+
+def test_sft_with_completion_only_loss(tmp_path):
+    compare(tmp_path, "SFT", dict(completion_only_loss=True),
+            **sft_inputs(columns(64, prompt=(3, 8), completion=(3, 8))))  # fmt: skip
+
+
+def test_sft_with_assistant_only_loss(tmp_path):
+    compare(tmp_path, "SFT", dict(assistant_only_loss=True), **sft_inputs(conversations(64)))
+
+
+def test_sft_with_a_lora_peft_config(tmp_path):
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=4, target_modules=["c_attn"], task_type="CAUSAL_LM")
+    compare(tmp_path, "SFT", {}, peft_config=lora, **sft_inputs(columns(64, text=(5, 20))))
+
+
+def test_dpo(tmp_path):
+    logs = compare(tmp_path, "DPO", {}, model=Fresh(gpt2), ref_model=Fresh(gpt2), processing_class=Fresh(tokenizer),
+                   train_dataset=columns(32, prompt=(3, 10), chosen=(3, 10), rejected=(3, 10)))  # fmt: skip
+    assert {"rewards/chosen", "rewards/margins", "logps/chosen"} <= logs["hflight"][-2].keys()
+
+
+def test_reward(tmp_path):
+    scorer = Fresh(lambda: gpt2(head=transformers.GPT2ForSequenceClassification, num_labels=1))
+    logs = compare(tmp_path, "Reward", {}, model=scorer, processing_class=Fresh(tokenizer),
+                   train_dataset=columns(32, chosen=(3, 10), rejected=(3, 10)))  # fmt: skip
+    assert {"accuracy", "margin"} <= logs["hflight"][0].keys()
+
+
+def test_grpo_with_a_python_reward_function(tmp_path):
+    """GRPO generates inside the training loop with transformers' generate (vLLM is not available here)."""
+    logs = compare(tmp_path, "GRPO", dict(num_generations=4, max_completion_length=8), model=Fresh(gpt2),
+                   reward_funcs=reward_length, processing_class=Fresh(tokenizer),
+                   train_dataset=columns(32, prompt=(3, 8)))  # fmt: skip
+    assert {"reward", "reward_std", "completions/mean_length"} <= logs["hflight"][0].keys()
+
+
+def test_kto(tmp_path):
+    data = columns(32, prompt=(3, 8), completion=(3, 8)).add_column("label", [i % 2 == 0 for i in range(32)])
+    compare(tmp_path, "KTO", {}, model=Fresh(gpt2), ref_model=Fresh(gpt2), processing_class=Fresh(tokenizer),
+            train_dataset=data)  # fmt: skip
+
+
+def test_rloo_with_a_python_reward_function(tmp_path):
+    """RLOO builds its reference model from the policy's folder, as from a hub name."""
+    gpt2().save_pretrained(tmp_path / "policy")
+    compare(tmp_path, "RLOO", dict(num_generations=4, max_completion_length=8), model=str(tmp_path / "policy"),
+            reward_funcs=reward_length, processing_class=Fresh(tokenizer),
+            train_dataset=columns(32, prompt=(3, 8)))  # fmt: skip
+
+
+def test_distillation(tmp_path):
+    compare(tmp_path, "Distillation", dict(max_completion_length=8), model=Fresh(gpt2),
+            teacher_model=Fresh(lambda: gpt2(seed=1)), processing_class=Fresh(tokenizer),
+            train_dataset=columns(32, prompt=(3, 8), completion=(3, 8)))  # fmt: skip
+
+
+@pytest.mark.parametrize("name", hflight_trl.CONFIGS)
+def test_a_trl_config_given_to_hflight_is_its_twin_field_for_field(tmp_path, name):
+    from hflight.arguments.training_args import coerce_training_args
+
+    theirs = getattr(trl, name)(str(tmp_path), bf16=False, report_to="none", logging_steps=3, warmup_steps=0.1)
+    ours = coerce_training_args(theirs)
+    assert type(ours) is getattr(hflight_trl, name) and isinstance(ours, type(theirs))
+    differing = [f.name for f in dataclasses.fields(theirs) if getattr(ours, f.name) != getattr(theirs, f.name)]
+    assert differing == []
+
+
+def test_what_hflight_never_calls_refuses_by_name(tmp_path):
+    """A method of transformers' Trainer that hflight's loop never calls raises when TRL's code (or a script) calls
+    it, and a TRL trainer's subclass that overrides one is refused when it is built."""
+    trainer = hflight_trl.SFTTrainer(args=trl.SFTConfig(str(tmp_path), **COMMON), model=gpt2(),
+                                     processing_class=tokenizer(), train_dataset=columns(8, text=(5, 9)))  # fmt: skip
+    refused = r"SFTTrainer\._inner_training_loop: transformers\.Trainer\._inner_training_loop is not part of hflight's"
+    with pytest.raises(NotImplementedError, match=refused):
+        trainer._inner_training_loop()
+    custom = type("MySFT", (hflight_trl.SFTTrainer,), {"_save_rng_state": lambda self, output_dir: None})
+    with pytest.raises(TypeError, match=r"MySFT\._save_rng_state overrides transformers\.Trainer\._save_rng_state"):
+        custom(args=trl.SFTConfig(str(tmp_path), **COMMON), model=gpt2(), processing_class=tokenizer(),
+               train_dataset=columns(8, text=(5, 9)))  # fmt: skip
