@@ -3,7 +3,8 @@
 trained with, evaluation losses), the same results (``BestRun``, a list of them for several objectives) and the same
 folders: optuna in one process and under ``torchrun --nproc_per_node=2`` (rank 0 samples, every rank trains each
 trial, rank 0 alone returns the ``BestRun``), Ray Tune on a local Ray instance, and a W&B sweep through a stand-in
-for W&B's server and agent (tests/wandb_sweep_standin.py; no W&B server is reachable here).
+for W&B's server and agent (tests/wandb_sweep_standin.py; no W&B server is reachable here). Under torchrun, hflight's
+side also prunes on rank 0's decision alone, and fails a trial that fails on one rank on every rank (issue 46).
 """
 
 from __future__ import annotations
@@ -184,6 +185,40 @@ def test_bad_input_is_refused_before_any_trial(tmp_path, factory, monkeypatch):
             _trainer(hflight, tmp_path).hyperparameter_search(backend=backend)
 
 
+class _Unreachable:
+    """A process group's store that went away (its process ended, its host unreachable): every call fails."""
+
+    timeout = None
+
+    def __getattr__(self, name):
+        def fail(*args, **kwargs):
+            raise RuntimeError(f"store unreachable ({name})")
+
+        return fail
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_ranks_that_cannot_agree_on_a_trial_stop_the_search(monkeypatch, tmp_path, rank):
+    """The rule for several processes that cannot agree on a trial's outcome (here their store is unreachable, and
+    the trial fails: no process group): the search stops with the error on that rank, even with a ``catch`` that
+    names it; rank 0's study records the trial as failed and stops, rank 1 does not take another trial."""
+    from hflight.trainer import hpsearch_backends
+
+    def connect(trainer, caught=()):
+        processes = hpsearch_backends.Processes(2, rank, caught)
+        processes.store, processes.backend = _Unreachable(), "gloo"
+        return processes
+
+    monkeypatch.setattr(hpsearch_backends, "connect", connect)
+    storage = optuna.storages.InMemoryStorage()
+    cannot = r"could not agree on the outcome of (trial 0|the search) \(RuntimeError: store unreachable"
+    with pytest.raises(RuntimeError, match=cannot):
+        _trainer(hflight, tmp_path).hyperparameter_search(n_trials=3, storage=storage, study_name="s",
+                                                          catch=(RuntimeError, ValueError))  # fmt: skip
+    if rank == 0:
+        assert [t.state.name for t in optuna.load_study(study_name="s", storage=storage).trials] == ["FAIL"]
+
+
 # ---- Ray Tune, on a local Ray instance ------------------------------------------------------------------------------
 def _ray_search(library, root: Path) -> tuple:
     from ray import tune
@@ -284,16 +319,22 @@ def test_a_wandb_sweep_runs_and_returns_as_transformers(one_torch_thread, tmp_pa
 
 # ---- several processes: torchrun -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def torchrun_searches(tmp_path_factory) -> dict[str, dict[int, dict]]:
+def torchrun_searches(tmp_path_factory) -> dict[str, dict]:
     """tests/jobs/hpsearch_job.py under ``torchrun --standalone --nproc_per_node=2``, with transformers' Trainer and
-    with hflight's, both at once; each rank's report."""
+    with hflight's, both at once; each rank's report, and how hflight's job ended (``"ended"``: its last search's
+    error ends it, by design)."""
     root = tmp_path_factory.mktemp("hpsearch_torchrun")
     jobs = {impl: launch.Job([*launch.torchrun(2), JOB, root, impl], root, console=root / f"{impl}.console.txt",
                              timeout=300, name=impl)
             for impl in ("hf", "hl")}  # fmt: skip
-    launch.all_ok(jobs)  # a hung job (ranks waiting on each other): its whole session goes
-    return {impl: {rank: json.loads((root / f"{impl}-rank{rank}.json").read_text()) for rank in (0, 1)}
-            for impl in ("hf", "hl")}  # fmt: skip
+    try:  # a hung job (ranks waiting on each other): its whole session goes
+        jobs["hf"].ok()
+    finally:
+        ended = jobs["hl"].wait()
+    reports = {impl: {rank: root / f"{impl}-rank{rank}.json" for rank in (0, 1)} for impl in ("hf", "hl")}
+    assert all(path.exists() for path in reports["hl"].values()), f"hl ended before its report:\n{ended.tail()}"
+    return {"ended": ended, **{impl: {rank: json.loads(path.read_text()) for rank, path in paths.items()}
+                               for impl, paths in reports.items()}}  # fmt: skip
 
 
 @pytest.mark.subprocess
@@ -323,10 +364,70 @@ def test_under_torchrun_every_rank_trains_the_trials_rank_zero_samples(torchrun_
 @pytest.mark.slow
 def test_under_torchrun_a_pruned_trial_stops_on_every_rank(torchrun_searches):
     """Rank 0's pruner stops trial 1 after its first evaluation: both ranks stop it there and end the search together
-    (transformers' other ranks would train on, into rank 0's next collectives)."""
+    (transformers' other ranks would train on, into rank 0's next collectives). Rank 1's process has a pruner that
+    would stop trial 0 at its first evaluation: only rank 0's decides (a rank deciding for itself would stop trial 0
+    on rank 1 alone)."""
     ours = torchrun_searches["hl"]
     for rank in (0, 1):
         pruned = ours[rank]["pruned"]
         assert [len(t["eval_losses"]) for t in pruned["trials"]] == [2, 1]
         assert pruned["trials"] == ours[0]["pruned"]["trials"]
     assert ours[0]["pruned"]["returned"]["run_id"] == "0" and ours[1]["pruned"]["returned"] is None
+
+
+def _failures(reports: dict[int, dict], failing: int, where: str, caught: bool) -> tuple[dict, dict]:
+    """Rank 0's and rank 1's report of the search of hflight's job whose trial 0 failed on rank ``failing``
+    (``where``), with ``catch=(RuntimeError,)`` or without."""
+    found = [[r for r in reports[rank]["failures"] if r["case"] == [failing, where, caught]] for rank in (0, 1)]
+    assert [len(each) for each in found] == [1, 1]
+    return found[0][0], found[1][0]
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+@pytest.mark.parametrize(("failing", "where"), [(0, "forward"), (1, "step_end")])
+def test_under_torchrun_a_trial_failing_on_one_rank_fails_on_every_rank_and_catch_goes_on(torchrun_searches, failing,
+                                                                                           where):  # fmt: skip
+    """``catch=(RuntimeError,)``, trial 0 raising on one rank only (in the forward of step 2: the other rank waits in
+    the gradients' all-reduce; at the end of step 1: in the step's collectives): both ranks leave trial 0, rank 0's
+    study records it as failed (as optuna does in one process), the search goes on to trial 1 on both ranks, and rank 0
+    returns trial 1. The rank that raised logged its error; rank 0's study logged the failure, naming the rank and the
+    error. (Before, the rank that caught it went on to the next trial while the other waited in a collective: the job
+    hung until its time-out.)"""
+    zero, one = _failures(torchrun_searches["hl"], failing, where, caught=True)
+    assert zero["error"] is None and one["error"] is None
+    assert zero["states"] == ["FAIL", "COMPLETE"]
+    assert zero["search"]["returned"]["run_id"] == "1" and one["search"]["returned"] is None
+    trials = [report["search"]["trials"] for report in (zero, one)]
+    assert [t["params"] for t in trials[0]] == [t["params"] for t in trials[1]] and len(trials[0]) == 2
+    assert trials[0][1] == trials[1][1] and len(trials[0][1]["eval_losses"]) == 2
+    error = f"RuntimeError: trial 0 fails on rank {failing}"
+    assert any(error in message for message in (zero, one)[failing]["logged"]), (zero, one)[failing]["logged"]
+    failed = [m for m in zero["logged"] if m.startswith("Trial 0 failed with parameters")]
+    assert len(failed) == 1 and error in failed[0] and (failing == 0 or "failed on rank 1" in failed[0]), failed
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+@pytest.mark.parametrize(("failing", "where"), [(0, "step_end"), (1, "forward")])
+def test_under_torchrun_a_trial_failing_on_one_rank_without_catch_stops_the_search_on_every_rank(
+    torchrun_searches, failing, where
+):
+    """No ``catch``, trial 0 raising on one rank only: the search stops on both ranks, the rank that failed with its
+    error, the other with ``TrialFailedOnAnotherRank`` naming that rank and error; rank 0's study records the trial as
+    failed; the processes stay connected (the job's next search runs on them). A script that does not catch the error
+    ends on every rank: hflight's job ends so (its last search), with a non-zero exit status and before its time-out.
+    (Before, the other rank waited in a collective until the failed rank's process exited, then raised gloo's
+    "Connection closed by peer"; in this job, which goes on after the error, it hung.)"""
+    zero, one = _failures(torchrun_searches["hl"], failing, where, caught=False)
+    failed, other = (zero, one)[failing], (zero, one)[1 - failing]
+    assert failed["error"]["type"] == "RuntimeError" and failed["error"]["message"].startswith(
+        f"trial 0 fails on rank {failing}"
+    )
+    assert other["error"]["type"] == "TrialFailedOnAnotherRank"
+    assert other["error"]["message"] == f"Trial 0 failed on rank {failing}: RuntimeError: {failed['error']['message']}"
+    assert zero["states"] == ["FAIL"]
+    assert len(zero["search"]["trials"]) == len(one["search"]["trials"]) == 1
+    assert any(f"RuntimeError: trial 0 fails on rank {failing}" in message for message in failed["logged"])
+    ended = torchrun_searches["ended"]
+    assert ended.returncode != 0 and "RuntimeError: trial 0 fails on rank 1 at the end of step 1" in ended.output

@@ -133,7 +133,9 @@ class HyperparameterSearchMixin:
         """Search hyperparameters with optuna, Ray Tune or a W&B sweep, as transformers does (needs ``model_init``).
 
         Returns the ``BestRun`` (a list of them for several objectives); under a launcher, on rank 0 (``None`` on
-        the other ranks, which train every trial with rank 0)."""
+        the other ranks, which train every trial with rank 0). There, a trial that fails on one rank fails on every
+        rank: the others raise ``TrialFailedOnAnotherRank``, or, when ``catch`` names the error's type, go on to the
+        next trial with it (``hflight.trainer.hpsearch_backends``)."""
         return hyperparameter_search(self, hp_space, compute_objective, n_trials, direction, backend, hp_name, **kwargs)
 
     def _hp_search_setup(self, trial: Any) -> None:
