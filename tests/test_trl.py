@@ -8,11 +8,12 @@ Distillation. A TRL config stays what it is, and what hflight's loop never calls
 from __future__ import annotations
 
 import dataclasses
-import random
 
 import pytest
 import torch
 import transformers
+
+from .tiny_lm import columns, conversations, gpt2, tokenizer
 
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
@@ -20,48 +21,6 @@ hflight_trl = pytest.importorskip("hflight.trl")
 
 #: the logged values that are times, not results
 TIMES = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")
-CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['role'] }} "
-    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] }}<eos>{% endgeneration %}"
-    "{% else %}{{ message['content'] }}{% endif %} {% endfor %}{% if add_generation_prompt %}assistant {% endif %}"
-)
-
-
-def tokenizer() -> transformers.PreTrainedTokenizerFast:
-    """A word-level tokenizer of 60 words, the chat roles and four special tokens, with a chat template that marks
-    the assistant's turns (for ``assistant_only_loss``)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {f"w{i}": i for i in range(57)} | {"user": 57, "assistant": 58, "system": 59}
-    vocab |= {"[UNK]": 60, "[PAD]": 61, "<eos>": 62, "<bos>": 63}
-    words = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    words.pre_tokenizer = pre_tokenizers.Whitespace()
-    made = transformers.PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]", pad_token="[PAD]",
-                                                eos_token="<eos>", bos_token="<bos>")  # fmt: skip
-    made.chat_template = CHAT_TEMPLATE
-    return made
-
-
-def gpt2(seed: int = 0, head=transformers.GPT2LMHeadModel, **config):
-    torch.manual_seed(seed)
-    return head(transformers.GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=2, n_head=2,
-                                        bos_token_id=63, eos_token_id=62, pad_token_id=61, **config))  # fmt: skip
-
-
-def text(rng: random.Random, shortest: int, longest: int) -> str:
-    return " ".join(f"w{rng.randrange(57)}" for _ in range(rng.randrange(shortest, longest)))
-
-
-def columns(n: int, seed: int = 0, **lengths: tuple[int, int]):
-    rng = random.Random(seed)
-    return datasets.Dataset.from_dict({name: [text(rng, *span) for _ in range(n)] for name, span in lengths.items()})
-
-
-def conversations(n: int, seed: int = 0):
-    rng = random.Random(seed)
-    turns = [[{"role": "user", "content": text(rng, 3, 8)}, {"role": "assistant", "content": text(rng, 3, 8)}]
-             for _ in range(n)]  # fmt: skip
-    return datasets.Dataset.from_dict({"messages": turns})
 
 
 def reward_length(completions, **kwargs) -> list[float]:

@@ -1,0 +1,73 @@
+"""PEFT and TRL under torchrun, transformers' side or hflight's, on the same script (issue 47, items 1 and 4):
+
+    torchrun --standalone --nproc_per_node 2 tests/jobs/finetune_job.py OUT transformers|hflight
+
+In the same two processes, one after the other: a LoRA GPT-2 trained 8 steps by the ``Trainer`` (transformers' or
+hflight's), a checkpoint every 4, then resumed from checkpoint-4 by a new trainer; TRL's ``SFTTrainer`` (TRL's or
+``hflight.trl``'s) with a LoRA ``peft_config``, 4 steps; TRL's ``DPOTrainer``, 4 steps. Each rank writes
+``OUT/<library>/rank<r>.json``: every run's log history and its trainable weights at the end.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import gloo_exit  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+import trl  # noqa: E402
+from tiny_lm import columns, gpt2, lora, token_rows, tokenizer  # noqa: E402
+
+import hflight  # noqa: E402
+import hflight.trl  # noqa: E402
+
+COMMON = dict(per_device_train_batch_size=2, logging_steps=1, learning_rate=1e-2, seed=0, report_to="none",
+              disable_tqdm=True, dataloader_pin_memory=False, use_cpu=True)  # fmt: skip
+
+
+def trained(trainer, resume=None) -> dict:
+    trainer.train(resume_from_checkpoint=resume)
+    weights = {k: v.detach().flatten().tolist() for k, v in trainer.model.named_parameters() if v.requires_grad}
+    history = [{k: v for k, v in e.items() if not k.endswith(("runtime", "per_second", "step_time"))}
+               for e in trainer.state.log_history]  # fmt: skip
+    return {"log_history": history, "weights": weights}
+
+
+def main(out: Path, library: str) -> None:
+    trainer_cls, args_cls = (transformers.Trainer, transformers.TrainingArguments) if library == "transformers" else (
+        hflight.Trainer, hflight.TrainingArguments)  # fmt: skip
+    trl_module = trl if library == "transformers" else hflight.trl
+    folder = out / library
+    results = {}
+
+    lora_args = args_cls(str(folder / "lora"), max_steps=8, save_steps=4, **COMMON)
+    results["lora"] = trained(trainer_cls(lora(gpt2()), lora_args, train_dataset=token_rows(64, 1)))
+    resumed = trainer_cls(lora(gpt2()), lora_args, train_dataset=token_rows(64, 1))
+    results["lora_resumed"] = trained(resumed, str(folder / "lora" / "checkpoint-4"))
+
+    import peft
+
+    sft = trl_module.SFTTrainer(
+        model=gpt2(), args=trl.SFTConfig(str(folder / "sft"), max_steps=4, bf16=False, **COMMON),
+        train_dataset=columns(64, text=(5, 20)), processing_class=tokenizer(),
+        peft_config=peft.LoraConfig(r=4, target_modules=["c_attn"], task_type="CAUSAL_LM"),
+    )  # fmt: skip
+    results["sft"] = trained(sft)
+    dpo = trl_module.DPOTrainer(
+        model=gpt2(), ref_model=gpt2(), args=trl.DPOConfig(str(folder / "dpo"), max_steps=4, bf16=False, **COMMON),
+        train_dataset=columns(32, prompt=(3, 10), chosen=(3, 10), rejected=(3, 10)), processing_class=tokenizer(),
+    )  # fmt: skip
+    results["dpo"] = trained(dpo)
+
+    rank = torch.distributed.get_rank()
+    results["world_size"] = torch.distributed.get_world_size()
+    (folder / f"rank{rank}.json").write_text(json.dumps(results), encoding="utf-8")
+    gloo_exit.exit_without_teardown()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2])
