@@ -153,9 +153,10 @@ class _CountValidationBatches(L.Callback):
         self.batches += 1
 
 
-def test_evaluation_in_this_process_gives_validates_results_and_restores_module_modes(tmp_path, factory, monkeypatch):
+def test_evaluation_in_this_process_gives_validates_results_and_leaves_eval_mode(tmp_path, factory, monkeypatch):
     """Without Lightning callbacks the evaluation runs in this process (Lightning's validate is not called); with one,
-    through validate (its hooks called): the same metrics and predictions, and every module's mode as before."""
+    through validate (its hooks called): the same metrics and predictions, and every module in eval mode afterwards,
+    as transformers' evaluation_loop leaves the model."""
     counter = _CountValidationBatches()
     through_validate = hflight.Trainer(
         factory.cls_model(dropout=0.1),
@@ -165,8 +166,6 @@ def test_evaluation_in_this_process_gives_validates_results_and_restores_module_
     assert counter.batches == 2
     model = factory.cls_model(dropout=0.1)
     model.train()
-    model.classifier.eval()  # a mixed state, restored module by module
-    modes = [m.training for m in model.modules()]
     validate = L.Trainer.validate
     monkeypatch.setattr(L.Trainer, "validate", lambda *a, **k: pytest.fail("validate called"))
     trainer = hflight.Trainer(model, hflight.TrainingArguments(str(tmp_path / "direct"), **factory.pair_args()))
@@ -174,7 +173,11 @@ def test_evaluation_in_this_process_gives_validates_results_and_restores_module_
     monkeypatch.setattr(L.Trainer, "validate", validate)
     np.testing.assert_array_equal(direct.predictions, through_validate.predictions)
     assert direct.metrics["test_loss"] == through_validate.metrics["test_loss"]
-    assert [m.training for m in model.modules()] == modes
+    assert not any(m.training for m in model.modules())
+    reference = transformers.Trainer(model.train(), transformers.TrainingArguments(str(tmp_path / "hf"),
+                                                                                   **factory.pair_args()))  # fmt: skip
+    reference.predict(factory.cls_dataset(16))
+    assert not any(m.training for m in model.modules()), "transformers leaves the model in eval mode too"
 
 
 def test_an_evaluation_run_is_reused_until_something_changes(tmp_path, factory):

@@ -19,8 +19,8 @@ trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 hflight_trl = pytest.importorskip("hflight.trl")
 
-#: the logged values that are times, not results
-TIMES = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")
+#: the logged values that are times, not results (train_runtime, eval_samples_per_second, ...)
+TIMES = ("step_time", "_runtime", "_per_second")
 
 
 def reward_length(completions, **kwargs) -> list[float]:
@@ -52,7 +52,7 @@ def compare(tmp_path, name: str, config: dict, **trainer_inputs) -> dict[str, li
         inputs = {key: value() if isinstance(value, Fresh) else value for key, value in trainer_inputs.items()}
         trainer = trainer_cls(args=args, **inputs)
         trainer.train()
-        logs = [{k: v for k, v in entry.items() if k not in TIMES} for entry in trainer.state.log_history]
+        logs = [{k: v for k, v in entry.items() if not k.endswith(TIMES)} for entry in trainer.state.log_history]
         weights = {k: v.detach().clone() for k, v in trainer.model.named_parameters() if v.requires_grad}
         runs[library] = logs, weights, trainer
     (theirs, their_weights, _), (ours, our_weights, trainer) = runs["trl"], runs["hflight"]
@@ -166,3 +166,12 @@ def test_what_hflight_never_calls_refuses_by_name(tmp_path):
     with pytest.raises(TypeError, match=r"MySFT\._save_rng_state overrides transformers\.Trainer\._save_rng_state"):
         custom(args=trl.SFTConfig(str(tmp_path), **COMMON), model=gpt2(), processing_class=tokenizer(),
                train_dataset=columns(8, text=(5, 9)))  # fmt: skip
+
+
+def test_sft_evaluated_during_training_logs_trl_s_evaluation_metrics(tmp_path):
+    """Evaluation every 2 steps: TRL logs its evaluation metrics (``eval_mean_token_accuracy``, ``eval_entropy``,
+    ``eval_num_tokens``) from its evaluation mode, known by the model's mode when it logs, as on transformers."""
+    logs = compare(tmp_path, "SFT", dict(eval_strategy="steps", eval_steps=2),
+                   eval_dataset=columns(16, text=(5, 20), seed=1), **sft_inputs(columns(64, text=(5, 20))))  # fmt: skip
+    evaluations = [e for e in logs["hflight"] if "eval_loss" in e]
+    assert len(evaluations) == 2 and {"eval_mean_token_accuracy", "eval_entropy"} <= evaluations[0].keys()

@@ -234,46 +234,40 @@ def evaluates_in_process(lightning_trainer: Any) -> bool:
 
 def _evaluate_in_process(evaluator: Evaluator, run: RunView, dataloader: Any) -> None:
     """What Lightning's ``validate`` does for :func:`evaluates_in_process`'s runs, without its loop: the model on the
-    strategy's device and in eval mode (every module's mode restored afterwards), batches moved to the device, each
-    step under inference mode (``no_grad`` with a gloo process group, as Lightning) and the precision plugin's
-    validation-step context, SIGTERM stopping the evaluation between batches."""
+    strategy's device and in eval mode (left in it, as transformers' ``evaluation_loop`` leaves it), batches moved to
+    the device, each step under inference mode (``no_grad`` with a gloo process group, as Lightning) and the
+    precision plugin's validation-step context, SIGTERM stopping the evaluation between batches."""
     trainer = run.lightning_trainer
     strategy, precision = trainer.strategy, trainer.precision_plugin
     device = strategy.root_device
     strategy.accelerator.setup_device(device)
     module = run.module.to(device)
-    modes = [(m, m.training) for m in module.modules()]
     module.eval()
     gloo = torch.distributed.is_available() and torch.distributed.is_initialized()
     grad_off = torch.no_grad if gloo and torch.distributed.get_backend() == "gloo" else torch.inference_mode
     labels = evaluator.facade.label_names
-    try:
-        with grad_off(), sigterm_stops_between_batches("Evaluation") as stop_if_signalled:
-            with run.backend.hf_evaluation_model(module.model, labels) as evaluator.model:
-                for batch in dataloader:
-                    stop_if_signalled()
-                    if device.type != "cpu":  # on the CPU a batch is where it is used
-                        batch = move_data_to_device(batch, device)
-                    with precision.val_step_context():
-                        evaluator.step(batch)
-    finally:
-        for submodule, training in modes:
-            submodule.training = training
+    with grad_off(), sigterm_stops_between_batches("Evaluation") as stop_if_signalled:
+        with run.backend.hf_evaluation_model(module.model, labels) as evaluator.model:
+            for batch in dataloader:
+                stop_if_signalled()
+                if device.type != "cpu":  # on the CPU a batch is where it is used
+                    batch = move_data_to_device(batch, device)
+                with precision.val_step_context():
+                    evaluator.step(batch)
 
 
 def _evaluate_in_fit(evaluator: Evaluator, run: RunView, dataloader: Any) -> None:
-    """Evaluate now, inside a running fit (Lightning has no public trigger for that), under the fit's precision."""
+    """Evaluate now, inside a running fit (Lightning has no public trigger for that), under the fit's precision. The
+    model stays in eval mode, as transformers' ``evaluation_loop`` leaves it: what follows the evaluation (its log,
+    ``on_evaluate``, a checkpoint) sees it so, as with transformers (TRL's trainers log their evaluation metrics by
+    it), and the next training step puts it back in train mode."""
     backend, fit_trainer = run.backend, run.lightning_trainer
     model = run.module.model
-    was_training = model.training
     model.eval()
-    try:
-        with torch.no_grad(), fit_trainer.precision_plugin.val_step_context():
-            with backend.hf_evaluation_model(model, evaluator.facade.label_names) as evaluator.model:
-                for batch in backend.hf_prepare_loader(dataloader, training=False):
-                    evaluator.step(batch)
-    finally:
-        model.train(was_training)
+    with torch.no_grad(), fit_trainer.precision_plugin.val_step_context():
+        with backend.hf_evaluation_model(model, evaluator.facade.label_names) as evaluator.model:
+            for batch in backend.hf_prepare_loader(dataloader, training=False):
+                evaluator.step(batch)
 
 
 def _num_examples(facade: TrainerSurface, dataloader: Any) -> int | None:
@@ -327,6 +321,7 @@ def _run_batches(evaluator: Evaluator, run: RunView, dataloader: Any) -> None:
         with quiet_lightning(), sigterm_exits_non_zero("Evaluation"):
             # sharded once the processes are launched: this call may be the one that launches them
             run.lightning_trainer.validate(run.module, datamodule=EvaluationData(dataloader), verbose=False)
+        run.module.model.eval()  # Lightning restores the modes; transformers leaves the model in eval mode
 
 
 # ---- the bodies of Trainer.evaluate and Trainer.predict ----------------------------------------------------------
