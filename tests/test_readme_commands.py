@@ -73,6 +73,9 @@ SKIPPED: dict[str, str] = {
     "hydra.launcher.partition=gpu": (
         "a SLURM cluster; tests/test_sweeps.py runs submitit's local executor (the same pickled jobs)"
     ),
+    "python train.py +experiment=sft_lora": (
+        "tests/test_sft_recipe.py runs it as written (tiny sizes appended) in an empty folder, resumes and sweeps it"
+    ),
     "optuna-dashboard sqlite:///outputs/mrc/multiruns/2026-11-24_10-00-00/optuna.db": (
         "a web server (pip install optuna-dashboard) reading the study the tests check in optuna.db"
     ),

@@ -88,6 +88,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "hflight.ipu.seq2seq": ("hflight.ipu", "hflight.trainer", "hflight.run", "hflight.arguments", *BOTTOM),
     # TRL's trainers on the facade (hflight.trl): the facade, its arguments, the process group accelerate's state uses
     "hflight.trl": ("hflight.trainer", "hflight.arguments", *BOTTOM),
+    # The SFT recipe: TRL's SFT on the facade, with the QA recipe's data, checks and run-folder records
+    "hflight.sft": ("hflight.sft", "hflight.trl", "hflight.qa", "hflight.arguments", "hflight.config", *BOTTOM),
     "hflight.qa": ("hflight.qa", *BOTTOM),  # data, features, post-processing, metrics: no Lightning, no facade
     "hflight.qa.trainer": ("hflight.qa", "hflight.trainer", "hflight.run", *BOTTOM),
     "hflight.qa.seq2seq_trainer": ("hflight.qa", "hflight.trainer", "hflight.run", *BOTTOM),

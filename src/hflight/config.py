@@ -126,11 +126,26 @@ class DataTrainingArguments:
         return any((self.dataset_name, self.train_file, self.validation_file, self.test_file))
 
 
+@dataclass
+class SFTDataArguments:
+    """What the ``sft`` task (``hflight.sft.recipe``) fine-tunes on: prompt/completion pairs made from SQuAD-format
+    ``train_file``/``validation_file``, else from the files the ``synthetic`` node writes (a ``_target_`` such as
+    ``hflight.qa.synthetic.write_squad_files`` returning the train and validation paths); ``max_*_samples`` keep the
+    first questions of a split."""
+
+    train_file: Optional[str] = None
+    validation_file: Optional[str] = None
+    max_train_samples: Optional[int] = None
+    max_eval_samples: Optional[int] = None
+    synthetic: Optional[Any] = None
+
+
 #: ConfigStore name -> schema; referenced from the group YAMLs as ``/schema/<name>@_here_``.
 SCHEMAS: dict[str, type] = {
     "args": config_schema(TrainingArguments),
     "model": ModelArguments,
     "data": DataTrainingArguments,
+    "sft_data": SFTDataArguments,
 }
 
 

@@ -15,7 +15,7 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from hflight import durable
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RECORD_NAME", "reusable", "write_record"]
+__all__ = ["RECORD_NAME", "reusable", "save_in_place", "write_record"]
 
 #: The record a maker leaves beside its files.
 RECORD_NAME = ".hflight-made.json"
@@ -85,3 +85,13 @@ def write_record(folder: str | os.PathLike, recipe: Mapping[str, Any]) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def save_in_place(folder: str | os.PathLike, save: Callable[[str], Any]) -> None:
+    """The files ``save(staging)`` writes, put into ``folder`` each whole and durable: saved in a private folder
+    inside it, then each renamed into place (processes launched together, torchrun's, make the same files in the same
+    folder, and none may load another's half-written file)."""
+    with tempfile.TemporaryDirectory(dir=folder, prefix=".staging-") as staging:
+        save(staging)
+        for name in sorted(os.listdir(staging)):
+            durable.replace_file(os.path.join(staging, name), Path(folder) / name)

@@ -174,7 +174,7 @@ def _load_splits(
                     "or a data.synthetic generator (e.g. +experiment=mrc)."
                 )
             log.info(f"Instantiating synthetic data <{data_cfg.synthetic._target_}>")
-            train_file, validation_file = instantiate(data_cfg.synthetic, **_resuming(data_cfg.synthetic, args))
+            train_file, validation_file = instantiate(data_cfg.synthetic, **resuming_argument(data_cfg.synthetic, args))
             files = {"train": str(train_file), "validation": str(validation_file), "test": None}
             keys = {name: f"synthetic {name} file {path}" for name, path in files.items() if path}
         splits = {name: _load_file(path, keys[name]) for name, path in files.items() if path}
@@ -362,7 +362,7 @@ def hub_kwargs(model_args: ModelArguments) -> dict[str, Any]:
     )
 
 
-def _resuming(node: DictConfig, args: Any) -> dict[str, bool]:
+def resuming_argument(node: DictConfig, args: Any) -> dict[str, bool]:
     """``{"resuming": ...}`` for a maker of run-folder files (the synthetic data, the tokenizer trainer) that takes
     it (``hflight.qa.made``): whether this run continues from a checkpoint, whose data and vocabulary it must keep."""
     import inspect
@@ -394,7 +394,7 @@ def build_tokenizer(model_cfg: DictConfig, model_args: ModelArguments, train_exa
         if train_examples is None:
             raise ValueError("model.tokenizer_trainer trains on the training split: set data.train_file.")
         log.info(f"Instantiating tokenizer trainer <{model_cfg.tokenizer_trainer._target_}>")
-        extra = _resuming(model_cfg.tokenizer_trainer, args) if args is not None else {}
+        extra = resuming_argument(model_cfg.tokenizer_trainer, args) if args is not None else {}
         trained = instantiate(model_cfg.tokenizer_trainer, **extra)(_texts(train_examples))
         name = trained.name_or_path  # the folder it was saved into
     log.info(f"Instantiating tokenizer <AutoTokenizer.from_pretrained({name!r})>")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,6 @@ from typing import Any
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, BertTokenizerFast, PreTrainedTokenizerFast
 
-from hflight import durable
 from hflight.qa import made
 
 __all__ = ["SPECIAL_TOKENS", "train_wordpiece_tokenizer", "squad_texts"]
@@ -152,19 +150,16 @@ def _bert_tokenizer(tok: Tokenizer, lowercase: bool, model_max_length: int) -> B
 
 
 def _save_in_place(wrapped: BertTokenizerFast, vocab: dict[str, int], out: Path) -> None:
-    """``save_pretrained`` plus a ``vocab.txt`` into ``out``, each file appearing whole.
+    """``save_pretrained`` plus a ``vocab.txt`` into ``out``, each file appearing whole (``hflight.qa.made``)."""
 
-    Saved in a private folder, then each file renamed into place: processes launched together (torchrun) build
-    the same tokenizer into the same folder, and none may load another's half-written file.
-    """
-    with tempfile.TemporaryDirectory(dir=out, prefix=".tokenizer-") as staging:
+    def save(staging: str) -> None:
         wrapped.save_pretrained(staging)
         # A WordPiece vocab.txt too, so a slow BERT tokenizer can be built from the same vocabulary.
         Path(staging, "vocab.txt").write_text(
             "".join(t + "\n" for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])), encoding="utf-8"
         )
-        for name in sorted(os.listdir(staging)):
-            durable.replace_file(os.path.join(staging, name), out / name)
+
+    made.save_in_place(out, save)
 
 
 def _word_characters(texts: list[str], normalizer: Any, pre_tokenizer: Any) -> list[str]:

@@ -1,0 +1,90 @@
+"""The Hydra recipe of TRL's SFT with LoRA on hflight (issue 47, item 6): ``python train.py +experiment=sft_lora``
+offline on CPU, with tiny sizes: synthetic prompt/completion pairs, a word-level tokenizer and a small Llama built
+here, LoRA adapters trained through ``hflight.trl.SFTTrainer``; its checkpoints (the adapters, as transformers writes
+them, in hflight's manifest) and curves; ``resume=<run folder>`` continuing it; ``-m`` sweeping it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hflight.checkpoints.manifest import verify_checkpoint
+
+pytest.importorskip("trl")
+pytest.importorskip("peft")
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["+experiment=sft_lora", "data.synthetic.num_train_articles=6", "data.synthetic.num_validation_articles=2",
+        "data.synthetic.paragraphs_per_article=2", "model.config.hidden_size=32", "model.config.intermediate_size=64",
+        "model.tokenizer_trainer.vocab_size=500", "args.per_device_train_batch_size=8", "args.logging_steps=2",
+        "args.disable_tqdm=true", "cpu_threads=1"]  # fmt: skip
+
+
+def _run(*overrides: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "HYDRA_FULL_ERROR": "1"}  # fmt: skip
+    command = [sys.executable, str(REPO / "train.py"), *overrides]
+    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        pytest.fail(f"{' '.join(command)} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
+    return done
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    """``python train.py +experiment=sft_lora`` as the docs show it, tiny sizes and one epoch appended (run in an
+    empty folder: its outputs go where the command puts them), then ``resume=<run folder>`` to two epochs."""
+    root = tmp_path_factory.mktemp("sft_lora")
+    _run(*TINY, "args.num_train_epochs=1", cwd=root)
+    (run,) = sorted(root.glob("outputs/sft_lora/runs/*"))
+    first = json.loads((run / "trainer_state.json").read_text())
+    (root / "first_state.json").write_text(json.dumps(first))
+    _run(f"resume={run}", "args.num_train_epochs=2", cwd=root)
+    return run
+
+
+@pytest.mark.subprocess
+def test_the_recipe_trains_lora_adapters_and_checkpoints_them_as_transformers_writes_them(run_dir):
+    first = json.loads((run_dir.parents[3] / "first_state.json").read_text())
+    checkpoint = Path(first["best_model_checkpoint"])
+    assert verify_checkpoint(checkpoint, full=True) is not None
+    names = {p.name for p in checkpoint.iterdir()}
+    assert {"adapter_model.safetensors", "adapter_config.json", "optimizer.pt", "trainer_state.json"} <= names
+    assert "model.safetensors" not in names
+    config = json.loads((checkpoint / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and sorted(config["target_modules"]) == [
+        "k_proj",
+        "o_proj",
+        "q_proj",
+        "v_proj",
+    ]
+    assert {"adapter_model.safetensors", "tokenizer.json"} <= {p.name for p in run_dir.iterdir()}  # save_model's
+    results = json.loads((run_dir / "eval_results.json").read_text())
+    assert {"eval_loss", "eval_mean_token_accuracy", "eval_entropy"} <= results.keys()
+    assert (run_dir / "training_curves.png").stat().st_size > 5000
+
+
+@pytest.mark.subprocess
+def test_resume_continues_the_run_from_its_last_checkpoint(run_dir):
+    first = json.loads((run_dir.parents[3] / "first_state.json").read_text())
+    state = json.loads((run_dir / "trainer_state.json").read_text())
+    assert state["global_step"] == 2 * first["global_step"] and first["global_step"] > 0
+    steps = [e["step"] for e in state["log_history"] if "loss" in e]
+    assert steps == sorted(set(steps)) and steps[0] == 2  # the first run's history, then the rest: no repeats
+    assert sorted(p.name for p in run_dir.glob("checkpoint-*")) == sorted(
+        f"checkpoint-{n}" for n in (first["global_step"], state["global_step"]))  # fmt: skip
+
+
+@pytest.mark.subprocess
+def test_a_sweep_of_the_recipe(tmp_path):
+    _run("-m", *TINY, "args.num_train_epochs=1", "args.learning_rate=1e-3,3e-3", cwd=tmp_path)
+    (sweep,) = sorted(tmp_path.glob("outputs/sft_lora/multiruns/*"))
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit())
+    assert len(jobs) == 2 and all((job / "eval_results.json").is_file() for job in jobs)
+    rates = [json.loads((job / "trainer_state.json").read_text())["log_history"][0]["learning_rate"] for job in jobs]
+    assert rates[0] != rates[1]
