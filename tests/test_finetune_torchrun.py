@@ -1,7 +1,8 @@
 """PEFT and TRL's trainers under torchrun, 2 processes (issue 47, items 1 and 4): a LoRA run of the Trainer with a
-checkpoint and a resume from it, TRL's SFT with a LoRA ``peft_config`` and TRL's DPO, each on transformers (TRL on
-transformers) and on hflight (``hflight.trl``) in the same script (tests/jobs/finetune_job.py): the same log history
-on every rank (losses, gradient norms, TRL's metrics summed over both processes) and the same trainable weights."""
+checkpoint and a resume from it, under DDP and under FSDP2 (``GPT2Block`` wrapped, sharded checkpoints), TRL's SFT
+with a LoRA ``peft_config`` and TRL's DPO, each on transformers (TRL on transformers) and on hflight (``hflight.trl``)
+in the same script (tests/jobs/finetune_job.py): the same log history on every rank (losses, gradient norms, TRL's
+metrics summed over both processes) and the same trainable weights."""
 
 from __future__ import annotations
 
@@ -16,14 +17,17 @@ pytest.importorskip("peft")
 pytest.importorskip("trl")
 
 JOB = launch.JOBS / "finetune_job.py"
-RUNS = ("lora", "lora_resumed", "sft", "dpo")
+#: transformers' FSDP route on the CPU (tests/test_sharded_dropin.py says why): for transformers' side only
+STANDIN = launch.TESTS / "fsdp_standin"
+RUNS = ("lora", "lora_resumed", "sft", "dpo", "lora_fsdp", "lora_fsdp_resumed")
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     """Both torchrun jobs at once (two processes each, one thread per process)."""
     root = tmp_path_factory.mktemp("finetune")
-    jobs = {library: launch.Job([*launch.torchrun(2), JOB, root, library], root,
+    env = {"transformers": launch.environment(STANDIN), "hflight": launch.environment()}
+    jobs = {library: launch.Job([*launch.torchrun(2), JOB, root, library], root, env=env[library],
                                 console=root / f"{library}.console.txt", timeout=480, name=library)
             for library in ("transformers", "hflight")}  # fmt: skip
     launch.all_ok(jobs)
@@ -54,5 +58,8 @@ def test_the_runs_are_data_parallel_and_the_resume_continues(runs):
     transformers)."""
     ours = _result(runs, "hflight", 0)
     assert ours["lora"]["log_history"][0]["epoch"] == 1 / 16
-    steps = [[e for e in ours[run]["log_history"] if "loss" in e] for run in ("lora", "lora_resumed")]
-    assert len(steps[0]) == 8 and steps[1] == steps[0]
+    for run in ("lora", "lora_fsdp"):
+        steps = [[e for e in ours[name]["log_history"] if "loss" in e] for name in (run, f"{run}_resumed")]
+        assert len(steps[0]) == 8 and steps[1] == steps[0]
+    assert {p.name for p in (runs / "hflight" / "lora_fsdp" / "checkpoint-4").iterdir()} >= {
+        "pytorch_model_fsdp_0", "optimizer_0"}  # fmt: skip

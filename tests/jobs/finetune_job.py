@@ -4,7 +4,8 @@
 
 In the same two processes, one after the other: a LoRA GPT-2 trained 8 steps by the ``Trainer`` (transformers' or
 hflight's), a checkpoint every 4, then resumed from checkpoint-4 by a new trainer; TRL's ``SFTTrainer`` (TRL's or
-``hflight.trl``'s) with a LoRA ``peft_config``, 4 steps; TRL's ``DPOTrainer``, 4 steps. Each rank writes
+``hflight.trl``'s) with a LoRA ``peft_config``, 4 steps; TRL's ``DPOTrainer``, 4 steps; the LoRA run and its resume
+again under FSDP2 (transformers' side needs tests/fsdp_standin on its ``PYTHONPATH``). Each rank writes
 ``OUT/<library>/rank<r>.json``: every run's log history and its trainable weights at the end.
 """
 
@@ -31,7 +32,9 @@ COMMON = dict(per_device_train_batch_size=2, logging_steps=1, learning_rate=1e-2
 
 def trained(trainer, resume=None) -> dict:
     trainer.train(resume_from_checkpoint=resume)
-    weights = {k: v.detach().flatten().tolist() for k, v in trainer.model.named_parameters() if v.requires_grad}
+    whole = {k: v.full_tensor() if hasattr(v, "full_tensor") else v  # a shard of FSDP2's: gathered (collective)
+             for k, v in trainer.model.named_parameters() if v.requires_grad}  # fmt: skip
+    weights = {k: v.detach().flatten().tolist() for k, v in whole.items()}
     history = [{k: v for k, v in e.items() if not k.endswith(("runtime", "per_second", "step_time"))}
                for e in trainer.state.log_history]  # fmt: skip
     return {"log_history": history, "weights": weights}
@@ -62,6 +65,13 @@ def main(out: Path, library: str) -> None:
         train_dataset=columns(32, prompt=(3, 10), chosen=(3, 10), rejected=(3, 10)), processing_class=tokenizer(),
     )  # fmt: skip
     results["dpo"] = trained(dpo)
+    # last: accelerate's process state, one per process, keeps FSDP for every trainer after it
+    fsdp = dict(fsdp="full_shard auto_wrap", fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"],
+                                                          "state_dict_type": "SHARDED_STATE_DICT"})  # fmt: skip
+    fsdp_args = args_cls(str(folder / "lora_fsdp"), max_steps=8, save_steps=4, **fsdp, **COMMON)
+    results["lora_fsdp"] = trained(trainer_cls(lora(gpt2()), fsdp_args, train_dataset=token_rows(64, 1)))
+    resumed = trainer_cls(lora(gpt2()), fsdp_args, train_dataset=token_rows(64, 1))
+    results["lora_fsdp_resumed"] = trained(resumed, str(folder / "lora_fsdp" / "checkpoint-4"))
 
     rank = torch.distributed.get_rank()
     results["world_size"] = torch.distributed.get_world_size()
