@@ -273,3 +273,27 @@ def test_qlora_trains_and_resumes_as_transformers_within_its_own_run_to_run_spre
     resumed.train(resume_from_checkpoint=str(tmp_path / "hl-2" / "checkpoint-2"))
     after = torch.tensor(logged(resumed, "loss", "grad_norm")[2:], dtype=torch.float64)
     assert (after - runs[2][2:]).abs().max() <= spread
+
+
+@pytest.mark.parametrize("damage", ["missing", "flipped"])
+def test_a_damaged_or_missing_adapter_file_is_refused_at_resume_naming_it(lora_runs, tmp_path, damage):
+    """The manifest covers the adapter files as any weights: a checkpoint whose adapter_model.safetensors is gone or
+    altered is refused before anything is loaded, the file named."""
+    import shutil
+
+    folder = tmp_path / "checkpoint-4"
+    shutil.copytree(lora_runs["hl"][0] / "checkpoint-4", folder)
+    adapter = folder / "adapter_model.safetensors"
+    if damage == "missing":
+        adapter.unlink()
+    else:
+        data = bytearray(adapter.read_bytes())
+        data[-1] ^= 0xFF
+        adapter.write_bytes(bytes(data))
+    trainer = make("hl", tmp_path / "out")
+    before = adapter_weights(trainer.model)
+    expected = (r"has no model weights \(looked for adapter_model\.safetensors, which its manifest lists"
+                if damage == "missing" else r"adapter_model\.safetensors is damaged")  # fmt: skip
+    with pytest.raises(hflight.IncompleteCheckpointError, match=expected):
+        trainer.train(resume_from_checkpoint=str(folder))
+    assert_same_weights(adapter_weights(trainer.model), before)

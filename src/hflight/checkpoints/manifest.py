@@ -36,7 +36,14 @@ from typing import Any
 
 from hflight import durable
 from hflight.checkpoints.files import IncompleteCheckpointError, UnsafeCheckpointFile, regular_file, relative_name
-from hflight.checkpoints.names import CHECKPOINT_RE, MANIFEST_NAME, PREFIX, TMP_PREFIX, TRAINER_STATE_NAME
+from hflight.checkpoints.names import (
+    ADAPTER_WEIGHT_FILES,
+    CHECKPOINT_RE,
+    MANIFEST_NAME,
+    PREFIX,
+    TMP_PREFIX,
+    TRAINER_STATE_NAME,
+)
 from hflight.checkpoints.parts import part_of
 from hflight.checkpoints.weights import WEIGHT_FILES, is_weight_file, weights_in_use
 
@@ -306,9 +313,12 @@ def verify_checkpoint(folder: str | os.PathLike, full: bool = False, model_files
     manifest = read_manifest(folder)
     in_use = weights_in_use(folder)
     if not in_use:
+        listed = [n for n in (manifest or {}).get("files", {}) if is_weight_file(n)]
+        looked = f"{', '.join(listed)}, which its manifest lists" if listed else ", ".join(
+            [*WEIGHT_FILES, *ADAPTER_WEIGHT_FILES])  # fmt: skip
         raise IncompleteCheckpointError(
-            f"Checkpoint {folder} has no model weights (looked for {', '.join(WEIGHT_FILES)}): it is incomplete "
-            "(interrupted while saving or deleting?) or not a Trainer checkpoint."
+            f"Checkpoint {folder} has no model weights (looked for {looked}): it is incomplete (interrupted while "
+            "saving or deleting?) or not a Trainer checkpoint."
         )
     if manifest is None:
         if regular_file(folder, TRAINER_STATE_NAME) is None:
