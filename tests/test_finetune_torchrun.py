@@ -48,18 +48,20 @@ def test_every_rank_has_transformers_numbers_and_weights(runs, run):
         assert len([e for e in ours[run]["log_history"] if "loss" in e]) in (4, 8), rank
         assert ours[run]["log_history"] == theirs[run]["log_history"], rank
         assert ours[run]["weights"] == theirs[run]["weights"] and ours[run]["weights"], rank
+        assert ours[run]["best"] == theirs[run]["best"], rank
 
 
 @pytest.mark.subprocess
 @pytest.mark.slow
 def test_the_runs_are_data_parallel_and_the_resume_continues(runs):
-    """Both processes train one run (an epoch of 64 rows at 2 per process is 16 steps), and the resumed LoRA run
-    logs the checkpoint's 4 steps and 4 more, as the uninterrupted run (its train_loss is that of its own 4, as in
-    transformers)."""
+    """Both processes train one run (an epoch of 64 rows at 2 per process is 16 steps), the resumed LoRA run logs the
+    checkpoint's 4 steps and 4 more, as the uninterrupted run (its train_loss is that of its own 4, as in
+    transformers), and both end with the best checkpoint's adapters (an early one: the weights are not the last)."""
     ours = _result(runs, "hflight", 0)
     assert ours["lora"]["log_history"][0]["epoch"] == 1 / 16
     for run in ("lora", "lora_fsdp"):
         steps = [[e for e in ours[name]["log_history"] if "loss" in e] for name in (run, f"{run}_resumed")]
         assert len(steps[0]) == 8 and steps[1] == steps[0]
+        assert ours[run]["best"] == ours[f"{run}_resumed"]["best"] == "checkpoint-2"  # loaded at the end
     assert {p.name for p in (runs / "hflight" / "lora_fsdp" / "checkpoint-4").iterdir()} >= {
         "pytorch_model_fsdp_0", "optimizer_0"}  # fmt: skip

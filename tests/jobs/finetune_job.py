@@ -3,7 +3,8 @@
     torchrun --standalone --nproc_per_node 2 tests/jobs/finetune_job.py OUT transformers|hflight
 
 In the same two processes, one after the other: a LoRA GPT-2 trained 8 steps by the ``Trainer`` (transformers' or
-hflight's), a checkpoint every 4, then resumed from checkpoint-4 by a new trainer; TRL's ``SFTTrainer`` (TRL's or
+hflight's), evaluated and saved every 2 and its best checkpoint loaded at the end, then resumed from checkpoint-4 by a
+new trainer; TRL's ``SFTTrainer`` (TRL's or
 ``hflight.trl``'s) with a LoRA ``peft_config``, 4 steps; TRL's ``DPOTrainer``, 4 steps; the LoRA run and its resume
 again under FSDP2 (transformers' side needs tests/fsdp_standin on its ``PYTHONPATH``). Each rank writes
 ``OUT/<library>/rank<r>.json``: every run's log history and its trainable weights at the end.
@@ -30,14 +31,21 @@ COMMON = dict(per_device_train_batch_size=2, logging_steps=1, learning_rate=1e-2
               disable_tqdm=True, dataloader_pin_memory=False, use_cpu=True)  # fmt: skip
 
 
+#: the LoRA runs: evaluated and saved every 2 steps, the best checkpoint loaded at the end; "best" is the highest
+#: evaluation loss, so that it is an early checkpoint, not the weights the run ends with
+BEST = dict(max_steps=8, save_steps=2, eval_strategy="steps", eval_steps=2, load_best_model_at_end=True,
+            metric_for_best_model="eval_loss", greater_is_better=True)  # fmt: skip
+
+
 def trained(trainer, resume=None) -> dict:
     trainer.train(resume_from_checkpoint=resume)
+    best = trainer.state.best_model_checkpoint
     whole = {k: v.full_tensor() if hasattr(v, "full_tensor") else v  # a shard of FSDP2's: gathered (collective)
              for k, v in trainer.model.named_parameters() if v.requires_grad}  # fmt: skip
     weights = {k: v.detach().flatten().tolist() for k, v in whole.items()}
     history = [{k: v for k, v in e.items() if not k.endswith(("runtime", "per_second", "step_time"))}
                for e in trainer.state.log_history]  # fmt: skip
-    return {"log_history": history, "weights": weights}
+    return {"log_history": history, "weights": weights, "best": best and Path(best).name}
 
 
 def main(out: Path, library: str) -> None:
@@ -47,9 +55,10 @@ def main(out: Path, library: str) -> None:
     folder = out / library
     results = {}
 
-    lora_args = args_cls(str(folder / "lora"), max_steps=8, save_steps=4, **COMMON)
-    results["lora"] = trained(trainer_cls(lora(gpt2()), lora_args, train_dataset=token_rows(64, 1)))
-    resumed = trainer_cls(lora(gpt2()), lora_args, train_dataset=token_rows(64, 1))
+    data = dict(train_dataset=token_rows(64, 1), eval_dataset=token_rows(8, 2))
+    lora_args = args_cls(str(folder / "lora"), **BEST, **COMMON)
+    results["lora"] = trained(trainer_cls(lora(gpt2()), lora_args, **data))
+    resumed = trainer_cls(lora(gpt2()), lora_args, **data)
     results["lora_resumed"] = trained(resumed, str(folder / "lora" / "checkpoint-4"))
 
     import peft
@@ -68,9 +77,9 @@ def main(out: Path, library: str) -> None:
     # last: accelerate's process state, one per process, keeps FSDP for every trainer after it
     fsdp = dict(fsdp="full_shard auto_wrap", fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"],
                                                           "state_dict_type": "SHARDED_STATE_DICT"})  # fmt: skip
-    fsdp_args = args_cls(str(folder / "lora_fsdp"), max_steps=8, save_steps=4, **fsdp, **COMMON)
-    results["lora_fsdp"] = trained(trainer_cls(lora(gpt2()), fsdp_args, train_dataset=token_rows(64, 1)))
-    resumed = trainer_cls(lora(gpt2()), fsdp_args, train_dataset=token_rows(64, 1))
+    fsdp_args = args_cls(str(folder / "lora_fsdp"), **BEST, **fsdp, **COMMON)
+    results["lora_fsdp"] = trained(trainer_cls(lora(gpt2()), fsdp_args, **data))
+    resumed = trainer_cls(lora(gpt2()), fsdp_args, **data)
     results["lora_fsdp_resumed"] = trained(resumed, str(folder / "lora_fsdp" / "checkpoint-4"))
 
     rank = torch.distributed.get_rank()
