@@ -62,14 +62,18 @@ class CheckpointWriter:
         #: the run folders whose own entry in their parent this run's publications made durable
         self.entries_made_durable: set[tuple[int, int]] = set()
 
-    def job(self, folder: str, final_dir: str, main: bool, last: bool = False) -> CheckpointJob:
+    def job(
+        self, folder: str, final_dir: str, main: bool, last: bool = False, on_save_follows: bool = False
+    ) -> CheckpointJob:
         """A checkpoint's job, written into ``folder`` and published as ``final_dir`` (``main``: by this process).
         ``last``: training ends after this checkpoint, so the loop has nothing to do but wait for it (``submit(...,
         last=True)``): with ``save_async`` the state is then not copied (nothing changes it before the write is
-        over) and the files are written side by side on the cores the loop leaves free."""
+        over) and the files are written side by side on the cores the loop leaves free. ``on_save_follows``: a
+        checkpoint of the running fit, whose ``on_save`` the loop dispatches next (:meth:`callbacks_done`)."""
         if not self.asynchronous:
             return CheckpointJob(folder, final_dir, None, main, self.entries_made_durable)
-        return CheckpointJob(folder, final_dir, self.snapshot, main, self.entries_made_durable, last=last)
+        return CheckpointJob(folder, final_dir, self.snapshot, main, self.entries_made_durable, last=last,
+                             on_save_follows=on_save_follows)  # fmt: skip
 
     # ---- the snapshot ----------------------------------------------------------------------------------------------
     def snapshot(self, name: str, state: Any) -> Any:

@@ -289,7 +289,7 @@ def save_checkpoint(facade: TrainerSurface, run: RunView, trial: Any = None) -> 
     run.backend.hf_sync_to_host()
     # training ends after this checkpoint (every process sees the same): save_async writes it without a copy
     last = state.global_step >= state.max_steps or facade.control.should_training_stop
-    job = writer.job(tmp_dir, final_dir, main=is_main, last=last)
+    job = writer.job(tmp_dir, final_dir, main=is_main, last=last, on_save_follows=_fit_running(run))
     try:
         progress = _write_files(facade, run, job, run_dir)
     except BaseException:
@@ -305,6 +305,15 @@ def save_checkpoint(facade: TrainerSurface, run: RunView, trial: Any = None) -> 
         writer.wait()
     world.barrier()
     return final_dir
+
+
+def _fit_running(run: RunView) -> bool:
+    """Whether the run's ``fit`` is running (its loop dispatches ``on_save`` after a checkpoint, and waits for the
+    write in flight at its end); not a checkpoint saved after ``train()`` returned."""
+    from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+
+    state = run.lightning_trainer.state
+    return run.fitting and state.fn == TrainerFn.FITTING and state.status == TrainerStatus.RUNNING
 
 
 def _write_files(facade: TrainerSurface, run: RunView, job: CheckpointJob, run_dir: str) -> dict[str, Any] | None:

@@ -130,7 +130,9 @@ class CheckpointJob:
     their parent it made durable (``hflight.durable.publish_folder``). ``last``: training ends after this checkpoint
     and the loop waits for the job, so nothing changes the state before it is written: a state is copied only where
     the loop itself changes it back before the job runs (``snapshot(..., transient=True)``), and :meth:`finish` writes
-    the files left for later side by side, one thread each (the loop's cores are free)."""
+    the files left for later side by side, one thread each (the loop's cores are free). ``on_save_follows``: the
+    training loop dispatches ``on_save`` once the job is submitted (a checkpoint of a running ``fit``): in the
+    background the publication waits for it (:attr:`callbacks_over`) and keeps what its callbacks wrote."""
 
     def __init__(
         self,
@@ -140,8 +142,9 @@ class CheckpointJob:
         main: bool,
         entries_made_durable: set[tuple[int, int]],
         last: bool = False,
+        on_save_follows: bool = False,
     ) -> None:
-        self.folder, self.final_dir, self.main, self.parallel = folder, final_dir, main, last
+        self.folder, self.final_dir, self.main, self.last = folder, final_dir, main, last
         self.what = f"checkpoint {final_dir}"
         self._snapshot = snapshot
         self._entries_made_durable = entries_made_durable
@@ -155,7 +158,8 @@ class CheckpointJob:
         # before the publication: what its callbacks write into final_dir (made by them, or the folder this one
         # replaces) goes into this checkpoint, as in transformers, whose on_save comes after the folder is complete.
         self.callbacks_over = threading.Event()
-        self._found = _entries(final_dir) if main and self.background and not last else None
+        waits = main and self.background and not last and on_save_follows
+        self._found = _entries(final_dir) if waits else None
 
     @property
     def background(self) -> bool:
@@ -201,7 +205,7 @@ class CheckpointJob:
         last checkpoint, which nothing changes before it is written). ``transient``: the loop changes ``state``
         before the job runs even so (the weights evaluation uses, swapped in for the save and out after it): copied
         for the last checkpoint too."""
-        if self._snapshot is None or (self.parallel and not transient):
+        if self._snapshot is None or (self.last and not transient):
             return state
         return self._snapshot(name, state)
 
@@ -235,7 +239,7 @@ class CheckpointJob:
                 later = [(file, functools.partial(self.write_later, file, step)) for file, step in self._later]
                 last = [(MANIFEST_NAME, lambda: self._write_manifest(checksums)),
                         (None, lambda: self._publish(checksums))]  # fmt: skip
-                if self.parallel and len(later) > 1:
+                if self.last and len(later) > 1:
                     if (failure := self._run_side_by_side(later, checksums)) is not None:
                         return failure
                     later = []
