@@ -176,3 +176,24 @@ def test_sft_evaluated_during_training_logs_trl_s_evaluation_metrics(tmp_path):
                    eval_dataset=columns(16, text=(5, 20), seed=1), **sft_inputs(columns(64, text=(5, 20))))  # fmt: skip
     evaluations = [e for e in logs["hflight"] if "eval_loss" in e]
     assert len(evaluations) == 2 and {"eval_mean_token_accuracy", "eval_entropy"} <= evaluations[0].keys()
+
+
+def test_hflight_s_training_arguments_become_the_trainer_s_config_with_hflight_s_fields(tmp_path):
+    """TRL makes an SFTConfig of transformers' TrainingArguments; hflight's (with Lightning's fields set) become
+    hflight.trl's SFTConfig, those fields kept, and train as TRL's own conversion of transformers' arguments does."""
+    import hflight
+
+    runs = {}
+    for library, args in (
+        ("trl", transformers.TrainingArguments(str(tmp_path / "trl"), **{**COMMON, "bf16": False})),
+        ("hflight", hflight.TrainingArguments(str(tmp_path / "hflight"), accelerator="cpu", devices=1, **COMMON)),
+    ):
+        trainer_cls = trl.SFTTrainer if library == "trl" else hflight_trl.SFTTrainer
+        trainer = trainer_cls(args=args, model=gpt2(), processing_class=tokenizer(),
+                              train_dataset=columns(32, text=(5, 20)))  # fmt: skip
+        trainer.train()
+        runs[library] = trainer
+    ours = runs["hflight"].args
+    assert isinstance(ours, trl.SFTConfig) and (ours.accelerator, ours.devices) == ("cpu", 1)
+    logs = [[{k: v for k, v in e.items() if not k.endswith(TIMES)} for e in t.state.log_history] for t in runs.values()]
+    assert logs[0] == logs[1]

@@ -16,7 +16,8 @@ made as transformers' ``Accelerator`` makes it (:func:`accelerate_state`).
 Each config here is TRL's config with hflight's ``TrainingArguments`` beneath it (Lightning's ``accelerator``,
 ``devices``, ``strategy``, ``num_nodes``, ``save_async``, hflight's checks): ``isinstance(args, trl.SFTConfig)`` holds,
 and a config of TRL's own given to a trainer of this module (or to ``hflight.Trainer``) becomes this module's, field for
-field (``hflight.arguments.training_args.coerce_training_args``).
+field (``hflight.arguments.training_args.coerce_training_args``). hflight's ``TrainingArguments`` given to a trainer
+here become its config too, hflight's fields kept, where TRL makes its config of transformers' arguments.
 
 Needs TRL (``pip install 'hflight[trl]'``); what was compared with TRL on transformers, trainer by trainer, is in
 docs/fine-tuning.md.
@@ -26,12 +27,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import Any
 
 import transformers
 
 from hflight.arguments import process_group
-from hflight.arguments.training_args import TrainingArguments, register_arguments_twin
+from hflight.arguments.training_args import TrainingArguments, field_values, register_arguments_twin
 from hflight.trainer.construction import NOT_CALLED
 from hflight.trainer.facade import Trainer
 
@@ -124,11 +126,21 @@ TRLTrainerBase = type(
 @functools.cache
 def _trainer(name: str) -> type:
     theirs = getattr(trl, name)
-    namespace = {
-        "__module__": __name__,
-        "__qualname__": name,
-        "__doc__": f"trl.{name} on hflight's Trainer (see hflight.trl).",
-    }
+    config = _config(name.removesuffix("Trainer") + "Config")
+    signature = inspect.signature(theirs.__init__)
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        """TRL's ``__init__``; hflight's ``TrainingArguments`` given as ``args`` first become this trainer's config,
+        hflight's own fields kept (TRL makes its config of transformers' arguments from their ``to_dict()``, which
+        would refuse hflight's fields)."""
+        bound = signature.bind(self, *args, **kwargs)
+        given = bound.arguments.get("args")
+        if isinstance(given, TrainingArguments) and not isinstance(given, getattr(trl, config.__name__)):
+            bound.arguments["args"] = config(**field_values(config, given)[0])
+        theirs.__init__(*bound.args, **bound.kwargs)
+
+    namespace = {"__module__": __name__, "__qualname__": name, "__init__": __init__,
+                 "__doc__": f"trl.{name} on hflight's Trainer (see hflight.trl)."}  # fmt: skip
     return type(name, (theirs, TRLTrainerBase), namespace)
 
 
