@@ -20,6 +20,7 @@ from hflight.config import (
     VERSION_BASE,
     DataTrainingArguments,
     ModelArguments,
+    SFTDataArguments,
     compose,
     find_config_dir,
 )
@@ -105,7 +106,7 @@ def test_every_config_composes_and_every_target_binds(overrides, tmp_path):
     assert isinstance(args, TrainingArguments)
     assert args.output_dir == str(tmp_path)
     assert isinstance(OmegaConf.to_object(cfg.model), ModelArguments)
-    assert isinstance(OmegaConf.to_object(cfg.data), DataTrainingArguments)
+    assert isinstance(OmegaConf.to_object(cfg.data), (DataTrainingArguments, SFTDataArguments))
     assert cfg.optimized_metric
     nodes = _target_nodes(cfg)
     if any(o.startswith("+hparams_search=") for o in overrides):  # the sweeper and its sampler live under hydra

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import time
 
 import pytest
 import torch
@@ -21,6 +22,9 @@ def one_process_group():
                             timeout=datetime.timedelta(seconds=30))  # fmt: skip
     tensor = torch.ones(3)
     dist.all_reduce(tensor)
+    deadline = time.monotonic() + 10  # gloo names its worker threads once they run: under load, not at once
+    while process_group.gloo_worker_threads() < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
     yield
     if dist.is_initialized():
         dist.destroy_process_group()
