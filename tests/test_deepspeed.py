@@ -112,6 +112,44 @@ def test_deepspeed_s_own_optimizer_and_fsdp_beside_it_are_refused(tmp_path):
         hflight.TrainingArguments("o", fsdp=True, deepspeed=dict(ZERO2))
 
 
+def test_save_only_model_with_load_best_model_at_end_is_refused_as_transformers_refuses_it():
+    """transformers' Trainer.__init__ refusal, word for word (the best checkpoint would hold no DeepSpeed state);
+    hflight used to train and then load the best checkpoint's whole weights into the partitioned model."""
+    args = hflight.TrainingArguments("o", report_to="none", use_cpu=True, deepspeed=dict(ZERO2), save_only_model=True,
+                                     load_best_model_at_end=True, eval_strategy="steps", save_steps=2,
+                                     eval_steps=2)  # fmt: skip
+    with pytest.raises(ValueError, match=r"DeepSpeed can't be used with `save_only_model` along with "
+                                         r"`load_best_model_at_end`\."):  # fmt: skip
+        strategy_settings.deepspeed_strategy(args)
+    strategy_settings.deepspeed_strategy(hflight.TrainingArguments("o", report_to="none", use_cpu=True,
+                                                                   deepspeed=dict(ZERO2), save_only_model=True))
+
+
+def test_a_model_whose_own_names_start_with_model_loads_from_a_deepspeed_checkpoint():
+    """DeepSpeed reads a checkpoint's module states (by the model's own names, as transformers writes them) into its
+    engine's module, hflight's module whose ``model`` is the transformers model: a Llama's ``model.embed_tokens...``
+    is ``model.model.embed_tokens...`` there. It used to be taken for a name that had the prefix already
+    ('Missing key(s) in state_dict: "model.model.embed_tokens.weight"' at load_best_model_at_end and resume under
+    ZeRO-3; a GPT-2, ``transformer.*``, loaded)."""
+    import torch
+    import transformers
+
+    from hflight.checkpoints.forms import _load_as_engine_module
+
+    def llama():
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=2, max_position_embeddings=16))  # fmt: skip
+
+    torch.manual_seed(0)
+    saved = llama().state_dict()
+    assert any(k.startswith("model.") for k in saved) and any(not k.startswith("model.") for k in saved)
+    engine_module = torch.nn.Module()
+    engine_module.model = llama()  # other weights (drawn after the first)
+    _load_as_engine_module(saved, engine_module)
+    assert all(torch.equal(v, engine_module.model.state_dict()[k]) for k, v in saved.items())
+
+
 def test_deepspeed_takes_gradient_accumulation_as_transformers(factory):
     """transformers passes gradient_accumulation_steps to the engine; hflight's strategy keeps it in the config
     (Lightning's own refuses it there)."""

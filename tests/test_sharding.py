@@ -398,6 +398,10 @@ def test_a_crafted_metadata_file_is_refused_without_running_it(jobs, tmp_path):
 
 
 # ---- bad settings, refused before any process group starts --------------------------------------------------------
+#: the best checkpoint loaded at the end (evaluated and saved at the same steps)
+BEST_AT_END = {"load_best_model_at_end": True, "eval_strategy": "steps", "save_steps": 2, "eval_steps": 2}
+
+
 def _args(**fsdp) -> hflight.TrainingArguments:
     return hflight.TrainingArguments("o", accelerator="cpu", devices=2, report_to="none", **fsdp)
 
@@ -414,6 +418,12 @@ def _args(**fsdp) -> hflight.TrainingArguments:
         ({"fsdp": True, "fsdp_config": {"backward_prefetch": "BACKWARD_PRE"}},
          r"sets backward_prefetch, which only FSDP1"),
         ({"fsdp": True, "fsdp_config": {"xla": True}}, r"fsdp_config\['xla'\]=True is FSDP on TPUs"),
+        # transformers' Trainer.__init__ refusals, word for word (hflight used to fail at the end of training: "has no
+        # model weights" in the best checkpoint)
+        ({"fsdp": True, "save_only_model": True, **BEST_AT_END},
+         r"FSDP can't be used with `save_only_model` along with `load_best_model_at_end`\."),
+        ({"fsdp": True, "save_only_model": True, "fsdp_config": {"state_dict_type": "SHARDED_STATE_DICT"}},
+         r"save_only_model option is not compatible with FSDP state dict type 'SHARDED_STATE_DICT'"),
     ],
 )  # fmt: skip
 def test_fsdp_settings_that_cannot_run_are_refused_naming_the_key(settings, message, factory):

@@ -115,7 +115,11 @@ class DeepSpeedConfigResolver:
             self.mismatches.append(f"- ds {dotted}={node.get(key)} vs hf {hf_name}={value}")
 
     def process(self, args: Any, auto_find_batch_size: bool = False) -> None:
-        """The values the arguments alone decide."""
+        """The values the arguments alone decide; transformers' refusal of ``save_only_model`` with
+        ``load_best_model_at_end`` (its ``Trainer.__init__``: the best checkpoint would hold no DeepSpeed state to
+        load)."""
+        if args.save_only_model and args.load_best_model_at_end:
+            raise ValueError("DeepSpeed can't be used with `save_only_model` along with `load_best_model_at_end`.")
         batch, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
         strict = not auto_find_batch_size
         self.fill("train_micro_batch_size_per_gpu", batch, "per_device_train_batch_size", strict)

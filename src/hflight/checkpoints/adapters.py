@@ -98,6 +98,13 @@ def _check_adapter(model: Any, folder: Path, name: str) -> None:
     except Exception as exc:
         raise ValueError(f"Checkpoint adapter {weights} is corrupt or unreadable: {exc}") from exc
     expected = {k: tuple(v.shape) for k, v in get_peft_model_state_dict(model, adapter_name=name).items()}
+    _check_shapes(expected, found, weights, name)
+
+
+def _check_shapes(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[int, ...]], weights: Path,
+                  name: str) -> None:  # fmt: skip
+    """Raise a ValueError naming ``weights`` unless the keys and shapes ``found`` there are those ``expected`` of
+    the model's adapter ``name``."""
     resized = [f"{k}: {list(found[k])} in the file, {list(v)} in the model" for k, v in expected.items()
                if k in found and found[k] != v]  # fmt: skip
     differing = [
@@ -133,3 +140,35 @@ def checked_adapters(model: Any, folder: str | os.PathLike, resuming: bool) -> C
             model.set_adapter(active)
 
     return load
+
+
+# ---- the adapters of a sharded checkpoint (FSDP2's SHARDED_STATE_DICT) ---------------------------------------------
+def sharded_adapter_state(model: Any) -> dict[str, torch.Tensor]:
+    """What transformers writes of a PEFT model into an FSDP2 sharded checkpoint's ``pytorch_model_fsdp_0/``
+    (accelerate's ``save_fsdp_model`` with ``adapter_only=True``): the active adapter's tensors by PEFT's names
+    (``get_peft_model_state_dict``: without the adapter's name), each process its shards; the frozen base is not
+    written."""
+    from peft import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(model, adapter_name=model.active_adapter)
+
+
+def adapter_keys(model: Any) -> dict[str, str]:
+    """Each name of :func:`sharded_adapter_state` -> the model's own state-dict key for the same tensor."""
+    from peft import get_peft_model_state_dict
+
+    state = model.state_dict(keep_vars=True)
+    keys: dict[int, str] = {}
+    for key, tensor in state.items():
+        keys.setdefault(id(tensor), key)
+    named = get_peft_model_state_dict(model, state_dict=state, adapter_name=model.active_adapter)
+    return {name: keys[id(tensor)] for name, tensor in named.items() if id(tensor) in keys}
+
+
+def checked_sharded_adapter(model: Any, found: dict[str, tuple[int, ...]], weights: Path) -> dict[str, str]:
+    """Check a sharded checkpoint's adapter (its keys and whole shapes ``found``, as :func:`sharded_adapter_state`
+    writes them) against the model's active adapter, naming ``weights``; return PEFT's name -> the model's key."""
+    keys = adapter_keys(model)
+    state = model.state_dict()
+    _check_shapes({name: tuple(state[key].shape) for name, key in keys.items()}, found, weights, model.active_adapter)
+    return keys

@@ -38,6 +38,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from hflight.checkpoints.adapters import is_peft_model, sharded_adapter_state
 from hflight.checkpoints.files import load_tensors_file, regular_file
 from hflight.checkpoints.names import (
     DEEPSPEED_LATEST,
@@ -309,7 +310,9 @@ class ShardedState(CheckpointForm):
 
         states = {
             FSDP_OPTIMIZER_DIR: {OPTIMIZER_KEY: named_optimizer_state(model, optimizer, full=False)},
-            FSDP_MODEL_DIR: {MODEL_KEY: get_model_state_dict(model)},
+            # a PEFT model's active adapter, by PEFT's names, as transformers writes it (accelerate's adapter_only)
+            FSDP_MODEL_DIR: {MODEL_KEY: sharded_adapter_state(model) if is_peft_model(model) else
+                             get_model_state_dict(model)},  # fmt: skip
         }
         for name, state in states.items():
             writer = dcp.FileSystemWriter(os.path.join(folder, name))
@@ -471,8 +474,9 @@ def _names_as_transformers(path: Path) -> None:
 def _load_as_engine_module(src: dict[str, torch.Tensor], dst: nn.Module) -> None:
     """DeepSpeed's ``custom_load_fn``: a model-states ``module`` with the model's own names (transformers', and
     hflight's since :func:`_names_as_transformers`) into the engine's module (hflight's, whose ``model`` is the
-    model)."""
-    dst.load_state_dict({k if k.startswith(ENGINE_PREFIX) else ENGINE_PREFIX + k: v for k, v in src.items()})
+    model): every name gains the prefix, those of a model whose own names start with it too (a Llama's
+    ``model.embed_tokens.weight`` is the module's ``model.model.embed_tokens.weight``)."""
+    dst.load_state_dict({ENGINE_PREFIX + k: v for k, v in src.items()})
 
 
 def deepspeed_tag(folder: Path) -> str | None:

@@ -37,7 +37,13 @@ from typing import Any
 import torch
 from transformers.utils import logging as hf_logging
 
-from hflight.checkpoints.adapters import adapter_files, checked_adapters, is_adapter_file, is_peft_model
+from hflight.checkpoints.adapters import (
+    adapter_files,
+    checked_adapters,
+    checked_sharded_adapter,
+    is_adapter_file,
+    is_peft_model,
+)
 from hflight.checkpoints.files import (
     IncompleteCheckpointError,
     UnsafeCheckpointFile,
@@ -444,6 +450,9 @@ def checked_weights(model: torch.nn.Module, folder: str | Path, resuming: bool =
         return checked_adapters(model, folder, resuming)
     _check_architecture(model, folder)
     sources = _sources(weights)
+    if is_peft_model(model) and isinstance(sources[0], _DistributedSource):
+        if not set(sources[0].shapes) <= model.state_dict().keys():  # (hflight wrote the whole model before)
+            return _sharded_adapter(model, sources[0], weights)
     check_weights(model, sources, weights)
 
     def copy_in() -> None:
@@ -453,6 +462,24 @@ def checked_weights(model: torch.nn.Module, folder: str | Path, resuming: bool =
                 continue
             with torch.no_grad():  # the model's own load_state_dict, as transformers calls it
                 model.load_state_dict(tensors, strict=False)
+
+    return copy_in
+
+
+def _sharded_adapter(model: torch.nn.Module, source: _DistributedSource, weights: Path) -> Callable[[], None]:
+    """A sharded checkpoint of a PEFT model as transformers writes it (the active adapter by PEFT's names:
+    ``hflight.checkpoints.adapters.sharded_adapter_state``), checked; returns what copies it into the model's active
+    adapter (the whole tensors, each process keeping its shards), as accelerate's ``load_fsdp_model`` with
+    ``adapter_only=True`` does."""
+    keys = checked_sharded_adapter(model, source.shapes, weights)
+
+    def copy_in() -> None:
+        tensors = {keys[name]: tensor for name, tensor in source.tensors().items()}
+        if is_sharded(model):
+            set_full_model_state(model, tensors)
+            return
+        with torch.no_grad():
+            model.load_state_dict(tensors, strict=False)
 
     return copy_in
 

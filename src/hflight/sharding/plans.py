@@ -224,3 +224,13 @@ def fsdp1_plan(args: Any, model: nn.Module, process_group: ProcessGroupSettings)
         options=options,
         process_group=process_group,
     )
+
+
+def check_save_settings(args: Any) -> None:
+    """transformers' refusals of an FSDP run's saving settings (its ``Trainer.__init__``), before anything is built:
+    ``save_only_model`` writes no FSDP state that ``load_best_model_at_end`` could load, and cannot be written as
+    ``SHARDED_STATE_DICT`` (hflight would otherwise fail at the end of training on a checkpoint without weights)."""
+    if args.save_only_model and args.load_best_model_at_end:
+        raise ValueError("FSDP can't be used with `save_only_model` along with `load_best_model_at_end`.")
+    if args.save_only_model and "SHARDED_STATE_DICT" in str((args.fsdp_plugin_args or {}).get("state_dict_type")):
+        raise ValueError("save_only_model option is not compatible with FSDP state dict type 'SHARDED_STATE_DICT'")

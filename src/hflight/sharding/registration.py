@@ -22,6 +22,7 @@ def build_fsdp(
     Lightning's ``FSDPStrategy`` on FSDP1's settings (``version`` 1, CUDA only)."""
     from hflight.sharding import plans
 
+    plans.check_save_settings(args)
     if args.fsdp_plugin_args["fsdp_version"] == 2:
         from hflight.sharding.fsdp import FSDP2Strategy
 
