@@ -121,8 +121,9 @@ def test_save_only_model_with_load_best_model_at_end_is_refused_as_transformers_
     with pytest.raises(ValueError, match=r"DeepSpeed can't be used with `save_only_model` along with "
                                          r"`load_best_model_at_end`\."):  # fmt: skip
         strategy_settings.deepspeed_strategy(args)
-    strategy_settings.deepspeed_strategy(hflight.TrainingArguments("o", report_to="none", use_cpu=True,
-                                                                   deepspeed=dict(ZERO2), save_only_model=True))
+    strategy_settings.deepspeed_strategy(
+        hflight.TrainingArguments("o", report_to="none", use_cpu=True, deepspeed=dict(ZERO2), save_only_model=True)
+    )
 
 
 def test_a_model_whose_own_names_start_with_model_loads_from_a_deepspeed_checkpoint():

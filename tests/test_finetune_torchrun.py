@@ -23,7 +23,7 @@ JOB = launch.JOBS / "finetune_job.py"
 #: transformers' FSDP route on the CPU (tests/test_sharded_dropin.py says why): for transformers' side only
 STANDIN = launch.TESTS / "fsdp_standin"
 RUNS = ("lora", "lora_resumed", "lora_crossed", "sft", "dpo", "best_ddp", "lora_fsdp", "lora_fsdp_resumed",
-        "lora_fsdp_crossed", "best_fsdp_sharded", "best_zero3")  # fmt: skip
+        "lora_fsdp_crossed", "best_fsdp_sharded", "best_zero3", "zero3_resumed")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -216,6 +216,21 @@ def test_a_sharded_adapter_of_another_shape_is_refused_naming_the_folder(tmp_pat
     from tests.tiny_lm import gpt2, lora
 
     save_fsdp_model(*_accelerate_fsdp2(), lora(gpt2(), r=8), tmp_path, adapter_only=True)
-    with pytest.raises(ValueError, match=r"pytorch_model_fsdp_0 does not match the model's adapter 'default': shapes "
-                                         r"\[.*lora_A.weight: \[8, 32\] in the file, \[4, 32\] in the model"):  # fmt: skip
+    refusal = (r"pytorch_model_fsdp_0 does not match the model's adapter 'default': shapes "
+               r"\[.*lora_A.weight: \[8, 32\] in the file, \[4, 32\] in the model")  # fmt: skip
+    with pytest.raises(ValueError, match=refusal):
         load_model_weights(lora(gpt2()), tmp_path, resuming=True)
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_a_zero3_llama_resumes_from_its_best_checkpoint_as_the_uninterrupted_run(runs):
+    """The ZeRO-3 Llama resumed from checkpoint-2 (DeepSpeed's module states by the Llama's own names: resuming
+    failed with the same missing "model.model..." keys as the best-model load): its steps 3-8 and evaluations are the
+    uninterrupted run's, bit for bit, and it ends with the same best weights (transformers' resume: the same, above)."""
+    for rank in (0, 1):
+        result = _result(runs, "hflight", rank)
+        runs_steps = [[e for e in result[name]["log_history"] if "loss" in e or "eval_loss" in e]
+                      for name in ("best_zero3", "zero3_resumed")]  # fmt: skip
+        assert len(runs_steps[0]) == 12 and runs_steps[1] == runs_steps[0], rank
+        assert result["zero3_resumed"]["weights"] == result["best_zero3"]["weights"], rank

@@ -10,7 +10,7 @@ new trainer; TRL's ``SFTTrainer`` (TRL's or ``hflight.trl``'s) with a LoRA ``pef
 keys start with ``model.``) trained whole with its best checkpoint loaded at the end and ``save_total_limit=1``; the
 LoRA run, its resume and its crossed resume again under FSDP2 (sharded checkpoints; transformers' side needs
 tests/fsdp_standin on its ``PYTHONPATH``) and the Llama under FSDP2 (sharded; hflight also gathered: transformers'
-FULL_STATE_DICT save fails on the CPU); last the Llama under DeepSpeed ZeRO-3.
+FULL_STATE_DICT save fails on the CPU); last the Llama under DeepSpeed ZeRO-3, and resumed from its best checkpoint.
 
 The two libraries' jobs run at the same time: a crossed resume waits for the marker ``OUT/<other>/<run>.complete``
 that the other job writes once its run and its own resume (the same folder) are done. Each rank writes
@@ -161,6 +161,10 @@ def main(out: Path, library: str) -> None:
     model = llama()
     zero3_args = args_cls(str(folder / "best_zero3"), **best_args, deepspeed=json.loads(json.dumps(ZERO3)))
     results["best_zero3"] = trained(trainer_cls(model, zero3_args, **data))
+    model = llama()  # resumed from the best checkpoint, the one kept (its module states by the Llama's own names)
+    zero3_args = args_cls(str(folder / "zero3_resumed"), **best_args, deepspeed=json.loads(json.dumps(ZERO3)))
+    best = str(folder / "best_zero3" / "checkpoint-2")
+    results["zero3_resumed"] = trained(trainer_cls(model, zero3_args, **data), best)
 
     rank = torch.distributed.get_rank()
     results["world_size"] = torch.distributed.get_world_size()

@@ -311,8 +311,9 @@ class ShardedState(CheckpointForm):
         states = {
             FSDP_OPTIMIZER_DIR: {OPTIMIZER_KEY: named_optimizer_state(model, optimizer, full=False)},
             # a PEFT model's active adapter, by PEFT's names, as transformers writes it (accelerate's adapter_only)
-            FSDP_MODEL_DIR: {MODEL_KEY: sharded_adapter_state(model) if is_peft_model(model) else
-                             get_model_state_dict(model)},  # fmt: skip
+            FSDP_MODEL_DIR: {
+                MODEL_KEY: sharded_adapter_state(model) if is_peft_model(model) else get_model_state_dict(model)
+            },
         }
         for name, state in states.items():
             writer = dcp.FileSystemWriter(os.path.join(folder, name))
