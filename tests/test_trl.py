@@ -116,6 +116,40 @@ def test_reward(tmp_path):
     assert {"accuracy", "margin"} <= logs["hflight"][0].keys()
 
 
+def test_reward_of_a_float16_model_under_bf16_autocast(tmp_path):
+    """TRL's configs default to ``bf16=True``; a float16 model so trained on the CPU clips and steps its float16
+    gradients outside autocast, as transformers does (TRL's ``test_train_model_dtype``; under Lightning's autocast the
+    clipping raised). Its weights stay float16 and move, and its first step's gradient norm, rewards, accuracy and
+    margin are TRL's on transformers; its loss and mean reward only within bf16's precision, as hflight's autocast
+    spans TRL's loss too, where accelerate's covers the model's forward only and hands back float32 outputs (see
+    docs/fine-tuning.md), and the steps after drift apart from it."""
+
+    def scorer() -> torch.nn.Module:  # a Qwen2 (RMSNorm: GPT-2's LayerNorm refuses float16 weights under autocast)
+        torch.manual_seed(0)
+        config = transformers.Qwen2Config(vocab_size=64, hidden_size=16, num_attention_heads=4, num_key_value_heads=2,
+                                          num_hidden_layers=2, intermediate_size=32, pad_token_id=61, num_labels=1)
+        return transformers.Qwen2ForSequenceClassification(config).half()
+
+    runs = {}
+    for library, module in (("trl", trl), ("hflight", hflight_trl)):
+        args = trl.RewardConfig(str(tmp_path / library), **{**COMMON, "bf16": True, "use_cpu": True})
+        trainer = module.RewardTrainer(model=scorer(), args=args, processing_class=tokenizer(),
+                                       train_dataset=columns(32, chosen=(3, 10), rejected=(3, 10)))  # fmt: skip
+        trainer.train()
+        runs[library] = trainer
+    before = scorer()
+    for trainer in runs.values():
+        weights = dict(trainer.model.named_parameters())
+        assert {p.dtype for p in weights.values()} == {torch.float16}
+        assert not torch.equal(weights["score.weight"], before.score.weight)
+    logs = {library: [e for e in t.state.log_history if "loss" in e] for library, t in runs.items()}
+    assert len(logs["hflight"]) == len(logs["trl"]) == 4
+    assert all(ours.keys() == theirs.keys() for ours, theirs in zip(logs["hflight"], logs["trl"]))
+    (ours, theirs), in_bf16 = (logs["hflight"][0], logs["trl"][0]), ("loss", "mean_reward")  # the first step's
+    assert {k: v for k, v in ours.items() if k not in in_bf16} == {k: v for k, v in theirs.items() if k not in in_bf16}
+    assert [ours[k] for k in in_bf16] == pytest.approx([theirs[k] for k in in_bf16], rel=1e-2)
+
+
 def test_grpo_with_a_python_reward_function(tmp_path):
     """GRPO generates inside the training loop with transformers' generate (vLLM is not available here)."""
     logs = compare(tmp_path, "GRPO", dict(num_generations=4, max_completion_length=8), model=Fresh(gpt2),

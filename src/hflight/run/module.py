@@ -107,7 +107,10 @@ class HFModule(L.LightningModule):
 
     def _optimizer_step(self, batch: MicroBatch) -> None:
         facade, backend, loop = self.facade, self.backend, self.run.loop
-        stepped = backend.hf_optimizer_step(self)
+        # the clipping and the step outside autocast, as transformers' (accelerate autocasts the forward only):
+        # Lightning's precision context spans the training_step, and under it half-precision gradients fail to clip
+        with torch.autocast(device_type=self.device.type, enabled=False):
+            stepped = backend.hf_optimizer_step(self)
         loop.optimizer_stepped()
         learning_rate = facade._get_learning_rate()
         if stepped and not steps_on_metrics(facade.lr_scheduler):  # those step after an evaluation, on its metric
