@@ -89,6 +89,27 @@ def test_a_resume_from_the_other_library_s_checkpoint_is_the_own_resume(runs, li
         assert crossed["best"] == own["best"] == "checkpoint-2", rank
 
 
+def test_a_crossed_resume_names_the_other_job_when_its_checkpoint_does_not_come(tmp_path, monkeypatch):
+    """The two jobs run at once: a crossed resume waits for the other job's marker, and says whose run it waited for
+    when that job failed (at once) or the time ran out."""
+    monkeypatch.syspath_prepend(str(launch.JOBS))
+    import finetune_job
+
+    monkeypatch.setattr(finetune_job, "WAIT_S", 1)
+    timed_out = (r"hflight's crossed resume waited 1 s for transformers' lora run to finish "
+                 r"\(no .*transformers/lora\.complete\): see transformers' console")  # fmt: skip
+    with pytest.raises(TimeoutError, match=timed_out):
+        finetune_job.other_checkpoint(tmp_path, "hflight", "lora")
+    (tmp_path / "hflight").mkdir()
+    (tmp_path / "hflight" / finetune_job.FAILED).write_text("")
+    with pytest.raises(RuntimeError, match=r"transformers' crossed resume needs hflight's lora_fsdp run, but "
+                                           r"hflight's job failed before it was complete"):  # fmt: skip
+        finetune_job.other_checkpoint(tmp_path, "transformers", "lora_fsdp")
+    (tmp_path / "hflight" / "lora_fsdp.complete").write_text("")
+    assert finetune_job.other_checkpoint(tmp_path, "transformers", "lora_fsdp") == str(
+        tmp_path / "hflight" / "lora_fsdp" / "checkpoint-4")  # fmt: skip
+
+
 def _weights_file(checkpoint: Path) -> dict:
     """The whole model a checkpoint holds: its model.safetensors, else its FSDP shards (names without ``model.``)."""
     from safetensors.torch import load_file

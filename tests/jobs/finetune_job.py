@@ -69,6 +69,8 @@ def trained(trainer, resume=None) -> dict:
 
 #: how long a crossed resume waits for the other library's checkpoints (both jobs run at once)
 WAIT_S = 360
+#: written into ``OUT/<library>/`` by a rank of a job that failed, for the other job's crossed resume
+FAILED = "job.failed"
 
 
 def done(folder: Path, run: str) -> None:
@@ -79,13 +81,18 @@ def done(folder: Path, run: str) -> None:
 
 
 def other_checkpoint(out: Path, library: str, run: str, step: int = 4) -> str:
-    """The other library's ``run/checkpoint-<step>``, once its job marked the run complete."""
+    """The other library's ``run/checkpoint-<step>``, once its job marked the run complete (at once a RuntimeError
+    if that job failed, a TimeoutError after :data:`WAIT_S`)."""
     other = "hflight" if library == "transformers" else "transformers"
+    ours, theirs = (f"{name}'" if name.endswith("s") else f"{name}'s" for name in (library, other))
     marker, waited = out / other / f"{run}.complete", 0.0
     while not marker.exists():
+        if (out / other / FAILED).exists():
+            raise RuntimeError(f"{ours} crossed resume needs {theirs} {run} run, but {theirs} job failed before it "
+                               f"was complete: see {theirs} console")  # fmt: skip
         if waited >= WAIT_S:
-            raise TimeoutError(f"{library}'s crossed resume waited {WAIT_S} s for {other}'s {run} run to finish "
-                               f"(no {marker}): see {other}'s console")  # fmt: skip
+            raise TimeoutError(f"{ours} crossed resume waited {WAIT_S} s for {theirs} {run} run to finish "
+                               f"(no {marker}): see {theirs} console")  # fmt: skip
         time.sleep(0.5)
         waited += 0.5
     return str(out / other / run / f"checkpoint-{step}")
@@ -173,4 +180,9 @@ def main(out: Path, library: str) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2])
+    try:
+        main(Path(sys.argv[1]), sys.argv[2])
+    except BaseException:
+        (Path(sys.argv[1]) / sys.argv[2]).mkdir(parents=True, exist_ok=True)
+        (Path(sys.argv[1]) / sys.argv[2] / FAILED).write_text("", encoding="utf-8")
+        raise
