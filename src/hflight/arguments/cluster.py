@@ -1,13 +1,15 @@
 """Which launcher started this process, as Lightning decides it: ranks, restarts, the job, SLURM's requeue signal.
 
 A multi-process run is launched by torchrun (torch elastic; ``accelerate launch`` starts its processes with it), by
-DeepSpeed's launcher (``deepspeed --num_gpus N script.py``), by ``srun`` (SLURM), by LSF's ``jsrun``, by MPI, or by
-Lightning itself (its subprocess launcher). Lightning picks its cluster environment in that order (torch elastic
-first: it can run inside SLURM; DeepSpeed's launcher, which Lightning does not know, is given to it as an environment
-of its own: :func:`launcher_plugin`) and reads the ranks from the launcher's variables; :func:`environment` makes the
-same choice, so that ``TrainingArguments.world_size``/``process_index``/``local_process_index`` (which decide who
-writes checkpoints and takes the writer lock) agree with Lightning before Lightning exists, whatever launched the
-process (``srun`` sets no ``WORLD_SIZE``/``RANK``).
+DeepSpeed's launcher (``deepspeed --num_gpus N script.py``), by ``srun`` (SLURM), by LSF's ``jsrun``, by MPI, by Ray
+Train (the workers of a ``TorchTrainer``, connected by Ray: ``hflight.arguments.ray_train``), or by Lightning itself
+(its subprocess launcher). Lightning picks its cluster environment in that order (torch elastic first: it can run
+inside SLURM; DeepSpeed's launcher and Ray Train, which Lightning does not know, are given to it as environments of
+their own: :func:`launcher_plugin`; Ray Train first of all, as its workers inherit the variables of the SLURM job or
+Kubernetes pod that hosts the Ray cluster) and reads the ranks from the launcher's variables; :func:`environment`
+makes the same choice, so that ``TrainingArguments.world_size``/``process_index``/``local_process_index`` (which
+decide who writes checkpoints and takes the writer lock) agree with Lightning before Lightning exists, whatever
+launched the process (``srun`` sets no ``WORLD_SIZE``/``RANK``).
 
 Beside the ranks, what a restart needs:
 
@@ -32,6 +34,8 @@ import os
 import signal
 from dataclasses import dataclass
 from typing import Any
+
+from hflight.arguments import ray_train
 
 __all__ = [
     "Layout",
@@ -91,11 +95,14 @@ def deepspeed_launched() -> bool:
 
 
 def environment() -> str:
-    """The cluster environment Lightning will choose: ``torchelastic``, ``deepspeed`` (DeepSpeed's launcher, given to
-    Lightning by :func:`launcher_plugin`), ``slurm``, ``lsf``, ``mpi``, or ``lightning`` (no external launcher:
-    Lightning launches the other processes itself, or there is one process)."""
+    """The cluster environment Lightning will choose: ``ray`` (a Ray Train worker), ``torchelastic``, ``deepspeed``
+    (DeepSpeed's launcher), ``slurm``, ``lsf``, ``mpi`` (Ray's and DeepSpeed's given to Lightning by
+    :func:`launcher_plugin`), or ``lightning`` (no external launcher: Lightning launches the other processes itself,
+    or there is one process)."""
     from lightning.fabric.plugins.environments import LSFEnvironment, MPIEnvironment
 
+    if ray_train.worker() is not None:
+        return "ray"
     if _torchelastic():
         return "torchelastic"
     if deepspeed_launched():
@@ -121,6 +128,9 @@ def _int(name: str, default: int = 0) -> int:
 def ranks(num_nodes: int = 1) -> Ranks | None:
     """The ranks the external launcher set (None for Lightning's own launch or one process: those ranks come from
     ``WORLD_SIZE``/``RANK``/``LOCAL_RANK``/``NODE_RANK``, which Lightning sets for the processes it starts)."""
+    ray = ray_train.worker()
+    if ray is not None:
+        return Ranks(ray.world_size, ray.global_rank, ray.local_rank, ray.node_rank)
     kind = environment()
     if kind == "torchelastic":
         return Ranks(_int("WORLD_SIZE", 1), _int("RANK"), _int("LOCAL_RANK"), _int("GROUP_RANK"))
@@ -153,10 +163,14 @@ def launched_layout() -> Layout | None:
     transformers' ``Trainer`` under torchrun trains data-parallel over every process the launcher started, with
     nothing named; Lightning does so only when ``devices`` x ``num_nodes`` equals that world, so hflight derives them
     from the launcher: torchrun's ``LOCAL_WORLD_SIZE`` and ``WORLD_SIZE``, DeepSpeed's ``LOCAL_SIZE`` and
-    ``WORLD_SIZE``, srun's ``SLURM_NTASKS_PER_NODE`` (else ``SLURM_NTASKS`` / ``SLURM_NNODES``) and ``SLURM_NNODES``.
+    ``WORLD_SIZE``, srun's ``SLURM_NTASKS_PER_NODE`` (else ``SLURM_NTASKS`` / ``SLURM_NNODES``) and ``SLURM_NNODES``,
+    Ray Train's context (the workers on this node, the world).
     """
     kind = environment()
-    if kind in ("torchelastic", "deepspeed"):
+    ray = ray_train.worker() if kind == "ray" else None
+    if ray is not None:
+        world, per_node = ray.world_size, ray.local_world_size
+    elif kind in ("torchelastic", "deepspeed"):
         world = _int("WORLD_SIZE", 1)
         per_node = _int("LOCAL_WORLD_SIZE" if kind == "torchelastic" else "LOCAL_SIZE", world) or world
     elif kind == "slurm":
@@ -209,6 +223,9 @@ def job_identity() -> str | None:
     id with its rendezvous address, or the rendezvous address Lightning's launcher gave its processes; None for a
     single process."""
     kind = environment()
+    if kind == "ray":  # the address is worker 0's, the port a free one Ray picked for this start of the workers
+        address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        return f"ray train {getattr(ray_train.worker(), 'experiment', '?')} at {address}"
     if kind == "slurm":
         step = os.environ.get("SLURM_STEP_ID")
         return f"slurm job {slurm_job_id()}" + (f" step {step}" if step else "")
@@ -264,9 +281,12 @@ def slurm_plugin(requeue_signal: Any) -> Any:
 
 def launcher_plugin(requeue_signal: Any) -> Any:
     """The cluster environment Lightning is given for the launcher that started this process, where its own choice
-    would be wrong: SLURM's with hflight's requeue (:func:`slurm_plugin`), or, for DeepSpeed's launcher, Lightning's
+    would be wrong: SLURM's with hflight's requeue (:func:`slurm_plugin`); for DeepSpeed's launcher, Lightning's
     environment for processes started outside it with the node's rank from ``CROSS_RANK`` (Lightning reads
-    ``NODE_RANK``, which DeepSpeed does not set). None: Lightning's own choice stands."""
+    ``NODE_RANK``, which DeepSpeed does not set); for a Ray Train worker, the ranks of Ray's context
+    (``hflight.arguments.ray_train``). None: Lightning's own choice stands."""
+    if ray_train.worker() is not None:
+        return ray_train.lightning_environment()
     if deepspeed_launched():
         return _deepspeed_environment()()
     return slurm_plugin(requeue_signal)

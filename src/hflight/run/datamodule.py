@@ -238,9 +238,11 @@ class EvaluationData(L.LightningDataModule):
     def __init__(self, loader: Any) -> None:
         super().__init__()
         self.loader = loader
+        self.dealt: Any = None  # the loader this process iterated
 
     def val_dataloader(self) -> Any:
-        return shard_loader(self.loader, self.trainer.world_size, self.trainer.global_rank)
+        self.dealt = shard_loader(self.loader, self.trainer.world_size, self.trainer.global_rank)
+        return self.dealt
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         sharding = getattr(self.loader, "sharding", None)  # a prepared loader's accelerator_config settings

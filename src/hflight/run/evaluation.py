@@ -136,6 +136,12 @@ class Evaluator:
         # out the processes' last batches; hflight returns each sample once, in dataset order).
         accelerator = getattr(facade, "accelerator", None)
         self.keep_all = accelerator is not None and getattr(facade, "gather_function", None) == accelerator.gather
+        # A dataset without a length is cut as accelerate's gather_for_metrics cuts it: only the last batch of a
+        # loader prepared for the processes that evened it out (dispatched batches; ``loader``, the one iterated),
+        # never to this process's count of samples (each process counts its own; a loader of the user's own, which
+        # transformers does not prepare, gives each process its own samples, all kept).
+        self.loader: Any = None
+        self.gathered = [0, 0]  # the samples gathered so far, and those of the last batch
 
     def step(self, inputs: dict[str, Any]) -> None:
         facade = self.facade
@@ -150,6 +156,8 @@ class Evaluator:
         if loss is not None:
             loss = gather(loss.repeat(facade.args.eval_batch_size if self.keep_all else batch_size or 1))
             self.losses.add(loss)
+            size = len(loss) if hasattr(loss, "__len__") else 1
+            self.gathered = [self.gathered[0] + size, size]
         if "inputs" in facade.args.include_for_metrics and self.keep_outputs:
             main_input = getattr(facade.model, "main_input_name", "input_ids")
             self.inputs.add(gather(inputs[main_input], pad_dim=1))
@@ -177,6 +185,15 @@ class Evaluator:
                 inputs=inputs if "inputs" in include else None,
             )
 
+    def _kept(self) -> int | None:
+        """The gathered samples that are not repeats evening out the last batch of the loader iterated (accelerate's
+        ``remainder`` of a prepared loader that reached its end); None when nothing was gathered."""
+        total, last = self.gathered
+        remainder = getattr(self.loader, "remainder", -1)
+        if getattr(self.loader, "end_of_dataloader", False) and remainder > 0:
+            return total - last + min(last, remainder)
+        return total or None
+
     def _score_pending(self, last: bool) -> None:
         if self.pending is not None:
             self.metrics = self.compute_metrics(self.pending, compute_result=last)
@@ -184,11 +201,12 @@ class Evaluator:
 
     def finish(self, num_samples: int | None, metric_key_prefix: str) -> EvalLoopOutput:
         facade = self.facade
+        limit = num_samples or self._kept()  # the dataset's length, else the gathered samples that are no repeats
         if not num_samples:
             num_samples = self.observed
-        losses = self.losses.result(None if self.keep_all else num_samples)
-        preds, labels = self.preds.result(num_samples), self.labels.result(num_samples)
-        inputs = self.inputs.result(num_samples)
+        losses = self.losses.result(None if self.keep_all else limit)
+        preds, labels = self.preds.result(limit), self.labels.result(limit)
+        inputs = self.inputs.result(limit)
 
         if self.batch_metrics:
             self._score_pending(last=True)
@@ -266,7 +284,8 @@ def _evaluate_in_fit(evaluator: Evaluator, run: RunView, dataloader: Any) -> Non
     model.eval()
     with torch.no_grad(), fit_trainer.precision_plugin.val_step_context():
         with backend.hf_evaluation_model(model, evaluator.facade.label_names) as evaluator.model:
-            for batch in backend.hf_prepare_loader(dataloader, training=False):
+            evaluator.loader = backend.hf_prepare_loader(dataloader, training=False)
+            for batch in evaluator.loader:
                 evaluator.step(batch)
 
 
@@ -313,14 +332,17 @@ def run_evaluation_loop(
 def _run_batches(evaluator: Evaluator, run: RunView, dataloader: Any) -> None:
     """Every batch through ``evaluator.step``: in the running fit, in this process, or through Lightning's
     ``validate``."""
+    evaluator.loader = dataloader
     if run.fitting:
         _evaluate_in_fit(evaluator, run, dataloader)
     elif evaluates_in_process(run.lightning_trainer):
         _evaluate_in_process(evaluator, run, dataloader)
     else:
+        data = EvaluationData(dataloader)
         with quiet_lightning(), sigterm_exits_non_zero("Evaluation"):
             # sharded once the processes are launched: this call may be the one that launches them
-            run.lightning_trainer.validate(run.module, datamodule=EvaluationData(dataloader), verbose=False)
+            run.lightning_trainer.validate(run.module, datamodule=data, verbose=False)
+        evaluator.loader = data.dealt if data.dealt is not None else dataloader
         run.module.model.eval()  # Lightning restores the modes; transformers leaves the model in eval mode
 
 

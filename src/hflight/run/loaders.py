@@ -34,6 +34,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
 from transformers.trainer_pt_utils import find_batch_size
 
+from hflight.arguments import cluster
 from hflight.run.samplers import EpochSeededRandomSampler, ShardedBatchSampler, split_batches_error
 
 #: DataLoader settings a prepared loader keeps from the loader it was built from (batching aside).
@@ -479,8 +480,10 @@ def _iterable_shard(loader: DataLoader, prepared_from: tuple) -> ShardedLoader:
 def shard_loader(loader: Any, world_size: int, rank: int) -> Any:
     """``loader`` for process ``rank`` of ``world_size``: a loader :func:`prepare_loader` made (or one of
     :class:`ShardedBatchSampler`) for another world is dealt again for this one, with the same settings; a plain loader
-    with torch's ``BatchSampler`` (built before the processes were launched) is dealt with the default settings;
-    anything else (one already dealt for this world, a batch sampler of the user's own) is returned as it is."""
+    with torch's ``BatchSampler`` built before Lightning's own launch started the processes is dealt with the default
+    settings; anything else (one already dealt for this world, a batch sampler of the user's own, a plain loader built
+    under an external launcher: a ``get_eval_dataloader`` override's, used as it is, as transformers uses it) is
+    returned as it is."""
     if isinstance(loader, _Prepared):
         if (loader.num_processes, loader.process_index) == (world_size, rank):
             return loader
@@ -494,4 +497,6 @@ def shard_loader(loader: Any, world_size: int, rank: int) -> Any:
         return prepare_loader(whole, world_size, rank, sharding)
     if world_size <= 1 or not isinstance(loader, DataLoader) or type(batches) is not BatchSampler:
         return loader
+    if cluster.environment() != "lightning":
+        return loader  # built in a launched process: a loader of the user's own, which transformers does not deal
     return prepare_loader(loader, world_size, rank, LoaderSharding())
