@@ -74,6 +74,24 @@ def test_the_runs_are_data_parallel_and_the_resume_continues(runs):
 
 @pytest.mark.subprocess
 @pytest.mark.slow
+def test_a_sharded_lora_checkpoint_holds_transformers_tensors_by_transformers_names(runs):
+    """FSDP2's checkpoint-4 of the LoRA run: the model part is the active adapter by PEFT's names (no base, no
+    adapter name: what accelerate writes with adapter_only), the optimizer's states by parameter name, every tensor
+    transformers' bit for bit."""
+    import torch
+
+    read = {}
+    for part, count in (("pytorch_model_fsdp_0", 4), ("optimizer_0", 12)):  # 4 adapter matrices; 3 states each
+        theirs, ours = (dropin.distributed_checkpoint(runs / library / "lora_fsdp" / "checkpoint-4" / part)
+                        for library in ("transformers", "hflight"))  # fmt: skip
+        assert ours.keys() == theirs.keys() and len(ours) == count, part
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours), part
+        read[part] = ours
+    assert "model.base_model.model.transformer.h.0.attn.c_attn.lora_A.weight" in read["pytorch_model_fsdp_0"]
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("library", ["transformers", "hflight"])
 @pytest.mark.parametrize("run", ["lora", "lora_fsdp"])
 def test_a_resume_from_the_other_library_s_checkpoint_is_the_own_resume(runs, library, run):
