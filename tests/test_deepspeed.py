@@ -131,7 +131,7 @@ def test_a_model_whose_own_names_start_with_model_loads_from_a_deepspeed_checkpo
     engine's module, hflight's module whose ``model`` is the transformers model: a Llama's ``model.embed_tokens...``
     is ``model.model.embed_tokens...`` there. It used to be taken for a name that had the prefix already
     ('Missing key(s) in state_dict: "model.model.embed_tokens.weight"' at load_best_model_at_end and resume under
-    ZeRO-3; a GPT-2, ``transformer.*``, loaded)."""
+    ZeRO-3; a GPT-2, ``transformer.*``, loaded). hflight's older checkpoints, by the engine module's names, still load."""
     import torch
     import transformers
 
@@ -148,6 +148,10 @@ def test_a_model_whose_own_names_start_with_model_loads_from_a_deepspeed_checkpo
     engine_module = torch.nn.Module()
     engine_module.model = llama()  # other weights (drawn after the first)
     _load_as_engine_module(saved, engine_module)
+    assert all(torch.equal(v, engine_module.model.state_dict()[k]) for k, v in saved.items())
+    # hflight's older checkpoints named the module state by the engine module's names: they still load
+    engine_module.model = llama()
+    _load_as_engine_module({"model." + k: v for k, v in saved.items()}, engine_module)
     assert all(torch.equal(v, engine_module.model.state_dict()[k]) for k, v in saved.items())
 
 

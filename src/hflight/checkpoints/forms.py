@@ -476,8 +476,14 @@ def _load_as_engine_module(src: dict[str, torch.Tensor], dst: nn.Module) -> None
     """DeepSpeed's ``custom_load_fn``: a model-states ``module`` with the model's own names (transformers', and
     hflight's since :func:`_names_as_transformers`) into the engine's module (hflight's, whose ``model`` is the
     model): every name gains the prefix, those of a model whose own names start with it too (a Llama's
-    ``model.embed_tokens.weight`` is the module's ``model.model.embed_tokens.weight``)."""
-    dst.load_state_dict({ENGINE_PREFIX + k: v for k, v in src.items()})
+    ``model.embed_tokens.weight`` is the module's ``model.model.embed_tokens.weight``). A module state saved with the
+    engine module's own names (hflight's checkpoints before :func:`_names_as_transformers`) is told apart by the whole
+    key set, never by a key's start, and loads as it is."""
+    own = dst.state_dict().keys()
+    named = {ENGINE_PREFIX + k: v for k, v in src.items()}
+    if not named.keys() <= own and src.keys() <= own:
+        named = src
+    dst.load_state_dict(named)
 
 
 def deepspeed_tag(folder: Path) -> str | None:
