@@ -14,6 +14,14 @@ from .support import Factory
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One torch thread per test process unless the caller says otherwise: CI runs two workers on two cores, where two
+# threads each only contend (tests/test_trainer.py alone: 41-42 s of CPU with two threads, 29-31 s with one), and the
+# processes the tests start inherit it (the launch helpers already set 1).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402  (after the variable: torch reads it at import; set here too in case a plugin imported it)
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
