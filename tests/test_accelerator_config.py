@@ -462,6 +462,18 @@ def test_evaluation_and_prediction_as_transformers(runs, run):
 
 @pytest.mark.subprocess
 @pytest.mark.slow
+def test_evaluation_of_a_stream_and_of_each_ranks_own_loader_as_transformers(runs):
+    """``evaluate()`` of a stream of 11 (no length: dispatched, the last global batch completed, then cut to its 3
+    real samples, not to a rank's own count), and of a ``get_eval_dataloader`` override giving each rank a plain
+    loader of its own 6 samples (not dealt again, every rank's losses kept): transformers' numbers."""
+    for rank in (0, 1):
+        for run, key in (("iterable", "eval_stream"), ("configured_state", "eval_own_loader")):
+            theirs, ours = (_result(runs, library, run, rank)[key] for library in LIBRARIES)
+            assert _without_timings([ours]) == _without_timings([theirs]), key
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_split_evaluation_loss(runs):
     """With ``split_batches``, transformers repeats each process's batch loss ``per_device_eval_batch_size`` times
     (its loop takes the argument, not the slice), hflight by the slice's size: the same mean of the same losses,

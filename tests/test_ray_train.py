@@ -18,17 +18,19 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from hflight.arguments import cluster, launcher_env, ray_train
 
 from . import dropin, ray_recipe
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.train.torch")
 
-pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
 
 #: what Ray's reports hold that is a clock reading, not a result
 TIMINGS = {"eval_runtime", "eval_samples_per_second", "eval_steps_per_second"}
@@ -80,6 +82,8 @@ def _weights(checkpoint) -> dict[str, torch.Tensor]:
     return load_file(_files(checkpoint)["model.safetensors"])
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_the_recipe_trains_across_the_workers_as_transformers_and_resumes(runs):
     """Each worker is a rank of one data-parallel run of world size 2 (the group Ray made), ``prepare_trainer``'s
     subclass feeds it its shard of the Ray Data datasets, and every step's loss is transformers' on every rank:
@@ -100,6 +104,8 @@ def test_the_recipe_trains_across_the_workers_as_transformers_and_resumes(runs):
             assert record["trainer_class"] == "RayTransformersTrainer"  # prepare_trainer's subclass of the library's
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_ray_reports_the_same_metrics_and_checkpoints(runs):
     """``RayTrainReportCallback`` reports each checkpoint (steps 2 and 4) with the metrics logged up to it: the same
     numbers as transformers' (the evaluation's timings aside), the same files (hflight's manifest beside them), the
@@ -119,3 +125,51 @@ def test_ray_reports_the_same_metrics_and_checkpoints(runs):
         assert our_state["global_step"] == state["global_step"] == metrics["step"]
         assert _untimed(our_state["log_history"]) == _untimed(state["log_history"])
     assert _untimed([runs["hflight"]["result"].metrics]) == _untimed([theirs[-1][1]])
+
+
+# ---- in this process: a Ray Train worker as hflight reads it (Ray's context stood in for) ---------------------------
+@pytest.fixture
+def ray_worker(monkeypatch):
+    """This process as worker 3 of 4 of a Ray Train run, the second of two on node 1."""
+    worker = ray_train.RayWorker(world_size=4, global_rank=3, local_rank=1, local_world_size=2, node_rank=1,
+                                 experiment="exp")  # fmt: skip
+    monkeypatch.setattr(ray_train, "worker", lambda: worker)
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29501")
+    # what a Ray cluster on SLURM hands its workers: not this process's launch
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    return worker
+
+
+def test_a_ray_worker_is_a_launch_read_from_rays_context(ray_worker):
+    """Ray's context decides before SLURM's variables: the ranks, the layout Lightning is given (2 workers per node,
+    2 nodes), the job's name, and Lightning's cluster environment with Ray's ranks and rendezvous."""
+    assert cluster.environment() == "ray"
+    assert cluster.ranks() == cluster.Ranks(world_size=4, global_rank=3, local_rank=1, node_rank=1)
+    assert cluster.launched_layout() == cluster.Layout(devices=2, num_nodes=2)
+    assert cluster.job_identity() == "ray train exp at 10.0.0.1:29501"
+    environment = cluster.launcher_plugin("SIGUSR1")
+    assert type(environment).__name__ == "RayTrainEnvironment" and environment.creates_processes_externally
+    assert (environment.world_size(), environment.global_rank(), environment.local_rank(), environment.node_rank()) == (
+        4, 3, 1, 1,
+    )  # fmt: skip
+    environment.set_world_size(1)
+    environment.set_global_rank(0)  # Ray's, not Lightning's to change
+    assert (environment.world_size(), environment.global_rank()) == (4, 3)
+    assert (environment.main_address, environment.main_port) == ("10.0.0.1", 29501)
+
+
+def test_outside_a_ray_train_worker_nothing_is_rays():
+    """The driver (Ray imported, no training function running, no process group) is no Ray Train worker."""
+    assert ray_train.worker() is None
+    assert cluster.environment() != "ray"
+
+
+def test_a_ray_workers_device_is_lightnings_for_its_local_rank(ray_worker):
+    """``ACCELERATE_TORCH_DEVICE``, which Ray sets to each worker's device: on a GPU worker ``cuda:N`` is accepted where
+    N is its local rank (the device Lightning picks for it), refused naming both otherwise; ``cpu`` on the CPU."""
+    args = SimpleNamespace(use_cpu=False, accelerator="auto")
+    launcher_env._device(args, {"ACCELERATE_TORCH_DEVICE": "cuda:1"}, lambda: "cuda")
+    launcher_env._device(args, {"ACCELERATE_TORCH_DEVICE": "cpu"}, lambda: "cpu")
+    with pytest.raises(launcher_env.LauncherEnvironmentError, match=r"'cuda:0'.*cuda:1, the device of local rank 1"):
+        launcher_env._device(args, {"ACCELERATE_TORCH_DEVICE": "cuda:0"}, lambda: "cuda")

@@ -31,7 +31,8 @@ import hflight  # noqa: E402
 
 #: run name -> (accelerator_config, training sizes and settings)
 RUNS = {
-    # an accelerate state made before the arguments, used as it is
+    # an accelerate state made before the arguments, used as it is; evaluated after training on a loader of each
+    # rank's own 6 samples (a get_eval_dataloader override: transformers does not deal it, every rank's loss kept)
     "configured_state": ({"use_configured_state": True}, dict(train=8, eval=6, batch=2, accumulation=1, epochs=1)),
     # each global batch of 4 cut in two; the last one (3 samples) cut unevenly; torch's RandomSampler with the
     # generator accelerate gives it; gradients synchronised at every micro-batch; non-blocking copies
@@ -48,7 +49,8 @@ RUNS = {
     # rank 0 reads two batches of 2 and sends them; the last global batch (1 sample) completed from the first; the
     # seedable sampler on data_seed; evaluation dispatched too (11 samples: padded, then cut)
     "dispatch": ({"dispatch_batches": True}, dict(train=13, eval=11, batch=2, accumulation=2, epochs=2, data_seed=7)),
-    # an iterable dataset: dispatched by default (rank 0 reads the stream)
+    # an iterable dataset: dispatched by default (rank 0 reads the stream); evaluated after training on a stream of 11
+    # (dispatched, the last global batch completed then cut)
     "iterable": ({}, dict(train=10, eval=0, batch=2, accumulation=1, max_steps=3)),
 }
 
@@ -130,6 +132,15 @@ def run_one(library, name: str, config: dict, sizes: dict, out: Path) -> None:
     group_after_train = torch.distributed.is_initialized()
     result = {"seen": model.seen, "sync": recorder.events, "log_history": trainer.state.log_history,
               "weights": {k: v.flatten().tolist() for k, v in model.state_dict().items()}}  # fmt: skip
+    if name == "iterable":
+        result["eval_stream"] = trainer.evaluate(Stream(rows(11, offset=100)))
+    if name == "configured_state":  # (not after "iterable": transformers' stopped stream is still accelerate's
+        # active loader there, its last batch's remainder cutting every batch of an unprepared loader's gathers)
+        own = rows(12, offset=200)[trainer.args.process_index :: 2]
+        evaluated = trainer.get_eval_dataloader
+        trainer.get_eval_dataloader = lambda eval_dataset=None: torch.utils.data.DataLoader(own, batch_size=2)
+        result["eval_own_loader"] = trainer.evaluate()
+        trainer.get_eval_dataloader = evaluated
     if eval_rows:
         result["eval"] = trainer.evaluate(eval_rows)
         predicted = trainer.predict(eval_rows)

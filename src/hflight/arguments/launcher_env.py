@@ -12,7 +12,8 @@ transformers' own ``__post_init__`` normalises the fields:
 - ``ACCELERATE_MIXED_PRECISION`` -> ``bf16``/``fp16`` (Lightning's ``bf16-mixed``; ``fp16`` on the CPU runs fp32, as
   accelerate's); under the launcher's DeepSpeed, the DeepSpeed config's ``bf16``/``fp16`` section enabled as
   accelerate's plugin enables it for transformers (below);
-- ``ACCELERATE_USE_CPU`` -> ``accelerator="cpu"``; ``ACCELERATE_TORCH_DEVICE`` naming another device is refused;
+- ``ACCELERATE_USE_CPU`` -> ``accelerator="cpu"``; ``ACCELERATE_TORCH_DEVICE`` naming another device is refused (a
+  Ray Train worker's, ``cuda:N``, is Lightning's device when N is the worker's local rank);
 - ``ACCELERATE_DYNAMO_*`` -> ``torch_compile_backend``/``torch_compile_mode`` and :func:`compile_model`'s
   ``fullgraph``/``dynamic``/regional compilation (accelerate's ``compile_regions``);
 - ``ACCELERATE_USE_FSDP`` + ``FSDP_*`` -> ``fsdp=True`` and the ``fsdp_config`` accelerate's plugin reads from them
@@ -46,6 +47,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+
+from hflight.arguments import ray_train
 
 logger = logging.getLogger(__name__)
 
@@ -209,9 +212,13 @@ def _device(args: Any, env: Mapping[str, str], device_type: Callable[[], str]) -
     wanted = env.get("ACCELERATE_TORCH_DEVICE")
     if wanted:
         picked = "cpu" if args.use_cpu else device_type()
-        if torch.device(wanted).type != picked or torch.device(wanted).index is not None:
+        device = torch.device(wanted)
+        ray = ray_train.worker()  # Ray Train names each worker's device: the one Lightning picks for its local rank
+        index = None if ray is None or device.type == "cpu" else ray.local_rank
+        if device.type != picked or device.index not in (None, index):
+            lightning = picked if index is None else f"{picked}:{index}, the device of local rank {index}"
             raise LauncherEnvironmentError(
-                f"ACCELERATE_TORCH_DEVICE={wanted!r}: hflight's device is Lightning's (here {picked!r}, one per "
+                f"ACCELERATE_TORCH_DEVICE={wanted!r}: hflight's device is Lightning's (here {lightning}, one per "
                 "process); unset it and choose with accelerator=/devices= or CUDA_VISIBLE_DEVICES."
             )
 

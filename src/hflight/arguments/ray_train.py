@@ -46,6 +46,11 @@ class RayWorker:
     experiment: str
 
 
+#: the answer, for the process group it was given for (hflight asks for the ranks at every step: Ray is asked once per
+#: group; the group is known by its id, not held, so that it goes when it is destroyed)
+_ANSWERED: list[tuple[tuple[int, int, int], RayWorker | None]] = []
+
+
 def worker() -> RayWorker | None:
     """This process as a worker of a Ray Train run whose process group Ray made (None: not a Ray Train worker, or
     one with no torch process group, such as a worker of a non-torch Ray trainer)."""
@@ -55,7 +60,15 @@ def worker() -> RayWorker | None:
 
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    train = sys.modules["ray.train"]
+    group = (id(dist.group.WORLD), dist.get_world_size(), dist.get_rank())
+    if _ANSWERED and _ANSWERED[0][0] == group:
+        return _ANSWERED[0][1]
+    found = _from_context(sys.modules["ray.train"], dist)
+    _ANSWERED[:] = [(group, found)]
+    return found
+
+
+def _from_context(train: Any, dist: Any) -> RayWorker | None:
     try:
         context = train.get_context()
         found = RayWorker(

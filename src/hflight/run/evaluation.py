@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
+from torch.utils.data import DataLoader
 from transformers.trainer_callback import TrainerState
 from transformers.trainer_pt_utils import find_batch_size, nested_numpify
 from transformers.trainer_utils import (
@@ -138,8 +139,9 @@ class Evaluator:
         self.keep_all = accelerator is not None and getattr(facade, "gather_function", None) == accelerator.gather
         # A dataset without a length is cut as accelerate's gather_for_metrics cuts it: only the last batch of a
         # loader prepared for the processes that evened it out (dispatched batches; ``loader``, the one iterated),
-        # never to this process's count of samples (each process counts its own; a loader of the user's own, which
-        # transformers does not prepare, gives each process its own samples, all kept).
+        # never to this process's count of samples (each process counts its own). A plain torch loader (a
+        # get_eval_dataloader override's, which transformers does not prepare) is not cut at all: each process
+        # evaluated what its loader gave, and transformers keeps every gathered sample.
         self.loader: Any = None
         self.gathered = [0, 0]  # the samples gathered so far, and those of the last batch
 
@@ -201,7 +203,10 @@ class Evaluator:
 
     def finish(self, num_samples: int | None, metric_key_prefix: str) -> EvalLoopOutput:
         facade = self.facade
-        limit = num_samples or self._kept()  # the dataset's length, else the gathered samples that are no repeats
+        if type(self.loader) is DataLoader and self.world.size > 1:
+            limit = None
+        else:  # the dataset's length, else the gathered samples that are no repeats
+            limit = num_samples or self._kept()
         if not num_samples:
             num_samples = self.observed
         losses = self.losses.result(None if self.keep_all else limit)
