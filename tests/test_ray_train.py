@@ -135,7 +135,7 @@ def ray_worker(monkeypatch):
                                  experiment="exp")  # fmt: skip
     monkeypatch.setattr(ray_train, "worker", lambda: worker)
     monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", "29501")
+    monkeypatch.setenv("MASTER_PORT", "12345")
     # what a Ray cluster on SLURM hands its workers: not this process's launch
     monkeypatch.setenv("SLURM_NTASKS", "1")
     return worker
@@ -147,7 +147,7 @@ def test_a_ray_worker_is_a_launch_read_from_rays_context(ray_worker):
     assert cluster.environment() == "ray"
     assert cluster.ranks() == cluster.Ranks(world_size=4, global_rank=3, local_rank=1, node_rank=1)
     assert cluster.launched_layout() == cluster.Layout(devices=2, num_nodes=2)
-    assert cluster.job_identity() == "ray train exp at 10.0.0.1:29501"
+    assert cluster.job_identity() == "ray train exp at 10.0.0.1:12345"
     environment = cluster.launcher_plugin("SIGUSR1")
     assert type(environment).__name__ == "RayTrainEnvironment" and environment.creates_processes_externally
     assert (environment.world_size(), environment.global_rank(), environment.local_rank(), environment.node_rank()) == (
@@ -156,7 +156,7 @@ def test_a_ray_worker_is_a_launch_read_from_rays_context(ray_worker):
     environment.set_world_size(1)
     environment.set_global_rank(0)  # Ray's, not Lightning's to change
     assert (environment.world_size(), environment.global_rank()) == (4, 3)
-    assert (environment.main_address, environment.main_port) == ("10.0.0.1", 29501)
+    assert (environment.main_address, environment.main_port) == ("10.0.0.1", 12345)
 
 
 def test_outside_a_ray_train_worker_nothing_is_rays():
