@@ -158,6 +158,23 @@ def test_grpo_with_a_python_reward_function(tmp_path):
     assert {"reward", "reward_std", "completions/mean_length"} <= logs["hflight"][0].keys()
 
 
+def test_grpo_evaluates_an_iterable_eval_set_given_to_evaluate(tmp_path):
+    """GRPO's ``get_eval_dataloader`` turns ``trainer.accelerator.dataloader_config.dispatch_batches`` off for an
+    iterable eval set (TRL's ``test_evaluate_with_eval_dataset[iterable_dataset]``): set for the loaders prepared after
+    it, the arguments' ``accelerator_config`` left as it is, as accelerate's copy; the metrics are TRL's."""
+    results = {}
+    for library, module in (("trl", trl), ("hflight", hflight_trl)):
+        args = trl.GRPOConfig(str(tmp_path / library), **{**COMMON, "num_generations": 4, "max_completion_length": 8,
+                                                          "per_device_eval_batch_size": 4})  # fmt: skip
+        trainer = module.GRPOTrainer(model=gpt2(), reward_funcs=reward_length, args=args, processing_class=tokenizer(),
+                                     train_dataset=columns(8, prompt=(3, 8)))  # fmt: skip
+        metrics = trainer.evaluate(eval_dataset=columns(8, prompt=(3, 8), seed=1).to_iterable_dataset())
+        settings = (trainer.accelerator.dataloader_config.dispatch_batches, args.accelerator_config.dispatch_batches)
+        results[library] = {k: v for k, v in metrics.items() if not k.endswith((*TIMES, "_time"))}, settings
+    assert results["hflight"] == results["trl"] and results["hflight"][1] == (False, None)
+    assert {"eval_reward", "eval_completions/mean_length"} <= results["hflight"][0].keys()
+
+
 def test_kto(tmp_path):
     data = columns(32, prompt=(3, 8), completion=(3, 8)).add_column("label", [i % 2 == 0 for i in range(32)])
     compare(tmp_path, "KTO", {}, model=Fresh(gpt2), ref_model=Fresh(gpt2), processing_class=Fresh(tokenizer),

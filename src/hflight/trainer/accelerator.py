@@ -18,6 +18,7 @@ user made. What cannot exist on Lightning raises an ``AttributeError`` naming wh
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 from collections.abc import Callable, Iterator, Mapping
@@ -160,6 +161,7 @@ class RunAccelerator:
         self._current_run = current_run
         self._args = args
         self._step = 0  # accumulate()'s count, as accelerate's Accelerator.step
+        self._loader_settings: dict[str, Any] = {}  # set through dataloader_config, over accelerator_config's
         self.gradient_state = GradientState(gradient_accumulation_plugin_kwargs(args))
         if self.non_blocking and not args.dataloader_pin_memory:
             logger.warning(
@@ -280,7 +282,15 @@ class RunAccelerator:
     # ---- accelerator_config ------------------------------------------------------------------------------------
     @property
     def _sharding(self) -> LoaderSharding:
-        return LoaderSharding.from_config(self._args.accelerator_config, self._args.data_seed)
+        configured = LoaderSharding.from_config(self._args.accelerator_config, self._args.data_seed)
+        return dataclasses.replace(configured, **self._loader_settings)
+
+    @property
+    def dataloader_config(self) -> LoaderSettings:
+        """accelerate's ``dataloader_config``: the loader settings of ``accelerator_config`` (``dispatch_batches``,
+        ``split_batches``, ...); one set here holds for the loaders prepared after it and leaves the arguments as
+        they are, as accelerate's own copy does (TRL's GRPO sets ``dispatch_batches`` for an iterable eval set)."""
+        return LoaderSettings(lambda: self._sharding, self._loader_settings)
 
     split_batches = property(lambda self: self._sharding.split_batches)
     dispatch_batches = property(lambda self: self._sharding.dispatch_batches)
@@ -508,6 +518,25 @@ class RunAccelerator:
             f"trainer.accelerator.{name}: hflight runs on Lightning, not accelerate, and its trainer.accelerator has "
             f"no {name!r}; {what}"
         )
+
+
+class LoaderSettings:
+    """``trainer.accelerator.dataloader_config``: reads the loader settings in force, records the ones set."""
+
+    def __init__(self, current: Callable[[], LoaderSharding], overrides: dict[str, Any]) -> None:
+        object.__setattr__(self, "_current", current)
+        object.__setattr__(self, "_overrides", overrides)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._current(), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        known = [f.name for f in dataclasses.fields(LoaderSharding)]
+        if name not in known:
+            raise AttributeError(f"trainer.accelerator.dataloader_config.{name}: hflight's loaders take {known} only")
+        self._overrides[name] = value
 
 
 def _apply(data: Any, function: Callable[[torch.Tensor], Any]) -> Any:
