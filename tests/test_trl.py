@@ -206,6 +206,15 @@ def test_a_trl_config_given_to_hflight_is_its_twin_field_for_field(tmp_path, nam
     assert differing == []
 
 
+@pytest.mark.parametrize("given", [True, False, "batch"])
+def test_grpo_s_scale_rewards_takes_trl_s_booleans(tmp_path, given):
+    """GRPO's ``scale_rewards`` is annotated ``str`` and takes True/False for "group"/"none" (TRL's
+    ``test_train_scale_rewards[True]``/``[False]``, refused by hflight's type check before): as TRL's config."""
+    theirs = trl.GRPOConfig(str(tmp_path), bf16=False, report_to="none", scale_rewards=given)
+    ours = hflight_trl.GRPOConfig(str(tmp_path), bf16=False, report_to="none", scale_rewards=given)
+    assert ours.scale_rewards == theirs.scale_rewards == {True: "group", False: "none"}.get(given, given)
+
+
 def test_what_hflight_never_calls_refuses_by_name(tmp_path):
     """A method of transformers' Trainer that hflight's loop never calls raises when TRL's code (or a script) calls
     it, and a TRL trainer's subclass that overrides one is refused when it is built."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import typing
 from typing import Any
 
 import transformers
@@ -51,6 +52,9 @@ __all__ = ["TRLTrainerBase", *TRAINERS, *CONFIGS]
 
 #: the fields each config's ``__post_init__`` derives from others and refuses beside them
 _DERIVED = {"GRPOConfig": ("generation_batch_size",), "RLOOConfig": ("generation_batch_size",)}
+#: the values a config's fields take beyond their annotations, as its ``__post_init__`` reads them (GRPO's
+#: ``scale_rewards``: True and False for "group" and "none"); hflight's type checks take them too
+_WIDER = {"GRPOConfig": {"scale_rewards": bool}}
 
 
 def _refused(name: str, why: str) -> Any:
@@ -149,6 +153,10 @@ def _config(name: str) -> type:
     theirs = getattr(trl, name)
     namespace = {"__module__": __name__, "__qualname__": name, "_setup_devices": _setup_devices,
                  "__doc__": f"trl.{name} with hflight's TrainingArguments beneath it (see hflight.trl)."}  # fmt: skip
+    wider, hints = _WIDER.get(name, {}), typing.get_type_hints(theirs)
+    given = {f.name: f for f in dataclasses.fields(theirs) if f.name in wider}
+    namespace["__annotations__"] = {field: hints[field] | extra for field, extra in wider.items()}
+    namespace |= {field: dataclasses.field(default=f.default, metadata=f.metadata) for field, f in given.items()}
     ours = dataclasses.dataclass(type(name, (theirs, TrainingArguments), namespace))
     register_arguments_twin(theirs, ours, _DERIVED.get(name, ()))
     return ours
