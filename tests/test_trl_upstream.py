@@ -77,6 +77,8 @@ def test_with_hflight_changes_the_trainers_and_configs_only():
         """)
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_the_harness_reports_what_fails_only_with_hflight(tmp_path):
     """The stand-ins built and loaded offline under the harness's environment (the hub cache, the data set plugin),
     both sides run by pytest, and the comparison: a test passing on TRL's side and failing on hflight's is listed."""
