@@ -76,6 +76,13 @@ SKIPPED: dict[str, str] = {
     "python train.py +experiment=sft_lora": (
         "tests/test_sft_recipe.py runs it as written (tiny sizes appended) in an empty folder, resumes and sweeps it"
     ),
+    "git -C <TRL checkout> archive HEAD tests | tar x -C /tmp/trl-tests": (
+        "a checkout of TRL's repository (its tests are not in its wheel, and never in this project)"
+    ),
+    "python -m tests.trl_upstream --trl-tests /tmp/trl-tests/tests --out /tmp/trl-run test_sft_trainer.py "
+    "test_dpo_trainer.py test_reward_trainer.py test_grpo_trainer.py": (
+        "TRL's own tests (not here); tests/test_trl_upstream.py runs the harness on a TRL-style test file"
+    ),
     "optuna-dashboard sqlite:///outputs/mrc/multiruns/2026-11-24_10-00-00/optuna.db": (
         "a web server (pip install optuna-dashboard) reading the study the tests check in optuna.db"
     ),

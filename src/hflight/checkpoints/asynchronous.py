@@ -133,8 +133,8 @@ class CheckpointWriter:
             self._lease.enter_context(deepspeed_left_alone())  # for the job's save_pretrained, until it is reaped
             self._thread = threading.Thread(target=self._run, args=(job,), name=f"hflight-write-{what}", daemon=False)
             self._thread.start()
-        if last:  # written from the state itself: over before the loop goes on
-            self.wait()
+        if last:  # written from the state itself: over before the loop goes on (a wait by design, not reported)
+            self.wait(expected=True)
 
     def _run(self, job: CheckpointJob) -> None:
         self._outcome = job.finish()
@@ -146,14 +146,15 @@ class CheckpointWriter:
         if self._callbacks_over is not None:
             self._callbacks_over.set()
 
-    def _join(self) -> None:
-        """Wait for this process's write in flight, reporting a long wait."""
+    def _join(self, expected: bool = False) -> None:
+        """Wait for this process's write in flight, reporting a long wait (one the loop does not ``expect``: a
+        checkpoint's wait for the one before it)."""
         self.callbacks_done()
         thread = self._thread
         if thread is None:
             return
         started = time.monotonic()
-        thread.join(LONG_WAIT_S)
+        thread.join(None if expected else LONG_WAIT_S)
         if thread.is_alive():
             logger.warning(
                 f"Waiting for the background write of {self._in_flight} to finish (at most one checkpoint is written "
@@ -162,10 +163,11 @@ class CheckpointWriter:
             thread.join()
             logger.info(f"{self._in_flight} written after {time.monotonic() - started:.1f} s of waiting.")
 
-    def wait(self) -> None:
-        """Every process at once: wait for the write in flight; raise its error (on every process) if it failed."""
+    def wait(self, expected: bool = False) -> None:
+        """Every process at once: wait for the write in flight; raise its error (on every process) if it failed.
+        ``expected``: the caller waits for it by design (the run's last checkpoint), so a long wait is not reported."""
         if self._in_flight is not None:
-            self._join()
+            self._join(expected)
             self._settle(done=True)
 
     def raise_if_failed(self) -> None:
