@@ -143,7 +143,6 @@ class Evaluator:
         # get_eval_dataloader override's, which transformers does not prepare) is not cut at all: each process
         # evaluated what its loader gave, and transformers keeps every gathered sample.
         self.loader: Any = None
-        self.gathered = [0, 0]  # the samples gathered so far, and those of the last batch
 
     def step(self, inputs: dict[str, Any]) -> None:
         facade = self.facade
@@ -158,8 +157,6 @@ class Evaluator:
         if loss is not None:
             loss = gather(loss.repeat(facade.args.eval_batch_size if self.keep_all else batch_size or 1))
             self.losses.add(loss)
-            size = len(loss) if hasattr(loss, "__len__") else 1
-            self.gathered = [self.gathered[0] + size, size]
         if "inputs" in facade.args.include_for_metrics and self.keep_outputs:
             main_input = getattr(facade.model, "main_input_name", "input_ids")
             self.inputs.add(gather(inputs[main_input], pad_dim=1))
@@ -190,7 +187,8 @@ class Evaluator:
     def _kept(self) -> int | None:
         """The gathered samples that are not repeats evening out the last batch of the loader iterated (accelerate's
         ``remainder`` of a prepared loader that reached its end); None when nothing was gathered."""
-        total, last = self.gathered
+        sizes = [len(piece) for piece in self.losses.pieces]  # the gathered losses, batch by batch
+        total, last = sum(sizes), (sizes[-1] if sizes else 0)
         remainder = getattr(self.loader, "remainder", -1)
         if getattr(self.loader, "end_of_dataloader", False) and remainder > 0:
             return total - last + min(last, remainder)
