@@ -100,9 +100,9 @@ def worker(model_name: str, mode: str, out: str, checkpoints: int) -> dict:
 
         real_run, real_wait = asynchronous.CheckpointWriter._run, asynchronous.CheckpointWriter.wait
 
-        def wait(self):
+        def wait(self, *args, **kwargs):
             start = time.perf_counter()
-            real_wait(self)
+            real_wait(self, *args, **kwargs)
             waited[-1] += time.perf_counter() - start
 
         asynchronous.CheckpointWriter.wait = wait
