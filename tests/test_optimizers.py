@@ -99,13 +99,35 @@ def test_every_optim_name_is_run_or_raises_here():
         assert hflight.TrainingArguments(optim=name.value).optim is name
 
 
-#: torchao is not in `dev`: once installed, transformers imports it with every model (1.6-2 s of CPU more for each
-#: process of the suite that builds one, most of them). CI installs it apart (`.ci/run`: `pip install --target`) and
-#: runs these two names with it on PYTHONPATH; without it they skip, naming the package (the missing package's error
-#: is test_missing_package_names_its_extra[torchao])
-TORCHAO = next(package for package in OPTIONAL_PACKAGES if package.extra == "torchao")
-#: the release checked with torch 2.13.0 and transformers 5.23 (it declares no torch requirement)
-TORCHAO_PIN = "torchao>=0.18,<0.19"
+#: the packages not in `dev`, which CI installs apart: once installed, transformers imports torchao with every model
+#: (`transformers.quantizers`, 1.6-2 s of CPU more for each process of the suite that builds one, most of them) and
+#: bitsandbytes with its Trainer (`transformers.trainer_utils` imports peft, which imports it: ~2.5 s more for every
+#: process); galore-torch and apollo-torch require bitsandbytes. `.ci/run` installs the four with `pip install
+#: --target` and runs the tests marked `apart` with them on PYTHONPATH; without them these tests skip, naming the
+#: package (the missing package's error is test_missing_package_names_its_extra)
+APART = {package.extra: package for package in OPTIONAL_PACKAGES
+         if package.extra in ("torchao", "bitsandbytes", "galore", "apollo")}  # fmt: skip
+TORCHAO = APART["torchao"]
+#: the releases checked with torch 2.13.0 and transformers 5.23 (torchao declares no torch requirement)
+APART_PINS = ("torchao>=0.18,<0.19", "bitsandbytes>=0.50,<0.51", "galore-torch>=1.0,<1.1", "apollo-torch>=1.0,<1.1")
+
+
+def _apart(optim: str):
+    return next((package for package in APART.values() if optim in package.names), None)
+
+
+def _marked(names) -> list:
+    """``names`` as parameters, those that need a package installed apart marked ``apart``."""
+    return [pytest.param(name, marks=pytest.mark.apart) if _apart(name) else name for name in names]
+
+
+def _require(optim: str) -> None:
+    package = _apart(optim)
+    if package is not None and not _available(package):
+        install = f"pip install 'hflight[{package.extra}]'"
+        pytest.skip(f"optim={optim!r} needs {package.pip}, which is not installed: {install}")
+
+
 #: RAdam takes no step until its variance estimate is rectified (rho_t > 4: the fifth step with beta2 0.999)
 STEPS = {"schedule_free_radam": 5}
 
@@ -119,12 +141,11 @@ def _torchao_model(factory):
     return BertForSequenceClassification(factory.config(num_labels=3, intermediate_size=128))
 
 
-@pytest.mark.parametrize("optim", RUNNING)
+@pytest.mark.parametrize("optim", _marked(RUNNING))
 def test_optim_matches_transformers(tmp_path, factory, monkeypatch, optim):
     model = factory.cls_model
+    _require(optim)
     if optim in TORCHAO.names:
-        if not _available(TORCHAO):
-            pytest.skip(f"optim={optim!r} needs torchao, which is not installed: pip install 'hflight[torchao]'")
         # torchao compiles its step for every parameter shape (CI time: 15-60 s here); eager in both libraries
         monkeypatch.setattr(torch, "compile", lambda function, **options: function)
         model = functools.partial(_torchao_model, factory)
@@ -139,8 +160,9 @@ def test_optim_matches_transformers(tmp_path, factory, monkeypatch, optim):
         assert states.count(f"OptimState{optim.removeprefix('adamw_torch_')}") == 8, states
 
 
-@pytest.mark.parametrize("optim", sorted(RAISING))
+@pytest.mark.parametrize("optim", _marked(sorted(RAISING)))
 def test_optim_that_cannot_run_here_raises_transformers_error(tmp_path, factory, optim):
+    _require(optim)
     kind, cause = RAISING[optim]
     errors = []
     for library in LIBRARIES:
@@ -179,10 +201,11 @@ def test_lomo_fused_backward_gets_transformers_learning_rates(tmp_path, factory,
     assert [lr for _, lr in calls["hflight"]] == [1e-3, 5e-4]  # the schedule's rate at each step, as logged
 
 
-@pytest.mark.parametrize("optim", ["galore_adamw_layerwise", "lomo"])
+@pytest.mark.parametrize("optim", _marked(["galore_adamw_layerwise", "lomo"]))
 def test_optimizer_updating_in_backward_saves_and_resumes_as_transformers(tmp_path, factory, optim):
     """Saved as transformers saves it, resumed as transformers resumes (and from transformers' checkpoint): the
     optimizer checked before resuming leaves no gradient hooks behind."""
+    _require(optim)
     run = dict(optim=optim, steps=4, save_strategy="steps", save_steps=2)
     if optim == "galore_adamw_layerwise":
         run["optim_args"] = "rank=4,update_proj_gap=2"
@@ -203,7 +226,9 @@ def test_optimizer_updating_in_backward_saves_and_resumes_as_transformers(tmp_pa
     _assert_same(resumed["transformers"], crossed)
 
 
+@pytest.mark.apart
 def test_galore_needs_optim_target_modules_as_transformers(tmp_path, factory):
+    _require("galore_adamw")
     errors = []
     for library in LIBRARIES:
         with pytest.raises(ValueError) as info:
@@ -335,7 +360,8 @@ def test_every_optional_package_is_an_extra():
         assert any(requirement.startswith(pip) for requirement in extras[extra]), extra
         assert any(requirement.startswith(pip) for requirement in extras["optimizers"]), pip
         in_dev = any(requirement.startswith(pip) for requirement in extras["dev"])
-        assert in_dev is (extra != TORCHAO.extra), pip  # all in dev but torchao, which CI installs apart (TORCHAO)
+        assert in_dev is (extra not in APART), pip  # all in dev but those CI installs apart (APART)
     ci = (Path(__file__).parents[1] / ".ci" / "run").read_text()
-    assert f"pip install --target .torchao-ci --no-deps '{TORCHAO_PIN}'" in ci and "tests/test_optimizers.py" in ci
+    pins = " ".join(f"'{pin}'" for pin in APART_PINS)
+    assert f"pip install --target .apart-ci --no-deps {pins}" in ci and "-m apart" in ci
     assert any(requirement.startswith("liger-kernel") for requirement in extras["liger"])

@@ -246,6 +246,7 @@ def quantized(folder: Path, bits: int, adapters: bool = True) -> torch.nn.Module
     return peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
 
 
+@pytest.mark.apart  # bitsandbytes: installed apart in CI (tests/test_optimizers.py's APART)
 def test_a_purely_quantized_model_is_refused_with_transformers_message(llama_dir, tmp_path):
     model = quantized(llama_dir, 4, adapters=False)
     messages = []
@@ -256,6 +257,7 @@ def test_a_purely_quantized_model_is_refused_with_transformers_message(llama_dir
     assert messages[0] == messages[1]
 
 
+@pytest.mark.apart
 @pytest.mark.parametrize("bits", [4, 8])
 def test_qlora_trains_and_resumes_as_transformers_within_its_own_run_to_run_spread(llama_dir, tmp_path, bits):
     """LoRA on a bitsandbytes base: transformers run twice gives the spread its CPU kernels show run to run (0 here:
