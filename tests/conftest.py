@@ -26,6 +26,30 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 
+#: the test modules that take longest (CI's ``--durations``, summed per module), longest first: CI's two workers take
+#: one module at a time (``--dist loadfile``) in collection order, so these go first and the short ones fill in at
+#: the end. xdist's own order (the modules with most tests first) dealt the long modules of few tests (Ray Train's,
+#: accelerate launch's) last, one worker running them while the other idled
+LONGEST_FIRST = (
+    "test_benchmarks.py", "test_sweeps.py", "test_accelerate_launch.py", "test_sharding.py", "test_ray_train.py",
+    "test_field_sweep.py", "test_signals.py", "test_readme_commands.py", "test_slurm.py", "test_resume.py",
+    "test_sharded_dropin.py", "test_run_qa_dropin.py", "test_arguments_on_lightning.py", "test_distributed.py",
+    "test_hpsearch.py", "test_install.py", "test_deepspeed.py", "test_torchrun_dropin.py", "test_sft_recipe.py",
+    "test_elastic.py", "test_finetune_torchrun.py", "test_notebooks.py", "test_cli.py", "test_tracking.py",
+)  # fmt: skip
+
+
+def pytest_configure(config):
+    """xdist keeps the collection order of the modules (see :data:`LONGEST_FIRST`)."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    """The modules of :data:`LONGEST_FIRST` first, in its order; the others after them, in their own order."""
+    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
 
 @pytest.fixture(autouse=True)
 def _torch_threads_restored():
