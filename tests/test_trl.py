@@ -119,10 +119,10 @@ def test_reward(tmp_path):
 def test_reward_of_a_float16_model_under_bf16_autocast(tmp_path):
     """TRL's configs default to ``bf16=True``; a float16 model so trained on the CPU clips and steps its float16
     gradients outside autocast, as transformers does (TRL's ``test_train_model_dtype``; under Lightning's autocast the
-    clipping raised). Its weights stay float16 and move, and its first step's gradient norm, rewards, accuracy and
-    margin are TRL's on transformers; its loss and mean reward only within bf16's precision, as hflight's autocast
-    spans TRL's loss too, where accelerate's covers the model's forward only and hands back float32 outputs (see
-    docs/fine-tuning.md), and the steps after drift apart from it."""
+    clipping raised). Its weights stay float16 and move, and every step's loss, gradient norm, rewards, accuracy and
+    margin are TRL's on transformers: autocast covers the model's forward only and its outputs come back float32, as
+    accelerate's, so TRL's ``-logsigmoid(chosen - rejected)`` runs in float32 (under Lightning's step-wide autocast it
+    ran in bfloat16: step-1 loss 0.69921875 against 0.69878042)."""
 
     def scorer() -> torch.nn.Module:  # a Qwen2 (RMSNorm: GPT-2's LayerNorm refuses float16 weights under autocast)
         torch.manual_seed(0)
@@ -144,10 +144,7 @@ def test_reward_of_a_float16_model_under_bf16_autocast(tmp_path):
         assert not torch.equal(weights["score.weight"], before.score.weight)
     logs = {library: [e for e in t.state.log_history if "loss" in e] for library, t in runs.items()}
     assert len(logs["hflight"]) == len(logs["trl"]) == 4
-    assert all(ours.keys() == theirs.keys() for ours, theirs in zip(logs["hflight"], logs["trl"]))
-    (ours, theirs), in_bf16 = (logs["hflight"][0], logs["trl"][0]), ("loss", "mean_reward")  # the first step's
-    assert {k: v for k, v in ours.items() if k not in in_bf16} == {k: v for k, v in theirs.items() if k not in in_bf16}
-    assert [ours[k] for k in in_bf16] == pytest.approx([theirs[k] for k in in_bf16], rel=1e-2)
+    assert logs["hflight"] == logs["trl"]
 
 
 def test_grpo_with_a_python_reward_function(tmp_path):

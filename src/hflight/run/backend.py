@@ -51,6 +51,9 @@ class HFBackend:
 
     #: whether the loss may be normalised by the label items counted on the host (transformers' ``num_items_in_batch``)
     hf_counts_loss_items: bool = True
+    #: whether a mixed-precision run autocasts the model's forward, as accelerate's ``prepare_model`` wraps it
+    #: (``hflight.run.autocast``); a backend that casts by other means (FSDP2's ``MixedPrecisionPolicy``) says False
+    hf_forward_autocast: bool = True
 
     def hf_geometry(self, args: Any, world_size: int, batch_size: int) -> StepGeometry:
         """Gradient accumulation on the host: ``gradient_accumulation_steps`` micro-batches of ``batch_size`` (the

@@ -39,6 +39,7 @@ from transformers.trainer_utils import (
 from hflight.arguments.lightning_kwargs import quiet_lightning
 from hflight.arguments.optimizers import set_optimizer_mode, steps_on_metrics
 from hflight.run import console, eval_precision
+from hflight.run.autocast import ForwardAutocast, autocast_forward
 from hflight.run.datamodule import EvaluationData, loader_length
 from hflight.run.events import dispatch
 from hflight.run.interrupt import sigterm_exits_non_zero, sigterm_stops_between_batches
@@ -247,7 +248,7 @@ def evaluates_in_process(lightning_trainer: Any) -> bool:
     return (
         type(strategy) is SingleDeviceStrategy
         and type(strategy.accelerator) in (CPUAccelerator, CUDAAccelerator, MPSAccelerator)
-        and type(lightning_trainer.precision_plugin) in (Precision, MixedPrecision)
+        and type(lightning_trainer.precision_plugin) in (Precision, MixedPrecision, ForwardAutocast)
         and not lightning_trainer.callbacks
         and not lightning_trainer.loggers
     )
@@ -319,7 +320,7 @@ def run_evaluation_loop(
     # a schedule-free optimizer evaluates its averaged parameters; the next training step switches it back
     set_optimizer_mode(facade.optimizer, training=False)
     facade.callback_handler.eval_dataloader = dataloader
-    with run.evaluating(evaluator), run.evaluation_weights():
+    with run.evaluating(evaluator), run.evaluation_weights(), autocast_forward(run.module.model, run.lightning_trainer):
         with eval_precision.int8_evaluation_model(args, facade.model) as evaluator.quantized:
             _run_batches(evaluator, run, dataloader)
     if evaluator.keep_all:  # as transformers after its loop: gather_for_metrics again

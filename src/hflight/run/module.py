@@ -3,8 +3,9 @@
 Manual optimization, because HF's step differs from Lightning's automatic one in ways that change numbers:
 the loss of an epoch's last, shorter cycle is divided by that cycle's length, the gradient norm is clipped
 after unscaling and *then* ``on_pre_optimizer_step`` fires, and the scheduler steps only when the optimizer
-really stepped. Lightning still owns devices, precision (autocast, gradient scaling), strategy wrapping and
-the loop; the facade's override points (``training_step``, ``compute_loss``, ``create_optimizer``, ...) do the
+really stepped. Lightning still owns devices, precision (gradient scaling; autocast covers the model's forward
+only, as accelerate's: ``hflight.run.autocast``), strategy wrapping and the loop; the facade's override points
+(``training_step``, ``compute_loss``, ``create_optimizer``, ...) do the
 per-batch work, so subclasses of the facade keep working. What a backend changes in a step (the model that runs
 it, where the optimizer steps) comes from its hooks (``hflight.run.backend``). The step events go to the run's
 training loop (``hflight.run.loop``), evaluation batches to the run's evaluator (``hflight.run.evaluation``).
@@ -107,10 +108,7 @@ class HFModule(L.LightningModule):
 
     def _optimizer_step(self, batch: MicroBatch) -> None:
         facade, backend, loop = self.facade, self.backend, self.run.loop
-        # the clipping and the step outside autocast, as transformers' (accelerate autocasts the forward only):
-        # Lightning's precision context spans the training_step, and under it half-precision gradients fail to clip
-        with torch.autocast(device_type=self.device.type, enabled=False):
-            stepped = backend.hf_optimizer_step(self)
+        stepped = backend.hf_optimizer_step(self)
         loop.optimizer_stepped()
         learning_rate = facade._get_learning_rate()
         if stepped and not steps_on_metrics(facade.lr_scheduler):  # those step after an evaluation, on its metric

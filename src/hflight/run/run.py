@@ -22,6 +22,7 @@ from hflight.arguments.lightning_kwargs import lightning_trainer_kwargs, quiet_l
 from hflight.callbacks.hooks import evaluation_weights, weight_hooks
 from hflight.checkpoints.asynchronous import CheckpointWriter
 from hflight.checkpoints.resume import ResumePoint
+from hflight.run.autocast import autocast_forward, use_forward_autocast
 from hflight.run.backend import HFBackend, backend_of
 from hflight.run.datamodule import HFDataModule
 from hflight.run.distributed import World
@@ -89,6 +90,7 @@ class Run:
         )
         with quiet_lightning():
             self.lightning_trainer = L.Trainer(**kwargs)
+        use_forward_autocast(self.lightning_trainer)  # mixed precision: the model's forward autocast, as accelerate's
         check_spans_launch(self.lightning_trainer, facade.args)  # never N copies of a one-process run
         self.world = World(self.lightning_trainer)
         self.checkpoint_writer = CheckpointWriter(bool(getattr(facade.args, "save_async", False)), self.world)
@@ -155,7 +157,7 @@ class Run:
         stop = self.loop.stop.handling_signals(self.lightning_trainer, handed_over_signals(args), requeue_signal(args))
         raising = True
         try:
-            with quiet_lightning(), stop:
+            with quiet_lightning(), stop, autocast_forward(self.module.model, self.lightning_trainer):
                 self.lightning_trainer.fit(self.module, datamodule=self.datamodule)
             raising = False
         finally:  # save_async: the write in flight is published (or fails) before fit is over, also when it raised

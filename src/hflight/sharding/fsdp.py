@@ -50,6 +50,8 @@ class FSDP2Strategy(ModelParallelStrategy, HFBackend):
     """
 
     strategy_name = "hflight_fsdp2"
+    #: accelerate's FSDP2 ``prepare`` casts through the ``MixedPrecisionPolicy`` and wraps no forward in autocast
+    hf_forward_autocast = False
 
     def __init__(
         self, plan: FSDP2Plan, process_group_backend: str | None = None, timeout: timedelta | None = None

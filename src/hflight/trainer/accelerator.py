@@ -6,9 +6,10 @@ read it: the process layout (``num_processes``, ``is_main_process``, ...), ``syn
 ``gather_for_metrics`` in an evaluation loop, ``unwrap_model`` before saving, ``backward`` in a custom
 ``training_step``. hflight has no accelerate state (Lightning owns devices, processes and precision), so
 :class:`RunAccelerator` answers with the same values from the run in progress: backward through the
-``LightningModule``, collectives through the run's :class:`~hflight.run.distributed.World`, autocast through
-Lightning's precision plugin, loaders dealt by :func:`~hflight.run.loaders.prepare_loader`. Outside a run it answers
-from the arguments (one process on ``args.device``, or the launcher's). ``distributed_type`` is accelerate's own enum;
+``LightningModule``, collectives through the run's :class:`~hflight.run.distributed.World`, autocast as
+accelerate's (the model's forward, ``hflight.run.autocast``), loaders dealt by
+:func:`~hflight.run.loaders.prepare_loader`. Outside a run it answers from the arguments (one process on
+``args.device``, or the launcher's). ``distributed_type`` is accelerate's own enum;
 ``state`` is a view of the run with ``AcceleratorState``'s names (creating accelerate's state would start a second
 process state beside Lightning's), or, with ``accelerator_config['use_configured_state']``, the accelerate state the
 user made. What cannot exist on Lightning raises an ``AttributeError`` naming what to use
@@ -28,7 +29,9 @@ import torch
 from torch import nn
 
 from hflight.arguments import process_group
+from hflight.arguments.lightning_kwargs import precision_for
 from hflight.arguments.training_args import gradient_accumulation_plugin_kwargs
+from hflight.run.autocast import DTYPES, autocast_of, unwrap_forward, wrap_forward
 from hflight.run.distributed import World
 from hflight.run.loaders import LoaderSharding, LoaderState, prepare_loader
 from hflight.surface import RunView
@@ -247,9 +250,10 @@ class RunAccelerator:
         self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
     ) -> nn.Module:
         """accelerate's ``prepare_model`` for a model used only for evaluation (``evaluation_mode=True``: TRL's
-        reference and reward models): placed on the run's device (unless ``device_placement`` is False), never
-        wrapped; the run's precision reaches it through Lightning's, whose autocast covers the training step that
-        calls it. The model being trained is prepared by Lightning's strategy when ``train()`` runs.
+        reference and reward models): placed on the run's device (unless ``device_placement`` is False), its forward
+        autocast and its outputs float32 under mixed precision, as accelerate's (kept on the model; ``unwrap_model(
+        model, keep_fp32_wrapper=False)`` removes it). The model being trained is prepared by Lightning's strategy and
+        hflight's run (``hflight.run.autocast``) when ``train()`` runs.
 
         Raises:
             NotImplementedError: ``evaluation_mode`` False (the trained model is Lightning's to wrap).
@@ -260,7 +264,22 @@ class RunAccelerator:
                 "Trainer.train() runs (trainer.lightning_trainer); prepare_model(..., evaluation_mode=True) places a "
                 "model used for evaluation only."
             )
+        settings = self._autocast_settings()
+        if settings is not None:
+            wrap_forward(model, *settings)
         return model.to(self.device) if device_placement is not False else model
+
+    def _autocast_settings(self) -> tuple[str, torch.dtype] | None:
+        """accelerate's autocast (device type, dtype) when its ``native_amp`` is on: the run's mixed precision; before
+        any run, the arguments' (bf16; fp16 off the CPU; none under DeepSpeed, whose engine casts)."""
+        run = self._current_run()
+        if run is not None:
+            plugin = autocast_of(run.lightning_trainer)
+            return None if plugin is None else (plugin.device, plugin.dtype)
+        if getattr(self._args, "deepspeed", None):
+            return None
+        dtype = DTYPES.get(precision_for(self._args))
+        return None if dtype is None else (self.device.type, dtype)
 
     def wait_for_everyone(self) -> None:
         self.world.barrier()
@@ -371,25 +390,19 @@ class RunAccelerator:
                 )
             loss.backward(**kwargs)
             return
-        # outside autocast, as transformers' backward (accelerate autocasts the model's forward only): Lightning's
-        # precision context spans the whole training_step, and the autograd engine takes the caller's autocast state
-        # into the backward pass, where it would recast fp32 gradients to bf16/fp16
-        with torch.autocast(device_type=loss.device.type, enabled=False):
-            run.module.manual_backward(loss, **kwargs)
+        run.module.manual_backward(loss, **kwargs)
 
     def autocast(self, autocast_handler: Any = None) -> contextlib.AbstractContextManager:
-        """The run's autocast: Lightning's precision context; with ``autocast_handler`` (accelerate's
-        ``AutocastKwargs``, or a dict of ``torch.autocast`` arguments), ``torch.autocast`` with the run's mixed
-        precision and those arguments (``enabled=False`` turns it off), as accelerate's."""
-        run = self._current_run()
-        if run is not None and autocast_handler is None:
-            return run.lightning_trainer.precision_plugin.forward_context()
+        """accelerate's ``autocast``: ``torch.autocast`` with the run's mixed precision (before any run, the
+        arguments') and ``autocast_handler``'s arguments (accelerate's ``AutocastKwargs``, or a dict of
+        ``torch.autocast`` arguments; ``enabled=False`` turns it off); nothing in full precision or under DeepSpeed."""
+        settings = self._autocast_settings()
+        if settings is None:
+            return contextlib.nullcontext()
         handler = autocast_handler
         kwargs = handler.to_kwargs() if hasattr(handler, "to_kwargs") else dict(handler or {})
-        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}.get(self.mixed_precision)
-        if dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=dtype, **kwargs)
+        device_type, dtype = settings
+        return torch.autocast(device_type=device_type, dtype=dtype, **kwargs)
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
@@ -397,13 +410,16 @@ class RunAccelerator:
     def unwrap_model(
         self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True
     ) -> nn.Module:
-        """``model`` without the wrappers a strategy or ``torch.compile`` put around it."""
+        """``model`` without the wrappers a strategy or ``torch.compile`` put around it; ``keep_fp32_wrapper=False``:
+        without the autocast forward of mixed precision either (removed from the model, as accelerate's)."""
         while True:
             if hasattr(model, "_orig_mod") and not keep_torch_compile:
                 model = model._orig_mod
             elif isinstance(getattr(model, "module", None), nn.Module):
                 model = model.module
             else:
+                if not keep_fp32_wrapper:
+                    unwrap_forward(model)
                 return model
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, Any]:

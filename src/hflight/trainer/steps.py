@@ -240,8 +240,8 @@ class StepsMixin:
     come from ``self.accelerator`` (the run's), as in transformers.
 
     ``get_batch_samples`` is what the training loop calls once per accumulation cycle (``hflight.run.datamodule``), so a
-    subclass's override takes effect there as in transformers. Mixed precision is Lightning's (its precision plugin
-    wraps every step), so, as in transformers (where accelerate does it), the autocast context managers are empty.
+    subclass's override takes effect there as in transformers. Mixed precision autocasts the model's forward only, as
+    accelerate's (``hflight.run.autocast``), so, as in transformers, the autocast context managers are empty.
     Model, tensor, context and sequence parallelism are not hflight's (Lightning's FSDP/DeepSpeed strategies shard
     data-parallel replicas), so their sizes are 1.
     """
