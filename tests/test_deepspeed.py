@@ -1,8 +1,9 @@
 """DeepSpeed as transformers runs it (issue 35, items 2 and 3): transformers' run_clm.py under ``torchrun
 --nproc_per_node=2 ... --use_cpu --deepspeed ds_config.json`` (ZeRO-2, every value ``"auto"``, gradient accumulation 2,
-clipping at 1.0), once as written and once with the trainer import changed to hflight's: the same losses, gradient
-norms, learning rates, metrics, files, weights, scheduler, RNG states and DeepSpeed partitions, bit for bit; each
-trainer then resumes the other's ``checkpoint-5`` and ends as the other's run.
+clipping at 1.0), and with the trainer import changed to hflight's under DeepSpeed's own launcher (``deepspeed
+--num_gpus 2 run_clm.py ...``, which passes ``--local_rank``: issue 40, recognised like torchrun): the same losses,
+gradient norms, learning rates, metrics, files, weights, scheduler, RNG states and DeepSpeed partitions, bit for bit;
+each trainer then resumes the other's ``checkpoint-5`` under torchrun and ends as the other's run.
 
 transformers' own DeepSpeed route runs on this CPU for ZeRO 1-2 with ``--use_cpu`` (its DeepSpeed engine on gloo).
 ZeRO-3 does not get that far with transformers' arguments on the CPU: ``from_pretrained`` builds the model inside
@@ -15,6 +16,7 @@ Bad configs are refused before any process group starts.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +25,7 @@ import hflight
 from hflight.arguments import lightning_kwargs
 from hflight.arguments import strategies as strategy_settings
 
-from . import dropin
+from . import dropin, launch
 
 ZERO2 = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
          "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}  # fmt: skip
@@ -35,9 +37,9 @@ ARGS = [
 ]  # fmt: skip
 
 
-def _job(folder: Path, library: str, args: list[str]) -> dropin.Job:
+def _job(folder: Path, library: str, args: list[str], launcher: list[str] = dropin.TORCHRUN_2) -> dropin.Job:
     changed = None if library == "transformers" else dropin.CHANGED_IMPORT
-    return dropin.Job(folder, "run_clm", dropin.ORIGINAL_IMPORT, changed, args, launcher=dropin.TORCHRUN_2)
+    return dropin.Job(folder, "run_clm", dropin.ORIGINAL_IMPORT, changed, args, launcher=launcher)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +50,10 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     config.write_text(json.dumps(ZERO2))
     args = ["--model_name_or_path", str(inputs["model"]), "--train_file", str(inputs["train"]),
             "--validation_file", str(inputs["validation"]), *ARGS, "--deepspeed", str(config)]  # fmt: skip
-    first = {library: _job(root / library, library, args) for library in ("transformers", "hflight")}
+    deepspeed = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "2", "--master_port",
+                 str(launch.free_port())]  # fmt: skip
+    first = {"transformers": _job(root / "transformers", "transformers", args),
+             "hflight": _job(root / "hflight", "hflight", args, launcher=deepspeed)}  # fmt: skip
     outs = {name: job.out() for name, job in first.items()}
     outs.update(dropin.crossed(_job, root, args, outs))  # each trainer continues the other's checkpoint-5
     return outs
@@ -56,8 +61,10 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.mark.subprocess
 @pytest.mark.slow
-def test_zero2_is_transformers_deepspeed_bit_for_bit(runs):
+def test_zero2_under_deepspeeds_launcher_is_transformers_deepspeed_bit_for_bit(runs):
     both = {"transformers": runs["transformers"], "hflight": runs["hflight"]}
+    manifest = json.loads((runs["hflight"] / "checkpoint-5" / "checkpoint_manifest.json").read_text(encoding="utf-8"))
+    assert manifest["run"]["world_size"] == 2  # both processes DeepSpeed's launcher started trained as one run
     console = (runs["transformers"].parent / "console.txt").read_text()
     assert "DDP constructor" not in console and (runs["transformers"] / "checkpoint-5" / "global_step5").is_dir()
     dropin.assert_same_results(both, ("eval_results.json", "train_results.json", "all_results.json"))
@@ -131,7 +138,8 @@ def test_a_model_whose_own_names_start_with_model_loads_from_a_deepspeed_checkpo
     engine's module, hflight's module whose ``model`` is the transformers model: a Llama's ``model.embed_tokens...``
     is ``model.model.embed_tokens...`` there. It used to be taken for a name that had the prefix already
     ('Missing key(s) in state_dict: "model.model.embed_tokens.weight"' at load_best_model_at_end and resume under
-    ZeRO-3; a GPT-2, ``transformer.*``, loaded). hflight's older checkpoints, by the engine module's names, still load."""
+    ZeRO-3; a GPT-2, ``transformer.*``, loaded). hflight's older checkpoints, by the engine module's names, still
+    load."""
     import torch
     import transformers
 
