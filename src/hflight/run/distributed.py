@@ -111,6 +111,16 @@ class World:
     def rank(self) -> int:
         return self.lightning_trainer.global_rank if self.lightning_trainer is not None else self.args.process_index
 
+    @property
+    def data_parallel(self) -> tuple[int, int]:
+        """The data-parallel replicas and this process's replica (the running strategy's ``hf_data_parallel``; every
+        process its own replica before any run)."""
+        if self.strategy is None:
+            return self.size, self.rank
+        from hflight.run.backend import backend_of
+
+        return backend_of(self.strategy).hf_data_parallel(self.size, self.rank)
+
     def gather(self, value: Any, pad_dim: int | None = None) -> Any:
         return gather(self.strategy, value, pad_dim)
 
