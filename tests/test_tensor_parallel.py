@@ -38,8 +38,8 @@ def _start(out: Path, processes: int, *options: str) -> launch.Job:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """TP-2 (torchrun, 2 processes) beside the one-process run; then the 2-D run (4 processes) beside TP-2's
-    checkpoint-2 resumed on 1 process; then 2-D's checkpoint-2 on 1 process beside TP-2's on 2 DDP processes."""
+    """TP-2 (torchrun, 2 processes), 2 x 2 (4 processes) and the one-process run at once; then the resumes at once:
+    TP-2's checkpoint-2 on 1 process and on 2 DDP processes, 2 x 2's on 1 process."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     root = tmp_path_factory.mktemp("tensor_parallel")
@@ -49,9 +49,9 @@ def runs(tmp_path_factory) -> dict:
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)  # fmt: skip
     LlamaForCausalLM(config).save_pretrained(model)
     phases = [
-        {"tp2": (2, "--tp"), "one": (1,)},
-        {"2x2": (4, "--fsdp", "2", "--batch", "2"), "tp2_on_1": (1, "--resume", str(root / "tp2" / "checkpoint-2"))},
-        {"2x2_on_1": (1, "--resume", str(root / "2x2" / "checkpoint-2")),
+        {"tp2": (2, "--tp"), "one": (1,), "2x2": (4, "--fsdp", "2", "--batch", "2")},
+        {"tp2_on_1": (1, "--resume", str(root / "tp2" / "checkpoint-2")),
+         "2x2_on_1": (1, "--resume", str(root / "2x2" / "checkpoint-2")),
          "tp2_on_ddp2": (2, "--batch", "2", "--resume", str(root / "tp2" / "checkpoint-2"))},
     ]  # fmt: skip
     for phase in phases:
@@ -86,7 +86,8 @@ def test_a_tensor_parallel_run_equals_the_one_process_run_step_for_step(runs, na
     """Losses and (clipped: max_grad_norm 0.5 is below every step's norm) gradient norms per step, the final whole
     weights and the gathered predictions of TP-2 (2 processes, one data-parallel replica) and of 2 x 2 (FSDP2 across
     2 replicas, TP inside) equal the one-process run's: no DDP over DTensors, the batch per data-parallel replica,
-    the norm over the whole model, predictions gathered per replica (6 rows, not one per process)."""
+    the norm over the whole model, predictions gathered per replica (6 rows, not one per process), as tensors and as
+    pickled objects (``eval_use_gather_object``)."""
     run, one = runs["results"][name], runs["results"]["one"]
     assert (run["world_size"], run["tp_size"], run["sharded"]) == ({"tp2": 2, "2x2": 4}[name], 2, True)
     assert run["total_train_batch_size"] == one["total_train_batch_size"] == 4
@@ -98,6 +99,7 @@ def test_a_tensor_parallel_run_equals_the_one_process_run_step_for_step(runs, na
         torch.testing.assert_close(weights["weights"][key], value, atol=WEIGHT_ATOL, rtol=0, msg=key)
     assert weights["predictions"].shape == reference["predictions"].shape == (6, 12, 64)
     torch.testing.assert_close(weights["predictions"], reference["predictions"], atol=WEIGHT_ATOL, rtol=0)
+    torch.testing.assert_close(weights["pickled"], reference["predictions"], atol=WEIGHT_ATOL, rtol=0)
 
 
 @pytest.mark.subprocess

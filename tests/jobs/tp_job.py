@@ -6,10 +6,11 @@ Trainer; or the same model loaded whole and trained in one plain process, from s
     torchrun --standalone --nproc_per_node=2 tests/jobs/tp_job.py OUT --model MODEL --tp
     python tests/jobs/tp_job.py OUT --model MODEL [--resume CKPT]
 
-Training: 4 steps of 4 blocks (seed 0), max_grad_norm 0.5 (the tiny model's gradients are larger: every step clips),
+Training: 4 steps of 4 blocks (seed 0; evaluation batches of 2, so that 6 blocks make several gathers),
+max_grad_norm 0.5 (the tiny model's gradients are larger: every step clips),
 a checkpoint every 2 steps. Global rank 0 writes ``OUT/result.json``: the world size, the tensor-parallel size, the
-log history, the per-step gradient norms, whether the weights are DTensors, and ``OUT/weights.pt``: the whole weights
-at the end (gathered from the shards).
+log history (with the gradient norms), whether the weights are DTensors, and ``OUT/weights.pt``: the whole weights
+at the end (gathered from the shards) and the predictions of 6 blocks (gathered as tensors, and as pickled objects).
 """
 
 import argparse
@@ -59,16 +60,19 @@ def main():
     else:
         model = LlamaForCausalLM.from_pretrained(opts.model)
     args = TrainingArguments(output_dir=opts.out, per_device_train_batch_size=opts.batch, max_steps=4, save_steps=2,
-                             logging_steps=1, learning_rate=1e-2, max_grad_norm=0.5, use_cpu=True, seed=0,
-                             report_to="none", disable_tqdm=True)  # fmt: skip
+                             per_device_eval_batch_size=2, logging_steps=1, learning_rate=1e-2, max_grad_norm=0.5,
+                             use_cpu=True, seed=0, report_to="none", disable_tqdm=True)  # fmt: skip
     trainer = Trainer(model, args, train_dataset=blocks(64, 1), eval_dataset=blocks(6, 2))
     trainer.train(resume_from_checkpoint=opts.resume)
     metrics = trainer.evaluate()
     predictions = trainer.predict(blocks(6, 2)).predictions
+    trainer.args.eval_use_gather_object = True  # gathered as pickled objects: once per data-parallel replica too
+    pickled = trainer.predict(blocks(6, 2)).predictions
     whole = full_model_state(trainer.model)
     if trainer.is_world_process_zero():
-        torch.save({"weights": whole if whole is not None else trainer.model.state_dict(),
-                    "predictions": torch.as_tensor(predictions)}, os.path.join(opts.out, "weights.pt"))  # fmt: skip
+        saved = {"weights": whole if whole is not None else trainer.model.state_dict(),
+                 "predictions": torch.as_tensor(predictions), "pickled": torch.as_tensor(pickled)}  # fmt: skip
+        torch.save(saved, os.path.join(opts.out, "weights.pt"))
         result = {"world_size": trainer.accelerator.num_processes, "tp_size": trainer.get_tp_size(),
                   "sharded": is_sharded(trainer.model), "log_history": trainer.state.log_history,
                   "eval": metrics, "total_train_batch_size": trainer.get_total_train_batch_size(args)}  # fmt: skip
