@@ -33,6 +33,7 @@ __all__ = [
     "FSDPBuilder",
     "ProcessGroupSettings",
     "ShardingBuilders",
+    "TensorParallelBuilder",
     "register_backends",
 ]
 
@@ -65,6 +66,13 @@ class DeepSpeedBuilder(Protocol):
     def __call__(self, resolver: DeepSpeedConfigResolver, process_group: ProcessGroupSettings) -> Strategy: ...
 
 
+class TensorParallelBuilder(Protocol):
+    """Builds the strategy for a model transformers loaded tensor-parallel (``from_pretrained(tp_plan=...)``), checked
+    against the number of processes the run spans."""
+
+    def __call__(self, model: nn.Module, world_size: int, process_group: ProcessGroupSettings) -> Strategy: ...
+
+
 @dataclass
 class ShardingBuilders:
     """The builders of the sharding strategies for transformers' ``fsdp`` and ``deepspeed`` arguments (set by
@@ -72,6 +80,7 @@ class ShardingBuilders:
 
     fsdp: FSDPBuilder | None = None
     deepspeed: DeepSpeedBuilder | None = None
+    tensor_parallel: TensorParallelBuilder | None = None
 
 
 #: the sharding strategies' builders (filled by registration).

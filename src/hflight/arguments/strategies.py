@@ -137,6 +137,25 @@ def fsdp_strategy(args: Any, model: nn.Module) -> Any:
     return _builder(SHARDING.fsdp, "fsdp")(args, model, world, process_group_settings(args))
 
 
+def tensor_parallel_strategy(strategy: Any, args: Any, model: nn.Module) -> Any:
+    """A model transformers loaded tensor-parallel (``from_pretrained(tp_plan=...)``: DTensor weights on its own
+    mesh) trains on hflight's tensor-parallel strategy (``hflight.sharding.tensor_parallel``): no DDP wrap, data
+    parallel over the processes its tensor-parallel groups leave. Another strategy, ``fsdp``, ``deepspeed`` or
+    ``parallelism_config`` would wrap or shard the model a second time: refused naming it."""
+    tp = model._tp_size
+    others = [name for name, value in (("strategy", strategy if strategy != "auto" else None), ("fsdp", args.fsdp),
+                                       ("deepspeed", args.deepspeed), ("parallelism_config", args.parallelism_config))
+              if value]  # fmt: skip
+    if others:
+        raise ValueError(
+            f"The model was loaded tensor-parallel (tp_size={tp}: from_pretrained(..., tp_plan=...)), which trains on "
+            f"its own device mesh; {', '.join(others)} would wrap or shard it again: leave "
+            f"{' and '.join(others)} unset."
+        )
+    return _builder(SHARDING.tensor_parallel, "tensor parallelism")(model, planned_world_size(args),
+                                                                     process_group_settings(args))  # fmt: skip
+
+
 def _builder(builder: Any, name: str) -> Any:
     if builder is None:  # hflight.sharding.registration fills it when the arguments are imported
         raise RuntimeError(f"No strategy builder is registered for {name}: hflight.sharding was not registered.")
@@ -240,6 +259,8 @@ def check_plain_data_parallel(args: Any) -> None:
 
 def strategy_from_args(strategy: Any, args: Any, model: nn.Module | None) -> Any:
     """The Lightning strategy for ``strategy`` (a name or an object) under transformers' distributed arguments."""
+    if model is not None and (getattr(model, "_tp_size", None) or 1) > 1:
+        return tensor_parallel_strategy(strategy, args, model)
     if isinstance(strategy, str) and strategy == "auto":
         if args.fsdp and model is not None:
             return fsdp_strategy(args, model)

@@ -621,8 +621,10 @@ def configured_accelerate_state(args: TrainingArguments) -> Any:
 UNSUPPORTED: dict[str, tuple[Callable[[TrainingArguments], bool], str]] = {
     "parallelism_config": (
         lambda a: a.parallelism_config is None or _data_parallel_only(a.parallelism_config),
-        "tensor, context and sequence parallelism (tp_size, cp_size, sp_size > 1) need a model's tensor-parallel plan "
-        "on Lightning's tensor parallelism, which hflight does not map; its data-parallel sizes (dp_shard_size, "
+        "tensor, context and sequence parallelism (tp_size, cp_size, sp_size > 1) through parallelism_config are not "
+        "mapped; tensor parallelism trains from the model transformers loads with its plan "
+        "(from_pretrained(..., tp_plan='auto'), or distributed_config=DistributedConfig(tp_size=N, fsdp_size=M) for "
+        "FSDP2 across, TP inside) under torchrun; parallelism_config's data-parallel sizes (dp_shard_size, "
         "dp_replicate_size) are taken, with fsdp",
     ),
     "debug": (

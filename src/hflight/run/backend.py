@@ -13,7 +13,7 @@ the eager behaviour.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +61,16 @@ class HFBackend:
         optimizer step."""
         accumulation = args.gradient_accumulation_steps
         return StepGeometry(accumulation, batch_size * accumulation * world_size)
+
+    def hf_data_parallel(self, world_size: int, rank: int) -> tuple[int, int]:
+        """The data-parallel replicas of a run of ``world_size`` processes and this process's replica (``rank``: its
+        global rank): the loaders are dealt per replica. Every process is one, except where several processes share
+        one batch (tensor parallelism: the ranks of a tensor-parallel group)."""
+        return world_size, rank
+
+    def hf_clip_grad_norm(self, parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+        """The gradients' total 2-norm, the gradients clipped to ``max_norm`` (torch's ``clip_grad_norm_``)."""
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
 
     def hf_run_planned(self, args: Any, model: torch.nn.Module, num_training_steps: int) -> None:
         """Once a fit knows its length (``num_training_steps`` optimizer steps; the loaders built, the model not set

@@ -177,7 +177,8 @@ class HFDataModule(L.LightningDataModule):
         if stage != "fit" or self.cycles is not None:
             return
         facade, backend = self.facade, backend_of(self.trainer.strategy)
-        self.geometry = backend.hf_geometry(facade.args, self.trainer.world_size, self.run.train_batch_size)
+        replicas, _ = self.run.world.data_parallel
+        self.geometry = backend.hf_geometry(facade.args, replicas, self.run.train_batch_size)
         self.train_loader = backend.hf_prepare_loader(facade.get_train_dataloader(), training=True)
         self.cycles = AccumulationCycles(
             self.train_loader,
@@ -191,7 +192,7 @@ class HFDataModule(L.LightningDataModule):
     def _check_evaluation_shards(self) -> None:
         """``even_batches=False``: the evaluations during training (``eval_strategy``) are checked before it starts
         (``check_even_shards``), not when the first one comes."""
-        args, processes = self.facade.args, self.trainer.world_size
+        args, (processes, _) = self.facade.args, self.run.world.data_parallel
         if processes == 1 or accelerate_setting(args, "even_batches") is not False or args.eval_strategy == "no":
             return
         if accelerate_setting(args, "dispatch_batches"):  # dispatched batches are always even
@@ -241,7 +242,8 @@ class EvaluationData(L.LightningDataModule):
         self.dealt: Any = None  # the loader this process iterated
 
     def val_dataloader(self) -> Any:
-        self.dealt = shard_loader(self.loader, self.trainer.world_size, self.trainer.global_rank)
+        self.dealt = shard_loader(self.loader, *backend_of(self.trainer.strategy).hf_data_parallel(
+            self.trainer.world_size, self.trainer.global_rank))
         return self.dealt
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:

@@ -111,6 +111,16 @@ class World:
     def rank(self) -> int:
         return self.lightning_trainer.global_rank if self.lightning_trainer is not None else self.args.process_index
 
+    @property
+    def data_parallel(self) -> tuple[int, int]:
+        """The data-parallel replicas and this process's replica (the running strategy's ``hf_data_parallel``; every
+        process its own replica before any run)."""
+        if self.strategy is None:
+            return self.size, self.rank
+        from hflight.run.backend import backend_of
+
+        return backend_of(self.strategy).hf_data_parallel(self.size, self.rank)
+
     def gather(self, value: Any, pad_dim: int | None = None) -> Any:
         return gather(self.strategy, value, pad_dim)
 
@@ -121,9 +131,14 @@ class World:
         """Every process's list of picklable objects, concatenated in rank order (``values`` itself with one)."""
         if not is_distributed(self.strategy):
             return values
+        return [item for part in self._replica_objects(values) for item in part]
+
+    def _replica_objects(self, value: Any) -> list[Any]:
+        """Every data-parallel replica's ``value`` (pickled), in replica order: the processes that share a replica's
+        batches (tensor parallelism) count once."""
         gathered: list[Any] = [None] * self.size
-        torch.distributed.all_gather_object(gathered, values)
-        return [item for part in gathered for item in part]
+        torch.distributed.all_gather_object(gathered, (self.data_parallel[1], value))
+        return list(dict(sorted(dict(reversed(gathered)).items())).values())
 
     def gather_as_objects(self, value: Any, pad_dim: int | None = None) -> Any:
         """``gather`` through pickling (``eval_use_gather_object``): every process's ``value`` (tensors, arrays,
@@ -133,9 +148,7 @@ class World:
             return value
         if pad_dim is not None:
             value = self.pad_across_processes(value, dim=pad_dim)
-        parts: list[Any] = [None] * self.size
-        torch.distributed.all_gather_object(parts, value)
-        return join_parts(parts)
+        return join_parts(self._replica_objects(value))
 
     def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
         return reduce_mean(self.strategy, value)

@@ -235,7 +235,7 @@ class TrainingLoop:
         if clip is not None:
             grad_norm = clip(norm_limit)
         else:
-            grad_norm = torch.nn.utils.clip_grad_norm_(facade.model.parameters(), norm_limit)
+            grad_norm = self.run.backend.hf_clip_grad_norm(facade.model.parameters(), norm_limit)
         self.pre_optimizer_step(grad_norm)
 
     def pre_optimizer_step(self, grad_norm: torch.Tensor | float | None) -> None:

@@ -39,6 +39,13 @@ def build_deepspeed(resolver: DeepSpeedConfigResolver, process_group: ProcessGro
     return HFDeepSpeedStrategy(resolver, **process_group)
 
 
+def build_tensor_parallel(model: nn.Module, world_size: int, process_group: ProcessGroupSettings) -> Strategy:
+    """A model transformers loaded tensor-parallel: the strategy that trains its DTensors on its mesh."""
+    from hflight.sharding.tensor_parallel import TensorParallelStrategy, check_layout
+
+    return TensorParallelStrategy(check_layout(model, world_size), **process_group)
+
+
 def save_async_refusal(args: TrainingArguments) -> str | None:
     """Why ``save_async`` cannot write the checkpoints of a run of ``args``: the checkpoint forms' answer."""
     from hflight.checkpoints.forms import save_async_refusal
@@ -55,3 +62,5 @@ def register(accelerator_registry: Any, strategy_registry: Any) -> None:
         SHARDING.fsdp = build_fsdp
     if SHARDING.deepspeed is None:
         SHARDING.deepspeed = build_deepspeed
+    if SHARDING.tensor_parallel is None:
+        SHARDING.tensor_parallel = build_tensor_parallel

@@ -330,7 +330,7 @@ class RunAccelerator:
                     "runs"
                 )
             prepared.append(
-                prepare_loader(item, self.num_processes, self.process_index, self._sharding, self.gradient_state)
+                prepare_loader(item, *self.world.data_parallel, self._sharding, self.gradient_state)
             )
         return prepared[0] if len(prepared) == 1 else tuple(prepared)
 

@@ -221,8 +221,9 @@ def initial_training_values(
     ``batch_size`` of the run (what ``auto_find_batch_size`` settled on)."""
     length = loader_length(dataloader)
     num_examples = trainer.num_examples(dataloader) if length else None
-    geometry = backend.hf_geometry(args, args.world_size, batch_size)
-    plan = plan_training(args, length, num_examples, args.world_size, geometry)
+    replicas = args.world_size // trainer.get_tp_size()  # the ranks of a tensor-parallel group share their batches
+    geometry = backend.hf_geometry(args, replicas, batch_size)
+    plan = plan_training(args, length, num_examples, replicas, geometry)
     return (
         plan.num_train_epochs,
         plan.num_update_steps_per_epoch,
@@ -247,7 +248,8 @@ class StepsMixin:
     """
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        return compute_loss(self, model, inputs, return_outputs, num_items_in_batch, self.accelerator.num_processes)
+        replicas = self.accelerator.num_processes // self.get_tp_size()  # transformers' scale under tensor parallelism
+        return compute_loss(self, model, inputs, return_outputs, num_items_in_batch, replicas)
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         return training_step(self, model, inputs, num_items_in_batch, self.accelerator.backward)
@@ -279,7 +281,8 @@ class StepsMixin:
         return batch_samples, self._get_num_items_in_batch(batch_samples, device)
 
     def get_tp_size(self) -> int:
-        return 1
+        """The model's tensor-parallel size (transformers' ``_tp_size``, set by ``from_pretrained(tp_plan=...)``)."""
+        return getattr(self.model, "_tp_size", None) or 1
 
     def get_cp_size(self) -> int:
         return 1

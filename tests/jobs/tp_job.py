@@ -1,0 +1,85 @@
+"""A tensor-parallel training job for ``tests/test_tensor_parallel.py``: a tiny Llama loaded with
+``from_pretrained(MODEL, tp_plan="auto")`` under torchrun (DTensor weights on transformers' mesh), trained by hflight's
+Trainer; or the same model loaded whole and trained in one plain process, from scratch or resumed from a checkpoint.
+
+    python tests/jobs/tp_job.py OUT --save-model MODEL                     # the tiny Llama, saved once
+    torchrun --standalone --nproc_per_node=2 tests/jobs/tp_job.py OUT --model MODEL --tp
+    python tests/jobs/tp_job.py OUT --model MODEL [--resume CKPT]
+
+Training: 4 steps of 4 blocks (seed 0; evaluation batches of 2, so that 6 blocks make several gathers),
+max_grad_norm 0.5 (the tiny model's gradients are larger: every step clips),
+a checkpoint every 2 steps. Global rank 0 writes ``OUT/result.json``: the world size, the tensor-parallel size, the
+log history (with the gradient norms), whether the weights are DTensors, and ``OUT/weights.pt``: the whole weights
+at the end (gathered from the shards) and the predictions of 6 blocks (gathered as tensors, and as pickled objects).
+"""
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from hflight import Trainer, TrainingArguments
+from hflight.checkpoints.sharded import full_model_state, is_sharded
+
+
+def blocks(n, seed):
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, 64, (n, 12), generator=generator)
+    return [{"input_ids": row, "labels": row} for row in ids]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--model")
+    parser.add_argument("--save-model")
+    parser.add_argument("--tp", action="store_true", help='from_pretrained(tp_plan="auto")')
+    parser.add_argument("--fsdp", type=int, default=1, help="2-D: DistributedConfig(tp_size=2, fsdp_size=FSDP)")
+    parser.add_argument("--resume")
+    parser.add_argument("--batch", type=int, default=4)
+    opts = parser.parse_args()
+    torch.set_num_threads(1)
+    if opts.save_model:
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)  # fmt: skip
+        LlamaForCausalLM(config).save_pretrained(opts.save_model)
+        return 0
+    if opts.fsdp > 1:
+        from transformers.distributed import DistributedConfig
+
+        layout = DistributedConfig(tp_size=2, fsdp_size=opts.fsdp)
+        model = LlamaForCausalLM.from_pretrained(opts.model, distributed_config=layout)
+    elif opts.tp:
+        model = LlamaForCausalLM.from_pretrained(opts.model, tp_plan="auto")
+    else:
+        model = LlamaForCausalLM.from_pretrained(opts.model)
+    args = TrainingArguments(output_dir=opts.out, per_device_train_batch_size=opts.batch, max_steps=4, save_steps=2,
+                             per_device_eval_batch_size=2, logging_steps=1, learning_rate=1e-2, max_grad_norm=0.5,
+                             use_cpu=True, seed=0, report_to="none", disable_tqdm=True)  # fmt: skip
+    trainer = Trainer(model, args, train_dataset=blocks(64, 1), eval_dataset=blocks(6, 2))
+    trainer.train(resume_from_checkpoint=opts.resume)
+    metrics = trainer.evaluate()
+    predictions = trainer.predict(blocks(6, 2)).predictions
+    trainer.args.eval_use_gather_object = True  # gathered as pickled objects: once per data-parallel replica too
+    pickled = trainer.predict(blocks(6, 2)).predictions
+    whole = full_model_state(trainer.model)
+    if trainer.is_world_process_zero():
+        saved = {"weights": whole if whole is not None else trainer.model.state_dict(),
+                 "predictions": torch.as_tensor(predictions), "pickled": torch.as_tensor(pickled)}  # fmt: skip
+        torch.save(saved, os.path.join(opts.out, "weights.pt"))
+        result = {"world_size": trainer.accelerator.num_processes, "tp_size": trainer.get_tp_size(),
+                  "sharded": is_sharded(trainer.model), "log_history": trainer.state.log_history,
+                  "eval": metrics, "total_train_batch_size": trainer.get_total_train_batch_size(args)}  # fmt: skip
+        with open(os.path.join(opts.out, "result.json"), "w") as handle:
+            json.dump(result, handle)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
