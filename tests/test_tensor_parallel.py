@@ -3,8 +3,8 @@ loading goes): a tiny Llama loaded with ``from_pretrained(MODEL, tp_plan="auto")
 transformers' mesh, gloo on this CPU) trains on hflight's ``TensorParallelStrategy`` and equals the same model trained
 in one plain process, step for step; so does the 2-D layout transformers builds for
 ``DistributedConfig(tp_size=2, fsdp_size=2)`` on 4 processes (FSDP2 across, TP inside). Their checkpoints are torch
-distributed checkpoints, resumed on one process and on 2 data-parallel (DDP) processes with the uninterrupted run's
-losses.
+distributed checkpoints, resumed on one process and on 2 (TP-2's) or 4 (2 x 2's) data-parallel (DDP) processes with
+the uninterrupted run's losses.
 
 Tolerance (measured, float32): losses and gradient norms 2e-6 relative, final weights 1e-4 absolute (measured: 1.6e-5
 after 4 steps at lr 1e-2), predictions 1e-4 (measured 1e-5). Jobs: ``tests/jobs/tp_job.py``.
@@ -39,7 +39,7 @@ def _start(out: Path, processes: int, *options: str) -> launch.Job:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     """TP-2 (torchrun, 2 processes), 2 x 2 (4 processes) and the one-process run at once; then the resumes at once:
-    TP-2's checkpoint-2 on 1 process and on 2 DDP processes, 2 x 2's on 1 process."""
+    TP-2's checkpoint-2 on 1 process and on 2 DDP processes, 2 x 2's on 1 process and on 4 DDP processes."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     root = tmp_path_factory.mktemp("tensor_parallel")
@@ -52,7 +52,8 @@ def runs(tmp_path_factory) -> dict:
         {"tp2": (2, "--tp"), "one": (1,), "2x2": (4, "--fsdp", "2", "--batch", "2")},
         {"tp2_on_1": (1, "--resume", str(root / "tp2" / "checkpoint-2")),
          "2x2_on_1": (1, "--resume", str(root / "2x2" / "checkpoint-2")),
-         "tp2_on_ddp2": (2, "--batch", "2", "--resume", str(root / "tp2" / "checkpoint-2"))},
+         "tp2_on_ddp2": (2, "--batch", "2", "--resume", str(root / "tp2" / "checkpoint-2")),
+         "2x2_on_ddp4": (4, "--batch", "1", "--resume", str(root / "2x2" / "checkpoint-2"))},
     ]  # fmt: skip
     for phase in phases:
         started = {name: _start(root / name, n, "--model", str(model), *options) for name, (n, *options) in
@@ -113,10 +114,11 @@ def test_tp2_evaluation_is_gathered_once_per_replica(runs):
 
 @pytest.mark.subprocess
 @pytest.mark.slow
-@pytest.mark.parametrize(("resumed", "trained"), [("tp2_on_1", "tp2"), ("tp2_on_ddp2", "tp2"), ("2x2_on_1", "2x2")])
+@pytest.mark.parametrize(("resumed", "trained"), [("tp2_on_1", "tp2"), ("tp2_on_ddp2", "tp2"), ("2x2_on_1", "2x2"),
+                                                 ("2x2_on_ddp4", "2x2")])
 def test_a_tensor_parallel_checkpoint_resumes_on_another_layout_with_the_same_losses(runs, resumed, trained):
     """checkpoint-2 of TP-2 (and of 2 x 2) is torch distributed checkpoint shards in hflight's manifest, and resumed
-    on one process (or on 2 DDP processes) steps 3 and 4 have the uninterrupted run's losses and norms."""
+    on one process (or on 2, and 2 x 2's on 4, DDP processes) steps 3 and 4 have the uninterrupted run's losses and norms."""
     folder = runs["root"] / trained / "checkpoint-2"
     manifest = json.loads((folder / "checkpoint_manifest.json").read_text())
     listed = json.dumps(manifest)
