@@ -214,8 +214,8 @@ def test_mixed_precision_fp16_on_the_cpu_runs_fp32_as_accelerate_and_the_argumen
          "ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES"),
         ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": "/no/such/ds.json"},
          "ACCELERATE_DEEPSPEED_CONFIG_FILE=/no/such/ds.json"),
-        ({"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_TP_SIZE": "2"},
-         "PARALLELISM_CONFIG_TP_SIZE=2"),
+        ({"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_CP_SIZE": "2"},
+         "PARALLELISM_CONFIG_CP_SIZE=2: context parallelism needs torch's ring attention"),
         ({"LOCAL_RANK": "0"}, "--local_rank=1 contradicts the launcher's LOCAL_RANK=0"),
     ],
 )  # fmt: skip

@@ -139,8 +139,9 @@ TESTED_ELSEWHERE = {
     "gradient_checkpointing": "test_training_args (deprecated alias of activation_checkpointing)",
     "gradient_checkpointing_kwargs": "test_training_args (alias)",
     "activation_checkpointing_kwargs": "test_arguments_on_lightning",
-    "parallelism_config": "test_sharding (its data-parallel sizes under FSDP2, HSDP over 4 processes; tensor, "
-    "context and sequence parallelism refused naming the field)",
+    "parallelism_config": "test_sharding (its data-parallel sizes under FSDP2, HSDP over 4 processes; context and "
+    "sequence parallelism refused naming the field), test_tensor_parallel (dp_shard_size x tp_size: 2 x 2 against "
+    "the one-process run; sizes other than the model's refused)",
     "accelerator_config": "test_accelerator_config (every field under torchrun, 2 processes, against transformers; "
     "the input forms and errors)",
     "ddp_backend": "test_arguments_on_lightning (Lightning's process_group_backend); in one process transformers' "

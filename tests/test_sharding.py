@@ -162,9 +162,9 @@ def test_parallelism_config_replicates_two_sharded_copies_over_four_processes(jo
 def test_parallelism_config_beyond_data_parallelism_is_refused_naming_the_field(factory):
     from accelerate import ParallelismConfig
 
-    refused = r"(?s)parallelism_config=.*tp_size=2.*tensor, context and sequence parallelism"
+    refused = r"(?s)parallelism_config=.*cp_size=2.*cp_size > 1 needs torch's context parallelism"
     with pytest.raises(ValueError, match=refused):
-        hflight.TrainingArguments("o", report_to="none", parallelism_config=ParallelismConfig(tp_size=2))
+        hflight.TrainingArguments("o", report_to="none", parallelism_config=ParallelismConfig(cp_size=2))
     three = _args(fsdp=True, parallelism_config=ParallelismConfig(dp_replicate_size=3, dp_shard_size=2))
     with pytest.raises(ValueError, match=r"3 x 2 = 6, but the run has 2 processes"):
         lightning_kwargs.strategy_for(three, factory.cls_model())

@@ -49,7 +49,7 @@ def runs(tmp_path_factory) -> dict:
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)  # fmt: skip
     LlamaForCausalLM(config).save_pretrained(model)
     phases = [
-        {"tp2": (2, "--tp"), "one": (1,), "2x2": (4, "--fsdp", "2", "--batch", "2")},
+        {"tp2": (2, "--tp"), "one": (1,), "2x2": (4, "--fsdp", "2", "--batch", "2", "--parallelism-config")},
         {"tp2_on_1": (1, "--resume", str(root / "tp2" / "checkpoint-2")),
          "2x2_on_1": (1, "--resume", str(root / "2x2" / "checkpoint-2")),
          "tp2_on_ddp2": (2, "--batch", "2", "--resume", str(root / "tp2" / "checkpoint-2")),
@@ -86,11 +86,14 @@ def _weights(runs: dict, name: str) -> dict:
 def test_a_tensor_parallel_run_equals_the_one_process_run_step_for_step(runs, name):
     """Losses and (clipped: max_grad_norm 0.5 is below every step's norm) gradient norms per step, the final whole
     weights and the gathered predictions of TP-2 (2 processes, one data-parallel replica) and of 2 x 2 (FSDP2 across
-    2 replicas, TP inside) equal the one-process run's: no DDP over DTensors, the batch per data-parallel replica,
+    2 replicas, TP inside; loaded with DistributedConfig(tp_size=2, fsdp_size=2) and trained with
+    parallelism_config=ParallelismConfig(dp_shard_size=2, tp_size=2), as a transformers user sets both) equal the
+    one-process run's: no DDP over DTensors, the batch per data-parallel replica,
     the norm over the whole model, predictions gathered per replica (6 rows, not one per process), as tensors and as
     pickled objects (``eval_use_gather_object``)."""
     run, one = runs["results"][name], runs["results"]["one"]
     assert (run["world_size"], run["tp_size"], run["sharded"]) == ({"tp2": 2, "2x2": 4}[name], 2, True)
+    assert run["parallelism_config"] == {"tp2": None, "2x2": [2, 2]}[name]  # 2 x 2 names its layout as well
     assert run["total_train_batch_size"] == one["total_train_batch_size"] == 4
     assert all(norm > 0.5 for _, _, norm in _steps(one))  # every step clips
     _same_steps(run, one)
@@ -139,13 +142,68 @@ def test_a_layout_the_launch_cannot_hold_is_refused_naming_both_numbers():
     assert check_layout(_tp_model(2, (1, 2, 2)), 4) == 2
 
 
-@pytest.mark.parametrize("setting", ["fsdp", "deepspeed", "parallelism_config", "strategy"])
+@pytest.mark.parametrize("setting", ["fsdp", "deepspeed", "strategy"])
 def test_a_tensor_parallel_model_refuses_a_second_wrapping_naming_it(setting):
-    """A model loaded tensor-parallel would be wrapped or sharded again by fsdp, deepspeed, parallelism_config or
-    another strategy: refused before any process group starts, naming the setting."""
+    """A model loaded tensor-parallel would be wrapped or sharded again by fsdp, deepspeed or another strategy:
+    refused before any process group starts, naming the setting."""
     args = SimpleNamespace(fsdp=[], deepspeed=None, parallelism_config=None)
     strategy = "ddp" if setting == "strategy" else "auto"
     if setting != "strategy":
         setattr(args, setting, "set")
     with pytest.raises(ValueError, match=rf"tp_size=2.*{setting} would wrap or shard it again"):
         strategies.strategy_from_args(strategy, args, _tp_model(2, (1, 1, 2)))
+
+
+def _loaded(tp: int, fsdp: int = 1, replicate: int = 1) -> SimpleNamespace:
+    """A stand-in for a model from_pretrained(distributed_config=DistributedConfig(tp_size, fsdp_size)) loaded."""
+    layout = SimpleNamespace(fsdp_size=fsdp, dp_replicate_size=replicate)
+    return SimpleNamespace(_tp_size=tp, _device_mesh=SimpleNamespace(shape=(1, fsdp, tp)),
+                           config=SimpleNamespace(distributed_config=layout))  # fmt: skip
+
+
+def test_parallelism_config_with_tp_size_takes_the_layout_the_model_was_loaded_with():
+    """parallelism_config(dp_shard_size, tp_size) beside a model transformers loaded with the same sizes is accepted
+    (the 2 x 2 run above trains that way); a config that says otherwise is refused before any process group starts,
+    naming both numbers: tp_size against the model's (or a model not loaded tensor-parallel), the sizes' product
+    against the run's processes, the data-parallel sizes against the model's."""
+    from accelerate import ParallelismConfig
+
+    check = strategies.check_tensor_parallel_config
+    assert check(ParallelismConfig(dp_shard_size=2, tp_size=2), _loaded(2, fsdp=2), 4) is None
+    assert check(ParallelismConfig(tp_size=2), _loaded(2), 2) is None
+    assert check(ParallelismConfig(dp_shard_size=2), None, 2) is None  # no tensor parallelism: FSDP2's to check
+    with pytest.raises(ValueError, match=r"tp_size=4, but the model was loaded with tp_size=2"):
+        check(ParallelismConfig(dp_shard_size=1, tp_size=4), _loaded(2, fsdp=2), 4)
+    with pytest.raises(ValueError, match=r"tp_size=1, but the model was loaded with tp_size=2"):
+        check(ParallelismConfig(dp_shard_size=2), _loaded(2, fsdp=2), 4)
+    with pytest.raises(ValueError, match=r"tp_size=2, but the model was not loaded tensor-parallel.*"
+                                         r"DistributedConfig\(tp_size=2, fsdp_size=2\)"):
+        check(ParallelismConfig(dp_shard_size=2, tp_size=2), _loaded(1), 4)
+    with pytest.raises(ValueError, match=r"1 x 3 x 2 = 6, but the run has 4 processes"):
+        check(ParallelismConfig(dp_shard_size=3, tp_size=2), _loaded(2, fsdp=2), 4)
+    with pytest.raises(ValueError, match=r"dp_shard_size=2, but the model was loaded with fsdp_size=1"):
+        check(ParallelismConfig(dp_shard_size=2, tp_size=2), _loaded(2, replicate=2), 4)
+    with pytest.raises(ValueError, match=r"dp_replicate_size=1, but the model was loaded with dp_replicate_size=2"):
+        check(ParallelismConfig(dp_shard_size=1, tp_size=2), _loaded(2, replicate=2), 2)
+
+
+def test_parallelism_config_refusals_reach_the_strategy_and_the_arguments():
+    """Through the arguments: tp_size is taken when they are built and the 2 x 2 model trains on the tensor-parallel
+    strategy; a model not loaded tensor-parallel under parallelism_config(tp_size=2) is refused when the strategy is
+    chosen; cp_size and sp_size are refused at once, saying what they need (torch's context parallelism has no
+    sharding rule for the CPU's attention kernel)."""
+    from accelerate import ParallelismConfig
+
+    import hflight
+    from hflight.sharding.tensor_parallel import TensorParallelStrategy
+
+    config = ParallelismConfig(dp_shard_size=2, tp_size=2)
+    args = hflight.TrainingArguments("o", report_to="none", use_cpu=True, devices=4, parallelism_config=config)
+    with pytest.raises(ValueError, match=r"tp_size=2, but the model was not loaded tensor-parallel"):
+        strategies.strategy_from_args("auto", args, torch.nn.Linear(2, 2))
+    strategy = strategies.strategy_from_args("auto", args, _loaded(2, fsdp=2))
+    assert isinstance(strategy, TensorParallelStrategy) and strategy.tp_size == 2
+    for size in ("cp_size", "sp_size"):
+        with pytest.raises(ValueError, match=rf"(?s)parallelism_config=.*{size}=2.*cp_size > 1 needs torch's context "
+                                             r"parallelism .*CPU's attention kernel.*sp_size > 1 needs DeepSpeed's"):
+            hflight.TrainingArguments("o", report_to="none", parallelism_config=ParallelismConfig(**{size: 2}))

@@ -4,6 +4,7 @@ Trainer; or the same model loaded whole and trained in one plain process, from s
 
     python tests/jobs/tp_job.py OUT --save-model MODEL                     # the tiny Llama, saved once
     torchrun --standalone --nproc_per_node=2 tests/jobs/tp_job.py OUT --model MODEL --tp
+    torchrun --standalone --nproc_per_node=4 tests/jobs/tp_job.py OUT --model MODEL --fsdp 2 [--parallelism-config]
     python tests/jobs/tp_job.py OUT --model MODEL [--resume CKPT]
 
 Training: 4 steps of 4 blocks (seed 0; evaluation batches of 2, so that 6 blocks make several gathers),
@@ -40,6 +41,8 @@ def main():
     parser.add_argument("--save-model")
     parser.add_argument("--tp", action="store_true", help='from_pretrained(tp_plan="auto")')
     parser.add_argument("--fsdp", type=int, default=1, help="2-D: DistributedConfig(tp_size=2, fsdp_size=FSDP)")
+    parser.add_argument("--parallelism-config", action="store_true",
+                        help="TrainingArguments(parallelism_config=ParallelismConfig(dp_shard_size=FSDP, tp_size=2))")
     parser.add_argument("--resume")
     parser.add_argument("--batch", type=int, default=4)
     opts = parser.parse_args()
@@ -59,9 +62,14 @@ def main():
         model = LlamaForCausalLM.from_pretrained(opts.model, tp_plan="auto")
     else:
         model = LlamaForCausalLM.from_pretrained(opts.model)
+    parallelism = {}
+    if opts.parallelism_config:  # as a transformers user writes it beside the model's own layout
+        from accelerate import ParallelismConfig
+
+        parallelism["parallelism_config"] = ParallelismConfig(dp_shard_size=opts.fsdp, tp_size=2)
     args = TrainingArguments(output_dir=opts.out, per_device_train_batch_size=opts.batch, max_steps=4, save_steps=2,
                              per_device_eval_batch_size=2, logging_steps=1, learning_rate=1e-2, max_grad_norm=0.5,
-                             use_cpu=True, seed=0, report_to="none", disable_tqdm=True)  # fmt: skip
+                             use_cpu=True, seed=0, report_to="none", disable_tqdm=True, **parallelism)  # fmt: skip
     trainer = Trainer(model, args, train_dataset=blocks(64, 1), eval_dataset=blocks(6, 2))
     trainer.train(resume_from_checkpoint=opts.resume)
     metrics = trainer.evaluate()
@@ -75,7 +83,9 @@ def main():
         torch.save(saved, os.path.join(opts.out, "weights.pt"))
         result = {"world_size": trainer.accelerator.num_processes, "tp_size": trainer.get_tp_size(),
                   "sharded": is_sharded(trainer.model), "log_history": trainer.state.log_history,
-                  "eval": metrics, "total_train_batch_size": trainer.get_total_train_batch_size(args)}  # fmt: skip
+                  "eval": metrics, "total_train_batch_size": trainer.get_total_train_batch_size(args),
+                  "parallelism_config": None if (pc := trainer.accelerator.parallelism_config) is None else
+                  [pc.dp_shard_size, pc.tp_size]}  # fmt: skip
         with open(os.path.join(opts.out, "result.json"), "w") as handle:
             json.dump(result, handle)
     return 0

@@ -479,7 +479,8 @@ def compile_model(model: torch.nn.Module, args: Any) -> torch.nn.Module:
 
 def _parallelism(args: Any, env: Mapping[str, str]) -> None:
     """``ACCELERATE_USE_PARALLELISM_CONFIG``: accelerate's ``ParallelismConfig``, which reads ``PARALLELISM_CONFIG_*``
-    itself, where the arguments have none; only its data-parallel sizes run on hflight (with FSDP2)."""
+    itself, where the arguments have none; its data-parallel sizes run on hflight (with FSDP2), its tensor-parallel
+    size with a model loaded tensor-parallel (``hflight.arguments.strategies.check_tensor_parallel_config``)."""
     if not _flag(env, "ACCELERATE_USE_PARALLELISM_CONFIG") or args.parallelism_config is not None:
         return
     from accelerate import ParallelismConfig
@@ -488,12 +489,13 @@ def _parallelism(args: Any, env: Mapping[str, str]) -> None:
         config = ParallelismConfig()
     except ValueError as err:
         raise LauncherEnvironmentError(f"PARALLELISM_CONFIG_* (accelerate launch): {err}") from err
-    others = [f"PARALLELISM_CONFIG_{n.upper()}_SIZE={getattr(config, f'{n}_size')}" for n in ("tp", "cp", "sp")]
+    others = [f"PARALLELISM_CONFIG_{n.upper()}_SIZE={getattr(config, f'{n}_size')}" for n in ("cp", "sp")]
     others = [text for text in others if not text.endswith("=1")]
     if others:
         raise LauncherEnvironmentError(
-            f"{', '.join(others)}: tensor, context and sequence parallelism need a model's tensor-parallel plan, which "
-            "hflight does not map; keep the data-parallel sizes (dp_shard_size, dp_replicate_size) with FSDP2."
+            f"{', '.join(others)}: context parallelism needs torch's ring attention over SDPA (CUDA: the CPU's "
+            "attention kernel has no sharding rule) and sequence parallelism DeepSpeed's Ulysses/ALST, which hflight "
+            "does not run; the data-parallel and tensor-parallel sizes are taken."
         )
     args.parallelism_config = config
 

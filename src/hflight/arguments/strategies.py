@@ -140,20 +140,60 @@ def fsdp_strategy(args: Any, model: nn.Module) -> Any:
 def tensor_parallel_strategy(strategy: Any, args: Any, model: nn.Module) -> Any:
     """A model transformers loaded tensor-parallel (``from_pretrained(tp_plan=...)``: DTensor weights on its own
     mesh) trains on hflight's tensor-parallel strategy (``hflight.sharding.tensor_parallel``): no DDP wrap, data
-    parallel over the processes its tensor-parallel groups leave. Another strategy, ``fsdp``, ``deepspeed`` or
-    ``parallelism_config`` would wrap or shard the model a second time: refused naming it."""
+    parallel over the processes its tensor-parallel groups leave. Another strategy, ``fsdp`` or ``deepspeed`` would
+    wrap or shard the model a second time: refused naming it. ``parallelism_config`` describes the layout the model
+    was loaded with (:func:`check_tensor_parallel_config`)."""
     tp = model._tp_size
     others = [name for name, value in (("strategy", strategy if strategy != "auto" else None), ("fsdp", args.fsdp),
-                                       ("deepspeed", args.deepspeed), ("parallelism_config", args.parallelism_config))
-              if value]  # fmt: skip
+                                       ("deepspeed", args.deepspeed)) if value]  # fmt: skip
     if others:
         raise ValueError(
             f"The model was loaded tensor-parallel (tp_size={tp}: from_pretrained(..., tp_plan=...)), which trains on "
             f"its own device mesh; {', '.join(others)} would wrap or shard it again: leave "
             f"{' and '.join(others)} unset."
         )
-    return _builder(SHARDING.tensor_parallel, "tensor parallelism")(model, planned_world_size(args),
-                                                                     process_group_settings(args))  # fmt: skip
+    world = planned_world_size(args)
+    check_tensor_parallel_config(args.parallelism_config, model, world)
+    return _builder(SHARDING.tensor_parallel, "tensor parallelism")(model, world, process_group_settings(args))
+
+
+def check_tensor_parallel_config(config: Any, model: nn.Module | None, world: int) -> None:
+    """``parallelism_config`` (accelerate's ``ParallelismConfig``) with ``tp_size``: the layout of a model
+    transformers loaded tensor-parallel. In transformers 5 the layout is made at load time: ``from_pretrained(...,
+    distributed_config=DistributedConfig(tp_size=T, fsdp_size=S))`` builds the (fsdp x tp) mesh over the whole launch,
+    shards every layer's weights over ``tp`` and the model with FSDP2 over ``fsdp`` (``device_mesh`` beside a
+    ``tp_plan`` is not used: the plan spans the launch). transformers' Trainer then gives accelerate the model's sizes
+    in place of the config's; hflight refuses a config that says otherwise, naming both numbers, before any process
+    group starts: ``tp_size`` against the model's, the sizes' product against the run's processes (accelerate's rule),
+    ``dp_shard_size`` and ``dp_replicate_size`` against the model's ``fsdp_size`` and ``dp_replicate_size``."""
+    if config is None:
+        return
+    tp = (getattr(model, "_tp_size", None) or 1) if model is not None else 1
+    size = {name: getattr(config, f"{name}_size", None) or 1 for name in ("tp", "dp_shard", "dp_replicate")}
+    if size["tp"] == 1 and tp == 1:
+        return
+    if size["tp"] != tp:
+        loaded = f"loaded with tp_size={tp}" if tp > 1 else "not loaded tensor-parallel (tp_size=1)"
+        raise ValueError(
+            f"parallelism_config: tp_size={size['tp']}, but the model was {loaded}. transformers shards the weights "
+            "when it loads them: load the model under this launch with from_pretrained(..., distributed_config="
+            f"DistributedConfig(tp_size={size['tp']}, fsdp_size={size['dp_shard']})) and set the same sizes here."
+        )
+    product = size["dp_replicate"] * size["dp_shard"] * size["tp"]
+    if product != world:
+        raise ValueError(
+            f"parallelism_config: dp_replicate_size x dp_shard_size x tp_size = {size['dp_replicate']} x "
+            f"{size['dp_shard']} x {size['tp']} = {product}, but the run has {world} processes (accelerate's rule: "
+            "their product is the number of processes)."
+        )
+    layout = getattr(getattr(model, "config", None), "distributed_config", None)
+    for name, loaded_name in (("dp_shard", "fsdp"), ("dp_replicate", "dp_replicate")):
+        loaded = getattr(layout, f"{loaded_name}_size", None)
+        if loaded is not None and size[name] != loaded:
+            raise ValueError(
+                f"parallelism_config: {name}_size={size[name]}, but the model was loaded with {loaded_name}_size="
+                f"{loaded} (DistributedConfig): set the sizes the model was loaded with."
+            )
 
 
 def _builder(builder: Any, name: str) -> Any:
@@ -261,6 +301,8 @@ def strategy_from_args(strategy: Any, args: Any, model: nn.Module | None) -> Any
     """The Lightning strategy for ``strategy`` (a name or an object) under transformers' distributed arguments."""
     if model is not None and (getattr(model, "_tp_size", None) or 1) > 1:
         return tensor_parallel_strategy(strategy, args, model)
+    if args.parallelism_config is not None:
+        check_tensor_parallel_config(args.parallelism_config, model, planned_world_size(args))
     if isinstance(strategy, str) and strategy == "auto":
         if args.fsdp and model is not None:
             return fsdp_strategy(args, model)

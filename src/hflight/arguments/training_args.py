@@ -620,12 +620,12 @@ def configured_accelerate_state(args: TrainingArguments) -> Any:
 #: anything else, they raise ``ValueError`` (all named at once) when the arguments are built.
 UNSUPPORTED: dict[str, tuple[Callable[[TrainingArguments], bool], str]] = {
     "parallelism_config": (
-        lambda a: a.parallelism_config is None or _data_parallel_only(a.parallelism_config),
-        "tensor, context and sequence parallelism (tp_size, cp_size, sp_size > 1) through parallelism_config are not "
-        "mapped; tensor parallelism trains from the model transformers loads with its plan "
-        "(from_pretrained(..., tp_plan='auto'), or distributed_config=DistributedConfig(tp_size=N, fsdp_size=M) for "
-        "FSDP2 across, TP inside) under torchrun; parallelism_config's data-parallel sizes (dp_shard_size, "
-        "dp_replicate_size) are taken, with fsdp",
+        lambda a: a.parallelism_config is None or _without_context_or_sequence(a.parallelism_config),
+        "cp_size > 1 needs torch's context parallelism (ring attention over SDPA, which has no sharding rule for "
+        "the CPU's attention kernel: torch 2.13 raises NotImplementedError for "
+        "aten._scaled_dot_product_flash_attention_for_cpu; it runs on CUDA), and sp_size > 1 needs DeepSpeed's "
+        "sequence parallelism (Ulysses/ALST, sp_backend='deepspeed'): hflight runs neither; tp_size and the "
+        "data-parallel sizes (dp_shard_size, dp_replicate_size) are taken",
     ),
     "debug": (
         lambda a: DebugOption.TPU_METRICS_DEBUG not in a.debug,
@@ -634,9 +634,9 @@ UNSUPPORTED: dict[str, tuple[Callable[[TrainingArguments], bool], str]] = {
 }
 
 
-def _data_parallel_only(config: Any) -> bool:
-    """Whether a ``ParallelismConfig`` sets only data-parallel sizes (tp, cp and sp at 1 or unset)."""
-    return all((getattr(config, f"{name}_size", None) or 1) == 1 for name in ("tp", "cp", "sp"))
+def _without_context_or_sequence(config: Any) -> bool:
+    """Whether a ``ParallelismConfig`` leaves context and sequence parallelism off (cp and sp at 1 or unset)."""
+    return all((getattr(config, f"{name}_size", None) or 1) == 1 for name in ("cp", "sp"))
 
 
 def _reject_unsupported(args: TrainingArguments) -> None:
