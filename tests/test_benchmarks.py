@@ -212,7 +212,9 @@ def test_cluster_restart_times_a_requeue_and_a_restart():
 
 def test_sharding_memory_prints_each_strategy_s_share_of_ddp_s_state():
     """The table of benchmarks/sharding_memory.py on a tiny GPT-2 at 2 processes: FSDP2 holds half of DDP's
-    parameter, gradient and optimizer bytes in each process, ZeRO-3 half plus its fp32 master copy's quarter."""
+    parameter, gradient and optimizer bytes in each process, ZeRO-3 half plus its fp32 master copy's quarter; TP-2
+    (a tiny Llama loaded with tp_plan="auto") half of the weights its plan shards, and less than the whole model's
+    state (the norms and the embedding's gradient stay whole)."""
     command = [sys.executable, str(ROOT / "benchmarks" / "sharding_memory.py"), "--layers", "1", "--hidden", "32",
                "--seq-len", "16", "--steps", "2", "--processes", "2", "--at-once"]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
@@ -221,6 +223,9 @@ def test_sharding_memory_prints_each_strategy_s_share_of_ddp_s_state():
                                                                   done.stdout, re.M)}  # fmt: skip
     assert shares["ddp"] == 1.0 and shares["fsdp2"] == pytest.approx(0.5, abs=0.01), done.stdout
     assert shares["zero3"] == pytest.approx(0.625, abs=0.01), done.stdout
+    tp = re.search(r"^tp\s+2\s+(?:[\d.]+\s+){4}([\d.]+)\s+(?:[\d.]+\s+){3}-\s+([\d.]+)$", done.stdout, re.M)
+    assert tp is not None, done.stdout
+    assert float(tp.group(2)) == pytest.approx(0.5, abs=0.001) and 0.5 < float(tp.group(1)) < 1, done.stdout
 
 
 def test_checkpoint_run_prints_each_kind_s_cost_per_checkpoint_against_the_synchronous_one(tmp_path):
