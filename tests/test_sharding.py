@@ -277,7 +277,7 @@ def test_deepspeed_and_the_other_forms_refuse_each_other_before_anything_is_load
          r"holds DeepSpeed's own checkpoint.*this run writes a one-process/DDP checkpoint.*resume it with the "
          r"deepspeed config it was written with.*zero_to_fp32\.py"),
         (jobs["root"] / "ZERO3" / "checkpoint-3", fsdp2,
-         r"holds DeepSpeed's own checkpoint.*this run writes an FSDP2 SHARDED_STATE_DICT checkpoint"),
+         r"holds DeepSpeed's own checkpoint.*this run writes a SHARDED_STATE_DICT checkpoint \(FSDP2's"),
     ]  # fmt: skip
     for folder, settings, message in cases:
         model = _tiny_gpt2()

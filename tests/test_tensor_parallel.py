@@ -121,7 +121,8 @@ def test_tp2_evaluation_is_gathered_once_per_replica(runs):
                                                  ("2x2_on_ddp4", "2x2")])
 def test_a_tensor_parallel_checkpoint_resumes_on_another_layout_with_the_same_losses(runs, resumed, trained):
     """checkpoint-2 of TP-2 (and of 2 x 2) is torch distributed checkpoint shards in hflight's manifest, and resumed
-    on one process (or on 2, and 2 x 2's on 4, DDP processes) steps 3 and 4 have the uninterrupted run's losses and norms."""
+    on one process (or on 2, and 2 x 2's on 4, DDP processes) steps 3 and 4 have the uninterrupted run's losses and
+    norms."""
     folder = runs["root"] / trained / "checkpoint-2"
     manifest = json.loads((folder / "checkpoint_manifest.json").read_text())
     listed = json.dumps(manifest)
@@ -207,3 +208,37 @@ def test_parallelism_config_refusals_reach_the_strategy_and_the_arguments():
         with pytest.raises(ValueError, match=rf"(?s)parallelism_config=.*{size}=2.*cp_size > 1 needs torch's context "
                                              r"parallelism .*CPU's attention kernel.*sp_size > 1 needs DeepSpeed's"):
             hflight.TrainingArguments("o", report_to="none", parallelism_config=ParallelismConfig(**{size: 2}))
+
+
+def _deepspeed_checkpoint(folder: Path) -> Path:
+    """A folder in DeepSpeed's form (``latest`` naming ``global_step2/``), with a trainer state and a scheduler."""
+    from transformers import TrainerState
+
+    (folder / "global_step2").mkdir(parents=True)
+    (folder / "latest").write_text("global_step2")
+    (folder / "scheduler.pt").write_bytes(b"")
+    TrainerState(global_step=2).save_to_json(str(folder / "trainer_state.json"))
+    return folder
+
+
+def test_a_checkpoint_a_tensor_parallel_run_cannot_reshard_is_refused_naming_both_layouts(tmp_path):
+    """DeepSpeed's ZeRO partitions (read by its engine alone) resumed by a model loaded tensor-parallel: refused before
+    anything is loaded, naming DeepSpeed's form and the run's tensor-parallel layout (the arguments alone would say a
+    one-process run); the other way round a tensor-parallel checkpoint in a DeepSpeed run names it too. The forms
+    hflight reshards (one process/DDP, FSDP2's gathered or sharded, another tensor-parallel layout's) pass."""
+    from transformers import TrainerState
+
+    from hflight.checkpoints import forms, resume
+
+    folder = _deepspeed_checkpoint(tmp_path / "checkpoint-2")
+    facade = SimpleNamespace(args=SimpleNamespace(output_dir=str(tmp_path), fsdp=[], deepspeed=None),
+                             state=TrainerState(), model=_tp_model(2, (1, 1, 2)))  # fmt: skip
+    with pytest.raises(ValueError, match=r"(?s)holds DeepSpeed's own checkpoint.*this run \(tensor-parallel, "
+                                         r"tp_size=2: .*\) writes a SHARDED_STATE_DICT checkpoint.*Only DeepSpeed's"):
+        resume._resume_from(facade, folder, None)
+    plain = forms.resume_refusal(facade.args, None, forms.DeepSpeedState, folder)
+    assert plain is not None and "this run writes a one-process/DDP checkpoint" in plain
+    for written in (forms.ProcessZeroState, forms.GatheredState, forms.ShardedState):
+        assert forms.resume_refusal(facade.args, facade.model, written, folder) is None
+    refused = forms.DeepSpeedState.refusal(forms.ShardedState, folder)
+    assert refused is not None and "holds a SHARDED_STATE_DICT checkpoint (FSDP2's or a tensor-parallel" in refused

@@ -136,14 +136,16 @@ class CheckpointForm:
 
     # ---- restoring --------------------------------------------------------------------------------------------------
     @classmethod
-    def refusal(cls, written: type[CheckpointForm], folder: Path) -> str | None:
+    def refusal(cls, written: type[CheckpointForm], folder: Path, layout: str | None = None) -> str | None:
         """Why a run writing this form cannot continue the optimizer of ``folder``, a checkpoint of the form
         ``written``; None when it can (converting it to its own sharding where needed). An optimizer that only an
-        engine reads (DeepSpeed's partitions) goes to a run of that engine, and such a run reads nothing else."""
+        engine reads (DeepSpeed's partitions) goes to a run of that engine, and such a run reads nothing else.
+        ``layout``: the run's layout where the form alone does not say it (tensor parallelism)."""
         if written.engine == cls.engine:
             return None
         advice = written.advice_to_other_runs if written.engine else cls.advice_to_other_checkpoints
-        return f"Checkpoint {folder} holds {written.label}; this run writes {cls.label}. {advice}"
+        run = f"this run ({layout})" if layout else "this run"
+        return f"Checkpoint {folder} holds {written.label}; {run} writes {cls.label}. {advice}"
 
     @classmethod
     def read_optimizer(cls, folder: Path, optimizer: torch.optim.Optimizer, names: dict[int, str]) -> Any:
@@ -262,8 +264,8 @@ class ShardedState(CheckpointForm):
     optimizer (``optimizer_0/``) with ``torch.distributed.checkpoint``; no whole copy is made anywhere."""
 
     label = (
-        f"an FSDP2 SHARDED_STATE_DICT checkpoint ({FSDP_OPTIMIZER_DIR}/ and {FSDP_MODEL_DIR}/: "
-        "torch.distributed.checkpoint shards)"
+        f"a SHARDED_STATE_DICT checkpoint (FSDP2's or a tensor-parallel run's: {FSDP_OPTIMIZER_DIR}/ and "
+        f"{FSDP_MODEL_DIR}/, torch.distributed.checkpoint shards)"
     )
     optimizer_name = FSDP_OPTIMIZER_DIR
     model_names = (FSDP_MODEL_DIR,)
@@ -509,6 +511,17 @@ def planned_form(args: Any) -> type[CheckpointForm]:
     """The form a run of ``args`` (transformers' arguments) writes, known before its strategy is built: what it can
     resume is asked of it (:meth:`CheckpointForm.refusal`) before anything is loaded."""
     return next(form for form in FORMS if form.written_by(args))
+
+
+def resume_refusal(args: Any, model: nn.Module | None, written: type[CheckpointForm], folder: Path) -> str | None:
+    """Why a run of ``args`` training ``model`` cannot continue the optimizer of ``folder`` (a checkpoint of the form
+    ``written``), naming both layouts; None when it can. A model transformers loaded tensor-parallel (``_tp_size`` >
+    1) writes :class:`ShardedState` whatever the arguments say (its strategy's form): its refusals name that layout."""
+    tp = (getattr(model, "_tp_size", None) or 1) if model is not None else 1
+    if tp > 1:
+        layout = f"tensor-parallel, tp_size={tp}: the model's DTensors, each process writing its shards"
+        return ShardedState.refusal(written, folder, layout)
+    return planned_form(args).refusal(written, folder)
 
 
 def own_weight_files(folder: str | os.PathLike) -> list[str]:

@@ -32,7 +32,7 @@ from transformers.trainer_utils import compare_trainer_and_checkpoint_args
 
 from hflight.checkpoints.files import IncompleteCheckpointError, UnsafeCheckpointFile, inside, regular_file
 from hflight.checkpoints.folders import RUN_ARGUMENTS, run_arguments
-from hflight.checkpoints.forms import found_form, planned_form
+from hflight.checkpoints.forms import found_form, resume_refusal
 from hflight.checkpoints.manifest import checkpoint_folders, get_last_checkpoint, verify_checkpoint
 from hflight.checkpoints.names import CHECKPOINT_RE, OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
 from hflight.checkpoints.parts import read_trainer_state, read_training_states, rebuilt_callbacks
@@ -131,7 +131,7 @@ def _resume_from(facade: TrainerSurface, folder: Path, manifest: dict[str, Any] 
     )
     model_only = _is_model_only(folder, manifest)
     written = None if model_only else found_form(folder)
-    refusal = planned_form(facade.args).refusal(written, folder) if written is not None else None
+    refusal = resume_refusal(facade.args, facade.model, written, folder) if written is not None else None
     if refusal is not None:  # an optimizer this run cannot convert: refused before anything is loaded
         raise ValueError(refusal)
     engine_reads = written is not None and written.engine is not None
