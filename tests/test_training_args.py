@@ -122,6 +122,7 @@ def test_every_difference_from_transformers_is_listed_in_the_readme():
         "__init__", "__eq__", "__match_args__", "__dataclass_fields__", "__dataclass_params__", "__doc__",
         "__module__", "__annotations__", "__dict__", "__weakref__", "__hash__", "__repr__", "__post_init__",
         "__firstlineno__", "__static_attributes__", "__qualname__",
+        "__slotnames__",  # copyreg's cache, set on the class by the first pickle or deepcopy of an instance
     }  # fmt: skip
     conversions = {"to_transformers", "from_hf", "from_args", "from_config"}  # hflight's additions, documented there
     internal = {"_setup_devices": "device", "_validate_args": "bf16"}  # private overrides, listed by what they change
