@@ -38,7 +38,8 @@ def _start(out: Path, processes: int, *options: str) -> launch.Job:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """TP-2 (torchrun, 2 processes), 2 x 2 (4 processes) and the one-process run at once; then the resumes at once:
+    """TP-2 (torchrun, 2 processes), 2 x 2 (4 processes) and the one-process run, and TP-2 and one process with the
+    best checkpoint kept and loaded at the end, at once; then the resumes at once:
     TP-2's checkpoint-2 on 1 process and on 2 DDP processes, 2 x 2's on 1 process and on 4 DDP processes."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -49,7 +50,8 @@ def runs(tmp_path_factory) -> dict:
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)  # fmt: skip
     LlamaForCausalLM(config).save_pretrained(model)
     phases = [
-        {"tp2": (2, "--tp"), "one": (1,), "2x2": (4, "--fsdp", "2", "--batch", "2", "--parallelism-config")},
+        {"tp2": (2, "--tp"), "one": (1,), "2x2": (4, "--fsdp", "2", "--batch", "2", "--parallelism-config"),
+         "tp2_best": (2, "--tp", "--best"), "one_best": (1, "--best")},
         {"tp2_on_1": (1, "--resume", str(root / "tp2" / "checkpoint-2")),
          "2x2_on_1": (1, "--resume", str(root / "2x2" / "checkpoint-2")),
          "tp2_on_ddp2": (2, "--batch", "2", "--resume", str(root / "tp2" / "checkpoint-2")),
@@ -242,3 +244,24 @@ def test_a_checkpoint_a_tensor_parallel_run_cannot_reshard_is_refused_naming_bot
         assert forms.resume_refusal(facade.args, facade.model, written, folder) is None
     refused = forms.DeepSpeedState.refusal(forms.ShardedState, folder)
     assert refused is not None and "holds a SHARDED_STATE_DICT checkpoint (FSDP2's or a tensor-parallel" in refused
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_tp2_keeps_and_loads_the_best_checkpoint_as_the_one_process_run(runs):
+    """``load_best_model_at_end`` with ``save_total_limit=1`` under TP-2 (the checkpoints torch distributed ones):
+    the same best checkpoint (step 2's, the highest evaluation loss) and the same checkpoints kept as the one-process
+    run, the same steps, and at the end the best checkpoint's weights loaded back into the DTensor shards: equal to the
+    one-process run's, and not the last step's (the plain TP-2 run's end)."""
+    tp2, one = runs["results"]["tp2_best"], runs["results"]["one_best"]
+    assert tp2["tp_size"] == 2 and tp2["sharded"]
+    assert tp2["best"] == one["best"] == "checkpoint-2"
+    assert tp2["kept"] == one["kept"] and "checkpoint-2" in tp2["kept"]
+    assert (runs["root"] / "tp2_best" / "checkpoint-2" / "pytorch_model_fsdp_0").is_dir()
+    _same_steps(tp2, one)
+    best, reference, last = (_weights(runs, name)["weights"] for name in ("tp2_best", "one_best", "tp2"))
+    assert best.keys() == reference.keys()
+    for key in reference:
+        torch.testing.assert_close(best[key], reference[key], rtol=0, atol=WEIGHT_ATOL, msg=key)
+    # steps 3-4 moved the weights by up to 7.5e-3 (Adam at the decaying rates 5e-3, 2.5e-3): far beyond the tolerance
+    assert max((best[key] - last[key]).abs().max() for key in last) > 10 * WEIGHT_ATOL

@@ -6,6 +6,10 @@ Trainer; or the same model loaded whole and trained in one plain process, from s
     torchrun --standalone --nproc_per_node=2 tests/jobs/tp_job.py OUT --model MODEL --tp
     torchrun --standalone --nproc_per_node=4 tests/jobs/tp_job.py OUT --model MODEL --fsdp 2 [--parallelism-config]
     python tests/jobs/tp_job.py OUT --model MODEL [--resume CKPT]
+    ... [--best]   # evaluated every 2 steps, the best checkpoint kept (save_total_limit=1) and loaded at the end
+
+"best" (``--best``) is the highest evaluation loss (``greater_is_better=True``): the step-2 checkpoint, so that
+loading it at the end shows.
 
 Training: 4 steps of 4 blocks (seed 0; evaluation batches of 2, so that 6 blocks make several gathers),
 max_grad_norm 0.5 (the tiny model's gradients are larger: every step clips),
@@ -45,6 +49,7 @@ def main():
                         help="TrainingArguments(parallelism_config=ParallelismConfig(dp_shard_size=FSDP, tp_size=2))")
     parser.add_argument("--resume")
     parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--best", action="store_true", help="load_best_model_at_end with save_total_limit=1")
     opts = parser.parse_args()
     torch.set_num_threads(1)
     if opts.save_model:
@@ -67,6 +72,9 @@ def main():
         from accelerate import ParallelismConfig
 
         parallelism["parallelism_config"] = ParallelismConfig(dp_shard_size=opts.fsdp, tp_size=2)
+    if opts.best:
+        parallelism.update(eval_strategy="steps", eval_steps=2, load_best_model_at_end=True, save_total_limit=1,
+                           metric_for_best_model="eval_loss", greater_is_better=True)  # fmt: skip
     args = TrainingArguments(output_dir=opts.out, per_device_train_batch_size=opts.batch, max_steps=4, save_steps=2,
                              per_device_eval_batch_size=2, logging_steps=1, learning_rate=1e-2, max_grad_norm=0.5,
                              use_cpu=True, seed=0, report_to="none", disable_tqdm=True, **parallelism)  # fmt: skip
@@ -84,6 +92,8 @@ def main():
         result = {"world_size": trainer.accelerator.num_processes, "tp_size": trainer.get_tp_size(),
                   "sharded": is_sharded(trainer.model), "log_history": trainer.state.log_history,
                   "eval": metrics, "total_train_batch_size": trainer.get_total_train_batch_size(args),
+                  "best": trainer.state.best_model_checkpoint and os.path.basename(trainer.state.best_model_checkpoint),
+                  "kept": sorted(name for name in os.listdir(opts.out) if name.startswith("checkpoint-")),
                   "parallelism_config": None if (pc := trainer.accelerator.parallelism_config) is None else
                   [pc.dp_shard_size, pc.tp_size]}  # fmt: skip
         with open(os.path.join(opts.out, "result.json"), "w") as handle:
