@@ -1,6 +1,6 @@
-"""Small helpers any layer may use: lazy package exports (PEP 562), walking an exception's chain, and the last exit
-callback of a process a signal stopped (registered when ``hflight`` is imported, see
-:data:`IGNORE_WHILE_FINALIZING`)."""
+"""Small helpers any layer may use: lazy package exports (PEP 562), walking an exception's chain, a model's
+tensor-parallel size, and the last exit callback of a process a signal stopped (registered when ``hflight`` is
+imported, see :data:`IGNORE_WHILE_FINALIZING`)."""
 
 from __future__ import annotations
 
@@ -38,6 +38,13 @@ def exception_chain(error: BaseException | None) -> Iterator[BaseException]:
         seen.add(id(error))
         yield error
         error = error.__cause__ or error.__context__
+
+
+def model_tp_size(model: Any) -> int:
+    """The tensor-parallel size transformers gave ``model`` at load time (``from_pretrained(..., tp_plan=...)`` sets
+    ``_tp_size``); 1 for any other model, and for None."""
+    size = getattr(model, "_tp_size", None) if model is not None else None
+    return int(size) if size else 1
 
 
 #: Signals to ignore once the exit callbacks have run, filled by ``hflight.run.interrupt`` when a signal stops a run.

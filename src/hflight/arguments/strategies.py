@@ -24,6 +24,7 @@ from typing import Any
 
 from torch import nn
 
+from hflight._util import model_tp_size
 from hflight.arguments.deepspeed import DeepSpeedConfigResolver
 from hflight.arguments.registry import SHARDING, ProcessGroupSettings
 
@@ -143,7 +144,7 @@ def tensor_parallel_strategy(strategy: Any, args: Any, model: nn.Module) -> Any:
     parallel over the processes its tensor-parallel groups leave. Another strategy, ``fsdp`` or ``deepspeed`` would
     wrap or shard the model a second time: refused naming it. ``parallelism_config`` describes the layout the model
     was loaded with (:func:`check_tensor_parallel_config`)."""
-    tp = model._tp_size
+    tp = model_tp_size(model)
     others = [name for name, value in (("strategy", strategy if strategy != "auto" else None), ("fsdp", args.fsdp),
                                        ("deepspeed", args.deepspeed)) if value]  # fmt: skip
     if others:
@@ -168,7 +169,7 @@ def check_tensor_parallel_config(config: Any, model: nn.Module | None, world: in
     ``dp_shard_size`` and ``dp_replicate_size`` against the model's ``fsdp_size`` and ``dp_replicate_size``."""
     if config is None:
         return
-    tp = (getattr(model, "_tp_size", None) or 1) if model is not None else 1
+    tp = model_tp_size(model)
     size = {name: getattr(config, f"{name}_size", None) or 1 for name in ("tp", "dp_shard", "dp_replicate")}
     if size["tp"] == 1 and tp == 1:
         return
@@ -299,7 +300,7 @@ def check_plain_data_parallel(args: Any) -> None:
 
 def strategy_from_args(strategy: Any, args: Any, model: nn.Module | None) -> Any:
     """The Lightning strategy for ``strategy`` (a name or an object) under transformers' distributed arguments."""
-    if model is not None and (getattr(model, "_tp_size", None) or 1) > 1:
+    if model_tp_size(model) > 1:
         return tensor_parallel_strategy(strategy, args, model)
     if args.parallelism_config is not None:
         check_tensor_parallel_config(args.parallelism_config, model, planned_world_size(args))

@@ -38,6 +38,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from hflight._util import model_tp_size
 from hflight.checkpoints.adapters import is_peft_model, sharded_adapter_state
 from hflight.checkpoints.files import load_tensors_file, regular_file
 from hflight.checkpoints.names import (
@@ -517,7 +518,7 @@ def resume_refusal(args: Any, model: nn.Module | None, written: type[CheckpointF
     """Why a run of ``args`` training ``model`` cannot continue the optimizer of ``folder`` (a checkpoint of the form
     ``written``), naming both layouts; None when it can. A model transformers loaded tensor-parallel (``_tp_size`` >
     1) writes :class:`ShardedState` whatever the arguments say (its strategy's form): its refusals name that layout."""
-    tp = (getattr(model, "_tp_size", None) or 1) if model is not None else 1
+    tp = model_tp_size(model)
     if tp > 1:
         layout = f"tensor-parallel, tp_size={tp}: the model's DTensors, each process writing its shards"
         return ShardedState.refusal(written, folder, layout)

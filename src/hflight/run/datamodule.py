@@ -32,6 +32,7 @@ from torch.utils.data import IterableDataset
 
 from hflight.checkpoints.parts import rng_states
 from hflight.run.backend import StepGeometry, backend_of
+from hflight.run.distributed import World
 from hflight.run.loaders import shard_loader
 from hflight.run.samplers import (  # noqa: F401 (EpochSeededRandomSampler, ShardedBatchSampler: their former home)
     EpochSeededRandomSampler,
@@ -242,8 +243,7 @@ class EvaluationData(L.LightningDataModule):
         self.dealt: Any = None  # the loader this process iterated
 
     def val_dataloader(self) -> Any:
-        self.dealt = shard_loader(self.loader, *backend_of(self.trainer.strategy).hf_data_parallel(
-            self.trainer.world_size, self.trainer.global_rank))
+        self.dealt = shard_loader(self.loader, *World(self.trainer).data_parallel)
         return self.dealt
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:

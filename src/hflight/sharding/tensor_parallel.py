@@ -31,14 +31,9 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from typing_extensions import override
 
+from hflight._util import model_tp_size
 from hflight.checkpoints.forms import CheckpointForm, ShardedState
 from hflight.run.backend import HFBackend
-
-
-def model_tp_size(model: nn.Module | None) -> int:
-    """The tensor-parallel size transformers gave ``model`` at load time (``_tp_size``; 1 for any other model)."""
-    size = getattr(model, "_tp_size", None) if model is not None else None
-    return int(size) if size else 1
 
 
 def model_mesh_size(model: nn.Module) -> int | None:

@@ -18,6 +18,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from transformers.trainer_pt_utils import nested_detach
 from transformers.trainer_utils import unwrap_peft_model
 
+from hflight._util import model_tp_size
 from hflight.arguments.optimizers import passes_learning_rate, set_optimizer_mode
 from hflight.run.datamodule import loader_length
 from hflight.run.plan import plan_training
@@ -282,7 +283,7 @@ class StepsMixin:
 
     def get_tp_size(self) -> int:
         """The model's tensor-parallel size (transformers' ``_tp_size``, set by ``from_pretrained(tp_plan=...)``)."""
-        return getattr(self.model, "_tp_size", None) or 1
+        return model_tp_size(self.model)
 
     def get_cp_size(self) -> int:
         return 1
