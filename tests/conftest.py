@@ -64,14 +64,18 @@ def _torch_threads_restored():
         torch.set_num_threads(threads)
 
 
+_SESSION_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+_SESSION_HANDLERS = {signum: signal.getsignal(signum) for signum in _SESSION_SIGNALS}
+
+
 @pytest.fixture(autouse=True)
 def _signal_handlers_restored():
     """A library a test starts may install process-wide signal handlers and keep them (``ray.init`` sets SIGTERM to
-    ``sys.exit(15)``); each test starts with the session's handlers, so a signal test never sees another test's."""
-    signals = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
-    handlers = {signum: signal.getsignal(signum) for signum in signals}
+    ``sys.exit(15)``); after each test the session's handlers, as they were when the worker started, are put back, so
+    a signal test never sees another test's. The session's, not the test's own at its start: a module-scoped fixture
+    (Ray Train's ``runs``) is set up before this one and would make its handler the one kept."""
     yield
-    for signum, handler in handlers.items():
+    for signum, handler in _SESSION_HANDLERS.items():
         if signal.getsignal(signum) is not handler and handler is not None:
             signal.signal(signum, handler)
 
