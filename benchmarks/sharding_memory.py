@@ -17,17 +17,18 @@ The table prints the per-process maximum of each, and each strategy's model-stat
 optimizer) as a fraction of DDP's at the same N. Target (full sharding): <= 1/N + 10% of DDP's.
 
 Tensor parallelism (rows ``tp``: TP over all N processes, ``from_pretrained(..., tp_plan="auto")``; ``tp_fsdp2``: at 4
-processes, ``DistributedConfig(tp_size=2, fsdp_size=2)``: FSDP2 across, TP inside) trains a Llama of the same layers
-and width (transformers' plans exist for Llama, not GPT-2), saved by each process and loaded with the plan. Its ``x DDP`` is
-against that Llama unsharded (its whole parameters x 4: weights, gradients, Adam's two moments, what DDP holds), and
-its step time has no DDP ratio (another model). The last column, ``TP'd share``, is the fraction of the weights the
-tensor-parallel plan shards (the DTensors with a ``tp`` dimension) that each process holds: 1/tp, halved again by
-FSDP2 in ``tp_fsdp2``. The row's ``x DDP`` is above it: the norms stay whole, and transformers 5.23 shards the
-embedding's weight over ``tp`` but gives it a whole gradient (a ``Replicate`` DTensor), so ``grads MiB`` is above
-``params MiB`` there.
+processes, ``DistributedConfig(tp_size=2, fsdp_size=2)``: FSDP2 across, TP inside) trains a Llama of the same layers and
+width (transformers' plans exist for Llama, not GPT-2), saved by each process and loaded with the plan. Its ``x DDP`` is
+against that Llama unsharded (its whole parameters x 4: weights, gradients, Adam's two moments, what DDP holds), and its
+step time has no DDP ratio (another model). The last column, ``TP'd share``, is the fraction of the weights the
+tensor-parallel plan shards (the DTensors with a ``tp`` dimension) that each process holds: 1/tp, halved again by FSDP2
+in ``tp_fsdp2``. The row's ``x DDP`` is above it: the norms stay whole, and transformers 5.23 shards the embedding's
+weight over ``tp`` but gives it a whole gradient (a ``Replicate`` DTensor), so ``grads MiB`` is above ``params MiB``
+there.
 
     python benchmarks/sharding_memory.py                          # 124M parameters, 1 2 4 processes, 4 steps
     python benchmarks/sharding_memory.py --layers 2 --hidden 64 --processes 1 2 --steps 2   # a quick look
+    python benchmarks/sharding_memory.py --strategies fsdp2 tp --processes 2             # some rows (and DDP's)
 
 Runs are one after another (the CPU's cores are shared by the N processes of a run); a step's time on a 2-core
 machine with 4 processes measures mostly the contention, not the strategy. ``--at-once`` starts every run together
@@ -234,6 +235,10 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--strategies", nargs="+", choices=STRATEGIES + TENSOR_PARALLEL,
+                        default=list(STRATEGIES + TENSOR_PARALLEL),
+                        help="the rows to run (default: all); ddp runs too with fsdp2 or zero3, their "
+                             "reference")  # fmt: skip
     parser.add_argument("--at-once", action="store_true",
                         help="start every run together (a quick look at the memory columns; the step times then "
                              "measure the runs' contention with each other and are not comparable)")  # fmt: skip
@@ -248,8 +253,10 @@ def main() -> None:
           f"CPU: {cpu()} ({os.cpu_count()} cores)")  # fmt: skip
     header = f"{'strategy':<8}{'N':>3}{'params MiB':>12}{'grads MiB':>11}{'optim MiB':>11}{'state MiB':>11}"
     print(header + f"{'x DDP':>8}{'1/N+10%':>9}{'peak RSS MiB':>14}{'step s':>8}{'x DDP':>7}{'TP share':>10}")
-    runs = [(strategy, processes) for processes in opts.processes for strategy in STRATEGIES]
-    runs += [("tp", n) for n in opts.processes if n > 1] + [("tp_fsdp2", n) for n in opts.processes if n == 4]
+    chosen = set(opts.strategies) | ({"ddp"} if {"fsdp2", "zero3"} & set(opts.strategies) else set())
+    runs = [(strategy, processes) for processes in opts.processes for strategy in STRATEGIES if strategy in chosen]
+    runs += [("tp", n) for n in opts.processes if n > 1 and "tp" in chosen]
+    runs += [("tp_fsdp2", n) for n in opts.processes if n == 4 and "tp_fsdp2" in chosen]
     # one after another, or (--at-once) all started here (FSDP2 on 1 process: torchrun's one rank, as transformers)
     started = {run: start(*run, opts, root) for run in runs if opts.at_once}
     reference = {}

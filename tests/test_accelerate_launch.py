@@ -9,9 +9,10 @@ hflight's engine gets against the one transformers' Trainer trains with (transfo
 
 The launches run transformers' ``run_clm.py`` (``tests/scripts/run_clm``) under ``accelerate launch`` once as written
 and once with the trainer import changed to hflight's: ``--num_processes 1 --mixed_precision bf16`` (transformers
-trains under bf16 autocast; hflight read none of it before), and the four config files transformers' own test suite
-ships for this (``tests/trainer/distributed/accelerate_configs/{ddp,fsdp2,deepspeed_zero2,deepspeed_zero3}.yaml`` in
-huggingface/transformers; :data:`CONFIGS` has their keys and values). On this CPU-only machine transformers' processes
+trains under bf16 autocast; hflight read none of it before), and two of the four config files transformers' own
+test suite ships for this (``tests/trainer/distributed/accelerate_configs/{ddp,fsdp2,deepspeed_zero2,deepspeed_zero3}
+.yaml`` in huggingface/transformers; :data:`CONFIGS` has their keys and values, :data:`LAUNCHED` says which run and
+where the others' runs are). On this CPU-only machine transformers' processes
 under ``accelerate launch`` each train alone unless the script gets ``--use_cpu`` (accelerate starts its CPU data
 parallelism for ``use_cpu`` alone), and accelerate drops FSDP on the CPU (it trains DDP): transformers' side therefore
 runs with ``--use_cpu``, and its FSDP2 run through the test stand-in ``tests/fsdp_standin`` (accelerate's own FSDP2
@@ -50,6 +51,12 @@ CONFIGS = {
     "deepspeed_zero3": "distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: {zero3}\n"
     "num_processes: 2\n",
 }
+#: the config files launched end to end here: DDP (the launch recognised, both processes spanned) and ZeRO-3 (a
+#: DeepSpeed strategy from the launcher's variables and config file). fsdp2's and deepspeed_zero2's variables are
+#: checked against accelerate's plugins below (test_fsdp_variables_..., test_a_launched_deepspeed_config_...); their
+#: runs against transformers' are tests/test_sharded_dropin.py's (FSDP2) and tests/test_deepspeed.py's (ZeRO-2), under
+#: torchrun and DeepSpeed's launcher: the same strategies, another launcher
+LAUNCHED = ["ddp", "deepspeed_zero3"]
 #: the DeepSpeed configs those files name (transformers' tests/trainer/distributed/scripts/ds_config_zero{2,3}.json):
 #: precision, batch sizes, accumulation and clipping "auto", ZeRO-3's buckets "auto". Their ``optimizer`` (AdamW) and
 #: ``scheduler`` (WarmupLR) sections, DeepSpeed's own, are left out here: hflight runs the Trainer's optimizer in the
@@ -659,7 +666,7 @@ def launches(tmp_path_factory) -> dict[str, dict[str, Path | AssertionError]]:
             "--validation_file", str(inputs["validation"]), *ARGS]  # fmt: skip
     env = {"HF_HOME": str(root / "hf_home")}  # no accelerate config of the user's: only the command's
     launchers = {"bf16": [ACCELERATE, "launch", "--num_processes", "1", "--mixed_precision", "bf16"]}
-    for name in CONFIGS:
+    for name in LAUNCHED:
         launchers[name] = [ACCELERATE, "launch", "--config_file", str(configs[name]), "--main_process_port", "0"]
     jobs = {}
     for name, launcher in launchers.items():
@@ -740,7 +747,7 @@ def _zero3_total_flos(both: dict[str, Path]) -> None:
 
 @pytest.mark.slow
 @pytest.mark.subprocess
-@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("config", LAUNCHED)
 def test_each_config_file_runs_its_strategy_across_the_launched_processes_with_transformers_numbers(launches, config):
     """``accelerate launch --config_file <config>.yaml run_clm.py``: hflight trains with the strategy the file names,
     over both processes accelerate started (its checkpoint's form and world), and logs transformers' numbers (losses,

@@ -77,7 +77,7 @@ def _pair(runs: dict[str, Path], transformers: str, hflight: str) -> dict[str, P
 
 def test_transformers_really_ran_fsdp2(runs):
     """The stand-in made accelerate shard (no DDP wrapper, FSDP's checkpoint files); without it the same command
-    trains with DDP (tests/test_torchrun_dropin.py runs that, --use_cpu included)."""
+    trains with DDP (tests/test_accelerate_launch.py's ddp.yaml launch runs that, --use_cpu included)."""
     console = (runs["transformers"].parent / "console.txt").read_text()
     assert "find_unused_parameters=True was specified in DDP constructor" not in console
     checkpoint = runs["transformers"] / "checkpoint-5"

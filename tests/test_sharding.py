@@ -61,7 +61,7 @@ ZERO3 = {"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory) -> dict:
     """FSDP2 (both forms), ZeRO-3 and DDP on 2 processes at once; then the resumes at once: the sharded checkpoint on
-    1 process (no FSDP), on 4, and on FSDP over 1 process (torchrun --nproc_per_node=1), the full one on 1 process
+    1 process (no FSDP) and on 4, the full one on 1 process
     with and without FSDP, the DDP one in FSDP2 on 2, the ZeRO-3 one on 2 (without gathering for save_model)."""
     root = tmp_path_factory.mktemp("sharding")
     configs = {}
@@ -84,8 +84,8 @@ def jobs(tmp_path_factory) -> dict:
         # 4 processes as 2 copies, each sharded over 2 (parallelism_config: HSDP)
         "sharded_on_4": _start(root / "sharded_on_4", 4, "--resume", str(sharded), "--hsdp", "2,2"),
         "full_on_1": _start(root / "full_on_1", 1, "--resume", str(full), "--no-fsdp"),
-        # FSDP on one process (torchrun --nproc_per_node=1), from either form of 2 processes
-        "sharded_on_fsdp_1": _start(root / "sharded_on_fsdp_1", 1, "--resume", str(sharded), torchrun=True),
+        # FSDP on one process (torchrun --nproc_per_node=1), from the gathered form of 2 processes (from the sharded
+        # form: tests/test_sharded_dropin.py, against transformers on one rank)
         "full_on_fsdp_1": _start(
             root / "full_on_fsdp_1", 1, "--resume", str(full), "--form", "FULL_STATE_DICT", torchrun=True
         ),
@@ -189,7 +189,7 @@ def test_a_sharded_checkpoint_is_transformers_layout_with_every_shard_in_the_man
     assert {"model.safetensors", "pytorch_model_fsdp.bin", "optimizer.bin", "config.json"} <= full_names
 
 
-@pytest.mark.parametrize("name", ["sharded_on_1", "sharded_on_4", "full_on_1", "sharded_on_fsdp_1", "full_on_fsdp_1"])
+@pytest.mark.parametrize("name", ["sharded_on_1", "sharded_on_4", "full_on_1", "full_on_fsdp_1"])
 def test_a_checkpoint_of_2_processes_resumes_on_1_and_4_with_the_same_states(jobs, name):
     """The whole model and optimizer states the resumed run holds before its first step are the checkpoint's, bit for
     bit: on 1 process without FSDP, with FSDP over 1 process (torchrun --nproc_per_node=1: FSDP on one rank, as

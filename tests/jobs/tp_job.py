@@ -28,7 +28,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hflight import Trainer, TrainingArguments
+from hflight import Trainer, TrainerCallback, TrainingArguments
 from hflight.checkpoints.sharded import full_model_state, is_sharded
 
 
@@ -79,6 +79,16 @@ def main():
                              per_device_eval_batch_size=2, logging_steps=1, learning_rate=1e-2, max_grad_norm=0.5,
                              use_cpu=True, seed=0, report_to="none", disable_tqdm=True, **parallelism)  # fmt: skip
     trainer = Trainer(model, args, train_dataset=blocks(64, 1), eval_dataset=blocks(6, 2))
+    norms = []
+
+    class AcceleratorNorm(TrainerCallback):
+        """After the loop's clipping: ``trainer.accelerator.clip_grad_norm_`` over the whole model, as a user's code
+        calls it (nothing left to clip: the norm is max_grad_norm on every layout)."""
+
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            norms.append(float(trainer.accelerator.clip_grad_norm_(trainer.model.parameters(), 1e9)))
+
+    trainer.add_callback(AcceleratorNorm())
     trainer.train(resume_from_checkpoint=opts.resume)
     metrics = trainer.evaluate()
     predictions = trainer.predict(blocks(6, 2)).predictions
@@ -91,7 +101,8 @@ def main():
         torch.save(saved, os.path.join(opts.out, "weights.pt"))
         result = {"world_size": trainer.accelerator.num_processes, "tp_size": trainer.get_tp_size(),
                   "sharded": is_sharded(trainer.model), "log_history": trainer.state.log_history,
-                  "eval": metrics, "total_train_batch_size": trainer.get_total_train_batch_size(args),
+                  "eval": metrics, "accelerator_norms": norms,
+                  "total_train_batch_size": trainer.get_total_train_batch_size(args),
                   "best": trainer.state.best_model_checkpoint and os.path.basename(trainer.state.best_model_checkpoint),
                   "kept": sorted(name for name in os.listdir(opts.out) if name.startswith("checkpoint-")),
                   "parallelism_config": None if (pc := trainer.accelerator.parallelism_config) is None else

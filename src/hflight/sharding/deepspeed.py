@@ -151,5 +151,11 @@ class HFDeepSpeedStrategy(DeepSpeedStrategy, HFBackend):
         return bool(engine.was_step_applied())
 
     @override
+    def hf_clip_grad_norm(self, parameters: Any, max_norm: float) -> torch.Tensor | None:
+        """The engine clips at its own step (``gradient_clipping``): nothing is clipped here, and the norm is the
+        engine's last (None before its first step), as accelerate's ``clip_grad_norm_`` under DeepSpeed."""
+        return self.deepspeed_engine.get_global_grad_norm()
+
+    @override
     def hf_checkpoint_state(self) -> CheckpointForm:
         return DeepSpeedState(self.deepspeed_engine, self.hf_deepspeed_resolver.config)

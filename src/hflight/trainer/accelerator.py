@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hflight._util import model_tp_size
 from hflight.arguments import process_group
 from hflight.arguments.lightning_kwargs import precision_for
 from hflight.arguments.training_args import gradient_accumulation_plugin_kwargs
@@ -158,11 +159,16 @@ class RunAccelerator:
     Args:
         current_run: returns the run in progress (or the last one), None before any.
         args: the trainer's ``TrainingArguments`` (device and ranks before any run, ``accelerator_config``).
+        model: returns the trainer's model (``parallelism_config`` of a model sharded at load time).
     """
 
-    def __init__(self, current_run: Callable[[], RunView | None], args: Any) -> None:
+    def __init__(
+        self, current_run: Callable[[], RunView | None], args: Any, model: Callable[[], Any] = lambda: None
+    ) -> None:
         self._current_run = current_run
         self._args = args
+        self._model = model
+        self._built_parallelism: tuple[Any, Any] | None = None  # (the model, the ParallelismConfig built for it)
         self._step = 0  # accumulate()'s count, as accelerate's Accelerator.step
         self._loader_settings: dict[str, Any] = {}  # set through dataloader_config, over accelerator_config's
         self.gradient_state = GradientState(gradient_accumulation_plugin_kwargs(args))
@@ -243,8 +249,23 @@ class RunAccelerator:
     @property
     def parallelism_config(self) -> Any:
         """accelerate's ``ParallelismConfig`` of the run: the arguments' (transformers hands its ``Accelerator``
-        ``args.parallelism_config``), None when they set none."""
-        return getattr(self._args, "parallelism_config", None)
+        ``args.parallelism_config``); for a model sharded at load time (tensor parallelism) without one, the one
+        transformers builds from the model (its ``tp_size``, and its ``distributed_config.dp_size`` as
+        ``dp_shard_size``; with one, transformers writes those two sizes into it, which hflight's arguments check
+        requires to be the same already); None otherwise."""
+        config = getattr(self._args, "parallelism_config", None)
+        model = self._model()
+        size = model_tp_size(model)
+        if config is not None or size == 1:
+            return config
+        built = self._built_parallelism
+        if built is None or built[0] is not model:
+            from accelerate import ParallelismConfig
+
+            layout = getattr(getattr(model, "config", None), "distributed_config", None)
+            replicas = int(getattr(layout, "dp_size", 1) or 1)
+            built = self._built_parallelism = (model, ParallelismConfig(tp_size=size, dp_shard_size=replicas))
+        return built[1]
 
     def prepare_model(
         self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
@@ -329,9 +350,7 @@ class RunAccelerator:
                     "Lightning's strategy wraps the model and runs the optimizer and scheduler when Trainer.train() "
                     "runs"
                 )
-            prepared.append(
-                prepare_loader(item, *self.world.data_parallel, self._sharding, self.gradient_state)
-            )
+            prepared.append(prepare_loader(item, *self.world.data_parallel, self._sharding, self.gradient_state))
         return prepared[0] if len(prepared) == 1 else tuple(prepared)
 
     # ---- gradient accumulation ---------------------------------------------------------------------------------
@@ -405,6 +424,13 @@ class RunAccelerator:
         return torch.autocast(device_type=device_type, dtype=dtype, **kwargs)
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
+        """accelerate's: the gradients' total norm, clipped to ``max_norm``, over the whole model however the run
+        holds it. During a run the 2-norm is the run's own (what the training loop clips and logs: a tensor-parallel
+        model's norm completed over its mesh, where torch's refuses a mix of DTensor and plain gradients); other
+        norms, and outside a run, torch's ``clip_grad_norm_``."""
+        run = self._current_run()
+        if run is not None and norm_type == 2:
+            return run.backend.hf_clip_grad_norm(parameters, max_norm)
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
     def unwrap_model(

@@ -136,7 +136,7 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
     # ---- construction helpers ----------------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
         """transformers builds its accelerate ``Accelerator`` here; hflight's answers from the run in progress."""
-        self.accelerator = RunAccelerator(lambda: self._run, self.args)
+        self.accelerator = RunAccelerator(lambda: self._run, self.args, lambda: self.model)
         self.gather_function = self.accelerator.gather_for_metrics
 
     def _seed(self) -> None:
