@@ -40,7 +40,7 @@ def _start(out: Path, processes: int, *options: str) -> launch.Job:
 def runs(tmp_path_factory) -> dict:
     """TP-2 (torchrun, 2 processes), 2 x 2 (4 processes) and the one-process run, and TP-2 and one process with the
     best checkpoint kept and loaded at the end, at once; then the resumes at once:
-    TP-2's checkpoint-2 on 1 process and on 2 DDP processes, 2 x 2's on 1 process."""
+    TP-2's checkpoint-2 on 1 process and on 2 DDP processes, 2 x 2's on 1 process and on 4 DDP processes."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     root = tmp_path_factory.mktemp("tensor_parallel")
@@ -54,7 +54,8 @@ def runs(tmp_path_factory) -> dict:
          "tp2_best": (2, "--tp", "--best"), "one_best": (1, "--best")},
         {"tp2_on_1": (1, "--resume", str(root / "tp2" / "checkpoint-2")),
          "2x2_on_1": (1, "--resume", str(root / "2x2" / "checkpoint-2")),
-         "tp2_on_ddp2": (2, "--batch", "2", "--resume", str(root / "tp2" / "checkpoint-2"))},
+         "tp2_on_ddp2": (2, "--batch", "2", "--resume", str(root / "tp2" / "checkpoint-2")),
+         "2x2_on_ddp4": (4, "--batch", "1", "--resume", str(root / "2x2" / "checkpoint-2"))},
     ]  # fmt: skip
     for phase in phases:
         started = {name: _start(root / name, n, "--model", str(model), *options) for name, (n, *options) in
@@ -98,6 +99,9 @@ def test_a_tensor_parallel_run_equals_the_one_process_run_step_for_step(runs, na
     assert run["parallelism_config"] == {"tp2": [1, 2], "2x2": [2, 2]}[name] and one["parallelism_config"] is None
     # trainer.accelerator.clip_grad_norm_ after the loop's clipping: the whole model's norm, max_grad_norm
     assert run["accelerator_norms"] == pytest.approx([0.5] * 4, rel=1e-5) == one["accelerator_norms"]
+    # counted over every process, as transformers' gathers count them: each tensor-parallel copy of a batch (tp = 2)
+    assert run["tokens_seen"] == 2 * one["tokens_seen"] == 2 * 4 * 4 * 12
+    assert run["total_flos"] == pytest.approx(2 * one["total_flos"], rel=1e-6) and one["total_flos"] > 0
     assert run["total_train_batch_size"] == one["total_train_batch_size"] == 4
     assert all(norm > 0.5 for _, _, norm in _steps(one))  # every step clips
     _same_steps(run, one)
@@ -121,10 +125,12 @@ def test_tp2_evaluation_is_gathered_once_per_replica(runs):
 
 @pytest.mark.subprocess
 @pytest.mark.slow
-@pytest.mark.parametrize(("resumed", "trained"), [("tp2_on_1", "tp2"), ("tp2_on_ddp2", "tp2"), ("2x2_on_1", "2x2")])
+@pytest.mark.parametrize(("resumed", "trained"), [("tp2_on_1", "tp2"), ("tp2_on_ddp2", "tp2"), ("2x2_on_1", "2x2"),
+                                                 ("2x2_on_ddp4", "2x2")])
 def test_a_tensor_parallel_checkpoint_resumes_on_another_layout_with_the_same_losses(runs, resumed, trained):
     """checkpoint-2 of TP-2 (and of 2 x 2) is torch distributed checkpoint shards in hflight's manifest, and resumed
-    on one process (or TP-2's on 2 DDP processes) steps 3 and 4 have the uninterrupted run's losses and norms."""
+    on one process (or on 2, and 2 x 2's on 4, DDP processes) steps 3 and 4 have the uninterrupted run's losses and
+    norms."""
     folder = runs["root"] / trained / "checkpoint-2"
     manifest = json.loads((folder / "checkpoint_manifest.json").read_text())
     listed = json.dumps(manifest)
@@ -155,6 +161,16 @@ def test_a_tensor_parallel_model_refuses_a_second_wrapping_naming_it(setting):
         setattr(args, setting, "set")
     with pytest.raises(ValueError, match=rf"tp_size=2.*{setting} would wrap or shard it again"):
         strategies.strategy_from_args(strategy, args, _tp_model(2, (1, 1, 2)))
+
+
+def test_save_only_model_with_a_tensor_parallel_model_is_refused_naming_it():
+    """The checkpoints of a tensor-parallel run are its DTensor shards, model and optimizer together: save_only_model
+    would write a checkpoint without the model. Refused before training, as transformers refuses it with FSDP's
+    sharded form."""
+    args = SimpleNamespace(fsdp=[], deepspeed=None, parallelism_config=None, save_only_model=True)
+    with pytest.raises(ValueError, match=r"save_only_model is not compatible with a model loaded tensor-parallel "
+                                         r"\(tp_size=2\)"):  # fmt: skip
+        strategies.strategy_from_args("auto", args, _tp_model(2, (1, 1, 2)))
 
 
 def _loaded(tp: int, fsdp: int = 1, replicate: int = 1) -> SimpleNamespace:

@@ -77,7 +77,8 @@ def main():
                            metric_for_best_model="eval_loss", greater_is_better=True)  # fmt: skip
     args = TrainingArguments(output_dir=opts.out, per_device_train_batch_size=opts.batch, max_steps=4, save_steps=2,
                              per_device_eval_batch_size=2, logging_steps=1, learning_rate=1e-2, max_grad_norm=0.5,
-                             use_cpu=True, seed=0, report_to="none", disable_tqdm=True, **parallelism)  # fmt: skip
+                             use_cpu=True, seed=0, report_to="none", disable_tqdm=True,
+                             include_num_input_tokens_seen="all", **parallelism)  # fmt: skip
     trainer = Trainer(model, args, train_dataset=blocks(64, 1), eval_dataset=blocks(6, 2))
     norms = []
 
@@ -101,7 +102,8 @@ def main():
         torch.save(saved, os.path.join(opts.out, "weights.pt"))
         result = {"world_size": trainer.accelerator.num_processes, "tp_size": trainer.get_tp_size(),
                   "sharded": is_sharded(trainer.model), "log_history": trainer.state.log_history,
-                  "eval": metrics, "accelerator_norms": norms,
+                  "eval": metrics, "accelerator_norms": norms, "tokens_seen": trainer.state.num_input_tokens_seen,
+                  "total_flos": trainer.state.total_flos,
                   "total_train_batch_size": trainer.get_total_train_batch_size(args),
                   "best": trainer.state.best_model_checkpoint and os.path.basename(trainer.state.best_model_checkpoint),
                   "kept": sorted(name for name in os.listdir(opts.out) if name.startswith("checkpoint-")),

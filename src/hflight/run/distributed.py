@@ -158,5 +158,16 @@ class World:
             return value
         return self.strategy.reduce(value, reduce_op="sum")
 
+    def every_process(self, value: torch.Tensor) -> torch.Tensor:
+        """Every process's ``value`` stacked in rank order, over the whole world even where the strategy's own
+        collectives span the data-parallel ranks only (tensor parallelism): transformers' ``accelerator.gather`` and
+        ``distributed_broadcast_scalars``, whose sums (``num_input_tokens_seen``, ``total_flos``) count each
+        tensor-parallel copy of a batch. ``value`` with a leading dimension of one process alone."""
+        if not is_distributed(self.strategy):
+            return value[None]
+        parts = [torch.empty_like(value) for _ in range(self.size)]
+        torch.distributed.all_gather(parts, value.contiguous())
+        return torch.stack(parts)
+
     def barrier(self) -> None:
         barrier(self.strategy)

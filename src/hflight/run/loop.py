@@ -225,7 +225,8 @@ class TrainingLoop:
             tokens = inputs[main_input].numel()
         device = inputs[main_input].device
         tokens = torch.as_tensor(tokens, device=device, dtype=torch.int64)
-        facade.state.num_input_tokens_seen += int(self.run.world.reduce_sum(tokens).item())
+        # over every process, as transformers' gather: a tensor-parallel group's copies of a batch each count
+        facade.state.num_input_tokens_seen += int(self.run.world.every_process(tokens).sum().item())
 
     def clip_and_pre_step(self, model: torch.nn.Module) -> None:
         facade = self.facade

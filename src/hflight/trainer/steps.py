@@ -199,10 +199,11 @@ def _counted_labels(batch: Any, shifts_labels: bool) -> torch.Tensor:
 
 def flos_of_every_process(flos: float, world: Any, device: torch.device) -> float:
     """``store_flos``: the operations this process counted since the last call, summed over the processes when
-    several train together (as transformers gathers them: float32 values, summed)."""
+    several train together (as transformers gathers them: float32 values, summed; every process, a tensor-parallel
+    group's each counted, as transformers' ``distributed_broadcast_scalars``)."""
     if world.size <= 1:
         return flos
-    return world.gather(torch.tensor([flos], dtype=torch.float32, device=device)).sum().item()
+    return world.every_process(torch.tensor([flos], dtype=torch.float32, device=device)).sum().item()
 
 
 def floating_point_ops(model: nn.Module, inputs: dict[str, Any], num_params: int) -> int:
