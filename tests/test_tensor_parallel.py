@@ -155,7 +155,7 @@ def test_a_layout_the_launch_cannot_hold_is_refused_naming_both_numbers():
 def test_a_tensor_parallel_model_refuses_a_second_wrapping_naming_it(setting):
     """A model loaded tensor-parallel would be wrapped or sharded again by fsdp, deepspeed or another strategy:
     refused before any process group starts, naming the setting."""
-    args = SimpleNamespace(fsdp=[], deepspeed=None, parallelism_config=None)
+    args = SimpleNamespace(fsdp=[], deepspeed=None, parallelism_config=None, save_only_model=False)
     strategy = "ddp" if setting == "strategy" else "auto"
     if setting != "strategy":
         setattr(args, setting, "set")

@@ -153,7 +153,7 @@ def tensor_parallel_strategy(strategy: Any, args: Any, model: nn.Module) -> Any:
             f"its own device mesh; {', '.join(others)} would wrap or shard it again: leave "
             f"{' and '.join(others)} unset."
         )
-    if getattr(args, "save_only_model", False):
+    if args.save_only_model:
         # its checkpoints are the DTensor shards of model and optimizer together (SHARDED_STATE_DICT): without the
         # optimizer's there would be no model either; transformers refuses save_only_model with FSDP's sharded form
         raise ValueError(
