@@ -182,8 +182,10 @@ class FakeStrategy:
 
     def __init__(self, other):
         self.other = other
+        self.groups = []
 
-    def all_gather(self, tensor):
+    def all_gather(self, tensor, group=None):
+        self.groups.append(group)
         return torch.stack([tensor, self.other(tensor)])
 
 
@@ -203,6 +205,10 @@ def test_gather_concatenates_nested_tensors_in_rank_order():
     gathered = distributed.gather(strategy, (torch.tensor([1, 2]), [torch.tensor([[3]])]))
     assert gathered[0].tolist() == [1, 2, 11, 12] and gathered[1][0].tolist() == [[3], [13]]
     assert distributed.gather(None, "same") == "same"  # one process: identity
+    # the strategy's own group (the data-parallel ranks under tensor parallelism), or every process, padding included
+    assert strategy.groups == [None, None]
+    distributed.gather(strategy, torch.ones(2, 3), pad_dim=1, whole_world=True)
+    assert strategy.groups[2:] == [torch.distributed.group.WORLD] * 2
 
 
 @pytest.mark.subprocess

@@ -3,8 +3,10 @@ loading goes): a tiny Llama loaded with ``from_pretrained(MODEL, tp_plan="auto")
 transformers' mesh, gloo on this CPU) trains on hflight's ``TensorParallelStrategy`` and equals the same model trained
 in one plain process, step for step; so does the 2-D layout transformers builds for
 ``DistributedConfig(tp_size=2, fsdp_size=2)`` on 4 processes (FSDP2 across, TP inside). Their checkpoints are torch
-distributed checkpoints, resumed on one process and on 2 (TP-2's) or 4 (2 x 2's) data-parallel (DDP) processes with
-the uninterrupted run's losses.
+distributed checkpoints, resumed on one process, on 2 (TP-2's) or 4 (2 x 2's) data-parallel (DDP) processes and on
+HSDP x TP (TP-2's, on ``DistributedConfig(tp_size=2, dp_replicate_size=2)``) with the uninterrupted run's losses.
+With ``save_only_model`` (what transformers requires to save a model it sharded at load time) the checkpoints are the
+whole model, gathered by transformers' ``save_pretrained`` on every process.
 
 Tolerance (measured, float32): losses and gradient norms 2e-6 relative, final weights 1e-4 absolute (measured: 1.6e-5
 after 4 steps at lr 1e-2), predictions 1e-4 (measured 1e-5). Jobs: ``tests/jobs/tp_job.py``.
@@ -39,8 +41,9 @@ def _start(out: Path, processes: int, *options: str) -> launch.Job:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     """TP-2 (torchrun, 2 processes), 2 x 2 (4 processes) and the one-process run, and TP-2 and one process with the
-    best checkpoint kept and loaded at the end, at once; then the resumes at once:
-    TP-2's checkpoint-2 on 1 process and on 2 DDP processes, 2 x 2's on 1 process and on 4 DDP processes."""
+    best checkpoint kept and loaded at the end (TP-2 twice: its own checkpoints, and ``save_only_model``'s), at once;
+    then the resumes at once: TP-2's checkpoint-2 on 1 process, on 2 DDP processes and on HSDP x TP (4 processes:
+    ``DistributedConfig(tp_size=2, dp_replicate_size=2)``), 2 x 2's on 4 DDP processes."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     root = tmp_path_factory.mktemp("tensor_parallel")
@@ -51,10 +54,11 @@ def runs(tmp_path_factory) -> dict:
     LlamaForCausalLM(config).save_pretrained(model)
     phases = [
         {"tp2": (2, "--tp"), "one": (1,), "2x2": (4, "--fsdp", "2", "--batch", "2", "--parallelism-config"),
-         "tp2_best": (2, "--tp", "--best"), "one_best": (1, "--best")},
+         "tp2_best": (2, "--tp", "--best"), "one_best": (1, "--best"),
+         "tp2_only_model": (2, "--tp", "--best", "--save-only-model")},
         {"tp2_on_1": (1, "--resume", str(root / "tp2" / "checkpoint-2")),
-         "2x2_on_1": (1, "--resume", str(root / "2x2" / "checkpoint-2")),
          "tp2_on_ddp2": (2, "--batch", "2", "--resume", str(root / "tp2" / "checkpoint-2")),
+         "tp2_on_hsdp": (4, "--replicate", "2", "--batch", "2", "--resume", str(root / "tp2" / "checkpoint-2")),
          "2x2_on_ddp4": (4, "--batch", "1", "--resume", str(root / "2x2" / "checkpoint-2"))},
     ]  # fmt: skip
     for phase in phases:
@@ -95,8 +99,12 @@ def test_a_tensor_parallel_run_equals_the_one_process_run_step_for_step(runs, na
     pickled objects (``eval_use_gather_object``)."""
     run, one = runs["results"][name], runs["results"]["one"]
     assert (run["world_size"], run["tp_size"], run["sharded"]) == ({"tp2": 2, "2x2": 4}[name], 2, True)
+    # transformers' attributes: sharded at load time, so not placed by the Trainer
+    assert run["loaded_sharded"] == [True, False] and one["loaded_sharded"] == [False, True]
     # transformers' (dp_shard_size, tp_size): built from the model for TP-2, the arguments' (checked) for 2 x 2
     assert run["parallelism_config"] == {"tp2": [1, 2], "2x2": [2, 2]}[name] and one["parallelism_config"] is None
+    # trainer.accelerator.gather: every process's rows, as accelerate's (the loop's gathers are per replica, above)
+    assert run["accelerator_gather"] == list(range(run["world_size"])) and one["accelerator_gather"] == [0]
     # trainer.accelerator.clip_grad_norm_ after the loop's clipping: the whole model's norm, max_grad_norm
     assert run["accelerator_norms"] == pytest.approx([0.5] * 4, rel=1e-5) == one["accelerator_norms"]
     # counted over every process, as transformers' gathers count them: each tensor-parallel copy of a batch (tp = 2)
@@ -125,18 +133,27 @@ def test_tp2_evaluation_is_gathered_once_per_replica(runs):
 
 @pytest.mark.subprocess
 @pytest.mark.slow
-@pytest.mark.parametrize(("resumed", "trained"), [("tp2_on_1", "tp2"), ("tp2_on_ddp2", "tp2"), ("2x2_on_1", "2x2"),
-                                                 ("2x2_on_ddp4", "2x2")])
+@pytest.mark.parametrize(
+    ("resumed", "trained"),
+    [("tp2_on_1", "tp2"), ("tp2_on_ddp2", "tp2"), ("tp2_on_hsdp", "tp2"), ("2x2_on_ddp4", "2x2")],
+)
 def test_a_tensor_parallel_checkpoint_resumes_on_another_layout_with_the_same_losses(runs, resumed, trained):
     """checkpoint-2 of TP-2 (and of 2 x 2) is torch distributed checkpoint shards in hflight's manifest, and resumed
-    on one process (or on 2, and 2 x 2's on 4, DDP processes) steps 3 and 4 have the uninterrupted run's losses and
-    norms."""
+    on one process, on 2 DDP processes or on HSDP x TP (FSDP2's replicas across, TP inside: 2 replicas of TP-2; 2 x 2's
+    on 4 DDP processes) steps 3 and 4 have the uninterrupted run's losses and norms. HSDP x TP is one more layout
+    trained: transformers' Trainer gives accelerate its 2 replicas as dp_shard_size (accelerate refuses TP with
+    replicas alone), and so does hflight's ``trainer.accelerator.parallelism_config``."""
+    run = runs["results"][resumed]
+    if resumed == "tp2_on_hsdp":
+        assert (run["world_size"], run["tp_size"], run["sharded"]) == (4, 2, True)
+        assert run["parallelism_config"] == [2, 2, 1]  # dp_shard_size, tp_size, dp_replicate_size
+        assert run["tokens_seen"] == 2 * runs["results"]["one"]["tokens_seen"]
     folder = runs["root"] / trained / "checkpoint-2"
     manifest = json.loads((folder / "checkpoint_manifest.json").read_text())
     listed = json.dumps(manifest)
     assert (folder / "pytorch_model_fsdp_0" / ".metadata").is_file() and "pytorch_model_fsdp_0" in listed
     assert (folder / "optimizer_0" / ".metadata").is_file() and "optimizer_0" in listed
-    _same_steps(runs["results"][resumed], runs["results"][trained], after=2)
+    _same_steps(run, runs["results"][trained], after=2)
 
 
 def _tp_model(tp: int, mesh: tuple[int, ...] | None) -> SimpleNamespace:
@@ -163,16 +180,6 @@ def test_a_tensor_parallel_model_refuses_a_second_wrapping_naming_it(setting):
         strategies.strategy_from_args(strategy, args, _tp_model(2, (1, 1, 2)))
 
 
-def test_save_only_model_with_a_tensor_parallel_model_is_refused_naming_it():
-    """The checkpoints of a tensor-parallel run are its DTensor shards, model and optimizer together: save_only_model
-    would write a checkpoint without the model. Refused before training, as transformers refuses it with FSDP's
-    sharded form."""
-    args = SimpleNamespace(fsdp=[], deepspeed=None, parallelism_config=None, save_only_model=True)
-    with pytest.raises(ValueError, match=r"save_only_model is not compatible with a model loaded tensor-parallel "
-                                         r"\(tp_size=2\)"):  # fmt: skip
-        strategies.strategy_from_args("auto", args, _tp_model(2, (1, 1, 2)))
-
-
 def _loaded(tp: int, fsdp: int = 1, replicate: int = 1) -> SimpleNamespace:
     """A stand-in for a model from_pretrained(distributed_config=DistributedConfig(tp_size, fsdp_size)) loaded."""
     layout = SimpleNamespace(fsdp_size=fsdp, dp_replicate_size=replicate)
@@ -195,8 +202,11 @@ def test_parallelism_config_with_tp_size_takes_the_layout_the_model_was_loaded_w
         check(ParallelismConfig(dp_shard_size=1, tp_size=4), _loaded(2, fsdp=2), 4)
     with pytest.raises(ValueError, match=r"tp_size=1, but the model was loaded with tp_size=2"):
         check(ParallelismConfig(dp_shard_size=2), _loaded(2, fsdp=2), 4)
-    with pytest.raises(ValueError, match=r"tp_size=2, but the model was not loaded tensor-parallel.*"
-                                         r"DistributedConfig\(tp_size=2, fsdp_size=2\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"tp_size=2, but the model was not loaded tensor-parallel.*"
+        r"DistributedConfig\(tp_size=2, fsdp_size=2\)",
+    ):
         check(ParallelismConfig(dp_shard_size=2, tp_size=2), _loaded(1), 4)
     with pytest.raises(ValueError, match=r"1 x 3 x 2 = 6, but the run has 4 processes"):
         check(ParallelismConfig(dp_shard_size=3, tp_size=2), _loaded(2, fsdp=2), 4)
@@ -223,8 +233,11 @@ def test_parallelism_config_refusals_reach_the_strategy_and_the_arguments():
     strategy = strategies.strategy_from_args("auto", args, _loaded(2, fsdp=2))
     assert isinstance(strategy, TensorParallelStrategy) and strategy.tp_size == 2
     for size in ("cp_size", "sp_size"):
-        with pytest.raises(ValueError, match=rf"(?s)parallelism_config=.*{size}=2.*cp_size > 1 needs torch's context "
-                                             r"parallelism .*CPU's attention kernel.*sp_size > 1 needs DeepSpeed's"):
+        with pytest.raises(
+            ValueError,
+            match=rf"(?s)parallelism_config=.*{size}=2.*cp_size > 1 needs torch's context "
+            r"parallelism .*CPU's attention kernel.*sp_size > 1 needs DeepSpeed's",
+        ):
             hflight.TrainingArguments("o", report_to="none", parallelism_config=ParallelismConfig(**{size: 2}))
 
 
@@ -251,8 +264,11 @@ def test_a_checkpoint_a_tensor_parallel_run_cannot_reshard_is_refused_naming_bot
     folder = _deepspeed_checkpoint(tmp_path / "checkpoint-2")
     facade = SimpleNamespace(args=SimpleNamespace(output_dir=str(tmp_path), fsdp=[], deepspeed=None),
                              state=TrainerState(), model=_tp_model(2, (1, 1, 2)))  # fmt: skip
-    with pytest.raises(ValueError, match=r"(?s)holds DeepSpeed's own checkpoint.*this run \(tensor-parallel, "
-                                         r"tp_size=2: .*\) writes a SHARDED_STATE_DICT checkpoint.*Only DeepSpeed's"):
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)holds DeepSpeed's own checkpoint.*this run \(tensor-parallel, "
+        r"tp_size=2: .*\) writes a SHARDED_STATE_DICT checkpoint.*Only DeepSpeed's",
+    ):
         resume._resume_from(facade, folder, None)
     plain = forms.resume_refusal(facade.args, None, forms.DeepSpeedState, folder)
     assert plain is not None and "this run writes a one-process/DDP checkpoint" in plain
@@ -281,3 +297,35 @@ def test_tp2_keeps_and_loads_the_best_checkpoint_as_the_one_process_run(runs):
         torch.testing.assert_close(best[key], reference[key], rtol=0, atol=WEIGHT_ATOL, msg=key)
     # steps 3-4 moved the weights by up to 7.5e-3 (Adam at the decaying rates 5e-3, 2.5e-3): far beyond the tolerance
     assert max((best[key] - last[key]).abs().max() for key in last) > 10 * WEIGHT_ATOL
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_tp2_save_only_model_writes_the_whole_model_and_loads_the_best_of_it(runs):
+    """``save_only_model`` under TP-2, as a transformers user writes a tensor-parallel script (transformers saves a
+    model sharded at load time only with it): each checkpoint is the whole model gathered from the shards
+    (``model.safetensors``, no optimizer, no DTensor shards, the manifest saying so), the best one (step 2's) kept
+    and loaded back into the shards at the end: the one-process run's best weights; ``trainer.save_model()`` then
+    writes them whole (every process calls it: transformers' ``save_pretrained`` gathers a model it sharded)."""
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    run, one = runs["results"]["tp2_only_model"], runs["results"]["one_best"]
+    assert run["tp_size"] == 2 and run["sharded"] and run["best"] == one["best"] == "checkpoint-2"
+    assert run["kept"] == one["kept"]
+    folder = runs["root"] / "tp2_only_model" / "checkpoint-2"
+    assert json.loads((folder / "checkpoint_manifest.json").read_text())["save_only_model"] is True
+    assert not {"optimizer_0", "pytorch_model_fsdp_0", "optimizer.pt", "scheduler.pt"} & set(
+        p.name for p in folder.iterdir()
+    )
+    _same_steps(run, one)
+    saved, best, reference = (
+        load_file(folder / "model.safetensors"),
+        *(_weights(runs, name)["weights"] for name in ("tp2_only_model", "one_best")),
+    )
+    # trainer.save_model() after training: the best weights, whole, as the model's own from_pretrained reads them
+    final = LlamaForCausalLM.from_pretrained(runs["root"] / "tp2_only_model" / "final").state_dict()
+    assert saved.keys() == best.keys() == reference.keys() == final.keys()
+    for key in reference:
+        for weights in (best, saved, final):
+            torch.testing.assert_close(weights[key], reference[key], rtol=0, atol=WEIGHT_ATOL, msg=key)

@@ -47,6 +47,13 @@ def model_tp_size(model: Any) -> int:
     return int(size) if size else 1
 
 
+def sharded_at_load(model: Any) -> bool:
+    """Whether transformers sharded ``model`` when it loaded it (``from_pretrained(..., tp_plan=...)`` or
+    ``distributed_config=``): its ``save_pretrained`` then gathers the shards itself, a collective every process
+    joins (transformers' ``is_distributed_loading_by_transformers``)."""
+    return bool(getattr(model, "is_distributed_loading_by_transformers", False)) if model is not None else False
+
+
 #: Signals to ignore once the exit callbacks have run, filled by ``hflight.run.interrupt`` when a signal stops a run.
 #: After the exit callbacks Python gives every signal it handles its default action back, then tears its modules down
 #: (more than a second with torch imported); a SIGTERM arriving there would end the process by the signal instead of

@@ -7,6 +7,8 @@ Trainer; or the same model loaded whole and trained in one plain process, from s
     torchrun --standalone --nproc_per_node=4 tests/jobs/tp_job.py OUT --model MODEL --fsdp 2 [--parallelism-config]
     python tests/jobs/tp_job.py OUT --model MODEL [--resume CKPT]
     ... [--best]   # evaluated every 2 steps, the best checkpoint kept (save_total_limit=1) and loaded at the end
+    ... [--save-only-model]   # checkpoints of the whole model only (what transformers writes for a TP model),
+                              # and trainer.save_model(OUT/final) after training
 
 "best" (``--best``) is the highest evaluation loss (``greater_is_better=True``): the step-2 checkpoint, so that
 loading it at the end shows.
@@ -45,11 +47,13 @@ def main():
     parser.add_argument("--save-model")
     parser.add_argument("--tp", action="store_true", help='from_pretrained(tp_plan="auto")')
     parser.add_argument("--fsdp", type=int, default=1, help="2-D: DistributedConfig(tp_size=2, fsdp_size=FSDP)")
+    parser.add_argument("--replicate", type=int, default=1, help="HSDP x TP: DistributedConfig(dp_replicate_size=R)")
     parser.add_argument("--parallelism-config", action="store_true",
                         help="TrainingArguments(parallelism_config=ParallelismConfig(dp_shard_size=FSDP, tp_size=2))")
     parser.add_argument("--resume")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--best", action="store_true", help="load_best_model_at_end with save_total_limit=1")
+    parser.add_argument("--save-only-model", action="store_true")
     opts = parser.parse_args()
     torch.set_num_threads(1)
     if opts.save_model:
@@ -58,10 +62,10 @@ def main():
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)  # fmt: skip
         LlamaForCausalLM(config).save_pretrained(opts.save_model)
         return 0
-    if opts.fsdp > 1:
+    if opts.fsdp > 1 or opts.replicate > 1:
         from transformers.distributed import DistributedConfig
 
-        layout = DistributedConfig(tp_size=2, fsdp_size=opts.fsdp)
+        layout = DistributedConfig(tp_size=2, fsdp_size=opts.fsdp, dp_replicate_size=opts.replicate)
         model = LlamaForCausalLM.from_pretrained(opts.model, distributed_config=layout)
     elif opts.tp:
         model = LlamaForCausalLM.from_pretrained(opts.model, tp_plan="auto")
@@ -71,14 +75,16 @@ def main():
     if opts.parallelism_config:  # as a transformers user writes it beside the model's own layout
         from accelerate import ParallelismConfig
 
-        parallelism["parallelism_config"] = ParallelismConfig(dp_shard_size=opts.fsdp, tp_size=2)
+        parallelism["parallelism_config"] = ParallelismConfig(dp_replicate_size=opts.replicate,
+                                                              dp_shard_size=opts.fsdp, tp_size=2)  # fmt: skip
     if opts.best:
         parallelism.update(eval_strategy="steps", eval_steps=2, load_best_model_at_end=True, save_total_limit=1,
                            metric_for_best_model="eval_loss", greater_is_better=True)  # fmt: skip
     args = TrainingArguments(output_dir=opts.out, per_device_train_batch_size=opts.batch, max_steps=4, save_steps=2,
                              per_device_eval_batch_size=2, logging_steps=1, learning_rate=1e-2, max_grad_norm=0.5,
                              use_cpu=True, seed=0, report_to="none", disable_tqdm=True,
-                             include_num_input_tokens_seen="all", **parallelism)  # fmt: skip
+                             include_num_input_tokens_seen="all", save_only_model=opts.save_only_model,
+                             **parallelism)  # fmt: skip
     trainer = Trainer(model, args, train_dataset=blocks(64, 1), eval_dataset=blocks(6, 2))
     norms = []
 
@@ -95,6 +101,10 @@ def main():
     predictions = trainer.predict(blocks(6, 2)).predictions
     trainer.args.eval_use_gather_object = True  # gathered as pickled objects: once per data-parallel replica too
     pickled = trainer.predict(blocks(6, 2)).predictions
+    if opts.save_only_model:  # and the whole model after training, as a user saves it (every process calls it)
+        trainer.save_model(os.path.join(opts.out, "final"))
+    # a user's own gather: every process's rows, as accelerate's (each tensor-parallel rank's too)
+    gathered = trainer.accelerator.gather(torch.tensor([trainer.args.process_index]))
     whole = full_model_state(trainer.model)
     if trainer.is_world_process_zero():
         saved = {"weights": whole if whole is not None else trainer.model.state_dict(),
@@ -102,13 +112,15 @@ def main():
         torch.save(saved, os.path.join(opts.out, "weights.pt"))
         result = {"world_size": trainer.accelerator.num_processes, "tp_size": trainer.get_tp_size(),
                   "sharded": is_sharded(trainer.model), "log_history": trainer.state.log_history,
-                  "eval": metrics, "accelerator_norms": norms, "tokens_seen": trainer.state.num_input_tokens_seen,
+                  "loaded_sharded": [trainer.is_distributed_loading_by_transformers, trainer.place_model_on_device],
+                  "eval": metrics, "accelerator_norms": norms, "accelerator_gather": gathered.tolist(),
+                  "tokens_seen": trainer.state.num_input_tokens_seen,
                   "total_flos": trainer.state.total_flos,
                   "total_train_batch_size": trainer.get_total_train_batch_size(args),
                   "best": trainer.state.best_model_checkpoint and os.path.basename(trainer.state.best_model_checkpoint),
                   "kept": sorted(name for name in os.listdir(opts.out) if name.startswith("checkpoint-")),
                   "parallelism_config": None if (pc := trainer.accelerator.parallelism_config) is None else
-                  [pc.dp_shard_size, pc.tp_size]}  # fmt: skip
+                  [pc.dp_shard_size, pc.tp_size] + ([pc.dp_replicate_size] if opts.replicate > 1 else [])}  # fmt: skip
         with open(os.path.join(opts.out, "result.json"), "w") as handle:
             json.dump(result, handle)
     return 0

@@ -153,15 +153,6 @@ def tensor_parallel_strategy(strategy: Any, args: Any, model: nn.Module) -> Any:
             f"its own device mesh; {', '.join(others)} would wrap or shard it again: leave "
             f"{' and '.join(others)} unset."
         )
-    if args.save_only_model:
-        # its checkpoints are the DTensor shards of model and optimizer together (SHARDED_STATE_DICT): without the
-        # optimizer's there would be no model either; transformers refuses save_only_model with FSDP's sharded form
-        raise ValueError(
-            f"save_only_model is not compatible with a model loaded tensor-parallel (tp_size={tp}): its checkpoints "
-            "are the model's and optimizer's DTensor shards together (SHARDED_STATE_DICT, as FSDP's, where "
-            "transformers refuses save_only_model too); leave save_only_model unset, or save the whole model with "
-            "trainer.save_model()."
-        )
     world = planned_world_size(args)
     check_tensor_parallel_config(args.parallelism_config, model, world)
     return _builder(SHARDING.tensor_parallel, "tensor parallelism")(model, world, process_group_settings(args))

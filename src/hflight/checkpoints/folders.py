@@ -41,6 +41,7 @@ from transformers.trainer_utils import SaveStrategy, sort_checkpoints
 from transformers.utils import logging as hf_logging
 
 from hflight import durable
+from hflight._util import sharded_at_load
 from hflight.checkpoints.files import IncompleteCheckpointError
 from hflight.checkpoints.forms import NotGathered, background_refusal
 from hflight.checkpoints.job import CheckpointJob, CheckpointWriteError, write_error
@@ -181,13 +182,21 @@ def save_model(facade: TrainerSurface, output_dir: str, backend: Any) -> None:
     outer = not _WRITING_CHECKPOINT.get()
     if outer:
         backend.hf_sync_to_host()
-    form = backend.hf_checkpoint_state()
-    try:
-        state_dict = form.full_model_state(facade.model)
-    except NotGathered as not_gathered:  # transformers' way: the run's own checkpoint form, and no weights file
-        _hf_logger.warning(str(not_gathered))
-        _save_without_weights(facade, form, output_dir, outer)
-        return
+    if sharded_at_load(facade.model):
+        # transformers' save_pretrained gathers the shards of a model it sharded at load time (tensor parallelism)
+        # itself, on every process: each process calls it, the main one writes
+        if not facade.args.should_save:
+            facade._save(output_dir)
+            return
+        state_dict = None
+    else:
+        form = backend.hf_checkpoint_state()
+        try:
+            state_dict = form.full_model_state(facade.model)
+        except NotGathered as not_gathered:  # transformers' way: the run's own checkpoint form, and no weights file
+            _hf_logger.warning(str(not_gathered))
+            _save_without_weights(facade, form, output_dir, outer)
+            return
     if facade.args.should_save:
         _saving_checkpoint(output_dir)
         with _model_writes(output_dir, outer), durable_writes(output_dir, outer), deepspeed_left_alone():
@@ -330,8 +339,10 @@ def _write_files(facade: TrainerSurface, run: RunView, job: CheckpointJob, run_d
             if not args.save_only_model:
                 # The largest file first: its checksum is computed (in the background) while the model is written.
                 write_training_states(facade, run, job, is_main)
-            if run.backend.hf_checkpoint_state().with_model_files:
-                _write_model_files(facade, run, job, is_main)  # every process: sharded models gather
+            if args.save_only_model or run.backend.hf_checkpoint_state().with_model_files:
+                # every process: sharded models gather (save_only_model: the whole model in place of a form's shards,
+                # as transformers writes a tensor-parallel model's checkpoints)
+                _write_model_files(facade, run, job, is_main)
             _update_best_checkpoint(args, state, run_dir)
             progress = run.loop.progress() if run.loop is not None else None  # every rank: their running losses
             world.barrier()

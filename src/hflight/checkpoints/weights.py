@@ -149,16 +149,24 @@ def save_model_files(
     state dict otherwise (``state_dict``: the weights to write instead of the model's own), the processing class and
     ``training_args.bin``. Changes nothing outside the folder (accelerate's unwrapping is the caller's
     :func:`deepspeed_left_alone`), nor the model unless this process is not global rank 0 (:func:`saves_off_rank_zero`:
-    only the training loop's thread writes so)."""
-    os.makedirs(output_dir, exist_ok=True)
+    only the training loop's thread writes so).
+
+    The processes that do not write (``args.should_save`` False) call it for a model transformers sharded at load time
+    alone (:func:`~hflight._util.sharded_at_load`): its ``save_pretrained`` gathers the shards, a collective, and only
+    the writer writes, as in transformers' ``_save``."""
+    writes = args.should_save
+    if writes:
+        os.makedirs(output_dir, exist_ok=True)
     if hasattr(model, "save_pretrained"):
         with _writing_on_this_process(model):
-            model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
-    else:
+            model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True, is_main_process=writes)
+    elif writes:
         from safetensors.torch import save_file
 
         state = {k: v.contiguous() for k, v in (state_dict or model.state_dict()).items()}
         save_file(state, os.path.join(output_dir, SAFE_WEIGHTS_NAME), metadata={"format": "pt"})
+    if not writes:
+        return
     if processing_class is not None and hasattr(processing_class, "save_pretrained"):
         processing_class.save_pretrained(output_dir)
     torch.save(args.to_transformers(), os.path.join(output_dir, TRAINING_ARGS_NAME))

@@ -18,8 +18,17 @@ def is_distributed(strategy: Strategy | None) -> bool:
     return strategy is not None and strategy.world_size > 1
 
 
-def pad_across_processes(strategy: Strategy | None, value: Any, dim: int = 1, pad_index: int = -100) -> Any:
-    """Pad every tensor along ``dim`` to the largest size any process has, so that they can be gathered."""
+def _group(whole_world: bool) -> Any:
+    """The process group of a collective: the strategy's own (None; the data-parallel ranks under tensor
+    parallelism), or every process (``whole_world``)."""
+    return torch.distributed.group.WORLD if whole_world else None
+
+
+def pad_across_processes(
+    strategy: Strategy | None, value: Any, dim: int = 1, pad_index: int = -100, whole_world: bool = False
+) -> Any:
+    """Pad every tensor along ``dim`` to the largest size any process has, so that they can be gathered (over the
+    strategy's processes, or every process with ``whole_world``)."""
     if not is_distributed(strategy):
         return value
 
@@ -27,7 +36,7 @@ def pad_across_processes(strategy: Strategy | None, value: Any, dim: int = 1, pa
         if not torch.is_tensor(tensor) or tensor.dim() <= dim:
             return tensor
         size = torch.tensor(tensor.shape[dim], device=tensor.device)
-        longest = int(strategy.all_gather(size).max())
+        longest = int(strategy.all_gather(size, group=_group(whole_world)).max())
         if longest == tensor.shape[dim]:
             return tensor
         shape = list(tensor.shape)
@@ -39,17 +48,20 @@ def pad_across_processes(strategy: Strategy | None, value: Any, dim: int = 1, pa
     return tree_map(pad, value)
 
 
-def gather(strategy: Strategy | None, value: Any, pad_dim: int | None = None) -> Any:
-    """Concatenate every process's tensors along dim 0, in rank order (padding ``pad_dim`` first if given)."""
+def gather(strategy: Strategy | None, value: Any, pad_dim: int | None = None, whole_world: bool = False) -> Any:
+    """Concatenate every process's tensors along dim 0, in rank order (padding ``pad_dim`` first if given): over the
+    strategy's processes (the data-parallel ranks under tensor parallelism), or every process with
+    ``whole_world``."""
     if not is_distributed(strategy):
         return value
     if pad_dim is not None:
-        value = pad_across_processes(strategy, value, dim=pad_dim)
+        value = pad_across_processes(strategy, value, dim=pad_dim, whole_world=whole_world)
+    group = _group(whole_world)
 
     def gather_one(tensor: Any) -> Any:
         if not torch.is_tensor(tensor):
             return tensor
-        gathered = strategy.all_gather(tensor.contiguous())  # (world_size, *shape)
+        gathered = strategy.all_gather(tensor.contiguous(), group=group)  # (processes, *shape)
         return gathered.flatten(0, 1) if tensor.dim() else gathered
 
     return tree_map(gather_one, value)
@@ -121,8 +133,11 @@ class World:
 
         return backend_of(self.strategy).hf_data_parallel(self.size, self.rank)
 
-    def gather(self, value: Any, pad_dim: int | None = None) -> Any:
-        return gather(self.strategy, value, pad_dim)
+    def gather(self, value: Any, pad_dim: int | None = None, whole_world: bool = False) -> Any:
+        """Every process's tensors concatenated along dim 0 (:func:`gather`): the loop's gathers, over the
+        strategy's processes (one per data-parallel replica under tensor parallelism); ``whole_world``: over every
+        process, as accelerate's ``gather``."""
+        return gather(self.strategy, value, pad_dim, whole_world)
 
     def pad_across_processes(self, value: Any, dim: int = 1, pad_index: int = -100) -> Any:
         return pad_across_processes(self.strategy, value, dim=dim, pad_index=pad_index)
@@ -163,11 +178,7 @@ class World:
         collectives span the data-parallel ranks only (tensor parallelism): transformers' ``accelerator.gather`` and
         ``distributed_broadcast_scalars``, whose sums (``num_input_tokens_seen``, ``total_flos``) count each
         tensor-parallel copy of a batch. ``value`` with a leading dimension of one process alone."""
-        if not is_distributed(self.strategy):
-            return value[None]
-        parts = [torch.empty_like(value) for _ in range(self.size)]
-        torch.distributed.all_gather(parts, value.contiguous())
-        return torch.stack(parts)
+        return self.gather(value[None], whole_world=True)
 
     def barrier(self) -> None:
         barrier(self.strategy)

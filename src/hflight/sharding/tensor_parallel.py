@@ -37,9 +37,14 @@ from hflight.run.backend import HFBackend
 
 
 def model_mesh_size(model: nn.Module) -> int | None:
-    """The number of processes ``model``'s device mesh spans (None without one)."""
+    """The number of processes ``model``'s layout spans (None without a device mesh): its mesh (``pp`` x ``fsdp`` x
+    ``tp``) times the replicas of HSDP (``DistributedConfig(dp_replicate_size=R)``: transformers' whole mesh is
+    ``pp`` x ``dp_replicate`` x ``fsdp`` x ``tp``, of which the model keeps the dimensions without the replicas)."""
     mesh = getattr(model, "_device_mesh", None)
-    return None if mesh is None else math.prod(mesh.shape)
+    if mesh is None:
+        return None
+    layout = getattr(getattr(model, "config", None), "distributed_config", None)
+    return math.prod(mesh.shape) * (getattr(layout, "dp_replicate_size", None) or 1)
 
 
 def check_layout(model: nn.Module, world_size: int) -> int:

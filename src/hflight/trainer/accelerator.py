@@ -479,14 +479,18 @@ class RunAccelerator:
     # ---- collectives -------------------------------------------------------------------------------------------
     def gather(self, tensor: Any) -> Any:
         """Every process's tensors concatenated along the first dimension (nested lists, tuples, dicts; a 0-d tensor
-        counts as one row); one process: as given."""
+        counts as one row); one process: as given. Every process, as accelerate's: under tensor parallelism each
+        rank of a tensor-parallel group adds its rows (``gather_for_metrics``, what an evaluation loop calls, gathers
+        once per data-parallel replica, as the loop's own gathers)."""
         if self.use_distributed:
             _tensors_only(tensor, "gather")
-        return self.world.gather(tensor)
+        return self.world.gather(tensor, whole_world=True)
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """``gather`` (or, for objects, every process's list joined), then, on the last batch of a prepared loader,
-        only the samples that are not repeats (accelerate's ``remainder``)."""
+        only the samples that are not repeats (accelerate's ``remainder``). Under tensor parallelism once per
+        data-parallel replica, as the loop's evaluation gathers and as the loaders deal the batches (accelerate's
+        gathers each tensor-parallel rank's copy, which its remainder cut then miscounts)."""
         try:
             _tensors_only(input_data, "gather_for_metrics")
         except TypeError:
@@ -512,7 +516,7 @@ class RunAccelerator:
         if dim >= tensor.dim() or dim < -tensor.dim():
             return tensor
         dim = dim % tensor.dim()
-        sizes = self.world.gather(torch.tensor(tensor.shape, device=tensor.device)[None])
+        sizes = self.world.gather(torch.tensor(tensor.shape, device=tensor.device)[None], whole_world=True)
         longest = int(sizes[:, dim].max())
         if longest == tensor.shape[dim]:
             return tensor

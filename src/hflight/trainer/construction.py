@@ -25,6 +25,8 @@ from transformers.trainer_utils import (  # noqa: F401 - validate_quantization_f
 )
 from transformers.utils import can_return_loss, find_labels
 
+from hflight._util import sharded_at_load
+
 
 def _require(value: Any, name: str, kinds: tuple[type, ...] | type, hint: str) -> None:
     if value is not None and not isinstance(value, kinds):
@@ -269,7 +271,7 @@ def transformers_attributes(args: Any, model: nn.Module) -> dict[str, Any]:
     """The public attributes a ``transformers.Trainer`` has after its constructor that describe how the model is
     placed and sharded, with hflight's values: Lightning places and wraps the model when a run starts (so
     ``model_wrapped`` is the model itself until then), its FSDP/DeepSpeed strategies shard it, and nothing is
-    model-parallel or sharded at load time by transformers."""
+    model-parallel; a model transformers sharded at load time (tensor parallelism) stays where it was loaded."""
     strategy = _strategy_name(args).lower()
     devices = {d for d in (getattr(model, "hf_device_map", None) or {}).values() if d not in ("cpu", "disk")}
     return {
@@ -279,9 +281,11 @@ def transformers_attributes(args: Any, model: nn.Module) -> dict[str, Any]:
         "is_fsdp_xla_enabled": False,
         "is_fsdp_xla_v1_enabled": False,
         "is_fsdp_xla_v2_enabled": False,
-        "is_distributed_loading_by_transformers": False,
+        "is_distributed_loading_by_transformers": sharded_at_load(model),
         "is_model_parallel": len(devices) > 1,
         "model_wrapped": model,
-        "place_model_on_device": getattr(args, "place_model_on_device", None) is not False,
+        "place_model_on_device": bool(placed)
+        if (placed := getattr(args, "place_model_on_device", None)) is not None
+        else not sharded_at_load(model),
         "hub_model_id": None,
     }
