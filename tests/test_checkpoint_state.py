@@ -233,3 +233,42 @@ def test_an_optimizer_or_scheduler_state_that_does_not_fit_is_refused_before_any
         trainer.train(resume_from_checkpoint=str(folder))
     assert all(torch.equal(before[k], v) for k, v in params(trainer).items()), "the weights were copied in"
     assert trainer.optimizer is None and trainer.lr_scheduler is None, "nothing was built on the trainer"
+
+
+def test_a_state_by_name_grouped_by_another_layout_maps_each_group_to_its_saved_one(tmp_path):
+    """transformers splits a group by device mesh where DTensor and plain parameters mix (a tensor-parallel mixture of
+    experts): its 3 groups (decay on the mesh, decay plain, no decay) resumed by a run of 2 (decay, no decay). Each of
+    the run's groups takes the saved group its parameters were in, when the saved groups it joins are set alike; the
+    scheduler's per-group lists follow. Saved groups set differently, or a parameter no saved group lists, are refused
+    naming the file."""
+    from hflight.checkpoints.optim_state import (
+        IncompatibleTrainingState,
+        check_named_optimizer_state,
+        group_map,
+        regrouped_scheduler,
+    )
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    names = {id(p): name for name, p in model.named_parameters()}
+    w0, b0, w1, b1 = model.parameters()
+    optimizer = torch.optim.AdamW(
+        [{"params": [w0, w1], "weight_decay": 0.1}, {"params": [b0, b1], "weight_decay": 0.0}]
+    )
+    decay, plain = {"lr": 1e-3, "weight_decay": 0.1}, {"lr": 1e-3, "weight_decay": 0.0}
+    saved = [
+        {**decay, "params": ["0.weight"]},
+        {**decay, "params": ["1.weight"]},
+        {**plain, "params": ["0.bias", "1.bias"]},
+    ]
+    path = tmp_path / "optimizer.bin"
+    assert group_map(path, saved, optimizer, names) == [0, 2]
+    check_named_optimizer_state(path, {"state": {}, "param_groups": saved}, optimizer, names)
+    scheduler = {"base_lrs": [1e-3, 1e-3, 5e-4], "_last_lr": [1, 2, 3], "last_epoch": 2}
+    assert regrouped_scheduler(scheduler, [0, 2], 3) == {"base_lrs": [1e-3, 5e-4], "_last_lr": [1, 3], "last_epoch": 2}
+    assert regrouped_scheduler(scheduler, [0, 1, 2], 3) is scheduler
+    assert group_map(path, [saved[2], {**decay, "params": ["0.weight", "1.weight"]}], optimizer, names) == [1, 0]
+    refusal = r"optimizer.bin: the optimizer's group 0 holds parameters of the saved groups \[0, 1\], which are set"
+    with pytest.raises(IncompatibleTrainingState, match=refusal):
+        group_map(path, [saved[0], {**plain, "params": ["1.weight"]}, saved[2]], optimizer, names)
+    with pytest.raises(IncompatibleTrainingState, match=r"group 1 steps \['1.bias'\], which no saved parameter group"):
+        group_map(path, [saved[0], saved[1], {**plain, "params": ["0.bias"]}], optimizer, names)

@@ -43,23 +43,28 @@ def runs(tmp_path_factory) -> dict:
     """TP-2 (torchrun, 2 processes), 2 x 2 (4 processes) and the one-process run, and TP-2 and one process with the
     best checkpoint kept and loaded at the end (TP-2 twice: its own checkpoints, and ``save_only_model``'s), at once;
     then the resumes at once: TP-2's checkpoint-2 on 1 process, on 2 DDP processes and on HSDP x TP (4 processes:
-    ``DistributedConfig(tp_size=2, dp_replicate_size=2)``), 2 x 2's on 4 DDP processes."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    ``DistributedConfig(tp_size=2, dp_replicate_size=2)``), 2 x 2's on 4 DDP processes. A tiny Mixtral (packed
+    expert weights) on TP-2 and on one process, and TP-2's checkpoint resumed on one process, beside them."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
     root = tmp_path_factory.mktemp("tensor_parallel")
-    model = root / "model"
+    model, moe = root / "model", ["--model", str(root / "mixtral")]  # (a second --model is the one argparse takes)
+    sizes = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=32)  # fmt: skip
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)  # fmt: skip
-    LlamaForCausalLM(config).save_pretrained(model)
+    LlamaForCausalLM(LlamaConfig(**sizes)).save_pretrained(model)
+    torch.manual_seed(0)
+    MixtralForCausalLM(MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **sizes)).save_pretrained(moe[1])
     phases = [
         {"tp2": (2, "--tp"), "one": (1,), "2x2": (4, "--fsdp", "2", "--batch", "2", "--parallelism-config"),
          "tp2_best": (2, "--tp", "--best"), "one_best": (1, "--best"),
-         "tp2_only_model": (2, "--tp", "--best", "--save-only-model")},
+         "tp2_only_model": (2, "--tp", "--best", "--save-only-model"),
+         "moe_tp2": (2, "--tp", *moe), "moe_one": (1, *moe)},
         {"tp2_on_1": (1, "--resume", str(root / "tp2" / "checkpoint-2")),
          "tp2_on_ddp2": (2, "--batch", "2", "--resume", str(root / "tp2" / "checkpoint-2")),
          "tp2_on_hsdp": (4, "--replicate", "2", "--batch", "2", "--resume", str(root / "tp2" / "checkpoint-2")),
-         "2x2_on_ddp4": (4, "--batch", "1", "--resume", str(root / "2x2" / "checkpoint-2"))},
+         "2x2_on_ddp4": (4, "--batch", "1", "--resume", str(root / "2x2" / "checkpoint-2")),
+         "moe_tp2_on_1": (1, *moe, "--resume", str(root / "moe_tp2" / "checkpoint-2"))},
     ]  # fmt: skip
     for phase in phases:
         started = {name: _start(root / name, n, "--model", str(model), *options) for name, (n, *options) in
@@ -329,3 +334,26 @@ def test_tp2_save_only_model_writes_the_whole_model_and_loads_the_best_of_it(run
     for key in reference:
         for weights in (best, saved, final):
             torch.testing.assert_close(weights[key], reference[key], rtol=0, atol=WEIGHT_ATOL, msg=key)
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_a_mixture_of_experts_with_packed_weights_trains_and_resumes_on_one_process(runs):
+    """A tiny Mixtral on TP-2: its experts' fused ``gate_up_proj`` is sharded in strides (transformers'
+    ``packed_colwise``: each process holds its part of the gate and of the up projection), which torch's distributed
+    checkpoint cannot write as shards ("overlapping chunks"): hflight writes those tensors whole. transformers gives
+    the replicated router its own parameter group beside the DTensors (3 groups, where one process has 2), so the
+    checkpoint's groups are mapped to the resuming run's by parameter name. The run equals the one-process run per
+    step (final weights too, gathered from the strided shards), and its checkpoint-2 resumed on one process gives the
+    uninterrupted run's steps 3 and 4."""
+    run, one, resumed = (runs["results"][name] for name in ("moe_tp2", "moe_one", "moe_tp2_on_1"))
+    assert (run["world_size"], run["tp_size"], run["sharded"]) == (2, 2, True)
+    _same_steps(run, one)
+    _same_steps(resumed, one, after=2)
+    folder = runs["root"] / "moe_tp2" / "checkpoint-2"
+    assert len(torch.load(folder / "scheduler.pt", weights_only=True)["base_lrs"]) == 3
+    assert len(torch.load(runs["root"] / "moe_one" / "checkpoint-2" / "scheduler.pt")["base_lrs"]) == 2
+    weights, reference = _weights(runs, "moe_tp2")["weights"], _weights(runs, "moe_one")["weights"]
+    assert weights.keys() == reference.keys() and any("gate_up_proj" in key for key in reference)
+    for key, value in reference.items():
+        torch.testing.assert_close(weights[key], value, atol=WEIGHT_ATOL, rtol=0, msg=key)

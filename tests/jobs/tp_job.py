@@ -28,7 +28,7 @@ import sys
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
 from hflight import Trainer, TrainerCallback, TrainingArguments
 from hflight.checkpoints.sharded import full_model_state, is_sharded
@@ -45,6 +45,8 @@ def main():
     parser.add_argument("out")
     parser.add_argument("--model")
     parser.add_argument("--save-model")
+    parser.add_argument("--arch", default="llama", choices=["llama", "mixtral"],
+                        help="the model --save-model saves: a Llama, or a Mixtral (MoE: packed expert weights)")
     parser.add_argument("--tp", action="store_true", help='from_pretrained(tp_plan="auto")')
     parser.add_argument("--fsdp", type=int, default=1, help="2-D: DistributedConfig(tp_size=2, fsdp_size=FSDP)")
     parser.add_argument("--replicate", type=int, default=1, help="HSDP x TP: DistributedConfig(dp_replicate_size=R)")
@@ -58,19 +60,23 @@ def main():
     torch.set_num_threads(1)
     if opts.save_model:
         torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)  # fmt: skip
-        LlamaForCausalLM(config).save_pretrained(opts.save_model)
+        sizes = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=32)  # fmt: skip
+        if opts.arch == "mixtral":
+            model = MixtralForCausalLM(MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **sizes))
+        else:
+            model = LlamaForCausalLM(LlamaConfig(**sizes))
+        model.save_pretrained(opts.save_model)
         return 0
     if opts.fsdp > 1 or opts.replicate > 1:
         from transformers.distributed import DistributedConfig
 
         layout = DistributedConfig(tp_size=2, fsdp_size=opts.fsdp, dp_replicate_size=opts.replicate)
-        model = LlamaForCausalLM.from_pretrained(opts.model, distributed_config=layout)
+        model = AutoModelForCausalLM.from_pretrained(opts.model, distributed_config=layout)
     elif opts.tp:
-        model = LlamaForCausalLM.from_pretrained(opts.model, tp_plan="auto")
+        model = AutoModelForCausalLM.from_pretrained(opts.model, tp_plan="auto")
     else:
-        model = LlamaForCausalLM.from_pretrained(opts.model)
+        model = AutoModelForCausalLM.from_pretrained(opts.model)
     parallelism = {}
     if opts.parallelism_config:  # as a transformers user writes it beside the model's own layout
         from accelerate import ParallelismConfig

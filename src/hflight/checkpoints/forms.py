@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -65,19 +64,20 @@ from hflight.checkpoints.sharded import (
     by_name,
     collective,
     dcp_files,
+    dcp_writable,
     full_model_state,
     is_dcp_folder,
     is_sharded,
+    load_dcp,
     load_dcp_optimizer,
     named_optimizer_state,
-    read_metadata,
+    saved_group_template,
     set_named_optimizer_state,
     tensor_shapes,
 )
 
 logger = logging.getLogger(__name__)
 
-_GROUP_PARAMS_RE = re.compile(rf"^{OPTIMIZER_KEY}\.param_groups\.\d+\.params$")
 
 
 class CheckpointForm:
@@ -162,6 +162,13 @@ class CheckpointForm:
         it (converted to its sharding where needed)."""
         raise NotImplementedError
 
+    @classmethod
+    def saved_groups(cls, folder: Path, saved: Any) -> list[dict[str, Any]] | None:
+        """The saved parameter groups (``params``: the names each lists, and its settings; ``saved``: what
+        :meth:`read_optimizer` read), for a form whose parameters are named; None where they are numbered (the run's
+        grouping must then be the saved one)."""
+        return None
+
     def restore(self, folder: Path, module_only: bool = False) -> None:
         """A checkpoint the run's engine reads itself (DeepSpeed's); forms hflight reads (weights files, optimizer
         files or distributed-checkpoint folders) never come here."""
@@ -242,6 +249,10 @@ class GatheredState(CheckpointForm):
         return saved
 
     @classmethod
+    def saved_groups(cls, folder: Path, saved: Any) -> list[dict[str, Any]] | None:
+        return list(saved["param_groups"])
+
+    @classmethod
     def load_optimizer(
         cls, folder: Path, saved: Any, model: nn.Module, optimizer: torch.optim.Optimizer, run_form: CheckpointForm
     ) -> None:
@@ -294,9 +305,17 @@ class ShardedState(CheckpointForm):
         """Checked from the folder's metadata and left to be read into the run's own shards (its path is kept)."""
         path = Path(folder) / cls.optimizer_name
         shapes = tensor_shapes(path, OPTIMIZER_KEY)
-        groups = sum(1 for key in read_metadata(path).state_dict_metadata if _GROUP_PARAMS_RE.match(key))
-        check_distributed_optimizer(path, shapes, groups, optimizer, names)
+        check_distributed_optimizer(path, shapes, cls.saved_groups(folder, path), optimizer, names)
         return path
+
+    @classmethod
+    def saved_groups(cls, folder: Path, saved: Any) -> list[dict[str, Any]] | None:
+        """Read from the folder's ``param_groups.<i>.<setting>`` entries (plain values, read by this process
+        alone)."""
+        path = Path(folder) / cls.optimizer_name
+        listed: dict[str, Any] = {OPTIMIZER_KEY: {"param_groups": saved_group_template(path)}}
+        load_dcp(path, listed, collective=False)
+        return list(listed[OPTIMIZER_KEY]["param_groups"])
 
     @classmethod
     def load_optimizer(
@@ -320,7 +339,7 @@ class ShardedState(CheckpointForm):
         }
         for name, state in states.items():
             writer = dcp.FileSystemWriter(os.path.join(folder, name))
-            dcp.save(state, storage_writer=writer, no_dist=not collective())
+            dcp.save(dcp_writable(state), storage_writer=writer, no_dist=not collective())
         return list(states)
 
 

@@ -126,7 +126,10 @@ def _groups(path: Path, saved: Any, optimizer: torch.optim.Optimizer) -> list[di
     if len(groups) != len(optimizer.param_groups):
         raise IncompatibleTrainingState(
             f"{path}: 'param_groups' has {len(groups)} group(s), the {type(optimizer).__name__} this run builds has "
-            f"{len(optimizer.param_groups)}. Was it saved for another optimizer or weight-decay grouping?"
+            f"{len(optimizer.param_groups)}. Was it saved for another optimizer or weight-decay grouping? (Or by "
+            "another layout: transformers gives each device mesh its own group where DTensor and plain parameters "
+            "mix, as in a tensor-parallel mixture of experts; a state by parameter position cannot be regrouped, one "
+            "by name, FSDP2's or a tensor-parallel run's, is.)"
         )
     for i, (group, ours) in enumerate(zip(groups, optimizer.param_groups)):
         params = group.get("params")
@@ -173,39 +176,82 @@ def check_optimizer_state(
                 )
 
 
+def group_map(
+    path: Path, saved_groups: list[Mapping[str, Any]], optimizer: torch.optim.Optimizer, names: Mapping[int, str]
+) -> list[int]:
+    """For each parameter group of ``optimizer``, a saved group (by index) its parameters were in, from the saved
+    groups (``params``: parameter names; their settings): the identity for the same grouping. The grouping may differ
+    with the layout: transformers' ``create_optimizer`` gives each device mesh its own group where DTensor and plain
+    parameters mix (a tensor-parallel mixture of experts' replicated router beside its sharded weights), so a
+    checkpoint of one layout splits a group a run of another keeps whole. A group taken from several saved groups
+    needs them to have the same settings (weight decay, learning rate, ...; their first is named). Raises
+    :class:`IncompatibleTrainingState` where a parameter is in no saved group, or a group's parameters come from
+    saved groups set differently."""
+    saved_of = {str(name): j for j, group in enumerate(saved_groups) for name in group["params"]}
+    settings = [{k: v for k, v in group.items() if k != "params"} for group in saved_groups]
+    mapping = []
+    for i, ours in enumerate(optimizer.param_groups):
+        expected = [names.get(id(p), f"#{j}") for j, p in enumerate(ours["params"])]
+        missing = sorted(name for name in expected if name not in saved_of)
+        if missing:
+            raise IncompatibleTrainingState(
+                f"{path}: the optimizer's group {i} steps {_shown(missing)}, which no saved parameter group lists. "
+                "Was it saved for another model?"
+            )
+        sources = sorted({saved_of[name] for name in expected})
+        differing = [j for j in sources[1:] if settings[j] != settings[sources[0]]]
+        if differing:
+            raise IncompatibleTrainingState(
+                f"{path}: the optimizer's group {i} holds parameters of the saved groups {sources}, which are set "
+                f"differently ({_shown(settings[sources[0]])} and {_shown(settings[differing[0]])}): it was saved for "
+                "another weight-decay grouping."
+            )
+        mapping.append(sources[0] if sources else i)
+    return mapping
+
+
+def regrouped_scheduler(saved: Any, mapping: list[int], saved_groups: int) -> Any:
+    """A scheduler state's per-group lists (``base_lrs``, ``_last_lr``, ...: those as long as the saved optimizer's
+    groups) taken for the run's groups by :func:`group_map`; the state itself for the same grouping."""
+    if not isinstance(saved, Mapping) or mapping == list(range(saved_groups)):
+        return saved
+    return {key: [value[j] for j in mapping] if isinstance(value, (list, tuple)) and len(value) == saved_groups
+            else value for key, value in saved.items()}  # fmt: skip
+
+
 def check_named_optimizer_state(
     path: Path, saved: Any, optimizer: torch.optim.Optimizer, names: Mapping[int, str]
 ) -> None:
     """The same checks for an optimizer state whose parameters are named (a sharded run's ``optimizer.bin``:
-    ``param_groups`` list parameter names, ``state`` is keyed by them, tensors are whole): each group lists the
-    names of the optimizer's group; ``names`` maps ``id(parameter)`` to its name in the model."""
+    ``param_groups`` list parameter names, ``state`` is keyed by them, tensors are whole): the optimizer's parameters
+    are the saved groups' (grouped the same, or as another layout groups them: :func:`group_map`); ``names`` maps
+    ``id(parameter)`` to its name in the model."""
     if not isinstance(saved, Mapping) or "state" not in saved or "param_groups" not in saved:
         found = sorted(map(str, saved)) if isinstance(saved, Mapping) else type(saved).__name__
         raise IncompatibleTrainingState(
             f"{path} does not hold an optimizer state ('state' and 'param_groups'); found {_shown(found)}."
         )
     groups = saved["param_groups"]
-    if not isinstance(groups, list) or len(groups) != len(optimizer.param_groups):
+    if not isinstance(groups, list) or not all(
+        isinstance(group, Mapping) and isinstance(group.get("params"), list) for group in groups
+    ):
         raise IncompatibleTrainingState(
-            f"{path}: 'param_groups' has {len(groups) if isinstance(groups, list) else _shown(groups)} group(s), the "
-            f"{type(optimizer).__name__} this run builds has {len(optimizer.param_groups)}. Was it saved for another "
-            "optimizer or weight-decay grouping?"
+            f"{path}: 'param_groups' must be a list of objects listing their parameters, got {_shown(groups)}."
         )
-    params = {}
-    for i, (group, ours) in enumerate(zip(groups, optimizer.param_groups)):
-        listed = group.get("params") if isinstance(group, Mapping) else None
-        expected = [names.get(id(p), f"#{j}") for j, p in enumerate(ours["params"])]
-        if not isinstance(listed, list) or sorted(map(str, listed)) != sorted(expected):
-            differing = sorted(set(map(str, listed or [])) ^ set(expected))
-            raise IncompatibleTrainingState(
-                f"{path}: 'param_groups'[{i}] lists other parameters than the optimizer's group {i} (differing: "
-                f"{_shown(differing)}). Was it saved for another model?"
-            )
+    for i, group in enumerate(groups):
         if not _is_number(group.get("lr")):
             raise IncompatibleTrainingState(
                 f"{path}: 'param_groups'[{i}]['lr'] must be a number, got {_shown(group.get('lr'))}."
             )
-        params.update({names.get(id(p)): p for p in ours["params"]})
+    group_map(path, groups, optimizer, names)
+    ours = {names.get(id(p)) for group in optimizer.param_groups for p in group["params"]}
+    extra = sorted({str(name) for group in groups for name in group["params"]} - ours)
+    if extra:
+        raise IncompatibleTrainingState(
+            f"{path}: 'param_groups' list {_shown(extra)}, which the optimizer this run builds does not step. Was it "
+            "saved for another model?"
+        )
+    params = {names.get(id(p)): p for group in optimizer.param_groups for p in group["params"]}
     state = saved["state"]
     if not isinstance(state, Mapping):
         raise IncompatibleTrainingState(f"{path}: 'state' must be an object, got {type(state).__name__}.")
@@ -229,17 +275,14 @@ def _check_shapes(path: Path, where: str, entry: Mapping[str, Any], shape: Any, 
 
 
 def check_distributed_optimizer(
-    path: Path, shapes: Mapping[str, tuple[tuple[int, ...], Any]], groups: int, optimizer: torch.optim.Optimizer,
-    names: Mapping[int, str],
+    path: Path, shapes: Mapping[str, tuple[tuple[int, ...], Any]], groups: list[Mapping[str, Any]],
+    optimizer: torch.optim.Optimizer, names: Mapping[int, str],
 ) -> None:  # fmt: skip
-    """The same checks for a distributed-checkpoint optimizer folder (``optimizer_0/``), from its metadata alone:
-    ``shapes`` holds its tensors (``state.<parameter>.<key>`` -> whole shape), ``groups`` its number of parameter
-    groups; every parameter the optimizer steps has its states there, shaped as the parameter."""
-    if groups != len(optimizer.param_groups):
-        raise IncompatibleTrainingState(
-            f"{path}: it holds {groups} parameter group(s), the {type(optimizer).__name__} this run builds has "
-            f"{len(optimizer.param_groups)}. Was it saved for another optimizer or weight-decay grouping?"
-        )
+    """The same checks for a distributed-checkpoint optimizer folder (``optimizer_0/``), from its metadata and its
+    groups' parameter names: ``shapes`` holds its tensors (``state.<parameter>.<key>`` -> whole shape), ``groups``
+    the names each parameter group lists (grouped as the run groups them, or as another layout does:
+    :func:`group_map`); every parameter the optimizer steps has its states there, shaped as the parameter."""
+    group_map(path, groups, optimizer, names)
     params = {names.get(id(p)): p for group in optimizer.param_groups for p in group["params"]}
     saved: dict[str, dict[str, Any]] = {}
     for key, (shape, _) in shapes.items():

@@ -64,8 +64,10 @@ from hflight.checkpoints.optim_state import (
     OPTIMIZER_NAME,
     IncompatibleTrainingState,
     check_training_states,
+    group_map,
     planned_optimizer,
     planned_scheduler,
+    regrouped_scheduler,
 )
 from hflight.checkpoints.weights import is_weight_file
 from hflight.surface import RunView, TrainerSurface
@@ -314,13 +316,19 @@ def read_training_states(
     names = (SCHEDULER_NAME, SCALER_NAME)
     states = {name: load_tensors_file(path) for name in names if (path := regular_file(folder, name)) is not None}
     optimizer = planned_optimizer(facade)
+    names = parameter_names(facade.model)
     targets = {OPTIMIZER_NAME: optimizer}
     if SCHEDULER_NAME in states:
         targets[SCHEDULER_NAME] = planned_scheduler(facade, optimizer, state.max_steps)
-    check_training_states(folder, states, targets, parameter_names(facade.model))
     form = found_form(folder)
     if form is not None:
-        states[OPTIMIZER_PART] = (form, form.read_optimizer(Path(folder), optimizer, parameter_names(facade.model)))
+        saved = form.read_optimizer(Path(folder), optimizer, names)
+        states[OPTIMIZER_PART] = (form, saved)
+        groups = form.saved_groups(Path(folder), saved)
+        if groups is not None and SCHEDULER_NAME in states:  # grouped as another layout groups them: the run's order
+            mapping = group_map(Path(folder) / form.optimizer_name, groups, optimizer, names)
+            states[SCHEDULER_NAME] = regrouped_scheduler(states[SCHEDULER_NAME], mapping, len(groups))
+    check_training_states(folder, {n: s for n, s in states.items() if n != OPTIMIZER_PART}, targets, names)
     return states
 
 

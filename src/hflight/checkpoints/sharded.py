@@ -15,11 +15,13 @@ from __future__ import annotations
 import io
 import logging
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from hflight.checkpoints.files import UnsafeCheckpointFile
 from hflight.checkpoints.names import DCP_METADATA, DCP_SHARDS
@@ -146,19 +148,69 @@ def tensor_shapes(folder: Path, prefix: str) -> dict[str, tuple[tuple[int, ...],
     }
 
 
+def is_packed(value: Any) -> bool:
+    """Whether ``value`` is a DTensor sharded in strides that torch's distributed checkpoint (2.13) cannot write or
+    read: a ``_StridedShard`` of a dimension no later mesh dimension shards again, as transformers' ``packed_colwise``
+    plan places a fused weight (a mixture of experts' ``gate_up_proj``: each process holds its part of the gate and of
+    the up projection). torch takes each process's part for one contiguous block: writing fails ("overlapping
+    chunks"), reading would fill the shards with other rows. (FSDP2 over tensor parallelism shards the same dimension
+    in strides first, then plainly: that torch writes and reads.)"""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import Shard, _StridedShard
+
+    if not isinstance(value, DTensor):
+        return False
+    placements = value.placements
+    return any(
+        isinstance(p, _StridedShard)
+        and not any(
+            isinstance(q, Shard) and not isinstance(q, _StridedShard) and q.dim == p.dim for q in placements[i + 1 :]
+        )
+        for i, p in enumerate(placements)
+    )
+
+
+def dcp_writable(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` as torch's distributed checkpoint writes it: a packed DTensor (:func:`is_packed`) as its whole
+    tensor (collective; the same on every process, which torch's planner then writes once), the rest as it is. The
+    whole tensor is what any layout reads back (:func:`load_dcp`)."""
+    return tree_map(lambda value: value.detach().full_tensor() if is_packed(value) else value, state)
+
+
+def _whole_in_place_of_packed(state: Any) -> list[tuple[Any, Any, Any]]:
+    """Each packed DTensor (:func:`is_packed`) in the nested dicts and lists of ``state`` replaced by an empty
+    whole tensor, in place; returns (container, key, the DTensor) for each."""
+    replaced = []
+    items = state.items() if isinstance(state, dict) else enumerate(state) if isinstance(state, list) else ()
+    for key, value in list(items):
+        if is_packed(value):
+            state[key] = torch.empty(value.shape, dtype=value.dtype, device=value.to_local().device)
+            replaced.append((state, key, value))
+        elif isinstance(value, (dict, list)):
+            replaced.extend(_whole_in_place_of_packed(value))
+    return replaced
+
+
 def load_dcp(folder: Path, state: dict[str, Any], collective: bool) -> None:
     """Fill ``state`` (the states' shapes and the run's own sharding: whole tensors or DTensor shards) from a
     distributed-checkpoint folder, in place; ``collective``: every process of the run calls it (else this process
-    reads alone)."""
+    reads alone). A packed DTensor (:func:`is_packed`) is read whole and cut to its shards here."""
     import warnings
 
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import distribute_tensor
 
+    packed = _whole_in_place_of_packed(state)
     with (
         warnings.catch_warnings()
     ):  # reading alone is meant: torch's "assuming the intent is to load in a single process"
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
         dcp.load(state, storage_reader=_reader(folder), planner=_planner(), no_dist=not collective)
+    for container, key, shards in packed:  # each whole tensor read, cut to the shards, the DTensor put back
+        whole = distribute_tensor(container[key], shards.device_mesh, shards.placements, src_data_rank=None)
+        with torch.no_grad():
+            shards.to_local().copy_(whole.to_local())
+        container[key] = shards
 
 
 def read_full_model(folder: Path) -> dict[str, torch.Tensor]:
@@ -250,8 +302,27 @@ def load_dcp_optimizer(folder: Path, model: nn.Module, optimizer: torch.optim.Op
             "the optimizer's states (and the model's) onto this run's processes."
         )
     template = {OPTIMIZER_KEY: named_optimizer_state(model, optimizer, full=False)}
+    # the groups as saved (another layout may group the parameters otherwise): torch's set_optimizer_state_dict
+    # gives each of the run's groups the states and settings of the saved group its parameters were in, by name
+    template[OPTIMIZER_KEY]["param_groups"] = saved_group_template(folder)
     load_dcp(folder, template, collective=collective())
     set_named_optimizer_state(model, optimizer, template[OPTIMIZER_KEY], full=False)
+
+
+_GROUP_SETTING_RE = re.compile(rf"^{OPTIMIZER_KEY}\.param_groups\.(\d+)\.(\w+)$")
+
+
+def saved_group_template(folder: Path) -> list[dict[str, Any]]:
+    """The parameter groups an ``optimizer_0/`` folder holds, as a template :func:`load_dcp` fills: one dict per
+    group, its settings (``params`` included) as keys, each None."""
+    groups: list[dict[str, Any]] = []
+    for key in read_metadata(folder).state_dict_metadata:
+        match = _GROUP_SETTING_RE.match(key)
+        if match is not None:
+            index = int(match.group(1))
+            groups.extend({} for _ in range(index + 1 - len(groups)))
+            groups[index][match.group(2)] = None
+    return groups
 
 
 def load_dcp_model(folder: Path, model: nn.Module) -> None:
