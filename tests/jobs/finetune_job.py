@@ -11,6 +11,8 @@ keys start with ``model.``) trained whole with its best checkpoint loaded at the
 LoRA run, its resume and its crossed resume again under FSDP2 (sharded checkpoints; transformers' side needs
 tests/fsdp_standin on its ``PYTHONPATH``) and the Llama under FSDP2 (sharded; hflight also gathered: transformers'
 FULL_STATE_DICT save fails on the CPU); last the Llama under DeepSpeed ZeRO-3, and resumed from its best checkpoint.
+The Llama with ``save_only_model`` (4 steps, checkpoints at 2 and 4) under DDP, FSDP2 (gathered: hflight's side only)
+and ZeRO-3.
 
 The two libraries' jobs run at the same time: a crossed resume waits for the marker ``OUT/<other>/<run>.complete``
 that the other job writes once its run and its own resume (the same folder) are done. Each rank writes
@@ -44,6 +46,8 @@ COMMON = dict(per_device_train_batch_size=2, logging_steps=1, learning_rate=1e-2
 #: evaluation loss, so that it is an early checkpoint, not the weights the run ends with
 BEST = dict(max_steps=8, save_steps=2, eval_strategy="steps", eval_steps=2, load_best_model_at_end=True,
             metric_for_best_model="eval_loss", greater_is_better=True)  # fmt: skip
+#: checkpoints of the whole model alone (transformers refuses it beside load_best_model_at_end under FSDP and ZeRO)
+ONLY_MODEL = dict(max_steps=4, save_steps=2, save_only_model=True)
 
 
 def whole(model) -> dict:
@@ -144,6 +148,9 @@ def main(out: Path, library: str) -> None:
     # the best of a whole model kept by save_total_limit=1 and loaded at the end
     best_args = dict(**BEST, **COMMON, save_total_limit=1)
     results["best_ddp"] = trained(trainer_cls(llama(), args_cls(str(folder / "best_ddp"), **best_args), **data))
+    only_args = dict(**ONLY_MODEL, **COMMON)
+    results["only_model_ddp"] = trained(trainer_cls(llama(), args_cls(str(folder / "only_model_ddp"), **only_args),
+                                                    **data))  # fmt: skip
     # then FSDP: accelerate's process state, one per process, keeps FSDP for every trainer after it
     fsdp = dict(fsdp="full_shard auto_wrap", fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"],
                                                           "state_dict_type": "SHARDED_STATE_DICT"})  # fmt: skip
@@ -160,6 +167,9 @@ def main(out: Path, library: str) -> None:
             "version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "state_dict_type": form})  # fmt: skip
         name = f"best_fsdp_{form.split('_')[0].lower()}"
         results[name] = trained(trainer_cls(llama(), args_cls(str(folder / name), **best_args, **llama_fsdp), **data))
+    if library == "hflight":  # save_only_model with the gathered form (transformers' FULL_STATE_DICT save fails here)
+        name = "only_model_fsdp_full"
+        results[name] = trained(trainer_cls(llama(), args_cls(str(folder / name), **only_args, **llama_fsdp), **data))
     # last, DeepSpeed ZeRO-3 (accelerate's process state made afresh for it); the model built before the arguments,
     # which connect DeepSpeed's processes (transformers' own do not on the CPU: tests/test_deepspeed.py)
     from accelerate.state import AcceleratorState
@@ -172,6 +182,9 @@ def main(out: Path, library: str) -> None:
     zero3_args = args_cls(str(folder / "zero3_resumed"), **best_args, deepspeed=json.loads(json.dumps(ZERO3)))
     best = str(folder / "best_zero3" / "checkpoint-2")
     results["zero3_resumed"] = trained(trainer_cls(model, zero3_args, **data), best)
+    model = llama()
+    zero3_args = args_cls(str(folder / "only_model_zero3"), **only_args, deepspeed=json.loads(json.dumps(ZERO3)))
+    results["only_model_zero3"] = trained(trainer_cls(model, zero3_args, **data))
 
     rank = torch.distributed.get_rank()
     results["world_size"] = torch.distributed.get_world_size()
