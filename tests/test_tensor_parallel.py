@@ -177,12 +177,28 @@ def test_a_layout_the_launch_cannot_hold_is_refused_naming_both_numbers():
 def test_a_tensor_parallel_model_refuses_a_second_wrapping_naming_it(setting):
     """A model loaded tensor-parallel would be wrapped or sharded again by fsdp, deepspeed or another strategy:
     refused before any process group starts, naming the setting."""
-    args = SimpleNamespace(fsdp=[], deepspeed=None, parallelism_config=None, save_only_model=False)
+    args = SimpleNamespace(fsdp=[], deepspeed=None, parallelism_config=None, save_async=False)
     strategy = "ddp" if setting == "strategy" else "auto"
     if setting != "strategy":
         setattr(args, setting, "set")
     with pytest.raises(ValueError, match=rf"tp_size=2.*{setting} would wrap or shard it again"):
         strategies.strategy_from_args(strategy, args, _tp_model(2, (1, 1, 2)))
+
+
+def test_save_async_with_a_tensor_parallel_model_is_refused_before_training():
+    """Every process writes a tensor-parallel checkpoint together (a collective): not in the background. Refused when
+    the strategy is chosen, naming it, where the checkpoint writer would refuse it at the first checkpoint."""
+    from accelerate import ParallelismConfig
+
+    import hflight
+
+    args = hflight.TrainingArguments("o", report_to="none", use_cpu=True, devices=2, save_async=True,
+                                     parallelism_config=ParallelismConfig(tp_size=2))  # fmt: skip
+    with pytest.raises(ValueError, match=r"save_async=True cannot be combined with a model loaded tensor-parallel "
+                                         r"\(tp_size=2\)"):  # fmt: skip
+        strategies.strategy_from_args("auto", args, _tp_model(2, (1, 1, 2)))
+    args.save_async = False
+    assert strategies.strategy_from_args("auto", args, _tp_model(2, (1, 1, 2))).tp_size == 2
 
 
 def _loaded(tp: int, fsdp: int = 1, replicate: int = 1) -> SimpleNamespace:

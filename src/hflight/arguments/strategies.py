@@ -153,6 +153,13 @@ def tensor_parallel_strategy(strategy: Any, args: Any, model: nn.Module) -> Any:
             f"its own device mesh; {', '.join(others)} would wrap or shard it again: leave "
             f"{' and '.join(others)} unset."
         )
+    if args.save_async:  # (the checkpoint writer would refuse it at the first checkpoint, after training began)
+        raise ValueError(
+            f"save_async=True cannot be combined with a model loaded tensor-parallel (tp_size={tp}): every process "
+            "writes each checkpoint together (its DTensor shards with torch.distributed.checkpoint; with "
+            "save_only_model, transformers' save_pretrained gathers them), a collective. Set save_async=False "
+            "(checkpoints are then written before training goes on, as in transformers)."
+        )
     world = planned_world_size(args)
     check_tensor_parallel_config(args.parallelism_config, model, world)
     return _builder(SHARDING.tensor_parallel, "tensor parallelism")(model, world, process_group_settings(args))
