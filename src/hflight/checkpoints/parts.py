@@ -316,19 +316,19 @@ def read_training_states(
     names = (SCHEDULER_NAME, SCALER_NAME)
     states = {name: load_tensors_file(path) for name in names if (path := regular_file(folder, name)) is not None}
     optimizer = planned_optimizer(facade)
-    names = parameter_names(facade.model)
+    parameters = parameter_names(facade.model)
     targets = {OPTIMIZER_NAME: optimizer}
     if SCHEDULER_NAME in states:
         targets[SCHEDULER_NAME] = planned_scheduler(facade, optimizer, state.max_steps)
     form = found_form(folder)
     if form is not None:
-        saved = form.read_optimizer(Path(folder), optimizer, names)
+        saved = form.read_optimizer(Path(folder), optimizer, parameters)
         states[OPTIMIZER_PART] = (form, saved)
         groups = form.saved_groups(Path(folder), saved)
         if groups is not None and SCHEDULER_NAME in states:  # grouped as another layout groups them: the run's order
-            mapping = group_map(Path(folder) / form.optimizer_name, groups, optimizer, names)
+            mapping = group_map(Path(folder) / form.optimizer_name, groups, optimizer, parameters)
             states[SCHEDULER_NAME] = regrouped_scheduler(states[SCHEDULER_NAME], mapping, len(groups))
-    check_training_states(folder, {n: s for n, s in states.items() if n != OPTIMIZER_PART}, targets, names)
+    check_training_states(folder, {n: s for n, s in states.items() if n != OPTIMIZER_PART}, targets, parameters)
     return states
 
 
