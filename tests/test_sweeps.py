@@ -352,13 +352,20 @@ def test_two_sweepers_on_one_storage_share_the_study(tmp_path):
                 assert math.isclose(results["eval_loss"], trial.value, rel_tol=1e-9)
 
 
+#: where the jobs of a signalled batch are held (``TINY_HOLD``) and stop: after checkpoint-2, before checkpoint-4
+STOP_STEP = 3
+
+
 def _stopped_batch(sweep: Path, marks: Path, job: launch.Job, signum: int) -> list:
-    """Sends ``signum`` to the sweeper once both jobs of its batch (2 trials, 2 at a time) have their checkpoint-2:
-    each job stops at its next step boundary with a checkpoint, the sweeper marks both trials FAIL (interrupted),
-    queues their parameters again (WAITING), writes the summary and exits with 128 + the signal number."""
-    both = [sweep / j / "checkpoint-2" / "trainer_state.json" for j in "01"]
+    """Sends ``signum`` to the sweeper once both jobs of its batch (2 trials, 2 at a time) are held at the end of
+    step 3, after their checkpoint-2 (tiny_task's ``TINY_HOLD``: each waits there until the signal reaches it, so
+    neither can have run on, whatever the machine's load): each job stops at that step's boundary with a checkpoint,
+    the sweeper marks both trials FAIL (interrupted), queues their parameters again (WAITING), writes the summary and
+    exits with 128 + the signal number."""
+    held = [marks / f"{j}.held" for j in "01"]
     proc = job.process
-    _until(lambda: all(p.is_file() for p in both) or proc.poll() is not None)
+    _until(lambda: all(p.is_file() for p in held) or proc.poll() is not None)
+    assert all((sweep / j / "checkpoint-2" / "trainer_state.json").is_file() for j in "01")
     pids = [int((marks / f"{j}.started").read_text().split()[1]) for j in "01"]
     assert proc.pid not in pids and pids[0] != pids[1]  # two job processes
     proc.send_signal(signum)
@@ -370,9 +377,8 @@ def _stopped_batch(sweep: Path, marks: Path, job: launch.Job, signum: int) -> li
     assert [t.state for t in trials] == [TrialState.FAIL, TrialState.FAIL, TrialState.WAITING, TrialState.WAITING]
     assert all(t.user_attrs["hflight:interrupted"] == f"stopped by {name}" for t in trials[:2])
     for job in "01":
-        # the step it stopped at: 2 when the signal came before step 2's stop check (checkpoint-2 is then the stop's)
         stopped = re.search(rf"Training stopped by {name} after step (\d+) of", (sweep / job / "error.txt").read_text())
-        assert stopped and int(stopped[1]) >= 2 and _steps(sweep / job)[-1] == int(stopped[1])
+        assert stopped and int(stopped[1]) == STOP_STEP and _steps(sweep / job) == [2, STOP_STEP]
         assert not list((sweep / job).glob(".tmp-*"))  # nothing half-written or left aside
     assert [r["state"] for r in _summary(sweep)] == ["FAIL", "FAIL"]
     return pids
@@ -398,7 +404,7 @@ def test_joblib_runs_two_jobs_at_once_and_a_sigterm_stops_both_with_their_checkp
     sweep, marks = tmp_path / "sweep", tmp_path / "marks"
     marks.mkdir()
     joblib = ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "hydra.sweeper.n_jobs=2", "hydra.sweeper.n_trials=2"]
-    proc = _start(tmp_path, *SWEEP, f"hydra.sweep.dir={sweep}", *joblib, TINY_STEP_SLEEP="0.5", TINY_MARK=str(marks))
+    proc = _start(tmp_path, *SWEEP, f"hydra.sweep.dir={sweep}", *joblib, TINY_HOLD=str(STOP_STEP), TINY_MARK=str(marks))
     _stopped_batch(sweep, marks, proc, signum)
     threads = max(1, len(os.sched_getaffinity(0)) // 2)  # the cores this process (and the sweep) may run on
     assert [(marks / f"{j}.started").read_text().split()[0] for j in "01"] == [str(threads)] * 2
@@ -414,8 +420,8 @@ def test_submitit_local_runs_the_jobs_as_its_own_processes_and_sigint_stops_them
     sweep, marks = tmp_path / "sweep", tmp_path / "marks"
     marks.mkdir()
     proc = _start(tmp_path, *SWEEP, f"hydra.sweep.dir={sweep}", "hydra/launcher=submitit_local",
-                  "hydra.sweeper.n_jobs=2", "hydra.sweeper.n_trials=2", TINY_STEP_SLEEP="0.5",
-                  TINY_MARK=str(marks))  # fmt: skip
+                  "hydra.sweeper.n_jobs=2", "hydra.sweeper.n_trials=2",
+                  TINY_HOLD=str(STOP_STEP), TINY_MARK=str(marks))  # fmt: skip
     _stopped_batch(sweep, marks, proc, signal.SIGINT)
     assert len(list((sweep / ".submitit").glob("*/*_result.pkl"))) == 2
 

@@ -3,11 +3,15 @@ with one linear layer, in a second, so that a sweep's behaviour (trials, pruning
 through real ``hflight-train`` jobs without MRC's data and model. ``TINY_STEP_SLEEP`` (seconds) slows each step;
 ``TINY_MARK`` names a folder where each job writes ``<job number>.started`` when its training starts (its torch
 threads, its pid and the global step it starts from: 0, or a resumed checkpoint's) and appends the global step of
-each logged training loss to ``<job number>.logged``."""
+each logged training loss to ``<job number>.logged``. ``TINY_HOLD`` (a global step, with ``TINY_MARK``) holds each job
+at the end of that step, once it wrote ``<job number>.held``, until a SIGTERM or SIGINT reached it (and its own handler
+ran): a test that signals a batch of jobs then knows the step where each one stops, whatever the machine's load made
+of their speeds."""
 
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +37,8 @@ class Line(torch.nn.Module):
 
 
 class _Slow(TrainerCallback):
-    def __init__(self, sleep: float, mark: str | None) -> None:
-        self.sleep, self.mark = sleep, mark
+    def __init__(self, sleep: float, mark: str | None, hold: int | None) -> None:
+        self.sleep, self.mark, self.hold = sleep, mark, hold
 
     def _mark(self, suffix: str) -> Path:
         job = HydraConfig.get().job.num if HydraConfig.initialized() else 0
@@ -50,10 +54,28 @@ class _Slow(TrainerCallback):
                 handle.write(f"{state.global_step}\n")
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.sleep:
-            import time
+        import time
 
+        if self.sleep:
             time.sleep(self.sleep)
+        if self.mark and state.global_step == self.hold:
+            arrived = []
+
+            def note(signum: int, frame: Any, handler: Any) -> None:
+                arrived.append(signum)
+                if callable(handler):
+                    handler(signum, frame)  # the run's own: it asks the run to stop at this step's boundary
+
+            stops = (signal.SIGTERM, signal.SIGINT)
+            handlers = {signum: signal.getsignal(signum) for signum in stops}
+            for signum, handler in handlers.items():
+                signal.signal(signum, lambda n, f, handler=handler: note(n, f, handler))
+            self._mark("held").write_text(f"{state.global_step}\n")
+            deadline = time.monotonic() + 120
+            while not arrived and time.monotonic() < deadline:
+                time.sleep(0.05)
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
 
 
 def _data(n: int, seed: int) -> list[dict[str, float]]:
@@ -75,7 +97,8 @@ class TinyRun:
 
 class TinyTask:
     def setup(self, cfg: Any, args: hflight.TrainingArguments, callbacks: list[Any]) -> TinyRun:
-        slow = _Slow(float(os.environ.get("TINY_STEP_SLEEP", "0")), os.environ.get("TINY_MARK"))
+        hold = int(os.environ["TINY_HOLD"]) if os.environ.get("TINY_HOLD") else None
+        slow = _Slow(float(os.environ.get("TINY_STEP_SLEEP", "0")), os.environ.get("TINY_MARK"), hold)
         trainer = hflight.Trainer(
             Line(), args, train_dataset=_data(64, 1), eval_dataset=_data(32, 2), callbacks=[*callbacks, slow]
         )
