@@ -294,14 +294,16 @@ def _assert_continued(retry, interrupted, marks: Path) -> None:
 
 
 def test_a_killed_search_resumes_keeping_its_trials_and_continues_the_killed_trial(tmp_path):
-    """SIGKILL to the sweeper while trial 2 trains (after its checkpoint-2): trial 2 stays RUNNING until its
-    heartbeat goes stale; ``resume=<sweep folder>`` marks it FAIL, runs its parameters again from its checkpoint,
-    and ends with 4 finished trials, trials 0 and 1 untouched. Trial 1 (learning rate 0, hopeless) is pruned."""
+    """SIGKILL to the sweeper while trial 2 trains (after its checkpoint-2; held at the end of step 3 by tiny_task's
+    ``TINY_HOLD``): trial 2 stays RUNNING until its heartbeat goes stale; ``resume=<sweep folder>`` marks it FAIL, runs
+    its parameters again from its checkpoint, and ends with 4 finished trials, trials 0 and 1 untouched. Trial 1
+    (learning rate 0, hopeless) is pruned."""
     sweep, marks = tmp_path / "sweep", tmp_path / "marks"
     marks.mkdir()
     proc = _start(tmp_path, *SWEEP, f"hydra.sweep.dir={sweep}", "+hydra/sweeper/pruner=median",
-                  "hydra.sweeper.pruner.n_startup_trials=1", TINY_STEP_SLEEP="0.4", TINY_MARK=str(marks))  # fmt: skip
-    _until(lambda: (sweep / "2" / "checkpoint-2" / "trainer_state.json").is_file() or proc.process.poll() is not None)
+                  "hydra.sweeper.pruner.n_startup_trials=1", TINY_HOLD="2:3", TINY_MARK=str(marks))  # fmt: skip
+    _until(lambda: (marks / "2.held").is_file() or proc.process.poll() is not None)
+    assert (sweep / "2" / "checkpoint-2" / "trainer_state.json").is_file()
     proc.process.kill()  # the sweeper alone, as before: what it started is left as a SIGKILL leaves it
     proc.process.wait()
     before = _trials(sweep / "optuna.db")

@@ -1,17 +1,18 @@
-"""A task for sweep tests (``--config-dir tests/jobs/sweep_conf task=tiny``): hflight's Trainer fitting y = 3x - 1
-with one linear layer, in a second, so that a sweep's behaviour (trials, pruning, kills, launchers) is tested
-through real ``hflight-train`` jobs without MRC's data and model. ``TINY_STEP_SLEEP`` (seconds) slows each step;
-``TINY_MARK`` names a folder where each job writes ``<job number>.started`` when its training starts (its torch
-threads, its pid and the global step it starts from: 0, or a resumed checkpoint's) and appends the global step of
-each logged training loss to ``<job number>.logged``. ``TINY_HOLD`` (a global step, with ``TINY_MARK``) holds each job
-at the end of that step, once it wrote ``<job number>.held``, until a SIGTERM or SIGINT reached it (and its own handler
-ran): a test that signals a batch of jobs then knows the step where each one stops, whatever the machine's load made
-of their speeds."""
+"""A task for sweep tests (``--config-dir tests/jobs/sweep_conf task=tiny``): hflight's Trainer fitting y = 3x - 1 with
+one linear layer, in a second, so that a sweep's behaviour (trials, pruning, kills, launchers) is tested through real
+``hflight-train`` jobs without MRC's data and model. ``TINY_MARK`` names a folder where each job writes ``<job
+number>.started`` when its training starts (its torch threads, its pid and the global step it starts from: 0, or a
+resumed checkpoint's) and appends the global step of each logged training loss to ``<job number>.logged``.
+``TINY_HOLD`` (a global step, or ``<job number>:<step>`` for one job, with ``TINY_MARK``) holds each job (or that
+one) at the end of that step, once it wrote ``<job number>.held``, until a SIGTERM or SIGINT reached it (and its own
+handler ran): a test that signals or kills a batch of jobs then knows the step where each one is, whatever the
+machine's load made of their speeds."""
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +37,16 @@ class Line(torch.nn.Module):
         return result
 
 
-class _Slow(TrainerCallback):
-    def __init__(self, sleep: float, mark: str | None, hold: int | None) -> None:
-        self.sleep, self.mark, self.hold = sleep, mark, hold
+class _Marks(TrainerCallback):
+    def __init__(self, mark: str | None, hold: str | None) -> None:
+        self.mark, self.hold = mark, hold
+
+    @staticmethod
+    def _job() -> int:
+        return HydraConfig.get().job.num if HydraConfig.initialized() else 0
 
     def _mark(self, suffix: str) -> Path:
-        job = HydraConfig.get().job.num if HydraConfig.initialized() else 0
-        return Path(self.mark, f"{job}.{suffix}")
+        return Path(self.mark, f"{self._job()}.{suffix}")
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.mark:
@@ -54,11 +58,8 @@ class _Slow(TrainerCallback):
                 handle.write(f"{state.global_step}\n")
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        import time
-
-        if self.sleep:
-            time.sleep(self.sleep)
-        if self.mark and state.global_step == self.hold:
+        job, _, step = (self.hold or "").rpartition(":")
+        if self.mark and step and state.global_step == int(step) and (not job or int(job) == self._job()):
             arrived = []
 
             def note(signum: int, frame: Any, handler: Any) -> None:
@@ -97,9 +98,8 @@ class TinyRun:
 
 class TinyTask:
     def setup(self, cfg: Any, args: hflight.TrainingArguments, callbacks: list[Any]) -> TinyRun:
-        hold = int(os.environ["TINY_HOLD"]) if os.environ.get("TINY_HOLD") else None
-        slow = _Slow(float(os.environ.get("TINY_STEP_SLEEP", "0")), os.environ.get("TINY_MARK"), hold)
+        marks = _Marks(os.environ.get("TINY_MARK"), os.environ.get("TINY_HOLD"))
         trainer = hflight.Trainer(
-            Line(), args, train_dataset=_data(64, 1), eval_dataset=_data(32, 2), callbacks=[*callbacks, slow]
+            Line(), args, train_dataset=_data(64, 1), eval_dataset=_data(32, 2), callbacks=[*callbacks, marks]
         )
         return TinyRun(trainer)
