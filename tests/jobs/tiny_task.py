@@ -39,7 +39,9 @@ class Line(torch.nn.Module):
 
 class _Marks(TrainerCallback):
     def __init__(self, mark: str | None, hold: str | None) -> None:
-        self.mark, self.hold = mark, hold
+        self.mark = mark
+        job, _, step = (hold or "").rpartition(":")  # "<step>" or "<job number>:<step>"
+        self.hold_job, self.hold_step = (int(job) if job else None), (int(step) if step else None)
 
     @staticmethod
     def _job() -> int:
@@ -58,25 +60,28 @@ class _Marks(TrainerCallback):
                 handle.write(f"{state.global_step}\n")
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        job, _, step = (self.hold or "").rpartition(":")
-        if self.mark and step and state.global_step == int(step) and (not job or int(job) == self._job()):
-            arrived = []
+        if self.mark and state.global_step == self.hold_step and self.hold_job in (None, self._job()):
+            self._hold_until_signalled(state.global_step)
 
-            def note(signum: int, frame: Any, handler: Any) -> None:
-                arrived.append(signum)
-                if callable(handler):
-                    handler(signum, frame)  # the run's own: it asks the run to stop at this step's boundary
+    def _hold_until_signalled(self, step: int) -> None:
+        """Writes ``<job>.held``, then waits (at most 120 s) for a SIGTERM or SIGINT, which the run's own handler
+        also gets: it asks the run to stop at this step's boundary."""
+        arrived = []
 
-            stops = (signal.SIGTERM, signal.SIGINT)
-            handlers = {signum: signal.getsignal(signum) for signum in stops}
-            for signum, handler in handlers.items():
-                signal.signal(signum, lambda n, f, handler=handler: note(n, f, handler))
-            self._mark("held").write_text(f"{state.global_step}\n")
-            deadline = time.monotonic() + 120
-            while not arrived and time.monotonic() < deadline:
-                time.sleep(0.05)
-            for signum, handler in handlers.items():
-                signal.signal(signum, handler)
+        def note(signum: int, frame: Any, handler: Any) -> None:
+            arrived.append(signum)
+            if callable(handler):
+                handler(signum, frame)
+
+        handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+        for signum, handler in handlers.items():
+            signal.signal(signum, lambda n, f, handler=handler: note(n, f, handler))
+        self._mark("held").write_text(f"{step}\n")
+        deadline = time.monotonic() + 120
+        while not arrived and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
 
 
 def _data(n: int, seed: int) -> list[dict[str, float]]:
