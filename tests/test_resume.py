@@ -63,39 +63,27 @@ def uninterrupted(tmp_path_factory) -> Path:
 
 
 @pytest.mark.subprocess
-@pytest.mark.parametrize("stop", [3, 5])
-def test_resume_early_in_an_epoch_and_at_an_epoch_boundary(tmp_path, uninterrupted, stop):
-    """Resumed at step 3 (6 of 10 batches skipped) every later epoch must still be whole; at 5, an epoch boundary."""
+@pytest.mark.parametrize(("stop", "resume"), [(3, "its-path"), (5, "last")])
+def test_resume_early_in_an_epoch_and_at_an_epoch_boundary(tmp_path, uninterrupted, stop, resume):
+    """Resumed in a new process at step 3 (6 of 10 batches skipped), from the checkpoint's path and with the model
+    initialised from another seed (so the weights must come from the checkpoint), every later epoch must still be
+    whole; at 5, an epoch boundary, with ``resume_from_checkpoint="last"``. The checkpoint holds transformers' files
+    and loads with ``from_pretrained``."""
     out = tmp_path / "run"
     run_job(out, "--stop-at", str(stop), "--save-steps", str(stop))
-    run_job(out, "--resume", "last", "--save-steps", str(stop))
+    checkpoint = out / f"checkpoint-{stop}"
+    expected = {"model.safetensors", "config.json", "trainer_state.json", "training_args.bin", "optimizer.pt",
+                "scheduler.pt", "rng_state.pth"}  # fmt: skip
+    assert expected <= set(os.listdir(checkpoint))
+    state = transformers.TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
+    assert state.global_step == stop and state.epoch == pytest.approx(stop / 5)  # 5 optimizer steps per epoch
+    model = transformers.AutoModelForQuestionAnswering.from_pretrained(str(checkpoint))
+    assert model.config.architectures == ["BertForQuestionAnswering"]
+    how = [str(checkpoint), "--model-seed", "123"] if resume == "its-path" else ["last"]
+    run_job(out, "--resume", *how, "--save-steps", str(stop))
     assert_same_run(uninterrupted, out, from_step=stop)
     epochs = {e["step"]: e["epoch"] for e in json.loads((out / "log_history.json").read_text()) if "loss" in e}
     assert epochs[10] == pytest.approx(2.0) and epochs[12] == pytest.approx(2.4)
-
-
-@pytest.mark.subprocess
-def test_resume_in_a_new_process_is_exact(tmp_path, uninterrupted):
-    first = tmp_path / "run"
-    run_job(first, "--stop-at", "6")
-    checkpoint = first / "checkpoint-6"
-    expected = {
-        "model.safetensors",
-        "config.json",
-        "trainer_state.json",
-        "training_args.bin",
-        "optimizer.pt",
-        "scheduler.pt",
-        "rng_state.pth",
-    }
-    assert expected <= set(os.listdir(checkpoint))
-    state = transformers.TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
-    assert state.global_step == 6 and 1.0 < state.epoch < 2.0  # mid-epoch: 5 optimizer steps per epoch
-    model = transformers.AutoModelForQuestionAnswering.from_pretrained(str(checkpoint))
-    assert model.config.architectures == ["BertForQuestionAnswering"]
-    # a different initialisation proves the weights come from the checkpoint
-    run_job(first, "--resume", str(checkpoint), "--model-seed", "123")
-    assert_same_run(uninterrupted, first, from_step=6)
 
 
 @pytest.mark.subprocess

@@ -126,8 +126,8 @@ def test_reward_of_a_float16_model_under_bf16_autocast(tmp_path):
 
     def scorer() -> torch.nn.Module:  # a Qwen2 (RMSNorm: GPT-2's LayerNorm refuses float16 weights under autocast)
         torch.manual_seed(0)
-        config = transformers.Qwen2Config(vocab_size=64, hidden_size=16, num_attention_heads=4, num_key_value_heads=2,
-                                          num_hidden_layers=2, intermediate_size=32, pad_token_id=61, num_labels=1)
+        sizes = dict(vocab_size=64, hidden_size=16, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
+        config = transformers.Qwen2Config(**sizes, intermediate_size=32, pad_token_id=61, num_labels=1)
         return transformers.Qwen2ForSequenceClassification(config).half()
 
     runs = {}

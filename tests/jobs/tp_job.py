@@ -45,13 +45,20 @@ def main():
     parser.add_argument("out")
     parser.add_argument("--model")
     parser.add_argument("--save-model")
-    parser.add_argument("--arch", default="llama", choices=["llama", "mixtral"],
-                        help="the model --save-model saves: a Llama, or a Mixtral (MoE: packed expert weights)")
+    parser.add_argument(
+        "--arch",
+        default="llama",
+        choices=["llama", "mixtral"],
+        help="the model --save-model saves: a Llama, or a Mixtral (MoE: packed expert weights)",
+    )
     parser.add_argument("--tp", action="store_true", help='from_pretrained(tp_plan="auto")')
     parser.add_argument("--fsdp", type=int, default=1, help="2-D: DistributedConfig(tp_size=2, fsdp_size=FSDP)")
     parser.add_argument("--replicate", type=int, default=1, help="HSDP x TP: DistributedConfig(dp_replicate_size=R)")
-    parser.add_argument("--parallelism-config", action="store_true",
-                        help="TrainingArguments(parallelism_config=ParallelismConfig(dp_shard_size=FSDP, tp_size=2))")
+    parser.add_argument(
+        "--parallelism-config",
+        action="store_true",
+        help="TrainingArguments(parallelism_config=ParallelismConfig(dp_shard_size=FSDP, tp_size=2))",
+    )
     parser.add_argument("--resume")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--best", action="store_true", help="load_best_model_at_end with save_total_limit=1")

@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import nn
@@ -77,7 +77,6 @@ from hflight.checkpoints.sharded import (
 )
 
 logger = logging.getLogger(__name__)
-
 
 
 class CheckpointForm:
@@ -271,6 +270,14 @@ class GatheredState(CheckpointForm):
         return [FSDP_OPTIMIZER_FILE, FSDP_MODEL_FILE]
 
 
+class DcpOptimizer(NamedTuple):
+    """What :meth:`ShardedState.read_optimizer` read of an ``optimizer_0/`` folder: where it is (its shards are read
+    into the run's own by :meth:`ShardedState.load_optimizer`) and its parameter groups (names and settings)."""
+
+    path: Path
+    groups: list[dict[str, Any]]
+
+
 class ShardedState(CheckpointForm):
     """``SHARDED_STATE_DICT``: each process writes its own shards of the model (``pytorch_model_fsdp_0/``) and the
     optimizer (``optimizer_0/``) with ``torch.distributed.checkpoint``; no whole copy is made anywhere."""
@@ -302,27 +309,26 @@ class ShardedState(CheckpointForm):
 
     @classmethod
     def read_optimizer(cls, folder: Path, optimizer: torch.optim.Optimizer, names: dict[int, str]) -> Any:
-        """Checked from the folder's metadata and left to be read into the run's own shards (its path is kept)."""
-        path = Path(folder) / cls.optimizer_name
-        shapes = tensor_shapes(path, OPTIMIZER_KEY)
-        check_distributed_optimizer(path, shapes, cls.saved_groups(folder, path), optimizer, names)
-        return path
-
-    @classmethod
-    def saved_groups(cls, folder: Path, saved: Any) -> list[dict[str, Any]] | None:
-        """Read from the folder's ``param_groups.<i>.<setting>`` entries (plain values, read by this process
-        alone)."""
+        """Checked from the folder's metadata and its groups' settings (``param_groups.<i>.<setting>`` entries: plain
+        values, read by this process alone, once) and left to be read into the run's own shards: the folder's path
+        and those groups."""
         path = Path(folder) / cls.optimizer_name
         listed: dict[str, Any] = {OPTIMIZER_KEY: {"param_groups": saved_group_template(path)}}
         load_dcp(path, listed, collective=False)
-        return list(listed[OPTIMIZER_KEY]["param_groups"])
+        groups = list(listed[OPTIMIZER_KEY]["param_groups"])
+        check_distributed_optimizer(path, tensor_shapes(path, OPTIMIZER_KEY), groups, optimizer, names)
+        return DcpOptimizer(path, groups)
+
+    @classmethod
+    def saved_groups(cls, folder: Path, saved: Any) -> list[dict[str, Any]] | None:
+        return list(saved.groups)
 
     @classmethod
     def load_optimizer(
         cls, folder: Path, saved: Any, model: nn.Module, optimizer: torch.optim.Optimizer, run_form: CheckpointForm
     ) -> None:
         """The folder's shards resharded onto the run's processes (whole tensors for an unsharded run)."""
-        load_dcp_optimizer(Path(saved), model, optimizer)
+        load_dcp_optimizer(saved.path, model, optimizer)
 
     def write(
         self, folder: str, model: nn.Module, optimizer: torch.optim.Optimizer, is_main: bool, save: Any = torch.save

@@ -25,24 +25,29 @@ def _group(whole_world: bool) -> Any:
 
 
 def pad_across_processes(
-    strategy: Strategy | None, value: Any, dim: int = 1, pad_index: int = -100, whole_world: bool = False
-) -> Any:
-    """Pad every tensor along ``dim`` to the largest size any process has, so that they can be gathered (over the
-    strategy's processes, or every process with ``whole_world``)."""
+    strategy: Strategy | None, value: Any, dim: int = 1, pad_index: Any = -100, whole_world: bool = False,
+    pad_first: bool = False,
+) -> Any:  # fmt: skip
+    """Pad every tensor along ``dim`` (negative: from the last) to the largest size any process has, so that they can
+    be gathered (over the strategy's processes, or every process with ``whole_world``); at the start with
+    ``pad_first``. As accelerate pads: the padding is ``zeros + pad_index`` (its type promotes the tensor's), and a
+    tensor without that dimension is left as it is."""
     if not is_distributed(strategy):
         return value
 
     def pad(tensor: Any) -> Any:
-        if not torch.is_tensor(tensor) or tensor.dim() <= dim:
+        if not torch.is_tensor(tensor) or not -tensor.dim() <= dim < tensor.dim():
             return tensor
-        size = torch.tensor(tensor.shape[dim], device=tensor.device)
+        axis = dim % tensor.dim()
+        size = torch.tensor(tensor.shape[axis], device=tensor.device)
         longest = int(strategy.all_gather(size, group=_group(whole_world)).max())
-        if longest == tensor.shape[dim]:
+        if longest == tensor.shape[axis]:
             return tensor
         shape = list(tensor.shape)
-        shape[dim] = longest
-        padded = tensor.new_full(shape, pad_index)
-        padded.narrow(dim, 0, tensor.shape[dim]).copy_(tensor)
+        shape[axis] = longest
+        padded = tensor.new_zeros(shape) + pad_index
+        start = longest - tensor.shape[axis] if pad_first else 0
+        padded.narrow(axis, start, tensor.shape[axis]).copy_(tensor)
         return padded
 
     return tree_map(pad, value)
@@ -139,8 +144,10 @@ class World:
         process, as accelerate's ``gather``."""
         return gather(self.strategy, value, pad_dim, whole_world)
 
-    def pad_across_processes(self, value: Any, dim: int = 1, pad_index: int = -100) -> Any:
-        return pad_across_processes(self.strategy, value, dim=dim, pad_index=pad_index)
+    def pad_across_processes(
+        self, value: Any, dim: int = 1, pad_index: Any = -100, whole_world: bool = False, pad_first: bool = False
+    ) -> Any:
+        return pad_across_processes(self.strategy, value, dim, pad_index, whole_world, pad_first)
 
     def gather_objects(self, values: list[Any]) -> list[Any]:
         """Every process's list of picklable objects, concatenated in rank order (``values`` itself with one)."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import logging
 from collections.abc import Callable, Iterator, Mapping
@@ -508,24 +509,11 @@ class RunAccelerator:
 
     def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
         """Each tensor padded along ``dim`` with ``pad_index`` to the largest size any process has (at the start
-        with ``pad_first``)."""
+        with ``pad_first``), over every process as accelerate's."""
         _tensors_only(tensor, "pad_across_processes")
-        return _apply(tensor, lambda t: self._pad(t, dim, pad_index, pad_first))
-
-    def _pad(self, tensor: torch.Tensor, dim: int, pad_index: int, pad_first: bool) -> torch.Tensor:
-        if dim >= tensor.dim() or dim < -tensor.dim():
-            return tensor
-        dim = dim % tensor.dim()
-        sizes = self.world.gather(torch.tensor(tensor.shape, device=tensor.device)[None], whole_world=True)
-        longest = int(sizes[:, dim].max())
-        if longest == tensor.shape[dim]:
-            return tensor
-        shape = list(tensor.shape)
-        shape[dim] = longest
-        padded = tensor.new_zeros(shape) + pad_index
-        start = longest - tensor.shape[dim] if pad_first else 0
-        padded.narrow(dim, start, tensor.shape[dim]).copy_(tensor)
-        return padded
+        pad = functools.partial(self.world.pad_across_processes, dim=dim, pad_index=pad_index, whole_world=True,
+                                pad_first=pad_first)  # fmt: skip
+        return _apply(tensor, pad)
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
         """Each tensor (a copy) summed across processes (``"sum"``; also ``"none"``, as accelerate), averaged
