@@ -1,5 +1,5 @@
 """The end of a transformers reference process under torchrun, for the jobs that compare hflight with it
-(tests/jobs/seq2seq_ddp_job.py, tests/jobs/tokens_job.py)."""
+(tests/jobs/seq2seq_ddp_job.py)."""
 
 import os
 import sys

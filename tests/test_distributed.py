@@ -211,24 +211,6 @@ def test_gather_concatenates_nested_tensors_in_rank_order():
     assert strategy.groups[2:] == [torch.distributed.group.WORLD] * 2
 
 
-@pytest.mark.subprocess
-@launch.needs_torchrun
-def test_average_tokens_across_devices_logs_as_transformers_under_torchrun(tmp_path):
-    """The same script under ``torchrun --nproc_per_node 2`` with transformers' Trainer and with hflight's: a model
-    whose forward takes ``**kwargs`` gets its loss multiplied by the world size (average_tokens_across_devices), and
-    the logged losses and gradient norms are transformers'."""
-    job = launch.JOBS / "tokens_job.py"
-    logs = {}
-    for impl in ("hf", "hl"):
-        command = [*launch.torchrun(2, standalone=False), job, tmp_path, impl]
-        launch.Job(command, tmp_path, merge=False, console=tmp_path / f"{impl}.console.txt", timeout=300).ok()
-        history = json.loads((tmp_path / f"{impl}.json").read_text())
-        logs[impl] = [(e["step"], e["loss"], e["grad_norm"], e["learning_rate"]) for e in history if "loss" in e]
-    assert [s for s, *_ in logs["hl"]] == [s for s, *_ in logs["hf"]] == [1, 2, 3]
-    np.testing.assert_allclose([x[1:] for x in logs["hl"]], [x[1:] for x in logs["hf"]], rtol=1e-6)
-    assert all(loss > 2 * np.log(3) for _, loss, _, _ in logs["hl"])  # the world size (2) scaled it
-
-
 def test_a_loader_built_for_one_process_is_dealt_to_the_ranks_it_runs_in():
     """What the launching process of Lightning's launcher built before the launch (one process: every batch) becomes
     its shard once it runs as rank r of n: batches r, r + n, ..., the last one filled from the start (as a launched

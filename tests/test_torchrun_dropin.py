@@ -64,6 +64,10 @@ def runs(tmp_path_factory) -> dict[str, dict[str, Path]]:
 
 @pytest.mark.parametrize("example", ["run_glue"])
 def test_the_same_metrics_and_logged_numbers_as_transformers_ddp(runs, example):
+    """The metrics and every logged loss, gradient norm and learning rate are transformers'. Also the proof of
+    ``average_tokens_across_devices`` (transformers' default; the BERT's forward takes ``**kwargs``): the label count
+    summed over the processes and the loss scaled by their number, as transformers does (without either, these numbers
+    differ; with gradient accumulation: test_accelerate_launch.py's ddp launch of run_clm)."""
     both = runs[example]
     dropin.assert_same_results(both, ("eval_results.json", "train_results.json", "all_results.json"))
     dropin.assert_same_log_history(both, min_losses=5)
