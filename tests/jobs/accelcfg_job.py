@@ -72,6 +72,8 @@ class Tiny(nn.Module):
         if self.training:
             self.seen.append(x[:, 0].long().tolist())
         prediction = self.out(self.drop(torch.tanh(self.hidden(x[:, 1:])))).squeeze(-1)
+        if labels is None:  # predicted without labels: no loss
+            return {"logits": prediction}
         return {"loss": ((prediction - labels) ** 2).mean(), "logits": prediction}
 
 
@@ -134,6 +136,9 @@ def run_one(library, name: str, config: dict, sizes: dict, out: Path) -> None:
               "weights": {k: v.flatten().tolist() for k, v in model.state_dict().items()}}  # fmt: skip
     if name == "iterable":
         result["eval_stream"] = trainer.evaluate(Stream(rows(11, offset=100)))
+        # no labels: no losses; every one of the 11 predictions kept (issue 55)
+        unlabelled = [{"x": row["x"]} for row in rows(11, offset=100)]
+        result["predict_stream"] = trainer.predict(Stream(unlabelled)).predictions.tolist()
     if name == "configured_state":  # (not after "iterable": transformers' stopped stream is still accelerate's
         # active loader there, its last batch's remainder cutting every batch of an unprepared loader's gathers)
         own = rows(12, offset=200)[trainer.args.process_index :: 2]
@@ -141,6 +146,13 @@ def run_one(library, name: str, config: dict, sizes: dict, out: Path) -> None:
         trainer.get_eval_dataloader = lambda eval_dataset=None: torch.utils.data.DataLoader(own, batch_size=2)
         result["eval_own_loader"] = trainer.evaluate()
         trainer.get_eval_dataloader = evaluated
+        # an evaluation sampler giving each sample twice (TRL's GRPO and RLOO repeat each prompt): 7 samples are 14
+        # rows, dealt in 4 global batches of 2 per rank, the last evened out; counted and cut as transformers
+        # (issue 55: the losses were cut to the dataset's 7)
+        trainer._get_eval_sampler = lambda dataset: [i for i in range(len(dataset)) for _ in range(2)]
+        result["eval_repeated"] = trainer.evaluate(rows(7, offset=300))
+        result["predict_repeated"] = trainer.predict(rows(7, offset=300)).predictions.tolist()
+        del trainer._get_eval_sampler
     if eval_rows:
         result["eval"] = trainer.evaluate(eval_rows)
         predicted = trainer.predict(eval_rows)

@@ -19,7 +19,8 @@ def _repeat_rows(value: Any, batch_size: int) -> Any:
 def pad_on_batch_axis(batch_size: int) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Wrap a collator so that every batch has ``batch_size`` rows, the missing ones repeated from the start of the
     batch (optimum-graphcore's ``pad_on_batch_axis``): an executable compiled for one batch shape can then take an
-    epoch's last, incomplete batch. The evaluation loop cuts predictions back to the dataset length.
+    epoch's last, incomplete batch. The evaluation loop keeps the real rows of the last batch (the loader's
+    ``remainder``, set by ``IPUStrategy.hf_prepare_loader``).
 
     Example:
         >>> collate = pad_on_batch_axis(4)(lambda rows: {"x": torch.tensor(rows)})

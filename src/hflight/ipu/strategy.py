@@ -172,11 +172,10 @@ class IPUStrategy(SingleDeviceStrategy, HFBackend):
         if isinstance(loader, poptorch.DataLoader) or not isinstance(loader, DataLoader):
             return loader
         options = self.options(for_inference=not training)
-        collate = loader.collate_fn
+        collate, padded_to = loader.collate_fn, None
         if not training and self.pad_on_batch_axis and loader.batch_size is not None:
-            collate = pad_on_batch_axis(loader.batch_size * self.ipu_config.batch_size_factor(for_inference=True))(
-                collate
-            )
+            padded_to = loader.batch_size * self.ipu_config.batch_size_factor(for_inference=True)
+            collate = pad_on_batch_axis(padded_to)(collate)
         kwargs: dict[str, Any] = {
             "collate_fn": collate,
             "num_workers": loader.num_workers,
@@ -195,7 +194,11 @@ class IPUStrategy(SingleDeviceStrategy, HFBackend):
             kwargs["batch_size"] = loader.batch_size
             if not isinstance(loader.dataset, IterableDataset):
                 kwargs["sampler"] = loader.sampler
-        return poptorch.DataLoader(options, loader.dataset, **kwargs)
+        made = poptorch.DataLoader(options, loader.dataset, **kwargs)
+        if padded_to is not None:  # the real rows of the padded last batch, which the evaluation keeps (accelerate's
+            with contextlib.suppress(TypeError):  # ``remainder``); a dataset without a length: unknown
+                made.remainder = len(loader.dataset) % padded_to
+        return made
 
     @override
     def hf_configure_optimizer(self, facade: TrainerSurface) -> None:

@@ -24,7 +24,6 @@ from typing import Any
 import numpy as np
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
-from torch.utils.data import DataLoader
 from transformers.trainer_callback import TrainerState
 from transformers.trainer_pt_utils import find_batch_size, nested_numpify
 from transformers.trainer_utils import (
@@ -70,11 +69,19 @@ def nested_concat(items: list[Any], padding_index: int = -100) -> Any:
 
 
 def nested_truncate(value: Any, limit: int) -> Any:
-    """Keep the first ``limit`` rows (drops the samples that distributed padding repeated)."""
+    """Keep the first ``limit`` rows of every array or tensor (accelerate's ``gather_for_metrics`` cut of a last
+    batch); ``value`` as it is when one of them has no rows to cut (a 0-d value), as accelerate leaves it."""
+    try:
+        return _truncated(value, limit)
+    except (IndexError, TypeError):
+        return value
+
+
+def _truncated(value: Any, limit: int) -> Any:
     if isinstance(value, (list, tuple)):
-        return type(value)(nested_truncate(v, limit) for v in value)
+        return type(value)(_truncated(v, limit) for v in value)
     if isinstance(value, Mapping):
-        return type(value)({k: nested_truncate(v, limit) for k, v in value.items()})
+        return type(value)({k: _truncated(v, limit) for k, v in value.items()})
     return value[:limit]
 
 
@@ -86,17 +93,23 @@ class Accumulator:
         self.padding_index = padding_index
         self.concat = concat
         self.pieces: list[Any] = []
+        self.last_batch = 0  # the batch (counted from 1) that gave the last piece
 
-    def add(self, value: Any) -> None:
+    def add(self, value: Any, batch: int) -> None:
         self.pieces.append(nested_numpify(value))
+        self.last_batch = batch
 
-    def result(self, limit: int | None = None) -> Any:
+    def cut_last(self, rows: int, batch: int) -> None:
+        """Keep the first ``rows`` rows of the piece of ``batch``, when it is the last piece."""
+        if self.pieces and self.last_batch == batch:
+            self.pieces[-1] = nested_truncate(self.pieces[-1], rows)
+
+    def result(self) -> Any:
         if not self.pieces:
             return None
         if not self.concat:
             return list(self.pieces)
-        value = nested_concat(self.pieces, self.padding_index)
-        return nested_truncate(value, limit) if limit is not None else value
+        return nested_concat(self.pieces, self.padding_index)
 
 
 class Evaluator:
@@ -126,27 +139,31 @@ class Evaluator:
         concat = facade.args.eval_do_concat_batches
         self.losses, self.preds, self.labels, self.inputs = (Accumulator(concat=concat) for _ in range(4))
         self.observed = 0
+        self.batches = 0  # the batches evaluated so far
         self.model: Any = None  # what prediction_step calls: the backend's evaluation model
         self.quantized: Any = None  # int8_eval: the model's int8 copy, called instead (hflight.run.eval_precision)
         self.batch_metrics = bool(facade.args.batch_eval_metrics)
         self.keep_outputs = not self.batch_metrics or description == "Prediction"
         self.pending: EvalPrediction | None = None  # batch_eval_metrics: the last batch, not scored yet
+        self.pending_batch = 0  # the batch (counted from 1) ``pending`` comes from
         self.metrics: dict | None = None
+        # Counted and cut as transformers' loop with accelerate's ``gather_for_metrics``: every batch's loss counts
+        # ``eval_batch_size`` times, whatever rows the batch holds (a preference batch's chosen and rejected rows,
+        # a sampler that repeats prompts), and of what was gathered only the last batch of a prepared loader is cut,
+        # to the samples of it that are not repeats evening it out (the loader's ``remainder``; ``loader``: the one
+        # iterated). Nothing is cut to the dataset's length, nor to a count of losses: a plain torch loader (a
+        # get_eval_dataloader override's, which transformers does not prepare) is not cut at all.
         # transformers' Seq2SeqTrainer sets ``gather_function = accelerator.gather`` ("we don't want to drop
-        # samples"): then every batch's loss counts ``eval_batch_size`` times, and no loss is cut. Predictions,
-        # labels and inputs are still cut to the dataset's samples (transformers also keeps the repeats that even
-        # out the processes' last batches; hflight returns each sample once, in dataset order).
+        # samples"): then no loss is cut. Predictions, labels and inputs still are (transformers also keeps the
+        # repeats that even out the processes' last batches; hflight returns each sample once, in dataset order).
         accelerator = getattr(facade, "accelerator", None)
         self.keep_all = accelerator is not None and getattr(facade, "gather_function", None) == accelerator.gather
-        # A dataset without a length is cut as accelerate's gather_for_metrics cuts it: only the last batch of a
-        # loader prepared for the processes that evened it out (dispatched batches; ``loader``, the one iterated),
-        # never to this process's count of samples (each process counts its own). A plain torch loader (a
-        # get_eval_dataloader override's, which transformers does not prepare) is not cut at all: each process
-        # evaluated what its loader gave, and transformers keeps every gathered sample.
         self.loader: Any = None
+        self.completed = False  # whether every batch of ``loader`` was evaluated
 
     def step(self, inputs: dict[str, Any]) -> None:
         facade = self.facade
+        self.batches += 1
         batch_size = find_batch_size(inputs)
         if batch_size is not None:
             self.observed += batch_size
@@ -156,11 +173,11 @@ class Evaluator:
         )
         gather = self.world.gather_as_objects if facade.args.eval_use_gather_object else self.world.gather
         if loss is not None:
-            loss = gather(loss.repeat(facade.args.eval_batch_size if self.keep_all else batch_size or 1))
-            self.losses.add(loss)
+            loss = gather(loss.repeat(facade.args.eval_batch_size))
+            self.losses.add(loss, self.batches)
         if "inputs" in facade.args.include_for_metrics and self.keep_outputs:
             main_input = getattr(facade.model, "main_input_name", "input_ids")
-            self.inputs.add(gather(inputs[main_input], pad_dim=1))
+            self.inputs.add(gather(inputs[main_input], pad_dim=1), self.batches)
         if labels is not None:
             labels = self.world.pad_across_processes(labels)
         if logits is not None:
@@ -169,15 +186,16 @@ class Evaluator:
                 logits = facade.preprocess_logits_for_metrics(logits, labels)
             logits = gather(logits)
             if self.keep_outputs:
-                self.preds.add(logits)
+                self.preds.add(logits, self.batches)
         if labels is not None:
             labels = gather(labels)
             if self.keep_outputs:
-                self.labels.add(labels)
+                self.labels.add(labels, self.batches)
         dispatch(facade, "on_prediction_step")
         if self.batch_metrics and self.compute_metrics is not None and logits is not None and labels is not None:
             include = facade.args.include_for_metrics
             self._score_pending(last=False)
+            self.pending_batch = self.batches
             self.pending = EvalPrediction(
                 predictions=logits,
                 label_ids=labels,
@@ -185,15 +203,29 @@ class Evaluator:
                 inputs=inputs if "inputs" in include else None,
             )
 
-    def _kept(self) -> int | None:
-        """The gathered samples that are not repeats evening out the last batch of the loader iterated (accelerate's
-        ``remainder`` of a prepared loader that reached its end); None when nothing was gathered."""
-        sizes = [len(piece) for piece in self.losses.pieces]  # the gathered losses, batch by batch
-        total, last = sum(sizes), (sizes[-1] if sizes else 0)
+    def _cut_last_batch(self) -> None:
+        """What accelerate's ``gather_for_metrics`` does to the last batch of a prepared loader that reached its end
+        with a ``remainder`` (the samples of its last global batch that are not repeats evening it out): every value
+        gathered from that batch keeps its first ``remainder`` rows (the loss too, repeated ``eval_batch_size``
+        times, unless ``keep_all``). Done once the loop is over, so that a loader read ahead (Lightning's fetcher)
+        cannot be taken for one at its end a batch early. A backend's loader that reports a ``remainder`` without an
+        ``end_of_dataloader`` (the IPU's, padding its last batch) is at its end once every batch was evaluated."""
         remainder = getattr(self.loader, "remainder", -1)
-        if getattr(self.loader, "end_of_dataloader", False) and remainder > 0:
-            return total - last + min(last, remainder)
-        return total or None
+        if not getattr(self.loader, "end_of_dataloader", self.completed) or remainder <= 0:
+            return
+        for kept in (self.preds, self.labels, self.inputs, *(() if self.keep_all else (self.losses,))):
+            kept.cut_last(remainder, self.batches)
+        pending = self.pending
+        if pending is not None and self.pending_batch == self.batches:  # batch_eval_metrics' last batch
+            losses = pending.losses
+            if losses is not None and not self.keep_all:
+                losses = nested_truncate(losses, remainder)
+            self.pending = EvalPrediction(
+                predictions=nested_truncate(pending.predictions, remainder),
+                label_ids=nested_truncate(pending.label_ids, remainder),
+                losses=losses,
+                inputs=pending.inputs,
+            )
 
     def _score_pending(self, last: bool) -> None:
         if self.pending is not None:
@@ -202,15 +234,10 @@ class Evaluator:
 
     def finish(self, num_samples: int | None, metric_key_prefix: str) -> EvalLoopOutput:
         facade = self.facade
-        if type(self.loader) is DataLoader and self.world.size > 1:
-            limit = None
-        else:  # the dataset's length, else the gathered samples that are no repeats
-            limit = num_samples or self._kept()
         if not num_samples:
             num_samples = self.observed
-        losses = self.losses.result(None if self.keep_all else limit)
-        preds, labels = self.preds.result(limit), self.labels.result(limit)
-        inputs = self.inputs.result(limit)
+        self._cut_last_batch()
+        losses, preds, labels, inputs = (kept.result() for kept in (self.losses, self.preds, self.labels, self.inputs))
 
         if self.batch_metrics:
             self._score_pending(last=True)
@@ -346,8 +373,12 @@ def _run_batches(evaluator: Evaluator, run: RunView, dataloader: Any) -> None:
         with quiet_lightning(), sigterm_exits_non_zero("Evaluation"):
             # sharded once the processes are launched: this call may be the one that launches them
             run.lightning_trainer.validate(run.module, datamodule=data, verbose=False)
-        evaluator.loader = data.dealt if data.dealt is not None else dataloader
+        # the loader Lightning iterated: this process's shard, as the strategy processed it (a backend's own)
+        iterated = run.lightning_trainer.val_dataloaders
+        dealt = data.dealt if data.dealt is not None else dataloader
+        evaluator.loader = iterated if iterated is not None and not isinstance(iterated, (list, dict)) else dealt
         run.module.model.eval()  # Lightning restores the modes; transformers leaves the model in eval mode
+    evaluator.completed = True
 
 
 # ---- the bodies of Trainer.evaluate and Trainer.predict ----------------------------------------------------------

@@ -303,7 +303,11 @@ class DispatchedLoader(_Prepared, DataLoader):
                 batch, size = concatenate([batch, first]), size + 1
             if last:
                 self.end_of_dataloader, self.remainder = True, observed
-            yield slice_batch(batch, slice(rank * size, (rank + 1) * size))
+            # each process's slice as tensors of its own, as transformers' model gets them (its ``_prepare_input``
+            # moves every tensor to ``args.device``, ``cpu:0`` there, which copies it): a view into the global batch
+            # starts where its rows do, not on the allocator's 64-byte boundary, and on some CPUs (AVX2) the matmul
+            # kernels then round the last bit differently (issue: one ulp apart from step 2 on an AMD EPYC)
+            yield slice_batch(batch, slice(rank * size, (rank + 1) * size), copy=True)
             if last:
                 return
             batch = following
@@ -349,14 +353,15 @@ def _rebuilt(like: Any, items: Iterable[Any]) -> Any:
     return type(like)(*items) if hasattr(like, "_fields") else type(like)(items)
 
 
-def slice_batch(batch: Any, rows: slice) -> Any:
-    """``batch``'s tensors cut along the first dimension (other leaves as they are)."""
+def slice_batch(batch: Any, rows: slice, copy: bool = False) -> Any:
+    """``batch``'s tensors cut along the first dimension (other leaves as they are); ``copy``: each cut a tensor of
+    its own (contiguous, in storage of its own) rather than a view into ``batch``'s."""
     if torch.is_tensor(batch):
-        return batch[rows]
+        return batch[rows].clone(memory_format=torch.contiguous_format) if copy else batch[rows]
     if isinstance(batch, Mapping):
-        return _rebuilt(batch, ((k, slice_batch(v, rows)) for k, v in batch.items()))
+        return _rebuilt(batch, ((k, slice_batch(v, rows, copy)) for k, v in batch.items()))
     if isinstance(batch, (list, tuple)):
-        return _rebuilt(batch, (slice_batch(v, rows) for v in batch))
+        return _rebuilt(batch, (slice_batch(v, rows, copy) for v in batch))
     return batch
 
 
