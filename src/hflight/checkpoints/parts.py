@@ -109,15 +109,22 @@ def part_of(name: str) -> str | None:
 EPOCH_START_KEY = "hflight_epoch_start"
 
 
-def rng_states() -> dict[str, Any]:
-    """This process's Python, numpy, torch (and CUDA) generator states, as an RNG file holds them."""
+def rng_states(distributed: bool = False) -> dict[str, Any]:
+    """This process's Python, numpy, torch (and CUDA) generator states, as an RNG file holds them. The CUDA state in
+    transformers' form (``_save_rng_state``): one process's run holds the current device's state (a tensor), which
+    transformers' ``_load_rng_state`` sets back with ``set_rng_state``; a process of a ``distributed`` run (several
+    processes) the list of every visible device's (``get_rng_state_all``), which transformers sets with
+    ``set_rng_state_all``."""
     states = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["cuda"] = torch.cuda.random.get_rng_state_all()
+        cuda = torch.cuda.random
+        states["cuda"] = cuda.get_rng_state_all() if distributed else cuda.get_rng_state()
     return states
 
 
 def _set_rng_states(states: dict[str, Any]) -> None:
+    """The states of :func:`rng_states` set back: a CUDA state tensor with ``set_rng_state``, a list (a distributed
+    run's, or a one-process run's written by earlier hflight versions) with ``set_rng_state_all``."""
     random.setstate(states["python"])
     np.random.set_state(states["numpy"])
     torch.random.set_rng_state(states["cpu"])
@@ -152,7 +159,7 @@ def write_training_states(facade: TrainerSurface, run: RunView, job: Any, is_mai
             files[SCALER_NAME] = scaler.state_dict
     epoch_start = run.epoch_start_rng  # the streams as the epoch's data order was drawn from them (hflight's key)
     files[rng_file_name(run.world.size, run.world.rank)] = lambda: {
-        **rng_states(),
+        **rng_states(distributed=run.world.size > 1),
         **({EPOCH_START_KEY: epoch_start} if epoch_start is not None else {}),
     }
     for name, state in files.items():

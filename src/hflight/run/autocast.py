@@ -14,6 +14,10 @@ step as a whole. Here:
   then the model's own again (saving, pickling and the user's later calls see the model untouched). A backend whose
   ``hf_forward_autocast`` is False (FSDP2: accelerate shards it with a ``MixedPrecisionPolicy`` and wraps no
   forward) keeps its forward.
+- fp16's gradient scaler as accelerate's: every optimizer's gradients are unscaled before they are measured,
+  clipped or handed to ``on_pre_optimizer_step`` (:func:`unscale_gradients`), a fused optimizer's too (Lightning's
+  ``MixedPrecision`` leaves those scaled for the optimizer's own step, so ``max_grad_norm`` clipped gradients still
+  multiplied by the loss scale).
 - :func:`wrap_forward`: the same patch kept on a model, as accelerate's ``prepare_model(evaluation_mode=True)`` keeps
   it (TRL's reference and reward models); :func:`unwrap_forward` removes it (``unwrap_model(keep_fp32_wrapper=False)``).
 """
@@ -27,11 +31,12 @@ from typing import Any
 
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from torch.amp.grad_scaler import OptState
 
 from hflight.run.backend import backend_of
 
-__all__ = ["ForwardAutocast", "autocast_forward", "autocast_of", "unwrap_forward", "use_forward_autocast",
-           "wrap_forward"]  # fmt: skip
+__all__ = ["ForwardAutocast", "autocast_forward", "autocast_of", "unscale_gradients", "unwrap_forward",
+           "use_forward_autocast", "wrap_forward"]  # fmt: skip
 
 #: Lightning's mixed precision -> the autocast dtype
 DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -58,6 +63,31 @@ class ForwardAutocast(MixedPrecision):
     def autocast(self, **kwargs: Any) -> torch.autocast:
         """accelerate's autocast of the run's precision (``kwargs``: ``torch.autocast``'s, e.g. ``enabled=False``)."""
         return torch.autocast(device_type=self.device, dtype=self.dtype, **kwargs)
+
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """Lightning's step with a gradient scaler, every optimizer unscaled before ``on_before_optimizer_step`` (where
+        hflight clips and calls ``on_pre_optimizer_step``), as accelerate's ``clip_grad_norm_`` unscales before
+        transformers clips; Lightning leaves a fused optimizer's gradients scaled. ``GradScaler.step`` then hands a
+        fused optimizer no scale to divide by again, only whether the gradients overflowed."""
+        if self.scaler is None or model.automatic_optimization:
+            return super().optimizer_step(optimizer, model, closure, **kwargs)
+        closure()  # manual optimization: the backward ran in the training step
+        unscale_gradients(self.scaler, [optimizer])
+        self._after_closure(model, optimizer)
+        output = self.scaler.step(optimizer, **kwargs)
+        self.scaler.update()
+        return output
+
+
+def unscale_gradients(scaler: torch.amp.GradScaler | None, optimizers: list[torch.optim.Optimizer]) -> None:
+    """accelerate's ``unscale_gradients``: the gradients of each of ``optimizers``, fused or not, divided by the loss
+    scale of ``scaler`` (None or disabled: no scaling) once per step: those already unscaled since the scaler's last
+    ``update`` (by ``trainer.accelerator.clip_grad_norm_`` in the step) stay as they are."""
+    if scaler is None or not scaler.is_enabled():
+        return
+    for optimizer in optimizers:
+        if scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
+            scaler.unscale_(optimizer)
 
 
 def use_forward_autocast(lightning_trainer: Any) -> None:

@@ -100,7 +100,8 @@ class HFBackend:
         return model
 
     def hf_optimizer_step(self, module: L.LightningModule) -> bool:
-        """One optimizer step on the host; False when mixed precision skipped it (inf/NaN gradients). An optimizer
+        """One optimizer step on the host; False when mixed precision skipped it (inf/NaN gradients; never for a
+        fused optimizer, as accelerate's ``optimizer_step_was_skipped``). An optimizer
         that updated the parameters during the backward pass (LOMO, layer-wise GaLore/APOLLO) takes no step, as in
         transformers: clipping and ``on_pre_optimizer_step`` run all the same."""
         optimizer = module.optimizers()
@@ -113,6 +114,10 @@ class HFBackend:
         # Clipping and on_pre_optimizer_step run inside step(), in on_before_optimizer_step: the one point
         # where mixed-precision gradients are already unscaled.
         optimizer.step()
+        if getattr(optimizer.optimizer, "_step_supports_amp_scaling", False):
+            # a fused optimizer skips an overflowed update inside its own step, which GradScaler calls all the same:
+            # accelerate never reports that step skipped, so transformers steps the scheduler
+            return True
         return not (scaler is not None and scaler.get_scale() < scale_before)
 
     def hf_after_scheduler_step(self, optimizer: torch.optim.Optimizer) -> None:

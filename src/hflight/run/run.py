@@ -38,6 +38,40 @@ from hflight.run.plan import TrainingPlan
 from hflight.surface import TrainerSurface
 
 
+class TeardownInPlace:
+    """A Lightning strategy's ``teardown`` without its moves of the model and the optimizer states to the CPU.
+
+    ``Strategy.teardown`` (which every Lightning strategy's ends in) moves the LightningModule and each optimizer's
+    state to the CPU once ``fit``, ``validate`` or ``predict`` is over, to free the device. transformers' ``Trainer``
+    keeps the model on ``args.device`` from its construction on, and the optimizer's state beside it: after
+    ``train()``, ``evaluate()`` and ``predict()`` the script, the callbacks, the best model and a later ``train()``
+    find them there, with nothing copied to the host and back. Installed on the strategy instance (a module-level
+    class, so that a strategy ``ddp_spawn`` pickles into its processes still pickles); the rest of the strategy's
+    teardown (unwrapping DDP, the precision plugin's, the accelerator's) runs as Lightning's."""
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+
+    @classmethod
+    def install(cls, strategy: Any) -> None:
+        """``strategy.teardown`` as this class's (once: a strategy object may serve several runs)."""
+        if not isinstance(vars(strategy).get("teardown"), cls):
+            strategy.teardown = cls(strategy)
+
+    def __call__(self) -> None:
+        strategy = self.strategy
+        module, optimizers = strategy.lightning_module, strategy._optimizers
+        strategy._optimizers = []  # Strategy.teardown moves the state of each of these to the CPU
+        if module is not None:
+            module.cpu = lambda: module  # ...and calls the LightningModule's cpu()
+        try:
+            type(strategy).teardown(strategy)
+        finally:
+            strategy._optimizers = optimizers
+            if module is not None:
+                del module.cpu
+
+
 class Run:
     """One call's ``lightning.Trainer`` and everything around it.
 
@@ -91,6 +125,7 @@ class Run:
         with quiet_lightning():
             self.lightning_trainer = L.Trainer(**kwargs)
         use_forward_autocast(self.lightning_trainer)  # mixed precision: the model's forward autocast, as accelerate's
+        TeardownInPlace.install(self.lightning_trainer.strategy)  # the model stays on its device, as transformers'
         check_spans_launch(self.lightning_trainer, facade.args)  # never N copies of a one-process run
         self.world = World(self.lightning_trainer)
         self.checkpoint_writer = CheckpointWriter(bool(getattr(facade.args, "save_async", False)), self.world)

@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import gc
 import logging
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -33,7 +34,7 @@ from hflight._util import model_tp_size
 from hflight.arguments import process_group
 from hflight.arguments.lightning_kwargs import precision_for
 from hflight.arguments.training_args import gradient_accumulation_plugin_kwargs
-from hflight.run.autocast import DTYPES, autocast_of, unwrap_forward, wrap_forward
+from hflight.run.autocast import DTYPES, autocast_of, unscale_gradients, unwrap_forward, wrap_forward
 from hflight.run.distributed import World
 from hflight.run.loaders import LoaderSharding, LoaderState, prepare_loader
 from hflight.surface import RunView
@@ -51,13 +52,10 @@ NOT_ON_LIGHTNING: dict[str, str] = {
     "save_model": "Trainer.save_model",
     "skip_first_batches": "resume through Trainer.train(resume_from_checkpoint=...), which skips the trained batches",
     "join_uneven_inputs": "accelerator_config={'even_batches': True} (every process gets as many batches)",
-    "scaler": "the run's precision plugin: trainer.lightning_trainer.precision_plugin.scaler",
     "optimizer_step_was_skipped": "TrainerState: hflight's loop steps the scheduler only when the optimizer stepped",
     "init_trackers": "report_to (transformers' integration callbacks)",
     "log": "Trainer.log",
     "get_tracker": "the integration callbacks of report_to (trainer.callback_handler.callbacks)",
-    "deepspeed_plugin": "Lightning's DeepSpeedStrategy: trainer.lightning_trainer.strategy (its .config)",
-    "fsdp_plugin": "Lightning's strategy: trainer.lightning_trainer.strategy",
     "torch_device_mesh": "trainer.lightning_trainer.strategy.device_mesh (FSDP2 runs)",
 }
 
@@ -131,20 +129,19 @@ class RunState:
         return dist.get_backend() if dist.is_available() and dist.is_initialized() else None
 
     @property
-    def deepspeed_plugin(self) -> None:
-        return self._plugin("DEEPSPEED", "deepspeed_plugin")
+    def deepspeed_plugin(self) -> Any:
+        """accelerate's ``DeepSpeedPlugin`` of a DeepSpeed run (the arguments' own, as transformers hands it to its
+        ``Accelerator``), else None: what TRL's ``prepare_deepspeed`` reads (its ``deepspeed_config``)."""
+        return self._accelerator.accelerate_plugin("DEEPSPEED")
 
     @property
-    def fsdp_plugin(self) -> None:
-        return self._plugin("FSDP", "fsdp_plugin")
-
-    def _plugin(self, kind: str, name: str) -> None:
-        if self._accelerator.distributed_type.name == kind:
-            raise AttributeError(f"trainer.accelerator.state.{name}: hflight has no accelerate plugin; use "
-                                 f"{NOT_ON_LIGHTNING[name]}")  # fmt: skip
-        return None
+    def fsdp_plugin(self) -> Any:
+        """accelerate's ``FullyShardedDataParallelPlugin`` of an FSDP run (built from ``args.fsdp_plugin_args`` as
+        transformers builds it), else None: what TRL's ``prepare_fsdp`` reads."""
+        return self._accelerator.accelerate_plugin("FSDP")
 
     def __getattr__(self, name: str) -> Any:
+        _raise_from_property(self, name)
         if name in RunState._NAMES:
             return getattr(self._accelerator, name)
         raise AttributeError(f"trainer.accelerator.state has no {name!r} in hflight (it answers "
@@ -172,6 +169,7 @@ class RunAccelerator:
         self._built_parallelism: tuple[Any, Any] | None = None  # (the model, the ParallelismConfig built for it)
         self._step = 0  # accumulate()'s count, as accelerate's Accelerator.step
         self._loader_settings: dict[str, Any] = {}  # set through dataloader_config, over accelerator_config's
+        self._plugins: dict[str, Any] = {}  # accelerate_plugin's, one of each kind (TRL configures the one it reads)
         self.gradient_state = GradientState(gradient_accumulation_plugin_kwargs(args))
         if self.non_blocking and not args.dataloader_pin_memory:
             logger.warning(
@@ -424,12 +422,23 @@ class RunAccelerator:
         device_type, dtype = settings
         return torch.autocast(device_type=device_type, dtype=dtype, **kwargs)
 
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        """accelerate's: fp16's gradient scaler, the one the run in progress (or the last one) scales its losses and
+        steps its optimizer with (its precision plugin's); None without one (full precision, bf16, DeepSpeed's own
+        loss scaling, before any run)."""
+        run = self._current_run()
+        return getattr(run.lightning_trainer.precision_plugin, "scaler", None) if run is not None else None
+
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
         """accelerate's: the gradients' total norm, clipped to ``max_norm``, over the whole model however the run
-        holds it. During a run the 2-norm is the run's own (what the training loop clips and logs: a tensor-parallel
-        model's norm completed over its mesh, where torch's refuses a mix of DTensor and plain gradients); other
-        norms, and outside a run, torch's ``clip_grad_norm_``."""
+        holds it. With fp16's gradient scaler the run's optimizers' gradients are unscaled first (every optimizer,
+        fused or not, once per step: accelerate's ``unscale_gradients``). During a run the 2-norm is the run's own
+        (what the training loop clips and logs: a tensor-parallel model's norm completed over its mesh, where torch's
+        refuses a mix of DTensor and plain gradients); other norms, and outside a run, torch's ``clip_grad_norm_``."""
         run = self._current_run()
+        if run is not None and run.fitting:
+            unscale_gradients(self.scaler, list(run.lightning_trainer.optimizers))
         if run is not None and norm_type == 2:
             return run.backend.hf_clip_grad_norm(parameters, max_norm)
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
@@ -437,17 +446,22 @@ class RunAccelerator:
     def unwrap_model(
         self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True
     ) -> nn.Module:
-        """``model`` without the wrappers a strategy or ``torch.compile`` put around it; ``keep_fp32_wrapper=False``:
-        without the autocast forward of mixed precision either (removed from the model, as accelerate's)."""
-        while True:
-            if hasattr(model, "_orig_mod") and not keep_torch_compile:
-                model = model._orig_mod
-            elif isinstance(getattr(model, "module", None), nn.Module):
-                model = model.module
-            else:
-                if not keep_fp32_wrapper:
-                    unwrap_forward(model)
-                return model
+        """``model`` without the wrappers a strategy put around it (accelerate's ``extract_model_from_parallel``:
+        only real wrappers, :func:`_unwrapped`; a model of the user's with a submodule named ``module`` is kept
+        whole); a ``torch.compile`` model keeps its compiled wrapper (its inner model unwrapped) unless
+        ``keep_torch_compile=False``; ``keep_fp32_wrapper=False``: without the autocast forward of mixed precision
+        either (removed from the model, as accelerate's)."""
+        from torch._dynamo.eval_frame import OptimizedModule
+
+        compiled = model if isinstance(model, OptimizedModule) else None
+        inner = _unwrapped(model._orig_mod if compiled is not None else model)
+        if not keep_fp32_wrapper:
+            unwrap_forward(inner)
+        if compiled is None or not keep_torch_compile:
+            return inner
+        if compiled._orig_mod is not inner:  # accelerate's: the compiled wrapper around the unwrapped model
+            compiled._orig_mod = inner
+        return compiled
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, Any]:
         """The model's full state dict, as accelerate's: gathered from an FSDP2 model's shards (on every process, as
@@ -543,9 +557,28 @@ class RunAccelerator:
                 logger_.finalize("success")
         process_group.end()
 
+    @property
+    def deepspeed_plugin(self) -> Any:
+        """accelerate's: the ``DeepSpeedPlugin`` of a DeepSpeed run, else None (``state.deepspeed_plugin``)."""
+        return self.accelerate_plugin("DEEPSPEED")
+
+    def accelerate_plugin(self, kind: str) -> Any:
+        """accelerate's plugin of the run's ``kind`` (``"DEEPSPEED"``, ``"FSDP"``) as transformers' ``Accelerator``
+        holds it, for the code that reads it (TRL's ``prepare_deepspeed``/``prepare_fsdp`` of a reference model):
+        the arguments' ``deepspeed_plugin``, or a ``FullyShardedDataParallelPlugin`` of ``args.fsdp_plugin_args``,
+        each given the run's mixed precision as accelerate's state gives it; None when the run is not of that kind
+        (as accelerate's; a tensor-parallel run without ``fsdp`` has no FSDP plugin there either). hflight's own
+        strategies are built from the arguments, not from these."""
+        if self.distributed_type.name != kind:
+            return None
+        if kind not in self._plugins:
+            self._plugins[kind] = _accelerate_plugin(kind, self._args, self.mixed_precision)
+        return self._plugins[kind]
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
+        _raise_from_property(self, name)
         advice = NOT_ON_LIGHTNING.get(name)
         what = f"use {advice}" if advice else "docs/coming-from-transformers.md lists what it offers"
         raise AttributeError(
@@ -583,6 +616,57 @@ def _apply(data: Any, function: Callable[[torch.Tensor], Any]) -> Any:
         items = [_apply(value, function) for value in data]
         return type(data)(*items) if hasattr(data, "_fields") else type(data)(items)
     return data
+
+
+def _accelerate_plugin(kind: str, args: Any, mixed_precision: str) -> Any:
+    """accelerate's ``DeepSpeedPlugin`` (``kind`` "DEEPSPEED") or ``FullyShardedDataParallelPlugin`` ("FSDP") of
+    ``args`` as transformers' ``Accelerator`` holds it (None: no such settings)."""
+    if kind == "DEEPSPEED":
+        plugin = getattr(args, "deepspeed_plugin", None)
+        if plugin is not None:
+            plugin.set_mixed_precision(mixed_precision)  # what accelerate's state does to the one it is given
+        return plugin
+    settings = getattr(args, "fsdp_plugin_args", None)
+    if settings is None:
+        return None
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin(**settings)
+    if mixed_precision != "no":
+        plugin.set_mixed_precision(mixed_precision)
+    return plugin
+
+
+def _raise_from_property(owner: Any, name: str) -> None:
+    """``__getattr__`` is called when a property raised ``AttributeError`` too: that property is run again here, so
+    that its own error (about what it reads) is the one raised, never "has no <property>"."""
+    member = getattr(type(owner), name, None)
+    if isinstance(member, property) and member.fget is not None:
+        member.fget(owner)
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """``model`` without the wrappers accelerate's ``extract_model_from_parallel`` takes off
+    (``DistributedDataParallel``, ``DataParallel``, DeepSpeed's engine, FSDP1's ``FullyShardedDataParallel``: their
+    ``.module``), and the one of the Lightning run: the LightningModule its strategy wraps (hflight's ``HFModule``:
+    its ``.model``). Any other module, whatever its attributes (a submodule named ``module``), is the model itself."""
+    from hflight.run.module import HFModule
+
+    wrappers: tuple[type, ...] = (nn.parallel.DistributedDataParallel, nn.DataParallel)
+    if torch.distributed.is_available():
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        wrappers += (FullyShardedDataParallel,)
+    deepspeed = sys.modules.get("deepspeed")  # a DeepSpeed engine exists only where deepspeed was imported
+    if deepspeed is not None and hasattr(deepspeed, "DeepSpeedEngine"):
+        wrappers += (deepspeed.DeepSpeedEngine,)
+    while True:
+        if isinstance(model, wrappers):
+            model = model.module
+        elif isinstance(model, HFModule):
+            model = model.model
+        else:
+            return model
 
 
 def _tensors_only(data: Any, operation: str) -> None:

@@ -269,12 +269,13 @@ def _strategy_name(args: Any) -> str:
 
 def transformers_attributes(args: Any, model: nn.Module) -> dict[str, Any]:
     """The public attributes a ``transformers.Trainer`` has after its constructor that describe how the model is
-    placed and sharded, with hflight's values: Lightning places and wraps the model when a run starts (so
-    ``model_wrapped`` is the model itself until then), its FSDP/DeepSpeed strategies shard it, and nothing is
-    model-parallel; a model transformers sharded at load time (tensor parallelism) stays where it was loaded."""
+    placed and sharded, with hflight's values: Lightning wraps the model when a run starts (so ``model_wrapped`` is
+    the model itself until then), its FSDP/DeepSpeed strategies shard it, and nothing is model-parallel; a model
+    transformers sharded at load time (tensor parallelism) stays where it was loaded. ``place_model_on_device``:
+    transformers' rule (:func:`place_model` acts on it)."""
     strategy = _strategy_name(args).lower()
     devices = {d for d in (getattr(model, "hf_device_map", None) or {}).values() if d not in ("cpu", "disk")}
-    return {
+    attributes = {
         "deepspeed": None,
         "is_deepspeed_enabled": "deepspeed" in strategy or bool(getattr(args, "deepspeed", None)),
         "is_fsdp_enabled": "fsdp" in strategy or bool(getattr(args, "fsdp", None)),
@@ -284,8 +285,37 @@ def transformers_attributes(args: Any, model: nn.Module) -> dict[str, Any]:
         "is_distributed_loading_by_transformers": sharded_at_load(model),
         "is_model_parallel": len(devices) > 1,
         "model_wrapped": model,
-        "place_model_on_device": bool(placed)
-        if (placed := getattr(args, "place_model_on_device", None)) is not None
-        else not sharded_at_load(model),
         "hub_model_id": None,
     }
+    placed = getattr(args, "place_model_on_device", None)
+    # transformers' rule: not a model-parallel, DeepSpeed, FSDP or load-time-sharded model, nor before a full
+    # fp16/bf16 evaluation (which casts the model and moves it in one step)
+    postponed = (
+        attributes["is_model_parallel"]
+        or attributes["is_deepspeed_enabled"]
+        or attributes["is_fsdp_enabled"]
+        or attributes["is_distributed_loading_by_transformers"]
+        or getattr(args, "fp16_full_eval", False)
+        or getattr(args, "bf16_full_eval", False)
+    )
+    attributes["place_model_on_device"] = bool(placed) if placed is not None else not postponed
+    return attributes
+
+
+def place_model(model: nn.Module, args: Any, place: bool) -> None:
+    """transformers' device placement (``Trainer.__init__``, and ``train()`` after ``model_init``): ``model`` moved to
+    ``args.device`` when ``place`` (``place_model_on_device``), so that the script, the callbacks and every later
+    ``train()``/``evaluate()`` see it there (hflight's runs leave it there: ``hflight.run.run``). Not a
+    bitsandbytes-quantized model (it has no ``.to``), and not where Lightning starts the run's processes itself (the
+    process that builds the trainer forks or spawns them, and a fork cannot use the CUDA memory its parent holds: each
+    process's run places its own model)."""
+    from transformers.utils.quantization_config import QuantizationMethod
+
+    from hflight.arguments import cluster
+    from hflight.arguments.strategies import lightning_launches_several
+
+    if not place or getattr(model, "quantization_method", None) == QuantizationMethod.BITS_AND_BYTES:
+        return
+    if cluster.launched_world_size() is None and lightning_launches_several(args):
+        return
+    model.to(args.device)

@@ -111,13 +111,12 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
         construction.validate_quantization_for_training(self.model)  # transformers' own refusals (quantized models)
         vars(self).update(construction.transformers_attributes(self.args, self.model))
         self.processing_class = processing_class
-        self._inspect_model(self.model)
+        self._adopt_model(self.model)
         self.data_collator = data_collator if data_collator is not None else default_collator(processing_class)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.compute_loss_func, self.compute_metrics = compute_loss_func, compute_metrics
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
-        self.optimizer, self.lr_scheduler = optimizers
-        self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
+        (self.optimizer, self.lr_scheduler), self.optimizer_cls_and_kwargs = optimizers, optimizer_cls_and_kwargs
         self.neftune_noise_alpha = self.args.neftune_noise_alpha
         self._user_scheduler = self.lr_scheduler is not None
         self._train_batch_size = self.args.train_batch_size  # auto_find_batch_size may lower it
@@ -142,7 +141,8 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
     def _seed(self) -> None:
         enable_full_determinism(self.args.seed) if self.args.full_determinism else set_seed(self.args.seed)
 
-    def _inspect_model(self, model: nn.Module) -> None:
+    def _adopt_model(self, model: nn.Module) -> None:
+        construction.place_model(model, self.args, self.place_model_on_device)
         facts = construction.inspect_model(model, self.args)
         self.model_accepts_loss_kwargs, self.label_names = facts.accepts_loss_kwargs, facts.label_names
         self.can_return_loss, self.label_smoother = facts.can_return_loss, facts.label_smoother
@@ -279,7 +279,7 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
         if self.model_init is not None:
             self._seed()
             self.model = self.call_model_init(self._trial)
-            self._inspect_model(self.model)
+            self._adopt_model(self.model)
             self.optimizer, self.lr_scheduler = None, None
         construction.prepare_model_for_training(self.model, self.args)
 
