@@ -135,13 +135,25 @@ def test_a_kill_at_any_point_of_a_resave_leaves_a_complete_checkpoint(saved, ref
 
 
 def test_stale_tmp_folders_are_removed_and_logged_when_training_starts(tmp_path, factory, caplog):
+    """Also the ``checkpoint-N`` a save_async write made beside its unfinished ``.tmp-checkpoint-N`` (for what an
+    override or a callback writes after the save; killed before the publication): not a checkpoint, it would count in
+    the rotation. A ``checkpoint-N`` holding a checkpoint (a manifest, transformers' trainer_state.json) stays."""
     (tmp_path / ".tmp-checkpoint-4").mkdir(parents=True)
     (tmp_path / ".tmp-checkpoint-4" / "model.safetensors").write_bytes(b"partial")
+    (tmp_path / "checkpoint-4").mkdir()
+    (tmp_path / "checkpoint-4" / "entropy_ctrl_state.json").write_text("{}")
     (tmp_path / ".tmp-checkpoint-6.replaced").mkdir()
+    (tmp_path / "checkpoint-6").mkdir()  # beside a folder replaced, not an unfinished save
+    for step, name in ((8, MANIFEST_NAME), (10, "trainer_state.json")):
+        (tmp_path / f".tmp-checkpoint-{step}").mkdir()
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        (tmp_path / f"checkpoint-{step}" / name).write_text("{}")
     with caplog.at_level(logging.WARNING, logger="hflight.checkpoints.folders"):
         make_trainer(tmp_path, factory, max_steps=1, save_strategy="no").train()
     assert not list(tmp_path.glob(".tmp-*"))
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-10", "checkpoint-6", "checkpoint-8"]
     assert ".tmp-checkpoint-4" in caplog.text and ".tmp-checkpoint-6.replaced" in caplog.text
+    assert f"{tmp_path / 'checkpoint-4'}: made for a checkpoint whose write was interrupted" in caplog.text
 
 
 # ==== issue 17: every promise under an adversarial sweep ============================================================

@@ -266,7 +266,10 @@ def test_a_state_by_name_grouped_by_another_layout_maps_each_group_to_its_saved_
     scheduler = {"base_lrs": [1e-3, 1e-3, 5e-4], "_last_lr": [1, 2, 3], "last_epoch": 2}
     assert regrouped_scheduler(scheduler, [0, 2], 3) == {"base_lrs": [1e-3, 5e-4], "_last_lr": [1, 3], "last_epoch": 2}
     assert regrouped_scheduler(scheduler, [0, 1, 2], 3) is scheduler
-    assert group_map(path, [saved[2], {**decay, "params": ["0.weight", "1.weight"]}], optimizer, names) == [1, 0]
+    reordered = [saved[2], {**decay, "params": ["0.weight", "1.weight"]}]  # the saved groups in the other order
+    assert group_map(path, reordered, optimizer, names) == [1, 0]
+    assert regrouped_scheduler({"base_lrs": [5e-4, 1e-3], "_last_lr": [3, 1], "last_epoch": 2}, [1, 0], 2) == {
+        "base_lrs": [1e-3, 5e-4], "_last_lr": [1, 3], "last_epoch": 2}  # fmt: skip
     refusal = r"optimizer.bin: the optimizer's group 0 holds parameters of the saved groups \[0, 1\], which are set"
     with pytest.raises(IncompatibleTrainingState, match=refusal):
         group_map(path, [saved[0], {**plain, "params": ["1.weight"]}, saved[2]], optimizer, names)

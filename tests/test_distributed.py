@@ -46,7 +46,11 @@ def async_run(tmp_path_factory) -> tuple[dict, Path]:
 def test_ddp_with_save_async_writes_the_synchronous_checkpoints_and_ends_the_same(runs, async_run):
     """save_async under DDP: rank 0 writes in the background, every rank its RNG file at the step boundary; the
     checkpoints are the synchronous run's byte for byte (but the output folder in training_args.bin, and so the
-    manifest's checksum of it; optimizer.pt record for record), the run ends the same."""
+    manifest's checksum of it; optimizer.pt record for record), the run ends the same. The trainer's
+    ``_save_checkpoint`` writes ``own_state.json`` into ``checkpoint-N`` after ``super()`` on rank 0 (TRL's
+    GRPOTrainer's form): the folder is there for it, and the file is kept in the published checkpoint."""
+    from hflight.checkpoints.manifest import verify_checkpoint
+
     _, ddp, _, two = runs
     result, folder = async_run
     assert result["checkpoints"] == ddp["checkpoints"] and result["train_loss"] == ddp["train_loss"]
@@ -54,8 +58,11 @@ def test_ddp_with_save_async_writes_the_synchronous_checkpoints_and_ends_the_sam
     assert all(torch.equal(final[k], reference[k]) for k in reference)
     for name in ddp["checkpoints"]:
         ours, theirs = folder / name, two / name
-        assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in theirs.iterdir())
-        differ = [p.name for p in sorted(ours.iterdir()) if p.read_bytes() != (theirs / p.name).read_bytes()]
+        assert json.loads((ours / "own_state.json").read_text()) == {"step": int(name.split("-")[1])}
+        assert verify_checkpoint(ours, full=True) is not None
+        assert sorted(p.name for p in ours.iterdir()) == sorted([*(p.name for p in theirs.iterdir()), "own_state.json"])
+        differ = [p.name for p in sorted(ours.iterdir())
+                  if p.name != "own_state.json" and p.read_bytes() != (theirs / p.name).read_bytes()]  # fmt: skip
         # optimizer.pt: written in the background in torch's records, not its zip framing (tests/support.py)
         allowed = {"checkpoint_manifest.json", "training_args.bin", "trainer_state.json", "optimizer.pt"}
         assert set(differ) <= allowed, (name, differ)
@@ -80,6 +87,9 @@ def test_a_failed_background_write_under_ddp_stops_every_rank_with_its_error(asy
     assert get_last_checkpoint(run) == str(run / "checkpoint-2")
     assert verify_checkpoint(run / "checkpoint-2", full=True) is not None
     assert not list(run.glob(".tmp-*"))
+    # the folder made for the override's file went with the checkpoint whose write failed
+    assert sorted(p.name for p in run.glob("*checkpoint-*")) == ["checkpoint-2"]
+    assert (run / "checkpoint-2" / "own_state.json").is_file()
 
 
 def _untimed(state: dict) -> dict:

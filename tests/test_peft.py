@@ -5,7 +5,7 @@ base frozen and NEFTune on a PEFT model (issue 47, item 1; one process)."""
 
 from __future__ import annotations
 
-import os
+import re
 from pathlib import Path
 
 import pytest
@@ -22,15 +22,17 @@ LIBRARIES = {"hf": (transformers.Trainer, transformers.TrainingArguments),
              "hl": (hflight.Trainer, hflight.TrainingArguments)}  # fmt: skip
 
 
-def lora_model(seed: int = 0, second_adapter: str | None = None, **lora) -> torch.nn.Module:
-    """A tiny GPT-2 with LoRA on its attention (``lora``: more of LoraConfig's fields); ``second_adapter``: a second
-    adapter "other", and the adapter then active ("default" or "other")."""
+def lora_model(
+    seed: int = 0, second_adapter: str | None = None, adapter_name: str = "default", **lora
+) -> torch.nn.Module:
+    """A tiny GPT-2 with LoRA on its attention (``lora``: more of LoraConfig's fields) as adapter ``adapter_name``;
+    ``second_adapter``: a second adapter "other", and the adapter then active ("default" or "other")."""
     torch.manual_seed(seed)
     config = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2,
                                      bos_token_id=0, eos_token_id=0)  # fmt: skip
     base = transformers.GPT2LMHeadModel(config)
     model = peft.get_peft_model(base, peft.LoraConfig(**{"r": 4, "target_modules": ["c_attn"], **lora},
-                                                      task_type="CAUSAL_LM"))  # fmt: skip
+                                                      task_type="CAUSAL_LM"), adapter_name=adapter_name)  # fmt: skip
     if second_adapter:
         model.add_adapter("other", peft.LoraConfig(r=2, target_modules=["c_attn"], task_type="CAUSAL_LM"))
         model.set_adapter(second_adapter)
@@ -58,6 +60,12 @@ def logged(trainer, *keys: str) -> list[tuple]:
 
 def adapter_weights(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
+
+
+def adapter_state(model) -> tuple:
+    """The active adapter(s), each adapter's ``inference_mode`` and the names of the parameters that train."""
+    modes = {name: config.inference_mode for name, config in model.peft_config.items()}
+    return model.active_adapters, modes, sorted(k for k, v in model.named_parameters() if v.requires_grad)
 
 
 def files(folder: Path) -> list[str]:
@@ -115,6 +123,30 @@ def test_an_adapter_that_does_not_fit_is_refused_naming_the_file_and_leaves_the_
     assert_same_weights(adapter_weights(trainer.model), before)
 
 
+LM_HEAD = dict(modules_to_save=["lm_head"])
+
+
+@pytest.mark.parametrize(("written", "resumed", "keys"), [({}, LM_HEAD, "missing"), (LM_HEAD, {}, "unexpected")])
+def test_an_adapter_file_without_or_with_the_model_s_other_modules_is_refused_naming_it_and_its_keys(
+    tmp_path, written, resumed, keys
+):
+    """``modules_to_save`` (the lm_head trained beside the adapter) on one side only, resumed with save_only_model (no
+    optimizer state to disagree first): the adapter file lacks the model's lm_head (PEFT would load the rest and say
+    nothing) or holds one the model lacks (PEFT's bare KeyError); both are refused naming the file and the keys,
+    before anything is loaded: the model bit for bit as it was."""
+    make("hl", tmp_path / "run", model=lora_model(**written), max_steps=2, save_steps=2, save_only_model=True).train()
+    trainer = make("hl", tmp_path / "resumed", model=lora_model(**resumed), save_only_model=True)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    weights = tmp_path / "run" / "checkpoint-2" / "adapter_model.safetensors"
+    lm_head = re.escape("['base_model.model.lm_head.weight']")
+    with pytest.raises(
+        ValueError, match=rf"{re.escape(str(weights))} does not match .* 'default': {keys} keys {lm_head}"
+    ):
+        trainer.train(resume_from_checkpoint=str(weights.parent))
+    after = trainer.model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
 def test_a_checkpoint_of_adapters_is_refused_for_a_model_without_them(lora_runs, tmp_path):
     torch.manual_seed(0)
     plain = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2,
@@ -134,9 +166,12 @@ def _compare(tmp_path, model_kwargs=None, resume_at=4, **overrides) -> dict[str,
         resumed = make(lib, tmp_path / lib, model=lora_model(**(model_kwargs or {})), **overrides)
         resumed.train(resume_from_checkpoint=str(tmp_path / lib / f"checkpoint-{resume_at}"))
         results[lib] = (logged(trainer, "loss", "grad_norm"), logged(resumed, "loss", "grad_norm"),
-                        adapter_weights(trainer.model), adapter_weights(resumed.model), trainer)  # fmt: skip
-    (hf_logs, hf_resumed, hf_w, hf_rw, _), (hl_logs, hl_resumed, hl_w, hl_rw, _) = results["hf"], results["hl"]
+                        adapter_weights(trainer.model), adapter_weights(resumed.model), trainer,
+                        adapter_state(trainer.model), adapter_state(resumed.model))  # fmt: skip
+    (hf_logs, hf_resumed, hf_w, hf_rw, *_, hf_s, hf_rs) = results["hf"]
+    (hl_logs, hl_resumed, hl_w, hl_rw, *_, hl_s, hl_rs) = results["hl"]
     assert hl_logs == hf_logs and hl_resumed == hf_resumed
+    assert hl_s == hf_s and hl_rs == hf_rs  # the active adapter, each one's inference_mode and what trains
     assert_same_weights(hl_w, hf_w)
     assert_same_weights(hl_rw, hf_rw)
     theirs = files(tmp_path / "hf" / f"checkpoint-{resume_at}")
@@ -146,8 +181,12 @@ def _compare(tmp_path, model_kwargs=None, resume_at=4, **overrides) -> dict[str,
 
 def test_several_adapters_the_active_one_trained_resume_as_in_transformers(tmp_path):
     """A second adapter, active: save_pretrained writes it in its own subfolder; a resume loads both, the active one
-    trainable, and sets it active again."""
-    _compare(tmp_path, model_kwargs=dict(second_adapter="other"))
+    trainable, and sets it active again: the same active adapter, inference modes and trainable parameters as
+    transformers' after the same resume."""
+    results = _compare(tmp_path, model_kwargs=dict(second_adapter="other"))
+    active, modes, trained = results["hl"][-1]
+    assert active == ["other"] and modes == {"default": False, "other": False}
+    assert trained and all(".other." in name for name in trained)
     assert (tmp_path / "hl" / "checkpoint-4" / "other" / "adapter_model.safetensors").is_file()
 
 
@@ -161,8 +200,14 @@ def test_an_adapter_the_model_lacks_is_added_from_the_checkpoint_frozen_as_in_tr
         resumed.train(resume_from_checkpoint=str(tmp_path / lib / "checkpoint-4"))
         assert set(resumed.model.peft_config) == {"default", "other"}
         frozen = {k for k, v in resumed.model.named_parameters() if ".other." in k and not v.requires_grad}
-        ends[lib] = logged(resumed, "loss", "grad_norm"), adapter_weights(resumed.model), frozen
+        ends[lib] = (
+            logged(resumed, "loss", "grad_norm"),
+            adapter_weights(resumed.model),
+            frozen,
+            adapter_state(resumed.model),
+        )
     assert ends["hl"][0] == ends["hf"][0] and ends["hl"][2] == ends["hf"][2] and ends["hl"][2]
+    assert ends["hl"][3] == ends["hf"][3] and ends["hl"][3][1] == {"default": False, "other": True}
     assert_same_weights(ends["hl"][1], ends["hf"][1])
 
 
@@ -190,20 +235,42 @@ def test_save_async_writes_the_adapters_of_a_synchronous_save_and_resumes_from_t
     assert logged(resumed, "loss", "grad_norm")[4:] == lora_runs["hf"][1][4:]
 
 
-def test_load_best_model_at_end_loads_the_best_adapter_as_transformers_does(tmp_path):
-    """Evaluation every 2 steps, the best by eval_loss: the best checkpoint's adapter is the model's at the end."""
+def saved_adapters(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """Each adapter ``folder`` holds (PEFT's layout: "default" at the top, any other in its subfolder) -> its file's
+    tensors."""
+    found = {p.parent: p for p in [folder / "adapter_model.safetensors", *folder.glob("*/adapter_model.safetensors")]}
+    return {"default" if where == folder else where.name: load_file(f) for where, f in found.items() if f.is_file()}
+
+
+def test_load_best_model_at_end_loads_the_best_adapters_from_where_peft_wrote_them(tmp_path):
+    """Evaluation every 2 steps, the best the highest eval_loss (an early checkpoint, not the last): its adapters are
+    the model's at the end and what the script's save_model writes after train(). transformers loads it for the
+    "default" adapter; hflight's is the same. An adapter not named "default" (PEFT writes it in checkpoint-N/mine/,
+    where transformers' Trainer does not look: it warns and keeps the last weights; hflight crashed) and two adapters
+    with the second active (transformers reads the top file, the first adapter's, into it: a size error) are loaded
+    from where PEFT wrote them; the "mine" run ends with transformers' "default" weights."""
     best = dict(eval_strategy="steps", eval_steps=2, save_steps=2, load_best_model_at_end=True, learning_rate=5e-2,
-                metric_for_best_model="eval_loss", save_total_limit=2)  # fmt: skip
+                metric_for_best_model="eval_loss", greater_is_better=True, save_total_limit=2)  # fmt: skip
+    runs = {"hf": {}, "hl": {}, "mine": dict(adapter_name="mine"), "two": dict(second_adapter="other")}
     ends = {}
-    for lib in LIBRARIES:
-        trainer = make(lib, tmp_path / lib, **best)
+    for run, model_kwargs in runs.items():
+        trainer = make("hf" if run == "hf" else "hl", tmp_path / run, model=lora_model(**model_kwargs), **best)
         trainer.train()
-        ends[lib] = trainer.state.best_model_checkpoint, adapter_weights(trainer.model)
-        saved = load_file(os.path.join(trainer.state.best_model_checkpoint, "adapter_model.safetensors"))
-        model_state = peft.get_peft_model_state_dict(trainer.model)
-        assert_same_weights({k: model_state[k] for k in saved}, saved)
-    assert Path(ends["hl"][0]).name == Path(ends["hf"][0]).name
-    assert_same_weights(ends["hl"][1], ends["hf"][1])
+        best_checkpoint = Path(trainer.state.best_model_checkpoint)
+        assert best_checkpoint.name == ("checkpoint-2" if run == "two" else "checkpoint-4"), run
+        held = saved_adapters(best_checkpoint)
+        assert set(held) == set(trainer.model.peft_config), run
+        for name, saved in held.items():
+            assert_same_weights(peft.get_peft_model_state_dict(trainer.model, adapter_name=name), saved)
+        active = trainer.model.active_adapter
+        last = saved_adapters(tmp_path / run / "checkpoint-8")[active]  # the weights the load replaced
+        assert not all(torch.equal(v, held[active][k]) for k, v in last.items()), run
+        trainer.save_model(str(tmp_path / run / "final"))  # the script's own save after train()
+        final = saved_adapters(tmp_path / run / "final")
+        assert final.keys() == held.keys() and all(assert_same_weights(final[n], held[n]) is None for n in held)
+        ends[run] = {k.replace(f".{active}.", ".default."): v for k, v in adapter_weights(trainer.model).items()}
+    assert_same_weights(ends["hl"], ends["hf"])
+    assert_same_weights(ends["mine"], ends["hf"])
 
 
 @pytest.mark.parametrize("settings", [dict(gradient_checkpointing=True), dict(neftune_noise_alpha=5.0)],

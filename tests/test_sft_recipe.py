@@ -1,12 +1,14 @@
 """The Hydra recipe of TRL's SFT with LoRA on hflight (issue 47, item 6): ``python train.py +experiment=sft_lora``
 offline on CPU, with tiny sizes: synthetic prompt/completion pairs, a word-level tokenizer and a small Llama built
 here, LoRA adapters trained through ``hflight.trl.SFTTrainer``; its checkpoints (the adapters, as transformers writes
-them, in hflight's manifest) and curves; ``resume=<run folder>`` continuing it; ``-m`` sweeping it."""
+them, in hflight's manifest) and curves; ``resume=<run folder>`` continuing it as the run uninterrupted; ``-m``
+sweeping it."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -37,21 +39,35 @@ def _run(*overrides: str, cwd: Path) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
-    """``python train.py +experiment=sft_lora`` as the docs show it, tiny sizes and one epoch appended (run in an
-    empty folder: its outputs go where the command puts them), then ``resume=<run folder>`` to two epochs."""
+    """``python train.py +experiment=sft_lora`` as the docs show it, tiny sizes (its 2 epochs, a checkpoint each), run
+    in an empty folder (its outputs go where the command puts them) and kept aside as ``uninterrupted/``; then cut back
+    to what a run stopped in its second epoch leaves (the first epoch's checkpoint: the last one and the files of its
+    end deleted), and ``resume=<run folder>`` continuing it."""
     root = tmp_path_factory.mktemp("sft_lora")
-    _run(*TINY, "args.num_train_epochs=1", cwd=root)
+    _run(*TINY, cwd=root)
     (run,) = sorted(root.glob("outputs/sft_lora/runs/*"))
-    first = json.loads((run / "trainer_state.json").read_text())
-    (root / "first_state.json").write_text(json.dumps(first))
-    _run(f"resume={run}", "args.num_train_epochs=2", cwd=root)
+    shutil.copytree(run, root / "uninterrupted")
+    *_, last = sorted(run.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    shutil.rmtree(last)
+    for path in run.iterdir():
+        if path.is_file() and path.suffix != ".log":
+            path.unlink()
+    _run(f"resume={run}", cwd=root)
     return run
+
+
+def _comparable(history: list[dict]) -> list[dict]:
+    """A log history less what a resumed process counts afresh in transformers and TRL too: the tokens TRL's
+    SFTTrainer has seen (from 0 in each process), the mean training loss (over the process's own steps), timings."""
+    afresh = ("num_tokens", "eval_num_tokens", "train_loss")
+    return [{k: v for k, v in entry.items() if k not in afresh and not k.endswith(("runtime", "per_second"))}
+            for entry in history]  # fmt: skip
 
 
 @pytest.mark.subprocess
 def test_the_recipe_trains_lora_adapters_and_checkpoints_them_as_transformers_writes_them(run_dir):
-    first = json.loads((run_dir.parents[3] / "first_state.json").read_text())
-    checkpoint = Path(first["best_model_checkpoint"])
+    state = json.loads((run_dir / "trainer_state.json").read_text())
+    checkpoint = Path(state["best_model_checkpoint"])
     assert verify_checkpoint(checkpoint, full=True) is not None
     names = {p.name for p in checkpoint.iterdir()}
     assert {"adapter_model.safetensors", "adapter_config.json", "optimizer.pt", "trainer_state.json"} <= names
@@ -70,14 +86,22 @@ def test_the_recipe_trains_lora_adapters_and_checkpoints_them_as_transformers_wr
 
 
 @pytest.mark.subprocess
-def test_resume_continues_the_run_from_its_last_checkpoint(run_dir):
-    first = json.loads((run_dir.parents[3] / "first_state.json").read_text())
-    state = json.loads((run_dir / "trainer_state.json").read_text())
-    assert state["global_step"] == 2 * first["global_step"] and first["global_step"] > 0
-    steps = [e["step"] for e in state["log_history"] if "loss" in e]
-    assert steps == sorted(set(steps)) and steps[0] == 2  # the first run's history, then the rest: no repeats
-    assert sorted(p.name for p in run_dir.glob("checkpoint-*")) == sorted(
-        f"checkpoint-{n}" for n in (first["global_step"], state["global_step"]))  # fmt: skip
+def test_resume_continues_the_run_from_its_checkpoint_as_the_uninterrupted_run(run_dir):
+    """Resumed from the first epoch's checkpoint, the second epoch is the uninterrupted run's, number for number: its
+    first step's loss is that of the checkpoint's adapters (and modules_to_save: the embeddings, the output layer),
+    the rest that of its optimizer, scheduler and RNG states; the evaluation, the best checkpoint and the last
+    checkpoint's adapter file (byte for byte) the same; the first epoch's history is the checkpoint's, not repeated."""
+    uninterrupted = run_dir.parents[3] / "uninterrupted"
+    theirs, ours = (json.loads((folder / "trainer_state.json").read_text()) for folder in (uninterrupted, run_dir))
+    assert ours["global_step"] == theirs["global_step"] > 0
+    assert _comparable(ours["log_history"]) == _comparable(theirs["log_history"])
+    steps = [e["step"] for e in ours["log_history"] if "loss" in e]
+    assert steps == sorted(set(steps)) and steps[0] == 2 and steps[-1] == ours["global_step"]
+    assert Path(ours["best_model_checkpoint"]).name == Path(theirs["best_model_checkpoint"]).name
+    checkpoints = sorted(p.name for p in uninterrupted.glob("checkpoint-*"))
+    assert sorted(p.name for p in run_dir.glob("checkpoint-*")) == checkpoints and len(checkpoints) == 2
+    last = f"checkpoint-{ours['global_step']}/adapter_model.safetensors"
+    assert (run_dir / last).read_bytes() == (uninterrupted / last).read_bytes()
 
 
 @pytest.mark.subprocess

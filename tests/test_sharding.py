@@ -397,6 +397,37 @@ def test_a_crafted_metadata_file_is_refused_without_running_it(jobs, tmp_path):
         read_metadata(folder)
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_metadata_entry_stored_outside_its_folder_is_refused_naming_the_entry(tmp_path):
+    """torch's reader opens each entry's ``_StorageInfo.relative_path`` joined to the folder as it is: a crafted
+    ``.metadata`` naming ``../``, an absolute path or a link leading elsewhere would read another checkpoint's (or any)
+    file. hflight refuses it, naming the entry and the path, before anything is read."""
+    import torch.distributed.checkpoint as dcp
+
+    folder, elsewhere = tmp_path / "run" / "checkpoint-2" / "optimizer_0", tmp_path / "elsewhere"
+    dcp.save({"optimizer": {"w": torch.ones(3)}}, checkpoint_id=str(folder), no_dist=True)
+    dcp.save({"optimizer": {"w": torch.full((3,), 7.0)}}, checkpoint_id=str(elsewhere), no_dist=True)
+    shard = next(folder.glob("*.distcp")).name
+    (folder / "link.distcp").symlink_to(elsewhere / shard)
+    written = read_metadata(folder)
+    state = {"optimizer": {"w": torch.zeros(3)}}
+    load_dcp(folder, state, collective=False)
+    assert torch.equal(state["optimizer"]["w"], torch.ones(3)), "the folder as written reads"
+    outside = os.path.relpath(elsewhere / shard, folder)
+    for relative in (outside, str(elsewhere / shard), "link.distcp"):
+        for info in written.storage_data.values():
+            info.relative_path = relative
+        (folder / ".metadata").write_bytes(pickle.dumps(written))
+        untouched = {"optimizer": {"w": torch.zeros(3)}}
+        dcp.load(untouched, checkpoint_id=str(folder), no_dist=True)  # torch's own reader follows it
+        assert torch.equal(untouched["optimizer"]["w"], torch.full((3,), 7.0)), relative
+        entry = re.escape(f"{folder / '.metadata'} (the entry 'optimizer.w')")
+        shown = re.escape(repr(relative)) if relative != "link.distcp" else re.escape(str(folder / "link.distcp"))
+        for read, arguments in ((read_metadata, ()), (load_dcp, (untouched, False)), (tensor_shapes, ("optimizer",))):
+            with pytest.raises(UnsafeCheckpointFile, match=f"^{entry}.*{shown}.*outside the checkpoint folder"):
+                read(folder, *arguments)
+
+
 # ---- bad settings, refused before any process group starts --------------------------------------------------------
 #: the best checkpoint loaded at the end (evaluated and saved at the same steps)
 BEST_AT_END = {"load_best_model_at_end": True, "eval_strategy": "steps", "save_steps": 2, "eval_steps": 2}

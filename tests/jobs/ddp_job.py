@@ -12,7 +12,8 @@ calls, before train(): under DDP they are the calls that launch the processes. W
 Trainer evaluates and predicts the untrained model too, for reference. Rank 0 writes ``OUT/result.json`` and
 ``OUT/final.pt``. With ``--then-fail-a-write`` (and ``--save-async``) a second training follows whose background write
 of checkpoint-4 fails on rank 0 (a full disk's stand-in): each rank writes what stopped it to
-``OUT/failed_write_<rank>.json``.
+``OUT/failed_write_<rank>.json``. With ``--save-async`` the trainer writes a file of its own into ``checkpoint-N``
+after ``super()._save_checkpoint``, as TRL's GRPOTrainer does (``own_state.json``).
 """
 
 import argparse
@@ -56,6 +57,18 @@ class Events(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         self.seen.append(("save", state.global_step))
+
+
+class SavesItsOwnState(Trainer):
+    """TRL's GRPOTrainer's form (use_adaptive_entropy): its state into checkpoint-N after super(), on the process
+    that saves."""
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if self.args.should_save:
+            output_dir = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+            with open(os.path.join(output_dir, "own_state.json"), "w") as f:
+                json.dump({"step": self.state.global_step}, f)
 
 
 def outputs_of(metrics, prediction):
@@ -108,7 +121,7 @@ def failed_background_write(out):
                              per_device_train_batch_size=4, max_steps=8, save_steps=2, save_total_limit=1,
                              save_async=True, optim="sgd", report_to="none", disable_tqdm=True)  # fmt: skip
     model = tiny_bert_qa(0, hidden=16, layers=1, dropout=0.0, max_positions=32)
-    trainer = Trainer(model, args, train_dataset=dataset(40, 0))
+    trainer = SavesItsOwnState(model, args, train_dataset=dataset(40, 0))
     try:
         trainer.train()
         outcome = {"error": None}
@@ -156,7 +169,7 @@ def main():
         **({"ddp_timeout": 180} if opts.then_fail_a_write else {}),
     )
     events = Events()
-    trainer = Trainer(
+    trainer = (SavesItsOwnState if opts.save_async else Trainer)(
         model,
         args,
         train_dataset=dataset(40, 0),

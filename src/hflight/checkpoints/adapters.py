@@ -4,18 +4,21 @@ A PEFT model's ``save_pretrained`` (what ``save_model`` calls) writes its adapte
 first adapter (``"default"``) as ``adapter_model.safetensors`` with its ``adapter_config.json`` at the top of the
 folder, every other adapter in a subfolder named after it. transformers' Trainer resumes such a checkpoint with
 ``load_adapter`` (the active adapter trainable; with adapters in subfolders, each loaded under its folder's name and
-the active one set again) and loads the best checkpoint's active adapter at the end the same way; so does hflight,
-after checking every adapter file it will read against the model before anything changes: the file's keys and
-shapes are those the model's adapter of that name would save (PEFT's ``get_peft_model_state_dict``, the names
-``save_pretrained`` writes), and an adapter the model lacks must come with its ``adapter_config.json`` (PEFT adds it
-from there, as ``load_adapter`` does). A file that does not fit raises a ``ValueError`` naming it, the model left as
-it was.
+the active one set again), and so does hflight. At the end (``load_best_model_at_end``) transformers reads only the
+top file, into the active adapter: an adapter not named ``"default"`` (PEFT writes it in its subfolder) is not
+loaded (a warning), and with several the top file is another adapter's; hflight loads the active adapter, and the
+model's others, each from where PEFT wrote it. Both are done after checking every adapter file it will read against
+the model before anything changes: the file's keys and shapes are those the model's adapter of that name would save
+(PEFT's ``get_peft_model_state_dict``, the names ``save_pretrained`` writes), and an adapter the model lacks must
+come with its ``adapter_config.json`` (PEFT adds it from there, as ``load_adapter`` does). A file that does not fit
+raises a ``ValueError`` naming it, the model left as it was.
 
 May import: ``hflight.checkpoints.files``, ``hflight.checkpoints.names``.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +28,8 @@ import torch
 
 from hflight.checkpoints.files import regular_file
 from hflight.checkpoints.names import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHT_FILES
+
+logger = logging.getLogger(__name__)
 
 _MAX_LISTED = 5
 
@@ -63,15 +68,35 @@ def is_adapter_file(name: str) -> bool:
     return len(parts) <= 2 and parts[-1] in (*ADAPTER_WEIGHT_FILES, ADAPTER_CONFIG_NAME)
 
 
-def _loads(model: Any, folder: Path) -> list[tuple[Path, str, bool]]:
-    """transformers' loads of ``folder``'s adapters into ``model``: (adapter folder, adapter name, trainable), in its
-    order."""
+def held_adapters(folder: str | os.PathLike) -> dict[str, Path]:
+    """The adapters ``folder`` holds, as PEFT's ``save_pretrained`` writes them: name -> the folder of its file
+    (``"default"`` at the top, every other adapter in the subfolder named after it)."""
+    folder = Path(folder)
+    top = {"default": folder} if _adapter_file(folder) else {}
+    return {**top, **{name: folder / name for name in adapter_subfolders(folder)}}
+
+
+def _loads(model: Any, folder: Path, resuming: bool) -> list[tuple[Path, str, bool]]:
+    """The loads of ``folder``'s adapters into ``model``: (adapter folder, adapter name, trainable), in order.
+
+    ``resuming``: transformers' ``_load_from_checkpoint``'s (a lone file at the top into the active adapter,
+    trainable; else every adapter under its own name, the active one trainable). At the end (``_load_best_model``) a
+    lone file at the top goes into the active adapter too; with adapters in subfolders (an adapter not named
+    ``"default"``, or several), where transformers reads only the top file into the active adapter (it warns and
+    loads nothing when the top has none, and reads another adapter's file into it when it has one), each adapter of
+    the model the folder holds is loaded from where PEFT wrote it (a frozen one gets back the weights it has), so that
+    the best weights are the model's; empty when the folder has no file for the active adapter.
+    """
     active = model.active_adapters[0]
     subfolders = adapter_subfolders(folder)
     if not subfolders:
-        return [(folder, active, True)]
-    loads = [(folder, "default", active == "default")] if _adapter_file(folder) else []
-    return loads + [(folder / name, name, name == active) for name in subfolders]
+        return [(folder, active, resuming)]
+    held = held_adapters(folder)
+    if resuming:
+        return [(where, name, name == active) for name, where in held.items()]
+    if active not in held:
+        return []
+    return [(where, name, False) for name, where in held.items() if name in model.peft_config]
 
 
 def _saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
@@ -124,11 +149,17 @@ def _check_shapes(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[i
 
 
 def checked_adapters(model: Any, folder: str | os.PathLike, resuming: bool) -> Callable[[], None]:
-    """Check ``folder``'s adapters against the PEFT ``model`` without touching it; return what loads them as
-    transformers' Trainer does: ``resuming`` (``_load_from_checkpoint``) every adapter, the active one trainable;
-    otherwise (``_load_best_model``) the active adapter from the folder's top."""
+    """Check ``folder``'s adapters against the PEFT ``model`` without touching it; return what loads them (see
+    :func:`_loads`): ``resuming`` (``_load_from_checkpoint``) every adapter, the active one trainable, as transformers'
+    Trainer does; otherwise (``load_best_model_at_end``) the active adapter, and the model's others, from where PEFT
+    wrote them."""
     folder = Path(folder)
-    loads = _loads(model, folder) if resuming else [(folder, model.active_adapters[0], False)]
+    loads = _loads(model, folder, resuming)
+    set_again = resuming and bool(adapter_subfolders(folder))  # transformers sets the active adapter again then
+    if not loads:
+        logger.warning(f"Checkpoint {folder} holds no adapter named {model.active_adapters[0]!r} (the model's active "
+                       f"adapter; it holds {sorted(held_adapters(folder))}): the best model's adapters were not "
+                       "loaded, the model keeps its last weights.")  # fmt: skip
     for where, name, _ in loads:
         _check_adapter(model, where, name)
 
@@ -136,7 +167,7 @@ def checked_adapters(model: Any, folder: str | os.PathLike, resuming: bool) -> C
         active = model.active_adapters[0]
         for where, name, trainable in loads:
             model.load_adapter(str(where), name, is_trainable=trainable)
-        if resuming and len(loads) > 1:  # transformers sets the active adapter again after loading several
+        if set_again:
             model.set_adapter(active)
 
     return load

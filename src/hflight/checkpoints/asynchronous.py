@@ -7,9 +7,11 @@ With ``save_async``, at the step boundary the loop copies the model's and the op
 writes the small files (scheduler, RNG, ``trainer_state.json``, config, tokenizer) as before, and hands the job to a
 background thread: the tensor files from the snapshot, their checksums and fsyncs, the manifest, the durable
 publication (``hflight.durable.publish_folder``) and the rotation of older checkpoints. The next step cannot change
-what is written: the snapshot is a copy. The job's decisions were all taken on the loop's thread; the writer thread
-changes nothing module-wide (accelerate's unwrapping is left alone for it, by the loop's thread, for as long as the job
-runs: ``hflight.checkpoints.weights.deepspeed_left_alone``).
+what is written: the snapshot is a copy. The publication waits for the loop's ``on_save`` and keeps what was written
+into ``checkpoint-N`` until then: by a callback, or by a ``_save_checkpoint`` override after ``super()``, for which
+the folder is made when the save returns (``CheckpointJob.open_final_dir``). The job's decisions were all taken on
+the loop's thread; the writer thread changes nothing module-wide (accelerate's unwrapping is left alone for it, by
+the loop's thread, for as long as the job runs: ``hflight.checkpoints.weights.deepspeed_left_alone``).
 
 At most one write is in flight: a checkpoint that comes while the previous one is still written waits for it (and
 says so when the wait is long). :meth:`CheckpointWriter.wait` is called where the folder must exist: at the end of

@@ -109,7 +109,8 @@ def remove_checkpoint(folder: str | os.PathLike) -> None:
 
 def remove_stale_folders(output_dir: str | os.PathLike, keep: str | None = None) -> list[str]:
     """Delete the ``.tmp-checkpoint-*`` folders an interrupted save or deletion left in ``output_dir`` (except
-    ``keep``)."""
+    ``keep``), and beside an unfinished ``.tmp-checkpoint-N`` the ``checkpoint-N`` a ``save_async`` write had made for
+    what is written after the save (:func:`_unpublished_folder`)."""
     folder = Path(output_dir)
     if not folder.is_dir():
         return []
@@ -120,7 +121,25 @@ def remove_stale_folders(output_dir: str | os.PathLike, keep: str | None = None)
             shutil.rmtree(path, ignore_errors=True)
             logger.warning(f"Removed {path}: left behind by a checkpoint save or deletion that was interrupted.")
             removed.append(str(path))
+            unpublished = _unpublished_folder(path)
+            if unpublished is not None and unpublished.resolve() != keep_path:
+                remove_checkpoint(unpublished)
+                logger.warning(f"Removed {unpublished}: made for a checkpoint whose write was interrupted; it holds no "
+                               f"checkpoint (no {MANIFEST_NAME}, no {TRAINER_STATE_NAME}).")  # fmt: skip
+                removed.append(str(unpublished))
     return removed
+
+
+def _unpublished_folder(tmp: Path) -> Path | None:
+    """Beside ``tmp`` (``.tmp-checkpoint-N``, an unfinished save), the ``checkpoint-N`` that is not a checkpoint (no
+    manifest, no ``trainer_state.json``): ``save_async`` makes it when the save returns, for what a ``_save_checkpoint``
+    override or an ``on_save`` callback writes into it, and publishes the checkpoint in its place."""
+    if not tmp.name.startswith(TMP_PREFIX) or not CHECKPOINT_RE.match(tmp.name[len(TMP_PREFIX) :]):
+        return None
+    final = tmp.with_name(tmp.name[len(TMP_PREFIX) :])
+    if not final.is_dir() or final.is_symlink():
+        return None
+    return None if any(os.path.lexists(final / name) for name in (MANIFEST_NAME, TRAINER_STATE_NAME)) else final
 
 
 def clean_output_dir(args: Any, resume_folder: str | None) -> None:
@@ -309,11 +328,20 @@ def save_checkpoint(facade: TrainerSurface, run: RunView, trial: Any = None) -> 
         job.publish_with((state.global_step, bool(args.save_only_model), run_args, progress),
                          functools.partial(rotate_checkpoints, run_dir, args.save_total_limit,
                                            state.best_model_checkpoint))  # fmt: skip
+    if is_main and _overrides_save_checkpoint(facade):  # it writes into checkpoint-N after super(), as TRL's do
+        job.open_final_dir()
     writer.submit(job if is_main else None, name, last=last)
     if args.push_to_hub:  # the push reads the published folder
         writer.wait()
     world.barrier()
     return final_dir
+
+
+def _overrides_save_checkpoint(facade: TrainerSurface) -> bool:
+    """Whether the trainer's ``_save_checkpoint`` is not hflight's own: a subclass's (TRL's trainers', a script's),
+    which may write into ``checkpoint-N`` once ``super()._save_checkpoint`` returns."""
+    method = getattr(facade, "_save_checkpoint", None)
+    return not getattr(getattr(method, "__func__", method), "__module__", "").startswith("hflight.")
 
 
 def _fit_running(run: RunView) -> bool:

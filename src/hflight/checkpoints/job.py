@@ -18,6 +18,7 @@ May import: ``hflight.checkpoints`` (its own modules), ``hflight.durable``, ``hf
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import errno
 import functools
 import logging
@@ -35,7 +36,7 @@ from hflight import durable
 from hflight._util import exception_chain
 from hflight.checkpoints import torch_file
 from hflight.checkpoints.manifest import Checksums, new_digest, write_manifest
-from hflight.checkpoints.names import MANIFEST_NAME, REPLACED_SUFFIX, TMP_PREFIX
+from hflight.checkpoints.names import DELETING_SUFFIX, MANIFEST_NAME, REPLACED_SUFFIX, TMP_PREFIX
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +133,8 @@ class CheckpointJob:
     the loop itself changes it back before the job runs (``snapshot(..., transient=True)``), and :meth:`finish` writes
     the files left for later side by side, one thread each (the loop's cores are free). ``on_save_follows``: the
     training loop dispatches ``on_save`` once the job is submitted (a checkpoint of a running ``fit``): in the
-    background the publication waits for it (:attr:`callbacks_over`) and keeps what its callbacks wrote."""
+    background the publication waits for it (:attr:`callbacks_over`) and keeps what was written into ``final_dir``
+    until then (by its callbacks, by a ``_save_checkpoint`` override: :meth:`open_final_dir`)."""
 
     def __init__(
         self,
@@ -160,6 +162,7 @@ class CheckpointJob:
         self.callbacks_over = threading.Event()
         waits = main and self.background and not last and on_save_follows
         self._found = _entries(final_dir) if waits else None
+        self._placeholder = False  # final_dir was made by open_final_dir, and is not yet the published folder
 
     @property
     def background(self) -> bool:
@@ -221,6 +224,19 @@ class CheckpointJob:
         the rotation of older checkpoints that follows the publication."""
         self._manifest, self._rotate = manifest, rotate
 
+    def open_final_dir(self) -> None:
+        """Once the loop's part is written, before the background write (a job whose publication waits for
+        ``on_save``): ``final_dir`` exists when the checkpoint's save returns, as after a synchronous save, for a
+        ``_save_checkpoint`` override that writes into it after ``super()`` (TRL's ``GRPOTrainer`` does; ``on_save``
+        callbacks find it too). Made here, empty, when it is not there (a folder of that name being replaced is there
+        already): it holds no manifest and no weights, so hflight never offers it for resuming; what is written into it
+        is moved into the folder published under its name (:meth:`_take_callbacks_files`), and it is removed if the
+        write fails (a killed write leaves it beside ``.tmp-checkpoint-N``, and the next run's start removes both)."""
+        if self._found is None or os.path.lexists(self.final_dir):
+            return
+        self.write(None, lambda: os.mkdir(self.final_dir))
+        self._placeholder = True
+
     def abandon(self) -> None:
         """The checkpoint will not be finished (its write raised on the loop's thread)."""
         if self._checksums is not None:
@@ -231,6 +247,14 @@ class CheckpointJob:
         """The rest of the write: the files left for later, each checksummed and fsynced as it is complete, the
         manifest, the durable publication, then the rotation. Returns what failed (a :class:`CheckpointWriteError`
         for a write failure, the unfinished folder removed), None when the checkpoint is published."""
+        failure = self._finish()
+        if failure is None:
+            self._retire_older()
+        else:
+            self._remove_placeholder()
+        return failure
+
+    def _finish(self) -> BaseException | None:
         checksums = self._checksums or Checksums()  # in the background: opened (and closed) by this thread
         self._finishing = checksums
         try:
@@ -251,8 +275,22 @@ class CheckpointJob:
                 checksums.close()
         except BaseException as exc:  # noqa: BLE001 - returned: raised on the training loop's thread
             return exc
-        self._retire_older()
         return None
+
+    def _remove_placeholder(self) -> None:
+        """The write failed: the ``final_dir`` :meth:`open_final_dir` made goes too, with what was written into it
+        (once the loop's ``on_save`` is over: nothing writes into it any more), so that no partial ``checkpoint-N``
+        is left; moved aside first, as a checkpoint is removed."""
+        if not self._placeholder:
+            return
+        self.callbacks_over.wait()
+        final = Path(self.final_dir)
+        aside = final.with_name(f"{TMP_PREFIX}{final.name}{DELETING_SUFFIX}")
+        with contextlib.suppress(OSError):
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(final, aside)
+            shutil.rmtree(aside, ignore_errors=True)
+        self._placeholder = False
 
     def _retire_older(self) -> None:
         """The rotation of older checkpoints, once this one is published: a failure there (a folder that cannot be
@@ -317,12 +355,17 @@ class CheckpointJob:
         if self._found is not None:
             self.callbacks_over.wait()
             self._take_callbacks_files()
+        if self._placeholder:  # emptied: the published folder takes its name without a folder to move aside
+            with contextlib.suppress(OSError):
+                os.rmdir(self.final_dir)
+            self._placeholder = False
         durable.publish_folder(self.folder, final, replaced, checksums.synced(), self._entries_made_durable)
 
     def _take_callbacks_files(self) -> None:
-        """The entries the loop's ``on_save`` callbacks wrote into ``final_dir`` while this checkpoint was written
-        (new or changed since the job was made) moved into the folder about to be published (over a file of the same
-        name, as a callback's file written after a synchronous save replaces it)."""
+        """The entries written into ``final_dir`` while this checkpoint was written (by a ``_save_checkpoint``
+        override after ``super()``, by the loop's ``on_save`` callbacks: new or changed since the job was made) moved
+        into the folder about to be published (over a file of the same name, as a file written after a synchronous
+        save replaces it)."""
         taken = [name for name, found in _entries(self.final_dir).items() if self._found.get(name) != found]
         for name in taken:
             target = os.path.join(self.folder, name)
@@ -332,8 +375,8 @@ class CheckpointJob:
                 os.remove(target)
             os.replace(os.path.join(self.final_dir, name), target)
         if taken:
-            logger.info(f"{', '.join(taken)}, written into {self.final_dir} by on_save while it was written in the "
-                        "background, kept in it.")  # fmt: skip
+            logger.info(f"{', '.join(taken)}, written into {self.final_dir} after its save (by _save_checkpoint or "
+                        "on_save) while it was written in the background, kept in it.")  # fmt: skip
 
 
 def _entries(folder: str) -> dict[str, tuple[Any, ...]]:

@@ -8,6 +8,8 @@ as every process holds it then) or into the run's own shards (the optimizer, onc
 ``torch.distributed.checkpoint`` reshards on the way. Nothing in a checkpoint may run code: the ``.metadata`` pickle is
 read with an unpickler that admits only ``torch.distributed.checkpoint``'s metadata classes (torch's own reader
 unpickles anything), and the non-tensor entries (an optimizer's hyperparameters) with ``torch.load(weights_only=True)``.
+Nor may it read anything but its own files: every storage entry's file (``_StorageInfo.relative_path``, which torch's
+reader joins to the folder as it is) must be a regular file inside the folder, or the metadata is refused.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from hflight.checkpoints.files import UnsafeCheckpointFile
+from hflight.checkpoints.files import UnsafeCheckpointFile, regular_file
 from hflight.checkpoints.names import DCP_METADATA, DCP_SHARDS
 
 logger = logging.getLogger(__name__)
@@ -77,23 +79,52 @@ def read_metadata(folder: Path) -> Any:
     """The ``torch.distributed.checkpoint`` metadata of ``folder``, unpickled safely.
 
     Raises:
-        UnsafeCheckpointFile: the file refers to anything but the metadata classes.
+        UnsafeCheckpointFile: the file refers to anything but the metadata classes, or an entry is stored in a file
+            outside ``folder`` (an absolute path, ``..``, a symbolic link elsewhere) or in something other than a
+            regular file.
         ValueError: it cannot be read.
     """
     path = folder / DCP_METADATA
     try:
         with open(path, "rb") as handle:
-            return _MetadataUnpickler(handle).load()
+            metadata = _MetadataUnpickler(handle).load()
     except pickle.UnpicklingError as exc:
         raise UnsafeCheckpointFile(
             f"{path} cannot be loaded safely: {exc}. hflight never unpickles arbitrary objects from a checkpoint."
         ) from None
     except Exception as exc:
         raise ValueError(f"{path} is not a readable torch.distributed.checkpoint metadata file: {exc}") from exc
+    _check_storage(metadata, folder, path)
+    return metadata
+
+
+def _check_storage(metadata: Any, folder: Path, path: Path) -> None:
+    """Every storage entry of ``metadata`` (read from ``path``) is stored in a regular file inside ``folder``: torch's
+    reader opens ``folder / relative_path`` as it is."""
+    storage = getattr(metadata, "storage_data", None)
+    if storage is None:
+        return
+    if not isinstance(storage, dict):
+        raise ValueError(f"{path}: storage_data must map entries to their files, got {type(storage).__name__}.")
+    checked: set[Any] = set()
+    for index, info in storage.items():
+        relative = getattr(info, "relative_path", None)
+        if isinstance(relative, str) and relative in checked:
+            continue
+        entry = getattr(index, "fqn", index)
+        where = f"{path} (the entry {entry!r})"
+        try:
+            regular_file(folder, relative, where)  # type: ignore[arg-type]
+        except UnsafeCheckpointFile as exc:
+            message = str(exc)
+            raise UnsafeCheckpointFile(message if message.startswith(where) else f"{where}: {message}") from None
+        checked.add(relative)
 
 
 def _reader(folder: Path) -> Any:
     from torch.distributed.checkpoint import FileSystemReader
+
+    read_metadata(folder)  # a refusal raised as it is, before torch's load (which wraps every error of its reader)
 
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
