@@ -20,6 +20,14 @@ waiting for the previous checkpoint's background write (checkpoints closer toget
 
     python benchmarks/checkpoint_cost.py                                  # MiniLM-L6 QA (MRC) and BERT-base QA
     python benchmarks/checkpoint_cost.py --models minilm --checkpoints 3  # a quicker look
+    python benchmarks/checkpoint_cost.py --vs-transformers gpt2           # the synchronous stall against HF's
+
+``--vs-transformers MODEL`` (``gpt2``: GPT-2 124M, ~1.5 GB of checkpoint with AdamW's state; ``gpt2-medium-ish``
+shapes below) compares hflight's synchronous durable checkpoint with ``transformers.Trainer._save_checkpoint`` on the
+same causal-LM training (``--repeats`` runs of each, alternating; each run writes ``--checkpoints`` checkpoints with
+``save_total_limit=2``, so the later ones rotate): the stall of each checkpoint that rotates, best over all runs, and
+the ratio (issue 56: at most 1.1x). ``--check-baseline SRC`` adds hflight's code from ``SRC`` (a ``git archive`` of an
+earlier commit's ``src``) as a third row. The machine's CPU (``lscpu``) is printed with the figures.
 
 Each mode runs in its own process, one after the other, writing into a folder on the disk of ``--dir`` (default: a
 temporary folder beside this script). The figures depend on the disk and its cache: name both with them.
@@ -30,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -44,6 +53,11 @@ MODELS = {
     "bert-base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
     # for the test that runs the script end to end
     "tiny": dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64),
+}
+GPT2_MODELS = {
+    "gpt2": dict(n_embd=768, n_layer=12, n_head=12),  # GPT-2 124M
+    "gpt2-40m": dict(n_embd=512, n_layer=6, n_head=8),  # ~45M parameters
+    "gpt2-tiny": dict(n_embd=32, n_layer=1, n_head=2, vocab_size=1000),  # for the test that runs the script
 }
 MODES = ("sync", "sync+fsync", "async+fsync")
 MIB = 1 << 20
@@ -125,6 +139,83 @@ def worker(model_name: str, mode: str, out: str, checkpoints: int) -> dict:
     }  # fmt: skip
 
 
+def compare_worker(kind: str, model_name: str, out: str, checkpoints: int) -> dict:
+    """``kind`` ("transformers" or "hflight") trains ``model_name`` (a GPT-2 shape) on the CPU and times each
+    ``_save_checkpoint``."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    if kind == "transformers":
+        from transformers import Trainer, TrainingArguments
+    else:
+        from hflight import Trainer, TrainingArguments
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_positions=64, **GPT2_MODELS[model_name]))
+    generator = torch.Generator().manual_seed(0)
+    ids = [torch.randint(0, model.config.vocab_size, (16,), generator=generator) for _ in range(32)]
+    data = [{"input_ids": each, "labels": each} for each in ids]
+    save_steps = int(os.environ.get("CHECKPOINT_COST_SAVE_STEPS", "2"))
+    args = TrainingArguments(
+        output_dir=out, per_device_train_batch_size=1, max_steps=save_steps * checkpoints, save_steps=save_steps,
+        save_total_limit=2, logging_steps=1000, report_to="none", disable_tqdm=True,
+        use_cpu=os.environ.get("CHECKPOINT_COST_DEVICE", "cpu") == "cpu",
+    )  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    blocked: list[float] = []
+    real_save = trainer._save_checkpoint
+
+    def timed(*a, **kw):
+        start = time.perf_counter()
+        real_save(*a, **kw)
+        blocked.append(time.perf_counter() - start)
+
+    trainer._save_checkpoint = timed
+    trainer.train()
+    last = Path(out, f"checkpoint-{save_steps * checkpoints}")
+    import hflight
+
+    return {
+        "blocked": blocked, "params": sum(p.numel() for p in model.parameters()),
+        "checkpoint_bytes": sum(f.stat().st_size for f in last.rglob("*") if f.is_file()),
+        "hflight": str(Path(hflight.__file__).parent),
+    }  # fmt: skip
+
+
+def compare(opts: argparse.Namespace) -> None:
+    """hflight's synchronous checkpoint stall against transformers' (see the module)."""
+    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    name = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")), "?")
+    print(f"CPU: {name}, {os.cpu_count()} cores; training on {opts.device}")
+    kinds = [("transformers", None), ("hflight", None)]
+    if opts.check_baseline:
+        kinds.append(("hflight", opts.check_baseline))
+    found: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="checkpoint_cost-", dir=opts.dir) as folder:
+        for _ in range(opts.repeats):
+            for kind, src in kinds:
+                label = kind if src is None else f"hflight ({src})"
+                out = tempfile.mkdtemp(prefix=f"{kind}-", dir=folder)
+                env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+                env["CHECKPOINT_COST_SAVE_STEPS"] = str(opts.save_steps)
+                if src:
+                    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
+                env["CHECKPOINT_COST_DEVICE"] = opts.device
+                command = [sys.executable, __file__, "--compare-worker", kind, opts.vs_transformers, out,
+                           str(opts.checkpoints)]  # fmt: skip
+                result = subprocess.run(command, capture_output=True, text=True, env=env)
+                if result.returncode != 0:
+                    raise SystemExit(f"{label} failed:\n{result.stderr[-3000:]}")
+                run = json.loads(result.stdout.strip().splitlines()[-1])
+                found.setdefault(label, []).extend(run["blocked"][2:])  # the checkpoints that rotate
+                shutil.rmtree(out, ignore_errors=True)
+        print(f"{opts.vs_transformers}: {run['params'] / 1e6:.1f}M parameters, checkpoint "
+              f"{run['checkpoint_bytes'] / MIB:.0f} MiB; stall of each rotating checkpoint, s")  # fmt: skip
+        base = min(found["transformers"])
+        for label, values in found.items():
+            listed = " ".join(f"{v:.3f}" for v in values)
+            print(f"{label:<40} best {min(values):7.3f}  x transformers {min(values) / base:5.2f}   ({listed})")
+
+
 def _steady(values: list[float]) -> float:
     return statistics.median(values[1:]) if len(values) > 1 else values[0]
 
@@ -152,8 +243,25 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=Path(__file__).parent)
     parser.add_argument("--check-baseline", metavar="SRC", help="src/ folder of hflight before issue 36 (a git "
                         "worktree of the commit): its synchronous save is timed beside the emulated one")  # fmt: skip
+    parser.add_argument("--vs-transformers", metavar="MODEL", choices=list(GPT2_MODELS),
+                        help="compare the synchronous checkpoint's stall with transformers.Trainer's")  # fmt: skip
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model trains "
+                        "(--vs-transformers)")  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each trainer (--vs-transformers)")
     parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--compare-worker", nargs=4, help=argparse.SUPPRESS)
     opts = parser.parse_args()
+    if opts.compare_worker:
+        kind, model, out, checkpoints = opts.compare_worker
+        print(json.dumps(compare_worker(kind, model, out, int(checkpoints))))
+        return
+    if opts.vs_transformers:
+        if "--save-steps" not in sys.argv:
+            opts.save_steps = 2
+        if "--checkpoints" not in sys.argv:
+            opts.checkpoints = 3
+        compare(opts)
+        return
     if opts.worker:
         model, mode, out, checkpoints = opts.worker
         print(json.dumps(worker(model, mode, out, int(checkpoints))))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -14,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from omegaconf import open_dict
 
 from hflight import cli
 from hflight.checkpoints.manifest import verify_checkpoint
@@ -91,8 +93,10 @@ def test_console_script_finds_the_config_and_rejects_a_misspelt_option(tmp_path)
 
 
 # ---- the notebook path: compose, then train ------------------------------------------------------------------------
-def test_compose_then_train_in_process(tmp_path):
-    """The notebook path: hflight.config.compose, then hflight.cli.train; every object comes back."""
+def test_compose_then_train_in_process(tmp_path, caplog):
+    """The notebook path: hflight.config.compose, then hflight.cli.train; every object comes back. The finished run
+    resumed (``resume=<run folder>``'s ``args.resume_from_checkpoint=true``) trains nothing: it says so and what to
+    pass for more, and keeps the run's results (which it returns), where it overwrote them with ``train_loss 0.0``."""
     cfg = compose([*TINY, "args.num_train_epochs=1"], output_dir=tmp_path)
     metrics, objects = cli.train(cfg)
     results = _check_run_dir(tmp_path, hydra=False)  # .hydra/ is written by @hydra.main only
@@ -105,6 +109,13 @@ def test_compose_then_train_in_process(tmp_path):
 
     assert (tmp_path / "training_curves.png").stat().st_size > 5000  # drawn from the run's log history:
     assert set(curves(objects["trainer"].state.log_history)) >= {"training loss", "learning rate", "eval_f1"}
+    kept = {name: (tmp_path / name).read_bytes() for name in [*RESULT_FILES, "training_curves.png"]}
+    again = compose([*TINY, "args.num_train_epochs=1", "args.resume_from_checkpoint=true"], output_dir=tmp_path)
+    step = objects["trainer"].state.global_step
+    assert cli.train(again)[0] == results
+    assert {name: (tmp_path / name).read_bytes() for name in kept} == kept
+    assert f"The run in {tmp_path} had already finished: its checkpoint at step {step} is the end of its" in caplog.text
+    assert f"hflight-train resume={tmp_path} args.max_steps=<more than {step}>" in caplog.text
 
 
 def test_a_figure_that_cannot_be_written_is_an_error_in_the_log_not_a_failed_run(tmp_path, caplog):
@@ -155,17 +166,69 @@ def test_a_backend_that_cannot_start_fails_before_any_data_work(tmp_path):
     assert not (tmp_path / "data").exists() and not (tmp_path / "tokenizer").exists()
 
 
-def test_no_gpu_fails_before_any_data_work_as_one_message(tmp_path):
+NO_GPU = "args.accelerator=gpu (trainer=gpu, gpu_bf16 or ddp) needs a CUDA GPU, and torch finds none here"
+
+
+def test_no_gpu_fails_before_any_data_work_as_one_message(tmp_path, monkeypatch):
+    """Saying that there is no GPU and what runs on the CPU (Lightning's own: "No supported gpu backend found!")."""
     import torch
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is available here")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cfg = compose(["+experiment=mrc", "trainer=gpu"], output_dir=tmp_path)
-    with pytest.raises(MisconfigurationException) as raised:
+    with pytest.raises(MisconfigurationException, match=re.escape(NO_GPU)) as raised:
         cli.train(cfg)
+    assert "Train on the CPU with trainer=cpu" in str(raised.value)
     assert isinstance(raised.value, cli.USER_ERRORS)  # reported as its message, without a traceback
     assert not (tmp_path / "data").exists()
+
+
+@pytest.fixture
+def command_line(monkeypatch):
+    """``hflight-train ARGV`` run in this process (``cli.main()``, Hydra's command line): what it exits with (a
+    message, printed as it is, or a status). Hydra's global state and the root logger's handlers are put back after."""
+    import logging
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+
+    def hflight_train(*argv: str) -> str | int | None:
+        monkeypatch.setattr(sys, "argv", ["hflight-train", *argv])
+        with pytest.raises(SystemExit) as exited:
+            cli.main()
+        return exited.value.code
+
+    yield hflight_train
+    GlobalHydra.instance().clear()
+    root.handlers[:], root.level = handlers, level
+
+
+def test_no_gpu_is_told_before_the_run_folder_is_made(tmp_path, monkeypatch, command_line):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code = command_line("+experiment=mrc", "trainer=gpu", f"hydra.run.dir={tmp_path / 'run'}")
+    assert str(code).startswith(f"hflight-train: {NO_GPU}") and "Train on the CPU with trainer=cpu" in str(code)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("override", ["args.learning_rat=1e-3", "+args.learning_rat=1e-3"])
+def test_a_misspelt_args_key_is_named_with_the_closest_fields(tmp_path, command_line, override):
+    """Hydra's advice (append with +) ended in a bare TypeError; either way the key and the closest fields are
+    named, before anything runs, and by ``train`` for a config composed with the key added."""
+    said = "args.learning_rat is not a field of TrainingArguments: did you mean learning_rate?"
+    code = command_line("+experiment=mrc", override, f"hydra.run.dir={tmp_path / 'run'}")
+    assert str(code).startswith(f"hflight-train: {said}") and not (tmp_path / "run").exists()
+    if not override.startswith("+"):
+        return
+    cfg = compose(["+experiment=mrc"], output_dir=tmp_path)
+    with open_dict(cfg.args):
+        cfg.args.learning_rat = 1e-3
+    with pytest.raises(ValueError, match=said):
+        cli.train(cfg)
 
 
 @pytest.mark.parametrize(
@@ -261,8 +324,10 @@ def test_resume_arguments_replace_saved_overrides_and_name_mistakes(tmp_path):
         "args.resume_from_checkpoint=true",
     ]
     assert cli.resume_arguments(["args.seed=2"]) == ["args.seed=2"]
+    (tmp_path / "empty").mkdir()
     for argv, message in [
-        ([f"resume={tmp_path / 'nope'}"], "neither a run folder"),
+        ([f"resume={tmp_path / 'nope'}"], f"resume={tmp_path / 'nope'}: no such folder"),
+        ([f"resume={tmp_path / 'empty'}"], "neither a run folder"),
         ([f"resume={tmp_path}", "-m"], "multirun"),
         ([f"resume={tmp_path}", "hydra.run.dir=x"], "hydra.run.dir"),
         ([f"resume={tmp_path}", f"resume={tmp_path}"], "one run folder"),

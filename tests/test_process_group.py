@@ -1,6 +1,9 @@
-"""The process group's one end (``hflight.arguments.process_group``): destroyed on the calling thread with gloo's
-worker threads joined, no sleeping, and registered once for the process's exit. Its effect in real two-process runs is
-checked by tests/test_distributed.py (every rank of a DDP run has no gloo worker thread left at exit)."""
+"""The process group's lifetime, which ``hflight.arguments.process_group`` owns (no other module of hflight starts,
+aborts or ends it): its one end, destroyed on the calling thread with gloo's worker threads joined, no sleeping, and
+registered once for the process's exit; the new group on a store a search makes after a failed trial. The end's effect
+in real two-process runs is checked by tests/test_distributed.py (every rank of a DDP run has no gloo worker thread left
+at exit), the reconnection's by tests/test_hpsearch.py (a trial failing on one rank under torchrun, the search going
+on)."""
 
 from __future__ import annotations
 
@@ -68,3 +71,52 @@ def test_connect_leaves_a_single_process_alone(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     assert process_group.connect("gloo") is False
     assert not dist.is_initialized()
+
+
+def test_reconnect_replaces_an_aborted_group_by_one_on_the_store_given(one_process_group):
+    """What a search does after a failed trial (``hflight.trainer.hpsearch_backends``): the group aborted, then a new
+    one on a prefix of the search's store, which works; torch's connection leaves ``sys.excepthook`` as it was."""
+    import sys
+
+    hook, store = sys.excepthook, dist.PrefixStore("search/1/group", dist.HashStore())
+    process_group.abort()
+    process_group.reconnect("gloo", store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
+    tensor = torch.ones(2)
+    dist.all_reduce(tensor)
+    assert tensor.tolist() == [1.0, 1.0] and sys.excepthook is hook
+    process_group.reconnect("gloo", store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
+    assert dist.is_initialized() and dist.get_world_size() == 1  # the current group aborted first
+
+
+def _calls(source: str, names: set[str]) -> list[str]:
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            called = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+            found += [f"line {node.lineno}: {called}"] if called in names else []
+    return found
+
+
+#: torch's calls that start, abort or end the default process group
+LIFETIME = {"init_process_group", "destroy_process_group", "_abort_process_group"}
+
+
+def test_only_this_module_starts_aborts_or_ends_the_default_group():
+    """``hflight.arguments.process_group`` owns the group's whole lifetime: no other module of hflight calls torch's
+    ``init_process_group``, ``destroy_process_group`` or ``_abort_process_group`` (a search's reconnection after a
+    failed trial called the first itself)."""
+    from pathlib import Path
+
+    import hflight
+
+    package = Path(hflight.__file__).parent
+    calls = {str(path.relative_to(package)): _calls(path.read_text(encoding="utf-8"), LIFETIME)
+             for path in sorted(package.rglob("*.py"))}  # fmt: skip
+    others = {path: found for path, found in calls.items() if found and path != "arguments/process_group.py"}
+    assert others == {}
+    assert len(calls["arguments/process_group.py"]) >= 4  # the checker finds them where they are
+    assert _calls("from torch import distributed as d\nd.init_process_group('gloo')", LIFETIME) == [
+        "line 2: init_process_group"
+    ]

@@ -192,14 +192,52 @@ def test_distillation(tmp_path):
             train_dataset=columns(32, prompt=(3, 8), completion=(3, 8)))  # fmt: skip
 
 
+#: each config's own fields (none of transformers' TrainingArguments) set away from their defaults
+TRL_ONLY = {
+    "DistillationConfig": dict(max_completion_length=8, temperature=0.7),
+    "DPOConfig": dict(max_length=77, precompute_ref_log_probs=True),
+    "GRPOConfig": dict(num_generations=4, max_completion_length=8),
+    "KTOConfig": dict(max_length=77, beta=0.2),
+    "RewardConfig": dict(max_length=77, center_rewards_coefficient=0.01),
+    "RLOOConfig": dict(num_generations=4, max_completion_length=8),
+    "SFTConfig": dict(max_length=77, packing=True, dataset_text_field="prompt"),
+}
+
+
 @pytest.mark.parametrize("name", hflight_trl.CONFIGS)
 def test_a_trl_config_given_to_hflight_is_its_twin_field_for_field(tmp_path, name):
-    from hflight.arguments.training_args import coerce_training_args
+    """TRL's own fields (``max_length``, ``packing``, ``num_generations``, ...) set away from their defaults, and
+    transformers' too, are all on the trainer's arguments."""
+    import hflight
 
-    theirs = getattr(trl, name)(str(tmp_path), bf16=False, report_to="none", logging_steps=3, warmup_steps=0.1)
-    ours = coerce_training_args(theirs)
+    defaults, given = {f.name: f.default for f in dataclasses.fields(getattr(trl, name))}, TRL_ONLY[name]
+    assert not set(given) & {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    assert all(defaults[field] != value for field, value in given.items())
+    theirs = getattr(trl, name)(str(tmp_path), bf16=False, report_to="none", logging_steps=3, warmup_steps=0.1,
+                                **given)  # fmt: skip
+    ours = hflight.Trainer(model=gpt2(), args=theirs).args
     assert type(ours) is getattr(hflight_trl, name) and isinstance(ours, type(theirs))
     differing = [f.name for f in dataclasses.fields(theirs) if getattr(ours, f.name) != getattr(theirs, f.name)]
+    assert differing == [] and {field: getattr(ours, field) for field in given} == given
+
+
+def test_a_subclass_of_a_trl_config_stays_one(tmp_path):
+    """A script's own subclass of ``trl.SFTConfig`` (a field and a method of its own) given to a trainer of
+    hflight.trl: the trainer's arguments are still an instance of it, and of TRL's config, every field kept."""
+
+    @dataclasses.dataclass
+    class MySFTConfig(trl.SFTConfig):
+        prompt_style: str = "plain"
+
+        def styled(self) -> str:
+            return f"{self.prompt_style}/{self.max_length}"
+
+    args = MySFTConfig(str(tmp_path), prompt_style="chat", max_length=48, **COMMON)
+    trainer = hflight_trl.SFTTrainer(args=args, model=gpt2(), processing_class=tokenizer(),
+                                     train_dataset=columns(8, text=(5, 9)))  # fmt: skip
+    assert isinstance(trainer.args, MySFTConfig) and isinstance(trainer.args, trl.SFTConfig)
+    assert isinstance(trainer.args, hflight_trl.SFTConfig) and trainer.args.styled() == "chat/48"
+    differing = [f.name for f in dataclasses.fields(args) if getattr(trainer.args, f.name) != getattr(args, f.name)]
     assert differing == []
 
 

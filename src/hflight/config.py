@@ -29,10 +29,12 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import importlib
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -49,6 +51,8 @@ __all__ = [
     "CONFIG_DIR_ENV",
     "DataTrainingArguments",
     "ModelArguments",
+    "check_args_fields",
+    "check_args_overrides",
     "compose",
     "find_config_dir",
     "register_configs",
@@ -235,6 +239,36 @@ def hydra_config_path() -> str:
         return f"pkg://{CONFIG_PACKAGE}"
 
 
+def check_args_fields(names: Iterable[str]) -> None:
+    """Each of ``names`` (keys under ``args``) is a field of ``TrainingArguments``.
+
+    Raises:
+        ValueError: naming each key that is not, with the closest fields ("did you mean learning_rate?").
+    """
+    fields = sorted(f.name for f in dataclasses.fields(TrainingArguments) if f.init)
+    unknown = [name for name in names if name not in fields]
+    if not unknown:
+        return
+    said = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, fields, n=3, cutoff=0.6)
+        guess = f": did you mean {' or '.join(close)}?" if close else ""
+        said.append(f"args.{name} is not a field of TrainingArguments{guess}")
+    raise ValueError("; ".join(said) + " (args holds its fields under transformers' names; --cfg job prints them)")
+
+
+def check_args_overrides(overrides: Iterable[str]) -> None:
+    """The keys under ``args`` that command-line overrides set, add or delete (``args.NAME=...``, ``+args.NAME=...``,
+    ``++args.NAME=...``, ``~args.NAME``) are fields of ``TrainingArguments``: checked before Hydra composes the config,
+    which would advise adding an unknown one with ``+`` (then refused by ``TrainingArguments`` without its name).
+
+    Raises:
+        ValueError: see :func:`check_args_fields`.
+    """
+    keys = [token.split("=", 1)[0].lstrip("+~") for token in overrides if not token.startswith("-")]
+    check_args_fields([key.split(".")[1] for key in keys if key.startswith("args.")])
+
+
 def compose(
     overrides: Sequence[str] = (),
     config_name: str = PRIMARY_CONFIG,
@@ -255,9 +289,11 @@ def compose(
         config_dir: the config tree; default: see :func:`find_config_dir`.
 
     Raises:
+        ValueError: an override names a key under ``args`` that is not a field of ``TrainingArguments``.
         hydra.errors.ConfigCompositionException, hydra.errors.MissingConfigException,
         omegaconf.errors.ValidationError: an unknown key, group option or wrongly typed value.
     """
+    check_args_overrides(overrides)
     register_configs()
     directory = find_config_dir(config_dir)
     with initialize_config_dir(config_dir=str(directory), version_base=VERSION_BASE, job_name=config_name):

@@ -16,8 +16,9 @@ made as transformers' ``Accelerator`` makes it (:func:`accelerate_state`).
 Each config here is TRL's config with hflight's ``TrainingArguments`` beneath it (Lightning's ``accelerator``,
 ``devices``, ``strategy``, ``num_nodes``, ``save_async``, hflight's checks): ``isinstance(args, trl.SFTConfig)`` holds,
 and a config of TRL's own given to a trainer of this module (or to ``hflight.Trainer``) becomes this module's, field for
-field (``hflight.arguments.training_args.coerce_training_args``). hflight's ``TrainingArguments`` given to a trainer
-here become its config too, hflight's fields kept, where TRL makes its config of transformers' arguments.
+field (``hflight.arguments.training_args.coerce_training_args``); a script's subclass of one becomes a dataclass of
+that subclass over this module's config, so that it stays an instance of both. hflight's ``TrainingArguments`` given
+to a trainer here become its config too, hflight's fields kept, where TRL makes its config of transformers' arguments.
 
 Needs TRL (``pip install 'hflight[trl]'``); what was compared with TRL on transformers, trainer by trainer, is in
 docs/fine-tuning.md.

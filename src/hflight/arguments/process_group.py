@@ -14,6 +14,11 @@ for the attempt, publishes its address with a random token on torchrun's store, 
 store that answers with that token. Processes Lightning starts itself (``devices=N`` with no launcher) are connected by
 Lightning's strategy, with the same default.
 
+**Aborting and reconnecting** (:func:`abort`, :func:`reconnect`). A rank whose trial of a search over several
+processes failed aborts its group, so that a rank waiting for it in a collective leaves it; then every rank replaces
+the broken group by a new one on a store the processes still share (the search's, under keys of its own:
+``hflight.trainer.hpsearch_backends``), with the same backend, ranks and timeout.
+
 **Ending** (:func:`end`, at exit through :func:`end_at_exit`, or at ``trainer.accelerator.end_training()``).
 transformers' processes keep their group until they exit or call accelerate's ``end_training``, which destroys it
 (transformers' Trainer never does: ``evaluate()``, ``predict()`` or another ``train()`` after ``train()`` use it), and
@@ -38,6 +43,7 @@ import logging
 import os
 import secrets
 import socket
+import sys
 import time
 from typing import Any
 
@@ -45,7 +51,8 @@ from hflight.arguments import cluster
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["connect", "connect_strategy", "default_backend", "end", "end_at_exit", "gloo_worker_threads"]
+__all__ = ["abort", "connect", "connect_strategy", "default_backend", "end", "end_at_exit", "gloo_worker_threads",
+           "reconnect"]  # fmt: skip
 
 #: torchrun's store key under which rank 0 publishes the process-group store of the attempt.
 ELASTIC_STORE_KEY = "hflight/process_group_store"
@@ -109,6 +116,29 @@ def _rendezvous_address() -> None:
     environment = chosen()
     os.environ.setdefault("MASTER_ADDR", str(environment.main_address))
     os.environ.setdefault("MASTER_PORT", str(environment.main_port))
+
+
+# ---- aborted and connected again -------------------------------------------------------------------------------------
+def abort() -> None:
+    """Abort the default process group: its collectives stop waiting, on this rank, and (once the group is
+    destroyed: gloo closes its connections only then) on the ranks that wait for this one. Nothing if there is none."""
+    from torch.distributed import distributed_c10d
+
+    if distributed_c10d.is_initialized():
+        distributed_c10d._abort_process_group()
+
+
+def reconnect(backend: str, store: Any, rank: int, world_size: int, timeout: datetime.timedelta) -> None:
+    """A new default process group on ``store`` in place of the current one, which is aborted first (a failed
+    trial's, or one broken by a rank that aborted its own): every rank calls it with the same store (a
+    ``torch.distributed.PrefixStore`` of keys no earlier group used), ``backend``, ``world_size`` and ``timeout``."""
+    import torch.distributed as dist
+
+    abort()
+    hook = sys.excepthook
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    sys.excepthook = hook  # torch adds its "[rank0]: " prefix to uncaught errors at each connection: once is enough
+    end_at_exit()
 
 
 # ---- the end ---------------------------------------------------------------------------------------------------------

@@ -931,6 +931,20 @@ def register_arguments_twin(theirs: type, ours: type, derived: tuple[str, ...] =
     _ARGUMENTS_TWINS[theirs] = (ours, derived)
 
 
+def _arguments_twin(cls: type) -> tuple[type, tuple[str, ...]] | None:
+    """The registered twin of ``cls`` (and its derived fields); for a subclass of a registered config (a script's
+    own ``trl.SFTConfig`` subclass), a dataclass of ``cls`` over that config's twin, made once, so that the arguments
+    stay an instance of ``cls`` (its fields and methods kept). None for any other class."""
+    if cls not in _ARGUMENTS_TWINS:
+        base = next((each for each in cls.__mro__[1:] if each in _ARGUMENTS_TWINS), None)
+        if base is None:
+            return None
+        ours, derived = _ARGUMENTS_TWINS[base]
+        namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
+        register_arguments_twin(cls, dataclasses.dataclass(type(cls.__name__, (cls, ours), namespace)), derived)
+    return _ARGUMENTS_TWINS[cls]
+
+
 def coerce_training_args(args: Any) -> TrainingArguments:
     """hflight ``TrainingArguments`` from ``args``: ours unchanged, a registered library config as its twin
     (:func:`register_arguments_twin`), another transformers one converted, None as default.
@@ -944,8 +958,8 @@ def coerce_training_args(args: Any) -> TrainingArguments:
     if args is None:
         logger.info("No `TrainingArguments` passed, using `output_dir=tmp_trainer`.")
         return TrainingArguments(output_dir="tmp_trainer")
-    if type(args) in _ARGUMENTS_TWINS:
-        twin, derived = _ARGUMENTS_TWINS[type(args)]
+    if _arguments_twin(type(args)) is not None:
+        twin, derived = _arguments_twin(type(args))
         return twin(**{**field_values(twin, args)[0], **dict.fromkeys(derived)})
     if isinstance(args, HFTrainingArguments):
         return TrainingArguments.from_hf(args)

@@ -18,8 +18,10 @@ import traceback
 from typing import Any, Protocol
 
 import hydra
+from hydra.experimental.callback import Callback
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from omegaconf import DictConfig, OmegaConf
 
 from hflight import durable
 from hflight.arguments.hardware import check_hardware, describe_backend
@@ -35,12 +37,12 @@ from hflight.cli.jobs import (
 )
 from hflight.cli.loggers import ConfigHyperparameters, ConfigToIntegrations, _close_loggers, logger_environment
 from hflight.cli.report import _draw_curves, format_metrics_table, optimized_value
-from hflight.cli.resume import _resume_from, resume_arguments, resume_command, resume_point
-from hflight.config import PRIMARY_CONFIG, VERSION_BASE, hydra_config_path
+from hflight.cli.resume import _resume_from, finished_run, resume_arguments, resume_command, resume_point, resumed_step
+from hflight.config import PRIMARY_CONFIG, VERSION_BASE, check_args_fields, check_args_overrides, hydra_config_path
 from hflight.run.interrupt import TrainingInterrupted, requeue_signal, signal_name, terminate_on_signals
 from hflight.sweeps.trial import JobPruned, job_in_worker_process
 
-__all__ = ["TaskRun", "instantiate_callbacks", "main", "run", "train"]
+__all__ = ["CheckBeforeTheRunFolder", "TaskRun", "check_gpu", "instantiate_callbacks", "main", "run", "train"]
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +73,16 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     (``logger.<name>.*`` options set the environment variables transformers' integrations read, for the length of
     the call), and ``training_curves.png`` is drawn into the run folder from ``trainer.state.log_history``.
 
+    A run resumed from the last checkpoint of a run that had already finished trains nothing: it says so, keeps the
+    run's results, and returns the metrics of its ``all_results.json``.
+
     Raises:
-        TypeError, ValueError: invalid training arguments (before anything else is built), missing or empty data
-            (before anything is trained).
+        TypeError, ValueError: invalid training arguments (before anything else is built; a key of ``args`` that is
+            not a field is named, with the closest ones), missing or empty data (before anything is trained).
     """
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     log.info(f"Instantiating training arguments <{TrainingArguments.__module__}.TrainingArguments>")
+    check_args_fields(cfg.args.keys())
     args = TrainingArguments.from_config(cfg.args)
     with logger_environment(cfg.get("logger"), args):
         return _train(cfg, args)
@@ -88,6 +94,7 @@ def _train(cfg: DictConfig, args: TrainingArguments) -> tuple[dict[str, float], 
     _set_cpu_threads(cfg.get("cpu_threads"), _job_hydra_config())
     # A backend that cannot start here (no poptorch for trainer=ipu, no GPU for trainer=gpu) fails now, with its own
     # message, not after the data has been generated and tokenized.
+    check_gpu(args.accelerator)
     check_hardware(args)
     args.resume_from_checkpoint = resume_point(args)  # before the task reads the run folder (it reuses its data)
     set_seed(args.seed)  # before the model is initialised, as run_qa.py
@@ -100,7 +107,9 @@ def _train(cfg: DictConfig, args: TrainingArguments) -> tuple[dict[str, float], 
     trainer = built.trainer
     trainer.add_callback(ConfigToIntegrations(cfg, trainer.callback_handler.callbacks))
     metrics = _train_evaluate_predict(trainer, built, args, reporter)
-    if trainer.is_world_process_zero():
+    if metrics is None:  # resumed at the end of a finished run: nothing trained, its results kept
+        metrics = _saved_results(args.output_dir)
+    elif trainer.is_world_process_zero():
         _draw_curves(trainer, args)
     if metrics and trainer.is_world_process_zero():
         from transformers.trainer_pt_utils import metrics_format
@@ -114,14 +123,22 @@ def _train(cfg: DictConfig, args: TrainingArguments) -> tuple[dict[str, float], 
 
 def _train_evaluate_predict(
     trainer: Any, built: TaskRun, args: TrainingArguments, reporter: Any = None
-) -> dict[str, float]:
+) -> dict[str, float] | None:
+    """The metrics of training, evaluation and prediction, each saved; None (nothing saved) when the checkpoint the
+    run resumed from was already the end of its training."""
     metrics: dict[str, float] = {}
     if args.do_train:
         log.info("Starting training")
-        result = trainer.train(resume_from_checkpoint=_resume_from(args.resume_from_checkpoint))
+        resume_from = _resume_from(args.resume_from_checkpoint)
+        start = resumed_step(args.output_dir, resume_from)
+        result = trainer.train(resume_from_checkpoint=resume_from)
         if reporter is not None and reporter.pruned is not None:  # stopped by the pruner, with its checkpoint
             trainer.save_state()
             raise JobPruned(reporter.trial.number, *reporter.pruned)
+        if start and trainer.state.global_step <= start:
+            state = trainer.state
+            log.warning(finished_run(args.output_dir, start, state.max_steps, state.num_train_epochs))
+            return None
         trainer.save_model()
         train_metrics = {**result.metrics, "train_samples": built.num_samples("train")}
         trainer.save_metrics("train", train_metrics)
@@ -203,6 +220,7 @@ def main(cfg: DictConfig | None = None) -> float | None:
         return run(cfg)
     try:
         sys.argv[1:] = resume_arguments(sys.argv[1:])
+        check_args_overrides(sys.argv[1:])  # before Hydra, which would advise adding an unknown field with +
     except ValueError as exc:
         raise SystemExit(f"hflight-train: {exc}") from None
     return _hydra_main()
@@ -211,6 +229,47 @@ def main(cfg: DictConfig | None = None) -> float | None:
 @hydra.main(version_base=VERSION_BASE, config_path=hydra_config_path(), config_name=PRIMARY_CONFIG)
 def _hydra_main(cfg: DictConfig) -> float | None:
     return run(cfg)
+
+
+def _saved_results(output_dir: str) -> dict[str, float]:
+    """The metrics a run saved in ``all_results.json`` (none if it saved none)."""
+    path = os.path.join(output_dir, "all_results.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as saved:
+        return json.load(saved)
+
+
+def check_gpu(accelerator: str | None) -> None:
+    """``args.accelerator`` ``gpu`` (or ``cuda``; ``trainer=gpu``, ``gpu_bf16``, ``ddp``) needs a CUDA device here.
+
+    Raises:
+        MisconfigurationException: torch finds none, saying so and naming the CPU's choices (Lightning's would only
+            say "No supported gpu backend found!").
+    """
+    import torch
+
+    if str(accelerator).lower() not in ("gpu", "cuda") or torch.cuda.is_available():
+        return
+    build = f"torch {torch.__version__}" + (", a build without CUDA" if torch.version.cuda is None else "")
+    raise MisconfigurationException(
+        f"args.accelerator={accelerator} (trainer=gpu, gpu_bf16 or ddp) needs a CUDA GPU, and torch finds none here "
+        f"({build}). Train on the CPU with trainer=cpu (trainer=ddp_cpu for several processes), or with "
+        "trainer=default, which takes a GPU where there is one and the CPU otherwise."
+    )
+
+
+class CheckBeforeTheRunFolder(Callback):
+    """A Hydra callback (``hydra.callbacks`` in ``conf/hydra/default.yaml``) that checks, once the command line's
+    config is composed and before Hydra makes the run folder, what would make the run fail at once: a GPU asked for
+    where there is none (:func:`check_gpu`). The command exits with the message, as it does for a wrong ``resume=``
+    (Hydra turns a callback's exceptions into warnings; ``SystemExit`` is not one of them)."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            check_gpu(OmegaConf.select(config, "args.accelerator", throw_on_resolution_failure=False))
+        except MisconfigurationException as exc:
+            raise SystemExit(f"hflight-train: {exc}") from None
 
 
 def instantiate_callbacks(callbacks_cfg: DictConfig | None) -> list[Any]:

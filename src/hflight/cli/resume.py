@@ -6,6 +6,7 @@ into the search's); :func:`resume_point` decides where a run starts: a checkpoin
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -13,10 +14,10 @@ from typing import Any
 
 from hflight.arguments import cluster
 from hflight.arguments.training_args import TrainingArguments
-from hflight.checkpoints.manifest import get_last_checkpoint
+from hflight.checkpoints.manifest import TRAINER_STATE_NAME, get_last_checkpoint
 
-__all__ = ["AUTO", "OPTUNA_SWEEPER", "RESUME_KEY", "SWEEP_CONFIG", "resume_arguments", "resume_command", "resume_point",
-           "sweep_resume_arguments"]  # fmt: skip
+__all__ = ["AUTO", "OPTUNA_SWEEPER", "RESUME_KEY", "SWEEP_CONFIG", "finished_run", "resume_arguments", "resume_command",
+           "resume_point", "resumed_step", "sweep_resume_arguments"]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +45,8 @@ def resume_arguments(argv: list[str]) -> list[str]:
     ``resume=``, ``argv`` unchanged.
 
     Raises:
-        ValueError: ``resume=`` twice, with ``-m``, with ``hydra.run.dir``, or naming no run folder;
-            ``resume=auto`` with ``args.resume_from_checkpoint``.
+        ValueError: ``resume=`` twice, with ``-m``, with ``hydra.run.dir``, naming a path that does not exist or a
+            folder that is no run's; ``resume=auto`` with ``args.resume_from_checkpoint``.
     """
     given = [token for token in argv if _override_key(token) == RESUME_KEY]
     if not given:
@@ -60,6 +61,11 @@ def resume_arguments(argv: list[str]) -> list[str]:
             raise ValueError(f"{RESUME_KEY}={AUTO} sets args.resume_from_checkpoint; give one of the two")
         return [*rest, f"args.resume_from_checkpoint={AUTO}"]
     folder = Path(given[0].split("=", 1)[1]).expanduser().resolve()
+    if not folder.exists():
+        raise ValueError(
+            f"{RESUME_KEY}={folder}: no such folder; pass the folder of a run or of a search, e.g. "
+            "outputs/mrc/runs/<date>_<time> or outputs/mrc/multiruns/<date>_<time>"
+        )
     if (folder / SWEEP_CONFIG).is_file():
         return sweep_resume_arguments(folder, rest)
     if {"-m", "--multirun"} & set(rest):
@@ -185,3 +191,29 @@ def resume_point(args: TrainingArguments) -> str | None:
         log.warning(f"resume=auto: {args.output_dir} holds no complete checkpoint; starting fresh.")
         return None
     return AUTO
+
+
+def resumed_step(output_dir: str | os.PathLike, resume_from: str | bool | None) -> int:
+    """The global step of the checkpoint ``train(resume_from_checkpoint=resume_from)`` starts from (``resume_from``
+    as :func:`_resume_from` gives it: True and ``"auto"`` for the last valid checkpoint of ``output_dir``); 0 for a
+    fresh start, or a checkpoint whose state cannot be read (``train()`` then says what is wrong with it)."""
+    if resume_from is None or resume_from is False:
+        return 0
+    folder = get_last_checkpoint(output_dir) if resume_from is True or resume_from == AUTO else resume_from
+    try:
+        return int(json.loads((Path(folder) / TRAINER_STATE_NAME).read_text(encoding="utf-8"))["global_step"])
+    except (OSError, TypeError, ValueError, KeyError):
+        return 0
+
+
+def finished_run(output_dir: str | os.PathLike, step: int, max_steps: int, epochs: float) -> str:
+    """What a run resumed at ``step`` (of ``max_steps``, ``epochs``), where nothing was left to train, tells."""
+    plural = "" if epochs == 1 else "s"
+    return (
+        f"The run in {output_dir} had already finished: its checkpoint at step {step} is the end of its {max_steps} "
+        f"steps ({epochs:g} epoch{plural}), so nothing was trained, and its results (train_results.json, "
+        f"all_results.json, eval_results.json, {TRAINER_STATE_NAME}, the model) are kept. To train it further, resume "
+        f"it with more steps or epochs: {resume_command(output_dir)} args.max_steps=<more than {step}> (or "
+        f"args.num_train_epochs=<more than {epochs:g}>, with args.max_steps unset); args.do_train=false evaluates it "
+        "again."
+    )

@@ -43,7 +43,6 @@ import gc
 import itertools
 import json
 import logging
-import sys
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -395,8 +394,6 @@ class Processes:
         """This rank's error: recorded in the store and logged here (a rank that fails after another did, most
         likely for that one's sake, only warns), then the failed run is let go, and the process group with it, so
         that a rank waiting for this one in a collective leaves it (see :func:`_let_go`)."""
-        from torch.distributed import distributed_c10d
-
         order = self.store.add(self._key("failures"), 1)
         what = "the search" if self.number is None else f"trial {self.number}"
         if order > 1:
@@ -406,8 +403,7 @@ class Processes:
         failure = {"order": order, "kind": type(error).__name__, "message": str(error),
                    "caught": catchable and isinstance(error, self.caught)}  # fmt: skip
         _let_go(error, f"rank {self.rank}")
-        if distributed_c10d.is_initialized():
-            distributed_c10d._abort_process_group()
+        process_group.abort()
         return failure
 
     def _exchange(self, outcome: dict[str, Any]) -> list[dict[str, Any]]:
@@ -443,16 +439,12 @@ class Processes:
 
     def _reconnect(self) -> None:
         """A new default process group for what follows the failed trial (this rank's is aborted, or broken by a
-        rank that aborted its own), on the same store under keys of its own."""
+        rank that aborted its own), on the same store under keys of its own (``hflight.arguments.process_group``
+        connects it)."""
         import torch.distributed as dist
-        from torch.distributed import distributed_c10d
 
-        if distributed_c10d.is_initialized():
-            distributed_c10d._abort_process_group()
-        store, hook = dist.PrefixStore(self._key("group"), self.store), sys.excepthook
-        dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.size,
-                                timeout=self.store.timeout)  # fmt: skip
-        sys.excepthook = hook  # torch adds its "[rank0]: " prefix to uncaught errors at each connection: once is enough
+        store = dist.PrefixStore(self._key("group"), self.store)
+        process_group.reconnect(self.backend, store, self.rank, self.size, self.store.timeout)
 
     def broadcast(self, value: Any) -> Any:
         """Rank 0's ``value`` on every rank (``value`` itself with one process)."""
