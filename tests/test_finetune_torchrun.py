@@ -145,7 +145,9 @@ def _weights_file(checkpoint: Path) -> dict:
 def test_the_best_checkpoint_of_a_sharded_run_is_kept_and_loaded_at_the_end(runs, run):
     """A whole tiny Llama (keys ``model.*``), evaluated and saved every 2 steps, ``save_total_limit=1``: the best
     checkpoint (checkpoint-2, the highest evaluation loss: not the last) is the one kept, and the weights the run ends
-    with are that checkpoint's, element for element. FSDP2's (sharded and gathered) are DDP's bit for bit; ZeRO-3's
+    with are that checkpoint's, element for element. FSDP2's (sharded and gathered) are DDP's to 1e-7 (bit for bit on
+    an Intel Xeon with AVX-512; 7.5e-9 measured on an AVX2-only AMD EPYC, where the kernels updating FSDP2's per-rank
+    shards round some last bits otherwise); ZeRO-3's
     are within 2e-5 of them (1.05e-5 measured: its gradients are reduced in another order, and two AdamW steps at
     1e-2 carry that). transformers' FSDP2 FULL_STATE_DICT save fails on the CPU: hflight's gathered run is compared
     with DDP (and so with the sharded run); the other runs equal transformers' (above)."""
@@ -157,7 +159,7 @@ def test_the_best_checkpoint_of_a_sharded_run_is_kept_and_loaded_at_the_end(runs
     assert len(saved) == len(ours["weights"]) >= 20
     for name, values in ours["weights"].items():
         assert torch.tensor(values).equal(saved[name].flatten().float()), name
-    tolerance = 2e-5 if run == "best_zero3" else 0
+    tolerance = 2e-5 if run == "best_zero3" else (1e-7 if run.startswith("best_fsdp") else 0)
     for name, values in _result(runs, "hflight", 0)["best_ddp"]["weights"].items():
         assert torch.allclose(torch.tensor(ours["weights"][name]), torch.tensor(values), rtol=0, atol=tolerance), name
 
@@ -168,7 +170,8 @@ def test_save_only_model_checkpoints_hold_the_whole_model_alone_as_transformers(
     """``save_only_model`` (4 steps of the Llama, checkpoints at 2 and 4): under DDP and ZeRO-3 each checkpoint holds
     transformers' files, no optimizer, scheduler or DeepSpeed state, and the same ``model.safetensors`` bit for bit
     (ZeRO-3's gathered from its partitions); FSDP2's gathered form (hflight's side: transformers' FULL_STATE_DICT save
-    fails on the CPU) writes DDP's files and weights (bit for bit at step 2, within 1e-7 at step 4)."""
+    fails on the CPU) writes DDP's files and weights within 1e-7 (on an Intel Xeon with AVX-512 bit for bit at step 2
+    and 7.5e-9 at step 4; on an AVX2-only AMD EPYC 7.5e-9 and 3.2e-8: FSDP2 reduces in another order)."""
     import torch
     from safetensors.torch import load_file
 
@@ -185,8 +188,8 @@ def test_save_only_model_checkpoints_hold_the_whole_model_alone_as_transformers(
         gathered, ddp = (load_file(runs / "hflight" / run / f"checkpoint-{step}" / "model.safetensors")
                          for run in ("only_model_fsdp_full", "only_model_ddp"))  # fmt: skip
         assert gathered.keys() == ddp.keys(), step
-        for key in ddp:  # bit for bit after 2 steps; 7.5e-9 measured after 4 (FSDP2 reduces in another order)
-            torch.testing.assert_close(gathered[key], ddp[key], rtol=0, atol=0 if step == 2 else 1e-7, msg=key)
+        for key in ddp:
+            torch.testing.assert_close(gathered[key], ddp[key], rtol=0, atol=1e-7, msg=key)
     held = files("hflight", "only_model_zero3", 2)
     assert "model.safetensors" in held and not {"optimizer.pt", "scheduler.pt", "latest"} & held
     assert not any(name.startswith(("global_step", "rng_state", "pytorch_model_fsdp", "optimizer")) for name in held)
