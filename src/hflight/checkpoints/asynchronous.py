@@ -3,25 +3,37 @@
 is blocked only while the state is copied.
 
 With ``save_async``, at the step boundary the loop copies the model's and the optimizer's tensors into host memory
-(:meth:`CheckpointWriter.snapshot`: buffers kept from one checkpoint to the next, so only the first copy allocates),
-writes the small files (scheduler, RNG, ``trainer_state.json``, config, tokenizer) as before, and hands the job to a
-background thread: the tensor files from the snapshot, their checksums and fsyncs, the manifest, the durable
-publication (``hflight.durable.publish_folder``) and the rotation of older checkpoints. The next step cannot change
-what is written: the snapshot is a copy. The publication waits for the loop's ``on_save`` and keeps what was written
-into ``checkpoint-N`` until then: by a callback, or by a ``_save_checkpoint`` override after ``super()``, for which
-the folder is made when the save returns (``CheckpointJob.open_final_dir``). The job's decisions were all taken on
-the loop's thread; the writer thread changes nothing module-wide (accelerate's unwrapping is left alone for it, by
-the loop's thread, for as long as the job runs: ``hflight.checkpoints.weights.deepspeed_left_alone``).
+(:meth:`CheckpointWriter.snapshot`), writes the small files (scheduler, RNG, ``trainer_state.json``, config, tokenizer)
+as before, and hands the job to a background thread: the tensor files from the snapshot, their checksums and fsyncs,
+the manifest, the durable publication (``hflight.durable.publish_folder``) and the rotation of older checkpoints. The
+next step cannot change what is written: the snapshot is a copy. The publication waits for the loop's ``on_save`` and
+keeps what was written into ``checkpoint-N`` until then: by a callback, or by a ``_save_checkpoint`` override after
+``super()``, for which the folder is made when the save returns (``CheckpointJob.open_final_dir``). The job's
+decisions were all taken on the loop's thread; the writer thread changes nothing module-wide (accelerate's unwrapping
+is left alone for it, by the loop's thread, for as long as the job runs:
+``hflight.checkpoints.weights.deepspeed_left_alone``).
 
-At most one write is in flight: a checkpoint that comes while the previous one is still written waits for it (and
-says so when the wait is long). :meth:`CheckpointWriter.wait` is called where the folder must exist: at the end of
-``fit`` (also when it raised), before a stop by signal reports its checkpoint, before a checkpoint is pushed; the
-thread is not a daemon, so an interpreter that exits waits for it too. A write that fails stops the run at the next
-step boundary with the error (:class:`~hflight.checkpoints.job.CheckpointWriteError`), on every process: while a write
-is in flight, the processes learn at each step boundary, together, whether it is done and how (the main process alone
-writes; the others would otherwise go on into the next collective and wait there for it). Its unfinished folder is
-removed, the checkpoints written before it are untouched. A process killed during the write leaves the unpublished
-``.tmp-checkpoint-N`` (removed when the next run starts) and the last published checkpoint.
+The copies go into one staging area of host memory, allocated once and reused by every checkpoint: each tensor at its
+place in the area's layout (64-byte aligned; tensors that share storage once), with a storage of its own over its
+bytes (``torch.save`` writes a tensor's whole storage, and ``save_pretrained`` takes tensors whose storages start at the
+same address for tied weights). A checkpoint whose tensors do not all fit (the first one; a state that grew) copies
+the rest into a buffer of its own, and the area is then allocated, once, for that checkpoint's whole layout. With
+tensors on a GPU the area is pinned and the copies are queued on a side stream of the writer's, after the work the
+training stream has queued; the training stream waits for them on the device (an event), not the host, so the next
+step cannot change a tensor before it is copied and the loop goes on at once; the writer thread waits for the event
+before it reads the copies. Tensors in host memory are copied there and then.
+
+At most one write is in flight: a checkpoint that comes while the previous one is still written waits for it. The
+first such wait of a run is a warning with the numbers (how long that write took, its bytes, how soon the next
+checkpoint came: a larger ``save_steps`` or a faster disk stops the stalls); later ones are logged at info level.
+:meth:`CheckpointWriter.wait` is called where the folder must exist: at the end of ``fit`` (also when it raised),
+before a stop by signal reports its checkpoint, before a checkpoint is pushed; the thread is not a daemon, so an
+interpreter that exits waits for it too. A write that fails stops the run at the next step boundary with the error
+(:class:`~hflight.checkpoints.job.CheckpointWriteError`), on every process: while a write is in flight, the processes
+learn at each step boundary, together, whether it is done and how (the main process alone writes; the others would
+otherwise go on into the next collective and wait there for it). Its unfinished folder is removed, the checkpoints
+written before it are untouched. A process killed during the write leaves the unpublished ``.tmp-checkpoint-N``
+(removed when the next run starts) and the last published checkpoint.
 
 May import: ``hflight.checkpoints`` (its own modules).
 """
@@ -30,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 import threading
 import time
@@ -42,8 +55,35 @@ from hflight.checkpoints.weights import deepspeed_left_alone
 
 logger = logging.getLogger(__name__)
 
-#: after this many seconds of waiting for the previous write, the wait is reported
+#: after this many seconds of waiting for the previous write, the wait is logged while it goes on
 LONG_WAIT_S = 10.0
+#: each copy starts on a cache line of the staging area (a smaller tensor: on a multiple of its size, within one line)
+ALIGNMENT = 64
+
+
+@dataclasses.dataclass
+class _Slot:
+    """Where one tensor of the state is copied: ``nbytes`` at ``offset`` of the staging area's layout, held by ``copy``
+    (a tensor over them with a storage of its own) at ``at`` of ``buffer``: the area, or the overflow buffer of the
+    snapshot that laid it out while the area was too small."""
+
+    offset: int
+    nbytes: int
+    buffer: Any  # host memory as a numpy array (what the copies' storages are made over)
+    at: int
+    copy: torch.Tensor | None
+
+
+@dataclasses.dataclass
+class _Write:
+    """The background write of checkpoint ``what``: when it was handed over, the bytes of its snapshot, the events the
+    writer thread waits for before it reads the copies, and when it ended."""
+
+    what: str
+    started: float
+    nbytes: int
+    copied: list[Any]
+    ended: float | None = None
 
 
 class CheckpointWriter:
@@ -59,8 +99,19 @@ class CheckpointWriter:
         self._in_flight: str | None = None  # every process: the checkpoint written in the background, until all know
         self._outcome: BaseException | None = None
         self._lease = contextlib.ExitStack()
-        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
-        self.snapshot_bytes = 0  # host memory the snapshot buffers hold
+        # the staging area: the slots of the tensors by key, the area, the bytes laid out, the overflow buffers' bytes
+        self._slots: dict[tuple[Any, ...], _Slot] = {}
+        self._area: Any = None
+        self._end = 0
+        self._overflow_bytes = 0
+        self._used: set[tuple[Any, ...]] = set()  # the keys snapshotted since the last snapshot_done
+        self._pinned = False  # a tensor came from a GPU: the area is pinned
+        self._area_pinned = False  # the area was allocated pinned (asked: a failed pinning is not asked again)
+        self._streams: dict[torch.device, Any] = {}  # the side stream of each GPU
+        self._copied: list[Any] = []  # the events of the copies queued since the last submit
+        self._write: _Write | None = None  # the write in flight, or the last one
+        self._waited: float | None = None  # when the last wait() began to wait for a write still in flight
+        self._wait_said = False
         #: the run folders whose own entry in their parent this run's publications made durable
         self.entries_made_durable: set[tuple[int, int]] = set()
 
@@ -71,53 +122,149 @@ class CheckpointWriter:
         ``last``: training ends after this checkpoint, so the loop has nothing to do but wait for it (``submit(...,
         last=True)``): with ``save_async`` the state is then not copied (nothing changes it before the write is
         over) and the files are written side by side on the cores the loop leaves free. ``on_save_follows``: a
-        checkpoint of the running fit, whose ``on_save`` the loop dispatches next (:meth:`callbacks_done`)."""
+        checkpoint of the running fit, whose ``on_save`` the loop dispatches next (:meth:`callbacks_done`). A wait for
+        the previous write just before (``save_checkpoint``'s :meth:`wait`) was this checkpoint's: said now."""
+        self._say_wait(self._waited)
+        self._waited = None
         if not self.asynchronous:
             return CheckpointJob(folder, final_dir, None, main, self.entries_made_durable)
         return CheckpointJob(folder, final_dir, self.snapshot, main, self.entries_made_durable, last=last,
                              on_save_follows=on_save_follows)  # fmt: skip
 
     # ---- the snapshot ----------------------------------------------------------------------------------------------
+    @property
+    def snapshot_bytes(self) -> int:
+        """The host memory the snapshots hold: the staging area, and the overflow buffers of a checkpoint whose
+        tensors did not all fit in it, until the area is allocated for them (:meth:`snapshot_done`)."""
+        return self._capacity + self._overflow_bytes
+
+    @property
+    def _capacity(self) -> int:
+        return 0 if self._area is None else len(self._area)
+
     def snapshot(self, name: str, state: Any) -> Any:
-        """``state`` (a state dict, nested) with every tensor copied into this writer's host buffers for ``name``
-        (tensors that share storage still do); unchanged when the writer is synchronous."""
+        """``state`` (a state dict, nested) with every tensor copied into this writer's staging area, at the slot of
+        its key under ``name`` (tensors that share storage still do); unchanged when the writer is synchronous."""
         if not self.asynchronous:
             return state
-        self._join()  # the buffers belong to the write in flight until it is done
-        # deepcopy with every tensor already mapped to its buffer: the copy has the original's structure exactly
+        self._say_wait(self._join())  # the staging area belongs to the write in flight until it is done
+        # deepcopy with every tensor already mapped to its copy: the copy has the original's structure exactly
         # (shared objects stay shared, so torch.save writes the same bytes)
         memo: dict[int, Any] = {}
-        shared: dict[tuple[Any, ...], torch.Tensor] = {}
-        for key, tensor in _tensors(state, (name,)):
-            if id(tensor) not in memo:
-                memo[id(tensor)] = self._copy_tensor(tensor, key, shared)
+        self._copy(self._stage(name, state, memo))
         return copy.deepcopy(state, memo)
 
-    def _copy_tensor(
-        self, tensor: torch.Tensor, key: tuple[Any, ...], shared: dict[tuple[Any, ...], torch.Tensor]
-    ) -> torch.Tensor:
-        tensor = tensor.detach()
-        identity = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape,
-                    tensor.stride(), tensor.dtype)  # fmt: skip
-        if tensor.untyped_storage().data_ptr() != 0 and identity in shared:  # tied weights stay tied
-            return shared[identity]
-        buffer = self._buffers.get(key)
-        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-            if buffer is not None:  # replaced: a tensor of this key changed shape or dtype
-                self.snapshot_bytes -= buffer.numel() * buffer.element_size()
-            buffer = torch.empty_like(tensor, device="cpu", memory_format=torch.contiguous_format)
-            if tensor.device.type == "cuda":
-                buffer = buffer.pin_memory()
-            self.snapshot_bytes += buffer.numel() * buffer.element_size()
-            self._buffers[key] = buffer
-        buffer.copy_(tensor, non_blocking=tensor.device.type == "cuda")
-        shared[identity] = buffer
-        return buffer
+    def _stage(self, name: str, state: Any, memo: dict[int, Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every tensor of ``state`` mapped in ``memo`` to its copy in the staging area (those past its end: in one
+        overflow buffer); returns the copies to make, (copy, source), each storage once (tied weights stay tied)."""
+        shared: dict[tuple[Any, ...], _Slot] = {}
+        staged: dict[int, tuple[_Slot, torch.Tensor | None]] = {}  # id -> (slot, source; None: tied to another)
+        for key, tensor in _tensors(state, (name,)):
+            if id(tensor) in memo or id(tensor) in staged:
+                continue
+            source = tensor.detach()
+            if not _stageable(source):  # a sparse, quantized or subclassed tensor: a copy of its own, now
+                memo[id(tensor)] = source.to("cpu", copy=True)
+                continue
+            identity = (source.device, source.untyped_storage().data_ptr(), source.storage_offset(), source.shape,
+                        source.stride(), source.dtype)  # fmt: skip
+            if source.untyped_storage().data_ptr() != 0 and identity in shared:  # tied weights stay tied
+                staged[id(tensor)] = (shared[identity], None)
+                continue
+            shared[identity] = self._slot(key, source)
+            staged[id(tensor)] = (shared[identity], source)
+        copies = [(slot, source) for slot, source in staged.values() if source is not None]
+        self._overflow([(slot, source) for slot, source in copies if slot.copy is None])
+        memo.update((original, slot.copy) for original, (slot, _) in staged.items())
+        return [(slot.copy, source) for slot, source in copies if slot.nbytes]  # type: ignore[misc]
+
+    def _slot(self, key: tuple[Any, ...], tensor: torch.Tensor) -> _Slot:
+        """The slot of ``key``: the last checkpoint's (the same bytes), or a new one at the end of the layout, with
+        its copy when the area holds it (else None: :meth:`_overflow` makes it)."""
+        nbytes = tensor.numel() * tensor.element_size()
+        self._used.add(key)
+        slot = self._slots.get(key)
+        if slot is not None and slot.nbytes == nbytes and slot.copy is not None:
+            if slot.copy.dtype != tensor.dtype or slot.copy.shape != tensor.shape:  # the same bytes, seen otherwise
+                slot.copy = _over(slot.buffer, slot.at, tensor)
+            return slot
+        offset = _aligned(self._end, nbytes)
+        self._end = offset + nbytes
+        inside = nbytes == 0 or self._end <= self._capacity
+        slot = _Slot(offset, nbytes, self._area, offset, _over(self._area, offset, tensor) if inside else None)
+        self._slots[key] = slot
+        return slot
+
+    def _overflow(self, pending: list[tuple[_Slot, torch.Tensor]]) -> None:
+        """The copies of the slots laid out past the staging area's end, in one buffer (their part of the layout),
+        kept until the area is allocated for them (:meth:`snapshot_done`)."""
+        if not pending:
+            return
+        start = pending[0][0].offset
+        buffer = _host_memory(self._end - start, pinned=False)
+        self._overflow_bytes += len(buffer)
+        for slot, source in pending:
+            slot.buffer, slot.at = buffer, slot.offset - start
+            slot.copy = _over(buffer, slot.at, source)
+
+    def _copy(self, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Each (copy, source): from host memory now; from a GPU queued on the side stream of its device."""
+        on_gpu: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for target, source in copies:
+            if _on_gpu(source):
+                on_gpu.setdefault(source.device, []).append((target, source))
+            else:
+                target.copy_(source)
+        for device, pairs in on_gpu.items():
+            self._pinned = True
+            self._copied.append(self._copy_on_side_stream(device, pairs))
+
+    def _copy_on_side_stream(self, device: torch.device, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        """``pairs`` copied on this writer's side stream of ``device``, after the work the training stream has queued
+        (the tensors as the step leaves them); the training stream waits for the copies on the device, so the next
+        step cannot change a tensor before it is copied, and the host goes on. Returns the copies' event, which the
+        writer thread waits for before it reads them (a device-wide synchronize would stall the loop until then)."""
+        side = self._streams.get(device)
+        if side is None:
+            side = self._streams[device] = torch.cuda.Stream(device=device)
+        training = torch.cuda.current_stream(device)
+        side.wait_stream(training)
+        with torch.cuda.stream(side):
+            for target, source in pairs:
+                target.copy_(source, non_blocking=True)
+                source.record_stream(side)  # a source freed meanwhile keeps its memory until the copy is made
+        copied = torch.cuda.Event()
+        copied.record(side)
+        training.wait_event(copied)
+        return copied
 
     def snapshot_done(self) -> None:
-        """After the snapshot's copies: device-to-host copies are complete before the loop goes on."""
-        if self.asynchronous and torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
+        """After a checkpoint's snapshots, on the loop's thread: nothing to wait for (the training stream waits for
+        the copies from a GPU on the device). Where the checkpoint's tensors did not all fit in the staging area, the
+        area is allocated now, once, for its layout (the tensors of this checkpoint, packed), as it is where tensors
+        come from a GPU for the first time into an area that is not pinned: the next checkpoint of the same state
+        copies into it without allocating; the copies just made stay where they are until written."""
+        if not self.asynchronous:
+            return
+        if self._overflow_bytes or self._pinned > self._area_pinned:
+            self._reallocate_area()
+        self._used.clear()
+
+    def _reallocate_area(self) -> None:
+        """The staging area allocated anew for the slots used since the last checkpoint, packed in their order (the
+        slots of keys no longer snapshotted are dropped); every slot's copy made anew over it."""
+        kept = [(key, slot) for key, slot in self._slots.items() if key in self._used and slot.copy is not None]
+        kept.sort(key=lambda each: each[1].offset)
+        offsets, end = [], 0
+        for _, slot in kept:
+            offsets.append(_aligned(end, slot.nbytes))
+            end = offsets[-1] + slot.nbytes
+        area = _host_memory(end, pinned=self._pinned)
+        self._slots = {
+            key: _Slot(offset, slot.nbytes, area, offset, _over(area, offset, slot.copy))  # type: ignore[arg-type]
+            for (key, slot), offset in zip(kept, offsets)
+        }
+        self._area, self._end, self._overflow_bytes, self._area_pinned = area, end, 0, self._pinned
 
     # ---- the write -------------------------------------------------------------------------------------------------
     def submit(self, job: CheckpointJob | None, what: str, last: bool = False) -> None:
@@ -129,8 +276,12 @@ class CheckpointWriter:
                 raise failure
             return
         self.wait()
+        self._say_wait(self._waited)  # a wait for the previous write here was this checkpoint's
+        self._waited = None
         self._in_flight = what
+        copied, self._copied = self._copied, []
         if job is not None:
+            self._write = _Write(what, time.monotonic(), self.snapshot_bytes, copied)
             self._callbacks_over = job.callbacks_over
             self._lease.enter_context(deepspeed_left_alone())  # for the job's save_pretrained, until it is reaped
             self._thread = threading.Thread(target=self._run, args=(job,), name=f"hflight-write-{what}", daemon=False)
@@ -139,7 +290,17 @@ class CheckpointWriter:
             self.wait(expected=True)
 
     def _run(self, job: CheckpointJob) -> None:
-        self._outcome = job.finish()
+        """The writer thread: the copies from a GPU are made (their events) before the job reads them."""
+        write = self._write
+        try:
+            for copied in write.copied if write is not None else ():
+                copied.synchronize()
+            self._outcome = job.finish()
+        except BaseException as exc:  # noqa: BLE001 - a copy that failed on the device: raised on the loop's thread
+            self._outcome = exc
+        finally:
+            if write is not None:
+                write.ended = time.monotonic()
 
     def callbacks_done(self) -> None:
         """The loop's ``on_save`` for the checkpoint submitted last is over (also when it raised): the background
@@ -148,28 +309,51 @@ class CheckpointWriter:
         if self._callbacks_over is not None:
             self._callbacks_over.set()
 
-    def _join(self, expected: bool = False) -> None:
-        """Wait for this process's write in flight, reporting a long wait (one the loop does not ``expect``: a
-        checkpoint's wait for the one before it)."""
+    def _join(self, expected: bool = False) -> float | None:
+        """Wait for this process's write in flight. Returns when the wait began, where the write was still being
+        written and the wait is not one the loop ``expected`` (the run's last checkpoint): a checkpoint came before
+        the previous one was written (:meth:`_say_wait`); None otherwise."""
         self.callbacks_done()
         thread = self._thread
         if thread is None:
-            return
-        started = time.monotonic()
-        thread.join(None if expected else LONG_WAIT_S)
-        if thread.is_alive():
-            logger.warning(
-                f"Waiting for the background write of {self._in_flight} to finish (at most one checkpoint is written "
-                f"at a time; {LONG_WAIT_S:.0f} s so far): the disk is slower than the checkpoints come."
-            )
+            return None
+        if expected or not thread.is_alive():
             thread.join()
-            logger.info(f"{self._in_flight} written after {time.monotonic() - started:.1f} s of waiting.")
+            return None
+        began = time.monotonic()
+        thread.join(LONG_WAIT_S)
+        if thread.is_alive():
+            logger.info(f"Still waiting for the background write of {self._in_flight} ({LONG_WAIT_S:.0f} s so far).")
+            thread.join()
+        return began
+
+    def _say_wait(self, began: float | None) -> None:
+        """A checkpoint waited (since ``began``) for the previous one's write: the first time in a run, a warning with
+        the numbers (at this pace the loop stalls at every checkpoint) and what to do; later waits at info level."""
+        write = self._write
+        if began is None or write is None or write.ended is None:
+            return
+        took, came = write.ended - write.started, began - write.started
+        numbers = (f"the background write of {write.what} ({_size(write.nbytes)}) took {took:.2f} s, and the next "
+                   f"checkpoint came {came:.2f} s after it began, so the training loop waited "
+                   f"{write.ended - began:.2f} s for it")  # fmt: skip
+        if self._wait_said:
+            logger.info(f"A checkpoint waited for the one before: {numbers}.")
+            return
+        self._wait_said = True
+        logger.warning(
+            f"Checkpoints come faster than the disk writes them: {numbers} (one checkpoint is written at a time). "
+            f"The loop stalls like this at every checkpoint closer than {took:.1f} s to the one before: raise "
+            f"save_steps, or write output_dir to a faster disk. (Said once; later waits are logged at info level.)"
+        )
 
     def wait(self, expected: bool = False) -> None:
         """Every process at once: wait for the write in flight; raise its error (on every process) if it failed.
-        ``expected``: the caller waits for it by design (the run's last checkpoint), so a long wait is not reported."""
+        ``expected``: the caller waits for it by design (the run's last checkpoint), so the wait is not reported; any
+        other is said by the checkpoint that follows it (:meth:`job`), if one does."""
+        self._waited = None
         if self._in_flight is not None:
-            self._join(expected)
+            self._waited = self._join(expected)
             self._settle(done=True)
 
     def raise_if_failed(self) -> None:
@@ -228,3 +412,50 @@ def _tensors(value: Any, key: tuple[Any, ...]) -> Any:
     elif isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
             yield from _tensors(v, (*key, i))
+
+
+def _stageable(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is copied into the staging area: a plain dense tensor (its bytes are its elements)."""
+    return type(tensor) is torch.Tensor and tensor.layout == torch.strided and not tensor.is_quantized
+
+
+def _on_gpu(tensor: torch.Tensor) -> bool:
+    return tensor.device.type == "cuda"
+
+
+def _aligned(offset: int, nbytes: int) -> int:
+    """``offset`` rounded up to :data:`ALIGNMENT`, or, for a tensor of fewer bytes, to the power of two above its size
+    (a multiple of its element's, within one cache line): tiny tensors (scalars, biases of a few elements) packed."""
+    step = min(ALIGNMENT, 1 << max(nbytes - 1, 0).bit_length())
+    return -(-offset // step) * step
+
+
+def _host_memory(nbytes: int, pinned: bool) -> Any:
+    """``nbytes`` of host memory, as the numpy array the copies' storages are made over (the array keeps it); pinned
+    for copies from a GPU (a copy into pageable memory blocks the host until it is made), where pinning succeeds."""
+    if pinned:
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+        except RuntimeError as exc:
+            logger.warning(
+                f"Could not pin {_size(nbytes)} of host memory for the checkpoints' copies ({exc}): they are made "
+                "into pageable memory, which holds the training loop until each copy is made."
+            )
+    return torch.empty(nbytes, dtype=torch.uint8).numpy()
+
+
+def _over(buffer: Any, at: int, like: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor shaped and typed as ``like`` over ``buffer``'s bytes from ``at``, with a storage of its own
+    that spans exactly them: ``torch.save`` writes a tensor's whole storage, and transformers' ``save_pretrained`` takes
+    tensors whose storages start at the same address for tied weights (any dtype: the storage is bytes)."""
+    nbytes = like.numel() * like.element_size()
+    if nbytes == 0:
+        return torch.empty(like.shape, dtype=like.dtype)
+    storage = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=at).untyped_storage()
+    return torch.empty(0, dtype=like.dtype).set_(storage, 0, like.shape)
+
+
+def _size(nbytes: int) -> str:
+    if nbytes >= 1 << 30:
+        return f"{nbytes / (1 << 30):.2f} GiB"
+    return f"{nbytes / (1 << 20):.1f} MiB" if nbytes >= 1 << 20 else f"{nbytes} bytes"

@@ -1,0 +1,339 @@
+"""``save_async``'s snapshot (``hflight.checkpoints.asynchronous``): one staging area of host memory, allocated once and
+reused, each copy over its own bytes of it; copies from a GPU on a side stream, with an event in place of a
+device-wide synchronize (a fake ``torch.cuda`` here: these machines have no GPU); checkpoints that come faster than
+the disk writes them said once, with the numbers.
+
+In-process, tiny tensors and models."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import threading
+import time
+
+import pytest
+import torch
+import transformers
+
+from hflight.checkpoints import asynchronous, folders, job
+
+from .checkpoint_runs import make_trainer
+from .support import torch_file_records
+
+LOGGER = "hflight.checkpoints.asynchronous"
+
+
+def _optimizer_state(scale: float = 1.0) -> dict:
+    """An optimizer's state as torch's AdamW holds it, with the dtypes checkpoints carry."""
+    return {
+        "state": {
+            0: {"step": torch.tensor(3.0), "exp_avg": torch.full((5, 7), scale), "exp_avg_sq": torch.ones(5, 7)},
+            1: {"step": torch.tensor(3.0), "exp_avg": torch.arange(6, dtype=torch.bfloat16) * scale},
+        },
+        "param_groups": [{"lr": 0.1, "params": [0, 1]}],
+    }
+
+
+def _odd_state() -> dict:
+    """A bias of a few bytes, float8 (no numpy dtype), integers, an empty tensor, a view of a larger tensor."""
+    base = torch.arange(40, dtype=torch.float32).reshape(8, 5)
+    return {
+        "bias": torch.ones(3),
+        "fp8": torch.linspace(-1, 1, 17).to(torch.float8_e4m3fn),
+        "ids": torch.arange(9, dtype=torch.int64),
+        "empty": torch.empty(0, 4),
+        "rows": base[2:6],
+        "column": base[:, 1],
+    }
+
+
+def _copies(state) -> list[torch.Tensor]:
+    found = []
+
+    def walk(value):
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, dict):
+            [walk(v) for v in value.values()]
+        elif isinstance(value, (list, tuple)):
+            [walk(v) for v in value]
+
+    walk(state)
+    return found
+
+
+def _checkpoint(writer, states: dict) -> dict:
+    """One checkpoint's snapshots, as ``save_checkpoint`` takes them."""
+    snapshots = {name: writer.snapshot(name, state) for name, state in states.items()}
+    writer.snapshot_done()
+    return snapshots
+
+
+@pytest.fixture
+def allocations(monkeypatch):
+    """The staging area's host allocations, as (bytes, pinned)."""
+    made, real = [], asynchronous._host_memory
+
+    def host_memory(nbytes, pinned):
+        made.append((nbytes, pinned))
+        return real(nbytes, pinned)
+
+    monkeypatch.setattr(asynchronous, "_host_memory", host_memory)
+    return made
+
+
+# ---- one staging area ------------------------------------------------------------------------------------------------
+def test_the_copies_lie_in_one_area_each_over_a_storage_of_its_own(tmp_path):
+    writer = asynchronous.CheckpointWriter(asynchronous=True)
+    states = {"optimizer.pt": _optimizer_state(), "odd.pt": _odd_state()}
+    _checkpoint(writer, states)  # the first checkpoint lays the area out
+    snapshots = _checkpoint(writer, states)
+    area = writer._area
+    start, end = area.ctypes.data, area.ctypes.data + len(area)
+    copies = [t for t in _copies(snapshots) if t.numel()]
+    pointers = [t.untyped_storage().data_ptr() for t in copies]
+    assert all(start <= p and p + t.untyped_storage().nbytes() <= end for p, t in zip(pointers, copies))
+    assert len(set(pointers)) == len(copies), "each copy has a storage of its own"
+    assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in copies)
+    assert all((p - start) % 64 == 0 for p, t in zip(pointers, copies) if t.numel() * t.element_size() >= 64)
+    assert writer.snapshot_bytes == len(area) < sum(t.untyped_storage().nbytes() + 64 for t in copies)
+    for name, state in states.items():
+        for original, copied in zip(_copies(state), _copies(snapshots[name])):
+            assert copied.dtype == original.dtype and copied.shape == original.shape and copied.device.type == "cpu"
+            assert torch.equal(
+                copied.reshape(-1).view(torch.uint8), original.contiguous().reshape(-1).view(torch.uint8)
+            )
+    # torch.save writes the copy's records as the original's (but its random id): every storage is the tensor's own
+    torch.save(states["optimizer.pt"], tmp_path / "original.pt")
+    torch.save(snapshots["optimizer.pt"], tmp_path / "copy.pt")
+    records = [torch_file_records(tmp_path / f"{each}.pt") for each in ("original", "copy")]
+    assert list(records[0]) == list(records[1])
+    assert {k for k in records[0] if records[0][k] != records[1][k]} <= {".data/serialization_id"}
+
+
+def test_save_pretrained_writes_the_copy_of_a_model_with_tied_weights_as_the_model(tmp_path, factory):
+    """Tied weights stay one tensor, and no other two copies look tied (transformers takes tensors whose storages
+    start at the same address for tied weights, and would drop one of them)."""
+    model = transformers.BertForMaskedLM(factory.config())
+    state = model.state_dict()
+    tied = ("bert.embeddings.word_embeddings.weight", "cls.predictions.decoder.weight")
+    assert state[tied[0]] is state[tied[1]] or state[tied[0]].data_ptr() == state[tied[1]].data_ptr()
+    writer = asynchronous.CheckpointWriter(asynchronous=True)
+    for _ in range(2):
+        snapshot = _checkpoint(writer, {"model": state})["model"]
+        assert snapshot[tied[0]] is snapshot[tied[1]]
+        model.save_pretrained(tmp_path / "copy", state_dict=snapshot)
+    model.save_pretrained(tmp_path / "model")
+    assert (tmp_path / "copy/model.safetensors").read_bytes() == (tmp_path / "model/model.safetensors").read_bytes()
+
+
+def test_the_same_state_reuses_its_slots_and_allocates_nothing(allocations):
+    """The first checkpoint copies what the area cannot hold into one buffer per snapshot, then the area is allocated
+    once for its whole layout; the same state at later checkpoints copies into the same tensors, allocating nothing.
+    A state that grows gets one larger area, packed, for the keys still snapshotted."""
+    writer = asynchronous.CheckpointWriter(asynchronous=True)
+    first = _checkpoint(writer, {"optimizer.pt": _optimizer_state(), "odd.pt": _odd_state()})
+    assert [pinned for _, pinned in allocations] == [False, False, False]  # one overflow each, then the area
+    assert allocations[-1][0] == writer.snapshot_bytes == len(writer._area)
+    second = _checkpoint(writer, {"optimizer.pt": _optimizer_state(2.0), "odd.pt": _odd_state()})
+    third = _checkpoint(writer, {"optimizer.pt": _optimizer_state(3.0), "odd.pt": _odd_state()})
+    assert len(allocations) == 3, "the later checkpoints allocate nothing"
+    assert all(a is b for a, b in zip(_copies(second), _copies(third), strict=True)), "the same slots"
+    assert not any(a is b for a, b in zip(_copies(first), _copies(second), strict=True))
+    assert torch.equal(first["optimizer.pt"]["state"][0]["exp_avg"], torch.full((5, 7), 1.0)), "the first is kept"
+    assert torch.equal(third["optimizer.pt"]["state"][1]["exp_avg"], torch.arange(6, dtype=torch.bfloat16) * 3)
+
+    grown = {"optimizer.pt": {**_optimizer_state(), "extra": torch.ones(100)}}  # odd.pt is no longer snapshotted
+    size = len(writer._area)
+    _checkpoint(writer, grown)
+    assert len(allocations) == 5 and allocations[-1] == (writer.snapshot_bytes, False)
+    assert writer.snapshot_bytes < size + 400, "packed: odd.pt's slots are dropped"
+    again = _checkpoint(writer, grown)
+    assert len(allocations) == 5 and torch.equal(again["optimizer.pt"]["extra"], torch.ones(100))
+
+
+# ---- copies from a GPU (a fake torch.cuda) ---------------------------------------------------------------------------
+class _FakeCuda:
+    """The part of ``torch.cuda`` the snapshot uses, recording every call in order; copies run on the CPU."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+        self.training = self.Stream(self, "training")
+        self.current = self.training
+
+    class Stream:
+        def __init__(self, fake, name="side", device=None):
+            self.fake, self.name = fake, name
+            if name == "side":
+                fake.calls.append(("new stream", device))
+
+        def wait_stream(self, other):
+            self.fake.calls.append(("wait_stream", self.name, other.name))
+
+        def wait_event(self, event):
+            self.fake.calls.append(("wait_event", self.name, event.number))
+
+    class Event:
+        def __init__(self, fake):
+            self.fake, self.number = fake, sum(1 for c in fake.calls if c[0] == "record")
+
+        def record(self, stream):
+            self.fake.calls.append(("record", self.number, stream.name))
+
+        def synchronize(self):
+            self.fake.calls.append(("synchronize", self.number, threading.current_thread().name))
+
+    def install(self, monkeypatch):
+        fake = self
+
+        @contextlib.contextmanager
+        def stream(side):
+            fake.current, before = side, fake.current
+            yield
+            fake.current = before
+
+        def copy_(tensor, source, non_blocking=False):
+            fake.calls.append(("copy", fake.current.name, non_blocking))
+            return real_copy(tensor, source)
+
+        def no_synchronize(*args, **kwargs):
+            raise AssertionError("torch.cuda.synchronize stalls the loop until every copy is done")
+
+        def pin_memory(tensor, *args, **kwargs):
+            raise AssertionError("a tensor pinned on its own")
+
+        def empty(*args, pin_memory=False, **kwargs):
+            fake.calls.append(("pin", args[0])) if pin_memory else None
+            return real_empty(*args, **kwargs)
+
+        real_copy, real_empty = torch.Tensor.copy_, torch.empty
+        monkeypatch.setattr(asynchronous, "_on_gpu", lambda tensor: True)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "synchronize", no_synchronize)
+        monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: self.Stream(self, "side", device))
+        monkeypatch.setattr(torch.cuda, "Event", lambda: self.Event(self))
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.training)
+        monkeypatch.setattr(torch.cuda, "stream", stream)
+        monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+        monkeypatch.setattr(torch.Tensor, "record_stream", lambda tensor, s: fake.calls.append(("keep", s.name)))
+        monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+        monkeypatch.setattr(torch, "empty", empty)
+
+
+class _Job:
+    """What the writer needs of a job: its ``finish`` records when it reads the copies."""
+
+    def __init__(self, calls, snapshot):
+        self.calls, self.snapshot, self.callbacks_over = calls, snapshot, threading.Event()
+
+    def finish(self):
+        self.calls.append(("write", threading.current_thread().name))
+        self.read = {k: v.clone() for k, v in self.snapshot["state"][0].items()}
+
+
+def test_copies_from_a_gpu_are_queued_on_a_side_stream_that_the_training_stream_waits_for(monkeypatch):
+    fake = _FakeCuda()
+    fake.install(monkeypatch)
+    writer = asynchronous.CheckpointWriter(asynchronous=True)
+    calls, jobs = fake.calls, []
+    for step in (1, 2):
+        begun = len(calls)
+        snapshot = writer.snapshot("optimizer.pt", _optimizer_state(step))
+        model = writer.snapshot("model", _odd_state())
+        writer.snapshot_done()
+        jobs.append(_Job(calls, snapshot))
+        writer.submit(jobs[-1], f"checkpoint-{step}")
+        writer.wait()
+        mine = [c for c in calls[begun:] if c[0] != "new stream"]
+        events = [c[1] for c in mine if c[0] == "record"]
+        expected = []  # each snapshot's: after the training stream's work, its copies, its event, waited for
+        for event, copied in zip(events, (snapshot, model), strict=True):
+            count = len([t for t in _copies(copied) if t.numel()])
+            expected += [("wait_stream", "side", "training"), *[("copy", "side", True), ("keep", "side")] * count]
+            expected += [("record", event, "side"), ("wait_event", "training", event)]
+        pins = [c for c in mine if c[0] == "pin"]
+        assert [c for c in mine if c[0] not in ("pin", "synchronize", "write")] == expected
+        # the writer thread waits for the events, then writes; the loop's thread never waits for them
+        thread = f"hflight-write-checkpoint-{step}"
+        assert mine[-3:] == [*[("synchronize", e, thread) for e in events], ("write", thread)]
+        assert torch.equal(jobs[-1].read["exp_avg"], torch.full((5, 7), float(step)))
+        # one pinned area for every copy, at the first checkpoint's end; none at the second
+        assert pins == ([("pin", writer.snapshot_bytes)] if step == 1 else [])
+        assert writer._pinned
+    assert sum(1 for c in calls if c[0] == "new stream") == 1, "one side stream, kept"
+
+
+def test_an_area_made_for_host_tensors_is_pinned_once_they_come_from_a_gpu(monkeypatch):
+    fake, on_gpu = _FakeCuda(), [False]
+    fake.install(monkeypatch)
+    monkeypatch.setattr(asynchronous, "_on_gpu", lambda tensor: on_gpu[0])
+    writer = asynchronous.CheckpointWriter(asynchronous=True)
+    _checkpoint(writer, {"optimizer.pt": _optimizer_state()})
+    assert not [c for c in fake.calls if c[0] in ("pin", "record")], "host tensors: copied now, nothing pinned"
+    on_gpu[0] = True
+    for _ in range(2):
+        _checkpoint(writer, {"optimizer.pt": _optimizer_state()})
+    assert [c for c in fake.calls if c[0] == "pin"] == [("pin", writer.snapshot_bytes)]
+
+
+# ---- checkpoints faster than the disk --------------------------------------------------------------------------------
+def test_checkpoints_faster_than_the_disk_are_said_once_with_the_numbers(tmp_path, factory, monkeypatch, caplog):
+    """Each background write but the last is held until the next checkpoint's save has begun: every checkpoint waits
+    for the one before. The first wait is a warning with the numbers and what to do; the later ones are info."""
+    begun, changed = [], threading.Condition()
+    real_save, real_write = folders.save_checkpoint, job.CheckpointJob.write_later
+
+    def save_checkpoint(facade, run, trial=None):
+        with changed:
+            begun.append(facade.state.global_step)
+            changed.notify_all()
+        return real_save(facade, run, trial)
+
+    def write_later(self, file, step):
+        mine = int(self.final_dir.rsplit("-", 1)[1])
+        if not self.last:
+            with changed:
+                assert changed.wait_for(lambda: any(each > mine for each in begun), timeout=60)
+        time.sleep(0.2)
+        real_write(self, file, step)
+
+    monkeypatch.setattr(folders, "save_checkpoint", save_checkpoint)
+    monkeypatch.setattr(job.CheckpointJob, "write_later", write_later)
+    trainer = make_trainer(tmp_path / "run", factory, max_steps=4, save_steps=1, save_async=True)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        trainer.train()
+    mine = [r for r in caplog.records if r.name == LOGGER]
+    warnings = [r.getMessage() for r in mine if r.levelno >= logging.WARNING]
+    later = [r.getMessage() for r in mine if r.levelno == logging.INFO and "waited for the one before" in r.message]
+    assert len(warnings) == 1 and len(later) == 2, (warnings, later)  # checkpoints 2, 3 and 4 waited
+    found = re.search(r"write of checkpoint-1 \((\d+) bytes\) took (\S+) s, and the next checkpoint came (\S+) s "
+                      r"after it began, so the training loop waited (\S+) s", warnings[0])  # fmt: skip
+    assert found, warnings[0]
+    nbytes, took, came, waited = int(found[1]), *map(float, found.group(2, 3, 4))
+    weights = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+    assert 3 * weights <= nbytes < 4 * weights  # the weights and AdamW's two moments
+    assert took >= 0.2 and waited > 0 and abs(took - came - waited) < 0.02
+    assert "raise save_steps, or write output_dir to a faster disk" in warnings[0]
+    assert "write of checkpoint-2 " in later[0] and "write of checkpoint-3 " in later[1]
+
+
+def test_a_wait_that_no_checkpoint_follows_is_not_said(tmp_path, monkeypatch, caplog):
+    """A wait for the write in flight before a push, a stop or the end of ``fit`` is not a checkpoint's: nothing is
+    said; the checkpoint that comes next did not wait."""
+
+    class SlowJob(_Job):
+        def finish(self):
+            time.sleep(0.2)
+
+    writer = asynchronous.CheckpointWriter(asynchronous=True)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        for step in (1, 2):
+            writer.wait()  # save_checkpoint's, before the checkpoint's job: nothing in flight
+            writer.job(str(tmp_path / "tmp"), str(tmp_path / "final"), main=True)
+            writer.snapshot("optimizer.pt", _optimizer_state())
+            writer.submit(SlowJob([], None), f"checkpoint-{step}")
+            writer.wait()  # before a push to the hub
+        writer.close(raising=False)
+    assert not [r for r in caplog.records if r.name == LOGGER]
