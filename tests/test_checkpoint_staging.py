@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import threading
 import time
 
@@ -17,9 +16,8 @@ import pytest
 import torch
 import transformers
 
-from hflight.checkpoints import asynchronous, folders, job
+from hflight.checkpoints import asynchronous
 
-from .checkpoint_runs import make_trainer
 from .support import torch_file_records
 
 LOGGER = "hflight.checkpoints.asynchronous"
@@ -278,47 +276,7 @@ def test_an_area_made_for_host_tensors_is_pinned_once_they_come_from_a_gpu(monke
     assert [c for c in fake.calls if c[0] == "pin"] == [("pin", writer.snapshot_bytes)]
 
 
-# ---- checkpoints faster than the disk --------------------------------------------------------------------------------
-def test_checkpoints_faster_than_the_disk_are_said_once_with_the_numbers(tmp_path, factory, monkeypatch, caplog):
-    """Each background write but the last is held until the next checkpoint's save has begun: every checkpoint waits
-    for the one before. The first wait is a warning with the numbers and what to do; the later ones are info."""
-    begun, changed = [], threading.Condition()
-    real_save, real_write = folders.save_checkpoint, job.CheckpointJob.write_later
-
-    def save_checkpoint(facade, run, trial=None):
-        with changed:
-            begun.append(facade.state.global_step)
-            changed.notify_all()
-        return real_save(facade, run, trial)
-
-    def write_later(self, file, step):
-        mine = int(self.final_dir.rsplit("-", 1)[1])
-        if not self.last:
-            with changed:
-                assert changed.wait_for(lambda: any(each > mine for each in begun), timeout=60)
-        time.sleep(0.2)
-        real_write(self, file, step)
-
-    monkeypatch.setattr(folders, "save_checkpoint", save_checkpoint)
-    monkeypatch.setattr(job.CheckpointJob, "write_later", write_later)
-    trainer = make_trainer(tmp_path / "run", factory, max_steps=4, save_steps=1, save_async=True)
-    with caplog.at_level(logging.INFO, logger=LOGGER):
-        trainer.train()
-    mine = [r for r in caplog.records if r.name == LOGGER]
-    warnings = [r.getMessage() for r in mine if r.levelno >= logging.WARNING]
-    later = [r.getMessage() for r in mine if r.levelno == logging.INFO and "waited for the one before" in r.message]
-    assert len(warnings) == 1 and len(later) == 2, (warnings, later)  # checkpoints 2, 3 and 4 waited
-    found = re.search(r"write of checkpoint-1 \((\d+) bytes\) took (\S+) s, and the next checkpoint came (\S+) s "
-                      r"after it began, so the training loop waited (\S+) s", warnings[0])  # fmt: skip
-    assert found, warnings[0]
-    nbytes, took, came, waited = int(found[1]), *map(float, found.group(2, 3, 4))
-    weights = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
-    assert 3 * weights <= nbytes < 4 * weights  # the weights and AdamW's two moments
-    assert took >= 0.2 and waited > 0 and abs(took - came - waited) < 0.02
-    assert "raise save_steps, or write output_dir to a faster disk" in warnings[0]
-    assert "write of checkpoint-2 " in later[0] and "write of checkpoint-3 " in later[1]
-
-
+# ---- checkpoints faster than the disk (the warning itself: tests/test_durable.py) -----------------------------------
 def test_a_wait_that_no_checkpoint_follows_is_not_said(tmp_path, monkeypatch, caplog):
     """A wait for the write in flight before a push, a stop or the end of ``fit`` is not a checkpoint's: nothing is
     said; the checkpoint that comes next did not wait."""

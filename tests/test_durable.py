@@ -358,7 +358,16 @@ def test_a_checkpoint_waits_for_the_one_in_flight_and_says_so(tmp_path, factory,
     ]
     # said once as a warning, with the numbers; the later waits at info level
     assert [each.levelno for each in waits] == [logging.WARNING, logging.INFO, logging.INFO]
-    assert "Checkpoints come faster than the disk writes them" in waits[0].getMessage()
+    warning = waits[0].getMessage()
+    assert "Checkpoints come faster than the disk writes them" in warning
+    assert "raise save_steps, or write output_dir to a faster disk" in warning
+    found = re.search(r"write of checkpoint-1 \((\d+) bytes\) took (\S+) s, and the next checkpoint came (\S+) s "
+                      r"after it began, so the training loop waited (\S+) s", warning)  # fmt: skip
+    assert found, warning
+    nbytes, took, came, waited = int(found[1]), *map(float, found.group(2, 3, 4))
+    weights = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+    assert 3 * weights <= nbytes < 4 * weights  # the weights and AdamW's two moments
+    assert took >= 0.3 and waited > 0 and abs(took - came - waited) < 0.02
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
 
 
