@@ -1,5 +1,5 @@
 """One side of the field sweep's comparison (tests/test_field_sweep.py), a support module that the sweep's child
-processes import (its fork server, and tests/jobs/field_job.py under torchrun): train, evaluate and predict with one
+processes import (its fork server): train, evaluate and predict with one
 library's Trainer and arguments, and what the two sides are compared on, every file by its content."""
 
 from __future__ import annotations
@@ -76,8 +76,7 @@ def _canonical(value, folder: str):
 
 
 def run_field(library: str, out: str, fields: dict) -> dict:
-    """One side of one field's comparison, run in a process of its own (test_field_sweep.py's ``fresh`` fixture, or
-    tests/jobs/field_job.py under torchrun): train, evaluate and predict with ``library``'s Trainer and arguments, and
+    """One side of one field's comparison, run in a process of its own (test_field_sweep.py's ``fresh`` fixture): train, evaluate and predict with ``library``'s Trainer and arguments, and
     return what the two sides are compared on."""
     module = {"transformers": transformers, "hflight": hflight}[library]
     args = module.TrainingArguments(output_dir=out, **Factory.pair_args(**fields))

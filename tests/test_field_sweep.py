@@ -12,9 +12,7 @@ test of their own elsewhere in :data:`TESTED_ELSEWHERE`. A field in none of the 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import pickle
 import sys
 from pathlib import Path
 
@@ -22,7 +20,6 @@ import numpy as np
 import pytest
 import transformers
 
-from . import launch
 from .field_runs import TIMES as _TIMES
 from .field_runs import run_field
 
@@ -110,6 +107,9 @@ TESTED_ELSEWHERE = {
     "fsdp": 'test_sharded_dropin (run_clm with --fsdp "full_shard auto_wrap", 2 processes a side, bit for bit, its '
     "sharded and full checkpoints)",
     "deepspeed": "test_deepspeed (ZeRO-2 bit for bit with transformers' run, 2 processes; ZeRO-3; the checkpoints)",
+    "fsdp_config": 'test_sharded_dropin (run_clm with --fsdp_config {"version": 2, ...}: FSDP2, the layer class to '
+    "wrap, SHARDED_STATE_DICT, 2 processes a side, bit for bit, its shards), test_sharding (each key's effect on "
+    "the plan: reshard_after_forward, cpu_offload, activation_checkpointing; keys that cannot run refused)",
     "include_num_input_tokens_seen": "test_fields_parity",
     "eval_do_concat_batches": "test_fields_parity",
     "skip_memory_metrics": "test_fields_parity",
@@ -205,28 +205,6 @@ NOT_RUNNABLE = {
     "hub_revision": "needs the hub",
 }
 
-#: fields that need several processes (transformers refuses fsdp in one; ZeRO partitions over the processes): swept
-#: with 2 processes a side under torchrun, checkpoints written (the sharded forms), by :func:`test_sharding_field_as_
-#: transformers`. transformers' FSDP route runs on the CPU only through a test stand-in (tests/fsdp_standin: accelerate
-#: starts FSDP for GPU-like devices only); its FULL_STATE_DICT save fails on the CPU inside accelerate, so the sharded
-#: form is swept. ``fsdp`` (the legacy "full_shard auto_wrap" string) and ``deepspeed`` (ZeRO-2, its checkpoints) are
-#: compared with their own two-process runs: TESTED_ELSEWHERE.
-_SAVED = dict(save_strategy="steps", save_steps=2, use_cpu=True)
-SHARDED_SWEEP: dict[str, dict] = {
-    # (the layer class named: with BERT's own _no_split_modules, which lists its embeddings, accelerate 1.15 shards
-    # the word embeddings twice and fails; hflight, which makes no separate embedding unit, does not)
-    "fsdp_config": dict(
-        fsdp=True,
-        fsdp_config={
-            "transformer_layer_cls_to_wrap": ["BertLayer"],
-            "reshard_after_forward": False,
-            "state_dict_type": "SHARDED_STATE_DICT",
-        },
-        **_SAVED,
-    ),  # fmt: skip
-}
-
-
 _LIBRARIES = {"hf": "transformers", "hl": "hflight"}
 
 
@@ -298,47 +276,9 @@ def test_field_as_transformers(field, tmp_path, fresh, default_run):
     assert (ours == default_run) == (field in NOT_OBSERVABLE), ours == default_run
 
 
-_STANDIN = Path(__file__).resolve().parent / "fsdp_standin"
-
-
-def _sharded_side(library: str, root: Path, fields: dict) -> launch.Job:
-    path = [_STANDIN] if library == "transformers" and "fsdp" in fields else []
-    root.mkdir(parents=True)
-    command = [*launch.torchrun(2), launch.JOBS / "field_job.py", library, root / "out", json.dumps(fields),
-               root / "result.pkl"]  # fmt: skip
-    return launch.Job(command, root, launch.environment(*path), timeout=420)
-
-
-@pytest.fixture(scope="module")
-def sharded_runs(tmp_path_factory) -> dict:
-    """Every side of :data:`SHARDED_SWEEP`, all at once."""
-    root = tmp_path_factory.mktemp("sharded_sweep")
-    jobs = {(field, library): _sharded_side(library, root / field / library, fields)
-            for field, fields in SHARDED_SWEEP.items() for library in ("transformers", "hflight")}  # fmt: skip
-    launch.all_ok(jobs)
-    return {key: pickle.loads((root / key[0] / key[1] / "result.pkl").read_bytes()) for key in jobs}
-
-
-#: a file each sharded form writes in its checkpoints, which a data-parallel run (the 2-process default) never does
-_SHARDED_FORM = {"fsdp_config": "pytorch_model_fsdp_0/"}
-
-
-@pytest.mark.parametrize("field", sorted(SHARDED_SWEEP))
-def test_sharding_field_as_transformers(field, sharded_runs):
-    """fsdp, fsdp_config and deepspeed, 2 processes a side: the same logs (grad norms included), metrics,
-    predictions, and files, the sharded checkpoints' contents included; and the setting acted: the checkpoints are
-    in the sharded form (a data-parallel run, the 2-process default, writes a whole ``optimizer.pt`` instead)."""
-    ours, theirs = (_observed(sharded_runs[(field, library)]) for library in ("hflight", "transformers"))
-    assert list(ours[4]) == list(theirs[4])  # the same files (FSDP's or DeepSpeed's checkpoint forms)
-    assert ours == theirs  # bit for bit
-    checkpoints = [name for name in ours[4] if name.startswith("checkpoint-")]
-    assert any(_SHARDED_FORM[field] in name for name in checkpoints), checkpoints
-    assert not any(name.endswith("/optimizer.pt") for name in checkpoints), checkpoints
-
-
 def test_every_field_is_swept_or_listed():
     fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
-    listed = set(SWEEP) | set(TESTED_ELSEWHERE) | set(NOT_RUNNABLE) | set(SHARDED_SWEEP)
+    listed = set(SWEEP) | set(TESTED_ELSEWHERE) | set(NOT_RUNNABLE)
     assert sorted(fields - listed) == []
     assert not (set(SWEEP) & set(NOT_RUNNABLE)) and not (set(TESTED_ELSEWHERE) & set(NOT_RUNNABLE))
     assert set(NOT_OBSERVABLE) <= set(SWEEP) and all(NOT_OBSERVABLE.values())
@@ -365,5 +305,5 @@ def test_the_guide_counts_the_fields_as_this_test_does():
 
     said = re.findall(r"\b(\d+) (?:fields|are compared|more run|have a comparison|could)", _guide("field-counts"))
     fields = len(dataclasses.fields(transformers.TrainingArguments))
-    compared = len(SWEEP) - len(NOT_OBSERVABLE) + len(SHARDED_SWEEP)
+    compared = len(SWEEP) - len(NOT_OBSERVABLE)
     assert [int(n) for n in said] == [fields, compared, len(NOT_OBSERVABLE), len(TESTED_ELSEWHERE), len(NOT_RUNNABLE)]
