@@ -238,6 +238,8 @@ def run_mode(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["minilm", "bert-base"], choices=list(MODELS))
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
+                        help="the modes to run (default: all); sync, the ratios' reference, always runs")  # fmt: skip
     parser.add_argument("--checkpoints", type=int, default=4)
     parser.add_argument("--save-steps", type=int, default=8, help="optimizer steps between checkpoints")
     parser.add_argument("--dir", type=Path, default=Path(__file__).parent)
@@ -272,7 +274,7 @@ def main() -> None:
         print("{:<10} {:<14} {:>9} {:>8} {:>8} {:>7} {:>8} {:>12}".format(*columns))
         for model in opts.models:
             runs = (Path(folder), opts.checkpoints, opts.save_steps)
-            results = {mode: run_mode(model, mode, *runs) for mode in MODES}
+            results = {mode: run_mode(model, mode, *runs) for mode in MODES if mode == "sync" or mode in opts.modes}
             if opts.check_baseline:
                 results["sync (git ref)"] = run_mode(model, "sync", *runs, opts.check_baseline)
             base = _steady(results["sync"]["blocked"])

@@ -76,8 +76,9 @@ def _canonical(value, folder: str):
 
 
 def run_field(library: str, out: str, fields: dict) -> dict:
-    """One side of one field's comparison, run in a process of its own (test_field_sweep.py's ``fresh`` fixture): train, evaluate and predict with ``library``'s Trainer and arguments, and
-    return what the two sides are compared on."""
+    """One side of one field's comparison, run in a process of its own (test_field_sweep.py's ``fresh`` fixture):
+    train, evaluate and predict with ``library``'s Trainer and arguments, and return what the two sides are compared
+    on."""
     module = {"transformers": transformers, "hflight": hflight}[library]
     args = module.TrainingArguments(output_dir=out, **Factory.pair_args(**fields))
     train, evaluation = Factory.cls_dataset(16), Factory.cls_dataset(8, seed=1)

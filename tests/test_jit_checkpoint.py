@@ -21,17 +21,19 @@ pytestmark = pytest.mark.subprocess
 HFLIGHT_ONLY = {"checkpoint_manifest.json"}
 
 
-def _run(tmp_path: Path, kind: str) -> dict:
+def _run(tmp_path: Path, *kinds: str) -> dict[str, dict]:
+    """The job for each trainer in ``kinds``, in one process: the result of each, by name."""
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "src")}
-    result = subprocess.run([sys.executable, str(JOBS / "jit_checkpoint_job.py"), str(tmp_path / kind), kind],
+    result = subprocess.run([sys.executable, str(JOBS / "jit_checkpoint_job.py"), str(tmp_path), *kinds],
                             env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
-    return json.loads(line[len("RESULT ") :])
+    lines = [line.split(" ", 2) for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    return {kind: json.loads(value) for _, kind, value in lines}
 
 
 def test_a_sigterm_gives_transformers_jit_checkpoint(tmp_path):
-    theirs, ours = _run(tmp_path, "transformers"), _run(tmp_path, "hflight")
+    results = _run(tmp_path, "transformers", "hflight")
+    theirs, ours = results["transformers"], results["hflight"]
     assert "JITCheckpointCallback" in ours["callbacks"] and ours["callbacks"] == theirs["callbacks"]
     assert list(theirs["checkpoints"]) == ["checkpoint-3"] and list(ours["checkpoints"]) == ["checkpoint-3"]
     files = {name: [f for f in names if f not in HFLIGHT_ONLY] for name, names in ours["checkpoints"].items()}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 import random
 import shutil
@@ -62,56 +61,55 @@ def uninterrupted(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.subprocess
-@pytest.mark.parametrize(("stop", "resume"), [(3, "its-path"), (5, "last")])
-def test_resume_early_in_an_epoch_and_at_an_epoch_boundary(tmp_path, uninterrupted, stop, resume):
-    """Resumed in a new process at step 3 (6 of 10 batches skipped), from the checkpoint's path and with the model
-    initialised from another seed (so the weights must come from the checkpoint), every later epoch must still be
-    whole; at 5, an epoch boundary, with ``resume_from_checkpoint="last"``. The checkpoint holds transformers' files
-    and loads with ``from_pretrained``."""
-    out = tmp_path / "run"
-    run_job(out, "--stop-at", str(stop), "--save-steps", str(stop))
-    checkpoint = out / f"checkpoint-{stop}"
+def assert_transformers_checkpoint(checkpoint: Path, step: int) -> None:
+    """transformers' files, its trainer state at ``step`` (5 optimizer steps per epoch), loadable by
+    ``from_pretrained``."""
     expected = {"model.safetensors", "config.json", "trainer_state.json", "training_args.bin", "optimizer.pt",
                 "scheduler.pt", "rng_state.pth"}  # fmt: skip
     assert expected <= set(os.listdir(checkpoint))
     state = transformers.TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
-    assert state.global_step == stop and state.epoch == pytest.approx(stop / 5)  # 5 optimizer steps per epoch
+    assert state.global_step == step and state.epoch == pytest.approx(step / 5)
+
+
+@pytest.mark.subprocess
+def test_resume_early_in_an_epoch_then_at_an_epoch_boundary(tmp_path, uninterrupted):
+    """One run stopped twice, each time continued in a new process: at step 3 (6 of 10 batches skipped), resumed from
+    the checkpoint's path with the model initialised from another seed (so the weights must come from the
+    checkpoint), every later epoch must still be whole; that continuation stops at 5, an epoch boundary, and is
+    resumed with ``resume_from_checkpoint="last"``. Steps 4 and 5 (the first continuation's, in the log history the
+    second one carries on) and 6 to 12 are the uninterrupted run's. The checkpoint holds transformers' files and
+    loads with ``from_pretrained``."""
+    out = tmp_path / "run"
+    run_job(out, "--stop-at", "3", "--save-steps", "3")
+    checkpoint = out / "checkpoint-3"
+    assert_transformers_checkpoint(checkpoint, 3)
     model = transformers.AutoModelForQuestionAnswering.from_pretrained(str(checkpoint))
     assert model.config.architectures == ["BertForQuestionAnswering"]
-    how = [str(checkpoint), "--model-seed", "123"] if resume == "its-path" else ["last"]
-    run_job(out, "--resume", *how, "--save-steps", str(stop))
-    assert_same_run(uninterrupted, out, from_step=stop)
+    run_job(out, "--resume", str(checkpoint), "--model-seed", "123", "--stop-at", "5", "--save-steps", "5")
+    assert_transformers_checkpoint(out / "checkpoint-5", 5)
+    run_job(out, "--resume", "last", "--save-steps", "5")
+    assert_same_run(uninterrupted, out, from_step=3)
     epochs = {e["step"]: e["epoch"] for e in json.loads((out / "log_history.json").read_text()) if "loss" in e}
     assert epochs[10] == pytest.approx(2.0) and epochs[12] == pytest.approx(2.4)
 
 
 @pytest.mark.subprocess
-def test_resume_after_sigkill_is_exact(tmp_path, uninterrupted):
-    out = tmp_path / "killed"
-    process = start_job(out, "--save-steps", "1", "--step-sleep", "0.15")
-    rng = random.Random()
-    kill_after_step = rng.randint(2, 9)
-    extra_delay = rng.uniform(0.0, 0.15)  # anywhere within the step, the save included
-    for line in process.stdout:
-        if line.strip() == f"step {kill_after_step}":
-            time.sleep(extra_delay)
-            process.send_signal(signal.SIGKILL)
-            break
-    process.wait(timeout=60)
-    assert process.returncode == -signal.SIGKILL
-    last = get_last_checkpoint(out)
-    assert last is not None
-    resumed_from = int(Path(last).name.split("-")[1])
-    run_job(out, "--resume", "last", "--save-steps", "1")
-    assert_same_run(uninterrupted, out, from_step=resumed_from)
+def test_resume_after_sigterm_then_after_sigkill_is_exact_with_one_writer_per_output_folder(tmp_path, factory,
+                                                                                           uninterrupted):  # fmt: skip
+    """One run stopped twice from outside, each time continued in a new process with ``resume_from_checkpoint=
+    "last"``, and compared with the uninterrupted run from the first stop on:
 
+    - SIGTERM during the pause after step 4 or during step 5: the job finishes the step it is in, writes a checkpoint
+      (no regular one is due) and exits with 128 + 15;
+    - its continuation, a checkpoint every step, SIGKILLed at a random moment of a random later step (the save
+      included): the last checkpoint on disk is a complete one.
 
-@pytest.mark.subprocess
-def test_resume_after_sigterm_is_exact(tmp_path, uninterrupted):
-    """SIGTERM from outside, during the pause after step 4 or during step 5: the job finishes the step it is in,
-    writes a checkpoint and exits with 128 + 15; resuming from that checkpoint gives the uninterrupted run."""
-    out = tmp_path / "terminated"
+    While the continuation runs, a second run writing the same output_dir (two resumes at once overwrote each other's
+    checkpoints: one died with FileNotFoundError on the other's .tmp-checkpoint-N) fails at once, naming the folder
+    and the process that holds it; after that process is killed, the next run takes its lock over with a warning."""
+    from hflight.checkpoints.writelock import LOCK_NAME, OutputDirInUse
+
+    out = tmp_path / "run"
     process = start_job(out, "--save-steps", "100", "--step-sleep", "0.2", stderr=subprocess.PIPE)
     for line in process.stdout:
         if line.strip() == "step 4":
@@ -125,7 +123,36 @@ def test_resume_after_sigterm_is_exact(tmp_path, uninterrupted):
     assert last is not None and not (out / "final.pt").exists()
     stopped_at = int(Path(last).name.split("-")[1])
     assert stopped_at in (4, 5) and f"after step {stopped_at} of 12" in stderr
-    run_job(out, "--resume", "last", "--save-steps", "100")
+
+    go = tmp_path / "go"
+    process = start_job(out, "--resume", "last", "--save-steps", "1", "--step-sleep", "0.15", "--wait-for", str(go))
+    assert next(process.stdout).strip() == f"step {stopped_at + 1}"  # and it waits for `go`, its folder locked
+    args = hflight.TrainingArguments(**_args(out, max_steps=2, save_steps=1))
+    second = hflight.Trainer(factory.qa_model(), args, train_dataset=factory.qa_dataset(8))
+    for resume in (None, True):
+        with pytest.raises(OutputDirInUse) as error:
+            second.train(resume_from_checkpoint=resume)
+        assert str(error.value).startswith(
+            f"Output folder {out} is in use by another training run: process {process.pid} on host "
+        ), str(error.value)
+    assert not second.is_in_train and second.state.global_step == 0
+    go.touch()
+    rng = random.Random()
+    kill_after_step = rng.randint(stopped_at + 2, 10)
+    extra_delay = rng.uniform(0.0, 0.15)  # anywhere within the step, the save included
+    for line in process.stdout:
+        if line.strip() == f"step {kill_after_step}":
+            time.sleep(extra_delay)
+            process.send_signal(signal.SIGKILL)
+            break
+    process.wait(timeout=60)
+    assert process.returncode == -signal.SIGKILL
+    assert (out / LOCK_NAME).is_file()  # a killed process cannot remove it
+    last = get_last_checkpoint(out)
+    assert last is not None
+    resumed = run_job(out, "--resume", "last", "--save-steps", "1")
+    assert f"Took over {out / LOCK_NAME}, left by process {process.pid} on host" in resumed.stderr
+    assert not (out / LOCK_NAME).exists()
     assert_same_run(uninterrupted, out, from_step=stopped_at)
 
 
@@ -138,36 +165,6 @@ def test_partial_checkpoint_is_never_picked(tmp_path):
     assert get_last_checkpoint(tmp_path) is None
     (tmp_path / "checkpoint-4" / "model.safetensors").write_bytes(b"")  # a transformers folder: weights, state
     assert get_last_checkpoint(tmp_path) == str(tmp_path / "checkpoint-4")
-
-
-@pytest.mark.subprocess
-def test_one_writer_per_output_folder_and_a_dead_writer_lock_is_taken_over(tmp_path, factory, caplog):
-    """Two runs writing one output_dir overwrote each other's checkpoints (two resumes at once: one died with
-    FileNotFoundError on the other's .tmp-checkpoint-N): the second fails at once, naming the folder and the process
-    that holds it; after that process is killed, its lock is taken over with a warning."""
-    from hflight.checkpoints.writelock import LOCK_NAME, OutputDirInUse
-
-    out = tmp_path / "run"
-    process = start_job(out, "--save-steps", "1", "--step-sleep", "0.3")
-    for line in process.stdout:
-        if line.strip() == "step 1":
-            break
-    args = hflight.TrainingArguments(**_args(out, max_steps=2, save_steps=1))
-    second = hflight.Trainer(factory.qa_model(), args, train_dataset=factory.qa_dataset(8))
-    for resume in (None, True):
-        with pytest.raises(OutputDirInUse) as error:
-            second.train(resume_from_checkpoint=resume)
-        assert str(error.value).startswith(
-            f"Output folder {out} is in use by another training run: process {process.pid} on host "
-        ), str(error.value)
-    assert not second.is_in_train and second.state.global_step == 0
-    process.send_signal(signal.SIGKILL)
-    process.wait(timeout=60)
-    assert (out / LOCK_NAME).is_file()  # a killed process cannot remove it
-    with caplog.at_level(logging.WARNING, logger="hflight"):
-        second.train()
-    assert f"Took over {out / LOCK_NAME}, left by process {process.pid} on host" in caplog.text
-    assert not (out / LOCK_NAME).exists() and second.state.global_step == 2
 
 
 def _args(tmp_path, **kwargs):

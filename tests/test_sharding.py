@@ -3,7 +3,7 @@ their checkpoints, and resuming them on another number of processes.
 
 ``tests/jobs/sharded_job.py`` trains a tiny GPT-2 under ``torchrun --nproc_per_node=2`` with ``fsdp="full_shard
 auto_wrap"`` (both checkpoint forms) and with ``deepspeed`` (ZeRO-3), all at once, then resumes the sharded
-checkpoint on 1 process (no FSDP at all) and on 4, the full one on 1, the ZeRO-3 one on 2. Each resumed FSDP run
+checkpoint on 1 process (no FSDP at all) and on 4, the full one on 1, the ZeRO-3 one on 2. Each resumed run
 saves the whole model and optimizer states it holds once the checkpoint is restored: they must be the checkpoint's,
 bit for bit (torch.distributed.checkpoint reshards the states on the way). ZeRO-3 trains as FSDP2 does (the same
 arithmetic: each process's shard of every parameter, the Trainer's AdamW) and continues its own checkpoint bit for
@@ -37,12 +37,12 @@ JOB = launch.JOBS / "sharded_job.py"
 pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
 
 
-def _start(out: Path, processes: int, *options: str, restarts: int = 0, torchrun: bool = False) -> launch.Job:
-    """The job under ``torchrun`` (``processes`` > 1, or ``torchrun``), else in one plain Python process; its output
-    kept beside ``out``."""
+def _start(out: Path, processes: int, *options: str, restarts: int = 0) -> launch.Job:
+    """The job under ``torchrun`` (``processes`` > 1), else in one plain Python process; its output kept beside
+    ``out``."""
     out.mkdir(parents=True)
     launched = launch.torchrun(processes, f"--max-restarts={restarts}")
-    launcher = launched if processes > 1 or torchrun else [sys.executable]
+    launcher = launched if processes > 1 else [sys.executable]
     return launch.Job([*launcher, JOB, out, *options], out, console=out.parent / f"{out.name}.console.txt", timeout=420)
 
 
@@ -61,8 +61,13 @@ ZERO3 = {"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory) -> dict:
     """FSDP2 (both forms), ZeRO-3 and DDP on 2 processes at once; then the resumes at once: the sharded checkpoint on
-    1 process (no FSDP) and on 4, the full one on 1 process
-    with and without FSDP, the DDP one in FSDP2 on 2, the ZeRO-3 one on 2 (without gathering for save_model)."""
+    1 process (no FSDP) and on 4, the full one on 1 process, the DDP one in FSDP2 on 2, the ZeRO-3 one on 2 (without
+    gathering for save_model), and a sharded run stopped by SIGTERM, then killed while it writes, restarted twice.
+
+    Not run, each proved through the same code by a job here or elsewhere: the full form resumed with FSDP on one
+    process (optimizer.bin read by GatheredState.read_optimizer as full_on_1 reads it; whole optimizer states and
+    weights cut to FSDP2's shards as ddp_to_fsdp2 cuts them; FSDP on one rank continuing a 2-process checkpoint:
+    tests/test_sharded_dropin.py::test_fsdp_on_one_process_continues_the_2_process_checkpoint_as_transformers_does)."""
     root = tmp_path_factory.mktemp("sharding")
     configs = {}
     for name, gather in (("zero3", True), ("zero3_no_gather", False)):
@@ -84,11 +89,6 @@ def jobs(tmp_path_factory) -> dict:
         # 4 processes as 2 copies, each sharded over 2 (parallelism_config: HSDP)
         "sharded_on_4": _start(root / "sharded_on_4", 4, "--resume", str(sharded), "--hsdp", "2,2"),
         "full_on_1": _start(root / "full_on_1", 1, "--resume", str(full), "--no-fsdp"),
-        # FSDP on one process (torchrun --nproc_per_node=1), from the gathered form of 2 processes (from the sharded
-        # form: tests/test_sharded_dropin.py, against transformers on one rank)
-        "full_on_fsdp_1": _start(
-            root / "full_on_fsdp_1", 1, "--resume", str(full), "--form", "FULL_STATE_DICT", torchrun=True
-        ),
         # DDP's optimizer.pt (by position, whole tensors) into FSDP2's sharded optimizer
         "ddp_to_fsdp2": _start(root / "ddp_to_fsdp2", 2, "--resume", str(root / "DDP" / "checkpoint-3")),
         "zero3_resumed": _start(
@@ -99,10 +99,19 @@ def jobs(tmp_path_factory) -> dict:
             "--deepspeed",
             str(configs["zero3_no_gather"]),
         ),  # fmt: skip
-        # under torchrun --max-restarts=1, continued by train(resume_from_checkpoint="auto") as a restart is:
-        # rank 0 killed while it writes checkpoint-6 (the shards written, not its manifest); SIGTERM mid-step 5
-        "killed_writing": _start(root / "killed_writing", 2, "--auto", "--fault", "SIGKILL,6,0,writing", restarts=1),
-        "sigterm": _start(root / "sigterm", 2, "--auto", "--fault", "SIGTERM,5,0,substep", restarts=1),
+        # under torchrun --max-restarts=2, continued by train(resume_from_checkpoint="auto") as a restart is:
+        # SIGTERM mid-step 5 (first attempt), then rank 0 killed while it writes checkpoint-6 (the shards written, not
+        # its manifest; second attempt)
+        "stopped_then_killed": _start(
+            root / "stopped_then_killed",
+            2,
+            "--auto",
+            "--fault",
+            "SIGTERM,5,0,substep",
+            "--fault",
+            "SIGKILL,6,0,writing,1",
+            restarts=2,
+        ),  # fmt: skip
     }
     logs.update(_finish(resumed))
     return {"root": root, "logs": logs, "sharded": sharded, "full": full}
@@ -189,12 +198,11 @@ def test_a_sharded_checkpoint_is_transformers_layout_with_every_shard_in_the_man
     assert {"model.safetensors", "pytorch_model_fsdp.bin", "optimizer.bin", "config.json"} <= full_names
 
 
-@pytest.mark.parametrize("name", ["sharded_on_1", "sharded_on_4", "full_on_1", "full_on_fsdp_1"])
+@pytest.mark.parametrize("name", ["sharded_on_1", "sharded_on_4", "full_on_1"])
 def test_a_checkpoint_of_2_processes_resumes_on_1_and_4_with_the_same_states(jobs, name):
     """The whole model and optimizer states the resumed run holds before its first step are the checkpoint's, bit for
-    bit: on 1 process without FSDP, with FSDP over 1 process (torchrun --nproc_per_node=1: FSDP on one rank, as
-    transformers runs it), and resharded onto 4; the change is said aloud; the run then trains to its end, sharded or
-    not as asked."""
+    bit: on 1 process without FSDP (either form) and resharded onto 4; the change is said aloud; the run then trains
+    to its end, sharded or not as asked. (FSDP over 1 process: see the fixture's docstring.)"""
     restored = torch.load(jobs["root"] / name / "restored.pt", weights_only=True)
     full_source = name.startswith("full_on")
     source = jobs["full"] if full_source else jobs["sharded"]
@@ -342,24 +350,24 @@ def test_a_zero3_checkpoint_is_deepspeed_s_own_and_zero_to_fp32_rebuilds_its_wei
     verify_checkpoint(final / "checkpoint-6", full=True)  # DeepSpeed's partitions are its weights
 
 
-@pytest.mark.parametrize("name", ["killed_writing", "sigterm"])
-def test_a_sharded_run_stopped_or_killed_restarts_from_its_last_checkpoint_and_ends_as_the_uninterrupted_run(
-    jobs, name
-):
-    """torchrun restarts the workers, which continue from the last complete sharded checkpoint: rank 0 SIGKILLed while
-    it writes checkpoint-6 (its shards and the other rank's on disk, the folder never published, so checkpoint-3 is
-    taken, the half-written one removed); SIGTERM during step 5 (every rank stops at the step boundary, checkpoint-5
-    written by all, then the restart continues it). The log history (train_loss included: a continued run keeps the
-    loss bookkeeping) and the weights are the uninterrupted run's, bit for bit."""
+def test_a_sharded_run_stopped_or_killed_restarts_from_its_last_checkpoint_and_ends_as_the_uninterrupted_run(jobs):
+    """torchrun restarts the workers, which continue from the last complete sharded checkpoint: SIGTERM to rank 0
+    alone during step 5 (every rank stops at the step boundary, checkpoint-5 written by all, then the restart continues
+    it); in that restart rank 0 SIGKILLed while it writes checkpoint-6 (its shards and the other rank's on disk, the
+    folder never published, so the second restart takes checkpoint-5 again, the half-written one removed). The log
+    history (train_loss included: a continued run keeps the loss bookkeeping) and the weights are the uninterrupted
+    run's, bit for bit. (One job for both faults: each restart is the same resume_from_checkpoint="auto".)"""
     from safetensors.torch import load_file
 
-    log = jobs["logs"][name]
-    start = "checkpoint-3" if name == "killed_writing" else "checkpoint-5"
-    assert f"resuming from {jobs['root'] / name / start}, the last valid checkpoint" in log, log[-3000:]
-    if name == "sigterm":
-        assert "Training stopped by SIGTERM after step 5 of 6; checkpoint saved in" in log
-    else:
-        assert "left behind by a checkpoint save or deletion that was interrupted" in log
+    name = "stopped_then_killed"
+    log, folder = jobs["logs"][name], jobs["root"] / name
+    stopped = log.index("Training stopped by SIGTERM after step 5 of 6; checkpoint saved in")
+    resumed = f"resuming from {folder / 'checkpoint-5'}, the last valid checkpoint"
+    assert log.index("left behind by a checkpoint save or deletion that was interrupted") > log.index(resumed, stopped)
+    # each attempt says where it starts as often as the first (fresh) one: both restarts from checkpoint-5
+    fresh = log.count(f"no valid checkpoint in {folder}; starting fresh")
+    assert fresh >= 1 and log.count(resumed) == 2 * fresh, log[-3000:]
+    assert not any(f"resuming from {folder / f'checkpoint-{n}'}" in log for n in (3, 6))
     assert _history(jobs, name) == _history(jobs, "SHARDED_STATE_DICT")
     ours, reference = (load_file(jobs["root"] / n / "model.safetensors") for n in (name, "SHARDED_STATE_DICT"))
     assert ours.keys() == reference.keys() and all(ours[k].equal(reference[k]) for k in ours)

@@ -3,7 +3,8 @@ stops with a non-zero exit code; Lightning's own handlers stay in place.
 
 The signals are real: a callback sends them to this very process during the first micro-batch of an accumulation
 cycle (gradient accumulation 2), so that they arrive mid-step, deterministically. The same in a child process,
-with the signal sent from outside and an exact resume, is ``test_resume.py::test_resume_after_sigterm_is_exact``.
+with the signal sent from outside and an exact resume, is test_resume.py's
+``test_resume_after_sigterm_then_after_sigkill_is_exact_with_one_writer_per_output_folder``.
 """
 
 from __future__ import annotations
@@ -186,11 +187,10 @@ def test_a_sigterm_while_the_stopped_process_tears_down_its_modules_keeps_the_st
 JOBS = Path(__file__).parent / "jobs"
 
 
-def stop_ddp_job(out: Path, launcher: str, target: str, exit_delay: float) -> tuple[dict[int, int], str]:
+def stop_ddp_job(out: Path, launcher: str, exit_delay: float) -> tuple[dict[int, int], str]:
     """Run tests/jobs/sigterm_ddp_job.py (two ranks) under ``launcher`` through tests/jobs/reap_all.py, send SIGTERM
-    after step 3 to the job's process ``group`` or to its main process only (``rank0``: rank 0 under Lightning's
-    launcher, the torchrun agent under torchrun), as a scheduler does. Returns the exit code of every process reaped
-    by the wrapper (pid -> code) and the output."""
+    after step 3 to the job's process group, as a scheduler does. Returns the exit code of every process reaped by the
+    wrapper (pid -> code) and the output."""
     out.mkdir()
     job = [str(JOBS / "sigterm_ddp_job.py"), str(out), "--exit-delay", str(exit_delay)]
     if launcher == "torchrun":
@@ -205,8 +205,7 @@ def stop_ddp_job(out: Path, launcher: str, target: str, exit_delay: float) -> tu
             if line.startswith("job ") and not wrapper.groups:  # the job's own session: killed with the wrapper
                 wrapper.groups.append(int(line.split()[1]))
             if line.strip() == "step 3":
-                job_pid = wrapper.groups[0]
-                os.killpg(job_pid, signal.SIGTERM) if target == "group" else os.kill(job_pid, signal.SIGTERM)
+                os.killpg(wrapper.groups[0], signal.SIGTERM)
                 break
     except BaseException:
         wrapper.kill()
@@ -216,15 +215,21 @@ def stop_ddp_job(out: Path, launcher: str, target: str, exit_delay: float) -> tu
 
 
 @pytest.mark.subprocess
-@pytest.mark.parametrize("launcher, target", [("lightning", "group"), ("lightning", "rank0"), ("torchrun", "group")])
-def test_sigterm_to_two_processes_exits_143_everywhere_with_the_checkpoint_complete(tmp_path, launcher, target):
-    """SIGTERM after step 3 to a 2-process DDP job whose rank 0 takes 6 s to exit (slow exit callbacks): each rank
-    finishes the step, both write checkpoint-3 and exit 143. Under Lightning's launcher its child-process monitor
-    (every 5 s) SIGKILLed rank 0 (-9) once rank 1 had exited 143; now rank 0 outlives the rank it launched."""
+@pytest.mark.parametrize("launcher", ["lightning", "torchrun"])
+def test_sigterm_to_two_processes_exits_143_everywhere_with_the_checkpoint_complete(tmp_path, launcher):
+    """SIGTERM after step 3 to the process group of a 2-process DDP job whose rank 0 takes 6 s to exit (slow exit
+    callbacks): each rank finishes the step, both write checkpoint-3 and exit 143. Under Lightning's launcher its
+    child-process monitor (every 5 s) SIGKILLed rank 0 (-9) once rank 1 had exited 143; now rank 0 outlives the rank
+    it launched. Under torchrun each rank gets the signal twice (the group's, the agent's): one stop.
+
+    A signal to one rank only, the others stopping at the same step through the per-step all-reduce
+    (``StopRequest.agreed``, whichever launcher), is test_sharding.py::test_a_sharded_run_stopped_or_killed_restarts_\
+    from_its_last_checkpoint_and_ends_as_the_uninterrupted_run (its first attempt: SIGTERM to rank 0 alone, every rank
+    stops at step 5 with checkpoint-5); Lightning's exit path for that case (``exit_together``) is the one above."""
     if launcher == "torchrun" and not launch.TORCHRUN.exists():
         pytest.skip("torchrun is not installed beside this Python")
     out = tmp_path / "job"
-    codes, output = stop_ddp_job(out, launcher, target, exit_delay=6.0)
+    codes, output = stop_ddp_job(out, launcher, exit_delay=6.0)
     pids = {rank: int((out / f"pid-{rank}").read_text()) for rank in (0, 1)}
     assert [(out / f"exit-{rank}").read_text() for rank in (0, 1)] == ["143", "143"], output[-3000:]
     if launcher == "lightning":  # rank 0 is the job's main process (reaped here) and reaps rank 1, its child

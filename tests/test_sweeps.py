@@ -47,15 +47,12 @@ from hflight.sweeps.study import (  # noqa: E402
 )
 
 from . import launch  # noqa: E402
-from .support import TINY  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 JOBS = REPO / "tests" / "jobs"
 SWEEP = ["--config-dir", str(JOBS / "sweep_conf"), "+experiment=tiny_sweep"]
 #: eval_loss of tiny_task after its 8 steps at each learning rate (an uninterrupted job; seeds fixed)
 UNINTERRUPTED = {0.0: 5.370688438415527, 0.05: 4.257082462310791, 0.2: 1.8034749031066895}
-#: the mrc recipe at test_cli's tiny sizes, with its own epochs (3) and mrc_optuna's batch sizes
-MRC_TINY = [o for o in TINY if not o.startswith(("args.num_train_epochs=", "args.per_device_train_batch_size="))]
 
 
 # ---------------------------------------------------------------------------------------------------- search space
@@ -171,29 +168,53 @@ def test_a_parallel_launcher_shares_the_cores_between_its_jobs(monkeypatch):
     assert launchers.requeue_signal_under_launcher("SIGHUP") == "SIGHUP"
 
 
-@pytest.mark.parametrize("scan_first", [True, False], ids=["scan-first", "hflight-first"])
-def test_hydra_knows_the_sweeper_once_whichever_comes_first(scan_first):
-    """Hydra scans its plugins once per process; in an editable install its scan cannot list hflight's (setuptools'
-    editable finder), and a scan before hflight.config was imported missed it: CI's first failure. hflight.config
-    registers the sweeper's configs and class itself, so a config composed after the scan finds the sweeper's class.
-    And the scan executes every plugin module anew: a class imported by hflight.config and the one the scan found
-    would be two classes of one name, listed twice by ``--info plugins``."""
-    first, second = "from hydra.core.plugins import Plugins; Plugins.instance()", "import hflight.config"
-    code = "\n".join(
+@pytest.fixture(scope="module")
+def sweeper_counts() -> dict[bool, list[str]]:
+    """Each order (scan first, or hflight.config first) in a process of its own: one interpreter imports what
+    hflight.config needs (torch, transformers: most of its start), neither the plugins' scan nor hflight.config,
+    then forks a child per order; each child is a process whose scan and hflight.config are still to come. Per order,
+    what its child printed: the times ``--info plugins`` would list the sweeper, and whether a config composed after
+    both finds the sweeper's class."""
+    scan, config = "from hydra.core.plugins import Plugins; Plugins.instance()", "import hflight.config"
+    child = "\n".join(
         [
-            *((first, second) if scan_first else (second, first)),
             "from hydra.core.plugins import Plugins\nfrom hydra.plugins.sweeper import Sweeper",
-            "print([c.__name__ for c in Plugins.instance().discover(Sweeper)].count('OptunaSweeper'))",
+            "found = [c.__name__ for c in Plugins.instance().discover(Sweeper)].count('OptunaSweeper')",
             "from hydra import compose, initialize_config_dir",
             "from hflight.config import VERSION_BASE, find_config_dir",
             "with initialize_config_dir(config_dir=str(find_config_dir()), version_base=VERSION_BASE):",
             "    cfg = compose('train', overrides=['+experiment=mrc', '+hparams_search=mrc_optuna'],",
             "                  return_hydra_config=True)",
-            "print(cfg.hydra.sweeper._target_ in Plugins.instance().class_name_to_class)",
+            "print(ORDER, found, cfg.hydra.sweeper._target_ in Plugins.instance().class_name_to_class, flush=True)",
         ]
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=_env())
-    assert done.stdout.split() == ["1", "True"], (done.stdout, done.stderr[-3000:])
+    code = "\n".join(
+        [
+            "import os, sys",
+            "import hflight.arguments.training_args  # torch and transformers; not hflight.config",
+            "assert 'hflight.config' not in sys.modules and 'hydra.core.plugins' not in sys.modules",
+            f"for ORDER, first, second in (('True', {scan!r}, {config!r}), ('False', {config!r}, {scan!r})):",
+            "    if os.fork() == 0:",
+            "        exec(first); exec(second)",
+            f"        exec({child!r})",
+            "        os._exit(0)",
+            "    assert os.waitpid(-1, 0)[1] == 0",
+        ]
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=_env())
+    assert done.returncode == 0, (done.stdout, done.stderr[-3000:])
+    return {line.split()[0] == "True": line.split()[1:] for line in done.stdout.splitlines()}
+
+
+@pytest.mark.parametrize("scan_first", [True, False], ids=["scan-first", "hflight-first"])
+def test_hydra_knows_the_sweeper_once_whichever_comes_first(sweeper_counts, scan_first):
+    """Hydra scans its plugins once per process; in an editable install its scan cannot list hflight's (setuptools'
+    editable finder), and a scan before hflight.config was imported missed it: CI's first failure. hflight.config
+    registers the sweeper's configs and class itself, so a config composed after the scan finds the sweeper's class.
+    And the scan executes every plugin module anew: a class imported by hflight.config and the one the scan found
+    would be two classes of one name, listed twice by ``--info plugins``. (Both orders come from one interpreter's
+    start, forked once per order: :func:`sweeper_counts`.)"""
+    assert sweeper_counts[scan_first] == ["1", "True"], sweeper_counts
 
 
 # ---------------------------------------------------------------------------------------------------- resume=
@@ -274,8 +295,8 @@ def _steps(folder: Path) -> list[int]:
     return sorted(int(p.name.rpartition("-")[2]) for p in folder.glob("checkpoint-*"))
 
 
-def _resume(sweep: Path, cwd: Path, **env: str) -> None:
-    resumed = subprocess.run([sys.executable, "-m", "hflight", f"resume={sweep}"], cwd=cwd, env=_env(**env),
+def _resume(sweep: Path, cwd: Path, *overrides: str, **env: str) -> None:
+    resumed = subprocess.run([sys.executable, "-m", "hflight", f"resume={sweep}", *overrides], cwd=cwd, env=_env(**env),
                              capture_output=True, text=True, timeout=300)  # fmt: skip
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
 
@@ -297,10 +318,17 @@ def test_a_killed_search_resumes_keeping_its_trials_and_continues_the_killed_tri
     """SIGKILL to the sweeper while trial 2 trains (after its checkpoint-2; held at the end of step 3 by tiny_task's
     ``TINY_HOLD``): trial 2 stays RUNNING until its heartbeat goes stale; ``resume=<sweep folder>`` marks it FAIL, runs
     its parameters again from its checkpoint, and ends with 4 finished trials, trials 0 and 1 untouched. Trial 1
-    (learning rate 0, hopeless) is pruned."""
+    (learning rate 0, hopeless) is pruned. With load_best_model_at_end and save_total_limit (as the mrc recipe
+    trains): the retry failed at once before ("best_model_checkpoint '<sweep>/2/checkpoint-2' lies outside
+    output_dir (<sweep>/3)"); it continues, trial 2's best checkpoint carried over, and ends with an uninterrupted
+    run's value. (This run replaced an mrc sweep killed the same way; the mrc recipe's own search runs in
+    tests/test_readme_commands.py::test_readme_command_works_as_written, and best-model tracking across folders,
+    parity with transformers included, in tests/test_resume.py::
+    test_resume_from_a_checkpoint_in_another_folder_keeps_best_model_tracking_as_transformers.)"""
     sweep, marks = tmp_path / "sweep", tmp_path / "marks"
     marks.mkdir()
-    proc = _start(tmp_path, *SWEEP, f"hydra.sweep.dir={sweep}", "+hydra/sweeper/pruner=median",
+    best = ["args.load_best_model_at_end=true", "args.metric_for_best_model=eval_loss", "args.save_total_limit=2"]
+    proc = _start(tmp_path, *SWEEP, *best, f"hydra.sweep.dir={sweep}", "+hydra/sweeper/pruner=median",
                   "hydra.sweeper.pruner.n_startup_trials=1", TINY_HOLD="2:3", TINY_MARK=str(marks))  # fmt: skip
     _until(lambda: (marks / "2.held").is_file() or proc.process.poll() is not None)
     assert (sweep / "2" / "checkpoint-2" / "trainer_state.json").is_file()
@@ -324,6 +352,10 @@ def test_a_killed_search_resumes_keeping_its_trials_and_continues_the_killed_tri
     assert sum(finished(t) for t in after) == 4 and len(after) == 5 and after[4].state != TrialState.FAIL
     overrides = (sweep / "3" / ".hydra" / "overrides.yaml").read_text()
     assert f"args.resume_from_checkpoint={sweep / '2' / 'checkpoint-2'}" in overrides.replace("'", "")
+    state = json.loads((sweep / "3" / "trainer_state.json").read_text())
+    kept = Path(state["best_model_checkpoint"])  # carried over from trial 2's folder, or a later one of the retry's
+    assert state["global_step"] == 8 and kept.is_dir()
+    assert kept == sweep / "2" / "checkpoint-2" or kept.parent == sweep / "3"
     rows = _summary(sweep)
     assert [r["job"] for r in rows] == ["0", "1", "2", "3", "4"]
     assert {r["folder"]: r["state"] for r in rows} == {t.user_attrs["hflight:job_dir"]: t.state.name for t in after}
@@ -388,8 +420,10 @@ def _stopped_batch(sweep: Path, marks: Path, job: launch.Job, signum: int) -> li
 
 def _retries_continue(sweep: Path, marks: Path, cwd: Path) -> None:
     """``resume=<sweep>``: the two interrupted trials run again from their checkpoints and complete with the values
-    of uninterrupted jobs."""
-    _resume(sweep, cwd, TINY_MARK=str(marks))
+    of uninterrupted jobs. The continuation is the sweeper's, whatever the launcher: the resumed search runs its
+    retries one at a time (``hydra.launcher.n_jobs=1``: joblib runs them in the sweeper's process, without starting
+    two workers again; the stopped batch showed two jobs at once)."""
+    _resume(sweep, cwd, "hydra.launcher.n_jobs=1", "hydra.sweeper.n_jobs=1", TINY_MARK=str(marks))
     trials = _trials(sweep / "optuna.db")
     assert [t.state for t in trials] == [TrialState.FAIL] * 2 + [TrialState.COMPLETE] * 2
     for retry in trials[2:]:
@@ -426,49 +460,3 @@ def test_submitit_local_runs_the_jobs_as_its_own_processes_and_sigint_stops_them
                   TINY_HOLD=str(STOP_STEP), TINY_MARK=str(marks))  # fmt: skip
     _stopped_batch(sweep, marks, proc, signal.SIGINT)
     assert len(list((sweep / ".submitit").glob("*/*_result.pkl"))) == 2
-
-
-def _final_evaluation(folder: Path) -> dict[str, float]:
-    results = json.loads((folder / "all_results.json").read_text())
-    return {k: v for k, v in results.items() if k.startswith("eval_") and not k.endswith(("runtime", "per_second"))}
-
-
-def test_a_killed_mrc_trial_continues_from_its_checkpoint_with_best_model_tracking(tmp_path):
-    """The mrc recipe's own search and arguments (an evaluation and a checkpoint per epoch for 3 epochs,
-    load_best_model_at_end by f1, save_total_limit=2) at tiny sizes: the sweeper is SIGKILLed while trial 0 trains,
-    right after its first checkpoint (a callback holds the job there), and ``resume=<sweep>`` runs its parameters
-    again from that checkpoint in a new folder. The retry failed at once before ("best_model_checkpoint
-    '<sweep>/0/checkpoint-N' lies outside output_dir (<sweep>/1)"); it continues, with the first epoch's best
-    checkpoint carried over, and ends with an uninterrupted run's metrics."""
-    sweep, pause = tmp_path / "sweep", tmp_path / "pause"
-    pause.mkdir()
-    search = ["+hparams_search=mrc_optuna", "hydra.sweeper.n_trials=1", "hydra.sweeper.heartbeat_interval=1"]
-    hold = "+callbacks.pause._target_=signal_callbacks.PauseAfterFirstSave"
-    proc = _start(tmp_path, "-m", *MRC_TINY, *search, f"hydra.sweep.dir={sweep}", hold, PAUSE_AFTER_SAVE=str(pause))
-    _until(lambda: (pause / "paused").is_file() or proc.process.poll() is not None, timeout=240)
-    proc.process.kill()  # the sweeper alone, as before
-    proc.process.wait()
-    epoch = int((pause / "paused").read_text())  # the steps of one epoch: the first checkpoint's
-    assert [t.state for t in _trials(sweep / "optuna.db", "mrc")] == [TrialState.RUNNING]
-    assert _steps(sweep / "0") == [epoch]
-
-    _resume(sweep, tmp_path)
-    killed, retry = _trials(sweep / "optuna.db", "mrc")
-    assert killed.state == TrialState.FAIL and retry.state == TrialState.COMPLETE
-    assert retry.system_attrs["retry_history"] == [0] and retry.params == killed.params
-    folder = sweep / "1"
-    assert _steps(folder) == [2 * epoch, 3 * epoch]  # the first epoch's checkpoint is trial 0's only
-    logged = list(csv.DictReader((folder / "hflight" / "version_0" / "metrics.csv").open()))
-    assert min(int(row["step"]) for row in logged) > epoch  # nothing logged again for the first epoch
-    state = json.loads((folder / "trainer_state.json").read_text())
-    best = Path(state["best_model_checkpoint"])
-    assert state["global_step"] == 3 * epoch and best.is_dir()
-    assert best == sweep / "0" / f"checkpoint-{epoch}" or best.parent == folder  # carried over, or a later one
-
-    reference = tmp_path / "reference"  # the same parameters, never interrupted
-    values = [f"{key}={value}" for key, value in killed.params.items()]
-    done = subprocess.run([sys.executable, "-m", "hflight", *MRC_TINY, *values, f"hydra.run.dir={reference}"],
-                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert _final_evaluation(folder) == _final_evaluation(reference)
-    assert retry.value == _final_evaluation(reference)["eval_f1"]

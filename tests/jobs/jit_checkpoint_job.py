@@ -1,11 +1,12 @@
-"""``enable_jit_checkpoint=True`` with transformers.Trainer or hflight.Trainer (argv[2]: "transformers"/"hflight"):
-the job sends itself SIGTERM during optimizer step 3, as a scheduler announcing preemption would, then trains on;
+"""``enable_jit_checkpoint=True`` with transformers.Trainer, then hflight.Trainer, one after the other in this process
+(one start for both: the trainers share no state but the signal handlers, which each must give back): each run sends
+this process SIGTERM during optimizer step 3, as a scheduler announcing preemption would, then trains on;
 transformers' JITCheckpointCallback asks for a checkpoint once its grace period has passed, and training stops.
-Prints, as JSON: the trainer's callbacks, the final step, the checkpoint folders and their files.
+Prints, per trainer, as JSON: the trainer's callbacks, the final step, the checkpoint folders and their files.
 
 The grace period (``kill_wait``, 3 s) is set to 0 on both trainers and the job waits 0.5 s after the signal, so the
 checkpoint is requested before the next step begins under either trainer (transformers' timer thread sets the flag).
-Usage: ``python jit_checkpoint_job.py OUT_DIR transformers|hflight``.
+Usage: ``python jit_checkpoint_job.py OUT_DIR transformers hflight`` (each trainer's run in ``OUT_DIR/<name>``).
 """
 
 import json
@@ -29,8 +30,7 @@ class PreemptAtStep3(transformers.TrainerCallback):
             time.sleep(0.5)  # the JIT manager's timer (kill_wait=0) sets its request meanwhile
 
 
-def main() -> None:
-    out, kind = Path(sys.argv[1]), sys.argv[2]
+def run(out: Path, kind: str) -> None:
     trainer_cls, args_cls = {
         "transformers": (transformers.Trainer, transformers.TrainingArguments),
         "hflight": (hflight.Trainer, hflight.TrainingArguments),
@@ -47,7 +47,7 @@ def main() -> None:
             callback.jit_manager.kill_wait = 0
     trainer.train()
     folders = sorted(p for p in out.iterdir() if p.name.startswith("checkpoint-"))
-    print("RESULT " + json.dumps({
+    print(f"RESULT {kind} " + json.dumps({
         "callbacks": [type(c).__name__ for c in trainer.callback_handler.callbacks],
         "global_step": trainer.state.global_step,
         "checkpoints": {p.name: sorted(f.name for f in p.iterdir()) for p in folders},
@@ -56,4 +56,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    for name in sys.argv[2:]:
+        run(Path(sys.argv[1]) / name, name)

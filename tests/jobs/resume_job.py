@@ -1,6 +1,6 @@
 """A small training job for the resume tests, run in its own process.
 
-    python tests/jobs/resume_job.py OUT [--stop-at N] [--resume PATH|last] [--step-sleep S]
+    python tests/jobs/resume_job.py OUT [--stop-at N] [--resume PATH|last] [--step-sleep S] [--wait-for FILE]
 
 Trains a tiny BERT QA model (dropout on, random sampling, gradient accumulation 2, 12 optimizer steps, a
 checkpoint every ``--save-steps``) and writes ``OUT/final.pt`` (parameters) and ``OUT/log_history.json``.
@@ -44,6 +44,21 @@ class Sleep(TrainerCallback):
         time.sleep(self.seconds)
 
 
+class WaitFor(TrainerCallback):
+    """After the first optimizer step of this process (its "step N" printed), waits until ``path`` exists: the test
+    does what it must do while the job holds its output folder, then lets it go on, at a known step."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.path is not None:
+            deadline = time.monotonic() + 300
+            while not os.path.exists(self.path) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            self.path = None
+
+
 def slow_background_writes(seconds):
     """Test code: every file save_async writes in the background takes ``seconds`` longer (a slow disk)."""
     from hflight.checkpoints import job
@@ -70,6 +85,7 @@ def main():
     parser.add_argument("--early-stopping", type=int, help="patience; evaluates every step on eval_loss")
     parser.add_argument("--restore-callback-attributes", action="store_true", help="hflight's opt-in")
     parser.add_argument("--save-async", action="store_true")
+    parser.add_argument("--wait-for", help="after the first step, wait until this file exists (WaitFor)")
     parser.add_argument("--slow-write", type=float, default=0.0, help="test hook: seconds added to each background "
                         "file write, each announced on stdout (`writing NAME`)")  # fmt: skip
     opts = parser.parse_args()
@@ -83,6 +99,8 @@ def main():
         callbacks.append(StopAt(opts.stop_at))
     if opts.step_sleep:
         callbacks.append(Sleep(opts.step_sleep))
+    if opts.wait_for:
+        callbacks.append(WaitFor(opts.wait_for))
     if opts.early_stopping:
         callbacks.append(EarlyStoppingCallback(early_stopping_patience=opts.early_stopping))
         extra = dict(

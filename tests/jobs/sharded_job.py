@@ -7,8 +7,8 @@ or resumed from a checkpoint on another number of processes (sharded or not).
     torchrun --standalone --nproc_per_node=1 tests/jobs/sharded_job.py OUT --resume CKPT
     torchrun --standalone --nproc_per_node=2 tests/jobs/sharded_job.py OUT --no-fsdp
     python tests/jobs/sharded_job.py OUT --resume CKPT --no-fsdp
-    torchrun --standalone --nproc_per_node=2 --max-restarts=1 tests/jobs/sharded_job.py OUT --auto \
-        --fault SIGKILL,6,0,writing
+    torchrun --standalone --nproc_per_node=2 --max-restarts=2 tests/jobs/sharded_job.py OUT --auto \
+        --fault SIGTERM,5,0,substep --fault SIGKILL,6,0,writing,1
 
 Training: 6 steps of 4 blocks per process (seed 0, dropout on), a checkpoint every 3 steps, then ``save_model``. Rank 0
 writes ``OUT/result.json``: the world size, the log history, whether the parameters are sharded (DTensors), and for
@@ -80,7 +80,13 @@ def main():
     parser.add_argument("--deepspeed", help="a DeepSpeed config file: ZeRO instead of FSDP2")
     parser.add_argument("--hsdp", help="REPLICATE,SHARD: parallelism_config's dp_replicate_size, dp_shard_size")
     parser.add_argument("--auto", action="store_true", help="train(resume_from_checkpoint='auto'), as a restart does")
-    parser.add_argument("--fault", help="SIGNAL,STEP,RANK,MOMENT: cluster_faults.SignalAt (first attempt only)")
+    parser.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        help="SIGNAL,STEP,RANK,MOMENT[,ATTEMPT]: cluster_faults.SignalAt in torchrun's attempt ATTEMPT only (0: the "
+        "first); repeated, one fault per attempt",
+    )
     parser.add_argument("--record", action="store_true", help="record the file-system calls for the replay")
     opts = parser.parse_args()
     torch.set_num_threads(1)
@@ -102,11 +108,18 @@ def main():
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=16))
     dump = opts.resume and not opts.deepspeed  # (a DeepSpeed run's optimizer holds ZeRO's flat partitions)
     callbacks = [DumpRestored(os.path.join(opts.out, "restored.pt"))] if dump else []
-    if opts.fault:
+    for fault in opts.fault:
         from cluster_faults import SignalAt
 
-        name, step, rank, moment = opts.fault.split(",")
-        callbacks.append(SignalAt(int(step), name, target="self", rank=int(rank), moment=moment))
+        name, step, rank, moment, *attempt = fault.split(",")
+        restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        if int(restarts) != int(attempt[0] if attempt else 0):
+            continue
+        os.environ["TORCHELASTIC_RESTART_COUNT"] = "0"  # SignalAt arms itself in a first attempt: this one is its first
+        try:
+            callbacks.append(SignalAt(int(step), name, target="self", rank=int(rank), moment=moment))
+        finally:
+            os.environ["TORCHELASTIC_RESTART_COUNT"] = restarts
     trainer = Trainer(model, args, train_dataset=blocks(96, 1), callbacks=callbacks)
     recorder = recording(opts.out) if opts.record else None
     trainer.train(resume_from_checkpoint="auto" if opts.auto else opts.resume)

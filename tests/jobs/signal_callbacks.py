@@ -2,8 +2,6 @@
 
 import os
 import signal
-import time
-from pathlib import Path
 
 from transformers import TrainerCallback
 
@@ -34,24 +32,3 @@ class SignalOnceBuilt(TrainerCallback):
 
     def on_init_end(self, args, state, control, **kwargs):
         os.kill(os.getpid(), self.signum)
-
-
-class PauseAfterFirstSave(TrainerCallback):
-    """While ``$PAUSE_AFTER_SAVE`` names a folder: once the run's first checkpoint is on disk, writes ``paused`` there
-    (the global step) and sleeps up to 10 minutes, so that a test kills the process at that moment, not by timing.
-    ``job``: only in that job of a sweep (Hydra's job number). Without the variable (the process that continues the
-    run) it does nothing."""
-
-    def __init__(self, job: int | None = None) -> None:
-        self.job, self.paused = job, False
-
-    def on_save(self, args, state, control, **kwargs):
-        from hydra.core.hydra_config import HydraConfig
-
-        folder = os.environ.get("PAUSE_AFTER_SAVE")
-        if self.job is not None and (not HydraConfig.initialized() or HydraConfig.get().job.num != self.job):
-            return
-        if folder and not self.paused:
-            self.paused = True
-            Path(folder, "paused").write_text(f"{state.global_step}\n")
-            time.sleep(600)
