@@ -124,8 +124,7 @@ class CheckpointWriter:
         over) and the files are written side by side on the cores the loop leaves free. ``on_save_follows``: a
         checkpoint of the running fit, whose ``on_save`` the loop dispatches next (:meth:`callbacks_done`). A wait for
         the previous write just before (``save_checkpoint``'s :meth:`wait`) was this checkpoint's: said now."""
-        self._say_wait(self._waited)
-        self._waited = None
+        self._say_last_wait()
         if not self.asynchronous:
             return CheckpointJob(folder, final_dir, None, main, self.entries_made_durable)
         return CheckpointJob(folder, final_dir, self.snapshot, main, self.entries_made_durable, last=last,
@@ -276,8 +275,7 @@ class CheckpointWriter:
                 raise failure
             return
         self.wait()
-        self._say_wait(self._waited)  # a wait for the previous write here was this checkpoint's
-        self._waited = None
+        self._say_last_wait()  # a wait for the previous write here was this checkpoint's
         self._in_flight = what
         copied, self._copied = self._copied, []
         if job is not None:
@@ -326,6 +324,11 @@ class CheckpointWriter:
             logger.info(f"Still waiting for the background write of {self._in_flight} ({LONG_WAIT_S:.0f} s so far).")
             thread.join()
         return began
+
+    def _say_last_wait(self) -> None:
+        """The last :meth:`wait`'s wait for a write still in flight, said (once) by the checkpoint it was for."""
+        began, self._waited = self._waited, None
+        self._say_wait(began)
 
     def _say_wait(self, began: float | None) -> None:
         """A checkpoint waited (since ``began``) for the previous one's write: the first time in a run, a warning with
