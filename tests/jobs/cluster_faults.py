@@ -12,8 +12,8 @@ or, with ``moment="save"``, right after checkpoint-``step`` is on disk:
 With ``moment="writing"`` the process of rank ``rank`` sends it to itself while it writes checkpoint-``step``: after
 the weights, optimizer and RNG files, before ``trainer_state.json`` and the manifest (a half-written checkpoint).
 
-Only on the first attempt of the job (``TORCHELASTIC_RESTART_COUNT``/``SLURM_RESTART_COUNT`` 0 or unset), so that a
-restarted run is not hit again.
+Only on one attempt of the job, ``attempt`` (``TORCHELASTIC_RESTART_COUNT``/``SLURM_RESTART_COUNT``; 0, the default:
+the first, the variables 0 or unset), so that a restarted run is not hit again by the same fault.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from transformers import TrainerCallback
 
 class SignalAt(TrainerCallback):
     def __init__(self, step: int, signal: str = "SIGUSR1", target: str = "parent", rank: int = 0,
-                 moment: str = "substep") -> None:  # fmt: skip
+                 moment: str = "substep", attempt: int = 0) -> None:  # fmt: skip
         self.step, self.signal, self.target, self.rank, self.moment = step, signal, target, rank, moment
         restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get("SLURM_RESTART_COUNT") or "0"
-        self.armed = int(restarts) == 0
+        self.armed = int(restarts) == attempt
         if moment == "writing" and self.armed:
             self._kill_while_writing()
 

@@ -112,14 +112,8 @@ def main():
         from cluster_faults import SignalAt
 
         name, step, rank, moment, *attempt = fault.split(",")
-        restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        if int(restarts) != int(attempt[0] if attempt else 0):
-            continue
-        os.environ["TORCHELASTIC_RESTART_COUNT"] = "0"  # SignalAt arms itself in a first attempt: this one is its first
-        try:
-            callbacks.append(SignalAt(int(step), name, target="self", rank=int(rank), moment=moment))
-        finally:
-            os.environ["TORCHELASTIC_RESTART_COUNT"] = restarts
+        callbacks.append(SignalAt(int(step), name, target="self", rank=int(rank), moment=moment,
+                                  attempt=int(attempt[0]) if attempt else 0))  # fmt: skip
     trainer = Trainer(model, args, train_dataset=blocks(96, 1), callbacks=callbacks)
     recorder = recording(opts.out) if opts.record else None
     trainer.train(resume_from_checkpoint="auto" if opts.auto else opts.resume)
