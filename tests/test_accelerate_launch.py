@@ -9,10 +9,10 @@ hflight's engine gets against the one transformers' Trainer trains with (transfo
 
 The launches run transformers' ``run_clm.py`` (``tests/scripts/run_clm``) under ``accelerate launch`` once as written
 and once with the trainer import changed to hflight's: ``--num_processes 1 --mixed_precision bf16`` (transformers
-trains under bf16 autocast; hflight read none of it before), and two of the four config files transformers' own
+trains under bf16 autocast; hflight read none of it before), and one of the four config files transformers' own
 test suite ships for this (``tests/trainer/distributed/accelerate_configs/{ddp,fsdp2,deepspeed_zero2,deepspeed_zero3}
-.yaml`` in huggingface/transformers; :data:`CONFIGS` has their keys and values, :data:`LAUNCHED` says which run and
-where the others' runs are). On this CPU-only machine transformers' processes
+.yaml`` in huggingface/transformers; :data:`CONFIGS` has their keys and values, :data:`LAUNCHED` names it and says
+where each claim of the others' runs is proved). On this CPU-only machine transformers' processes
 under ``accelerate launch`` each train alone unless the script gets ``--use_cpu`` (accelerate starts its CPU data
 parallelism for ``use_cpu`` alone), and accelerate drops FSDP on the CPU (it trains DDP): transformers' side therefore
 runs with ``--use_cpu``, and its FSDP2 run through the test stand-in ``tests/fsdp_standin`` (accelerate's own FSDP2
@@ -51,12 +51,20 @@ CONFIGS = {
     "deepspeed_zero3": "distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: {zero3}\n"
     "num_processes: 2\n",
 }
-#: the config files launched end to end here: DDP (the launch recognised, both processes spanned) and ZeRO-3 (a
-#: DeepSpeed strategy from the launcher's variables and config file). fsdp2's and deepspeed_zero2's variables are
-#: checked against accelerate's plugins below (test_fsdp_variables_..., test_a_launched_deepspeed_config_...); their
-#: runs against transformers' are tests/test_sharded_dropin.py's (FSDP2) and tests/test_deepspeed.py's (ZeRO-2), under
-#: torchrun and DeepSpeed's launcher: the same strategies, another launcher
-LAUNCHED = ["ddp", "deepspeed_zero3"]
+#: the config file launched end to end here: ZeRO-3 (the launch recognised, both processes spanned, a DeepSpeed
+#: strategy from the launcher's variables and config file). fsdp2's and deepspeed_zero2's variables are checked
+#: against accelerate's plugins below (test_fsdp_variables_..., test_a_launched_deepspeed_config_...); their runs
+#: against transformers' are tests/test_sharded_dropin.py's (FSDP2) and tests/test_deepspeed.py's (ZeRO-2), under
+#: torchrun and DeepSpeed's launcher: the same strategies, another launcher. ddp's (MULTI_GPU) is not run, each of
+#: its claims proved elsewhere: accelerate starts its processes with torchrun's own code, as for deepspeed_zero3
+#: (launch recognised, both processes spanned: the zero3 launch); the variables it exports leave hflight's arguments
+#: those of plain torchrun (test_the_ddp_config_file_leaves_the_arguments_those_of_plain_torchrun; its precision
+#: "no" and dynamo defaults reach the zero3 and bf16 launches too); DDP over two torchrun processes with transformers'
+#: numbers, files, weights and every rank's RNG state is tests/test_torchrun_dropin.py's (run_glue); run_clm over two
+#: processes with gradient accumulation and ``average_tokens_across_devices`` (one label count and loss scaling for
+#: every strategy, hflight.trainer.steps) is tests/test_sharded_dropin.py's and the zero3 launch's, and DDP's
+#: accumulation against transformers' tests/test_accelerator_config.py's (the dispatch run)
+LAUNCHED = ["deepspeed_zero3"]
 #: the DeepSpeed configs those files name (transformers' tests/trainer/distributed/scripts/ds_config_zero{2,3}.json):
 #: precision, batch sizes, accumulation and clipping "auto", ZeRO-3's buckets "auto". Their ``optimizer`` (AdamW) and
 #: ``scheduler`` (WarmupLR) sections, DeepSpeed's own, are left out here: hflight runs the Trainer's optimizer in the
@@ -644,6 +652,20 @@ def test_the_deepspeed_launcher_is_a_launcher_like_torchrun(monkeypatch, tmp_pat
     assert (environment.node_rank(), environment.local_rank(), environment.creates_processes_externally) == (1, 1, True)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "accelerate")  # accelerate launch runs DeepSpeed under torchrun
     assert cluster.environment() == "torchelastic"
+
+
+def test_the_ddp_config_file_leaves_the_arguments_those_of_plain_torchrun(tmp_path):
+    """``accelerate launch --config_file ddp.yaml`` (MULTI_GPU, 2 processes): accelerate starts the processes with
+    torchrun's code and exports, besides torchrun's variables, mixed precision ``no``, dynamo's defaults and
+    ``OMP_NUM_THREADS``: hflight's arguments (every field, the precision) are those of the same script under plain
+    torchrun, so the run is DDP across the launched processes as there (tests/test_torchrun_dropin.py)."""
+    from hflight.arguments.lightning_kwargs import precision_for
+
+    env = launched_env(["--config_file", str(write_configs(tmp_path / "configs")["ddp"]), "--main_process_port", "0"])
+    assert (env["ACCELERATE_MIXED_PRECISION"], env["ACCELERATE_DYNAMO_BACKEND"]) == ("no", "NO")
+    plain = hflight.TrainingArguments(output_dir=str(tmp_path / "out"), report_to="none").to_dict()
+    launched = arguments(tmp_path, env)
+    assert launched.to_dict() == plain and precision_for(launched) == "32-true"
 
 
 # ---------------------------------------------------------------------- the launches: transformers' and hflight's

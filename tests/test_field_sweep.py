@@ -105,7 +105,7 @@ SWEEP: dict[str, dict] = {
 #: fields with a test of their own that compares with transformers (test file: what it checks).
 TESTED_ELSEWHERE = {
     "fsdp": 'test_sharded_dropin (run_clm with --fsdp "full_shard auto_wrap", 2 processes a side, bit for bit, its '
-    "sharded and full checkpoints)",
+    "sharded checkpoints); test_sharding (the full checkpoint form, equal to the sharded run's)",
     "deepspeed": "test_deepspeed (ZeRO-2 bit for bit with transformers' run, 2 processes; ZeRO-3; the checkpoints)",
     "fsdp_config": 'test_sharded_dropin (run_clm with --fsdp_config {"version": 2, ...}: FSDP2, the layer class to '
     "wrap, SHARDED_STATE_DICT, 2 processes a side, bit for bit, its shards), test_sharding (each key's effect on "

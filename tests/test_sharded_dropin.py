@@ -14,8 +14,10 @@ and train the same. (Each trainer continuing the other's checkpoint on 2 process
 checkpoints are the same bit for bit, hflight continues transformers' one here, and the crossed 2-process continuation
 under FSDP2 is tests/test_finetune_torchrun.py's LoRA one; a 2-process sharded run restarted from its own checkpoint
 ends as the uninterrupted run in tests/test_sharding.py.)
-(With ``FULL_STATE_DICT`` transformers' own save fails on the CPU inside accelerate's state-dict gathering, so hflight's
-FULL run is compared with hflight's sharded one: the same training, the other checkpoint form.)
+(With ``FULL_STATE_DICT`` transformers' own save fails on the CPU inside accelerate's state-dict gathering: hflight's
+FULL run, written with save_async, is compared with its sharded one, the same training in the other checkpoint form, by
+tests/test_sharding.py::test_full_state_dict_trains_as_the_sharded_run_and_writes_its_shards_whole; an hflight field
+on a script's command line is HfArgumentParser's: tests/test_training_args.py::test_hf_argument_parser_round_trip.)
 """
 
 from __future__ import annotations
@@ -43,9 +45,8 @@ FSDP_CONFIG = '{"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"], "s
 TORCHRUN_1 = launch.torchrun(1)
 
 
-def _job(folder: Path, library: str, args: list[str], changed: str = dropin.CHANGED_IMPORT,
-         launcher: list[str] = dropin.TORCHRUN_2) -> dropin.Job:  # fmt: skip
-    changed = None if library == "transformers" else changed
+def _job(folder: Path, library: str, args: list[str], launcher: list[str] = dropin.TORCHRUN_2) -> dropin.Job:
+    changed = None if library == "transformers" else dropin.CHANGED_IMPORT
     path = [STANDIN] if library == "transformers" else []
     return dropin.Job(folder, "run_clm", dropin.ORIGINAL_IMPORT, changed, args, launcher=launcher, path=path)
 
@@ -57,13 +58,8 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     base = ["--model_name_or_path", str(inputs["model"]), "--train_file", str(inputs["train"]),
             "--validation_file", str(inputs["validation"]), *ARGS]  # fmt: skip
     sharded = [*base, "--fsdp_config", FSDP_CONFIG % "SHARDED_STATE_DICT"]
-    # hflight's own FULL_STATE_DICT run writes its checkpoints in the background: save_async, an hflight field, read
-    # by the script's HfArgumentParser once it imports hflight's TrainingArguments too
-    full = [*base, "--fsdp_config", FSDP_CONFIG % "FULL_STATE_DICT", "--save_async", "true"]
-    with_arguments = "from hflight import Trainer, TrainingArguments\n"
     first = {"transformers": _job(root / "transformers", "transformers", sharded),
-             "hflight": _job(root / "hflight", "hflight", sharded),
-             "hflight_full": _job(root / "hflight_full", "hflight", full, with_arguments)}  # fmt: skip
+             "hflight": _job(root / "hflight", "hflight", sharded)}  # fmt: skip
     outs = {name: job.out() for name, job in first.items()}
     # both trainers continue transformers' 2-process checkpoint-5 on one process
     resumed = [*sharded, "--resume_from_checkpoint", str(outs["transformers"] / "checkpoint-5")]
@@ -79,7 +75,7 @@ def _pair(runs: dict[str, Path], transformers: str, hflight: str) -> dict[str, P
 
 def test_transformers_really_ran_fsdp2(runs):
     """The stand-in made accelerate shard (no DDP wrapper, FSDP's checkpoint files); without it the same command
-    trains with DDP (tests/test_accelerate_launch.py's ddp.yaml launch runs that, --use_cpu included)."""
+    trains with DDP (as transformers' side of tests/test_torchrun_dropin.py does with --use_cpu)."""
     console = (runs["transformers"].parent / "console.txt").read_text()
     assert "find_unused_parameters=True was specified in DDP constructor" not in console
     checkpoint = runs["transformers"] / "checkpoint-5"
@@ -107,28 +103,6 @@ def test_hflight_fsdp2_logs_and_writes_transformers_fsdp2_bit_for_bit(runs):
     final = load_file(both["hflight"] / "model.safetensors")
     shards = dropin.distributed_checkpoint(both["transformers"] / "checkpoint-8" / "pytorch_model_fsdp_0")
     assert all(torch.equal(final[k], shards[f"model.{k}"]) for k in final) and len(final) >= 20
-
-
-def test_full_state_dict_trains_as_the_sharded_run_and_writes_transformers_full_files(runs):
-    """FULL_STATE_DICT (written with save_async) against SHARDED_STATE_DICT (synchronous): the same log, and the
-    gathered model and optimizer files hold the shards' tensors exactly."""
-    sharded, full = runs["hflight"], runs["hflight_full"]
-    dropin.assert_same_log_history({"transformers": sharded, "hflight": full}, min_losses=8)
-    from safetensors.torch import load_file
-
-    assert all(torch.equal(a, b) for a, b in zip(load_file(sharded / "model.safetensors").values(),
-                                                  load_file(full / "model.safetensors").values()))  # fmt: skip
-    checkpoint = full / "checkpoint-8"
-    assert {"model.safetensors", "config.json", "pytorch_model_fsdp.bin", "optimizer.bin"} <= {
-        p.name for p in checkpoint.iterdir()}  # fmt: skip
-    whole = torch.load(checkpoint / "pytorch_model_fsdp.bin", weights_only=True)
-    shards = dropin.distributed_checkpoint(sharded / "checkpoint-8" / "pytorch_model_fsdp_0")
-    assert all(torch.equal(whole[k], shards[f"model.{k}"]) for k in whole)
-    optimizer = torch.load(checkpoint / "optimizer.bin", weights_only=True)  # parameters by name, as accelerate's
-    opt_shards = dropin.distributed_checkpoint(sharded / "checkpoint-8" / "optimizer_0")
-    states = {f"optimizer.state.{n}.{k}": v for n, e in optimizer["state"].items() for k, v in e.items()}
-    assert set(states) == {k for k in opt_shards if k.startswith("optimizer.state.")}
-    assert all(torch.equal(states[k], opt_shards[k]) for k in states)
 
 
 def test_fsdp_on_one_process_continues_the_2_process_checkpoint_as_transformers_does(runs):

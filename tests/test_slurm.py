@@ -5,7 +5,7 @@ PATH (test code: they record what SLURM would be asked and do nothing else), sev
 signals. In this process: one task (``SLURM_NTASKS=1``), the requeue signal sent mid-step by a callback, then the
 requeued job (``SLURM_RESTART_COUNT=1``) continued with ``resume_from_checkpoint="auto"`` and compared bit for bit
 with an uninterrupted run. In child processes: ``examples/slurm/train.sbatch`` run by bash with the stand-ins, its
-srun line starting 2 tasks (one node, then two), through a requeue and the continuation.
+srun line starting 2 tasks on two nodes, through a requeue and the continuation.
 """
 
 from __future__ import annotations
@@ -434,26 +434,30 @@ def sbatch(cwd: Path, job: str, *extra: str, nodes: int = 1, per_node: int = 2, 
 
 @pytest.fixture(scope="module")
 def requeued_job(tmp_path_factory):
-    """The batch script twice for job 14242, 2 tasks on one node: requeued by SIGUSR1 during step 9 (epoch 2 of 7
-    steps each), then SLURM's restart of it (SLURM_RESTART_COUNT=1); torchrun's uninterrupted job beside it."""
+    """The batch script twice for job 14242, 2 nodes of one task each: requeued by SIGUSR1 during step 9 (epoch 2 of
+    7 steps each), then SLURM's restart of it (SLURM_RESTART_COUNT=1); torchrun's uninterrupted job (1 node x 2
+    processes) beside it. One node of 2 tasks is not run as well (a job less): srun's ranks for it are
+    test_ranks_come_from_sruns_variables_as_lightning_reads_them[1-2]'s, and 2 processes of one node training
+    together, through a restart, are tests/test_elastic.py's."""
     reference = Reference.get()
     cwd = tmp_path_factory.mktemp("slurm")
     fault = ["+callbacks.fault._target_=cluster_faults.SignalAt", "+callbacks.fault.step=9"]
-    first_code, first_output = finish(sbatch(cwd, "14242", *fault))
+    first_code, first_output = finish(sbatch(cwd, "14242", *fault, nodes=2, per_node=1))
     checkpoints = sorted(p.name for p in (cwd / "outputs" / "14242").glob("checkpoint-*"))
     rng = sorted(p.name for p in (cwd / "outputs" / "14242" / checkpoints[-1]).glob("rng_state*"))
-    again = finish(sbatch(cwd, "14242", *fault, restarts=1))
+    again = finish(sbatch(cwd, "14242", *fault, nodes=2, per_node=1, restarts=1))
     return dict(cwd=cwd, first=(first_code, first_output, checkpoints, rng), again=again, reference=reference)
 
 
 @pytest.mark.subprocess
 def test_the_batch_script_requeues_on_sigusr1_and_the_requeued_job_finishes_the_run_bit_for_bit(requeued_job):
-    """As an uninterrupted run ends: the same weights (bytes), log history and metrics (torchrun's 1 node x 2
-    processes, docs/hydra.md's command, which the test of 2 nodes below shows srun's tasks equal)."""
+    """As an uninterrupted run ends: the same weights (bytes), log history and metrics as torchrun's 1 node x 2
+    processes (docs/hydra.md's command; srun's 2 nodes x 1 task train as it: the test below)."""
     cwd = requeued_job["cwd"]
     code, output, checkpoints, rng = requeued_job["first"]
     assert code == 138, output[-4000:]
-    assert output.count("srun: error: node0: task") == 2 and "Exited with exit code 138" in output
+    assert "srun: error: node0: task 0: Exited with exit code 138" in output
+    assert "srun: error: node1: task 1: Exited with exit code 138" in output
     # the signal reaches the tasks through srun after step 8: they stop at the next step boundary they agree on
     stops = set(re.findall(r"Training stopped by SIGUSR1 after step (\d+) of 14; checkpoint saved in", output))
     assert len(stops) == 1 and 8 <= int(next(iter(stops))) <= 10, output[-4000:]
@@ -475,9 +479,11 @@ def test_the_batch_script_requeues_on_sigusr1_and_the_requeued_job_finishes_the_
 
 @pytest.mark.subprocess
 def test_two_nodes_of_one_task_train_as_one_node_of_two(requeued_job):
-    """srun's variables for 2 nodes x 1 task: the processes train as torchrun's 1 node x 2 processes (gloo over
-    127.0.0.1), to the byte."""
+    """srun's variables for 2 nodes x 1 task (the job above, requeued and continued): the processes train as
+    torchrun's 1 node x 2 processes (gloo over 127.0.0.1), to the byte, and a requeued job of the same allocation
+    resumes without a changed argument."""
     cwd = requeued_job["cwd"]
-    code, output = finish(sbatch(cwd, "14244", nodes=2, per_node=1))
+    code, output = requeued_job["again"]
     assert code == 0, output[-4000:]
-    assert outcome(cwd / "outputs" / "14244") == requeued_job["reference"].outcome()
+    assert "with arguments that change the data position or the step arithmetic" not in output
+    assert outcome(cwd / "outputs" / "14242") == requeued_job["reference"].outcome()

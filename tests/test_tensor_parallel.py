@@ -41,8 +41,8 @@ def _start(out: Path, processes: int, *options: str) -> launch.Job:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """TP-2 (torchrun, 2 processes), 2 x 2 (4 processes) and the one-process run, and TP-2 with the best checkpoint
-    kept and loaded at the end (with ``save_only_model``), at once;
+    """TP-2 (torchrun, 2 processes; its processes then train TP-2 again with the best checkpoint kept and loaded at the
+    end, with ``save_only_model``: tp2_only_model), 2 x 2 (4 processes) and the one-process run at once;
     then the resumes at once: TP-2's checkpoint-2 on HSDP x TP (4 processes:
     ``DistributedConfig(tp_size=2, dp_replicate_size=2)``), 2 x 2's on 2 DDP processes. A tiny Mixtral (packed
     expert weights) on TP-2, and its checkpoint resumed on one process, beside them.
@@ -62,9 +62,8 @@ def runs(tmp_path_factory) -> dict:
     torch.manual_seed(0)
     MixtralForCausalLM(MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **sizes)).save_pretrained(moe[1])
     phases = [
-        {"tp2": (2, "--tp"), "one": (1,), "2x2": (4, "--fsdp", "2", "--batch", "2", "--parallelism-config"),
-         "tp2_only_model": (2, "--tp", "--best", "--save-only-model"),
-         "moe_tp2": (2, "--tp", *moe)},
+        {"tp2": (2, "--tp", "--then-best", str(root / "tp2_only_model")), "one": (1,),
+         "2x2": (4, "--fsdp", "2", "--batch", "2", "--parallelism-config"), "moe_tp2": (2, "--tp", *moe)},
         {"tp2_on_hsdp": (4, "--replicate", "2", "--batch", "2", "--resume", str(root / "tp2" / "checkpoint-2")),
          "2x2_on_ddp2": (2, "--batch", "2", "--resume", str(root / "2x2" / "checkpoint-2")),
          "moe_tp2_on_1": (1, *moe, "--resume", str(root / "moe_tp2" / "checkpoint-2"))},
@@ -73,7 +72,8 @@ def runs(tmp_path_factory) -> dict:
         started = {name: _start(root / name, n, "--model", str(model), *options) for name, (n, *options) in
                    phase.items()}  # fmt: skip
         launch.all_ok(started)
-    results = {name: json.loads((root / name / "result.json").read_text()) for phase in phases for name in phase}
+    names = [name for phase in phases for name in phase] + ["tp2_only_model"]
+    results = {name: json.loads((root / name / "result.json").read_text()) for name in names}
     return {"root": root, "results": results}
 
 

@@ -1,7 +1,9 @@
 """Several processes as transformers users launch them (issue 35, item 0): the example script ``run_glue`` of the
 drop-in tests runs under a plain ``torchrun --standalone --nproc_per_node=2``, nothing named (no strategy, no
-devices), once as written and once with the trainer import changed to hflight's (``run_clm`` under DDP:
-tests/test_accelerate_launch.py, launched by ``accelerate launch --config_file ddp.yaml``). transformers'
+devices), once as written and once with the trainer import changed to hflight's (``run_clm`` over two processes,
+with gradient accumulation: tests/test_sharded_dropin.py under torchrun and tests/test_accelerate_launch.py's ZeRO-3
+launch; that ``accelerate launch --config_file ddp.yaml`` leaves plain torchrun's arguments: that module's unit test).
+transformers'
 Trainer trains data-parallel over both processes (on a machine without GPUs only with ``--use_cpu``: accelerate
 starts its CPU data parallelism for ``use_cpu`` alone, and without it each process trains alone and warns); hflight
 does with or without it: the same losses, gradient norms, learning rates, metrics, predictions, files, and weights,
@@ -34,9 +36,10 @@ GLUE_ARGS = [
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict[str, Path]]:
-    """Both torchrun jobs at once (two processes each, one thread per process). run_clm's comparison under DDP is
-    tests/test_accelerate_launch.py's (``accelerate launch --config_file ddp.yaml``, the same torch.distributed run
-    under another launcher)."""
+    """Both torchrun jobs at once (two processes each, one thread per process). run_clm over two processes is
+    tests/test_sharded_dropin.py's (FSDP2 under torchrun) and tests/test_accelerate_launch.py's (ZeRO-3 under
+    ``accelerate launch``); ``accelerate launch --config_file ddp.yaml`` gives plain torchrun's arguments
+    (test_accelerate_launch.py::test_the_ddp_config_file_leaves_the_arguments_those_of_plain_torchrun)."""
     root = tmp_path_factory.mktemp("torchrun_dropin")
     glue_in = dropin.glue_inputs(root / "glue_inputs")
     glue_args = ["--model_name_or_path", str(glue_in["model"]), "--train_file", str(glue_in["train"]),
@@ -67,7 +70,8 @@ def test_the_same_metrics_and_logged_numbers_as_transformers_ddp(runs, example):
     """The metrics and every logged loss, gradient norm and learning rate are transformers'. Also the proof of
     ``average_tokens_across_devices`` (transformers' default; the BERT's forward takes ``**kwargs``): the label count
     summed over the processes and the loss scaled by their number, as transformers does (without either, these numbers
-    differ; with gradient accumulation: test_accelerate_launch.py's ddp launch of run_clm)."""
+    differ; with gradient accumulation: run_clm in tests/test_sharded_dropin.py and test_accelerate_launch.py's ZeRO-3
+    launch)."""
     both = runs[example]
     dropin.assert_same_results(both, ("eval_results.json", "train_results.json", "all_results.json"))
     dropin.assert_same_log_history(both, min_losses=5)

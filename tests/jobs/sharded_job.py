@@ -2,6 +2,7 @@
 or resumed from a checkpoint on another number of processes (sharded or not).
 
     torchrun --standalone --nproc_per_node=2 tests/jobs/sharded_job.py OUT --form SHARDED_STATE_DICT
+    torchrun --standalone --nproc_per_node=2 tests/jobs/sharded_job.py OUT --form FULL_STATE_DICT --save-async
     torchrun --standalone --nproc_per_node=2 tests/jobs/sharded_job.py OUT --deepspeed ZERO3.json
     torchrun --standalone --nproc_per_node=4 tests/jobs/sharded_job.py OUT --resume CKPT
     torchrun --standalone --nproc_per_node=1 tests/jobs/sharded_job.py OUT --resume CKPT
@@ -16,7 +17,8 @@ each rank the elements of every parameter it holds (its local shard) and of the 
 gathers, once the run restored the checkpoint and before its first step, the whole model and optimizer states
 (parameters by name) and rank 0 saves them to ``OUT/restored.pt``; the run then trains to its end. ``--record``: every
 process records the file-system calls of ``train()`` and ``save_model()`` (``tests/durability.py``) into
-``OUT/recorded/fs_events_<rank>.json``, for the power-loss replay.
+``OUT/recorded/fs_events_<rank>.json``, for the power-loss replay. ``--save-async``: the checkpoints written in the
+background (``save_async``).
 """
 
 import argparse
@@ -88,6 +90,7 @@ def main():
         "first); repeated, one fault per attempt",
     )
     parser.add_argument("--record", action="store_true", help="record the file-system calls for the replay")
+    parser.add_argument("--save-async", action="store_true", help="save_async: checkpoints written in the background")
     opts = parser.parse_args()
     torch.set_num_threads(1)
     sharding = {} if opts.no_fsdp else {
@@ -103,7 +106,8 @@ def main():
         sharding["parallelism_config"] = ParallelismConfig(dp_replicate_size=replicate, dp_shard_size=shard)
     args = TrainingArguments(output_dir=opts.out, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                              max_steps=6, save_steps=3, logging_steps=1, learning_rate=1e-2, use_cpu=True, seed=0,
-                             report_to="none", disable_tqdm=True, **sharding)  # fmt: skip
+                             report_to="none", disable_tqdm=True, save_async=opts.save_async,
+                             **sharding)  # fmt: skip
     torch.manual_seed(0)  # the arguments first: with ZeRO-3 they connect the processes the model is partitioned over
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=16))
     dump = opts.resume and not opts.deepspeed  # (a DeepSpeed run's optimizer holds ZeRO's flat partitions)

@@ -9,6 +9,7 @@ Trainer; or the same model loaded whole and trained in one plain process, from s
     ... [--best]   # evaluated every 2 steps, the best checkpoint kept (save_total_limit=1) and loaded at the end
     ... [--save-only-model]   # checkpoints of the whole model only (what transformers writes for a TP model),
                               # and trainer.save_model(OUT/final) after training
+    ... [--then-best OUT2]    # then the same run with --best --save-only-model into OUT2, in the same processes
 
 "best" (``--best``) is the highest evaluation loss (``greater_is_better=True``): the step-2 checkpoint, so that
 loading it at the end shows.
@@ -63,6 +64,11 @@ def main():
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--best", action="store_true", help="load_best_model_at_end with save_total_limit=1")
     parser.add_argument("--save-only-model", action="store_true")
+    parser.add_argument(
+        "--then-best",
+        metavar="OUT2",
+        help="then, in the same processes, the same run again with --best --save-only-model into OUT2",
+    )
     opts = parser.parse_args()
     torch.set_num_threads(1)
     if opts.save_model:
@@ -75,6 +81,14 @@ def main():
             model = LlamaForCausalLM(LlamaConfig(**sizes))
         model.save_pretrained(opts.save_model)
         return 0
+    train(opts)
+    if opts.then_best:  # one launch for two runs: the processes' start is most of a job's cost
+        train(argparse.Namespace(**{**vars(opts), "out": opts.then_best, "best": True, "save_only_model": True}))
+    return 0
+
+
+def train(opts):
+    """The model loaded (whole, tensor-parallel or 2-D), trained, evaluated and its results written to ``opts.out``."""
     if opts.fsdp > 1 or opts.replicate > 1:
         from transformers.distributed import DistributedConfig
 
@@ -136,7 +150,6 @@ def main():
                   [pc.dp_shard_size, pc.tp_size] + ([pc.dp_replicate_size] if opts.replicate > 1 else [])}  # fmt: skip
         with open(os.path.join(opts.out, "result.json"), "w") as handle:
             json.dump(result, handle)
-    return 0
 
 
 if __name__ == "__main__":
