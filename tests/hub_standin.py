@@ -54,6 +54,15 @@ class HubStandIn:
         self.server.shutdown()
         self.server.server_close()
 
+    def clear(self, root: Path) -> None:
+        """Start over empty, repositories kept in ``root`` from now: a new Hub at the same address (a client reads
+        ``HF_ENDPOINT`` once, at import), so that one process can push the same repositories again."""
+        with self.lock:
+            self.root = Path(root)
+            self.repos.clear()
+            self.commits.clear()
+            self.unknown.clear()
+
     def files(self, repo_id: str) -> dict[str, bytes]:
         """Every file of ``repo_id`` as it stands after the commits, ``path in repo -> content``."""
         base = self.root / repo_id

@@ -270,15 +270,14 @@ def test_early_stopping_patience_survives_resume(tmp_path):
     stop_step = max(e["step"] for e in full_logs)
     assert stop_step < 30
     assert len([e for e in full_logs if "eval_loss" in e]) >= 3
-    # interrupt one step before the stop, while the patience counter is non-zero, then resume
-    interrupted = tmp_path / "interrupted"
-    run(interrupted, "--stop-at", str(stop_step - 1))
-    state = transformers.TrainerState.load_from_json(
-        str(interrupted / f"checkpoint-{stop_step - 1}" / "trainer_state.json")
-    )
+    # resume from the checkpoint one step before the stop, while the patience counter is non-zero: the full run
+    # saved it (every step), as a run interrupted there would have; the resumed run writes into a folder of its own
+    before_stop = full / f"checkpoint-{stop_step - 1}"
+    state = transformers.TrainerState.load_from_json(str(before_stop / "trainer_state.json"))
     assert state.stateful_callbacks["EarlyStoppingCallback"]["attributes"]["early_stopping_patience_counter"] > 0
-    run(interrupted, "--resume", "last")
-    resumed_logs = __import__("json").loads((interrupted / "log_history.json").read_text())
+    resumed = tmp_path / "resumed"
+    run(resumed, "--resume", str(before_stop))
+    resumed_logs = __import__("json").loads((resumed / "log_history.json").read_text())
     assert max(e["step"] for e in resumed_logs) == stop_step
 
 

@@ -32,15 +32,18 @@ def run_job(out: Path, devices: int, batch_size: int, *extra: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> tuple[dict, dict, Path, Path]:
+    """One process, and the DDP job, whose two processes then run the same training with save_async (async_run) and
+    a last one whose background write fails on rank 0: one launch of two processes for the three."""
     one, two = tmp_path_factory.mktemp("one_process"), tmp_path_factory.mktemp("ddp")
-    return run_job(one, 1, 8), run_job(two, 2, 4), one, two
+    return run_job(one, 1, 8), run_job(two, 2, 4, "--then-save-async", "--then-fail-a-write"), one, two
 
 
 @pytest.fixture(scope="module")
-def async_run(tmp_path_factory) -> tuple[dict, Path]:
-    """The DDP job with save_async, then its second training whose background write fails on rank 0."""
-    out = tmp_path_factory.mktemp("ddp_async")
-    return run_job(out, 2, 4, "--save-async", "--then-fail-a-write"), out
+def async_run(runs) -> tuple[dict, Path]:
+    """The DDP job's run with save_async, in the processes of its synchronous run (``runs``), then its training whose
+    background write fails on rank 0."""
+    folder = runs[3] / "save_async"
+    return json.loads((folder / "result.json").read_text()), folder
 
 
 def test_ddp_with_save_async_writes_the_synchronous_checkpoints_and_ends_the_same(runs, async_run):

@@ -18,9 +18,17 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.subprocess
 
 
-def _push(tmp_path: Path, strategy: str) -> dict:
+#: the ``hub_strategy`` values the tests push with
+STRATEGIES = ("checkpoint", "every_save", "end")
+
+
+@pytest.fixture(scope="module")
+def pushed(tmp_path_factory) -> dict[str, dict]:
+    """tests/jobs/hub_job.py once, pushing with every strategy of :data:`STRATEGIES` in turn in the same process (one
+    start of torch and transformers for all): per strategy, what transformers' and hflight's trainers pushed."""
+    out = tmp_path_factory.mktemp("hub")
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "src"), "HF_DATASETS_OFFLINE": "1"}
-    result = subprocess.run([sys.executable, str(JOBS / "hub_job.py"), str(tmp_path), strategy], cwd=JOBS,
+    result = subprocess.run([sys.executable, str(JOBS / "hub_job.py"), str(out), *STRATEGIES], cwd=JOBS,
                             env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
@@ -36,9 +44,8 @@ def _comparable(files: list[str]) -> list[str]:
 
 
 @pytest.mark.parametrize("strategy", ["checkpoint", "every_save"])
-def test_pushes_what_transformers_pushes(tmp_path, strategy):
-    pushed = _push(tmp_path, strategy)
-    theirs, ours = pushed["transformers"], pushed["hflight"]
+def test_pushes_what_transformers_pushes(pushed, strategy):
+    theirs, ours = pushed[strategy]["transformers"], pushed[strategy]["hflight"]
     assert ours["hub_model_id"] == "team/hflight-run" and theirs["hub_model_id"] == "team/transformers-run"
     assert _comparable(ours["files"]) == _comparable(theirs["files"])
     assert "model.safetensors" in ours["files"] and "README.md" in ours["files"]
@@ -47,12 +54,11 @@ def test_pushes_what_transformers_pushes(tmp_path, strategy):
         assert "last-checkpoint/optimizer.pt" in ours["files"]
     assert [summary for summary, _ in ours["commits"]] == [summary for summary, _ in theirs["commits"]]
     assert ours["commits"][-1][0] == "End of training" and ours["commit_oid"]
-    assert pushed["unknown"] in ([], ["GET /api/agent-harnesses"])  # nothing else of the Hub API was needed
+    assert pushed[strategy]["unknown"] in ([], ["GET /api/agent-harnesses"])  # nothing else of the Hub API was needed
 
 
-def test_model_card_is_transformers(tmp_path):
-    pushed = _push(tmp_path, "end")
-    theirs, ours = pushed["transformers"]["readme"], pushed["hflight"]["readme"]
+def test_model_card_is_transformers(pushed):
+    theirs, ours = pushed["end"]["transformers"]["readme"], pushed["end"]["hflight"]["readme"]
     assert "generated_from_trainer" in ours and "- qa" in ours and "language:\n- en" in ours
     assert ours.replace("hflight-run", "NAME") == theirs.replace("transformers-run", "NAME")
 

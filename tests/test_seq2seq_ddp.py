@@ -18,11 +18,11 @@ JOB = launch.JOBS / "seq2seq_ddp_job.py"
 pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
 
 
-def _run(out: Path, devices: int, torchrun: bool = False) -> dict:
+def _run(out: Path, devices: int, *extra, torchrun: bool = False) -> dict:
     if torchrun:  # transformers' own Seq2SeqTrainer, its processes launched by torchrun
         command = [*launch.torchrun(devices, standalone=False), JOB, out, "--library", "transformers"]
     else:  # hflight's: Lightning launches the processes
-        command = [sys.executable, JOB, out, "--devices", devices]
+        command = [sys.executable, JOB, out, "--devices", devices, *extra]
     launch.Job(command, out, merge=False, console=out.parent / f"{out.name}.console.txt", timeout=300).ok()
     return json.loads((out / "result.json").read_text())
 
@@ -30,7 +30,9 @@ def _run(out: Path, devices: int, torchrun: bool = False) -> dict:
 def test_ddp_generation_gathers_like_one_process(tmp_path):
     for name in ("one", "two", "transformers"):
         (tmp_path / name).mkdir()
-    single, ddp = _run(tmp_path / "one", 1), _run(tmp_path / "two", 2)
+    # the one-process prediction in the launching process of the DDP job, before its launch: one process fewer
+    ddp = _run(tmp_path / "two", 2, "--one-process-first", tmp_path / "one")
+    single = json.loads((tmp_path / "one" / "result.json").read_text())
     theirs = _run(tmp_path / "transformers", 2, torchrun=True)
     assert (single["world_size"], ddp["world_size"], theirs["world_size"]) == (1, 2, 2)
     assert ddp["predictions"] == single["predictions"] and ddp["label_ids"] == single["label_ids"]

@@ -10,10 +10,11 @@ then evaluates on 12 examples and predicts on 11 (not a multiple of the 2 x 3 gl
 last batch is padded with repeats that must be dropped). The same evaluate() and predict() also run as the very first
 calls, before train(): under DDP they are the calls that launch the processes. With one process, transformers'
 Trainer evaluates and predicts the untrained model too, for reference. Rank 0 writes ``OUT/result.json`` and
-``OUT/final.pt``. With ``--then-fail-a-write`` (and ``--save-async``) a second training follows whose background write
-of checkpoint-4 fails on rank 0 (a full disk's stand-in): each rank writes what stopped it to
-``OUT/failed_write_<rank>.json``. With ``--save-async`` the trainer writes a file of its own into ``checkpoint-N``
-after ``super()._save_checkpoint``, as TRL's GRPOTrainer does (``own_state.json``).
+``OUT/final.pt``. With ``--then-save-async`` the same run follows in the same processes (no second launch) with
+save_async, into ``OUT/save_async``; its trainer writes a file of its own into ``checkpoint-N`` after
+``super()._save_checkpoint``, as TRL's GRPOTrainer does (``own_state.json``). With ``--then-fail-a-write`` a last
+training follows whose background write of checkpoint-4 fails on rank 0 (a full disk's stand-in): each rank writes
+what stopped it to ``OUT/save_async/failed_write_<rank>.json``.
 """
 
 import argparse
@@ -134,23 +135,15 @@ def failed_background_write(out):
     Path(out, f"failed_write_{rank}.json").write_text(json.dumps(outcome))
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("out")
-    parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--save-async", action="store_true")
-    parser.add_argument("--then-fail-a-write", action="store_true")
-    opts = parser.parse_args()
-    report_gloo_threads_at_exit(opts.out)
-
+def run(out, devices, batch_size, save_async, ddp_timeout):
+    """The run: evaluate() and predict() first, train(), evaluate() and predict(); rank 0 writes its results."""
     model = tiny_bert_qa(0, hidden=16, layers=1, dropout=0.0, max_positions=32)
     args = TrainingArguments(
-        output_dir=opts.out,
+        output_dir=str(out),
         accelerator="cpu",
-        devices=opts.devices,
-        strategy="ddp" if opts.devices > 1 else "auto",
-        per_device_train_batch_size=opts.batch_size,
+        devices=devices,
+        strategy="ddp" if devices > 1 else "auto",
+        per_device_train_batch_size=batch_size,
         per_device_eval_batch_size=3,
         gradient_accumulation_steps=2,
         num_train_epochs=2,
@@ -164,12 +157,11 @@ def main():
         train_sampling_strategy="sequential",
         report_to="none",
         disable_tqdm=True,
-        save_async=opts.save_async,
-        # a rank left behind by the others (a fault of the run) fails in minutes rather than hanging for half an hour
-        **({"ddp_timeout": 180} if opts.then_fail_a_write else {}),
+        save_async=save_async,
+        **({"ddp_timeout": ddp_timeout} if ddp_timeout else {}),
     )
     events = Events()
-    trainer = (SavesItsOwnState if opts.save_async else Trainer)(
+    trainer = (SavesItsOwnState if save_async else Trainer)(
         model,
         args,
         train_dataset=dataset(40, 0),
@@ -177,13 +169,13 @@ def main():
         compute_metrics=exact_match,
         callbacks=[events],
     )
-    first_metrics = trainer.evaluate()  # before any training: these calls launch the processes under DDP
+    first_metrics = trainer.evaluate()  # before any training: in the first run, these calls launch the processes
     first_prediction = trainer.predict(dataset(11, 2))
     train_output = trainer.train()
     metrics = trainer.evaluate()
     prediction = trainer.predict(dataset(11, 2))
     if trainer.is_world_process_zero():
-        out = Path(opts.out)
+        out = Path(out)
         torch.save({k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, out / "final.pt")
         result = {
             "world_size": trainer.lightning_trainer.world_size,
@@ -198,11 +190,27 @@ def main():
             "checkpoints": sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")),
             "first": outputs_of(first_metrics, first_prediction),
         }
-        if opts.devices == 1:
+        if devices == 1:
             result["transformers_first"] = transformers_first(out / "transformers")
         (out / "result.json").write_text(json.dumps(result))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--then-save-async", action="store_true")
+    parser.add_argument("--then-fail-a-write", action="store_true")
+    opts = parser.parse_args()
+    report_gloo_threads_at_exit(opts.out)
+    # a rank left behind by the others (a fault of the run) fails in minutes rather than hanging for half an hour
+    ddp_timeout = 180 if opts.then_fail_a_write else None
+    run(opts.out, opts.devices, opts.batch_size, save_async=False, ddp_timeout=ddp_timeout)
+    if opts.then_save_async:
+        run(Path(opts.out) / "save_async", opts.devices, opts.batch_size, save_async=True, ddp_timeout=ddp_timeout)
     if opts.then_fail_a_write:
-        failed_background_write(opts.out)
+        failed_background_write(Path(opts.out) / "save_async")
     return 0
 
 
