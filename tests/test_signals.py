@@ -223,9 +223,10 @@ def test_sigterm_to_two_processes_exits_143_everywhere_with_the_checkpoint_compl
     it launched. Under torchrun each rank gets the signal twice (the group's, the agent's): one stop.
 
     A signal to one rank only, the others stopping at the same step through the per-step all-reduce
-    (``StopRequest.agreed``, whichever launcher), is test_sharding.py::test_a_sharded_run_stopped_or_killed_restarts_\
-    from_its_last_checkpoint_and_ends_as_the_uninterrupted_run (its first attempt: SIGTERM to rank 0 alone, every rank
-    stops at step 5 with checkpoint-5); Lightning's exit path for that case (``exit_together``) is the one above."""
+    (``StopRequest.agreed``, whichever launcher), is the first attempt of test_sharding.py's ``stopped_then_killed``
+    job (SIGTERM to rank 0 alone, every rank stops at step 5 with checkpoint-5), checked by
+    test_sharding.py::test_a_sharded_run_stopped_or_killed_restarts_from_its_last_checkpoint_and_ends_as_the_uninterrupted_run;
+    Lightning's exit path for that case (``exit_together``) is the one above."""
     if launcher == "torchrun" and not launch.TORCHRUN.exists():
         pytest.skip("torchrun is not installed beside this Python")
     out = tmp_path / "job"
