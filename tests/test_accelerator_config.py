@@ -4,10 +4,11 @@ transformers hands ``TrainingArguments.accelerator_config`` to accelerate, whose
 loader to the processes; hflight deals them itself (``hflight.run.loaders``). Each piece is compared with accelerate's
 own class in one process (batch samplers, seedable sampler, iterable shards), the input forms and errors with
 transformers' ``TrainingArguments``, and ``trainer.accelerator`` with a real transformers ``Trainer``'s accelerator.
-Under ``torchrun --nproc_per_node=2`` one job per library runs the same script (tests/jobs/accelcfg_job.py: an
-accelerate state made beforehand; split, uneven batches, torch's sampler, ``sync_each_batch``, ``non_blocking``;
-dispatched batches; an iterable dataset), and every rank's samples, ``sync_gradients``, losses, gradient norms,
-weights, evaluation, predictions and ``trainer.accelerator`` answers are transformers'.
+Under ``torchrun --nproc_per_node=2`` one job runs the same script for each library in turn, in the same two processes
+(tests/jobs/accelcfg_job.py: an accelerate state made beforehand; split, uneven batches, torch's sampler,
+``sync_each_batch``, ``non_blocking``; dispatched batches; an iterable dataset), and every rank's samples,
+``sync_gradients``, losses, gradient norms, weights, evaluation, predictions and ``trainer.accelerator`` answers are
+transformers'.
 """
 
 from __future__ import annotations
@@ -403,12 +404,10 @@ def test_micro_batches_synchronise_as_sync_each_batch_says():
 # ---- under torchrun: the same script, transformers' Trainer and hflight's ------------------------------------------
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
-    """Both torchrun jobs at once (two processes each, one thread per process)."""
+    """One torchrun job (two processes, one thread each): transformers' runs, then hflight's in the same processes."""
     root = tmp_path_factory.mktemp("accelcfg")
-    jobs = {library: launch.Job([*launch.torchrun(2), JOB, root, library], root,
-                                console=root / f"{library}.console.txt", timeout=480, name=library)
-            for library in ("transformers", "hflight")}  # fmt: skip
-    launch.all_ok(jobs)  # a hung job (ranks disagreeing on a collective): its whole session goes
+    # a hung job (ranks disagreeing on a collective): its whole session goes
+    launch.Job([*launch.torchrun(2), JOB, root, *LIBRARIES], root, console=root / "console.txt", timeout=480).ok()
     return root
 
 

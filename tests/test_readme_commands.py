@@ -18,7 +18,6 @@ import os
 import re
 import shlex
 import shutil
-import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -201,22 +200,42 @@ class Ran:
         return self.proc.stdout + self.proc.stderr
 
 
-def _provide_placeholders(cwd: Path, tokens: list[str], clone: Path) -> None:
+def _provide_placeholders(cwd: Path, tokens: list[str]) -> None:
     """The placeholders for the user's own files (``train.json``, ``path/to/model``), made tiny, and the run a
-    ``resume=`` continues, made by a tiny main job of the clone."""
+    ``resume=`` continues, made by a tiny main job."""
     for token in tokens:
         key, _, value = token.partition("=")
         if key == "resume":
-            _finished_run(cwd / value, clone)
+            _finished_run(cwd / value)
         elif key in PLACEHOLDERS:
             PLACEHOLDERS[key](cwd / value)
 
 
-def _finished_run(folder: Path, clone: Path) -> None:
-    """A finished tiny run of the main job (one epoch) in ``folder``."""
-    argv = [sys.executable, str(clone / "train.py"), "+experiment=mrc", *TINY, f"hydra.run.dir={folder}"]
-    proc = subprocess.run(argv, cwd=clone, env=_environment(clone), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def _finished_run(folder: Path) -> None:
+    """A finished tiny run of the main job (one epoch) in ``folder``, made by Hydra's command line (``cli.main()``
+    with train.py's arguments, so with the ``.hydra/`` files ``resume=`` reads) in this process, which has torch and
+    transformers imported already: only the ``resume=`` command is the user's, run as written. (The main job's own
+    command runs as written in its own test.) Hydra's global state, the root logger's handlers and torch's thread
+    count (``cpu_threads=1``) are put back after."""
+    import logging
+
+    import torch
+    from hydra.core.global_hydra import GlobalHydra
+
+    from hflight import cli
+
+    root, threads, argv = logging.getLogger(), torch.get_num_threads(), sys.argv
+    handlers, level = root.handlers[:], root.level
+    sys.argv = ["train.py", "+experiment=mrc", *TINY, f"hydra.run.dir={folder}"]
+    try:
+        cli.main()
+    finally:
+        for handler in set(root.handlers) - set(handlers):
+            handler.close()
+        sys.argv, root.handlers[:], root.level = argv, handlers, level
+        GlobalHydra.instance().clear()
+        torch.set_num_threads(threads)
+    assert (folder / "all_results.json").is_file() and (folder / ".hydra" / "overrides.yaml").is_file()
 
 
 def _squad_file(split: str) -> Callable[[Path], None]:
@@ -256,7 +275,7 @@ def run_step(step: str, tmp_path: Path) -> Ran:
     if _from_any_folder(tokens):  # "from any folder"
         cwd = tmp_path / "elsewhere"
         cwd.mkdir()
-    _provide_placeholders(cwd, tokens, clone)
+    _provide_placeholders(cwd, tokens)
     before = set(os.listdir(cwd))
     argv = as_written(step)  # torchrun's commands too: the whole session goes if it hangs
     proc = launch.run(argv, cwd, _environment(clone), merge=False, console=tmp_path / "console.txt", name=step)
@@ -458,24 +477,29 @@ def test_readme_command_works_as_written(step, tmp_path):
     check(run_step(step, tmp_path))
 
 
-@pytest.mark.subprocess
 @pytest.mark.slow
-def test_readme_compose_block_runs_where_the_command_line_would(tmp_path):
+def test_readme_compose_block_runs_where_the_command_line_would(tmp_path, monkeypatch, capsys):
     """The README's Python block (``config.compose`` then ``cli.train``), with TINY appended to its overrides: the
-    run folder is found as on the command line, ``outputs/mrc/runs/<date>_<time>/`` under the working directory."""
+    run folder is found as on the command line, ``outputs/mrc/runs/<date>_<time>/`` under the working directory. It
+    runs in this process, as a notebook cell runs it (an empty working directory, no hflight variables); compose then
+    train in a fresh kernel is tests/test_notebooks.py::test_notebook_executes[02-mrc.ipynb]."""
     blocks = ["\n".join(lines) for text in DOCUMENTS.values() for _, lines in readme.fenced_blocks(text, "python")
               if "config.compose(" in "\n".join(lines)]  # fmt: skip
     assert len(blocks) == 1
-    clone = fresh_clone(tmp_path / "hflight")
-    (tmp_path / "block.py").write_text(blocks[0])
-    wrapper = (
-        "import sys\nfrom hflight import config\ncompose = config.compose\n"
-        "config.compose = lambda overrides=(), *a, **k: compose([*overrides, *sys.argv[2:]], *a, **k)\n"
-        "exec(compile(open(sys.argv[1]).read(), 'README.md', 'exec'), {'__name__': '__main__'})\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", wrapper, str(tmp_path / "block.py"), *TINY], cwd=clone,
-                          env=_environment(clone), capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    run_dir = _one("outputs/mrc/runs/*", clone)
+    import torch
+
+    from hflight import config
+
+    compose = config.compose
+    monkeypatch.setattr(config, "compose", lambda overrides=(), *a, **k: compose([*overrides, *TINY], *a, **k))
+    for name in ("HFLIGHT_ROOT", "HFLIGHT_CONFIG_DIR", "HYDRA_FULL_ERROR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    threads = torch.get_num_threads()
+    try:
+        exec(compile(blocks[0], "README.md", "exec"), {"__name__": "__main__"})
+    finally:
+        torch.set_num_threads(threads)  # TINY's cpu_threads=1
+    run_dir = _one("outputs/mrc/runs/*", tmp_path)
     _results(run_dir)
-    assert f"Final metrics ({run_dir})" in proc.stdout
+    assert f"Final metrics ({run_dir})" in capsys.readouterr().out

@@ -56,8 +56,11 @@ def assert_same_run(reference: Path, resumed: Path, from_step: int):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> Path:
+    """The run no stop interrupts, a checkpoint every 3 steps: its ``checkpoint-3`` is where
+    test_resume_early_in_an_epoch_then_at_an_epoch_boundary starts (a run stopped at step 3 writes the same one; a
+    stopped run's checkpoint is that test's second continuation's)."""
     out = tmp_path_factory.mktemp("uninterrupted")
-    run_job(out)
+    run_job(out, "--save-steps", "3")
     return out
 
 
@@ -73,15 +76,15 @@ def assert_transformers_checkpoint(checkpoint: Path, step: int) -> None:
 
 @pytest.mark.subprocess
 def test_resume_early_in_an_epoch_then_at_an_epoch_boundary(tmp_path, uninterrupted):
-    """One run stopped twice, each time continued in a new process: at step 3 (6 of 10 batches skipped), resumed from
-    the checkpoint's path with the model initialised from another seed (so the weights must come from the
-    checkpoint), every later epoch must still be whole; that continuation stops at 5, an epoch boundary, and is
-    resumed with ``resume_from_checkpoint="last"``. Steps 4 and 5 (the first continuation's, in the log history the
-    second one carries on) and 6 to 12 are the uninterrupted run's. The checkpoint holds transformers' files and
-    loads with ``from_pretrained``."""
+    """One run continued twice, each time in a new process: from step 3 (6 of 10 batches skipped; the uninterrupted
+    run's ``checkpoint-3``, copied into the run's folder), resumed from the checkpoint's path with the model
+    initialised from another seed (so the weights must come from the checkpoint), every later epoch must still be
+    whole; that continuation stops at 5, an epoch boundary, and is resumed with ``resume_from_checkpoint="last"``.
+    Steps 4 and 5 (the first continuation's, in the log history the second one carries on) and 6 to 12 are the
+    uninterrupted run's. The checkpoint holds transformers' files and loads with ``from_pretrained``."""
     out = tmp_path / "run"
-    run_job(out, "--stop-at", "3", "--save-steps", "3")
     checkpoint = out / "checkpoint-3"
+    shutil.copytree(uninterrupted / "checkpoint-3", checkpoint)
     assert_transformers_checkpoint(checkpoint, 3)
     model = transformers.AutoModelForQuestionAnswering.from_pretrained(str(checkpoint))
     assert model.config.architectures == ["BertForQuestionAnswering"]

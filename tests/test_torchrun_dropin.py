@@ -11,8 +11,8 @@ optimizer, scheduler and every rank's RNG state bit for bit.
 
 Before hflight spanned the launched processes, each rank trained a one-process copy of the run on all the data
 (the losses of a one-process run, not transformers'), and rank 1 crashed writing into a checkpoint folder rank 0
-had not made ("Parent directory .../.tmp-checkpoint-N does not exist"). The last test launches a script that asks
-for one device per process under torchrun: refused before training, naming both sizes.
+had not made ("Parent directory .../.tmp-checkpoint-N does not exist"). The last test asks for one device under
+torchrun's variables of a two-process launch: refused before training, naming both sizes.
 """
 
 from __future__ import annotations
@@ -21,10 +21,12 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+
+import hflight
+from hflight.run.launch_check import WorldMismatchError
 
 from . import dropin, launch
-
-pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
 
 GLUE_ARGS = [
     "--do_train", "--do_eval", "--do_predict", "--max_seq_length", "24", "--pad_to_max_length", "false",
@@ -65,6 +67,8 @@ def runs(tmp_path_factory) -> dict[str, dict[str, Path]]:
     return outs
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("example", ["run_glue"])
 def test_the_same_metrics_and_logged_numbers_as_transformers_ddp(runs, example):
     """The metrics and every logged loss, gradient norm and learning rate are transformers'. Also the proof of
@@ -77,6 +81,8 @@ def test_the_same_metrics_and_logged_numbers_as_transformers_ddp(runs, example):
     dropin.assert_same_log_history(both, min_losses=5)
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("example", ["run_glue"])
 def test_the_same_files_weights_optimizer_and_rank_states(runs, example):
     both = runs[example]
@@ -90,18 +96,15 @@ def test_the_same_files_weights_optimizer_and_rank_states(runs, example):
         assert (manifest["run"]["world_size"], manifest["run"]["num_nodes"]) == (2, 1)
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_the_same_predictions_under_torchrun(runs):
     both = runs["run_glue"]
     ours, theirs = ((both[k] / "predict_results.txt").read_text(encoding="utf-8") for k in ("hflight", "transformers"))
     assert ours == theirs and len(ours.splitlines()) == 17
 
 
-SPANS_ONE = """
-import sys
-import torch
-from hflight import Trainer, TrainingArguments
-
-class Tiny(torch.nn.Module):
+class _Tiny(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.linear = torch.nn.Linear(2, 1)
@@ -109,20 +112,24 @@ class Tiny(torch.nn.Module):
     def forward(self, x, labels=None):
         return {"loss": ((self.linear(x).squeeze(-1) - labels) ** 2).mean()}
 
-data = [{"x": torch.ones(2), "labels": torch.tensor(1.0)}] * 8
-args = TrainingArguments(output_dir=sys.argv[1], devices=1, report_to="none", use_cpu=True)
-Trainer(Tiny(), args, train_dataset=data).train()
-"""
 
-
-def test_a_strategy_that_does_not_span_the_launched_processes_is_refused(tmp_path):
-    """``devices=1`` under ``torchrun --nproc_per_node=2``: two processes launched, a strategy of one: refused before
-    any step, naming both sizes and what to set (never two copies of a one-process run)."""
-    script = tmp_path / "spans_one.py"
-    script.write_text(SPANS_ONE, encoding="utf-8")
-    done = launch.run([*launch.torchrun(2), script, tmp_path / "out"], tmp_path, timeout=300)
-    output = done.output
-    assert done.returncode != 0
-    assert "2 processes were launched (torchelastic: WORLD_SIZE=2, LOCAL_WORLD_SIZE=2)" in output, output[-3000:]
-    assert "SingleDeviceStrategy spans 1 (devices=1, num_nodes=1" in output
-    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("checkpoint-*"))
+def test_a_strategy_that_does_not_span_the_launched_processes_is_refused(tmp_path, monkeypatch):
+    """``devices=1`` under ``torchrun --nproc_per_node=2`` (rank 0's variables, as torchrun sets them; the check reads
+    them when the run starts, before any process group: this process is rank 0 of such a launch): two processes
+    launched, a strategy of one: refused before any step, naming both sizes and what to set (never two copies of a
+    one-process run). That hflight sees torchrun's real launch as 2 processes is the run_glue jobs' above (their
+    checkpoints' ``world_size``)."""
+    torchrun_2 = {"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "RANK": "0",
+                  "LOCAL_RANK": "0", "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                  "MASTER_PORT": str(launch.free_port())}  # fmt: skip
+    for name, value in torchrun_2.items():
+        monkeypatch.setenv(name, value)
+    data = [{"x": torch.ones(2), "labels": torch.tensor(1.0)}] * 8
+    args = hflight.TrainingArguments(output_dir=str(tmp_path / "out"), devices=1, report_to="none", use_cpu=True)
+    trainer = hflight.Trainer(_Tiny(), args, train_dataset=data)
+    with pytest.raises(WorldMismatchError) as refused:
+        trainer.train()
+    message = str(refused.value)
+    assert "2 processes were launched (torchelastic: WORLD_SIZE=2, LOCAL_WORLD_SIZE=2)" in message, message
+    assert "SingleDeviceStrategy spans 1 (devices=1, num_nodes=1" in message
+    assert trainer.state.global_step == 0 and not list(tmp_path.glob("out/checkpoint-*"))

@@ -1,15 +1,18 @@
-"""``accelerator_config`` and ``trainer.accelerator`` under torchrun, transformers' Trainer or hflight's on the same
-script (issue 40, items 2 and 3):
+"""``accelerator_config`` and ``trainer.accelerator`` under torchrun, transformers' Trainer and hflight's on the same
+script (issue 40, items 2 and 3), one library after the other in the same two processes (one start for both):
 
-    torchrun --standalone --nproc_per_node 2 tests/jobs/accelcfg_job.py OUT transformers|hflight
+    torchrun --standalone --nproc_per_node 2 tests/jobs/accelcfg_job.py OUT transformers hflight
 
-Several runs, one after the other in the same processes (:data:`RUNS`), of a tiny regression model with dropout whose
-inputs carry their sample id, so that each rank records the samples of every micro-batch it trained on. Each rank
-writes ``OUT/<library>/<run>_rank<r>.json``: the samples seen, ``sync_gradients`` at each step event, the log history,
-the final weights, evaluation and prediction results, and what ``trainer.accelerator`` answers (layout, settings,
-collectives), with whether the process group is still up when ``train()`` returns (transformers' Trainer leaves it to
-the process's exit or ``end_training``, and so must hflight's: the runs after it use it). The first run uses an
-accelerate ``PartialState`` made before the arguments (``use_configured_state``).
+Each library starts as a process of its own would: the environment as the job found it (transformers' arguments set
+``ACCELERATE_*`` variables) and no accelerate state but a new ``PartialState`` on the process group made for the first
+library (the group is the only thing they share). Per library, several runs, one after the other (:data:`RUNS`), of a
+tiny regression model with dropout whose inputs carry their sample id, so that each rank records the samples of every
+micro-batch it trained on. Each rank writes ``OUT/<library>/<run>_rank<r>.json``: the samples seen, ``sync_gradients``
+at each step event, the log history, the final weights, evaluation and prediction results, and what
+``trainer.accelerator`` answers (layout, settings, collectives), with whether the process group is still up when
+``train()`` returns (transformers' Trainer leaves it to the process's exit or ``end_training``, and so must hflight's:
+the runs after it use it). The first run uses an accelerate ``PartialState`` made before the arguments
+(``use_configured_state``).
 """
 
 import gc
@@ -163,17 +166,22 @@ def run_one(library, name: str, config: dict, sizes: dict, out: Path) -> None:
 
 
 def main() -> int:
-    out, name = Path(sys.argv[1]), sys.argv[2]
+    out, names = Path(sys.argv[1]), sys.argv[2:]
     torch.set_num_threads(1)
-    library = {"transformers": transformers, "hflight": hflight}[name]
-    out = out / name
-    out.mkdir(parents=True, exist_ok=True)
-    from accelerate import PartialState
+    from accelerate.state import AcceleratorState, GradientState, PartialState
 
-    PartialState(cpu=True)  # the state "configured_state" uses (made before any TrainingArguments)
-    for run, (config, sizes) in RUNS.items():
-        run_one(library, run, json.loads(json.dumps(config)), sizes, out)
-    if name == "transformers":  # transformers' side ends without the interpreter's teardown (tests/gloo_exit.py)
+    environment = dict(os.environ)
+    for name in names:
+        os.environ.clear()
+        os.environ.update(environment)
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        PartialState(cpu=True)  # the state "configured_state" uses (made before any TrainingArguments)
+        library = {"transformers": transformers, "hflight": hflight}[name]
+        (out / name).mkdir(parents=True, exist_ok=True)
+        for run, (config, sizes) in RUNS.items():
+            run_one(library, run, json.loads(json.dumps(config)), sizes, out / name)
+    if names[-1] == "transformers":  # transformers' side ends without the interpreter's teardown (tests/gloo_exit.py)
         gloo_exit.exit_without_teardown()
     torch.distributed.barrier()
     gc.collect()
