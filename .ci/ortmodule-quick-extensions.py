@@ -29,7 +29,9 @@ from torch.utils import cpp_extension
 
 def _sources(setup_py: str) -> list[str]:
     """The ``source_filenames`` list of an extension's setup.py, read without running it."""
-    for node in ast.walk(ast.parse(open(setup_py, encoding="utf-8").read())):
+    with open(setup_py, encoding="utf-8") as handle:
+        tree = ast.parse(handle.read())
+    for node in ast.walk(tree):
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "source_filenames" for t in node.targets):
             return ast.literal_eval(node.value)
     raise SystemExit(f"{setup_py}: no source_filenames list (another onnxruntime-training than 1.19.2?)")

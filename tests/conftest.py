@@ -1,10 +1,13 @@
 """Shared fixtures: real public QA data from ../shared/data (skipped when absent), the tiny models' builder
-(:class:`tests.support.Factory`), the torch threads and signal handlers each test starts with."""
+(:class:`tests.support.Factory`), the torch threads and signal handlers each test starts with, and Hydra's command
+line run in this process."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -78,6 +81,34 @@ def _signal_handlers_restored():
     for signum, handler in _SESSION_HANDLERS.items():
         if signal.getsignal(signum) is not handler and handler is not None:
             signal.signal(signum, handler)
+
+
+@pytest.fixture
+def command_line(monkeypatch):
+    """``hflight-train ARGV`` run in this process (``cli.main()``, Hydra's command line, from the working directory):
+    what it exits with (0 when it returns; a message, printed as it is, or a status when it exits). Hydra's global
+    state and the root logger's handlers and level are put back after (the handlers a run added closed)."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    from hflight import cli
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+
+    def hflight_train(*argv: str) -> str | int | None:
+        monkeypatch.setattr(sys, "argv", ["hflight-train", *argv])
+        try:
+            cli.main()
+        except SystemExit as exited:
+            return exited.code
+        return 0
+
+    yield hflight_train
+    GlobalHydra.instance().clear()
+    for handler in set(root.handlers) - set(handlers):
+        handler.close()
+    root.handlers[:], root.level = handlers, level
 
 
 @pytest.fixture

@@ -164,29 +164,6 @@ def test_no_gpu_fails_before_any_data_work_as_one_message(tmp_path, monkeypatch)
     assert not (tmp_path / "data").exists()
 
 
-@pytest.fixture
-def command_line(monkeypatch):
-    """``hflight-train ARGV`` run in this process (``cli.main()``, Hydra's command line): what it exits with (a
-    message, printed as it is, or a status). Hydra's global state and the root logger's handlers are put back after."""
-    import logging
-
-    from hydra.core.global_hydra import GlobalHydra
-
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-
-    def hflight_train(*argv: str) -> str | int | None:
-        monkeypatch.setattr(sys, "argv", ["hflight-train", *argv])
-        with pytest.raises(SystemExit) as exited:
-            cli.main()
-        return exited.value.code
-
-    yield hflight_train
-    GlobalHydra.instance().clear()
-    root.handlers[:], root.level = handlers, level
-
-
 def test_the_command_line_finds_the_config_from_another_folder_and_rejects_a_misspelt_option(
     tmp_path, monkeypatch, command_line, capsys
 ):

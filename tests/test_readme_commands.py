@@ -200,41 +200,23 @@ class Ran:
         return self.proc.stdout + self.proc.stderr
 
 
-def _provide_placeholders(cwd: Path, tokens: list[str]) -> None:
+def _provide_placeholders(cwd: Path, tokens: list[str], command_line: Callable[..., object]) -> None:
     """The placeholders for the user's own files (``train.json``, ``path/to/model``), made tiny, and the run a
     ``resume=`` continues, made by a tiny main job."""
     for token in tokens:
         key, _, value = token.partition("=")
         if key == "resume":
-            _finished_run(cwd / value)
+            _finished_run(cwd / value, command_line)
         elif key in PLACEHOLDERS:
             PLACEHOLDERS[key](cwd / value)
 
 
-def _finished_run(folder: Path) -> None:
-    """A finished tiny run of the main job (one epoch) in ``folder``, made by Hydra's command line (``cli.main()``
-    with train.py's arguments, so with the ``.hydra/`` files ``resume=`` reads) in this process, which has torch and
+def _finished_run(folder: Path, command_line: Callable[..., object]) -> None:
+    """A finished tiny run of the main job (one epoch) in ``folder``, made by Hydra's command line in this process
+    (conftest's ``command_line``: ``cli.main()``, so with the ``.hydra/`` files ``resume=`` reads), which has torch and
     transformers imported already: only the ``resume=`` command is the user's, run as written. (The main job's own
-    command runs as written in its own test.) Hydra's global state, the root logger's handlers and torch's thread
-    count (``cpu_threads=1``) are put back after."""
-    import logging
-
-    import torch
-    from hydra.core.global_hydra import GlobalHydra
-
-    from hflight import cli
-
-    root, threads, argv = logging.getLogger(), torch.get_num_threads(), sys.argv
-    handlers, level = root.handlers[:], root.level
-    sys.argv = ["train.py", "+experiment=mrc", *TINY, f"hydra.run.dir={folder}"]
-    try:
-        cli.main()
-    finally:
-        for handler in set(root.handlers) - set(handlers):
-            handler.close()
-        sys.argv, root.handlers[:], root.level = argv, handlers, level
-        GlobalHydra.instance().clear()
-        torch.set_num_threads(threads)
+    command runs as written in its own test.)"""
+    assert command_line("+experiment=mrc", *TINY, f"hydra.run.dir={folder}") == 0
     assert (folder / "all_results.json").is_file() and (folder / ".hydra" / "overrides.yaml").is_file()
 
 
@@ -268,14 +250,14 @@ PLACEHOLDERS: dict[str, Callable[[Path], None]] = {
 }
 
 
-def run_step(step: str, tmp_path: Path) -> Ran:
+def run_step(step: str, tmp_path: Path, command_line: Callable[..., object]) -> Ran:
     clone = fresh_clone(tmp_path / "hflight")
     tokens = shlex.split(step)
     cwd = clone
     if _from_any_folder(tokens):  # "from any folder"
         cwd = tmp_path / "elsewhere"
         cwd.mkdir()
-    _provide_placeholders(cwd, tokens)
+    _provide_placeholders(cwd, tokens, command_line)
     before = set(os.listdir(cwd))
     argv = as_written(step)  # torchrun's commands too: the whole session goes if it hangs
     proc = launch.run(argv, cwd, _environment(clone), merge=False, console=tmp_path / "console.txt", name=step)
@@ -469,12 +451,12 @@ CHECKS: list[tuple[Callable[[list[str]], bool], Callable[[Ran], None]]] = [
 @pytest.mark.subprocess
 @pytest.mark.slow
 @pytest.mark.parametrize("step", RUN, ids=[s.replace(" ", "_")[:80] for s in RUN])
-def test_readme_command_works_as_written(step, tmp_path):
+def test_readme_command_works_as_written(step, tmp_path, command_line):
     tokens = shlex.split(step)
     check = next(check for matches, check in CHECKS if matches(tokens))
     if "trainer=ipu" in tokens and check is check_run:
         pytest.skip("poptorch is importable here, but running on IPUs needs IPUs")
-    check(run_step(step, tmp_path))
+    check(run_step(step, tmp_path, command_line))
 
 
 @pytest.mark.slow
@@ -486,8 +468,6 @@ def test_readme_compose_block_runs_where_the_command_line_would(tmp_path, monkey
     blocks = ["\n".join(lines) for text in DOCUMENTS.values() for _, lines in readme.fenced_blocks(text, "python")
               if "config.compose(" in "\n".join(lines)]  # fmt: skip
     assert len(blocks) == 1
-    import torch
-
     from hflight import config
 
     compose = config.compose
@@ -495,11 +475,7 @@ def test_readme_compose_block_runs_where_the_command_line_would(tmp_path, monkey
     for name in ("HFLIGHT_ROOT", "HFLIGHT_CONFIG_DIR", "HYDRA_FULL_ERROR"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.chdir(tmp_path)
-    threads = torch.get_num_threads()
-    try:
-        exec(compile(blocks[0], "README.md", "exec"), {"__name__": "__main__"})
-    finally:
-        torch.set_num_threads(threads)  # TINY's cpu_threads=1
+    exec(compile(blocks[0], "README.md", "exec"), {"__name__": "__main__"})  # (conftest puts torch's threads back)
     run_dir = _one("outputs/mrc/runs/*", tmp_path)
     _results(run_dir)
     assert f"Final metrics ({run_dir})" in capsys.readouterr().out
