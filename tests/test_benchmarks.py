@@ -300,3 +300,17 @@ def test_checkpoint_cost_prints_the_three_modes_with_their_ratios(tmp_path):
     blocked, waited, first, ratio, write, snapshot = rows["async+fsync"]
     assert float(write) > 0 and float(snapshot) >= 3, done.stdout  # ~1M parameters and two AdamW moments: ~12 MiB
     assert not list(tmp_path.iterdir()), "the checkpoints are removed"
+
+
+def test_checkpoint_gil_prints_the_loop_s_share_beside_each_writer(tmp_path):
+    """benchmarks/checkpoint_gil.py on a tiny GPT-2: the launch loop's rate alone, then its share beside hflight's
+    background write of each checkpoint and beside a plain writer thread (torch.save, safetensors' save_file)."""
+    out = _run_script("checkpoint_gil.py", "--model", "gpt2-tiny", "--checkpoints", "2", "--dir", str(tmp_path))
+    assert re.search(r"^gpt2-tiny: checkpoint \d+ MiB; the loop alone: [\d,]+ operations/s$", out, re.M), out
+    rows = {
+        m.group(1): m.group(2).split() for m in re.finditer(r"^(hflight's|a plain)[^\d]*?\s([\d.]+\s.*)$", out, re.M)
+    }
+    assert set(rows) == {"hflight's", "a plain"}, out
+    for share, seconds, *each in rows.values():
+        assert 0 < float(share) and float(seconds) >= 0 and len(each) == 2, out  # one share/seconds per checkpoint
+    assert not list(tmp_path.iterdir()), "the runs' folders are removed"

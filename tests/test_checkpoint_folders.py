@@ -8,6 +8,7 @@ resume needs the weights, optimizer, scheduler and RNG states)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -22,7 +23,7 @@ import torch
 
 from hflight import durable
 from hflight.checkpoints import folders as checkpoint
-from hflight.checkpoints import job, parts
+from hflight.checkpoints import job, parts, torch_file
 from hflight.checkpoints.manifest import MANIFEST_NAME, get_last_checkpoint, verify_checkpoint
 
 from .checkpoint_runs import assert_same, digest, make_trainer
@@ -245,24 +246,33 @@ def test_a_full_disk_during_a_save_is_one_error_and_the_previous_checkpoint_stay
 
 
 class _FailingWrite:
-    """Replaces torch.save in hflight.checkpoints.folders: fails on ``name`` the way torch's zip writer does."""
+    """Replaces torch.save, or hflight's writer of the optimizer's file (``torch_file.save``: ``hasher`` is its third
+    argument): fails on ``name`` the way the writer does, having started the file."""
 
-    def __init__(self, name: str, error: Exception) -> None:
-        self.name, self.error, self.real = name, error, torch.save
+    def __init__(self, name: str, error: Exception, real) -> None:
+        self.name, self.error, self.real = name, error, real
 
     def __call__(self, obj, path, *args, **kwargs):
-        if os.path.basename(path) == self.name:
-            Path(path).write_bytes(b"PK\x03\x04")  # torch had started the file
+        if isinstance(path, (str, os.PathLike)) and os.path.basename(path) == self.name:
+            Path(path).write_bytes(b"PK\x03\x04")
             raise self.error
         return self.real(obj, path, *args, **kwargs)
+
+
+def _fail_writing(monkeypatch, name: str, error: Exception) -> None:
+    """Writing ``name`` raises ``error``, whichever writer writes it (hflight's for the optimizer's file, torch.save
+    for the small ones)."""
+    monkeypatch.setattr(parts.torch, "save", _FailingWrite(name, error, torch.save))
+    monkeypatch.setattr(torch_file, "save", _FailingWrite(name, error, torch_file.save))
 
 
 @pytest.mark.parametrize(
     "name, error, free, cause",
     [
-        ("optimizer.pt", RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0"), 0,
+        ("optimizer.pt", OSError(errno.ENOSPC, "No space left on device"), 0, "no space left on device"),
+        ("scheduler.pt", RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0"), 0,
          "no space left on device"),
-        ("scheduler.pt", RuntimeError("basic_ios::clear: iostream error"), 0, "no space left on device"),
+        ("rng_state.pth", RuntimeError("basic_ios::clear: iostream error"), 0, "no space left on device"),
         ("rng_state.pth", PermissionError(13, "Permission denied"), 10**9, "permission denied"),
         ("optimizer.pt", OSError(5, "Input/output error"), 10**9, "input/output error"),
     ],
@@ -271,7 +281,7 @@ def test_each_kind_of_write_failure_is_named(saved, tmp_path, factory, monkeypat
     out = tmp_path / "run"
     shutil.copytree(saved / "checkpoint-3", out / "checkpoint-3")
     before = digest(out / "checkpoint-3")
-    monkeypatch.setattr(parts.torch, "save", _FailingWrite(name, error))
+    _fail_writing(monkeypatch, name, error)
     real_usage = shutil.disk_usage
     monkeypatch.setattr(shutil, "disk_usage", lambda p: real_usage(p)._replace(free=free))
     trainer = make_trainer(out, factory, stop_at=6)
@@ -287,6 +297,6 @@ def test_each_kind_of_write_failure_is_named(saved, tmp_path, factory, monkeypat
 
 
 def test_a_failure_that_is_not_a_write_is_not_disguised_as_one(saved, tmp_path, factory, monkeypatch):
-    monkeypatch.setattr(parts.torch, "save", _FailingWrite("scheduler.pt", RuntimeError("a bug")))
+    _fail_writing(monkeypatch, "scheduler.pt", RuntimeError("a bug"))
     with pytest.raises(RuntimeError, match="^a bug$"):
         make_trainer(tmp_path, factory, stop_at=3).train()

@@ -16,7 +16,7 @@ import pytest
 import torch
 import transformers
 
-from hflight.checkpoints import asynchronous
+from hflight.checkpoints import asynchronous, writer_process
 
 from .support import torch_file_records
 
@@ -67,6 +67,13 @@ def _checkpoint(writer, states: dict) -> dict:
     snapshots = {name: writer.snapshot(name, state) for name, state in states.items()}
     writer.snapshot_done()
     return snapshots
+
+
+@pytest.fixture(autouse=True)
+def thread_writer(monkeypatch):
+    """The writer without its writer process: the layout is the same, from memory of the process's own (the shared
+    memory of the writer process and its release: tests/test_writer_process.py)."""
+    monkeypatch.setattr(writer_process, "available", lambda: False)
 
 
 @pytest.fixture

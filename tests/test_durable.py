@@ -27,7 +27,7 @@ import transformers
 
 import hflight
 from hflight import durable
-from hflight.checkpoints import asynchronous, folders, job, torch_file
+from hflight.checkpoints import asynchronous, folders, job, torch_file, writer_process
 from hflight.checkpoints.manifest import Checksums, get_last_checkpoint, verify_checkpoint
 
 from .checkpoint_runs import make_trainer
@@ -395,6 +395,9 @@ def test_sigterm_waits_for_the_write_in_flight_and_reports_a_published_checkpoin
 
 
 def test_a_failed_background_write_stops_the_run_and_keeps_the_previous_checkpoint(tmp_path, factory, monkeypatch):
+    """The writer thread's own write (where no writer process runs; a failure in the process is
+    tests/test_writer_process.py's)."""
+    monkeypatch.setattr(writer_process, "available", lambda: False)
     real = torch_file.save  # the background writer's torch.save
 
     def full_disk(obj, path, *args, **kwargs):
@@ -570,6 +573,7 @@ def test_a_failed_rotation_is_logged_and_the_run_goes_on(tmp_path, factory, monk
 
 
 def test_a_background_failure_that_is_not_a_write_failure_leaves_no_unfinished_folder(tmp_path, factory, monkeypatch):
+    monkeypatch.setattr(writer_process, "available", lambda: False)  # a failure of the writer thread's own code
     real = torch_file.save
 
     def bug(obj, path, *args, **kwargs):

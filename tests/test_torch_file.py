@@ -7,6 +7,7 @@ import io
 import logging
 import struct
 import zipfile
+import zlib
 
 import pytest
 import torch
@@ -105,10 +106,11 @@ def test_the_hasher_sees_every_byte_of_the_file(tmp_path):
     assert hasher.hexdigest() == file_digest(tmp_path / "written.pt")
 
 
-def test_the_crc_of_a_record_is_carried_across_its_chunks(tmp_path, monkeypatch):
-    """A record's CRC-32 is computed a chunk at a time (64 MiB, the lock released for each): the chunk lowered so
-    that every storage spans several, each record's CRC still checks and the records are torch.save's."""
-    monkeypatch.setattr(torch_file, "_CHUNK", 1000)  # the 64x32 float weight: 9 chunks
+def test_the_crc_of_a_record_checksummed_in_parts_checks(tmp_path, monkeypatch):
+    """A large record's CRC-32 is computed in parts side by side (from 4 MiB): the threshold lowered so that the
+    larger storages are, each record's CRC still checks and the records are torch.save's."""
+    monkeypatch.setattr(torch_file, "_PARALLEL_CRC_BYTES", 1000)  # the 64x32 float weight: 4 parts
+    monkeypatch.setattr(torch_file.os, "cpu_count", lambda: 4)
     state = _state()
     torch.save(state, tmp_path / "reference.pt")
     torch_file.save(state, tmp_path / "written.pt")
@@ -164,3 +166,16 @@ def test_a_writer_whose_records_differ_from_torch_save_s_on_the_probe_gives_way_
         assert torch_file.save({"x": torch.ones(2)}, tmp_path / "written.pt") is False
     assert "the bytes of ['byteorder'] differ" in caplog.text
     assert torch_file_records(tmp_path / "written.pt")["byteorder"] == b"little"  # torch.save's file
+
+
+@pytest.mark.parametrize("size", [0, 5, 4 << 20, (8 << 20) + 3, (17 << 20) + 11])
+def test_a_large_record_s_crc_computed_in_parts_is_zlib_s(size, monkeypatch):
+    """Records of 4 MiB and more are checksummed in parts side by side and the parts' CRCs combined."""
+    monkeypatch.setattr(torch_file.os, "cpu_count", lambda: 4)
+    data = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(size)).numpy()
+    view = memoryview(data)
+    assert torch_file._crc32(view) == zlib.crc32(view)
+    if size >= 8 << 20:  # in parts: the combination of the parts' CRCs, not one crc32 of the whole
+        whole = zlib.crc32
+        monkeypatch.setattr(torch_file.zlib, "crc32", lambda piece, *a: whole(piece, *a) if len(piece) < size else 0)
+        assert torch_file._crc32(view) == whole(view)

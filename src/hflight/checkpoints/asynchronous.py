@@ -23,6 +23,12 @@ training stream has queued; the training stream waits for them on the device (an
 step cannot change a tensor before it is copied and the loop goes on at once; the writer thread waits for the event
 before it reads the copies. Tensors in host memory are copied there and then.
 
+Where it can run (Linux), the staging area is shared memory and the largest files, ``optimizer.pt`` and the model's
+safetensors files, are written by a child process (:mod:`hflight.checkpoints.writer_process`), so that their
+serialization, hashing and writing take nothing of the training process's interpreter lock; the background thread
+sends it each file's structure and waits for its checksum, and writes the rest itself. Buffers the staging area
+replaces are released once the write reading them is over.
+
 At most one write is in flight: a checkpoint that comes while the previous one is still written waits for it. The
 first such wait of a run is a warning with the numbers (how long that write took, its bytes, how soon the next
 checkpoint came: a larger ``save_steps`` or a faster disk stops the stalls); later ones are logged at info level.
@@ -50,6 +56,7 @@ from typing import Any
 
 import torch
 
+from hflight.checkpoints import writer_process
 from hflight.checkpoints.job import CheckpointJob, CheckpointWriteError
 from hflight.checkpoints.weights import deepspeed_left_alone
 
@@ -94,6 +101,10 @@ class CheckpointWriter:
     def __init__(self, asynchronous: bool, world: Any = None) -> None:
         self.asynchronous = asynchronous
         self.world = world
+        # where it can run: the staging area in shared memory, the large files written by a child process
+        self._process = writer_process.WriterProcess() if asynchronous and writer_process.available() else None
+        self._retired: list[Any] = []  # buffers the write in flight may still read: released once it is over
+        self._overflows: list[Any] = []  # the overflow buffers of the snapshot being taken
         self._thread: threading.Thread | None = None
         self._callbacks_over: threading.Event | None = None  # the job in flight's: its on_save is over
         self._in_flight: str | None = None  # every process: the checkpoint written in the background, until all know
@@ -128,7 +139,7 @@ class CheckpointWriter:
         if not self.asynchronous:
             return CheckpointJob(folder, final_dir, None, main, self.entries_made_durable)
         return CheckpointJob(folder, final_dir, self.snapshot, main, self.entries_made_durable, last=last,
-                             on_save_follows=on_save_follows)  # fmt: skip
+                             on_save_follows=on_save_follows, process=self._process)  # fmt: skip
 
     # ---- the snapshot ----------------------------------------------------------------------------------------------
     @property
@@ -147,6 +158,7 @@ class CheckpointWriter:
         if not self.asynchronous:
             return state
         self._say_wait(self._join())  # the staging area belongs to the write in flight until it is done
+        self._release_retired()
         # deepcopy with every tensor already mapped to its copy: the copy has the original's structure exactly
         # (shared objects stay shared, so torch.save writes the same bytes)
         memo: dict[int, Any] = {}
@@ -200,7 +212,8 @@ class CheckpointWriter:
         if not pending:
             return
         start = pending[0][0].offset
-        buffer = _host_memory(self._end - start, pinned=False)
+        buffer = self._host_memory(self._end - start, pinned=False)
+        self._overflows.append(buffer)
         self._overflow_bytes += len(buffer)
         for slot, source in pending:
             slot.buffer, slot.at = buffer, slot.offset - start
@@ -258,12 +271,28 @@ class CheckpointWriter:
         for _, slot in kept:
             offsets.append(_aligned(end, slot.nbytes))
             end = offsets[-1] + slot.nbytes
-        area = _host_memory(end, pinned=self._pinned)
+        area = self._host_memory(end, pinned=self._pinned)
+        # the copies just made into the old area and the overflow buffers are this checkpoint's: released once written
+        self._retired += [each for each in (self._area, *self._overflows) if each is not None]
+        self._overflows = []
         self._slots = {
             key: _Slot(offset, slot.nbytes, area, offset, _over(area, offset, slot.copy))  # type: ignore[arg-type]
             for (key, slot), offset in zip(kept, offsets)
         }
         self._area, self._end, self._overflow_bytes, self._area_pinned = area, end, 0, self._pinned
+
+    def _host_memory(self, nbytes: int, pinned: bool) -> Any:
+        """Host memory for copies: shared with the writer process where there is one."""
+        if self._process is not None:
+            return self._process.allocate(nbytes, pinned)
+        return _host_memory(nbytes, pinned)
+
+    def _release_retired(self) -> None:
+        """The buffers replaced by a reallocation of the staging area, once no write reads them any more."""
+        retired, self._retired = self._retired, []
+        if self._process is not None:
+            for buffer in retired:
+                self._process.release(buffer)
 
     # ---- the write -------------------------------------------------------------------------------------------------
     def submit(self, job: CheckpointJob | None, what: str, last: bool = False) -> None:
@@ -391,8 +420,18 @@ class CheckpointWriter:
             )
 
     def close(self, raising: bool) -> None:
-        """At the end of ``fit``: wait for the write in flight. ``raising``: ``fit`` raised already (on this process;
-        the others may not be here); a failed write is then logged, not raised over the error that ended the run."""
+        """At the end of ``fit``: wait for the write in flight (and stop the writer process, its shared memory
+        released). ``raising``: ``fit`` raised already (on this process; the others may not be here); a failed write
+        is then logged, not raised over the error that ended the run."""
+        try:
+            self._close(raising)
+        finally:
+            if self._process is not None:
+                self._process.close()
+                self._slots, self._area, self._end, self._overflows, self._retired = {}, None, 0, [], []
+                self._overflow_bytes, self._area_pinned = 0, False
+
+    def _close(self, raising: bool) -> None:
         if not raising:
             self.wait()
             return

@@ -30,13 +30,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from hflight import durable
 from hflight._util import exception_chain
-from hflight.checkpoints import torch_file
+from hflight.checkpoints import safetensors_file, torch_file
 from hflight.checkpoints.manifest import Checksums, new_digest, write_manifest
 from hflight.checkpoints.names import DELETING_SUFFIX, MANIFEST_NAME, REPLACED_SUFFIX, TMP_PREFIX
+from hflight.checkpoints.writer_process import WriterProcessDied
 
 logger = logging.getLogger(__name__)
 
@@ -145,8 +144,10 @@ class CheckpointJob:
         entries_made_durable: set[tuple[int, int]],
         last: bool = False,
         on_save_follows: bool = False,
+        process: Any = None,
     ) -> None:
         self.folder, self.final_dir, self.main, self.last = folder, final_dir, main, last
+        self._process = process  # the writer process of the large files (hflight.checkpoints.writer_process), if any
         self.what = f"checkpoint {final_dir}"
         self._snapshot = snapshot
         self._entries_made_durable = entries_made_durable
@@ -163,6 +164,7 @@ class CheckpointJob:
         waits = main and self.background and not last and on_save_follows
         self._found = _entries(final_dir) if waits else None
         self._placeholder = False  # final_dir was made by open_final_dir, and is not yet the published folder
+        safetensors_file.install()  # the model's safetensors files of its steps hashed as they are written
 
     @property
     def background(self) -> bool:
@@ -175,7 +177,8 @@ class CheckpointJob:
         write failure is raised as one :class:`CheckpointWriteError` (the unfinished folder removed by the main
         process)."""
         try:
-            result = step()
+            with safetensors_file.hashed_into(_Hashing(self._checksums)):
+                result = step()
         except Exception as exc:
             error = write_error(exc, self.folder, self.what, file, discard=self.main)
             if error is None:
@@ -186,22 +189,34 @@ class CheckpointJob:
         return result
 
     def save(self, obj: Any, path: str) -> None:
-        """``torch.save(obj, path)``: now, or later from a snapshot of ``obj`` taken now (written by
-        :func:`hflight.checkpoints.torch_file.save`: the same file, without holding the interpreter lock while the
-        bytes are copied, so the training loop runs beside it)."""
+        """``torch.save(obj, path)``'s file, now, or later from a snapshot of ``obj`` taken now; either way written by
+        :func:`hflight.checkpoints.torch_file.save` (the same records; front to back, past the page cache where the
+        file system allows it, so that its fsync is cheap; hashed as it is written, so that it is not read back;
+        the interpreter lock released while the bytes are copied, so that a training loop runs beside it)."""
         if self._snapshot is None:
-            torch.save(obj, path)
+            self._save_hashed(obj, path, self._checksums)
             return
         name = os.path.basename(path)
         copy = self.snapshot(name, obj)
         self._later.append((name, lambda: self._save_later(copy, path)))
 
     def _save_later(self, obj: Any, path: str) -> None:
-        """``obj`` written by :func:`~hflight.checkpoints.torch_file.save`, hashed as it is written (where it could
-        not be, the checksums' thread hashes the file, as every other)."""
-        hasher = new_digest()
-        if torch_file.save(obj, path, hasher) and self._finishing is not None:
-            self._finishing.add_hashed(path, hasher.hexdigest())
+        """``obj`` written by the writer process where there is one and it takes it, else as a synchronous save's."""
+        digest = _in_writer_process(lambda: self._process.save_torch(obj, path)) if self._process else None
+        if digest is not None:
+            if digest and self._finishing is not None:
+                self._finishing.add_hashed(path, digest)
+            return
+        self._save_hashed(obj, path, self._finishing)
+
+    @staticmethod
+    def _save_hashed(obj: Any, path: str, checksums: Checksums | None) -> None:
+        """``obj`` written by :func:`~hflight.checkpoints.torch_file.save` and hashed as it is written, for
+        ``checksums`` (None: this process keeps none); where it could not be (``torch.save`` wrote it), the checksums'
+        thread hashes the file, as every other."""
+        hasher = new_digest() if checksums is not None else None
+        if torch_file.save(obj, path, hasher) and checksums is not None:
+            checksums.add_hashed(path, hasher.hexdigest())
 
     def snapshot(self, name: str, state: Any, transient: bool = False) -> Any:
         """``state`` as the job writes it later: a copy taken now (``save_async``), or itself (synchronous; the run's
@@ -310,7 +325,8 @@ class CheckpointJob:
         """Run ``step``, then hand the files it made to ``checksums`` (None: later, once the steps beside it are
         over, so that no file is taken while it is half written)."""
         try:
-            step()
+            with safetensors_file.hashed_into(_Hashing(self._finishing, self._process)):
+                step()
             if checksums is not None:
                 checksums.add_new(self.folder)
         except Exception as exc:
@@ -377,6 +393,43 @@ class CheckpointJob:
         if taken:
             logger.info(f"{', '.join(taken)}, written into {self.final_dir} after its save (by _save_checkpoint or "
                         "on_save) while it was written in the background, kept in it.")  # fmt: skip
+
+
+def _in_writer_process(write: Callable[[], str | None]) -> str | None:
+    """``write()``'s checksum; None where the writer process did not write the file: it declined, or it died while it
+    wrote it (said in the log: the writer thread writes the file over, and the next file starts a new process)."""
+    try:
+        return write()
+    except WriterProcessDied as exc:
+        logger.warning(f"{exc}: the background writer thread writes it again.")
+        return None
+
+
+class _Hashing:
+    """Where a step's safetensors files go (``hflight.checkpoints.safetensors_file.hashed_into``): their checksums to
+    ``checksums``; written by ``process`` (the writer process) where there is one and it takes them."""
+
+    def __init__(self, checksums: Checksums | None, process: Any = None) -> None:
+        self.checksums, self.process = checksums, process
+
+    def __bool__(self) -> bool:
+        return self.checksums is not None
+
+    def new_digest(self) -> Any:
+        return new_digest()
+
+    def add_hashed(self, path: str | os.PathLike, digest: str) -> None:
+        self.checksums.add_hashed(path, digest)
+
+    def written_elsewhere(self, tensors: Any, path: str | os.PathLike, metadata: Any) -> bool:
+        """Whether the writer process wrote the file (and its checksum is given)."""
+        if self.process is None:
+            return False
+        digest = _in_writer_process(lambda: self.process.save_safetensors(tensors, path, metadata))
+        if digest is None:
+            return False
+        self.add_hashed(path, digest)
+        return True
 
 
 def _entries(folder: str) -> dict[str, tuple[Any, ...]]:

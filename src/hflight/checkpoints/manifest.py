@@ -124,6 +124,11 @@ class Checksums:
                 if path.is_file() and path.name != MANIFEST_NAME and path not in self._pending:
                     self._add(path, None)
 
+    @staticmethod
+    def new_digest() -> Any:
+        """A streaming checksum for a writer that hashes the bytes it writes (:func:`new_digest`)."""
+        return new_digest()
+
     def add_hashed(self, path: str | os.PathLike, digest: str) -> None:
         """Start fsyncing ``path``, whose checksum its writer computed from the bytes it wrote (``new_digest``)."""
         with self._lock:

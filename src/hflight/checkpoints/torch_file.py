@@ -24,6 +24,7 @@ May import: ``hflight.checkpoints.direct_file``.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import inspect
 import io
@@ -31,7 +32,7 @@ import logging
 import os
 import pickle
 import struct
-import tempfile
+import threading
 import uuid
 import zipfile
 import zlib
@@ -47,7 +48,11 @@ logger = logging.getLogger(__name__)
 _DEFAULT_ALIGNMENT = 64
 #: the id of the extra field that pads a local header so that the record's data is aligned (torch's "FB")
 _PADDING_ID = 0x4246
-_CHUNK = 64 << 20  # bytes handed to one crc32 (the lock released for each)
+#: a record of at least this many bytes has its CRC-32 computed in parts, side by side (:func:`_crc32`)
+_PARALLEL_CRC_BYTES = 4 << 20
+_CRC_POLYNOMIAL = 0xEDB88320  # CRC-32's, reflected (zlib's)
+_crc_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_crc_pool_lock = threading.Lock()
 #: above this, a size or offset goes into a zip64 extra field (a test lowers it to exercise the zip64 framing)
 _ZIP64_LIMIT = 0xFFFFFFFF
 _DOS_DATE = (1980 - 1980) << 9 | 1 << 5 | 1  # 1980-01-01, as torch's and zipfile's fixed-date records
@@ -114,10 +119,9 @@ def _torch_records() -> list[tuple[str, bytes | None]] | None:
     save(_probe(), written_by_save, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
     end = [(name, None if name == _SERIALIZATION_ID else data) for name, data in reference
            if name not in written_by_save.names]  # fmt: skip
-    with tempfile.TemporaryDirectory(prefix="hflight-torch-file-") as folder:
-        path = os.path.join(folder, "probe.pt")
-        _write(_probe(), path, None, end)
-        ours = _records(path)
+    probe = io.BytesIO()  # in memory: the probe runs inside a run, whose folders nothing else may touch
+    _write_archive(_probe(), probe, "probe", end)
+    ours = _records(probe.getvalue())
     if [name for name, _ in ours] != [name for name, _ in reference]:
         return _differs(f"records {[n for n, _ in ours]} where torch.save writes {[n for n, _ in reference]}")
     differing = [a for (a, x), (_, y) in zip(ours, reference) if x != y and a != _SERIALIZATION_ID]
@@ -140,10 +144,68 @@ def _storage_bytes(storage: Any) -> memoryview:
     return memoryview(view.numpy())
 
 
+def _gf2_times(matrix: list[int] | tuple[int, ...], vector: int) -> int:
+    """A 32x32 matrix over GF(2) (its columns as 32-bit integers) times a vector."""
+    total, column = 0, 0
+    while vector:
+        if vector & 1:
+            total ^= matrix[column]
+        vector >>= 1
+        column += 1
+    return total
+
+
+def _gf2_product(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    """``a`` after ``b``."""
+    return tuple(_gf2_times(a, column) for column in b)
+
+
+@functools.lru_cache(maxsize=256)
+def _zeros_operator(nbytes: int) -> tuple[int, ...]:
+    """The operator that turns the CRC-32 of some bytes into the CRC-32 of those bytes followed by ``nbytes`` zeros
+    (without the pre- and post-conditioning, which cancel in :func:`_crc32_combine`): zlib's ``crc32_combine``."""
+    operator = tuple(1 << n for n in range(32))  # the identity
+    power = (_CRC_POLYNOMIAL, *(1 << n for n in range(31)))  # one zero bit
+    for _ in range(3):  # one zero byte
+        power = _gf2_product(power, power)
+    while nbytes:
+        if nbytes & 1:
+            operator = _gf2_product(power, operator)
+        nbytes >>= 1
+        if nbytes:
+            power = _gf2_product(power, power)
+    return operator
+
+
+def _crc32_combine(first: int, second: int, second_length: int) -> int:
+    """The CRC-32 of two byte strings one after the other, from their CRC-32s and the second's length."""
+    return _gf2_times(_zeros_operator(second_length), first) ^ second
+
+
+def _crc32(view: memoryview) -> int:
+    """``zlib.crc32(view)``; a large record in equal parts side by side (``zlib.crc32`` releases the interpreter lock),
+    their CRCs combined, on as many threads as the machine has cores (at most 8)."""
+    parts = min(8, os.cpu_count() or 1, len(view) // _PARALLEL_CRC_BYTES)
+    if parts < 2:
+        return zlib.crc32(view)
+    global _crc_pool
+    with _crc_pool_lock:
+        if _crc_pool is None:
+            _crc_pool = concurrent.futures.ThreadPoolExecutor(parts - 1, thread_name_prefix="hflight-crc32")
+    step = -(-len(view) // parts)
+    pieces = [view[begin : begin + step] for begin in range(0, len(view), step)]
+    others = [_crc_pool.submit(zlib.crc32, piece) for piece in pieces[1:]]
+    crc = zlib.crc32(pieces[0])
+    for piece, other in zip(pieces[1:], others):
+        crc = _crc32_combine(crc, other.result(), len(piece))
+    return crc
+
+
 class _ZipRecords:
     """The writer ``torch.serialization._save`` writes its records to: each record stored, its data aligned to
     ``alignment`` bytes in the file, written once, front to back, into ``out`` (a
-    :class:`~hflight.checkpoints.direct_file.DirectFile`); the central directory at :meth:`close`."""
+    :class:`~hflight.checkpoints.direct_file.DirectFile`; the probe's: a ``BytesIO``); the central directory at
+    :meth:`close`."""
 
     def __init__(self, out: DirectFile, archive: str, alignment: int) -> None:
         self._out, self._archive, self._alignment = out, archive, alignment
@@ -154,9 +216,7 @@ class _ZipRecords:
             data = data.encode("utf-8")
         view = memoryview(data) if isinstance(data, (bytes, bytearray, memoryview)) else _storage_bytes(data)
         view = view.cast("B")[:size]
-        crc = 0
-        for begin in range(0, size, _CHUNK):
-            crc = zlib.crc32(view[begin : begin + _CHUNK], crc)
+        crc = _crc32(view)
         filename = f"{self._archive}/{name}".encode("ascii")
         offset = self._out.tell()
         zip64 = size >= _ZIP64_LIMIT
@@ -220,6 +280,11 @@ def _write(obj: Any, path: str | os.PathLike, hasher: Any, records: list[tuple[s
     """``obj``'s archive into ``path`` through this module's writer, ending with ``records`` (torch's end records)."""
     archive = os.path.splitext(os.path.basename(os.fspath(path)))[0] or "archive"
     with DirectFile(path, hasher) as out:
-        writer = _ZipRecords(out, archive, _alignment())
-        torch.serialization._save(obj, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
-        writer.close(records)
+        _write_archive(obj, out, archive, records)
+
+
+def _write_archive(obj: Any, out: Any, archive: str, records: list[tuple[str, bytes | None]]) -> None:
+    """``obj``'s archive, named ``archive`` inside, written into ``out`` (``write``, ``tell``)."""
+    writer = _ZipRecords(out, archive, _alignment())
+    torch.serialization._save(obj, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
+    writer.close(records)

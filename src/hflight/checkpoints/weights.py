@@ -161,7 +161,7 @@ def save_model_files(
         with _writing_on_this_process(model):
             model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True, is_main_process=writes)
     elif writes:
-        from safetensors.torch import save_file
+        from hflight.checkpoints.safetensors_file import save_file
 
         state = {k: v.contiguous() for k, v in (state_dict or model.state_dict()).items()}
         save_file(state, os.path.join(output_dir, SAFE_WEIGHTS_NAME), metadata={"format": "pt"})

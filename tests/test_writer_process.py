@@ -1,0 +1,182 @@
+"""hflight.checkpoints.writer_process: save_async's large files (optimizer.pt, model.safetensors) written by a child
+process from shared memory, off the training process's interpreter lock (issue 56, item 4): the same files as a
+synchronous save's, a write error in the child failing the checkpoint naming its file, a child that dies replaced
+without losing the checkpoint, a child in a session of its own that ends with the training process."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from hflight.checkpoints import folders, job, writer_process
+from hflight.checkpoints.manifest import get_last_checkpoint, verify_checkpoint
+
+from .checkpoint_runs import make_trainer
+from .support import torch_file_records
+
+pytestmark = pytest.mark.skipif(not writer_process.available(), reason="needs memfd_create (Linux)")
+
+
+@pytest.fixture
+def children(monkeypatch):
+    """The writer processes the runs start, and what each of their requests answered, by file name."""
+    started, answers = [], []
+    real_spawn, real_request = writer_process.WriterProcess._spawn, writer_process.WriterProcess._request
+
+    def spawn(self):
+        before = self._process
+        real_spawn(self)
+        if self._process is not before and self._process is not None:
+            started.append(self._process)
+
+    def request(self, message, used):
+        answer = real_request(self, message, used)
+        answers.append((os.path.basename(os.path.dirname(message[1])), os.path.basename(message[1]), answer))
+        return answer
+
+    monkeypatch.setattr(writer_process.WriterProcess, "_spawn", spawn)
+    monkeypatch.setattr(writer_process.WriterProcess, "_request", request)
+    return started, answers
+
+
+def test_the_large_files_are_the_child_s_and_equal_a_synchronous_save_s(tmp_path, factory, children):
+    started, answers = children
+    background = make_trainer(tmp_path / "async", factory, max_steps=6, save_steps=2, save_async=True)
+    background.train()
+    make_trainer(tmp_path / "sync", factory, max_steps=6, save_steps=2).train()
+    # checkpoints 2 and 4 from the snapshot (by the child); 6, the last, from the state itself (by the thread)
+    written = {(folder, name) for folder, name, digest in answers if digest}
+    assert written == {(f".tmp-checkpoint-{n}", name) for n in (2, 4) for name in ("optimizer.pt", "model.safetensors")}
+    for step in (2, 4, 6):
+        ours, theirs = tmp_path / "async" / f"checkpoint-{step}", tmp_path / "sync" / f"checkpoint-{step}"
+        verify_checkpoint(ours, full=True)  # the child's checksums are the files'
+        assert (ours / "model.safetensors").read_bytes() == (theirs / "model.safetensors").read_bytes()
+        records = [torch_file_records(folder / "optimizer.pt") for folder in (ours, theirs)]
+        assert [name for name in records[0] if records[0][name] != records[1].get(name)] == [".data/serialization_id"]
+    (child,) = started
+    assert child.poll() is not None, "the child ends with the run's fit"
+
+
+def test_a_write_error_in_the_child_fails_the_checkpoint_naming_its_file(tmp_path, factory, children, monkeypatch):
+    """The child cannot create optimizer.pt (a folder is in its place): its error comes back with its errno."""
+    real = job.CheckpointJob.write_later
+
+    def in_the_way(self, file, step):
+        if file == "optimizer.pt" and self.folder.endswith(".tmp-checkpoint-4"):
+            os.mkdir(os.path.join(self.folder, file))
+        return real(self, file, step)
+
+    monkeypatch.setattr(job.CheckpointJob, "write_later", in_the_way)
+    out = tmp_path / "run"
+    trainer = make_trainer(out, factory, max_steps=8, save_steps=2, save_async=True, save_total_limit=1)
+    with pytest.raises(folders.CheckpointWriteError) as raised:
+        trainer.train()
+    assert str(raised.value).startswith(
+        f"Could not save checkpoint {out / 'checkpoint-4'}: writing optimizer.pt failed: is a directory."
+    )
+    assert get_last_checkpoint(out) == str(out / "checkpoint-2")
+    assert not list(out.glob(".tmp-*"))
+
+
+def test_a_child_that_dies_mid_write_is_replaced_and_the_checkpoint_kept(
+    tmp_path, factory, children, monkeypatch, caplog
+):
+    """The child is killed while it holds checkpoint-4's optimizer.pt (stopped before the request reaches it, so that
+    it cannot answer first): the thread writes that file, and the next file starts a new child."""
+    started, _ = children
+    real_send = writer_process._send
+
+    def send(sock, message, fds=None):
+        killing = message[0] == "torch" and ".tmp-checkpoint-4" in message[1] and len(started) == 1
+        if killing:
+            os.kill(started[0].pid, signal.SIGSTOP)
+        real_send(sock, message, fds)
+        if killing:
+            os.kill(started[0].pid, signal.SIGKILL)
+
+    monkeypatch.setattr(writer_process, "_send", send)
+    out = tmp_path / "run"
+    with caplog.at_level(logging.WARNING, logger=job.__name__):
+        make_trainer(out, factory, max_steps=8, save_steps=2, save_async=True).train()
+    assert "The checkpoint writer process ended while it wrote" in caplog.text
+    assert "optimizer.pt" in caplog.text and "the background writer thread writes it again" in caplog.text
+    assert len(started) == 2, "the next file started a new child"
+    for step in (2, 4, 6, 8):
+        verify_checkpoint(out / f"checkpoint-{step}", full=True)
+
+
+def test_the_child_has_a_session_of_its_own_and_ends_with_its_training_process(tmp_path):
+    """Signals to the training job's process group are the training process's; a killed training process takes its
+    child with it (the child would otherwise go on writing into the run's folder)."""
+    script = textwrap.dedent(
+        """
+        import os, sys, time
+        from hflight.checkpoints import writer_process
+        process = writer_process.WriterProcess()
+        process.allocate(4096, pinned=False)
+        process._ready()  # it has answered: past its start
+        print(process._process.pid, os.getsid(process._process.pid), os.getsid(0), flush=True)
+        time.sleep(60)
+        """
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    child, child_session, parent_session = map(int, parent.stdout.readline().split())
+    assert child_session != parent_session
+    os.kill(child, signal.SIGSTOP)  # as if busy writing: it would not notice its connection closing
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    for _ in range(100):
+        if not _running(child):
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(child, signal.SIGKILL)
+        pytest.fail(f"the writer process {child} outlived its training process")
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie waiting for its new parent to reap it has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_the_staging_area_is_shared_memory_reused_and_released_once_written(tmp_path, children):
+    """The first checkpoint's overflow buffer and the area made after it are the child's memory; the later
+    checkpoints reuse the area (no new memory), and the overflow buffer is released once the write reading it is
+    over (the child told to unmap it with the next message)."""
+    import torch
+
+    from hflight.checkpoints.asynchronous import CheckpointWriter
+
+    writer = CheckpointWriter(asynchronous=True)
+    state = {"weight": torch.randn(64, 64), "bias": torch.randn(64)}
+    made = []
+    real = writer._process.allocate
+    writer._process.allocate = lambda nbytes, pinned: made.append(nbytes) or real(nbytes, pinned)
+    try:
+        for step in (1, 2, 3):
+            folder = tmp_path / f"checkpoint-{step}"
+            folder.mkdir()
+            snapshot = writer.snapshot("state.pt", state)
+            writer.snapshot_done()
+            assert all(writer._process.place(t) is not None for t in snapshot.values()), "in shared memory"
+            assert writer._process.save_torch(snapshot, folder / "state.pt")
+            saved = {name: tensor.clone() for name, tensor in state.items()}
+            state["weight"] += 1
+        assert len(made) == 2, "one overflow buffer, then the area, reused by the later checkpoints"
+        assert list(writer._process._areas) == [1], "the overflow buffer released once written"
+        loaded = torch.load(tmp_path / "checkpoint-3" / "state.pt")
+        assert all(torch.equal(loaded[name], saved[name]) for name in saved)
+    finally:
+        writer.close(raising=False)
+    assert writer._process._process is None and not writer._process._areas
