@@ -15,13 +15,19 @@ import time
 
 import pytest
 
-from hflight.checkpoints import folders, job, writer_process
+from hflight.checkpoints import asynchronous, folders, job, writer_process
 from hflight.checkpoints.manifest import get_last_checkpoint, verify_checkpoint
 
 from .checkpoint_runs import make_trainer
 from .support import torch_file_records
 
 pytestmark = pytest.mark.skipif(not writer_process.available(), reason="needs memfd_create (Linux)")
+
+
+@pytest.fixture(autouse=True)
+def any_state(monkeypatch):
+    """The writer process takes the tests' tiny states too (it waits for 64 MiB of tensors)."""
+    monkeypatch.setattr(asynchronous, "PROCESS_MIN_BYTES", 0)
 
 
 @pytest.fixture
@@ -180,3 +186,11 @@ def test_the_staging_area_is_shared_memory_reused_and_released_once_written(tmp_
     finally:
         writer.close(raising=False)
     assert writer._process._process is None and not writer._process._areas
+
+
+def test_a_small_state_is_written_by_the_thread_without_starting_a_process(tmp_path, factory, children, monkeypatch):
+    """Below PROCESS_MIN_BYTES of tensors starting the child would cost more than the thread's Python it saves."""
+    monkeypatch.setattr(asynchronous, "PROCESS_MIN_BYTES", 1 << 30)
+    make_trainer(tmp_path, factory, max_steps=4, save_steps=2, save_async=True).train()
+    assert children == ([], [])
+    verify_checkpoint(tmp_path / "checkpoint-2", full=True)

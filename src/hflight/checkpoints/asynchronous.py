@@ -23,11 +23,12 @@ training stream has queued; the training stream waits for them on the device (an
 step cannot change a tensor before it is copied and the loop goes on at once; the writer thread waits for the event
 before it reads the copies. Tensors in host memory are copied there and then.
 
-Where it can run (Linux), the staging area is shared memory and the largest files, ``optimizer.pt`` and the model's
-safetensors files, are written by a child process (:mod:`hflight.checkpoints.writer_process`), so that their
-serialization, hashing and writing take nothing of the training process's interpreter lock; the background thread
-sends it each file's structure and waits for its checksum, and writes the rest itself. Buffers the staging area
-replaces are released once the write reading them is over.
+Where it can run (Linux), for a state of :data:`PROCESS_MIN_BYTES` or more, the staging area is shared memory and
+the largest files, ``optimizer.pt`` and the model's safetensors files, are written by a child process
+(:mod:`hflight.checkpoints.writer_process`), so that their serialization, hashing and writing take nothing of the
+training process's interpreter lock; the background thread sends it each file's structure and waits for its
+checksum, and writes the rest itself. Buffers the staging area replaces are released once the write reading them is
+over.
 
 At most one write is in flight: a checkpoint that comes while the previous one is still written waits for it. The
 first such wait of a run is a warning with the numbers (how long that write took, its bytes, how soon the next
@@ -66,6 +67,9 @@ logger = logging.getLogger(__name__)
 LONG_WAIT_S = 10.0
 #: each copy starts on a cache line of the staging area (a smaller tensor: on a multiple of its size, within one line)
 ALIGNMENT = 64
+#: the writer process takes a state's files from this many bytes of tensors on: starting it costs a second or two of
+#: CPU (its imports), where the writer thread's Python for a smaller state takes milliseconds of the interpreter
+PROCESS_MIN_BYTES = 64 << 20
 
 
 @dataclasses.dataclass
@@ -282,8 +286,9 @@ class CheckpointWriter:
         self._area, self._end, self._overflow_bytes, self._area_pinned = area, end, 0, self._pinned
 
     def _host_memory(self, nbytes: int, pinned: bool) -> Any:
-        """Host memory for copies: shared with the writer process where there is one."""
-        if self._process is not None:
+        """Host memory for copies: shared with the writer process where there is one and the state is large enough
+        to be worth it (:data:`PROCESS_MIN_BYTES`; once it is, every later buffer too)."""
+        if self._process is not None and (self._process.allocated or nbytes >= PROCESS_MIN_BYTES):
             return self._process.allocate(nbytes, pinned)
         return _host_memory(nbytes, pinned)
 

@@ -51,7 +51,13 @@ _route = threading.local()
 _install_lock = threading.Lock()
 
 
+# what transformers' modeling_utils called before install() (safetensors' own, or a function someone put there)
+_replaced: Callable[..., None] | None = None
+
+
 def _original_save_file() -> Callable[..., None]:
+    if _replaced is not None:
+        return _replaced
     from safetensors.torch import save_file
 
     return save_file
@@ -185,7 +191,8 @@ def save(
 
 def save_file(tensors: dict[str, torch.Tensor], filename: str | os.PathLike, metadata: dict[str, str] | None = None):
     """``safetensors.torch.save_file``: inside :func:`hashed_into` on this thread, written by :func:`save` and its
-    checksum handed to the sink; otherwise, and where :func:`save` declines, safetensors' own."""
+    checksum handed to the sink; otherwise, and where :func:`save` declines, the function transformers called before
+    (safetensors' own)."""
     sink = getattr(_route, "sink", None)
     if sink is not None:
         elsewhere = getattr(sink, "written_elsewhere", None)
@@ -201,13 +208,15 @@ def save_file(tensors: dict[str, torch.Tensor], filename: str | os.PathLike, met
 def install() -> None:
     """transformers' ``modeling_utils`` calls :func:`save_file` (which is safetensors' own outside a checkpoint step);
     called from the thread that makes the checkpoint jobs, before any of their steps runs (once is enough)."""
+    global _replaced
     with _install_lock:
         try:
             from transformers import modeling_utils
         except ImportError:  # pragma: no cover - transformers is a dependency
             return
-        if getattr(modeling_utils, "safe_save_file", None) not in (None, save_file):
-            modeling_utils.safe_save_file = save_file
+        current = getattr(modeling_utils, "safe_save_file", None)
+        if current not in (None, save_file):
+            _replaced, modeling_utils.safe_save_file = current, save_file
 
 
 @contextlib.contextmanager

@@ -148,6 +148,11 @@ class WriterProcess:
         self._lock = threading.Lock()
 
     # ---- shared memory ---------------------------------------------------------------------------------------------
+    @property
+    def allocated(self) -> bool:
+        """Whether shared memory was allocated (and the child started) for this writer."""
+        return self._next_key > 0
+
     def allocate(self, nbytes: int, pinned: bool) -> np.ndarray:
         """``nbytes`` of shared memory as a numpy array of bytes (pinned for copies from a GPU where pinning
         succeeds); the writer's staging area or overflow buffer. The first call (on the training loop's thread, at
@@ -310,6 +315,8 @@ class WriterProcess:
         soon."""
         if self._sock is not None:
             if self._process is not None and self._process.poll() is None:
+                if not self._answered:  # still starting, nothing written: not waited for
+                    self._process.kill()
                 try:
                     _send(self._sock, ("exit",))
                 except OSError:
