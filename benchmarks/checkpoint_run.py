@@ -7,7 +7,10 @@ time of ``trainer.train()`` (the last checkpoint's write, its fsyncs and its pub
 
 - ``transformers``: ``transformers.Trainer``, its checkpoints written before training goes on (no fsync);
 - ``hflight sync``: hflight's default, each checkpoint written and made durable before training goes on;
-- ``hflight save_async``: ``save_async=True``, the state copied at the step boundary, written by a background thread;
+- ``hflight save_async``: ``save_async=True``, the state copied at the step boundary, written in the background (on
+  Linux its large files by the writer process, ``hflight.checkpoints.writer_process``);
+- ``hflight save_async thread``: the same, its files all written by the background thread (the writer process's
+  threshold, ``asynchronous.PROCESS_MIN_BYTES``, raised above the state);
 
 each beside the same trainer's run without checkpoints (``save_strategy="no"``), with 1 and 2 training threads
 (``torch.set_num_threads``; with 1 on this 2-core machine the writer has a core of its own, as on a GPU machine).
@@ -39,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from checkpoint_cost import MODELS  # noqa: E402
 from references import missing_references  # noqa: E402
 
-KINDS = ("transformers", "hflight sync", "hflight save_async")
+KINDS = ("transformers", "hflight sync", "hflight save_async", "hflight save_async thread")
 
 
 def worker(kind: str, checkpoints: bool, threads: int, model_name: str, steps: int, save_steps: int, out: str) -> dict:
@@ -67,8 +70,12 @@ def worker(kind: str, checkpoints: bool, threads: int, model_name: str, steps: i
         output_dir=out, per_device_train_batch_size=2, max_steps=steps, logging_steps=1000, report_to="none",
         disable_tqdm=True, use_cpu=True, save_strategy="steps" if checkpoints else "no", save_steps=save_steps,
     )  # fmt: skip
-    if kind == "hflight save_async":
+    if kind.startswith("hflight save_async"):
         fields["save_async"] = True
+    if kind == "hflight save_async thread":
+        from hflight.checkpoints import asynchronous
+
+        asynchronous.PROCESS_MIN_BYTES = 1 << 62  # the writer thread writes every file
     trainer = library.Trainer(model, library.TrainingArguments(**fields), train_dataset=data)
     start = time.perf_counter()
     trainer.train()

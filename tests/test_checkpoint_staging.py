@@ -76,21 +76,31 @@ def thread_writer(monkeypatch):
     monkeypatch.setattr(writer_process, "available", lambda: False)
 
 
+class _Made(list):
+    threads: list[str]
+
+
 @pytest.fixture
 def allocations(monkeypatch):
-    """The staging area's host allocations, as (bytes, pinned)."""
-    made, real = [], asynchronous._host_memory
+    """The staging area's host allocations, as (bytes, pinned, pages made present), with the thread of each in
+    ``made.threads``."""
+    made, real = _Made(), asynchronous._host_memory
+    made_by = made.threads = []
 
-    def host_memory(nbytes, pinned):
-        made.append((nbytes, pinned))
-        return real(nbytes, pinned)
+    def host_memory(nbytes, pinned, populate=False):
+        made.append((nbytes, pinned, populate))
+        made_by.append(threading.current_thread().name)
+        return real(nbytes, pinned, populate)
 
     monkeypatch.setattr(asynchronous, "_host_memory", host_memory)
     return made
 
 
 # ---- one staging area ------------------------------------------------------------------------------------------------
-def test_the_copies_lie_in_one_area_each_over_a_storage_of_its_own(tmp_path):
+def test_the_copies_lie_in_one_area_each_storage_copied_once(tmp_path):
+    """Every storage of the state has one copy in the area (64-byte aligned), and each tensor is the same view of its
+    storage's copy as of its storage: torch.save writes the copy's records as the original's (views of one storage
+    are one record, as torch.save writes them), but for its random id."""
     writer = asynchronous.CheckpointWriter(asynchronous=True)
     states = {"optimizer.pt": _optimizer_state(), "odd.pt": _odd_state()}
     _checkpoint(writer, states)  # the first checkpoint lays the area out
@@ -98,24 +108,75 @@ def test_the_copies_lie_in_one_area_each_over_a_storage_of_its_own(tmp_path):
     area = writer._area
     start, end = area.ctypes.data, area.ctypes.data + len(area)
     copies = [t for t in _copies(snapshots) if t.numel()]
-    pointers = [t.untyped_storage().data_ptr() for t in copies]
-    assert all(start <= p and p + t.untyped_storage().nbytes() <= end for p, t in zip(pointers, copies))
-    assert len(set(pointers)) == len(copies), "each copy has a storage of its own"
-    assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in copies)
-    assert all((p - start) % 64 == 0 for p, t in zip(pointers, copies) if t.numel() * t.element_size() >= 64)
-    assert writer.snapshot_bytes == len(area) < sum(t.untyped_storage().nbytes() + 64 for t in copies)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in copies}
+    assert all(start <= p and p + nbytes <= end for p, nbytes in storages.items())
+    assert all((p - start) % 64 == 0 for p, nbytes in storages.items() if nbytes >= 64)
+    originals = [t for t in _copies(states) if t.numel()]
+    assert len(storages) == len({t.untyped_storage().data_ptr() for t in originals}) == len(copies) - 1, "two views"
+    assert writer.snapshot_bytes == len(area) < sum(nbytes + 64 for nbytes in storages.values())
     for name, state in states.items():
         for original, copied in zip(_copies(state), _copies(snapshots[name])):
-            assert copied.dtype == original.dtype and copied.shape == original.shape and copied.device.type == "cpu"
-            assert torch.equal(
-                copied.reshape(-1).view(torch.uint8), original.contiguous().reshape(-1).view(torch.uint8)
-            )
-    # torch.save writes the copy's records as the original's (but its random id): every storage is the tensor's own
-    torch.save(states["optimizer.pt"], tmp_path / "original.pt")
-    torch.save(snapshots["optimizer.pt"], tmp_path / "copy.pt")
+            assert (copied.dtype, copied.shape, copied.stride(), copied.storage_offset(), copied.device.type) == (
+                original.dtype, original.shape, original.stride(), original.storage_offset(), "cpu")  # fmt: skip
+            assert torch.equal(copied, original)
+    for name in states:
+        torch.save(states[name], tmp_path / "original.pt")
+        torch.save(snapshots[name], tmp_path / "copy.pt")
+        records = [torch_file_records(tmp_path / f"{each}.pt") for each in ("original", "copy")]
+        assert list(records[0]) == list(records[1])
+        assert {k for k in records[0] if records[0][k] != records[1][k]} <= {".data/serialization_id"}
+
+
+def _structured_state() -> dict:
+    """What torch.save keeps beyond the numbers: views of one storage (a buffer and a slice of it), a tensor with
+    Python attributes (one of them another tensor of the state), a parameter, requires_grad."""
+    buf = torch.arange(10, dtype=torch.float32)
+    tagged = torch.ones(3)
+    tagged.origin, tagged.partner = "ema", buf
+    weight = torch.nn.Parameter(torch.full((2, 2), 0.5))
+    return {"buf": buf, "window": buf[2:5], "tagged": tagged, "weight": weight, "leaf": torch.zeros(2).requires_grad_()}
+
+
+def _assert_loads_alike(original: dict, loaded: dict) -> None:
+    assert loaded["window"].untyped_storage().data_ptr() == loaded["buf"].untyped_storage().data_ptr()
+    assert loaded["window"].storage_offset() == 2 and torch.equal(loaded["window"], original["window"])
+    assert loaded["tagged"].origin == "ema" and loaded["tagged"].partner.data_ptr() == loaded["buf"].data_ptr()
+    assert type(loaded["weight"]) is torch.nn.Parameter and loaded["weight"].requires_grad
+    assert loaded["leaf"].requires_grad and not loaded["buf"].requires_grad
+
+
+def test_a_snapshot_keeps_the_state_s_structure_as_torch_save_writes_it(tmp_path):
+    """Views of one storage stay views of one copy (torch.save wrote 2 records for buf and buf[2:5] where the copy
+    had 3), attributes and Parameter types stay: what torch.load returns equals what it returns from the state."""
+    state = _structured_state()
+    writer = asynchronous.CheckpointWriter(asynchronous=True)
+    for _ in range(2):  # laid out, then in the area
+        snapshot = _checkpoint(writer, {"state.pt": state})["state.pt"]
+    torch.save(state, tmp_path / "original.pt")
+    torch.save(snapshot, tmp_path / "copy.pt")
     records = [torch_file_records(tmp_path / f"{each}.pt") for each in ("original", "copy")]
     assert list(records[0]) == list(records[1])
     assert {k for k in records[0] if records[0][k] != records[1][k]} <= {".data/serialization_id"}
+    _assert_loads_alike(state, torch.load(tmp_path / "copy.pt", weights_only=False))
+
+
+@pytest.mark.parametrize(
+    "first, then",
+    [
+        pytest.param(torch.ones(24, dtype=torch.float16), torch.ones(24, dtype=torch.bfloat16), id="dtype"),
+        pytest.param(torch.ones(24), torch.ones(1, 24), id="shape"),
+        pytest.param(torch.ones(4, 6), torch.ones(6, 4).t(), id="strides"),
+    ],
+)
+def test_a_slot_reused_by_a_tensor_of_the_same_bytes_seen_otherwise_gives_its_new_view(first, then):
+    """The slot's bytes are reused; the tensor over them is the state's, not the one laid out first."""
+    writer = asynchronous.CheckpointWriter(asynchronous=True)
+    for state in ({"t": first}, {"t": first}, {"t": then}):
+        snapshot = _checkpoint(writer, {"state.pt": state})["state.pt"]
+    assert writer._slots[("state.pt", "t")].nbytes == then.untyped_storage().nbytes()
+    copied = snapshot["t"]
+    assert (copied.dtype, copied.shape, copied.stride()) == (then.dtype, then.shape, then.stride())
+    assert copied.untyped_storage().data_ptr() == writer._area.ctypes.data and torch.equal(copied, then)
 
 
 def test_save_pretrained_writes_the_copy_of_a_model_with_tied_weights_as_the_model(tmp_path, factory):
@@ -128,35 +189,57 @@ def test_save_pretrained_writes_the_copy_of_a_model_with_tied_weights_as_the_mod
     writer = asynchronous.CheckpointWriter(asynchronous=True)
     for _ in range(2):
         snapshot = _checkpoint(writer, {"model": state})["model"]
-        assert snapshot[tied[0]] is snapshot[tied[1]]
+        assert snapshot[tied[0]].untyped_storage().data_ptr() == snapshot[tied[1]].untyped_storage().data_ptr()
         model.save_pretrained(tmp_path / "copy", state_dict=snapshot)
     model.save_pretrained(tmp_path / "model")
     assert (tmp_path / "copy/model.safetensors").read_bytes() == (tmp_path / "model/model.safetensors").read_bytes()
 
 
 def test_the_same_state_reuses_its_slots_and_allocates_nothing(allocations):
-    """The first checkpoint copies what the area cannot hold into one buffer per snapshot, then the area is allocated
-    once for its whole layout; the same state at later checkpoints copies into the same tensors, allocating nothing.
-    A state that grows gets one larger area, packed, for the keys still snapshotted."""
+    """The first checkpoint copies what the area cannot hold into one buffer per snapshot, then the area is laid out
+    for its whole layout and allocated once, its pages present (by the writer thread after the write; here, with no
+    write, when the next snapshot takes it); the same state at later checkpoints copies into the same storages,
+    allocating nothing. A state that grows gets one larger area, packed, for the keys still snapshotted."""
     writer = asynchronous.CheckpointWriter(asynchronous=True)
     first = _checkpoint(writer, {"optimizer.pt": _optimizer_state(), "odd.pt": _odd_state()})
-    assert [pinned for _, pinned in allocations] == [False, False, False]  # one overflow each, then the area
-    assert allocations[-1][0] == writer.snapshot_bytes == len(writer._area)
+    assert [(pinned, present) for _, pinned, present in allocations] == [(False, False)] * 2  # one overflow each
+    laid_out = writer.snapshot_bytes
     second = _checkpoint(writer, {"optimizer.pt": _optimizer_state(2.0), "odd.pt": _odd_state()})
+    assert allocations[-1] == (laid_out, False, True) and len(writer._area) == laid_out == writer.snapshot_bytes
     third = _checkpoint(writer, {"optimizer.pt": _optimizer_state(3.0), "odd.pt": _odd_state()})
     assert len(allocations) == 3, "the later checkpoints allocate nothing"
-    assert all(a is b for a, b in zip(_copies(second), _copies(third), strict=True)), "the same slots"
-    assert not any(a is b for a, b in zip(_copies(first), _copies(second), strict=True))
+    pointer = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
+    assert all(pointer(a) == pointer(b) for a, b in zip(_copies(second), _copies(third), strict=True)), "same slots"
+    assert not any(pointer(a) == pointer(b) for a, b in zip(_copies(first), _copies(second), strict=True) if a.numel())
     assert torch.equal(first["optimizer.pt"]["state"][0]["exp_avg"], torch.full((5, 7), 1.0)), "the first is kept"
     assert torch.equal(third["optimizer.pt"]["state"][1]["exp_avg"], torch.arange(6, dtype=torch.bfloat16) * 3)
 
     grown = {"optimizer.pt": {**_optimizer_state(), "extra": torch.ones(100)}}  # odd.pt is no longer snapshotted
     size = len(writer._area)
     _checkpoint(writer, grown)
-    assert len(allocations) == 5 and allocations[-1] == (writer.snapshot_bytes, False)
-    assert writer.snapshot_bytes < size + 400, "packed: odd.pt's slots are dropped"
+    assert len(allocations) == 4, "the extra tensor's overflow"
     again = _checkpoint(writer, grown)
+    assert len(allocations) == 5 and allocations[-1] == (writer.snapshot_bytes, False, True)
+    assert writer.snapshot_bytes < size + 400, "packed: odd.pt's slots are dropped"
+    _checkpoint(writer, grown)
     assert len(allocations) == 5 and torch.equal(again["optimizer.pt"]["extra"], torch.ones(100))
+
+
+def test_the_area_is_allocated_by_the_writer_thread_once_its_write_is_over(allocations):
+    """Not on the loop's thread (its pages made present there would stall the next checkpoint's copies), and not
+    beside the write (on two cores, three busy threads slowed the loop)."""
+    writer = asynchronous.CheckpointWriter(asynchronous=True)
+    calls = []
+    for step in (1, 2):
+        snapshot = _checkpoint(writer, {"optimizer.pt": _optimizer_state(step)})["optimizer.pt"]
+        job = _Job(calls, snapshot)
+        job.finish = lambda job=job: calls.append(("write", len(allocations)))
+        writer.submit(job, f"checkpoint-{step}")
+        writer.wait()
+    assert calls == [("write", 1), ("write", 2)], "the area after the first write, before the second"
+    assert allocations.threads == ["MainThread", "hflight-write-checkpoint-1"]
+    assert allocations[-1][2], "its pages made present"
+    writer.close(raising=False)
 
 
 # ---- copies from a GPU (a fake torch.cuda) ---------------------------------------------------------------------------
@@ -255,16 +338,17 @@ def test_copies_from_a_gpu_are_queued_on_a_side_stream_that_the_training_stream_
         events = [c[1] for c in mine if c[0] == "record"]
         expected = []  # each snapshot's: after the training stream's work, its copies, its event, waited for
         for event, copied in zip(events, (snapshot, model), strict=True):
-            count = len([t for t in _copies(copied) if t.numel()])
+            count = len({t.untyped_storage().data_ptr() for t in _copies(copied) if t.numel()})  # each storage once
             expected += [("wait_stream", "side", "training"), *[("copy", "side", True), ("keep", "side")] * count]
             expected += [("record", event, "side"), ("wait_event", "training", event)]
         pins = [c for c in mine if c[0] == "pin"]
         assert [c for c in mine if c[0] not in ("pin", "synchronize", "write")] == expected
         # the writer thread waits for the events, then writes; the loop's thread never waits for them
         thread = f"hflight-write-checkpoint-{step}"
-        assert mine[-3:] == [*[("synchronize", e, thread) for e in events], ("write", thread)]
+        written = [c for c in mine if c[0] != "pin"]
+        assert written[-3:] == [*[("synchronize", e, thread) for e in events], ("write", thread)]
         assert torch.equal(jobs[-1].read["exp_avg"], torch.full((5, 7), float(step)))
-        # one pinned area for every copy, at the first checkpoint's end; none at the second
+        # one pinned area for every copy, after the first checkpoint's write (the writer thread's); none at the second
         assert pins == ([("pin", writer.snapshot_bytes)] if step == 1 else [])
         assert writer._pinned
     assert sum(1 for c in calls if c[0] == "new stream") == 1, "one side stream, kept"

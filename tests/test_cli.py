@@ -246,15 +246,18 @@ def test_sigterm_during_training_saves_a_checkpoint_records_it_and_exits_143(tmp
         check=False,
     )
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
-    recorded = (tmp_path / cli.ERROR_FILE).read_text()
-    assert recorded.startswith("Training stopped by SIGTERM after step 3 of 6; checkpoint saved in")
-    assert f"args.resume_from_checkpoint={tmp_path / 'checkpoint-3'}" in recorded
     assert verify_checkpoint(tmp_path / "checkpoint-3")["global_step"] == 3
     assert not (tmp_path / "train_results.json").exists()
     assert "Traceback" not in proc.stdout + proc.stderr
-    # the command that continues it, printed and recorded as it is to be typed
+    # the command that continues it, printed and recorded as it is to be typed: the one instruction on the command
+    # line (it said train(resume_from_checkpoint=...) / args.resume_from_checkpoint=... first, for Python)
     command = f"hflight-train resume={tmp_path}"
-    assert f"To continue this run: {command}\n" in proc.stderr and command in recorded
+    assert (tmp_path / cli.ERROR_FILE).read_text() == (
+        f"Training stopped by SIGTERM after step 3 of 6; checkpoint saved in {tmp_path / 'checkpoint-3'}.\n"
+        f"To continue this run: {command}\n"
+    )
+    assert f"To continue this run: {command}\n" in proc.stderr
+    assert (proc.stdout + proc.stderr).count("resume") == 1, proc.stderr[-3000:]
     _resumes_in_its_folder(command, tmp_path)
 
 
@@ -269,6 +272,7 @@ def _resumes_in_its_folder(command: str, run_dir: Path) -> None:
     _run(*command.split()[1:], "args.save_steps=3", "args.max_steps=8", entry=entry, cwd=run_dir.parent)
     state = json.loads((run_dir / "trainer_state.json").read_text())
     assert state["global_step"] == 8 and (run_dir / "train_results.json").is_file()
+    assert not (run_dir / cli.ERROR_FILE).exists()  # the interruption's, gone once the run completed
     assert verify_checkpoint(run_dir / "checkpoint-6")["global_step"] == 6  # saved after the resume, every 3 steps
     assert sorted(os.listdir(run_dir.parent)) == folders_before
     assert [e["step"] for e in state["log_history"] if "loss" in e] == [2, 4, 6, 8]  # logging_steps=2, no repeats
@@ -284,6 +288,23 @@ def _resumes_in_its_folder(command: str, run_dir: Path) -> None:
     hparams = yaml.safe_load((versions[-1] / "hparams.yaml").read_text())
     assert hparams["config"]["task_name"] == "mrc" and hparams["config"]["paths"]["output_dir"] == str(run_dir)
     assert hparams["training_args"]["max_steps"] == 8
+
+
+def test_a_finished_run_resumed_on_the_command_line_logs_no_line_of_zeros(tmp_path, command_line, capsys):
+    """``hflight-train resume=<finished run>`` trains nothing: it says so and logs no train metrics (it printed
+    ``{'train_runtime': 0.0031, ..., 'train_loss': 0.0, ...}`` before its warning, and wrote that row into the CSV
+    logger's new version). From Python the same call logs them, as transformers' Trainer does:
+    tests/test_callbacks.py::test_resuming_at_the_last_step_begins_and_ends_training_as_transformers."""
+    run_dir, one_epoch = tmp_path / "run", [o for o in TINY if not o.startswith("args.num_train_epochs=")]
+    assert command_line(*one_epoch, "args.num_train_epochs=1", f"hydra.run.dir={run_dir}") == 0
+    trained = capsys.readouterr().out
+    assert "{'train_runtime': " in trained  # the run that trained logged its train metrics
+    assert command_line(f"resume={run_dir}") == 0
+    resumed = capsys.readouterr()
+    assert f"The run in {run_dir} had already finished" in resumed.out + resumed.err
+    assert "train_runtime': " not in resumed.out + resumed.err
+    logged = [path.read_text() for path in sorted(run_dir.glob("hflight/version_*/metrics.csv"))]
+    assert "train_runtime" in logged[0] and not any("train_runtime" in text for text in logged[1:])
 
 
 def test_resume_arguments_replace_saved_overrides_and_name_mistakes(tmp_path):

@@ -7,6 +7,7 @@ processes: tests/test_accelerator_config.py's torchrun job (a stream predicted w
 
 from __future__ import annotations
 
+import lightning as L
 import numpy as np
 import pytest
 import torch
@@ -36,15 +37,16 @@ def token_rows(n: int, labels: bool = False) -> list[dict]:
              **({"labels": int(row[0]) % 3} if labels else {})} for row in ids]  # fmt: skip
 
 
-def both(tmp_path, run, trainer=None, **args) -> dict:
+def both(tmp_path, run, trainer=None, batch=2, lightning_callbacks=(), **args) -> dict:
     """``run(trainer)`` with transformers' Trainer and hflight's (or ``trainer(library)``'s class), each on a fresh
-    tiny BERT classifier, evaluation batches of 2."""
+    tiny BERT classifier, evaluation batches of ``batch``; ``lightning_callbacks``: hflight's only."""
     results = {}
     for library in (transformers, hflight):
         cls = trainer(library) if trainer is not None else library.Trainer
-        arguments = library.TrainingArguments(str(tmp_path / library.__name__), per_device_eval_batch_size=2,
+        arguments = library.TrainingArguments(str(tmp_path / library.__name__), per_device_eval_batch_size=batch,
                                               report_to="none", use_cpu=True, disable_tqdm=True, **args)  # fmt: skip
-        results[library.__name__] = run(cls(Factory.cls_model(), arguments))
+        callbacks = list(lightning_callbacks) if library is hflight else []
+        results[library.__name__] = run(cls(Factory.cls_model(), arguments, callbacks=callbacks))
     return results
 
 
@@ -56,6 +58,22 @@ def test_predict_of_an_unlabelled_stream_returns_every_row_as_transformers(tmp_p
     assert theirs.predictions.shape == ours.predictions.shape == (rows, 3)
     np.testing.assert_allclose(ours.predictions, theirs.predictions, rtol=1e-6, atol=1e-7)
     assert ours.label_ids is None and theirs.label_ids is None
+
+
+@pytest.mark.parametrize("loop", ["hflight", "lightning_validate"])
+def test_a_short_last_batch_counts_its_rows_as_transformers(tmp_path, loop):
+    """One process, 10 rows in evaluation batches of 4: each batch's loss counts 4 times and the last batch's is cut to
+    its 2 rows, so ``eval_loss`` is (4 L1 + 4 L2 + 2 L3) / 10, transformers' number bit for bit, in hflight's own loop
+    and through Lightning's ``validate`` (a Lightning callback makes it run there); ``predict``'s ``test_loss`` too.
+    A plain mean of the batches' losses (or no cut of the last one: the same here) gives (L1 + L2 + L3) / 3."""
+
+    def losses(trainer):
+        rows = token_rows(10, labels=True)
+        return trainer.evaluate(rows)["eval_loss"], trainer.predict(rows).metrics["test_loss"]
+
+    callbacks = [L.Callback()] if loop == "lightning_validate" else []
+    out = both(tmp_path, losses, batch=4, lightning_callbacks=callbacks)
+    assert out["hflight"] == out["transformers"]
 
 
 def repeating(library):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -79,6 +80,22 @@ def cpu_fp16_scaler(monkeypatch):
     return scaler
 
 
+def fp16_fused_run(tmp_path, factory, scaler, name, trainer_cls, args_cls):
+    """3 steps in fp16 with torch's fused AdamW and ``max_grad_norm=1`` on ``scaler``: the trainer, its history and
+    the norms ``on_pre_optimizer_step`` saw (``MeasuringTrainer``: also what it measured after each backward)."""
+    settings = dict(fp16=True, use_cpu=True, max_steps=3, optim="adamw_torch_fused", max_grad_norm=1.0)
+    args = args_cls(str(tmp_path / name), **factory.pair_args(**settings))
+    probe = GradientProbe()
+    trainer = trainer_cls(factory.cls_model(), args, train_dataset=factory.cls_dataset(12), callbacks=[probe])
+    probe.trainer = trainer
+    if name == "hf":  # accelerate's scaler and autocast, which it builds off the CPU only
+        trainer.accelerator.scaler, trainer.accelerator.native_amp = scaler, True
+    if isinstance(trainer, MeasuringTrainer):
+        trainer.measured = []
+    trainer.train()
+    return trainer, _history(trainer), probe.norms
+
+
 @pytest.mark.parametrize("init_scale", [2.0**16, 1e9], ids=["scaled", "overflowing"])
 def test_fp16_fused_optimizer_clips_unscaled_gradients_as_transformers(tmp_path, factory, cpu_fp16_scaler, init_scale):
     """fp16, torch's fused AdamW, ``max_grad_norm=1``: every step's loss, grad norm and learning rate, the norm
@@ -90,21 +107,12 @@ def test_fp16_fused_optimizer_clips_unscaled_gradients_as_transformers(tmp_path,
     optimizer's step skipped): before, the learning rate stayed at 1e-3."""
     seen = {}
     for name, trainer_cls, args_cls in (PAIR[0], ("hl", MeasuringTrainer, hflight.TrainingArguments)):
-        settings = dict(fp16=True, use_cpu=True, max_steps=3, optim="adamw_torch_fused", max_grad_norm=1.0)
-        args = args_cls(str(tmp_path / name), **factory.pair_args(**settings))
-        probe = GradientProbe()
-        trainer = trainer_cls(factory.cls_model(), args, train_dataset=factory.cls_dataset(12), callbacks=[probe])
-        probe.trainer = trainer
-        scaler = cpu_fp16_scaler(init_scale)
-        if name == "hf":  # accelerate's scaler and autocast, which it builds off the CPU only
-            trainer.accelerator.scaler, trainer.accelerator.native_amp = scaler, True
-        else:
-            trainer.measured = []
-        trainer.train()
+        trainer, history, norms = fp16_fused_run(tmp_path, factory, cpu_fp16_scaler(init_scale), name, trainer_cls,
+                                                 args_cls)  # fmt: skip
         if name == "hl":  # accelerate's attribute: the run's scaler
             assert trainer.accelerator.scaler is trainer.lightning_trainer.precision_plugin.scaler is not None
             measured = trainer.measured
-        seen[name] = _history(trainer), probe.norms, trainer.model.state_dict()
+        seen[name] = history, norms, trainer.model.state_dict()
     (hf_history, hf_norms, hf_weights), (history, norms, weights) = seen["hf"], seen["hl"]
     assert [e["learning_rate"] for e in hf_history[:3]] == [1e-3, 1e-3 * 2 / 3, 1e-3 / 3]
     if init_scale == 2.0**16:
@@ -112,6 +120,27 @@ def test_fp16_fused_optimizer_clips_unscaled_gradients_as_transformers(tmp_path,
     assert str(history) == str(hf_history)  # nan == nan
     assert norms == pytest.approx(hf_norms, nan_ok=True) and len(norms) == 3
     assert measured == pytest.approx([e["grad_norm"] for e in history[:3]], nan_ok=True)
+    assert all(torch.equal(value, hf_weights[key]) for key, value in weights.items())
+
+
+def test_fp16_fused_optimizer_plain_trainer_unscales_as_transformers(tmp_path, factory, cpu_fp16_scaler):
+    """The same run with a plain ``hflight.Trainer``, whose step touches no gradient: the unscale before the grad norm,
+    clipping and ``on_pre_optimizer_step`` is the precision plugin's own, not a side effect of the
+    ``accelerator.clip_grad_norm_`` that ``MeasuringTrainer`` calls after every backward (which alone kept the test
+    above passing without it). Every step's loss, grad norm and learning rate, the norms the callback sees and the
+    final weights are transformers'."""
+    seen = {}
+    for name, trainer_cls, args_cls in PAIR:
+        trainer, history, norms = fp16_fused_run(tmp_path, factory, cpu_fp16_scaler(2.0**16), name, trainer_cls,
+                                                 args_cls)  # fmt: skip
+        seen[name] = history, norms, trainer.model.state_dict()
+    (hf_history, hf_norms, hf_weights), (history, norms, weights) = seen["hf"], seen["hl"]
+    assert 0.3 < hf_history[0]["grad_norm"] < 1 and len(hf_norms) == 3
+    assert [(e["loss"], e["grad_norm"], e["learning_rate"]) for e in history if "loss" in e] == [
+        (e["loss"], e["grad_norm"], e["learning_rate"]) for e in hf_history if "loss" in e
+    ]
+    assert str(history) == str(hf_history)
+    assert norms == pytest.approx(hf_norms)
     assert all(torch.equal(value, hf_weights[key]) for key, value in weights.items())
 
 
@@ -131,6 +160,55 @@ def test_the_model_is_placed_on_args_device_at_construction_as_transformers(tmp_
         trainer_cls(model, args)
         monkeypatch.undo()
     assert moves["hl"] == moves["hf"] == ([] if full_eval else [((torch.device("cuda", 1),), {})])
+
+
+class StopAtTrainBegin(transformers.TrainerCallback):
+    """Ends ``train()`` before its first batch (``TrainingStopped``)."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        raise TrainingStopped
+
+
+class TrainingStopped(Exception):
+    pass
+
+
+def spied_model_init(factory, moves: list) -> Any:
+    """A ``model_init`` whose every model records its ``.to`` calls (a list per model, appended to ``moves``) instead
+    of moving."""
+
+    def model_init():
+        model, calls = factory.cls_model(), []
+        moves.append(calls)
+        model.to = lambda *args, **kwargs: calls.append((args, kwargs)) or model
+        return model
+
+    return model_init
+
+
+def test_the_model_of_model_init_is_placed_on_args_device_in_train_as_transformers(tmp_path, factory, monkeypatch):
+    """With ``model_init``, ``train()`` builds a fresh model and moves it to ``args.device``, as transformers'
+    ``train()`` does after ``call_model_init`` (the constructor placed the first one); spied on until the training
+    begins.
+    ``args.device`` is mocked as ``cpu:1``, where nothing else moves a model and transformers can make its tensors
+    before that (it makes them on ``args.device``; a mocked GPU fails there). Without the move in ``train()``, the
+    model it trains stayed where ``model_init`` built it."""
+    device = torch.device("cpu", 1)
+    moves = {}
+    for name, trainer_cls, args_cls in PAIR:
+        args = args_cls(str(tmp_path / name), **factory.pair_args(use_cpu=True, max_steps=1))
+        monkeypatch.setattr(type(args), "device", property(lambda self: device))
+        moves[name] = []
+        model_init = spied_model_init(factory, moves[name])
+        trainer = trainer_cls(model_init=model_init, args=args, train_dataset=factory.cls_dataset(8),
+                              callbacks=[StopAtTrainBegin()])  # fmt: skip
+        with pytest.raises(TrainingStopped):
+            trainer.train()
+        monkeypatch.undo()
+    to_device = [((device,), {})]
+    # the constructor's model, then train()'s (accelerate's prepare then moves transformers' to its own device)
+    assert [calls[:1] for calls in moves["hf"]] == [to_device, to_device]
+    assert moves["hl"] == [to_device, to_device]
 
 
 def test_no_move_to_the_cpu_after_train_evaluate_and_predict(tmp_path, factory, monkeypatch):

@@ -61,7 +61,7 @@ SKIPPED: dict[str, str] = {
     'pip install "hflight[sweeps]"': _SETUP,
     "hflight-train resume=outputs/mrc/multiruns/2026-11-24_10-00-00": (
         "tests/test_sweeps.py continues searches with resume=<sweep folder>: one killed with SIGKILL, one stopped "
-        "with SIGTERM under joblib"
+        "with SIGTERM under joblib, the README's own search stopped by Ctrl-C"
     ),
     "hflight-train +experiment=mrc +hparams_search=mrc_optuna "
     "\"hydra.sweeper.storage='postgresql://me:pw@db/optuna'\"": (

@@ -88,6 +88,25 @@ def test_summary_has_a_row_per_job_and_marks_the_best(tmp_path, metric, directio
     assert f"Best by `{metric}`: job {best}" in markdown and markdown.count("\n| ") == 5  # header, rule, 3 rows
 
 
+def test_a_stopped_job_that_another_job_continued_counts_once_and_every_folder_is_absolute(tmp_path, monkeypatch):
+    """An Optuna search's retry continues an interrupted job's checkpoint in a folder of its own: the interrupted job
+    is RESUMED, naming its continuation, and the title counts trials (``n_trials=2`` read "3 jobs", the interrupted
+    one a FAIL). The folder column is absolute for a sweep folder given relative (it was relative there, and
+    absolute once ``resume=`` continued the sweep)."""
+    monkeypatch.chdir(tmp_path)
+    sweep = tmp_path / "sweep"
+    _job(sweep, 0, ["args.seed=1"], None, failed=True)
+    _job(sweep, 1, ["args.seed=1", f"args.resume_from_checkpoint='{sweep / '0' / 'checkpoint-2'}'"], {"eval_f1": 3.0})
+    _job(sweep, 2, ["args.seed=2"], {"eval_f1": 4.0})
+    write_summary("sweep", "eval_f1", None, "trials")
+    rows = list(csv.DictReader((sweep / "summary.csv").open()))
+    assert [(r["job"], r["state"], r["folder"]) for r in rows] == [
+        ("0", "RESUMED", str(sweep / "0")), ("1", "COMPLETE", str(sweep / "1")), ("2", "COMPLETE", str(sweep / "2"))
+    ]  # fmt: skip
+    markdown = (sweep / "summary.md").read_text()
+    assert markdown.startswith("# Sweep summary (2 trials)\n\nJob 0 stopped before its end; job 1 continued it")
+
+
 def test_summary_rejects_an_unknown_direction(tmp_path):
     _job(tmp_path, 0, [], {"eval_f1": 1.0})
     with pytest.raises(ValueError, match="hydra.sweeper.direction"):

@@ -74,6 +74,31 @@ def test_only_the_thread_inside_a_step_is_routed(tmp_path, monkeypatch):
     assert all((tmp_path / folder / "model.safetensors").read_bytes() == expected for folder in ("other", "after"))
 
 
+def test_outside_a_step_the_function_transformers_called_before_is_called(tmp_path, monkeypatch):
+    """Someone else's wrapper around save_file (a library's, a user's), installed in transformers' modeling_utils
+    before hflight's route, still writes every file outside a checkpoint step, and the files hflight's writer leaves
+    to safetensors inside one: the route replaces it only where hflight writes the file itself."""
+    from transformers import modeling_utils
+
+    called = []
+
+    def wrapper(tensors, filename, metadata=None):
+        called.append(Path(filename).parent.name)
+        safetensors_save_file(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(modeling_utils, "safe_save_file", wrapper)
+    monkeypatch.setattr(safetensors_file, "_replaced", None)
+    safetensors_file.install()
+    assert modeling_utils.safe_save_file is safetensors_file.save_file
+    model = next(_models())[1]
+    model.save_pretrained(tmp_path / "outside")
+    with Checksums() as checksums, safetensors_file.hashed_into(checksums):
+        model.save_pretrained(tmp_path / "inside")
+        (tmp_path / "declined").mkdir()  # a tensor whose memory is not its elements: safetensors' to write
+        safetensors_file.save_file({"a": torch._neg_view(torch.ones(2))}, tmp_path / "declined" / "x.safetensors")
+    assert called == ["outside", "declined"]
+
+
 @pytest.mark.parametrize("metadata", [None, {}, {"format": "pt", 'é "quoted"\n': "ü\t\x01"}])
 def test_headers_are_safetensors_own_for_any_names_and_metadata(tmp_path, metadata):
     tensors = {
@@ -115,6 +140,62 @@ def test_what_safetensors_refuses_it_refuses_with_its_own_error(tmp_path, tensor
         with pytest.raises(type(theirs.value)) as ours:
             safetensors_file.save_file(tensors, tmp_path / "ours.safetensors", metadata=metadata)
     assert str(ours.value) == str(theirs.value)
+
+
+def _every_dtype():
+    """Every dtype this torch has, by name."""
+    found = {getattr(torch, name) for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype)}
+    return sorted(found, key=str)
+
+
+def _of_dtype(dtype, shape=(3, 4)):
+    """A tensor of ``dtype`` and ``shape`` made from a count of bytes; None where torch cannot view bytes as it."""
+    try:
+        size = torch.empty(0, dtype=dtype).element_size()
+        count = torch.arange(size * 12, dtype=torch.int64) % 7
+        return count.to(torch.uint8).view(dtype).reshape(shape)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _lazy_bits():
+    """Tensors whose bytes are not their elements: a conjugate and a negative bit (safetensors writes the memory)."""
+    values = torch.arange(6, dtype=torch.float32).reshape(3, 2)
+    complex_ = torch.view_as_complex(values.contiguous())
+    return {"conj": complex_.conj(), "neg": torch._neg_view(values)}
+
+
+@pytest.mark.parametrize("dtype", [*_every_dtype(), "conjugate bit", "negative bit"], ids=str)
+def test_every_dtype_is_written_as_safetensors_writes_it_or_by_safetensors(tmp_path, dtype):
+    """For every dtype torch has, the file inside a checkpoint step is safetensors' own, byte for byte, or safetensors'
+    own error: a float4 pair of shape (3, 4) is ``"shape":[3,8]`` in safetensors' header, which the writer took from
+    torch's shape (an unreadable file whose checksum verified). Lazy bits: safetensors writes the memory as it lies,
+    where the writer raised."""
+    if isinstance(dtype, str):
+        tensor = _lazy_bits()["conj" if dtype.startswith("conj") else "neg"]
+        assert tensor.is_conj() or tensor.is_neg()
+    else:
+        tensor = _of_dtype(dtype)
+    if tensor is None:
+        pytest.skip(f"torch cannot make a {dtype} tensor from bytes")
+    tensors = {"w": tensor, "b": torch.ones(2)}
+    theirs, ours = tmp_path / "theirs.safetensors", tmp_path / "ours.safetensors"
+    try:
+        safetensors_save_file(tensors, theirs)
+    except Exception as exc:  # noqa: BLE001
+        refused = exc
+    else:
+        refused = None
+    with Checksums() as checksums, safetensors_file.hashed_into(checksums):
+        if refused is not None:
+            with pytest.raises(type(refused)) as raised:
+                safetensors_file.save_file(tensors, ours)
+            assert str(raised.value) == str(refused)
+            return
+        safetensors_file.save_file(tensors, ours)
+        digest = checksums.digest(ours)
+    assert ours.read_bytes() == theirs.read_bytes()
+    assert digest == file_digest(ours)
 
 
 def test_a_safetensors_whose_header_differs_writes_the_file_itself(tmp_path, monkeypatch, caplog):

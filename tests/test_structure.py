@@ -107,6 +107,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "hflight.cli",
         "hflight.config",
         "hflight.run.interrupt",
+        "hflight.run.console",
         "hflight.arguments",
         "hflight.checkpoints.manifest",
         "hflight.sweeps.trial",

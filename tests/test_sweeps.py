@@ -47,6 +47,7 @@ from hflight.sweeps.study import (  # noqa: E402
 )
 
 from . import launch  # noqa: E402
+from .support import TINY  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 JOBS = REPO / "tests" / "jobs"
@@ -358,11 +359,49 @@ def test_a_killed_search_resumes_keeping_its_trials_and_continues_the_killed_tri
     assert kept == sweep / "2" / "checkpoint-2" or kept.parent == sweep / "3"
     rows = _summary(sweep)
     assert [r["job"] for r in rows] == ["0", "1", "2", "3", "4"]
-    assert {r["folder"]: r["state"] for r in rows} == {t.user_attrs["hflight:job_dir"]: t.state.name for t in after}
+    states = {t.user_attrs["hflight:job_dir"]: t.state.name for t in after}
+    states[str(sweep / "2")] = "RESUMED"  # the killed trial, continued by its retry (job 3): one trial, not two
+    assert {r["folder"]: r["state"] for r in rows} == states
+    assert (sweep / "summary.md").read_text().startswith("# Sweep summary (4 trials)\n")  # n_trials=4
     for picture in ("optimization_history.png", "param_importances.png"):
         assert (sweep / picture).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     best = OmegaConf.load(sweep / "optimization_results.yaml")
     assert best.best_value == min(t.value for t in after if t.state == TrialState.COMPLETE)
+
+
+def test_the_readme_search_stopped_by_ctrl_c_continues_its_search(tmp_path):
+    """The README's search (``+hparams_search=mrc_optuna``: TPE seeded, random for its first trials) at tiny sizes,
+    2 trials, its sweep folder given relative; Ctrl-C (SIGINT, sent by a callback in the middle of trial 0's step 2)
+    stops trial 0 with its checkpoint, and the output says one thing to do: continue the search, ``resume=`` of the
+    sweep folder (it named the trial's folder, after the Python call). Continued so, the search runs trial 0's
+    parameters again from its checkpoint, then a new trial that is not trial 0 again (the seeded sampler started its
+    sequence anew: the continued search's first new trial had trial 0's parameters). The summary counts trials, the
+    interrupted job RESUMED by its retry, each folder absolute before and after the resume (relative before)."""
+    sweep = tmp_path / "sweep"
+    tiny = [o for o in TINY if not o.startswith("args.num_train_epochs=")] + ["args.num_train_epochs=1"]
+    ctrl_c = ["+callbacks.preempt._target_=signal_callbacks.SendSignal", "+callbacks.preempt.signal_name=SIGINT",
+              "+callbacks.preempt.step=2"]  # fmt: skip
+    job = _start(tmp_path, *tiny, "+hparams_search=mrc_optuna", "hydra.sweeper.n_trials=2", "hydra.sweep.dir=sweep",
+                 *ctrl_c)  # fmt: skip
+    output = _wait(job)
+    assert job.process.returncode == 128 + signal.SIGINT, output[-3000:]
+    told = f"To continue this search: hflight-train resume={sweep}\n"
+    assert told in output and output.count("resume") == 1, output[-3000:]  # not train(resume_from_checkpoint=...)
+    assert told in (sweep / "0" / "error.txt").read_text() and _steps(sweep / "0") == [2]
+    assert [(r["job"], r["state"], r["folder"]) for r in _summary(sweep)] == [("0", "FAIL", str(sweep / "0"))]
+
+    _resume(sweep, tmp_path, "+callbacks.preempt.step=null")  # as printed; no Ctrl-C this time
+    trials = _trials(sweep / "optuna.db", "mrc")
+    assert [t.state for t in trials] == [TrialState.FAIL, TrialState.COMPLETE, TrialState.COMPLETE]
+    assert trials[1].system_attrs["retry_history"] == [0] and trials[1].params == trials[0].params
+    overrides = (sweep / "1" / ".hydra" / "overrides.yaml").read_text().replace("'", "")
+    assert f"args.resume_from_checkpoint={sweep / '0' / 'checkpoint-2'}" in overrides
+    drawn = [t for t in trials if "retry_history" not in t.system_attrs]  # the sampler's own proposals
+    assert [t.number for t in drawn] == [0, 2] and drawn[1].params != drawn[0].params
+    rows = [(r["job"], r["state"], r["folder"]) for r in _summary(sweep)]
+    assert rows == [("0", "RESUMED", str(sweep / "0"))] + [(n, "COMPLETE", str(sweep / n)) for n in "12"]
+    summary = (sweep / "summary.md").read_text()
+    assert summary.startswith("# Sweep summary (2 trials)\n") and "job 1 continued it (RESUMED)" in summary
 
 
 def test_two_sweepers_on_one_storage_share_the_study(tmp_path):
@@ -429,7 +468,7 @@ def _retries_continue(sweep: Path, marks: Path, cwd: Path) -> None:
     for retry in trials[2:]:
         _assert_continued(retry, trials[retry.system_attrs["retry_history"][0]], marks)
         assert retry.value == pytest.approx(UNINTERRUPTED[_lr(retry)], rel=1e-5)
-    assert [r["state"] for r in _summary(sweep)] == ["FAIL", "FAIL", "COMPLETE", "COMPLETE"]
+    assert [r["state"] for r in _summary(sweep)] == ["RESUMED", "RESUMED", "COMPLETE", "COMPLETE"]
 
 
 def test_joblib_runs_two_jobs_at_once_and_a_sigterm_stops_both_with_their_checkpoints(tmp_path):

@@ -5,6 +5,8 @@ without losing the checkpoint, a child in a session of its own that ends with th
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import os
 import signal
@@ -14,6 +16,7 @@ import textwrap
 import time
 
 import pytest
+import transformers
 
 from hflight.checkpoints import asynchronous, folders, job, writer_process
 from hflight.checkpoints.manifest import get_last_checkpoint, verify_checkpoint
@@ -26,8 +29,11 @@ pytestmark = pytest.mark.skipif(not writer_process.available(), reason="needs me
 
 @pytest.fixture(autouse=True)
 def any_state(monkeypatch):
-    """The writer process takes the tests' tiny states too (it waits for 64 MiB of tensors)."""
+    """The writer process takes the tests' tiny states too (it waits for 64 MiB of tensors), from the first file on (a
+    run's files are the thread's until the child has answered: its start holds no checkpoint up)."""
     monkeypatch.setattr(asynchronous, "PROCESS_MIN_BYTES", 0)
+    real = writer_process.WriterProcess._ready
+    monkeypatch.setattr(writer_process.WriterProcess, "_ready", lambda self, wait=True: real(self, wait))
 
 
 @pytest.fixture
@@ -54,13 +60,14 @@ def children(monkeypatch):
 
 def test_the_large_files_are_the_child_s_and_equal_a_synchronous_save_s(tmp_path, factory, children):
     started, answers = children
-    background = make_trainer(tmp_path / "async", factory, max_steps=6, save_steps=2, save_async=True)
+    background = make_trainer(tmp_path / "async", factory, max_steps=8, save_steps=2, save_async=True)
     background.train()
-    make_trainer(tmp_path / "sync", factory, max_steps=6, save_steps=2).train()
-    # checkpoints 2 and 4 from the snapshot (by the child); 6, the last, from the state itself (by the thread)
+    make_trainer(tmp_path / "sync", factory, max_steps=8, save_steps=2).train()
+    # checkpoint 2 copied into the process's own memory (the shared area is allocated after it, the child started
+    # after its write): the thread's; 4 and 6 from the shared area, by the child; 8, the last, from the state itself
     written = {(folder, name) for folder, name, digest in answers if digest}
-    assert written == {(f".tmp-checkpoint-{n}", name) for n in (2, 4) for name in ("optimizer.pt", "model.safetensors")}
-    for step in (2, 4, 6):
+    assert written == {(f".tmp-checkpoint-{n}", name) for n in (4, 6) for name in ("optimizer.pt", "model.safetensors")}
+    for step in (2, 4, 6, 8):
         ours, theirs = tmp_path / "async" / f"checkpoint-{step}", tmp_path / "sync" / f"checkpoint-{step}"
         verify_checkpoint(ours, full=True)  # the child's checksums are the files'
         assert (ours / "model.safetensors").read_bytes() == (theirs / "model.safetensors").read_bytes()
@@ -118,24 +125,45 @@ def test_a_child_that_dies_mid_write_is_replaced_and_the_checkpoint_kept(
         verify_checkpoint(out / f"checkpoint-{step}", full=True)
 
 
-def test_the_child_has_a_session_of_its_own_and_ends_with_its_training_process(tmp_path):
+@pytest.mark.parametrize("started", ["by the main thread", "off the main thread", "as a replacement"])
+def test_the_child_has_a_session_of_its_own_and_ends_with_its_training_process(tmp_path, started):
     """Signals to the training job's process group are the training process's; a killed training process takes its
-    child with it (the child would otherwise go on writing into the run's folder)."""
+    child with it, also in the middle of a file (it would otherwise go on writing into the run's folder), whichever
+    thread started it: the kernel's tie followed the starting thread, so a child started off the main thread (Ray
+    Train runs the loop in a worker thread), or started again by the writer thread after one died, outlived it."""
     script = textwrap.dedent(
         """
-        import os, sys, time
+        import os, sys, threading, time
+        import torch
         from hflight.checkpoints import writer_process
-        process = writer_process.WriterProcess()
-        process.allocate(4096, pinned=False)
-        process._ready()  # it has answered: past its start
+        started, fifo = sys.argv[1], sys.argv[2]
+        process, area = writer_process.WriterProcess(), None
+        def start():
+            global area
+            area = area if area is not None else process.allocate(4096, pinned=False)
+            assert process.ready()
+        if started != "off the main thread":
+            start()
+        if started != "by the main thread":
+            if started == "as a replacement":
+                process._process.kill()
+                process._process.wait()
+            thread = threading.Thread(target=start)
+            thread.start()
+            thread.join()
+        # busy with a file: the child waits in the kernel until a reader opens the pipe, which none does
+        state = {"t": torch.frombuffer(area, dtype=torch.uint8, count=16)}
+        threading.Thread(target=process.save_torch, args=(state, fifo), daemon=True).start()
         print(process._process.pid, os.getsid(process._process.pid), os.getsid(0), flush=True)
         time.sleep(60)
         """
     )
-    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    os.mkfifo(tmp_path / "optimizer.pt")
+    parent = subprocess.Popen([sys.executable, "-c", script, started, str(tmp_path / "optimizer.pt")],
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
     child, child_session, parent_session = map(int, parent.stdout.readline().split())
     assert child_session != parent_session
-    os.kill(child, signal.SIGSTOP)  # as if busy writing: it would not notice its connection closing
+    time.sleep(0.5)  # the request on its way: the child opens the pipe
     parent.send_signal(signal.SIGKILL)
     parent.wait()
     for _ in range(100):
@@ -145,6 +173,35 @@ def test_the_child_has_a_session_of_its_own_and_ends_with_its_training_process(t
     else:
         os.kill(child, signal.SIGKILL)
         pytest.fail(f"the writer process {child} outlived its training process")
+
+
+def test_a_module_planted_in_the_working_folder_never_runs_in_the_child(tmp_path):
+    """The child starts isolated from the working folder: `python -m` put it first on the child's path, and an
+    `xxhash.py` there (any module the child imports) ran in it, where the training process, started as `python
+    /path/train.py`, never imports from there."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "xxhash.py").write_text("open('planted-ran', 'w').close()\n")
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(
+        """
+        import sys
+        import torch
+        import hflight.checkpoints.manifest
+        from hflight.checkpoints import writer_process
+        process = writer_process.WriterProcess()
+        area = process.allocate(4096, pinned=False)
+        assert process.ready()
+        state = {"t": torch.frombuffer(area, dtype=torch.uint8, count=16)}
+        print(process.save_torch(state, sys.argv[1]))
+        process.close()
+        """
+    ))  # fmt: skip
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "out.pt")], cwd=shared, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert not (shared / "planted-ran").exists(), "the planted module ran in the writer process"
+    assert done.returncode == 0, done.stderr
+    assert len(done.stdout.strip()) == 32, "the child wrote the file and gave its checksum"
 
 
 def _running(pid: int) -> bool:
@@ -157,9 +214,10 @@ def _running(pid: int) -> bool:
 
 
 def test_the_staging_area_is_shared_memory_reused_and_released_once_written(tmp_path, children):
-    """The first checkpoint's overflow buffer and the area made after it are the child's memory; the later
-    checkpoints reuse the area (no new memory), and the overflow buffer is released once the write reading it is
-    over (the child told to unmap it with the next message)."""
+    """The first checkpoint copies into the process's own memory (the thread writes it); the area made after it is
+    the child's memory, made with its pages present by a thread of its own, and reused by the later checkpoints (no
+    new memory); a state that grows gets a new area, and the old one is released once the write reading it is over
+    (the child told to unmap it with the next message)."""
     import torch
 
     from hflight.checkpoints.asynchronous import CheckpointWriter
@@ -168,24 +226,83 @@ def test_the_staging_area_is_shared_memory_reused_and_released_once_written(tmp_
     state = {"weight": torch.randn(64, 64), "bias": torch.randn(64)}
     made = []
     real = writer._process.allocate
-    writer._process.allocate = lambda nbytes, pinned: made.append(nbytes) or real(nbytes, pinned)
+    writer._process.allocate = lambda nbytes, pinned, populate: made.append((nbytes, populate)) or real(
+        nbytes, pinned, populate
+    )
     try:
-        for step in (1, 2, 3):
+        for step in (1, 2, 3, 4, 5):
             folder = tmp_path / f"checkpoint-{step}"
             folder.mkdir()
+            if step == 4:
+                state["extra"] = torch.ones(100)
             snapshot = writer.snapshot("state.pt", state)
             writer.snapshot_done()
-            assert all(writer._process.place(t) is not None for t in snapshot.values()), "in shared memory"
-            assert writer._process.save_torch(snapshot, folder / "state.pt")
+            shared = [writer._process.place(t) is not None for t in snapshot.values()]
+            assert shared == [step in (2, 3, 5)] * len(state) if step != 4 else shared == [True, True, False]
+            digest = writer._process.save_torch(snapshot, folder / "state.pt")
+            assert (digest is not None) == (step in (2, 3, 5))
+            if step == 3:
+                assert made == [(writer.snapshot_bytes, True)], "one area, reused by the later checkpoints"
             saved = {name: tensor.clone() for name, tensor in state.items()}
             state["weight"] += 1
-        assert len(made) == 2, "one overflow buffer, then the area, reused by the later checkpoints"
-        assert list(writer._process._areas) == [1], "the overflow buffer released once written"
-        loaded = torch.load(tmp_path / "checkpoint-3" / "state.pt")
+        assert len(made) == 2 and list(writer._process._areas) == [1], "the first area released once written"
+        loaded = torch.load(tmp_path / "checkpoint-5" / "state.pt")
         assert all(torch.equal(loaded[name], saved[name]) for name in saved)
     finally:
         writer.close(raising=False)
     assert writer._process._process is None and not writer._process._areas
+
+
+@pytest.mark.parametrize("answered", [False, True], ids=["still starting", "idle"])
+def test_close_ends_the_child_at_once(answered):
+    """At the end of train() the child has nothing left to write: it is ended, not waited for (a child still starting
+    held close() for the seconds of its imports; an idle one for its interpreter's teardown)."""
+    process = writer_process.WriterProcess()
+    process.allocate(4096, pinned=False)
+    if answered:
+        assert process.ready()
+    else:
+        process.start()
+    child = process._process
+    began = time.monotonic()
+    process.close()
+    assert time.monotonic() - began < 0.5 and child.poll() is not None
+
+
+def _shared_memory() -> tuple[int, int]:
+    """This process's mappings of the writers' shared memory, and its descriptors of it."""
+    with open("/proc/self/maps") as maps:
+        mapped = sum("memfd:hflight-checkpoint" in line for line in maps)
+    descriptors = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            descriptors += "memfd:hflight-checkpoint" in os.readlink(f"/proc/self/fd/{fd}")
+    return mapped, descriptors
+
+
+class _CountSharedMemory(transformers.TrainerCallback):
+    def __init__(self):
+        self.seen = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.seen.append(_shared_memory())
+
+
+def test_the_shared_memory_is_unmapped_at_release_and_gone_when_train_returns(tmp_path, factory):
+    """Without a cyclic garbage collection: a job and its steps (which hold the snapshot) made a cycle that kept
+    the overflow buffer of the first checkpoint mapped through the run, and the area and its descriptors after
+    train() returned and the writer was closed, until a collection ran."""
+    counting = _CountSharedMemory()
+    gc.collect()
+    gc.disable()
+    try:
+        make_trainer(tmp_path, factory, max_steps=8, save_steps=2, save_async=True, callbacks=[counting]).train()
+        after = _shared_memory()
+    finally:
+        gc.enable()
+    # steps 1-2: nothing yet; 3: the first checkpoint's overflow buffer and the area; from 5 on: the area alone
+    assert counting.seen[-1][0] == 1 and counting.seen[4][0] == 1, counting.seen
+    assert after == (0, 0), "the shared staging memory outlived train()"
 
 
 def test_a_small_state_is_written_by_the_thread_without_starting_a_process(tmp_path, factory, children, monkeypatch):

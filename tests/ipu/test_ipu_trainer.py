@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+import transformers
 from transformers import default_data_collator
 
 from hflight import TrainingArguments
@@ -228,6 +229,35 @@ def test_dataloader_getters_return_combined_batches(poptorch_double, factory, tm
         assert isinstance(loader, poptorch_double.DataLoader) and loader.combinedBatchSize == 1 * 2 * 3
         assert loader.options.replication_factor == 2 and loader.options.device_iterations == 3
         assert [b["input_ids"].shape[0] for b in loader] == [6, 6, 1]
+
+
+@pytest.mark.parametrize(
+    "config, n_ipu, rows_per_call",
+    [
+        ({"gradient_accumulation_steps": 4}, None, 4),
+        ({"gradient_accumulation_steps": 4, "inference_device_iterations": 2}, None, 8),
+        ({"gradient_accumulation_steps": 2}, 2, 8),  # n_ipu=2: two replicas for training and for inference
+    ],
+    ids=["replicas1-x-GA4", "replicas1-x-GA4-inference-iterations2", "replicas2-x-GA2"],
+)
+def test_eval_loss_keeps_the_real_rows_of_the_padded_last_batch_as_transformers_on_the_cpu(
+    poptorch_double, executors, factory, tmp_path, config, n_ipu, rows_per_call
+):
+    """10 evaluation rows in batches of 4, the last inference call padded on the batch axis: ``eval_loss`` (and
+    ``predict``'s ``test_loss``) of the same model is transformers' Trainer's on the CPU. Each inference call gives
+    one loss for its combined batch (micro-batch x inference replicas x device iterations); it counted
+    ``eval_batch_size`` times, then the last call's was cut to the rows that are not padding (10 % 8 = 2): with 8 rows
+    a call, the first 8 rows weighed as much as 4 and the 2 real rows of the last call as 2 (3.1342 against 3.1438)."""
+    evaluation = factory.qa_dataset(10, seed=1)
+    cpu_args = transformers.TrainingArguments(str(tmp_path / "cpu"), per_device_eval_batch_size=4, use_cpu=True,
+                                              report_to="none", disable_tqdm=True)  # fmt: skip
+    expected = transformers.Trainer(factory.qa_model(), cpu_args).evaluate(evaluation)["eval_loss"]
+    arguments = args(tmp_path, per_device_eval_batch_size=4, pad_on_batch_axis=True, n_ipu=n_ipu)
+    trainer = IPUTrainer(factory.qa_model(), IPUConfig(**config), arguments)
+    assert trainer.evaluate(evaluation)["eval_loss"] == pytest.approx(expected, rel=1e-6)
+    assert trainer.predict(evaluation).metrics["test_loss"] == pytest.approx(expected, rel=1e-6)
+    calls = [call for e in executors for call in e.calls if not call.training]  # evaluate's, then predict's
+    assert [call.input_shapes["input_ids"][0] for call in calls] == [rows_per_call] * (2 * -(-10 // rows_per_call))
 
 
 def test_each_checkpoint_copies_the_weights_to_the_host_once(poptorch_double, factory, tmp_path, monkeypatch):

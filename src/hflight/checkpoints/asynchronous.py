@@ -51,13 +51,15 @@ import contextlib
 import copy
 import dataclasses
 import logging
+import mmap
 import threading
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
-from hflight.checkpoints import writer_process
+from hflight.checkpoints import resources, writer_process
 from hflight.checkpoints.job import CheckpointJob, CheckpointWriteError
 from hflight.checkpoints.weights import deepspeed_left_alone
 
@@ -74,15 +76,15 @@ PROCESS_MIN_BYTES = 64 << 20
 
 @dataclasses.dataclass
 class _Slot:
-    """Where one tensor of the state is copied: ``nbytes`` at ``offset`` of the staging area's layout, held by ``copy``
-    (a tensor over them with a storage of its own) at ``at`` of ``buffer``: the area, or the overflow buffer of the
+    """Where one storage of the state is copied: ``nbytes`` at ``offset`` of the staging area's layout, held by
+    ``storage`` (an untyped storage over them) at ``at`` of ``buffer``: the area, or the overflow buffer of the
     snapshot that laid it out while the area was too small."""
 
     offset: int
     nbytes: int
     buffer: Any  # host memory as a numpy array (what the copies' storages are made over)
     at: int
-    copy: torch.Tensor | None
+    storage: Any
 
 
 @dataclasses.dataclass
@@ -117,6 +119,7 @@ class CheckpointWriter:
         # the staging area: the slots of the tensors by key, the area, the bytes laid out, the overflow buffers' bytes
         self._slots: dict[tuple[Any, ...], _Slot] = {}
         self._area: Any = None
+        self._allocating: _Allocation | None = None  # the area being allocated, until the next snapshot takes it
         self._end = 0
         self._overflow_bytes = 0
         self._used: set[tuple[Any, ...]] = set()  # the keys snapshotted since the last snapshot_done
@@ -154,6 +157,8 @@ class CheckpointWriter:
 
     @property
     def _capacity(self) -> int:
+        if self._allocating is not None:
+            return self._allocating.nbytes
         return 0 if self._area is None else len(self._area)
 
     def snapshot(self, name: str, state: Any) -> Any:
@@ -163,70 +168,75 @@ class CheckpointWriter:
             return state
         self._say_wait(self._join())  # the staging area belongs to the write in flight until it is done
         self._release_retired()
+        self._take_area()
         # deepcopy with every tensor already mapped to its copy: the copy has the original's structure exactly
         # (shared objects stay shared, so torch.save writes the same bytes)
         memo: dict[int, Any] = {}
         self._copy(self._stage(name, state, memo))
         return copy.deepcopy(state, memo)
 
-    def _stage(self, name: str, state: Any, memo: dict[int, Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Every tensor of ``state`` mapped in ``memo`` to its copy in the staging area (those past its end: in one
-        overflow buffer); returns the copies to make, (copy, source), each storage once (tied weights stay tied)."""
-        shared: dict[tuple[Any, ...], _Slot] = {}
-        staged: dict[int, tuple[_Slot, torch.Tensor | None]] = {}  # id -> (slot, source; None: tied to another)
+    def _stage(self, name: str, state: Any, memo: dict[int, Any]) -> list[tuple[Any, Any]]:
+        """Every tensor of ``state`` mapped in ``memo`` to its copy: the same view (offset, shape, strides, dtype) of
+        its storage's copy in the staging area (those past its end: in one overflow buffer), with the tensor's
+        ``requires_grad``, ``Parameter`` type and Python attributes, as ``torch.save`` writes it. Tensors over one
+        storage (tied weights, views) share its copy, as they share the storage: ``torch.save`` writes each storage
+        once, ``save_pretrained`` finds tied weights by their storage. Returns the copies to make, (copy, source),
+        each storage once."""
+        storages: dict[int, tuple[_Slot, Any]] = {}  # by the source storage's _cdata, as torch.save tells them apart
+        views: list[tuple[torch.Tensor, _Slot]] = []
         for key, tensor in _tensors(state, (name,)):
-            if id(tensor) in memo or id(tensor) in staged:
+            if id(tensor) in memo:
                 continue
-            source = tensor.detach()
-            if not _stageable(source):  # a sparse, quantized or subclassed tensor: a copy of its own, now
-                memo[id(tensor)] = source.to("cpu", copy=True)
+            if not _stageable(tensor):  # a sparse, quantized or subclassed tensor: a copy of its own, now
+                memo[id(tensor)] = tensor.detach().to("cpu", copy=True)
                 continue
-            identity = (source.device, source.untyped_storage().data_ptr(), source.storage_offset(), source.shape,
-                        source.stride(), source.dtype)  # fmt: skip
-            if source.untyped_storage().data_ptr() != 0 and identity in shared:  # tied weights stay tied
-                staged[id(tensor)] = (shared[identity], None)
-                continue
-            shared[identity] = self._slot(key, source)
-            staged[id(tensor)] = (shared[identity], source)
-        copies = [(slot, source) for slot, source in staged.values() if source is not None]
-        self._overflow([(slot, source) for slot, source in copies if slot.copy is None])
-        memo.update((original, slot.copy) for original, (slot, _) in staged.items())
-        return [(slot.copy, source) for slot, source in copies if slot.nbytes]  # type: ignore[misc]
+            storage = tensor.untyped_storage()
+            if storage._cdata not in storages:
+                storages[storage._cdata] = (self._slot(key, storage.nbytes()), storage)
+            views.append((tensor, storages[storage._cdata][0]))
+            memo[id(tensor)] = None  # made below, once every storage has its copy
+        self._overflow([slot for slot, _ in storages.values() if slot.storage is None])
+        for tensor, slot in views:
+            memo[id(tensor)] = _view(slot.storage, tensor)
+        for tensor, _ in views:  # attributes last: one may hold another tensor of the state
+            if tensor.__dict__:
+                memo[id(tensor)].__dict__.update(copy.deepcopy(tensor.__dict__, memo))
+        return [(slot.storage, storage) for slot, storage in storages.values() if slot.nbytes]
 
-    def _slot(self, key: tuple[Any, ...], tensor: torch.Tensor) -> _Slot:
-        """The slot of ``key``: the last checkpoint's (the same bytes), or a new one at the end of the layout, with
-        its copy when the area holds it (else None: :meth:`_overflow` makes it)."""
-        nbytes = tensor.numel() * tensor.element_size()
+    def _slot(self, key: tuple[Any, ...], nbytes: int) -> _Slot:
+        """The slot of ``key`` (a storage of ``nbytes`` first met at it): the last checkpoint's (the same bytes), or a
+        new one at the end of the layout, with its storage when the area holds it (else None: :meth:`_overflow` makes
+        it)."""
         self._used.add(key)
         slot = self._slots.get(key)
-        if slot is not None and slot.nbytes == nbytes and slot.copy is not None:
-            if slot.copy.dtype != tensor.dtype or slot.copy.shape != tensor.shape:  # the same bytes, seen otherwise
-                slot.copy = _over(slot.buffer, slot.at, tensor)
+        if slot is not None and slot.nbytes == nbytes and slot.storage is not None:
             return slot
         offset = _aligned(self._end, nbytes)
         self._end = offset + nbytes
         inside = nbytes == 0 or self._end <= self._capacity
-        slot = _Slot(offset, nbytes, self._area, offset, _over(self._area, offset, tensor) if inside else None)
+        slot = _Slot(offset, nbytes, self._area, offset, _storage_over(self._area, offset, nbytes) if inside else None)
         self._slots[key] = slot
         return slot
 
-    def _overflow(self, pending: list[tuple[_Slot, torch.Tensor]]) -> None:
-        """The copies of the slots laid out past the staging area's end, in one buffer (their part of the layout),
+    def _overflow(self, pending: list[_Slot]) -> None:
+        """The storages of the slots laid out past the staging area's end, in one buffer (their part of the layout),
         kept until the area is allocated for them (:meth:`snapshot_done`)."""
         if not pending:
             return
-        start = pending[0][0].offset
+        start = pending[0].offset
         buffer = self._host_memory(self._end - start, pinned=False)
         self._overflows.append(buffer)
         self._overflow_bytes += len(buffer)
-        for slot, source in pending:
+        for slot in pending:
             slot.buffer, slot.at = buffer, slot.offset - start
-            slot.copy = _over(buffer, slot.at, source)
+            slot.storage = _storage_over(buffer, slot.at, slot.nbytes)
 
-    def _copy(self, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Each (copy, source): from host memory now; from a GPU queued on the side stream of its device."""
+    def _copy(self, copies: list[tuple[Any, Any]]) -> None:
+        """Each (copy, source) of storages, their bytes: from host memory now; from a GPU queued on the side stream of
+        its device."""
         on_gpu: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        for target, source in copies:
+        for target_storage, source_storage in copies:
+            target, source = _bytes(target_storage), _bytes(source_storage)
             if _on_gpu(source):
                 on_gpu.setdefault(source.device, []).append((target, source))
             else:
@@ -267,29 +277,45 @@ class CheckpointWriter:
         self._used.clear()
 
     def _reallocate_area(self) -> None:
-        """The staging area allocated anew for the slots used since the last checkpoint, packed in their order (the
-        slots of keys no longer snapshotted are dropped); every slot's copy made anew over it."""
-        kept = [(key, slot) for key, slot in self._slots.items() if key in self._used and slot.copy is not None]
+        """The staging area laid out anew for the slots used since the last checkpoint, packed in their order (the
+        slots of keys no longer snapshotted are dropped), to be allocated by the writer thread once this checkpoint
+        is written, its pages made present (and pinned) there rather than at the next checkpoint's copies on the
+        loop's thread, and not beside the write (on a machine of two cores, three busy threads slowed the loop); the
+        slots' storages are made over it when the next snapshot takes it (:meth:`_take_area`)."""
+        kept = [(key, slot) for key, slot in self._slots.items() if key in self._used and slot.storage is not None]
         kept.sort(key=lambda each: each[1].offset)
         offsets, end = [], 0
         for _, slot in kept:
             offsets.append(_aligned(end, slot.nbytes))
             end = offsets[-1] + slot.nbytes
-        area = self._host_memory(end, pinned=self._pinned)
         # the copies just made into the old area and the overflow buffers are this checkpoint's: released once written
         self._retired += [each for each in (self._area, *self._overflows) if each is not None]
         self._overflows = []
-        self._slots = {
-            key: _Slot(offset, slot.nbytes, area, offset, _over(area, offset, slot.copy))  # type: ignore[arg-type]
-            for (key, slot), offset in zip(kept, offsets)
-        }
-        self._area, self._end, self._overflow_bytes, self._area_pinned = area, end, 0, self._pinned
+        self._slots = {key: _Slot(at, slot.nbytes, None, at, None) for (key, slot), at in zip(kept, offsets)}
+        pinned = self._area_pinned = self._pinned
+        self._area, self._end, self._overflow_bytes = None, end, 0
+        self._allocating = _Allocation(lambda: self._area_memory(end, pinned), end)  # by the writer thread, after
+
+    def _area_memory(self, nbytes: int, pinned: bool) -> Any:
+        """The staging area's memory, its pages present: shared with the writer process where there is one and the
+        state is large enough to be worth it (:data:`PROCESS_MIN_BYTES`), the process's own otherwise."""
+        if self._process is not None and nbytes >= PROCESS_MIN_BYTES:
+            return self._process.allocate(nbytes, pinned, populate=True)
+        return _host_memory(nbytes, pinned, populate=True)
+
+    def _take_area(self) -> None:
+        """The area allocated after the last checkpoint, once it is (the slots' storages made over it)."""
+        allocating, self._allocating = self._allocating, None
+        if allocating is None:
+            return
+        self._area = allocating.result()
+        for slot in self._slots.values():
+            if slot.storage is None:
+                slot.buffer, slot.storage = self._area, _storage_over(self._area, slot.at, slot.nbytes)
 
     def _host_memory(self, nbytes: int, pinned: bool) -> Any:
-        """Host memory for copies: shared with the writer process where there is one and the state is large enough
-        to be worth it (:data:`PROCESS_MIN_BYTES`; once it is, every later buffer too)."""
-        if self._process is not None and (self._process.allocated or nbytes >= PROCESS_MIN_BYTES):
-            return self._process.allocate(nbytes, pinned)
+        """An overflow buffer: the process's own memory (the writer thread writes the files of a checkpoint whose
+        tensors are not all in the staging area)."""
         return _host_memory(nbytes, pinned)
 
     def _release_retired(self) -> None:
@@ -333,6 +359,19 @@ class CheckpointWriter:
         finally:
             if write is not None:
                 write.ended = time.monotonic()
+        self._after_write()
+
+    def _after_write(self) -> None:
+        """The writer thread, its write over: the staging area laid out at its snapshot allocated, then the writer
+        process started once there is shared memory for it (its start, imports that take a second or two of CPU,
+        beside the training steps rather than beside the write; until it answers, the thread writes the files). A
+        failed allocation is raised where the loop takes the area."""
+        allocating = self._allocating
+        if allocating is not None:
+            with contextlib.suppress(Exception):
+                allocating.result()
+        if self._process is not None and self._process.allocated:
+            self._process.start()
 
     def callbacks_done(self) -> None:
         """The loop's ``on_save`` for the checkpoint submitted last is over (also when it raised): the background
@@ -430,11 +469,13 @@ class CheckpointWriter:
         is then logged, not raised over the error that ended the run."""
         try:
             self._close(raising)
-        finally:
+        finally:  # the copies dropped first: the shared memory is unmapped with the last tensor over it
+            self._allocating = None
+            self._slots, self._area, self._end, self._overflows, self._retired = {}, None, 0, [], []
+            self._overflow_bytes, self._area_pinned, self._write, self._copied = 0, False, None, []
             if self._process is not None:
                 self._process.close()
-                self._slots, self._area, self._end, self._overflows, self._retired = {}, None, 0, [], []
-                self._overflow_bytes, self._area_pinned = 0, False
+            resources.pools.close()
 
     def _close(self, raising: bool) -> None:
         if not raising:
@@ -462,8 +503,11 @@ def _tensors(value: Any, key: tuple[Any, ...]) -> Any:
 
 
 def _stageable(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is copied into the staging area: a plain dense tensor (its bytes are its elements)."""
-    return type(tensor) is torch.Tensor and tensor.layout == torch.strided and not tensor.is_quantized
+    """Whether ``tensor`` is copied into the staging area: a plain dense tensor or parameter, its bytes its elements
+    (no lazy conjugate or negative bit)."""
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.layout != torch.strided:
+        return False
+    return not (tensor.is_quantized or tensor.is_conj() or tensor.is_neg() or tensor.device.type == "meta")
 
 
 def _on_gpu(tensor: torch.Tensor) -> bool:
@@ -477,9 +521,11 @@ def _aligned(offset: int, nbytes: int) -> int:
     return -(-offset // step) * step
 
 
-def _host_memory(nbytes: int, pinned: bool) -> Any:
+def _host_memory(nbytes: int, pinned: bool, populate: bool = False) -> Any:
     """``nbytes`` of host memory, as the numpy array the copies' storages are made over (the array keeps it); pinned
-    for copies from a GPU (a copy into pageable memory blocks the host until it is made), where pinning succeeds."""
+    for copies from a GPU (a copy into pageable memory blocks the host until it is made), where pinning succeeds;
+    ``populate``: its pages made present now (by the calling thread, the interpreter lock released), not at the
+    first copies into them. Private memory (a forked process gets its own copy)."""
     if pinned:
         try:
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
@@ -488,18 +534,45 @@ def _host_memory(nbytes: int, pinned: bool) -> Any:
                 f"Could not pin {_size(nbytes)} of host memory for the checkpoints' copies ({exc}): they are made "
                 "into pageable memory, which holds the training loop until each copy is made."
             )
-    return torch.empty(nbytes, dtype=torch.uint8).numpy()
+    flags = mmap.MAP_PRIVATE | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+    return np.frombuffer(mmap.mmap(-1, max(nbytes, 1), flags=flags), dtype=np.uint8, count=nbytes)
 
 
-def _over(buffer: Any, at: int, like: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor shaped and typed as ``like`` over ``buffer``'s bytes from ``at``, with a storage of its own
-    that spans exactly them: ``torch.save`` writes a tensor's whole storage, and transformers' ``save_pretrained`` takes
-    tensors whose storages start at the same address for tied weights (any dtype: the storage is bytes)."""
-    nbytes = like.numel() * like.element_size()
+class _Allocation:
+    """The staging area's memory of ``nbytes``, allocated by whichever thread asks first (:meth:`result`): the writer
+    thread once its write is over, beside the training steps, or the loop's thread at the next snapshot."""
+
+    def __init__(self, allocate: Any, nbytes: int) -> None:
+        self.nbytes, self._allocate = nbytes, allocate
+        self._memory: Any = None
+        self._lock = threading.Lock()
+
+    def result(self) -> Any:
+        with self._lock:
+            if self._memory is None:
+                self._memory = self._allocate()
+            return self._memory
+
+
+def _storage_over(buffer: Any, at: int, nbytes: int) -> Any:
+    """An untyped storage over ``buffer``'s ``nbytes`` from ``at`` (one of its own when empty)."""
     if nbytes == 0:
-        return torch.empty(like.shape, dtype=like.dtype)
-    storage = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=at).untyped_storage()
-    return torch.empty(0, dtype=like.dtype).set_(storage, 0, like.shape)
+        return torch.UntypedStorage(0)
+    return torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=at).untyped_storage()
+
+
+def _bytes(storage: Any) -> torch.Tensor:
+    """A storage's bytes as a tensor over it, on its device."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+def _view(storage: Any, like: torch.Tensor) -> torch.Tensor:
+    """``like``'s view (dtype, offset, shape, strides) over ``storage``, a ``Parameter`` where it is one, with its
+    ``requires_grad``."""
+    view = torch.empty(0, dtype=like.dtype).set_(storage, like.storage_offset(), like.shape, like.stride())
+    if type(like) is torch.nn.Parameter:
+        return torch.nn.Parameter(view, requires_grad=like.requires_grad)
+    return view.requires_grad_(True) if like.requires_grad else view
 
 
 def _size(nbytes: int) -> str:

@@ -13,7 +13,11 @@ the first write) or the platform has none (macOS, Windows), the same bytes are w
 
 Every byte also passes through ``hasher`` (``update``), so the file's checksum comes without reading it back.
 
-May import: nothing of hflight.
+The staging buffers are private memory (a forked process gets its own copy of a buffer, never the parent's pages),
+kept for the next file in a pool of :mod:`hflight.checkpoints.resources`: let go of in a forked child, released when
+no checkpoint writer is open and at exit.
+
+May import: ``hflight.checkpoints.resources``.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from hflight.checkpoints import resources
+
 try:
     import fcntl
 except ImportError:  # not on Windows, which has no O_DIRECT either
@@ -39,24 +45,39 @@ STAGE_BYTES = 8 << 20
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 # Staging buffers kept for the next file (fresh memory costs page faults; a checkpoint's files come one after the
-# other): a list of free pairs, taken and given back under the lock.
-_spare: list[list[mmap.mmap]] = []
+# other): a list of free pairs in the writers' pools, taken and given back under the lock.
 _spare_lock = threading.Lock()
+#: private anonymous memory (mmap's default for anonymous memory is MAP_SHARED, which a fork shares)
+_PRIVATE = {"flags": mmap.MAP_PRIVATE} if hasattr(mmap, "MAP_PRIVATE") else {}
+
+
+def _spares() -> list[list[mmap.mmap]]:
+    return resources.pools.get("direct_file.spares", list, _close_pairs, _close_pairs)
+
+
+def _close_pairs(pairs: list[list[mmap.mmap]]) -> None:
+    """The pairs unmapped (in a forked child: its own copies of them)."""
+    for pair in pairs:
+        for each in pair:
+            each.close()
+    pairs.clear()
 
 
 def _take_buffers() -> list[mmap.mmap]:
     with _spare_lock:
-        while _spare:
-            pair = _spare.pop()
+        spares = _spares()
+        while spares:
+            pair = spares.pop()
             if all(len(each) == STAGE_BYTES for each in pair):
                 return pair
-    return [mmap.mmap(-1, STAGE_BYTES) for _ in range(2)]  # page-aligned, as O_DIRECT needs
+    return [mmap.mmap(-1, STAGE_BYTES, **_PRIVATE) for _ in range(2)]  # page-aligned, as O_DIRECT needs
 
 
 def _give_back(pair: list[mmap.mmap]) -> None:
     with _spare_lock:
-        if len(_spare) < 2:
-            _spare.append(pair)
+        spares = _spares()
+        if len(spares) < 2:
+            spares.append(pair)
             return
     for each in pair:
         each.close()

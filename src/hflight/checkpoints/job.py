@@ -154,7 +154,7 @@ class CheckpointJob:
         self._later: list[tuple[str | None, Step]] = []
         self._finishing: Checksums | None = None  # the checksums of the thread finishing the job
         self._manifest: tuple[Any, ...] = ()
-        self._rotate: Step = lambda: None
+        self._rotate: Step = _nothing
         # synchronous: the loop's thread finishes the job, so it hashes each file as soon as it is written
         self._checksums = Checksums() if main and snapshot is None else None
         # In the background (the last checkpoint apart, published before the loop goes on), the loop's on_save comes
@@ -262,12 +262,15 @@ class CheckpointJob:
         """The rest of the write: the files left for later, each checksummed and fsynced as it is complete, the
         manifest, the durable publication, then the rotation. Returns what failed (a :class:`CheckpointWriteError`
         for a write failure, the unfinished folder removed), None when the checkpoint is published."""
-        failure = self._finish()
-        if failure is None:
-            self._retire_older()
-        else:
-            self._remove_placeholder()
-        return failure
+        try:
+            failure = self._finish()
+            if failure is None:
+                self._retire_older()
+            else:
+                self._remove_placeholder()
+            return failure
+        finally:  # the steps hold the snapshot and this job: dropped, its memory goes now, not at a collection
+            self._later, self._rotate, self._manifest = [], _nothing, ()
 
     def _finish(self) -> BaseException | None:
         checksums = self._checksums or Checksums()  # in the background: opened (and closed) by this thread
@@ -393,6 +396,10 @@ class CheckpointJob:
         if taken:
             logger.info(f"{', '.join(taken)}, written into {self.final_dir} after its save (by _save_checkpoint or "
                         "on_save) while it was written in the background, kept in it.")  # fmt: skip
+
+
+def _nothing() -> None:
+    """No rotation."""
 
 
 def _in_writer_process(write: Callable[[], str | None]) -> str | None:

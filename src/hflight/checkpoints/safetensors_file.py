@@ -29,6 +29,7 @@ import functools
 import io
 import json
 import logging
+import math
 import os
 import struct
 import sys
@@ -79,13 +80,17 @@ def _safetensors_header(blob: bytes) -> tuple[dict[str, Any], bytes]:
 
 
 def _plain(tensors: dict[str, Any]) -> bool:
-    """Whether every tensor is one this module writes as safetensors does: a dense, contiguous, plain tensor, no two
-    sharing storage (safetensors refuses those, or drops duplicates: its own ``save_file`` decides)."""
+    """Whether every tensor is one this module writes as safetensors does: a dense, contiguous, plain tensor of a dtype
+    whose header entries this module gives as safetensors does (:func:`_dtype_agrees`), its bytes its elements (no
+    lazy conjugate or negative bit: safetensors writes the memory as it lies), no two sharing storage (safetensors
+    refuses those, or drops duplicates: its own ``save_file`` decides)."""
     seen: set[tuple[Any, int]] = set()
     for tensor in tensors.values():
         if type(tensor) is not torch.Tensor or tensor.layout != torch.strided or not tensor.is_contiguous():
             return False
-        if tensor.is_quantized or tensor.device.type == "meta":
+        if tensor.is_quantized or tensor.device.type == "meta" or tensor.is_conj() or tensor.is_neg():
+            return False
+        if not _dtype_agrees(tensor.dtype):
             return False
         if tensor.numel():
             storage = (tensor.device, tensor.untyped_storage().data_ptr())
@@ -145,6 +150,39 @@ def _probe() -> dict[str, torch.Tensor]:
         "empty": torch.empty(0, 4),
         "scalar": torch.tensor(2.5, dtype=torch.float64),
     }
+
+
+#: the shapes a dtype's probe holds: 2-d, 1-d, 0-d and empty (safetensors counts the elements of some dtypes its own
+#: way: a ``float4_e2m1fn_x2`` of shape (2, 3) is ``"shape":[2,6]`` in its header)
+_PROBE_SHAPES = ((2, 3), (5,), (), (0, 2))
+
+
+@functools.cache
+def _dtype_agrees(dtype: torch.dtype) -> bool:
+    """Whether this module writes tensors of ``dtype`` as safetensors does: a probe of each of :data:`_PROBE_SHAPES`,
+    its bytes made from a count, written both ways and compared whole (checked once per dtype). False where
+    safetensors refuses the dtype (its ``save_file`` then raises its own error), or writes another header (the tensor
+    goes to safetensors, which writes it its way)."""
+    from safetensors.torch import save
+
+    try:
+        size = torch.empty(0, dtype=dtype).element_size()
+        probe = {
+            f"t{index}": (torch.arange(size * math.prod(shape), dtype=torch.int64) % 251).to(torch.uint8)
+            .view(dtype).reshape(shape)
+            for index, shape in enumerate(_PROBE_SHAPES)
+        }  # fmt: skip
+        theirs = save(probe)
+    except Exception:  # noqa: BLE001 - a dtype torch cannot view bytes as, or safetensors refuses: safetensors' own
+        return False
+    header = _layout(probe, None)
+    ours = io.BytesIO()
+    if header is not None:
+        _write(probe, ours, header)
+    if ours.getvalue() != theirs:
+        logger.debug(f"{dtype}: safetensors' header differs from this module's; its save_file writes such tensors.")
+        return False
+    return True
 
 
 @functools.cache

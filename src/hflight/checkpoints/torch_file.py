@@ -19,7 +19,7 @@ torch's private function: at first use a probe state is written both ways, and w
 the function this module was written against, or the records differ in any name, order or byte (the random
 serialization id apart), :func:`save` is ``torch.save`` (and says so once in the log).
 
-May import: ``hflight.checkpoints.direct_file``.
+May import: ``hflight.checkpoints.direct_file``, ``hflight.checkpoints.resources``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import logging
 import os
 import pickle
 import struct
-import threading
 import uuid
 import zipfile
 import zlib
@@ -40,6 +39,7 @@ from typing import Any
 
 import torch
 
+from hflight.checkpoints import resources
 from hflight.checkpoints.direct_file import DirectFile
 
 logger = logging.getLogger(__name__)
@@ -51,8 +51,6 @@ _PADDING_ID = 0x4246
 #: a record of at least this many bytes has its CRC-32 computed in parts, side by side (:func:`_crc32`)
 _PARALLEL_CRC_BYTES = 4 << 20
 _CRC_POLYNOMIAL = 0xEDB88320  # CRC-32's, reflected (zlib's)
-_crc_pool: concurrent.futures.ThreadPoolExecutor | None = None
-_crc_pool_lock = threading.Lock()
 #: above this, a size or offset goes into a zip64 extra field (a test lowers it to exercise the zip64 framing)
 _ZIP64_LIMIT = 0xFFFFFFFF
 _DOS_DATE = (1980 - 1980) << 9 | 1 << 5 | 1  # 1980-01-01, as torch's and zipfile's fixed-date records
@@ -188,13 +186,17 @@ def _crc32(view: memoryview) -> int:
     parts = min(8, os.cpu_count() or 1, len(view) // _PARALLEL_CRC_BYTES)
     if parts < 2:
         return zlib.crc32(view)
-    global _crc_pool
-    with _crc_pool_lock:
-        if _crc_pool is None:
-            _crc_pool = concurrent.futures.ThreadPoolExecutor(parts - 1, thread_name_prefix="hflight-crc32")
+    # the pool's threads, one fewer than the parts (this thread takes the first); a forked process makes its own
+    pool = resources.pools.get(
+        "torch_file.crc", lambda: concurrent.futures.ThreadPoolExecutor(7, thread_name_prefix="hflight-crc32"),
+        lambda executor: executor.shutdown(wait=False),
+    )  # fmt: skip
     step = -(-len(view) // parts)
     pieces = [view[begin : begin + step] for begin in range(0, len(view), step)]
-    others = [_crc_pool.submit(zlib.crc32, piece) for piece in pieces[1:]]
+    try:
+        others = [pool.submit(zlib.crc32, piece) for piece in pieces[1:]]
+    except RuntimeError:  # released meanwhile (no checkpoint writer open any more): the whole record here
+        return zlib.crc32(view)
     crc = zlib.crc32(pieces[0])
     for piece, other in zip(pieces[1:], others):
         crc = _crc32_combine(crc, other.result(), len(piece))

@@ -1,11 +1,20 @@
-"""The checkpoint writer process (``hflight.checkpoints.writer_process``): ``python -m hflight.checkpoints.writer_child
-FD PARENT tie|-``.
+"""The checkpoint writer process (``hflight.checkpoints.writer_process``), started as ``python -I -c BOOT PATHS FD
+PARENT tie|-`` (``writer_process.BOOT``: the paths put first, then :func:`main`).
+
+Isolated (``-I``): neither the working folder nor the user's site nor ``PYTHONPATH`` is on its ``sys.path``, so a
+module planted in a shared working folder is never imported in it (``python -m`` would put the working folder
+first); ``PATHS`` are the folders the training process imported this child's own modules from (hflight, torch, numpy,
+safetensors, xxhash), put first.
 
 It runs in a session of its own, so that the signals sent to the training job's process group (a stop, a requeue)
-are the training process's to handle. It ends when the training process closes the connection (``FD``), and, tied
-(``tie``: started by the training process's main thread), when that process dies, even in the middle of a file (a
-child outliving a killed run would go on writing into its folder): Linux's ``PR_SET_PDEATHSIG``, set before the
-imports that take seconds.
+are the training process's to handle. The training process kills it when it has nothing left to write (the end of a
+run); it ends too when the connection (``FD``) closes, and when that process dies, even in the middle of a file (a
+child outliving a killed run would go on writing into its folder): a thread of its own waits on the training process
+(a ``pidfd``, Linux 5.3 and newer; elsewhere it polls the parent's pid) and kills this process when it ends, whichever
+thread of the training process started it. Started by the training process's main thread (``tie``), Linux's
+``PR_SET_PDEATHSIG`` does the same without waiting for this process's interpreter (it follows the thread that started
+the child, so it is set only where that thread's life is the process's). Both are set before the imports that take
+seconds.
 
 May import: ``hflight.checkpoints.writer_process``.
 """
@@ -13,12 +22,14 @@ May import: ``hflight.checkpoints.writer_process``.
 from __future__ import annotations
 
 import os
+import select
 import signal
-import sys
+import threading
+import time
 
 
-def _die_with(parent: int) -> None:
-    """This process is killed when ``parent``'s thread that started it ends (``PR_SET_PDEATHSIG``)."""
+def _kernel_tie() -> None:
+    """This process killed when the thread that started it ends (``PR_SET_PDEATHSIG``)."""
     import ctypes
 
     try:
@@ -26,18 +37,33 @@ def _die_with(parent: int) -> None:
         libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
-    if os.getppid() != parent:  # it had ended already
+
+
+def _watch(parent: int) -> None:
+    """This process killed once ``parent`` has ended, by a thread of its own; ended now where it has already."""
+    try:
+        handle = os.pidfd_open(parent)
+    except (AttributeError, OSError):  # no pidfd here (an older kernel or Python): the parent's pid polled
+        handle = None
+    if os.getppid() != parent:  # it had ended already (and the pidfd, if any, is another process's)
         os._exit(0)
+
+    def wait() -> None:
+        if handle is not None:
+            select.select([handle], [], [])
+        else:
+            while os.getppid() == parent:
+                time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=wait, name="hflight-writer-tie", daemon=True).start()
 
 
 def main(argv: list[str]) -> None:
     descriptor, parent, tie = int(argv[0]), int(argv[1]), argv[2] == "tie"
     if tie:
-        _die_with(parent)
+        _kernel_tie()
+    _watch(parent)
     from hflight.checkpoints.writer_process import serve
 
     serve(descriptor)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

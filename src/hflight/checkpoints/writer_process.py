@@ -13,42 +13,64 @@ the child wrote (``hflight.checkpoints.torch_file`` and ``hflight.checkpoints.sa
 past the page cache, hashed as written). The rest of the job (small files, ``save_pretrained``'s own files, the
 manifest, the fsyncs, the publication) stays on the writer thread.
 
-The child is ``python -m hflight.checkpoints.writer_child`` (no ``multiprocessing``: a user's script is never
-imported again in it), started with the first shared memory, talking over a Unix socket pair (length-prefixed
-pickles; each shared memory's descriptor passed once with ``SCM_RIGHTS``); it imports torch, not hflight's trainer.
-A file the child cannot take (a tensor outside the shared memory, a structure it cannot unpickle) is written by the
-thread as before; an error writing it (a full disk, an I/O error) comes back as the exception, with its ``errno`` and
-file name, and fails the checkpoint as any write error does; a child that dies fails the write in progress with an
-error saying so, and the next file is written by a new child. Linux only (``memfd_create``); elsewhere the thread
+The child is ``python -I -c`` :data:`BOOT` (``hflight.checkpoints.writer_child``, isolated from the working folder and
+the user's site; no ``multiprocessing``: a user's script is never imported again in it), started at the first
+checkpoint by the writer thread, talking over a Unix socket pair (length-prefixed pickles; each shared memory's
+descriptor passed once with ``SCM_RIGHTS``); it imports torch, not hflight's trainer. Until it has answered, the
+writer thread writes the files itself: its start (its imports take a second or two of CPU) never holds a checkpoint
+up. A file the child cannot take (a tensor outside the shared memory, a structure it cannot unpickle) is written by
+the thread as before; an error writing it (a full disk, an I/O error) comes back as the exception, with its
+``errno`` and file name, and fails the checkpoint as any write error does; a child that dies fails the write in
+progress with an error saying so, and the next file is written by a new child. The child and the shared memory
+belong to :mod:`hflight.checkpoints.resources`: let go of in a forked process (which never talks to the parent's
+child), released at :meth:`WriterProcess.close` and at exit. Linux only (``memfd_create``); elsewhere the thread
 writes everything.
 
+Why not torch's own: ``torch.distributed.checkpoint``'s process-based asynchronous save and its shared, pinned stager
+write its own format (a folder of ``.distcp`` files and a ``.metadata``), need a process group, and serialize in a
+process of ``multiprocessing``'s that imports the user's script again; a checkpoint here must be transformers'
+files (``optimizer.pt`` as ``torch.save`` writes it, ``model.safetensors`` as safetensors does), hashed as written.
+
 May import: ``hflight.checkpoints.torch_file``, ``hflight.checkpoints.safetensors_file`` (the child's imports: torch,
-not transformers), nothing else of hflight.
+not transformers), ``hflight.checkpoints.resources``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import logging
 import mmap
 import os
 import pickle
+import select
 import socket
 import struct
 import subprocess
 import sys
 import threading
+import time
 from typing import Any
 
 import numpy as np
 import torch
 
+from hflight.checkpoints import resources
+
 logger = logging.getLogger(__name__)
 
 _LENGTH = struct.Struct("<Q")
-#: the child's entry
-_CHILD = "hflight.checkpoints.writer_child"
+#: the child's program, run with ``python -I -c`` (``hflight.checkpoints.writer_child``): the paths first, then its
+#: ``main``
+BOOT = (
+    "import json, sys\n"
+    "sys.path[:0] = json.loads(sys.argv[1])\n"
+    "from hflight.checkpoints.writer_child import main\n"
+    "main(sys.argv[2:])\n"
+)
+#: the packages the child imports: the folders the training process has them from go first on its path
+_CHILD_PACKAGES = ("hflight", "torch", "numpy", "safetensors", "xxhash")
 #: the area of an empty storage (made anew in the child)
 _EMPTY = -1
 #: how long the writer thread waits for the child to start and answer its first message, seconds
@@ -109,27 +131,72 @@ class _Area:
     pinned: bool = False
 
 
+@dataclasses.dataclass(frozen=True)
+class _Storage:
+    """A storage's place in the shared memory (area, offset, bytes; :data:`_EMPTY` for an empty one): pickled as a
+    persistent id, made over the same bytes in the child, once per file for every tensor over it."""
+
+    key: int
+    offset: int
+    nbytes: int
+
+
+def _tensor(storage: Any, dtype: str, shape: tuple, stride: tuple, offset: int, requires_grad: bool, parameter: bool,
+            state: Any) -> torch.Tensor:  # fmt: skip
+    """A tensor of the state rebuilt in the child over its storage: its view, ``requires_grad``, whether it is a
+    ``Parameter``, its Python attributes, all as ``torch.save`` writes them."""
+    tensor = torch.empty(0, dtype=getattr(torch, dtype)).set_(storage, offset, shape, stride)
+    if parameter:
+        tensor = torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    elif requires_grad:
+        tensor.requires_grad_(True)
+    if state:
+        tensor.__dict__.update(state)
+    return tensor
+
+
 class _Pickler(pickle.Pickler):
-    """Pickles a state with each tensor in shared memory as its place there (area, offset, bytes, and its view);
-    raises :class:`_Outside` for a tensor that is not."""
+    """Pickles a state with each tensor's storage in shared memory as its place there (tensors over one storage share
+    it in the child, as here); raises :class:`_Outside` for a tensor that is not."""
 
     def __init__(self, file: Any, owner: WriterProcess) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.owner, self.used = owner, set()
 
-    def persistent_id(self, obj: Any) -> Any:
+    def reducer_override(self, obj: Any) -> Any:
         if not isinstance(obj, torch.Tensor):
-            return None
+            return NotImplemented
         place = self.owner.place(obj)
-        if place is None:
+        if place is None or type(obj) not in (torch.Tensor, torch.nn.Parameter):
             raise _Outside
         self.used.add(place[0])
-        return ("tensor", *place, str(obj.dtype).removeprefix("torch."), tuple(obj.shape), tuple(obj.stride()),
-                obj.storage_offset())  # fmt: skip
+        state = obj.__dict__ or None
+        return _tensor, (_Storage(*place), str(obj.dtype).removeprefix("torch."), tuple(obj.shape), tuple(obj.stride()),
+                         obj.storage_offset(), obj.requires_grad, type(obj) is torch.nn.Parameter, state)  # fmt: skip
+
+    def persistent_id(self, obj: Any) -> Any:
+        return (obj.key, obj.offset, obj.nbytes) if type(obj) is _Storage else None
 
 
 class _Outside(Exception):
     """A tensor of the state is not in shared memory: the file is written by the thread."""
+
+
+def _child_paths() -> list[str]:
+    """The folders this process imported the child's packages from, in that order (each once); a package it has not
+    imported is the child's own to find (never looked up here: this process's path may hold its working folder)."""
+    paths: list[str] = []
+    for name in _CHILD_PACKAGES:
+        location = getattr(sys.modules.get(name), "__file__", None)
+        if location is not None:
+            folder = os.path.dirname(os.path.dirname(os.path.abspath(location)))
+            if folder not in paths:
+                paths.append(folder)
+    return paths
+
+
+#: every writer process of this process: let go of in a forked child, released at close() and at exit
+_held = resources.Resources("checkpoint writer processes")
 
 
 class WriterProcess:
@@ -144,61 +211,61 @@ class WriterProcess:
         self._process: subprocess.Popen | None = None
         self._sock: socket.socket | None = None
         self._answered = False  # the child answered its first message
-        self._said_unavailable = False
+        self._started = 0.0  # when the child was started
+        self._cannot_start = False
         self._lock = threading.Lock()
 
     # ---- shared memory ---------------------------------------------------------------------------------------------
     @property
     def allocated(self) -> bool:
-        """Whether shared memory was allocated (and the child started) for this writer."""
+        """Whether shared memory was allocated for this writer."""
         return self._next_key > 0
 
-    def allocate(self, nbytes: int, pinned: bool) -> np.ndarray:
+    def allocate(self, nbytes: int, pinned: bool, populate: bool = False) -> np.ndarray:
         """``nbytes`` of shared memory as a numpy array of bytes (pinned for copies from a GPU where pinning
-        succeeds); the writer's staging area or overflow buffer. The first call (on the training loop's thread, at
-        the first snapshot) starts the child, which is ready by the time the first write needs it."""
-        with self._lock:
-            self._spawn()
-        fd = os.memfd_create(f"hflight-checkpoint-{self._next_key}", getattr(os, "MFD_CLOEXEC", 0))
+        succeeds); the writer's staging area. ``populate``: its pages made present now (by the calling thread, the
+        interpreter lock released), not at the first copies into them. Any thread."""
+        fd = os.memfd_create("hflight-checkpoint", getattr(os, "MFD_CLOEXEC", 0))
         try:
             os.ftruncate(fd, max(nbytes, 1))
-            mapped = mmap.mmap(fd, max(nbytes, 1))
+            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+            mapped = mmap.mmap(fd, max(nbytes, 1), flags=flags)
         except BaseException:
             os.close(fd)
             raise
         array = np.frombuffer(mapped, dtype=np.uint8, count=nbytes)
-        area = _Area(self._next_key, array.ctypes.data, nbytes, fd, array)
-        if pinned and nbytes:
-            area.pinned = _pin(area.base, nbytes)
-        self._areas[area.key] = area
-        self._next_key += 1
+        pinned = bool(pinned and nbytes) and _pin(array.ctypes.data, nbytes)
+        with self._lock:
+            area = _Area(self._next_key, array.ctypes.data, nbytes, fd, array, pinned=pinned)
+            self._areas[area.key] = area
+            self._next_key += 1
+        _held.hold(self, WriterProcess._release_all, WriterProcess._forget)
         return array
 
     def release(self, array: np.ndarray) -> None:
         """The area of ``array`` is no longer used (no write reads it): unpinned, its descriptor closed, the child
-        told to unmap it with the next message."""
+        told to unmap it with the next message; its memory goes with the last tensor over it (the snapshots'
+        copies are dropped by their writer before)."""
         area = next((a for a in self._areas.values() if a.array is array), None)
         if area is None:
             return
         del self._areas[area.key]
         if area.pinned:
             _unpin(area.base)
-        os.close(area.fd)
+        resources.close_descriptor(area.fd)
         if area.sent:
             self._released.append(area.key)
 
     def place(self, tensor: torch.Tensor) -> tuple[int, int, int] | None:
         """Where ``tensor``'s storage lies in the shared memory: (area, offset, bytes); an empty storage is
         (:data:`_EMPTY`, 0, 0); None: elsewhere."""
-        if type(tensor) is not torch.Tensor or tensor.device.type != "cpu" or tensor.layout != torch.strided:
-            return None
-        if tensor.is_quantized:
+        if tensor.device.type != "cpu" or tensor.layout != torch.strided or tensor.is_quantized:
             return None
         storage = tensor.untyped_storage()
         start, nbytes = storage.data_ptr(), storage.nbytes()
         if nbytes == 0:
             return _EMPTY, 0, 0
-        for area in self._areas.values():
+        for area in tuple(self._areas.values()):  # the next area may be added meanwhile (allocate: any thread)
             if area.base <= start and start + nbytes <= area.base + area.nbytes:
                 return area.key, start - area.base, nbytes
         return None
@@ -235,7 +302,7 @@ class WriterProcess:
     def _request(self, message: tuple, used: set[int]) -> str | None:
         with self._lock:
             sock = self._ready()
-            if sock is None:  # the child could not start: the thread writes the file
+            if sock is None:  # the child is starting, or could not start: the thread writes the file
                 return None
             try:
                 for key in self._released:
@@ -258,21 +325,20 @@ class WriterProcess:
         return value  # a checksum, or None: declined
 
     def _spawn(self) -> None:
-        """The child started, unless one runs (or was started and has not answered yet)."""
-        if self._process is not None and self._process.poll() is None:
-            return
+        """The child started (from whichever thread: it ties itself to this process, see
+        ``hflight.checkpoints.writer_child``), and asked to answer once it is ready; unless one runs."""
+        if self._cannot_start or (self._process is not None and self._process.poll() is None):
+            return  # one runs, or one could not start: not again (the thread writes the files)
         self._stop()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        source = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # hflight's parent
-        path = os.pathsep.join(filter(None, [source, os.environ.get("PYTHONPATH")]))
-        # Tied to this process's life where the thread starting it is the main one (PR_SET_PDEATHSIG follows the
-        # thread that started the child): a child outliving a killed run would go on writing into its folder.
+        # the kernel's tie follows the thread that starts the child: only where that thread lives as long as the process
         tie = threading.current_thread() is threading.main_thread()
+        command = [sys.executable, "-I", "-c", BOOT, json.dumps(_child_paths()), str(theirs.fileno()), str(os.getpid()),
+                   "tie" if tie else "-"]  # fmt: skip
         try:
             self._process = subprocess.Popen(
-                [sys.executable, "-m", _CHILD, str(theirs.fileno()), str(os.getpid()), "tie" if tie else "-"],
-                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, start_new_session=True,
-                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path},
+                command, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, start_new_session=True,
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
             )  # fmt: skip
         except OSError as exc:
             ours.close()
@@ -280,20 +346,25 @@ class WriterProcess:
             return
         finally:
             theirs.close()
-        self._sock, self._answered = ours, False
+        _held.hold(self, WriterProcess._release_all, WriterProcess._forget)
+        self._sock, self._answered, self._started = ours, False, time.monotonic()
         self._released.clear()
         for area in self._areas.values():  # a new child maps every area again
             area.sent = False
+        _send(ours, ("hello",))
 
-    def _ready(self) -> socket.socket | None:
-        """The connection to a child that has answered (started now if none runs); None where none could start."""
+    def _ready(self, wait: bool = False) -> socket.socket | None:
+        """The connection to a child that has answered (started now if none runs); None while it is starting (``wait``:
+        it is waited for), or where none could start."""
         self._spawn()
         sock = self._sock
         if sock is None or self._answered:
             return sock
-        sock.settimeout(START_TIMEOUT_S)
+        left = START_TIMEOUT_S - (time.monotonic() - self._started)
         try:
-            _send(sock, ("hello",))
+            if not wait and left > 0 and not select.select([sock], [], [], 0)[0]:
+                return None
+            sock.settimeout(max(left, 0.001))
             _receive(sock)
         except (EOFError, OSError) as exc:
             self._stop()
@@ -303,41 +374,56 @@ class WriterProcess:
         self._answered = True
         return sock
 
+    def start(self) -> None:
+        """The child started if none runs (it answers once it is ready; not waited for)."""
+        with self._lock:
+            self._spawn()
+
+    def ready(self) -> bool:
+        """The child started if none runs, and waited for until it answers (False: it could not start)."""
+        with self._lock:
+            return self._ready(wait=True) is not None
+
     def _unavailable(self, exc: BaseException) -> None:
-        if not self._said_unavailable:
-            self._said_unavailable = True
+        if not self._cannot_start:
+            self._cannot_start = True
             logger.warning(f"The checkpoint writer process could not start ({type(exc).__name__}: {exc}): the "
                            "background writer thread writes every file.")  # fmt: skip
 
     def _stop(self) -> None:
-        """The child told to end (processes forked since, a data loader's workers, hold copies of this end of the
-        connection: closing it would not end the child), the connection closed, the child killed if it has not ended
-        soon."""
+        """The child ended and reaped, the connection closed. Called with no request in flight (the lock held), so
+        the child has nothing left to write: it is killed rather than told to end, which would wait for its
+        interpreter's teardown (a few tenths of a second of torch's at the end of every run), or for its start."""
         if self._sock is not None:
-            if self._process is not None and self._process.poll() is None:
-                if not self._answered:  # still starting, nothing written: not waited for
-                    self._process.kill()
-                try:
-                    _send(self._sock, ("exit",))
-                except OSError:
-                    pass
             self._sock.close()
             self._sock = None
         if self._process is not None:
-            try:
-                self._process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
+            if self._process.poll() is None:
                 self._process.kill()
-                self._process.wait()
+            self._process.wait()
             self._process = None
 
     def close(self) -> None:
         """Stop the child (at the end of the run's fit) and release the shared memory."""
+        _held.let_go(self)
+        self._release_all()
+
+    def _release_all(self) -> None:
         with self._lock:
             self._stop()
         for area in list(self._areas.values()):
             self.release(area.array)
         self._released.clear()
+
+    def _forget(self) -> None:
+        """In a forked process: the parent's child and shared memory let go of, untouched (this process's copies of
+        their descriptors closed; nothing sent to the child); a later checkpoint here starts its own."""
+        if self._sock is not None:
+            self._sock.close()
+        for area in self._areas.values():
+            resources.close_descriptor(area.fd)
+        self._areas, self._released, self._process, self._sock = {}, [], None, None
+        self._lock = threading.Lock()
 
 
 def _pin(base: int, nbytes: int) -> bool:
@@ -364,24 +450,23 @@ def _unpin(base: int) -> None:
 
 # ---- the child -------------------------------------------------------------------------------------------------------
 class _Unpickler(pickle.Unpickler):
-    """A state's structure with each tensor made over the shared memory it was copied into (tensors of one storage
-    share it, as in the training process)."""
+    """A state's structure with each storage made over the shared memory it was copied into, once (the tensors over
+    it share it, as in the training process); an empty storage is one of its own each time, as there."""
 
-    def __init__(self, data: bytes, areas: dict[int, Any], storages: dict[tuple[int, int, int], Any]) -> None:
+    def __init__(self, data: bytes, areas: dict[int, Any]) -> None:
         super().__init__(io.BytesIO(data))
-        self.areas, self.storages = areas, storages
+        self.areas: dict[int, Any] = areas
+        self.storages: dict[tuple[int, int, int], Any] = {}
 
     def persistent_load(self, pid: Any) -> Any:
-        _, key, offset, nbytes, dtype, shape, stride, storage_offset = pid
-        storage = self.storages.get((key, offset, nbytes)) if key != _EMPTY else None
+        key, offset, nbytes = pid
+        if key == _EMPTY:
+            return torch.UntypedStorage(0)
+        storage = self.storages.get(pid)
         if storage is None:
-            if key == _EMPTY:
-                storage = torch.UntypedStorage(0)
-            else:
-                storage = torch.frombuffer(self.areas[key], dtype=torch.uint8, count=nbytes, offset=offset)
-                storage = storage.untyped_storage()
-                self.storages[(key, offset, nbytes)] = storage
-        return torch.empty(0, dtype=getattr(torch, dtype)).set_(storage, storage_offset, shape, stride)
+            storage = torch.frombuffer(self.areas[key], dtype=torch.uint8, count=nbytes, offset=offset)
+            storage = self.storages[pid] = storage.untyped_storage()
+        return storage
 
 
 def _serve(sock: socket.socket) -> None:
@@ -398,8 +483,6 @@ def _serve(sock: socket.socket) -> None:
         except EOFError:
             return
         kind = message[0]
-        if kind == "exit":
-            return
         if kind == "hello":
             _send(sock, ("ok", None))
         elif kind == "map":
@@ -418,7 +501,7 @@ def _write(message: tuple, areas: dict[int, Any], torch_file: Any, safetensors_f
     the writer thread to write), ("error", the exception)."""
     kind, path, payload = message[:3]
     try:
-        state = _Unpickler(payload, areas, {}).load()
+        state = _Unpickler(payload, areas).load()
     except Exception:  # noqa: BLE001 - a structure this process cannot rebuild: the thread writes the file
         return ("ok", None)
     hasher = new_digest()

@@ -14,9 +14,10 @@ model into the run folder, and prints a table of the final metrics. The modules,
 - :mod:`~hflight.cli.jobs`: a run as a job of a sweep (threads, its Optuna trial, submitit's requeue signal).
 - :mod:`~hflight.cli.curves`: ``training_curves.png`` (a multirun's summary is ``hflight.sweeps.summary``).
 
-May import: ``hflight.config``, ``hflight.arguments``, ``hflight.run.interrupt``, ``hflight.checkpoints.manifest``,
-``hflight.surface``, ``hflight._util``, ``hflight.sweeps`` (a job of an Optuna search: ``trial``, ``launchers``);
-the task (``hflight.qa.recipe``) is instantiated from the config, never imported.
+May import: ``hflight.config``, ``hflight.arguments``, ``hflight.run.interrupt``, ``hflight.run.console`` (what the
+console says on the command line), ``hflight.checkpoints.manifest``, ``hflight.surface``, ``hflight._util``,
+``hflight.sweeps`` (a job of an Optuna search: ``trial``, ``launchers``); the task (``hflight.qa.recipe``) is
+instantiated from the config, never imported.
 
 Example:
     >>> from hflight import cli, config  # doctest: +SKIP

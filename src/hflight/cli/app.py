@@ -26,12 +26,13 @@ from omegaconf import DictConfig, OmegaConf
 from hflight import durable
 from hflight.arguments.hardware import check_hardware, describe_backend
 from hflight.arguments.training_args import TrainingArguments
-from hflight.cli.failures import USER_ERRORS, RunFailed, _describe, _record_failure, _run_dir
+from hflight.cli.failures import USER_ERRORS, RunFailed, _clear_failure, _describe, _record_failure, _run_dir
 from hflight.cli.jobs import (
     PRUNED_FILE,
     _in_multirun,
     _job_hydra_config,
     _requeue_signal_under_launcher,
+    _search_folder,
     _set_cpu_threads,
     _trial_reporter,
 )
@@ -39,6 +40,7 @@ from hflight.cli.loggers import ConfigHyperparameters, ConfigToIntegrations, _cl
 from hflight.cli.report import _draw_curves, format_metrics_table, optimized_value
 from hflight.cli.resume import _resume_from, finished_run, resume_arguments, resume_command, resume_point, resumed_step
 from hflight.config import PRIMARY_CONFIG, VERSION_BASE, check_args_fields, check_args_overrides, hydra_config_path
+from hflight.run.console import command_line
 from hflight.run.interrupt import TrainingInterrupted, requeue_signal, signal_name, terminate_on_signals
 from hflight.sweeps.trial import JobPruned, job_in_worker_process
 
@@ -171,17 +173,23 @@ def run(cfg: DictConfig) -> float | None:
     (``HYDRA_FULL_ERROR=1`` shows it).
 
     SIGTERM and SIGINT stop training at the next step boundary with a checkpoint (``hflight.run.interrupt``) and, at any
-    other time, at once; either way ``error.txt`` says so and the process exits with 128 + the signal number, in a
-    multirun too.
+    other time, at once; either way ``error.txt`` says so, with the command that continues the run (the search, for a
+    trial of an Optuna search), and the process exits with 128 + the signal number, in a multirun too. A run that
+    completes removes the ``error.txt`` of an earlier attempt in its folder (the interruption it continued).
     """
     _requeue_signal_under_launcher(cfg)
+    on_command_line = _on_command_line()
     try:
-        # under SLURM the requeue signal requeues the job; after a stop the command line exits
-        with terminate_on_signals(requeue_signal(cfg.args), process_exits=_on_command_line()):
+        # under SLURM the requeue signal requeues the job; after a stop the command line exits, having said how to
+        # continue (only the command to type: the console leaves out the Python call)
+        signals = terminate_on_signals(requeue_signal(cfg.args), process_exits=on_command_line)
+        with signals, command_line(on_command_line):
             metrics, _ = train(cfg)
-            return optimized_value(metrics, cfg.get("optimized_metric"))
+            value = optimized_value(metrics, cfg.get("optimized_metric"))
+        _clear_failure(cfg)  # an earlier attempt's error.txt (the interruption this run continued)
+        return value
     except TrainingInterrupted as exc:
-        hint = f"To continue this run: {resume_command(_run_dir(cfg))}\n" if exc.checkpoint else ""
+        hint = _how_to_continue(cfg, exc.checkpoint)
         where = _record_failure(cfg, f"{exc}\n{hint}")
         log.error(f"Run stopped by {signal_name(exc.signum)}; recorded in {where}")
         if hint:
@@ -210,6 +218,15 @@ def run(cfg: DictConfig) -> float | None:
         raise
     finally:
         _close_loggers()
+
+
+def _how_to_continue(cfg: DictConfig, checkpoint: str | None) -> str:
+    """The command that continues a stopped run: ``resume=<sweep folder>`` for a trial of an Optuna search (the
+    search continues, the trial from its checkpoint), ``resume=<run folder>`` for a run stopped with a checkpoint."""
+    search = _search_folder()
+    if search is not None:
+        return f"To continue this search: {resume_command(search)}\n"
+    return f"To continue this run: {resume_command(_run_dir(cfg))}\n" if checkpoint else ""
 
 
 def main(cfg: DictConfig | None = None) -> float | None:

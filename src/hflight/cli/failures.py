@@ -62,6 +62,21 @@ def _record_failure(cfg: DictConfig, text: str) -> Path:
     return path
 
 
+def _clear_failure(cfg: DictConfig) -> None:
+    """A run that completed in a folder holding an earlier attempt's ``error.txt`` (the interruption ``resume=``
+    continued, a requeued job's first attempt): the file goes, so that the folder no longer says the run failed."""
+    path = _run_dir(cfg) / ERROR_FILE
+    try:
+        if not path.is_file():
+            return
+        path.unlink(missing_ok=True)  # every process of a run may get here
+        durable.fsync_dir(path.parent)
+    except OSError as exc:
+        log.error(f"Could not remove {path} of the earlier attempt: {exc}")
+        return
+    log.info(f"The run completed: removed {path} of the earlier attempt")
+
+
 def _describe(exc: BaseException) -> str:
     """``Type: message`` (a KeyError's message without the quotes ``str`` adds)."""
     message = exc.args[0] if isinstance(exc, KeyError) and len(exc.args) == 1 else exc

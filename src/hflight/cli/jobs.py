@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
@@ -66,6 +67,15 @@ def _trial_reporter(cfg: DictConfig) -> Any:
         return None
     trial = job_trial(hydra_config)
     return None if trial is None else ReportToTrial(trial, cfg.get("optimized_metric"))
+
+
+def _search_folder() -> Path | None:
+    """The sweep folder of the Optuna search this job is a trial of, absolute: ``resume=`` continues the search from
+    there (its interrupted trials from their checkpoints, in new job folders); None for any other run."""
+    hydra_config = _job_hydra_config()
+    if hydra_config is None or job_trial(hydra_config) is None:
+        return None
+    return Path(hydra_config.runtime.cwd, hydra_config.sweep.dir).resolve()  # relative to where the command ran
 
 
 def _in_multirun() -> bool:

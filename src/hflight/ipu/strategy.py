@@ -201,6 +201,13 @@ class IPUStrategy(SingleDeviceStrategy, HFBackend):
         return made
 
     @override
+    def hf_evaluation_rows(self, eval_batch_size: int) -> int:
+        # one inference call takes a combined batch (micro-batch x inference replicas x device iterations) and gives
+        # one loss for all of its rows, as optimum-graphcore counts it (its loop repeats the loss by the poptorch
+        # loader's batch size); the last, padded one is then cut to the loader's ``remainder`` of real rows
+        return eval_batch_size * self.ipu_config.batch_size_factor(for_inference=True)
+
+    @override
     def hf_configure_optimizer(self, facade: TrainerSurface) -> None:
         optimizer = self.to_poptorch_optimizer(facade.optimizer, facade.args.max_grad_norm)
         if optimizer is not facade.optimizer:

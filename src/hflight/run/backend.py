@@ -81,6 +81,12 @@ class HFBackend:
         """The loader the loop iterates (a backend may re-batch it, e.g. into poptorch's combined batches)."""
         return loader
 
+    def hf_evaluation_rows(self, eval_batch_size: int) -> int:
+        """The rows one evaluation batch's loss stands for in ``eval_loss`` (transformers repeats each batch's loss
+        ``eval_batch_size`` times before it gathers and cuts the losses); a backend whose evaluation loader re-batches
+        (:meth:`hf_prepare_loader`) says how many rows its batches hold."""
+        return eval_batch_size
+
     def hf_micro_batch(
         self, strategy: Any, last: bool, sync_each_batch: bool = False
     ) -> contextlib.AbstractContextManager[Any]:

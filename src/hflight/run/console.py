@@ -5,16 +5,46 @@ does to transformers' logging (``transformers.logging.set_verbosity_info()``, ``
 explicit format, disabling the default handler) applies to hflight's run the same way; the facade sets transformers'
 verbosity from ``args.log_level``/``log_level_replica`` (``args.get_process_log_level()``) as transformers'
 ``Trainer.__init__`` does.
+
+On the command line (:func:`command_line`) two of transformers' lines give way to the command line's own: how to
+continue a stopped run, and the train metrics of a resumed run that had nothing left to train.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from transformers.trainer_pt_utils import get_model_param_count
 from transformers.utils import logging as hf_logging
 
 logger = hf_logging.get_logger("transformers.trainer")
+
+#: Not empty while the command line runs a job (:func:`command_line`).
+_COMMAND_LINE: list[bool] = []
+
+
+@contextlib.contextmanager
+def command_line(active: bool = True) -> Iterator[None]:
+    """While ``hflight-train`` runs a job (``active``): a stopped run's message leaves out the Python call that
+    continues it (the command line prints its own ``hflight-train resume=`` command: one instruction, the one to
+    type), and a ``train()`` resumed at the end of its training logs no train metrics (a line of zeros, nothing having
+    been trained; the command line says that the run had already finished, and keeps its results). A script or a
+    notebook gets transformers' behaviour: the Python call, and ``Trainer.train``'s log of the metrics (``on_log``)."""
+    if not active:
+        yield
+        return
+    _COMMAND_LINE.append(True)
+    try:
+        yield
+    finally:
+        _COMMAND_LINE.pop()
+
+
+def on_command_line() -> bool:
+    """Whether the command line runs this job (see :func:`command_line`)."""
+    return bool(_COMMAND_LINE)
 
 
 def set_process_log_level(args: Any) -> None:

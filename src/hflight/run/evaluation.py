@@ -129,6 +129,8 @@ class Evaluator:
         prediction_loss_only: bool,
         ignore_keys: list[str] | None,
         compute_metrics: Any = None,
+        *,
+        batch_rows: int,
     ):
         self.facade = facade
         self.world = world  # hflight.run.distributed.World: gathering across processes
@@ -148,8 +150,9 @@ class Evaluator:
         self.pending_batch = 0  # the batch (counted from 1) ``pending`` comes from
         self.metrics: dict | None = None
         # Counted and cut as transformers' loop with accelerate's ``gather_for_metrics``: every batch's loss counts
-        # ``eval_batch_size`` times, whatever rows the batch holds (a preference batch's chosen and rejected rows,
-        # a sampler that repeats prompts), and of what was gathered only the last batch of a prepared loader is cut,
+        # ``batch_rows`` times (``eval_batch_size``, or a backend's combined batch: ``HFBackend.hf_evaluation_rows``),
+        # whatever rows the batch holds (a preference batch's chosen and rejected rows, a sampler that repeats
+        # prompts), and of what was gathered only the last batch of a prepared loader is cut,
         # to the samples of it that are not repeats evening it out (the loader's ``remainder``; ``loader``: the one
         # iterated). Nothing is cut to the dataset's length, nor to a count of losses: a plain torch loader (a
         # get_eval_dataloader override's, which transformers does not prepare) is not cut at all.
@@ -158,6 +161,7 @@ class Evaluator:
         # repeats that even out the processes' last batches; hflight returns each sample once, in dataset order).
         accelerator = getattr(facade, "accelerator", None)
         self.keep_all = accelerator is not None and getattr(facade, "gather_function", None) == accelerator.gather
+        self.batch_rows = batch_rows
         self.loader: Any = None
         self.completed = False  # whether every batch of ``loader`` was evaluated
 
@@ -173,7 +177,7 @@ class Evaluator:
         )
         gather = self.world.gather_as_objects if facade.args.eval_use_gather_object else self.world.gather
         if loss is not None:
-            loss = gather(loss.repeat(facade.args.eval_batch_size))
+            loss = gather(loss.repeat(self.batch_rows))
             self.losses.add(loss, self.batches)
         if "inputs" in facade.args.include_for_metrics and self.keep_outputs:
             main_input = getattr(facade.model, "main_input_name", "input_ids")
@@ -206,8 +210,8 @@ class Evaluator:
     def _cut_last_batch(self) -> None:
         """What accelerate's ``gather_for_metrics`` does to the last batch of a prepared loader that reached its end
         with a ``remainder`` (the samples of its last global batch that are not repeats evening it out): every value
-        gathered from that batch keeps its first ``remainder`` rows (the loss too, repeated ``eval_batch_size``
-        times, unless ``keep_all``). Done once the loop is over, so that a loader read ahead (Lightning's fetcher)
+        gathered from that batch keeps its first ``remainder`` rows (the loss too, repeated ``batch_rows`` times,
+        unless ``keep_all``). Done once the loop is over, so that a loader read ahead (Lightning's fetcher)
         cannot be taken for one at its end a batch early. A backend's loader that reports a ``remainder`` without an
         ``end_of_dataloader`` (the IPU's, padding its last batch) is at its end once every batch was evaluated."""
         remainder = getattr(self.loader, "remainder", -1)
@@ -343,7 +347,10 @@ def run_evaluation_loop(
     args = facade.args
     eval_precision.prepare(args, run, facade.model)
     console.evaluation_started(description, _num_examples(facade, dataloader), args.eval_batch_size)
-    evaluator = Evaluator(facade, run.world, description, prediction_loss_only, ignore_keys, metrics_fn)
+    batch_rows = run.backend.hf_evaluation_rows(args.eval_batch_size)  # what each batch's loss stands for
+    evaluator = Evaluator(
+        facade, run.world, description, prediction_loss_only, ignore_keys, metrics_fn, batch_rows=batch_rows
+    )
     # a schedule-free optimizer evaluates its averaged parameters; the next training step switches it back
     set_optimizer_mode(facade.optimizer, training=False)
     facade.callback_handler.eval_dataloader = dataloader

@@ -359,13 +359,13 @@ class TrainingLoop:
             raise stopped(signum, f"{stopped_by}; {saved}. {requeue.requeue_message(outcome, folder)}", step, folder)
         if folder is None:
             raise stopped(signum, f"{stopped_by}; no checkpoint was saved (save_strategy='no').", step)
-        raise stopped(
-            signum,
-            f"{stopped_by}; checkpoint saved in {folder}. Continue with train(resume_from_checkpoint={folder!r}) "
-            f"(args.resume_from_checkpoint={folder} on the command line).",
-            step,
-            folder,
+        how = (
+            ""  # hflight-train prints its own command (hflight.run.console.command_line)
+            if console.on_command_line()
+            else f" Continue with train(resume_from_checkpoint={folder!r}) (args.resume_from_checkpoint={folder} on "
+            "the command line)."
         )
+        raise stopped(signum, f"{stopped_by}; checkpoint saved in {folder}.{how}", step, folder)
 
     # -- the end ---------------------------------------------------------------------------------------------------
     def token_speed(self, start_time: float) -> dict[str, float]:
@@ -375,7 +375,8 @@ class TrainingLoop:
         return speed_metrics("train", start_time, num_tokens=tokens)
 
     def finish(self, loggers: list[Any], measure_memory: Any = None) -> TrainOutput:
-        """After ``fit``: HF's train metrics and log entry, the best model, final rotation, on_train_end; ``loggers``:
+        """After ``fit``: HF's train metrics and log entry (none on the command line for a resumed run that trained
+        nothing: ``hflight.run.console.command_line``), the best model, final rotation, on_train_end; ``loggers``:
         the run's Lightning loggers, flushed after the last entry; ``measure_memory(metrics)``: adds
         ``skip_memory_metrics=False``'s metrics."""
         facade = self.facade
@@ -396,7 +397,8 @@ class TrainingLoop:
         metrics["train_loss"] = train_loss
         if measure_memory is not None:
             measure_memory(metrics)
-        facade.log(metrics)
+        if not (steps_run == 0 and self.run.resume is not None and console.on_command_line()):
+            facade.log(metrics)  # transformers logs a call that trained nothing too; the command line says why instead
         for lightning_logger in loggers:  # fit has ended: flush what came after it
             lightning_logger.save()
         if facade.args.load_best_model_at_end and facade.state.best_model_checkpoint is not None:

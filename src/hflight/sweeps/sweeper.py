@@ -7,8 +7,9 @@ stopped it (the job records that in the study, :mod:`hflight.sweeps.trial`), FAI
 never stops the others; ``max_failure_rate`` only concerns jobs that raised past hflight's own error handling, as
 in hydra-optuna-sweeper). The search ends when the study holds ``n_trials`` finished trials (COMPLETE, PRUNED, or
 FAIL by its own job), whoever ran them: a continued sweep (``hflight-train resume=<sweep folder>``) or a second
-sweeper on the same storage adds to the same count. Trials interrupted by a signal or by a dead sweeper (a stale
-heartbeat) are FAIL, with their parameters queued to run again (``max_retry`` times).
+sweeper on the same storage adds to the same count; a seeded sampler then continues with a seed of its own rather
+than proposing the study's trials again from its first draw. Trials interrupted by a signal or by a dead sweeper (a
+stale heartbeat) are FAIL, with their parameters queued to run again (``max_retry`` times).
 
 SIGTERM and SIGINT reach every job (forwarded to the launcher's worker processes), which stop at a step boundary
 with a checkpoint; the sweeper then marks the batch's unfinished trials FAIL (interrupted), writes the summary and
@@ -84,11 +85,12 @@ def _suggest(trial: optuna.Trial, key: str, distribution: BaseDistribution) -> A
 
 
 def _job_folder(config: Any, sweep_dir: Path, number: int) -> Path | None:
-    """Where job ``number`` will write, when the sweep's subdir is Hydra's default (the job's number)."""
+    """Where job ``number`` will write, when the sweep's subdir is Hydra's default (the job's number): absolute, as
+    the folder Hydra gives the job, so that a retry finds the checkpoint from wherever the search is continued."""
     from omegaconf import OmegaConf
 
     subdir = OmegaConf.to_container(config.hydra.sweep, resolve=False).get("subdir")
-    return sweep_dir / str(number) if subdir == "${hydra.job.num}" else None
+    return sweep_dir.resolve() / str(number) if subdir == "${hydra.job.num}" else None
 
 
 def _continue_from(study: optuna.Study, trial: optuna.Trial) -> list[str]:
@@ -110,10 +112,33 @@ def _continue_from(study: optuna.Study, trial: optuna.Trial) -> list[str]:
     return [f"args.resume_from_checkpoint={_quote(checkpoint)}"]
 
 
+#: Samplers that continue from the study itself, whatever their seed: QMC keeps its sample index in the study, grid
+#: and brute force draw among the points no trial has taken yet.
+_CONTINUE_FROM_THE_STUDY = (optuna.samplers.QMCSampler, optuna.samplers.GridSampler, optuna.samplers.BruteForceSampler)
+
+
+def _continued_sampler(study: optuna.Study, node: Any) -> None:
+    """A study that holds trials already (``resume=<sweep folder>``, a second sweeper) and a seeded sampler: built
+    from its seed again, the sampler would start its sequence again and propose the trials already run, trial 0's
+    parameters first. The study gets the same sampler (``node``, the ``hydra.sweeper.sampler`` config) with a seed of
+    this continuation's own, derived from the configured seed and the number of trials in the study: the continued
+    search draws anew, and the same continuation draws the same. (Unseeded, a sampler draws anew in every process.)"""
+    trials = len(study.get_trials(deepcopy=False))
+    seed = node.get("seed") if node is not None else None
+    if not trials or seed is None or isinstance(study.sampler, _CONTINUE_FROM_THE_STUDY):
+        return
+    import numpy as np
+    from hydra.utils import instantiate
+
+    derived = int(np.random.SeedSequence([int(seed), trials]).generate_state(1)[0])
+    study.sampler = instantiate(node, seed=derived)
+    log.info(f"The study holds {trials} trials: the sampler continues with seed {derived} (derived from {seed})")
+
+
 def _summary(config: Any, sweep_dir: Path) -> None:
     """The sweep's summary when it stops early (Hydra's end-of-multirun callbacks do not run then)."""
     with contextlib.suppress(Exception):
-        write_summary(sweep_dir, config.get("optimized_metric"), config.hydra.sweeper.get("direction"))
+        write_summary(sweep_dir, config.get("optimized_metric"), config.hydra.sweeper.get("direction"), "trials")
 
 
 def _next_job_number(sweep_dir: Path, start: int) -> int:
@@ -282,6 +307,7 @@ class OptunaSearch:
         url = self.storage or default_storage_url(sweep_dir)
         storage = open_storage(url, self.heartbeat_interval, self.grace_period, self.max_retry)
         study = open_study(storage, self.study_name, self.directions, sampler, self.pruner, space)
+        _continued_sampler(study, config.hydra.sweeper.get("sampler"))
         from omegaconf import OmegaConf
 
         sweep_dir.mkdir(parents=True, exist_ok=True)
