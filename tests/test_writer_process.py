@@ -226,8 +226,8 @@ def test_the_staging_area_is_shared_memory_reused_and_released_once_written(tmp_
     state = {"weight": torch.randn(64, 64), "bias": torch.randn(64)}
     made = []
     real = writer._process.allocate
-    writer._process.allocate = lambda nbytes, pinned, populate: made.append((nbytes, populate)) or real(
-        nbytes, pinned, populate
+    writer._process.allocate = lambda nbytes, pinned, populate: (
+        made.append((nbytes, populate)) or real(nbytes, pinned, populate)
     )
     try:
         for step in (1, 2, 3, 4, 5):
