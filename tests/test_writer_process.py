@@ -29,9 +29,11 @@ pytestmark = pytest.mark.skipif(not writer_process.available(), reason="needs me
 
 @pytest.fixture(autouse=True)
 def any_state(monkeypatch):
-    """The writer process takes the tests' tiny states too (it waits for 64 MiB of tensors), from the first file on (a
-    run's files are the thread's until the child has answered: its start holds no checkpoint up)."""
+    """The writer process takes the tests' tiny states and short runs too (it waits for 64 MiB of tensors and 8
+    checkpoints to come), from the first file on (a run's files are the thread's until the child has answered: its
+    start holds no checkpoint up)."""
     monkeypatch.setattr(asynchronous, "PROCESS_MIN_BYTES", 0)
+    monkeypatch.setattr(asynchronous, "PROCESS_MIN_CHECKPOINTS", 0)
     real = writer_process.WriterProcess._ready
     monkeypatch.setattr(writer_process.WriterProcess, "_ready", lambda self, wait=True: real(self, wait))
 
@@ -48,9 +50,10 @@ def children(monkeypatch):
         if self._process is not before and self._process is not None:
             started.append(self._process)
 
-    def request(self, message, used):
-        answer = real_request(self, message, used)
-        answers.append((os.path.basename(os.path.dirname(message[1])), os.path.basename(message[1]), answer))
+    def request(self, payload, message):
+        answer = real_request(self, payload, message)
+        path = message(None)[1]
+        answers.append((os.path.basename(os.path.dirname(path)), os.path.basename(path), answer))
         return answer
 
     monkeypatch.setattr(writer_process.WriterProcess, "_spawn", spawn)
@@ -241,6 +244,8 @@ def test_the_staging_area_is_shared_memory_reused_and_released_once_written(tmp_
             assert shared == [step in (2, 3, 5)] * len(state) if step != 4 else shared == [True, True, False]
             digest = writer._process.save_torch(snapshot, folder / "state.pt")
             assert (digest is not None) == (step in (2, 3, 5))
+            if step == 1:  # as the writer thread does once its first write is over
+                writer._process.start()
             if step == 3:
                 assert made == [(writer.snapshot_bytes, True)], "one area, reused by the later checkpoints"
             saved = {name: tensor.clone() for name, tensor in state.items()}
@@ -311,3 +316,34 @@ def test_a_small_state_is_written_by_the_thread_without_starting_a_process(tmp_p
     make_trainer(tmp_path, factory, max_steps=4, save_steps=2, save_async=True).train()
     assert children == ([], [])
     verify_checkpoint(tmp_path / "checkpoint-2", full=True)
+
+
+@pytest.mark.parametrize("to_come", [None, 7, 8])
+def test_the_child_starts_after_the_first_write_where_enough_checkpoints_follow(monkeypatch, to_come):
+    """Its start (a second or two of CPU) pays where enough checkpoints follow, or the run does not say how many."""
+    import threading
+
+    import torch
+
+    monkeypatch.setattr(asynchronous, "PROCESS_MIN_CHECKPOINTS", 8)
+    writer = asynchronous.CheckpointWriter(asynchronous=True)
+    started = []
+    monkeypatch.setattr(writer._process, "start", lambda: started.append(threading.current_thread().name))
+
+    class Job:
+        callbacks_over = threading.Event()
+
+        def finish(self):
+            return None
+
+    try:
+        for step in (1, 2):
+            writer.job("unused", "unused", main=True, to_come=to_come)
+            writer.snapshot("optimizer.pt", {"w": torch.ones(64)})
+            writer.snapshot_done()
+            writer.submit(Job(), f"checkpoint-{step}")
+            writer.wait()
+    finally:
+        writer.close(raising=False)
+    expected = [] if to_come == 7 else ["hflight-write-checkpoint-1", "hflight-write-checkpoint-2"]
+    assert started == expected

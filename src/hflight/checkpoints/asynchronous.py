@@ -72,6 +72,11 @@ ALIGNMENT = 64
 #: the writer process takes a state's files from this many bytes of tensors on: starting it costs a second or two of
 #: CPU (its imports), where the writer thread's Python for a smaller state takes milliseconds of the interpreter
 PROCESS_MIN_BYTES = 64 << 20
+#: ... and where the run has this many checkpoints to come (or does not say): its start, a second or two of CPU, is paid
+#: once, and what it saves, the writer thread's Python beside the training loop, at each checkpoint it writes. On a
+#: 2-core CPU (MiniLM, one training thread, benchmarks/checkpoint_run.py) a run of 4 checkpoints paid more for the start
+#: than the child saved it; a loop that launches GPU kernels gains most from it (benchmarks/checkpoint_gil.py)
+PROCESS_MIN_CHECKPOINTS = 8
 
 
 @dataclasses.dataclass
@@ -120,6 +125,7 @@ class CheckpointWriter:
         self._slots: dict[tuple[Any, ...], _Slot] = {}
         self._area: Any = None
         self._allocating: _Allocation | None = None  # the area being allocated, until the next snapshot takes it
+        self._to_come: int | None = None  # the checkpoints the run saves after the one being written, if it says
         self._end = 0
         self._overflow_bytes = 0
         self._used: set[tuple[Any, ...]] = set()  # the keys snapshotted since the last snapshot_done
@@ -134,14 +140,23 @@ class CheckpointWriter:
         self.entries_made_durable: set[tuple[int, int]] = set()
 
     def job(
-        self, folder: str, final_dir: str, main: bool, last: bool = False, on_save_follows: bool = False
+        self,
+        folder: str,
+        final_dir: str,
+        main: bool,
+        last: bool = False,
+        on_save_follows: bool = False,
+        to_come: int | None = None,
     ) -> CheckpointJob:
         """A checkpoint's job, written into ``folder`` and published as ``final_dir`` (``main``: by this process).
         ``last``: training ends after this checkpoint, so the loop has nothing to do but wait for it (``submit(...,
         last=True)``): with ``save_async`` the state is then not copied (nothing changes it before the write is
         over) and the files are written side by side on the cores the loop leaves free. ``on_save_follows``: a
-        checkpoint of the running fit, whose ``on_save`` the loop dispatches next (:meth:`callbacks_done`). A wait for
-        the previous write just before (``save_checkpoint``'s :meth:`wait`) was this checkpoint's: said now."""
+        checkpoint of the running fit, whose ``on_save`` the loop dispatches next (:meth:`callbacks_done`).
+        ``to_come``: how many checkpoints the run saves after this one (None: not known), which decides whether the
+        writer process is worth starting (:data:`PROCESS_MIN_CHECKPOINTS`). A wait for the previous write just before
+        (``save_checkpoint``'s :meth:`wait`) was this checkpoint's: said now."""
+        self._to_come = to_come
         self._say_last_wait()
         if not self.asynchronous:
             return CheckpointJob(folder, final_dir, None, main, self.entries_made_durable)
@@ -294,14 +309,22 @@ class CheckpointWriter:
         self._slots = {key: _Slot(at, slot.nbytes, None, at, None) for (key, slot), at in zip(kept, offsets)}
         pinned = self._area_pinned = self._pinned
         self._area, self._end, self._overflow_bytes = None, end, 0
-        self._allocating = _Allocation(lambda: self._area_memory(end, pinned), end)  # by the writer thread, after
+        shared = self._process_worth_it(end)
+        self._allocating = _Allocation(lambda: self._area_memory(end, pinned, shared), end)  # by the writer thread
 
-    def _area_memory(self, nbytes: int, pinned: bool) -> Any:
-        """The staging area's memory, its pages present: shared with the writer process where there is one and the
-        state is large enough to be worth it (:data:`PROCESS_MIN_BYTES`), the process's own otherwise."""
-        if self._process is not None and nbytes >= PROCESS_MIN_BYTES:
+    def _area_memory(self, nbytes: int, pinned: bool, shared: bool) -> Any:
+        """The staging area's memory, its pages present: shared with the writer process (``shared``), or the process's
+        own."""
+        if shared:
             return self._process.allocate(nbytes, pinned, populate=True)
         return _host_memory(nbytes, pinned, populate=True)
+
+    def _process_worth_it(self, nbytes: int) -> bool:
+        """Whether the writer process is worth starting for a state of ``nbytes`` (:data:`PROCESS_MIN_BYTES`) in a run
+        with the checkpoints to come of the one being written (:data:`PROCESS_MIN_CHECKPOINTS`)."""
+        if self._process is None or nbytes < PROCESS_MIN_BYTES:
+            return False
+        return self._to_come is None or self._to_come >= PROCESS_MIN_CHECKPOINTS
 
     def _take_area(self) -> None:
         """The area allocated after the last checkpoint, once it is (the slots' storages made over it)."""
@@ -370,7 +393,7 @@ class CheckpointWriter:
         if allocating is not None:
             with contextlib.suppress(Exception):
                 allocating.result()
-        if self._process is not None and self._process.allocated:
+        if self._process is not None and self._process.allocated:  # the area is shared: the process is worth it
             self._process.start()
 
     def callbacks_done(self) -> None:

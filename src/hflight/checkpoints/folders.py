@@ -317,7 +317,8 @@ def save_checkpoint(facade: TrainerSurface, run: RunView, trial: Any = None) -> 
     run.backend.hf_sync_to_host()
     # training ends after this checkpoint (every process sees the same): save_async writes it without a copy
     last = state.global_step >= state.max_steps or facade.control.should_training_stop
-    job = writer.job(tmp_dir, final_dir, main=is_main, last=last, on_save_follows=_fit_running(run))
+    job = writer.job(tmp_dir, final_dir, main=is_main, last=last, on_save_follows=_fit_running(run),
+                     to_come=_checkpoints_to_come(args, state))  # fmt: skip
     try:
         progress = _write_files(facade, run, job, run_dir)
     except BaseException:
@@ -342,6 +343,14 @@ def _overrides_save_checkpoint(facade: TrainerSurface) -> bool:
     which may write into ``checkpoint-N`` once ``super()._save_checkpoint`` returns."""
     method = getattr(facade, "_save_checkpoint", None)
     return not getattr(getattr(method, "__func__", method), "__module__", "").startswith("hflight.")
+
+
+def _checkpoints_to_come(args: Any, state: Any) -> int | None:
+    """How many checkpoints the run saves after this one at ``save_steps`` (the last at ``max_steps`` among them);
+    None where that is not known ahead (an epoch or best-metric strategy, a callback's ``should_save``)."""
+    if args.save_strategy != "steps" or not state.save_steps or not state.max_steps:
+        return None
+    return max(state.max_steps - state.global_step, 0) // state.save_steps
 
 
 def _fit_running(run: RunView) -> bool:

@@ -211,6 +211,7 @@ class WriterProcess:
         self._process: subprocess.Popen | None = None
         self._sock: socket.socket | None = None
         self._answered = False  # the child answered its first message
+        self._wanted = False  # start() was called: a child runs, or is started again at the next file
         self._started = 0.0  # when the child was started
         self._cannot_start = False
         self._lock = threading.Lock()
@@ -275,20 +276,18 @@ class WriterProcess:
         """``torch.save(obj, path)``'s file written by the child from the shared memory; returns its checksum (the
         manifest's kind; "": written by ``torch.save`` there, not hashed), or None where the child cannot take it
         (write it here)."""
-        payload = self._pickled(obj)
-        if payload is None:
+        if not self._wanted:  # no child started (start()): nothing to ask
             return None
-        return self._request(("torch", os.fspath(path), payload[0]), payload[1])
+        return self._request(lambda: self._pickled(obj), lambda pickled: ("torch", os.fspath(path), pickled))
 
     def save_safetensors(self, tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: Any) -> str | None:
         """safetensors' ``save_file(tensors, path, metadata)`` written by the child; returns the file's checksum, or
         None where the child cannot take it, or safetensors must write it (write it here)."""
-        if not isinstance(tensors, dict):
+        if not self._wanted or not isinstance(tensors, dict):
             return None
-        payload = self._pickled(tensors)
-        if payload is None:
-            return None
-        return self._request(("safetensors", os.fspath(path), payload[0], metadata), payload[1])
+        return self._request(
+            lambda: self._pickled(tensors), lambda pickled: ("safetensors", os.fspath(path), pickled, metadata)
+        )
 
     def _pickled(self, obj: Any) -> tuple[bytes, set[int]] | None:
         buffer = io.BytesIO()
@@ -299,11 +298,18 @@ class WriterProcess:
             return None
         return buffer.getvalue(), pickler.used
 
-    def _request(self, message: tuple, used: set[int]) -> str | None:
+    def _request(self, payload: Any, message: Any) -> str | None:
+        """The file of ``message(pickled)`` written by the child, ``payload()`` giving (pickled, areas used) or None;
+        None where there is no child that has answered (not started, starting, could not start) or the payload
+        cannot be had: the thread writes the file (the state is not pickled for nothing)."""
         with self._lock:
             sock = self._ready()
             if sock is None:  # the child is starting, or could not start: the thread writes the file
                 return None
+            pickled = payload()
+            if pickled is None:
+                return None
+            message, used = message(pickled[0]), pickled[1]
             try:
                 for key in self._released:
                     _send(sock, ("unmap", key))
@@ -327,8 +333,8 @@ class WriterProcess:
     def _spawn(self) -> None:
         """The child started (from whichever thread: it ties itself to this process, see
         ``hflight.checkpoints.writer_child``), and asked to answer once it is ready; unless one runs."""
-        if self._cannot_start or (self._process is not None and self._process.poll() is None):
-            return  # one runs, or one could not start: not again (the thread writes the files)
+        if not self._wanted or self._cannot_start or (self._process is not None and self._process.poll() is None):
+            return  # not started yet (start()), one runs, or one could not start: not again (the thread writes)
         self._stop()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         # the kernel's tie follows the thread that starts the child: only where that thread lives as long as the process
@@ -375,13 +381,16 @@ class WriterProcess:
         return sock
 
     def start(self) -> None:
-        """The child started if none runs (it answers once it is ready; not waited for)."""
+        """The child started if none runs (it answers once it is ready; not waited for); from now on a child that dies
+        is replaced at the next file."""
         with self._lock:
+            self._wanted = True
             self._spawn()
 
     def ready(self) -> bool:
         """The child started if none runs, and waited for until it answers (False: it could not start)."""
         with self._lock:
+            self._wanted = True
             return self._ready(wait=True) is not None
 
     def _unavailable(self, exc: BaseException) -> None:
@@ -410,6 +419,7 @@ class WriterProcess:
 
     def _release_all(self) -> None:
         with self._lock:
+            self._wanted = False
             self._stop()
         for area in list(self._areas.values()):
             self.release(area.array)
@@ -422,7 +432,7 @@ class WriterProcess:
             self._sock.close()
         for area in self._areas.values():
             resources.close_descriptor(area.fd)
-        self._areas, self._released, self._process, self._sock = {}, [], None, None
+        self._areas, self._released, self._process, self._sock, self._wanted = {}, [], None, None, False
         self._lock = threading.Lock()
 
 

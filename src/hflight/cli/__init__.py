@@ -24,9 +24,16 @@ Example:
     >>> metrics, objects = cli.train(config.compose(["+experiment=mrc", "args.num_train_epochs=1"]))  # doctest: +SKIP
 """
 
-from hflight.cli.app import TaskRun, instantiate_callbacks, main, run, train
-from hflight.cli.failures import ERROR_FILE, USER_ERRORS, RunFailed
-from hflight.cli.jobs import PRUNED_FILE
+import os
+
+# Before torch is imported (libgomp reads it once, as it loads): torch's OpenMP threads wait for work asleep, not
+# spinning. On cores shared with other work, spinning threads stall each other (the main job took 9x as long on two
+# busy cores); on idle cores the waits cost a few percent. The thread count, and so the numbers, stay torch's.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from hflight.cli.app import TaskRun, instantiate_callbacks, main, run, train  # noqa: E402
+from hflight.cli.failures import ERROR_FILE, USER_ERRORS, RunFailed  # noqa: E402
+from hflight.cli.jobs import PRUNED_FILE  # noqa: E402
 from hflight.cli.loggers import LOGGER_OPTIONS, ConfigHyperparameters, logger_environment, logger_variables
 from hflight.cli.report import format_metrics_table, optimized_value
 from hflight.cli.resume import (
