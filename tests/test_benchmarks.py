@@ -92,7 +92,7 @@ def test_loop_overhead_runs_the_three_loops_in_every_mode():
         assert len(re.findall(rf"^{mode} +2 +\d+\.\d+ +\d+\.\d+ \([+-]", out, re.M)) == 2, out
 
 
-@pytest.mark.parametrize("script", ["loop_overhead", "checkpoint_run"])
+@pytest.mark.parametrize("script", ["loop_overhead", "checkpoint_run", "resume_stream"])
 def test_a_benchmark_against_transformers_names_a_missing_reference_library(monkeypatch, script):
     """Without accelerate (transformers.Trainer needs it) the benchmark says which library and how to install it."""
     import importlib.util
@@ -314,3 +314,15 @@ def test_checkpoint_gil_prints_the_loop_s_share_beside_each_writer(tmp_path):
     for share, seconds, *each in rows.values():
         assert 0 < float(share) and float(seconds) >= 0 and len(each) == 2, out  # one share/seconds per checkpoint
     assert not list(tmp_path.iterdir()), "the runs' folders are removed"
+
+
+def test_resume_stream_prints_what_each_library_reads_to_resume_a_stream():
+    """benchmarks/resume_stream.py at two tiny points: hflight produces the examples of its next step and what the
+    loader reads ahead, whatever the point; transformers every example trained before it again."""
+    command = [sys.executable, str(ROOT / "benchmarks" / "resume_stream.py"), "--points", "3", "9", "--cost-ms", "0"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert re.search(r"^ +9 \| +\d+ \| +\d+\.\d+ \| +\d+ \| +\d+\.\d+$", done.stdout, re.M), done.stdout
+    assert found["hflight 3"]["examples"] == found["hflight 9"]["examples"] <= 3 * 4, found
+    assert found["transformers 3"]["examples"] >= 4 * 4 and found["transformers 9"]["examples"] >= 10 * 4, found

@@ -105,6 +105,45 @@ def test_resume_continues_the_run_from_its_checkpoint_as_the_uninterrupted_run(r
 
 
 @pytest.mark.subprocess
+def test_the_recipe_streams_its_pairs_and_resume_continues_the_stream_without_reading_it_again(tmp_path):
+    """``data.streaming=true`` (issue 63): the training pairs as a ``datasets.IterableDataset``; a run stopped after
+    its checkpoint-8 (cut back to it) and ``resume=<run folder>`` continue the stream from the checkpoint's data
+    position (said at resume), to the uninterrupted run's adapters and losses."""
+    stream = [*TINY, "data.streaming=true", "args.max_steps=12", "args.eval_strategy=steps", "args.eval_steps=4",
+              "args.save_strategy=steps", "args.save_steps=4"]  # fmt: skip
+    _run(*stream, cwd=tmp_path)
+    (run,) = sorted(tmp_path.glob("outputs/sft_lora/runs/*"))
+    shutil.copytree(run, tmp_path / "uninterrupted")
+    shutil.rmtree(run / "checkpoint-12")
+    for path in run.iterdir():
+        if path.is_file() and path.suffix != ".log":
+            path.unlink()
+    assert (run / "checkpoint-8" / "data_position.pt").is_file()
+    done = _run(f"resume={run}", "args.log_level=info", cwd=tmp_path)
+    assert f"Continuing the training data where {run / 'checkpoint-8'} left it" in done.stdout + done.stderr
+    theirs, ours = (
+        json.loads((folder / "trainer_state.json").read_text()) for folder in (tmp_path / "uninterrupted", run)
+    )
+    assert _comparable(ours["log_history"]) == _comparable(theirs["log_history"])
+    name = "adapter_model.safetensors"
+    assert (run / name).read_bytes() == (tmp_path / "uninterrupted" / name).read_bytes()
+
+
+def test_a_stream_of_pairs_needs_max_steps_and_says_how_many_steps_a_pass_makes():
+    import datasets
+
+    from hflight import TrainingArguments
+    from hflight.sft.recipe import stream_of
+
+    pairs = datasets.Dataset.from_dict({"prompt": ["a"] * 20, "completion": ["b"] * 20})
+    args = TrainingArguments(output_dir="unused", per_device_train_batch_size=8, report_to="none")
+    with pytest.raises(ValueError, match=r"set args.max_steps \(the 20 training pairs .* make 3 steps a pass"):
+        stream_of(pairs, 8, args)
+    args.max_steps = 5
+    assert stream_of(pairs, 8, args).num_shards == 8
+
+
+@pytest.mark.subprocess
 def test_a_sweep_of_the_recipe(tmp_path):
     _run("-m", *TINY, "args.num_train_epochs=1", "args.learning_rate=1e-3,3e-3", cwd=tmp_path)
     (sweep,) = sorted(tmp_path.glob("outputs/sft_lora/multiruns/*"))

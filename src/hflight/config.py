@@ -142,6 +142,10 @@ class SFTDataArguments:
     max_train_samples: Optional[int] = None
     max_eval_samples: Optional[int] = None
     synthetic: Optional[Any] = None
+    #: train on the pairs as a stream (``datasets.IterableDataset``, ``streaming_shards`` shards), whose position a
+    #: checkpoint records: ``resume=`` continues it without reading the trained pairs again; needs ``args.max_steps``
+    streaming: bool = False
+    streaming_shards: int = 8
 
 
 #: ConfigStore name -> schema; referenced from the group YAMLs as ``/schema/<name>@_here_``.

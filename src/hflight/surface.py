@@ -175,6 +175,8 @@ class RunView(Protocol):
     def epochs_offset(self) -> int: ...
     @property
     def epoch_start_rng(self) -> dict[str, Any] | None: ...  # the RNG streams as the epoch drew its data order
+    @property
+    def data_position(self) -> tuple[dict, dict, dict | None] | None: ...  # the training data's, for a checkpoint
 
     train_batch_size: int
 

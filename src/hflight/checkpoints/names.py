@@ -27,6 +27,8 @@ TRAINER_STATE_NAME = "trainer_state.json"
 TRAINING_ARGS_NAME = "training_args.bin"
 OPTIMIZER_NAME, SCHEDULER_NAME, SCALER_NAME = "optimizer.pt", "scheduler.pt", "scaler.pt"
 RNG_NAME = "rng_state.pth"
+#: hflight's: where the training data was (``hflight.checkpoints.data_position``; transformers ignores it)
+DATA_POSITION_NAME = "data_position.pt"
 RNG_RE = re.compile(r"^rng_state(?:_(\d+))?\.pth$")
 
 

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 from transformers.trainer_callback import ExportableState, TrainerState
 
+from hflight.checkpoints import data_position
 from hflight.checkpoints.adapters import is_adapter_file
 from hflight.checkpoints.files import (
     UnsafeCheckpointFile,
@@ -53,6 +54,7 @@ from hflight.checkpoints.files import (
 from hflight.checkpoints.forms import found_form, part_of_form
 from hflight.checkpoints.names import (
     CONFIG_FILES,
+    DATA_POSITION_NAME,
     RNG_RE,
     SCALER_NAME,
     SCHEDULER_NAME,
@@ -93,6 +95,7 @@ PARTS: tuple[Part, ...] = (
     Part("scheduler", lambda name: name == SCHEDULER_NAME),
     Part("scaler", lambda name: name == SCALER_NAME),
     Part("rng", lambda name: bool(RNG_RE.match(name))),
+    Part("data position", lambda name: name == DATA_POSITION_NAME),
     Part("trainer state", lambda name: name == TRAINER_STATE_NAME),
 )
 
@@ -164,6 +167,21 @@ def write_training_states(facade: TrainerSurface, run: RunView, job: Any, is_mai
     }
     for name, state in files.items():
         job.write(name, lambda name=name, state=state: torch.save(state(), os.path.join(folder, name)))
+    _write_data_position(facade, run, job, is_main)
+
+
+def _write_data_position(facade: TrainerSurface, run: RunView, job: Any, is_main: bool) -> None:
+    """``data_position.pt`` (``hflight.checkpoints.data_position``): every process's position gathered (a
+    collective: every process calls this), written by the main process; none where the training loader reports no
+    position (a loader of a backend's own, nothing trained yet in this call)."""
+    position = run.data_position
+    if position is None:
+        return
+    dataset, loader, entry = position
+    entries = run.world.gather_objects([entry])
+    if is_main and all(each is not None for each in entries):
+        step = facade.state.global_step
+        job.write(DATA_POSITION_NAME, lambda: data_position.write(job.folder, step, dataset, loader, entries))
 
 
 def write_trainer_state(facade: TrainerSurface, folder: str) -> None:

@@ -30,11 +30,18 @@ from typing import Any
 from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import compare_trainer_and_checkpoint_args
 
+from hflight.checkpoints import data_position
 from hflight.checkpoints.files import IncompleteCheckpointError, UnsafeCheckpointFile, inside, regular_file
 from hflight.checkpoints.folders import RUN_ARGUMENTS, run_arguments
 from hflight.checkpoints.forms import found_form, resume_refusal
 from hflight.checkpoints.manifest import checkpoint_folders, get_last_checkpoint, verify_checkpoint
-from hflight.checkpoints.names import CHECKPOINT_RE, OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
+from hflight.checkpoints.names import (
+    CHECKPOINT_RE,
+    DATA_POSITION_NAME,
+    OPTIMIZER_NAME,
+    SCHEDULER_NAME,
+    TRAINER_STATE_NAME,
+)
 from hflight.checkpoints.parts import read_trainer_state, read_training_states, rebuilt_callbacks
 from hflight.checkpoints.weights import checked_weights, load_model_weights
 from hflight.surface import RunView, TrainerSurface, weight_hooks
@@ -58,6 +65,8 @@ class ResumePoint:
     #: Chosen by ``resume_from_checkpoint="auto"``: the run continues as if it had not stopped (the loss logged before
     #: the checkpoint counts in the next logged loss and in ``train_loss``, from the manifest's ``loss`` record).
     continued: bool = False
+    #: Where the training data was (``hflight.checkpoints.data_position``; None: the folder records no position).
+    data_position: dict[str, Any] | None = None
 
 
 # ---- trainer_state.json ---------------------------------------------------------------------------------------------
@@ -138,6 +147,7 @@ def _resume_from(facade: TrainerSurface, folder: Path, manifest: dict[str, Any] 
     if not engine_reads:  # DeepSpeed's engine restores the weights with the optimizer, once it is built
         checked_weights(facade.model, folder)  # refused here, before anything changes, if they do not fit
     training_states = {} if model_only else read_training_states(facade, folder, manifest, state)
+    position = None if model_only else _data_position(facade, folder)
     rebuilt = rebuilt_callbacks(facade, state, where)
     callbacks = facade.callback_handler.callbacks
     for callback in weight_hooks(callbacks, "check_checkpoint_state"):
@@ -153,7 +163,18 @@ def _resume_from(facade: TrainerSurface, folder: Path, manifest: dict[str, Any] 
             f"{state.global_step} with a fresh optimizer and learning-rate schedule; reproducibility is not "
             "guaranteed."
         )
-    return ResumePoint(str(folder), state, manifest, model_only, training_states, rebuilt)
+    return ResumePoint(str(folder), state, manifest, model_only, training_states, rebuilt, data_position=position)
+
+
+def _data_position(facade: TrainerSurface, folder: Path) -> dict[str, Any] | None:
+    """``folder``'s data position, checked against the training dataset before anything is loaded (with
+    ``ignore_data_skip`` it is not used, nor compared)."""
+    if facade.args.ignore_data_skip:
+        return None
+    position = data_position.read(folder)
+    if position is not None and facade.train_dataset is not None:
+        data_position.check_dataset(position, facade.train_dataset, folder / DATA_POSITION_NAME)
+    return position
 
 
 def check_best_checkpoint(

@@ -20,6 +20,7 @@ The pieces (the samplers are ``hflight.run.samplers``', how a loader is dealt to
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sized
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from hflight.checkpoints.parts import rng_states
 from hflight.run.backend import StepGeometry, backend_of
 from hflight.run.distributed import World
 from hflight.run.loaders import shard_loader
+from hflight.run.position import DataTracker, rejected
 from hflight.run.samplers import (  # noqa: F401 (EpochSeededRandomSampler, ShardedBatchSampler: their former home)
     EpochSeededRandomSampler,
     ShardedBatchSampler,
@@ -77,6 +79,9 @@ class MicroBatch:
     #: accelerator_config's gradient_accumulation_kwargs['sync_each_batch']: every micro-batch synchronises the
     #: gradients across the processes (not only the cycle's last)
     sync_each_batch: bool = False
+    #: the cycle's last micro-batch: the training loader's position after it (``hflight.run.position``), which a
+    #: checkpoint taken once its optimizer step is over records
+    position: dict[str, Any] | None = None
 
     @property
     def is_last(self) -> bool:
@@ -86,9 +91,10 @@ class MicroBatch:
 class AccumulationCycles:
     """Iterates a training loader as HF's loop does: ``accumulation`` batches at a time, each tagged as a
     ``MicroBatch``. ``batch_samples(iterator, n)`` reads a cycle and counts its label items (the facade's
-    ``get_batch_samples``, as transformers calls it once per cycle). ``skip_batches`` drops the first batches of the
-    next pass (used to resume mid-epoch). A loader that reads one batch ahead itself (``reads_ahead``: a dispatching
-    loader) is not read ahead again."""
+    ``get_batch_samples``, as transformers calls it once per cycle). ``start`` is where the next pass begins (a
+    resumed run: ``hflight.run.position.Start``). A loader that reads one batch ahead itself (``reads_ahead``: a
+    dispatching loader) is not read ahead again. The loader's ``position()`` after each batch it yields goes with
+    the cycle's last micro-batch."""
 
     def __init__(
         self,
@@ -103,7 +109,7 @@ class AccumulationCycles:
         self.batch_samples = batch_samples
         self.epoch_fn = epoch_fn
         self.sync_each_batch = sync_each_batch
-        self.skip_batches = 0
+        self.start: Any = None  # hflight.run.position.Start of the next pass (a resumed run's)
         self.restore_rng: Callable[[], None] | None = None
         self.restore_epoch_start_rng: Callable[[], None] | None = None
         #: The RNG streams as the epoch in progress drew its data order (a checkpoint records them).
@@ -115,24 +121,23 @@ class AccumulationCycles:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[MicroBatch]:
-        set_loader_epoch(self.loader, self.epoch_fn())
-        skip, self.skip_batches = self.skip_batches, 0
+        epoch = self.epoch_fn()
+        set_loader_epoch(self.loader, epoch)
+        start, self.start = self.start, None
+        skip = start.batches if start is not None else 0
+        # a loader that cannot continue from a position (not one hflight prepared) reads and drops the batches
+        reading = bool(skip) and (start.reading or not callable(getattr(self.loader, "resume_from", None)))
+        iterator = self._positioned(start, reading)
+        if reading:
+            skip_batches(iterator, skip)
+        # ... and the checkpoint's streams back for what follows the trained batches, as HF sets them after its skip
         restore, self.restore_rng = self.restore_rng, None
-        restore_epoch_start, self.restore_epoch_start_rng = self.restore_epoch_start_rng, None
-        # A resumed run gets its RNG streams back where the uninterrupted run had them: before the epoch's
-        # iterator is created at an epoch boundary, after the skipped batches mid-epoch (as HF does); mid-epoch,
-        # the iterator is created from the streams the epoch began with, so that it draws the same order (a sampler
-        # on torch's global generator, a loader's base seed), when the checkpoint recorded them.
-        if restore is not None and skip == 0:
-            restore()
-        elif restore_epoch_start is not None and skip > 0:
-            restore_epoch_start()
-        self.epoch_start_rng = rng_states()
-        iterator = iter(self.loader)
-        for _ in range(skip):
-            next(iterator, None)
         if restore is not None and skip > 0:
             restore()
+        positions: collections.deque[tuple[Any, bool]] = collections.deque()
+        position = getattr(self.loader, "position", None)
+        if callable(position):
+            iterator = _positions_into(iterator, position, positions)
         if not getattr(self.loader, "reads_ahead", False):
             iterator = read_one_ahead(iterator)
         step = skip - 1
@@ -140,9 +145,71 @@ class AccumulationCycles:
             cycle, num_items = self.batch_samples(iterator, self.accumulation)
             if not cycle:
                 return
+            step += len(cycle)
+            last = _cycle_position(positions, len(cycle), epoch, step)
             for index, inputs in enumerate(cycle):
-                step += 1
-                yield MicroBatch(inputs, index, len(cycle), num_items, step, self.sync_each_batch)
+                at = step - len(cycle) + 1 + index
+                yield MicroBatch(inputs, index, len(cycle), num_items, at, self.sync_each_batch,
+                                 last if index == len(cycle) - 1 else None)  # fmt: skip
+
+    def _positioned(self, start: Any, reading: bool) -> Iterator[Any]:
+        """The pass's iterator, created where a resumed run's data starts (``start``). A resumed run gets its RNG
+        streams back where the uninterrupted run had them: before the epoch's iterator is created at an epoch
+        boundary; mid-epoch, the iterator is created from the streams the epoch began with, so that it draws the same
+        order (a sampler on torch's global generator, a loader's base seed), when the checkpoint recorded them, and
+        the checkpoint's are set back after the trained batches (:meth:`__iter__`)."""
+        skip = start.batches if start is not None else 0
+        restore, restore_epoch_start = self.restore_rng, self.restore_epoch_start_rng
+        self.restore_epoch_start_rng = None
+        if restore is not None and skip == 0:
+            self.restore_rng = None
+            restore()
+        elif restore_epoch_start is not None and skip > 0:
+            restore_epoch_start()
+        self.epoch_start_rng = rng_states()
+        if not skip or reading:
+            return iter(self.loader)
+        try:  # a stream's state loaded (by its dataset, as the iterator is created), or the sampler's skip
+            self.loader.resume_from(skip, start.state)
+            return iter(self.loader)
+        except Exception as exc:
+            if not start.restored:
+                raise
+            raise rejected(start, exc) from exc
+
+
+def skip_batches(iterator: Iterator[Any], count: int) -> None:
+    """The first ``count`` batches read and dropped (a stream resumed from a checkpoint without its position, as
+    transformers resumes), with a progress bar naming ``ignore_data_skip``, which starts the data over instead."""
+    from tqdm.auto import tqdm
+
+    description = "Skipping the batches trained before the checkpoint (ignore_data_skip=True starts the data over)"
+    for _ in tqdm(range(count), desc=description, unit="batch", leave=False):
+        if next(iterator, _END) is _END:
+            return
+
+
+_END = object()
+
+
+def _positions_into(iterator: Iterator[Any], position: Callable[[], tuple[Any, bool]],
+                    positions: collections.deque) -> Iterator[Any]:  # fmt: skip
+    """``iterator``'s batches, the loader's ``position()`` after each put into ``positions`` (in their order)."""
+    for batch in iterator:
+        positions.append(position())
+        yield batch
+
+
+def _cycle_position(positions: collections.deque, count: int, epoch: int, step: int) -> dict[str, Any] | None:
+    """The position after a cycle of ``count`` batches whose last is micro-batch ``step`` of pass ``epoch``: the
+    loader's after its last batch (the positions of the batches read ahead stay for the next cycles)."""
+    if len(positions) < count:
+        positions.clear()
+        return None
+    for _ in range(count - 1):
+        positions.popleft()
+    state, end_of_pass = positions.popleft()
+    return {"epoch": epoch, "batches": step + 1, "end_of_pass": bool(end_of_pass), "state": state}
 
 
 class HFDataModule(L.LightningDataModule):
@@ -157,6 +224,7 @@ class HFDataModule(L.LightningDataModule):
         self.train_loader: Any = None
         self.cycles: AccumulationCycles | None = None
         self.geometry: StepGeometry | None = None  # the running backend's step geometry, set with the loader
+        self.tracker: DataTracker | None = None  # the training data's position for the checkpoints
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         # Only a micro-batch's tensors travel; Lightning's generic path would deep-copy the whole dataclass
@@ -188,6 +256,7 @@ class HFDataModule(L.LightningDataModule):
             epoch_fn=lambda: self.run.epochs_offset + self.trainer.current_epoch,
             sync_each_batch=bool(accumulation_setting(facade.args, "sync_each_batch")),
         )
+        self.tracker = DataTracker(self.train_loader, facade.train_dataset, self.run.world.size)
         self._check_evaluation_shards()
 
     def _check_evaluation_shards(self) -> None:
@@ -207,15 +276,15 @@ class HFDataModule(L.LightningDataModule):
 
     def resume_at(
         self,
-        skip_batches: int,
+        start: Any,
         restore_rng: Callable[[], None],
         restore_epoch_start_rng: Callable[[], None] | None = None,
     ) -> None:
-        """A resumed run: skip the first ``skip_batches`` micro-batches of the first epoch, and call ``restore_rng``
-        (the checkpoint's RNG streams) once they are skipped, before the first batch trains; mid-epoch,
-        ``restore_epoch_start_rng`` (the streams the checkpoint recorded for the start of its epoch) before the
-        epoch's iterator is created."""
-        self.cycles.skip_batches = skip_batches
+        """A resumed run: its first pass begins at ``start`` (``hflight.run.position.Start``: after the trained
+        micro-batches of its epoch), and ``restore_rng`` (the checkpoint's RNG streams) is called once they are passed,
+        before the first batch trains; mid-epoch, ``restore_epoch_start_rng`` (the streams the checkpoint recorded for
+        the start of its epoch) before the epoch's iterator is created."""
+        self.cycles.start = start
         self.cycles.restore_rng = restore_rng
         self.cycles.restore_epoch_start_rng = restore_epoch_start_rng
 

@@ -25,17 +25,23 @@ configured. Each prepared loader reports to a :class:`LoaderState` while it is i
 
 from __future__ import annotations
 
+import collections
 import math
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
 from transformers.trainer_pt_utils import find_batch_size
 
 from hflight.arguments import cluster
 from hflight.run.samplers import EpochSeededRandomSampler, ShardedBatchSampler, split_batches_error
+
+# torchdata's loader says at each construction that a private switch of torch's it sets is deprecated: not the user's
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
 
 #: DataLoader settings a prepared loader keeps from the loader it was built from (batching aside).
 _WORKER_SETTINGS = ("collate_fn", "num_workers", "pin_memory", "timeout", "worker_init_fn", "generator")
@@ -145,6 +151,22 @@ class _Prepared:
     end_of_dataloader = False
     remainder = -1
     reads_ahead = False  # whether iterating it already reads one batch ahead (as accelerate's loaders do)
+    #: how a checkpoint records where this loader is (``hflight.run.position``): ``sampler``, the batches drawn from
+    #: a map-style dataset (skipped by the sampler alone); ``dispatched``, process 0's stream; ``per_process``, each
+    #: process's own stream
+    how = "sampler"
+    _skip_next = 0  # micro-batches the next pass skips by its sampler (a resumed map-style run)
+
+    def position(self) -> tuple[Any, bool]:
+        """Where this loader is after the batch it yielded last: (its state, or None where the batch count says it,
+        whether that batch was its pass's last)."""
+        return None, self.end_of_dataloader
+
+    def resume_from(self, batches: int, state: Any) -> None:
+        """The next pass continues after ``batches`` batches of it, from ``state`` (a stream's, as :meth:`position`
+        gave it) or, for a map-style dataset, by its sampler alone: the skipped batches' samples are drawn, never
+        read."""
+        self._skip_next = batches
 
     def _prepared_from(self, origin: DataLoader, sharding: LoaderSharding, processes: int, rank: int, state: Any):
         self.origin, self.sharding, self.num_processes, self.process_index = origin, sharding, processes, rank
@@ -200,21 +222,79 @@ class ShardedLoader(_Prepared, DataLoader):
         self._set_sampler_epoch(self.batch_sampler, epoch)
 
     def __iter__(self) -> Iterator[Any]:
+        """The pass's batches; its loader iterator is created here, not at the first batch (it draws the loader's base
+        seed from torch's generator: a resumed run creates it before it sets the checkpoint's generator states back)."""
         if self.generator_to_share is not None:
             share_generator(self.generator_to_share)
         self.set_epoch(self.iteration)
+        skip, self._skip_next = self._skip_next, 0
         self._begin(self.origin.drop_last, self.total_batch_size)
+        try:
+            inner = _skipping(self, self.batch_sampler, skip) if skip else super().__iter__()
+        except BaseException:
+            self._end()
+            raise
+        return self._batches(inner, skip)
+
+    def _batches(self, inner: Iterator[Any], skipped: int) -> Iterator[Any]:
         try:
             try:
                 last = len(self) - 1
             except TypeError:
                 last = -1
-            for index, batch in enumerate(super().__iter__()):
+            for index, batch in enumerate(inner, start=skipped):
                 self.end_of_dataloader = index == last
                 yield batch
             self.iteration += 1
         finally:
             self._end()
+
+
+class StreamShard(ShardedLoader, StatefulDataLoader):
+    """One process's part of an iterable dataset it reads itself (not dispatched), on torchdata's
+    ``StatefulDataLoader``: its ``state_dict()`` (each worker's dataset state and what it had read) is the position a
+    checkpoint records, and a resumed run loads it rather than reading the trained batches again."""
+
+    how = "per_process"
+
+    def position(self) -> tuple[Any, bool]:
+        return self.state_dict(), self.end_of_dataloader
+
+    def resume_from(self, batches: int, state: Any) -> None:
+        self.load_state_dict(state)
+
+
+class _SkipBatches:
+    """A batch sampler's pass without its first ``count`` batches: their indices are drawn (the sampler draws its order
+    as it would), no sample is read. Drawn at the first index asked for, as the sampler itself draws: a loader with
+    workers asks when its iterator is created, one without at its first batch (:func:`_skipping` asks then)."""
+
+    def __init__(self, batch_sampler: Any, count: int) -> None:
+        self.batch_sampler, self.count = batch_sampler, count
+        self._iterator: Iterator[Any] | None = None
+
+    def __len__(self) -> int:
+        return max(len(self.batch_sampler) - self.count, 0)
+
+    def draw(self) -> None:
+        if self._iterator is None:
+            self._iterator = iter(self.batch_sampler)
+            for _ in range(self.count):
+                next(self._iterator, None)
+
+    def __iter__(self) -> Iterator[Any]:
+        self.draw()
+        yield from self._iterator
+
+
+def _skipping(loader: DataLoader, batch_sampler: Any, count: int) -> Iterator[Any]:
+    """``loader``'s pass (its dataset, worker settings and ``batch_sampler``) without its first ``count`` batches,
+    skipped by the sampler alone (accelerate's ``skip_first_batches``); the iterator created now, its sampler's order
+    drawn after the loader's base seed, as in a pass of its own."""
+    skipper = _SkipBatches(batch_sampler, count)
+    inner = iter(DataLoader(loader.dataset, batch_sampler=skipper, **_settings(loader)))
+    skipper.draw()
+    return inner
 
 
 def share_generator(generator: torch.Generator) -> None:
@@ -248,6 +328,19 @@ class DispatchedLoader(_Prepared, DataLoader):
         self.base, self.drop_last = base, drop_last
         self.split_batches = self.sharding.split_batches
         self._stopped = False
+        self.how = "dispatched" if isinstance(base, StatefulDataLoader) else "sampler"
+        # process 0: the base's state after each global batch read and not yet handed out, and the handed-out one's
+        self._read_states: collections.deque[Any] = collections.deque()
+        self._position_state: Any = None
+
+    def position(self) -> tuple[Any, bool]:
+        return self._position_state, self.end_of_dataloader
+
+    def resume_from(self, batches: int, state: Any) -> None:
+        if self.how == "sampler":  # a map-style dataset: its base batches skipped by the sampler
+            self._skip_next = batches * (1 if self.split_batches else self.num_processes)
+        elif self.process_index == 0 and state is not None:
+            self.base.load_state_dict(state)
 
     def __getattr__(self, name: str) -> Any:  # the rest of the DataLoader settings (num_workers, collate_fn, ...)
         if name == "base":
@@ -274,12 +367,24 @@ class DispatchedLoader(_Prepared, DataLoader):
         return whole // self.num_processes if self.drop_last else math.ceil(whole / self.num_processes)
 
     def __iter__(self) -> Iterator[Any]:
+        """The pass's slices; ``base``'s iterator is created here, not at the first batch (see
+        :meth:`ShardedLoader.__iter__`)."""
         self.set_epoch(self.iteration)
+        skip, self._skip_next = self._skip_next, 0
         self._begin(self.drop_last, self.total_batch_size)
+        self._read_states.clear()
         try:
             # every process creates the iterator (it draws the loader's base seed, on each as in accelerate); only
             # process 0 reads from it
-            yield from self._dispatched(iter(self.base))
+            reader = _skipping(self.base, self.base.batch_sampler, skip) if skip else iter(self.base)
+        except BaseException:
+            self._end()
+            raise
+        return self._pass(reader)
+
+    def _pass(self, reader: Iterator[Any]) -> Iterator[Any]:
+        try:
+            yield from self._dispatched(reader)
             self.iteration += 1
         finally:
             self._end()
@@ -307,6 +412,8 @@ class DispatchedLoader(_Prepared, DataLoader):
             # moves every tensor to ``args.device``, ``cpu:0`` there, which copies it): a view into the global batch
             # starts where its rows do, not on the allocator's 64-byte boundary, and on some CPUs (AVX2) the matmul
             # kernels then round the last bit differently (issue: one ulp apart from step 2 on an AMD EPYC)
+            if self._read_states:  # process 0 of a stream: where the base is once this batch is read
+                self._position_state = self._read_states.popleft()
             yield slice_batch(batch, slice(rank * size, (rank + 1) * size), copy=True)
             if last:
                 return
@@ -334,6 +441,8 @@ class DispatchedLoader(_Prepared, DataLoader):
                 batches.append(next(reader))
         except StopIteration:
             stopped = True
+        if self.how == "dispatched" and batches:
+            self._read_states.append(self.base.state_dict())
         if not batches or (stopped and (self.split_batches or self.drop_last)):
             return None, stopped, None
         try:
@@ -428,8 +537,9 @@ def prepare_loader(
         batch_sampler = _with_sampler(loader.batch_sampler, sampler)
     if dispatch:
         base_settings = _settings(loader, generator=False)
-        if iterable:
-            base = DataLoader(dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, **base_settings)
+        if iterable:  # torchdata's: its state_dict() is the stream's position
+            base = StatefulDataLoader(dataset, batch_size=loader.batch_size, drop_last=loader.drop_last,
+                                      **base_settings)  # fmt: skip
         else:
             base = DataLoader(dataset, batch_sampler=batch_sampler, **base_settings)
         return DispatchedLoader(base, prepared_from, loader.drop_last)
@@ -462,7 +572,7 @@ def _with_sampler(batch_sampler: Any, sampler: Any) -> Any:
     return batch_sampler
 
 
-def _iterable_shard(loader: DataLoader, prepared_from: tuple) -> ShardedLoader:
+def _iterable_shard(loader: DataLoader, prepared_from: tuple) -> StreamShard:
     """An iterable dataset read by every process: a ``datasets`` stream with enough shards is split by shard (as
     accelerate does), any other through :class:`IterableShard`."""
     _, sharding, processes, rank, _ = prepared_from
@@ -476,7 +586,7 @@ def _iterable_shard(loader: DataLoader, prepared_from: tuple) -> ShardedLoader:
         else:
             dataset = IterableShard(dataset, size, loader.drop_last, processes, rank, sharding.split_batches)
         size = size // processes if sharding.split_batches else size
-    return ShardedLoader(
+    return StreamShard(
         dataset, prepared_from=prepared_from, generator_to_share=shared, batch_size=size, drop_last=loader.drop_last,
         **_settings(loader),
     )  # fmt: skip

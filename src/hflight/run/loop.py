@@ -41,10 +41,12 @@ from transformers.trainer_utils import SaveStrategy, TrainOutput, speed_metrics
 from hflight.callbacks.hooks import new_trainer_state
 from hflight.checkpoints import folders, parts, resume
 from hflight.checkpoints.manifest import PREFIX
+from hflight.checkpoints.names import DATA_POSITION_NAME
 from hflight.run import console, requeue
 from hflight.run.events import dispatch
 from hflight.run.interrupt import StopRequest, signal_name, stopped
 from hflight.run.plan import TrainingPlan
+from hflight.run.position import Start, describe_start, start_of
 from hflight.surface import RunView, TrainerSurface
 
 logger = logging.getLogger(__name__)
@@ -62,6 +64,8 @@ class TrainingLoop:
         self.ignore_keys_for_eval = ignore_keys_for_eval
         self.plan: TrainingPlan | None = None  # set by begin(), once the loader knows its rank
         self.epochs_offset = 0  # epochs a resumed run had already trained
+        self.resumed_batches = 0  # micro-batches of its first pass a resumed run had already trained
+        self.tracker: Any = None  # the training data's position (hflight.run.position.DataTracker)
         self.tr_loss = torch.tensor(0.0)
         self.total_loss_scalar = 0.0
         self.globalstep_last_logged = 0
@@ -100,25 +104,41 @@ class TrainingLoop:
         facade.state.is_hyper_param_search = self.trial is not None  # integrations read it (W&B: a run per trial)
         facade.state.train_batch_size = run.train_batch_size
         facade.state.compute_steps(facade.args, plan.max_steps)
-        epochs_trained, skip = 0, 0
+        self.tracker = datamodule.tracker
+        start = Start(0)
         if run.resume is not None:
             nodes = run.lightning_trainer.num_nodes
             facade.state = resume.resumed_state(facade, run.resume, run.world.size, plan, nodes)
             facade._load_callback_state()  # transformers' override point, at its moment: right after the state
-            epochs_trained, skip = plan.resume_position(facade.state.global_step, facade.args.ignore_data_skip)
+            start = self._data_start(loader)
             datamodule.resume_at(
-                skip,
+                start,
                 lambda: parts.load_rng_state(run.resume, run.world),
                 lambda: parts.load_rng_state(run.resume, run.world, epoch_start=True),
             )
         facade.state.init_training_references(facade, plan.max_steps, plan.num_train_epochs, self.trial)
         self._check_same_start()
         self._start_bookkeeping()
-        self.epochs_offset = epochs_trained
+        self.epochs_offset, self.resumed_batches = start.epoch, start.batches
         resumed_at = facade.state.global_step if run.resume is not None else None
-        console.training_started(facade.args, plan, facade.model, resumed_at, epochs_trained, skip)
+        data = describe_start(start, run.resume.folder) if run.resume is not None else ""
+        console.training_started(facade.args, plan, facade.model, resumed_at, start.epoch, start.batches, data)
         folders.clean_output_dir(facade.args, run.resume.folder if run.resume is not None else None)
-        return -1 if plan.unbounded else plan.num_train_epochs - epochs_trained
+        return -1 if plan.unbounded else plan.num_train_epochs - start.epoch
+
+    def _data_start(self, loader: Any) -> Start:
+        """Where the resumed run's data starts (``hflight.run.position``): the checkpoint's data position, else
+        transformers' arithmetic from the global step."""
+        facade, run = self.facade, self.run
+        arithmetic = self.plan.resume_position(facade.state.global_step, facade.args.ignore_data_skip)
+        where = os.path.join(run.resume.folder, DATA_POSITION_NAME)
+        return start_of(run.resume.data_position, loader, arithmetic, facade.args.ignore_data_skip,
+                        (run.world.size, run.world.rank), where)  # fmt: skip
+
+    def trained_through(self, position: dict[str, Any] | None) -> None:
+        """The optimizer step of a cycle whose last batch left the training loader at ``position`` was taken."""
+        if self.tracker is not None:
+            self.tracker.trained(position)
 
     def _check_same_start(self) -> None:
         """Every process starts from the same checkpoint (or none); processes that disagree (a restart one node took
@@ -165,7 +185,8 @@ class TrainingLoop:
 
     # -- epochs --------------------------------------------------------------------------------------------------
     def epoch_begin(self) -> None:
-        self.micro_steps_this_epoch = 0
+        # a resumed pass counts the batches trained before the checkpoint (one that ended with them is not empty)
+        self.micro_steps_this_epoch, self.resumed_batches = self.resumed_batches, 0
         dispatch(self.facade, "on_epoch_begin")
 
     def epoch_end(self, counts_batches: bool) -> bool:

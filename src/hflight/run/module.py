@@ -115,6 +115,7 @@ class HFModule(L.LightningModule):
             facade.lr_scheduler.step()
         backend.hf_after_scheduler_step(facade.optimizer)
         self.optimizers().zero_grad(set_to_none=True)
+        loop.trained_through(batch.position)  # a checkpoint from here on records the data after this cycle
         loop.step_end(batch.step_in_epoch, learning_rate)
 
     @override

@@ -153,6 +153,15 @@ class Run:
         return cycles.epoch_start_rng if cycles is not None else None
 
     @property
+    def data_position(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any] | None] | None:
+        """The training data's position for a checkpoint (``hflight.run.position``): the dataset's and the loader's
+        descriptions and this process's entry (None: the loader reports no position; outside training)."""
+        tracker = self.datamodule.tracker if self.datamodule is not None else None
+        if tracker is None or not tracker.tracked:
+            return None
+        return tracker.dataset, tracker.loader, tracker.record()
+
+    @property
     def backend(self) -> HFBackend:
         """The running strategy's hooks into the HF loop (eager PyTorch unless a backend such as the IPU's)."""
         return backend_of(self.lightning_trainer.strategy)

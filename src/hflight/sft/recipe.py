@@ -3,7 +3,9 @@ through LoRA adapters unless ``task.peft`` is null.
 
 - **Data** (``data`` group, :class:`hflight.config.SFTDataArguments`): prompt/completion pairs made from SQuAD-format
   files, ``data.train_file``/``data.validation_file``, else the files the ``data.synthetic`` node writes into the run
-  folder (``hflight.qa.synthetic``'s biographies: nothing is downloaded). The prompt is the paragraph and the
+  folder (``hflight.qa.synthetic``'s biographies: nothing is downloaded); ``data.streaming=true`` trains on them as a
+  stream (a ``datasets.IterableDataset``, bounded by ``args.max_steps``), which ``resume=`` continues from its
+  checkpoint's data position. The prompt is the paragraph and the
   question ("... Question: Where was she born? Answer:"), the completion the first answer; unanswerable questions are
   left out. Each split is checked as the MRC recipe checks it (``hflight.qa.recipe.check_split``: the file named).
 - **Tokenizer and model** (``model`` group): ``from_pretrained(model.model_name_or_path)``, else a word-level
@@ -31,7 +33,7 @@ from hflight.qa.recipe import check_split, hub_kwargs, resuming_argument
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SFTRecipe", "SFTRun", "prompt_completion"]
+__all__ = ["SFTRecipe", "SFTRun", "prompt_completion", "stream_of"]
 
 
 @dataclasses.dataclass
@@ -41,9 +43,10 @@ class SFTRun:
     trainer: Any
     datasets: dict[str, Any]
     objects: dict[str, Any]
+    lengths: dict[str, int] = dataclasses.field(default_factory=dict)  # the pairs of each split (a stream has no len)
 
     def num_samples(self, split: str) -> int:
-        return len(self.datasets[split])
+        return self.lengths[split] if split in self.lengths else len(self.datasets[split])
 
     def predict(self, split: str) -> Any:
         raise ValueError("The sft task has no test split to predict on: leave args.do_predict false.")
@@ -88,6 +91,9 @@ class SFTRecipe:
         data_args: SFTDataArguments = OmegaConf.to_object(cfg.data)
         datasets = load_pairs(cfg.data, data_args, args)
         tokenizer = build_tokenizer(cfg.model, model_args, datasets["train"], args)
+        lengths = {split: len(pairs) for split, pairs in datasets.items()}
+        if data_args.streaming:
+            datasets["train"] = stream_of(datasets["train"], data_args.streaming_shards, args)
         model = build_model(cfg.model, model_args, tokenizer)
         config = sft_config(args, self.sft)
         log.info(f"Instantiating trainer <{getattr(self.trainer, '__qualname__', self.trainer)}>")
@@ -96,7 +102,24 @@ class SFTRecipe:
                                callbacks=callbacks, peft_config=self.peft)  # fmt: skip
         objects = dict(model_args=model_args, data_args=data_args, tokenizer=tokenizer, model=trainer.model,
                        datasets=datasets, sft_config=config)  # fmt: skip
-        return SFTRun(trainer=trainer, datasets=datasets, objects=objects)
+        return SFTRun(trainer=trainer, datasets=datasets, objects=objects, lengths=lengths)
+
+
+def stream_of(pairs: Any, shards: int, args: Any) -> Any:
+    """``data.streaming=true``: the training pairs as a ``datasets.IterableDataset`` of ``shards`` shards (from the
+    same files), which has no length: the run is bounded by ``args.max_steps``.
+
+    Raises:
+        ValueError: ``args.max_steps`` unset, saying how many steps one pass over the pairs makes.
+    """
+    if args.max_steps is None or args.max_steps <= 0:
+        per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        raise ValueError(
+            f"data.streaming=true trains on a stream, which has no length: set args.max_steps (the {len(pairs)} "
+            f"training pairs in batches of {args.per_device_train_batch_size} x {args.gradient_accumulation_steps} "
+            f"accumulated make {-(-len(pairs) // per_step)} steps a pass, on one process)."
+        )
+    return pairs.to_iterable_dataset(num_shards=max(1, min(shards, len(pairs))))
 
 
 def sft_config(args: Any, settings: dict[str, Any]) -> Any:

@@ -50,7 +50,8 @@ NOT_ON_LIGHTNING: dict[str, str] = {
     "load_state": "Trainer.train(resume_from_checkpoint=...)",
     "register_for_checkpointing": "a TrainerCallback with state (transformers' ExportableState), saved in checkpoints",
     "save_model": "Trainer.save_model",
-    "skip_first_batches": "resume through Trainer.train(resume_from_checkpoint=...), which skips the trained batches",
+    "skip_first_batches": "resume through Trainer.train(resume_from_checkpoint=...), which continues the training "
+    "data from the checkpoint's data position",
     "join_uneven_inputs": "accelerator_config={'even_batches': True} (every process gets as many batches)",
     "optimizer_step_was_skipped": "TrainerState: hflight's loop steps the scheduler only when the optimizer stepped",
     "init_trackers": "report_to (transformers' integration callbacks)",

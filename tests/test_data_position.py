@@ -1,0 +1,268 @@
+"""The training data's position in a checkpoint (issue 63): a resumed run continues a stream from where the checkpoint
+left it, reading only what its remaining steps need, and ends on the uninterrupted run's weights and losses; a
+map-style dataset skips its trained batches by its sampler alone; a checkpoint without a position (transformers')
+reads and drops them, with a progress bar naming ignore_data_skip; a position that does not fit is refused before
+any step.
+
+In-process, one process (the runs under torchrun: tests/test_data_position_ddp.py); a 32-wide BERT, 40 steps of 4
+examples, a checkpoint every 10, the resumed run from step 30."""
+
+from __future__ import annotations
+
+import multiprocessing
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+import hflight
+from hflight.checkpoints import parts
+from hflight.checkpoints.files import IncompleteCheckpointError
+from hflight.checkpoints.manifest import MANIFEST_NAME, verify_checkpoint
+from hflight.checkpoints.names import DATA_POSITION_NAME
+
+from .checkpoint_runs import StopAt
+from .support import Factory
+
+STEPS, STOP, BATCH = 40, 30, 4
+#: the examples each process's map produced (DataLoader workers are forked: a shared counter)
+READS = multiprocessing.get_context("fork").Value("i", 0)
+
+
+def _count(example):
+    with READS.get_lock():
+        READS.value += 1
+    return example
+
+
+def _stream(pipeline: str = "map", shards: int = 4, n: int = 200):
+    """A ``datasets`` stream of QA windows whose examples are counted as they are produced."""
+    from datasets.distributed import split_dataset_by_node
+
+    stream = Factory.qa_dataset(n).to_iterable_dataset(num_shards=shards)
+    if pipeline == "filter":
+        stream = stream.filter(lambda example: example["start_positions"] % 5 != 0)
+    elif pipeline == "split_dataset_by_node":  # a process's part of the stream: 100 examples, a pass of 25 steps
+        stream = split_dataset_by_node(stream, rank=1, world_size=2)
+    return stream.map(_count).with_format("torch")
+
+
+class CountedStream(torch.utils.data.IterableDataset):
+    """A torch stream with torchdata's Stateful protocol: its examples made one by one (counted), its position asked
+    for and set back."""
+
+    def __init__(self, n: int = 200) -> None:
+        self.windows = Factory.qa_dataset(n).with_format("torch")
+        self.next_index, self.asked, self.given = 0, 0, []
+
+    def __iter__(self):
+        while self.next_index < len(self.windows):
+            index, self.next_index = self.next_index, self.next_index + 1
+            yield _count(self.windows[index])
+
+    def state_dict(self):
+        self.asked += 1
+        return {"next_index": self.next_index}
+
+    def load_state_dict(self, state):
+        self.given.append(state)
+        self.next_index = state["next_index"]
+
+
+class Steps(transformers.TrainerCallback):
+    def __init__(self):
+        self.begun = 0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.begun += 1
+
+
+def _run(out: Path, dataset, stop_at=None, resume=None, library=hflight, **overrides):
+    """A run of 40 steps (stopped after ``stop_at``; resumed from ``resume``); (trainer, examples produced, losses)."""
+    values = dict(output_dir=str(out), per_device_train_batch_size=BATCH, max_steps=STEPS, learning_rate=1e-3,
+                  warmup_steps=2, logging_steps=1, save_steps=10, seed=7, report_to="none", disable_tqdm=True,
+                  use_cpu=True)  # fmt: skip
+    values.update(overrides)
+    callbacks = [StopAt(stop_at)] if stop_at else []
+    trainer = library.Trainer(Factory.qa_model(seed=0, dropout=0.1), library.TrainingArguments(**values),
+                              train_dataset=dataset, callbacks=callbacks)  # fmt: skip
+    with READS.get_lock():
+        READS.value = 0
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer, READS.value, [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def _same_weights(a, b) -> bool:
+    left, right = a.model.state_dict(), b.model.state_dict()
+    return all(torch.equal(left[name], right[name]) for name in left)
+
+
+@pytest.mark.parametrize(
+    "pipeline, settings",
+    [
+        pytest.param("map", {}, id="map"),
+        pytest.param("map", {"dataloader_num_workers": 2}, id="map, 2 workers"),
+        pytest.param("filter", {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}, id="filter, GA 2"),
+        pytest.param("split_dataset_by_node", {}, id="split_dataset_by_node, a pass of 25 steps"),
+        pytest.param("map", {"accelerator_config": {"dispatch_batches": False}}, id="map, read by the process"),
+    ],
+)
+def test_a_stream_resumes_reading_only_what_its_remaining_steps_need(tmp_path, pipeline, settings):
+    """transformers and hflight before this read every trained example again: 168 for the 10 steps after step 30
+    (184 with two workers); now the remaining steps' 40 and what the loaders read ahead, and the run ends on the
+    uninterrupted run's weights and losses, bit for bit."""
+    full, _, losses = _run(tmp_path / "full", _stream(pipeline), **settings)
+    _run(tmp_path / "run", _stream(pipeline), stop_at=STOP, **settings)
+    folder = str(tmp_path / "run/checkpoint-30")
+    resumed, reads, resumed_losses = _run(tmp_path / "run", _stream(pipeline), resume=folder, **settings)
+    workers = settings.get("dataloader_num_workers", 0)
+    ahead = BATCH * (2 + 2 * workers)  # the loader's batch read ahead and the next cycle's; each worker's prefetch
+    remaining = (STEPS - STOP) * BATCH
+    assert reads <= remaining + ahead, f"{reads} examples produced for {remaining}"
+    assert _same_weights(full, resumed)
+    assert resumed_losses[-(STEPS - STOP) :] == losses[STOP:]
+
+
+def test_a_torch_stream_with_state_dict_is_asked_for_its_position_and_given_it_back(tmp_path):
+    full, _, losses = _run(tmp_path / "full", CountedStream())
+    stopped = CountedStream()
+    _run(tmp_path / "run", stopped, stop_at=STOP)
+    assert stopped.asked > 0, "the stream's state_dict() was never asked for"
+    again = CountedStream()
+    resumed, reads, resumed_losses = _run(tmp_path / "run", again, resume=str(tmp_path / "run/checkpoint-30"))
+    assert again.given and again.given[0]["next_index"] >= STOP * BATCH
+    assert reads <= (STEPS - STOP) * BATCH + 2 * BATCH
+    assert _same_weights(full, resumed) and resumed_losses[-(STEPS - STOP) :] == losses[STOP:]
+
+
+class CountedWindows(torch.utils.data.Dataset):
+    def __init__(self, windows):
+        self.windows, self.read = windows, 0
+
+    def __len__(self):
+        return len(self.windows)
+
+    def __getitem__(self, index):
+        self.read += 1
+        return self.windows[index]
+
+
+def test_a_map_style_dataset_skips_its_trained_batches_by_its_sampler_alone(tmp_path):
+    """The sampler draws the trained batches' indices (the same order), no example is read for them: before, every
+    skipped batch was read and collated (48 examples here)."""
+    windows = Factory.qa_dataset(64).with_format("torch")
+    settings = dict(max_steps=12, save_steps=4, gradient_accumulation_steps=2, train_sampling_strategy="random")
+    full, _, losses = _run(tmp_path / "full", CountedWindows(windows), **settings)
+    _run(tmp_path / "run", CountedWindows(windows), stop_at=6, **settings)
+    dataset = CountedWindows(windows)
+    # checkpoint-4, then 8 of the 12 steps: 4 x 2 batches of 4 from there, of the 16 of an epoch of 64 (step 8 of 8 is
+    # the epoch's end); the first 8 batches are the sampler's
+    resumed, _, resumed_losses = _run(tmp_path / "run", dataset, resume=str(tmp_path / "run/checkpoint-4"), **settings)
+    assert dataset.read <= 8 * 2 * BATCH + BATCH, f"{dataset.read} examples read for 64"
+    assert _same_weights(full, resumed) and resumed_losses[-8:] == losses[4:]
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory):
+    """A stream run stopped at step 30, its checkpoint-30."""
+    out = tmp_path_factory.mktemp("stopped")
+    _run(out, _stream(), stop_at=STOP)
+    return out / "checkpoint-30"
+
+
+def test_the_position_is_a_checkpoint_file_in_the_manifest_read_without_running_code(stopped):
+    manifest = verify_checkpoint(stopped, full=True)
+    assert DATA_POSITION_NAME in manifest["files"] and manifest["files"][DATA_POSITION_NAME].get("xxh3_128")
+    assert parts.part_of(DATA_POSITION_NAME) == "data position"
+    position = torch.load(stopped / DATA_POSITION_NAME, weights_only=True)
+    assert position["global_step"] == STOP and position["loader"]["how"] == "dispatched"
+    (entry,) = position["ranks"]
+    assert (entry["epoch"], entry["batches"], entry["end_of_pass"]) == (0, STOP, False)
+    assert position["dataset"]["num_shards"] == 4 and position["dataset"]["kind"] == "iterable"
+
+
+def _resumes_refused(out: Path, folder: Path, dataset, match: str, **settings):
+    """A resume that must fail before any step, naming what is wrong."""
+    copy = out / folder.name
+    shutil.copytree(folder, copy)
+    steps = Steps()
+    values = dict(output_dir=str(out), per_device_train_batch_size=BATCH, max_steps=STEPS, report_to="none",
+                  disable_tqdm=True, use_cpu=True, save_steps=10)  # fmt: skip
+    values.update(settings)
+    trainer = hflight.Trainer(Factory.qa_model(seed=0), hflight.TrainingArguments(**values), train_dataset=dataset,
+                              callbacks=[steps])  # fmt: skip
+    before = {name: tensor.clone() for name, tensor in trainer.model.state_dict().items()}
+    with pytest.raises((ValueError, IncompleteCheckpointError), match=match):
+        trainer.train(resume_from_checkpoint=str(copy))
+    assert steps.begun == 0, "a step was trained"
+    return trainer, before
+
+
+@pytest.mark.parametrize(
+    "dataset, settings, match",
+    [
+        pytest.param(
+            lambda: _stream(shards=2),
+            {},
+            r"another training dataset \(num_shards 4 where this run's is 2",
+            id="another number of shards",
+        ),  # fmt: skip
+        pytest.param(lambda: _stream(n=120), {}, r"another training dataset", id="another stream"),
+        pytest.param(
+            lambda: _stream(),
+            {"accelerator_config": {"dispatch_batches": False}},
+            r"saved for a stream process 0 reads .*this run reads a stream each process reads",
+            id="another kind of loader",
+        ),  # fmt: skip
+        pytest.param(
+            lambda: _stream(),
+            {"dataloader_num_workers": 1},
+            r"positions of 0 loader workers .* this run has dataloader_num_workers=1",
+            id="other workers",
+        ),
+    ],
+)
+def test_a_position_that_does_not_fit_is_refused_before_any_step(tmp_path, stopped, dataset, settings, match):
+    trainer, before = _resumes_refused(tmp_path, stopped, dataset(), match, **settings)
+    if "another training dataset" in match:  # refused before the weights are loaded
+        assert all(torch.equal(before[name], tensor) for name, tensor in trainer.model.state_dict().items())
+
+
+def test_a_position_its_dataset_refuses_is_an_error_naming_it_before_any_step(tmp_path, monkeypatch):
+    def refuse(self, state):
+        raise KeyError("next_index: not a position of this stream")
+
+    _run(tmp_path / "run", CountedStream(), stop_at=STOP)
+    monkeypatch.setattr(CountedStream, "load_state_dict", refuse)
+    _resumes_refused(tmp_path / "again", tmp_path / "run/checkpoint-30", CountedStream(),
+                     r"data_position.pt: the training loader does not take the data position .*KeyError")  # fmt: skip
+
+
+def test_a_damaged_position_is_refused_as_every_checkpoint_file(tmp_path, stopped):
+    copy = tmp_path / "damaged"
+    shutil.copytree(stopped, copy)
+    data = bytearray((copy / DATA_POSITION_NAME).read_bytes())
+    data[-20] ^= 0xFF
+    (copy / DATA_POSITION_NAME).write_bytes(bytes(data))
+    _resumes_refused(tmp_path / "out", copy, _stream(), r"data_position.pt")
+
+
+def test_ignore_data_skip_starts_the_data_over_whatever_the_position(tmp_path, stopped):
+    """transformers' meaning: the epoch's data from its beginning; the position is neither used nor compared."""
+    copy = tmp_path / stopped.name
+    shutil.copytree(stopped, copy)
+    _, reads, _ = _run(tmp_path, _stream(shards=2), resume=str(copy), ignore_data_skip=True)
+    assert reads <= (STEPS - STOP) * BATCH + 2 * BATCH
+
+
+def test_a_checkpoint_without_a_position_reads_and_drops_the_trained_batches_with_a_bar(tmp_path, capsys):
+    """transformers' checkpoint: hflight resumes it as transformers does, saying how to start the data over instead."""
+    _run(tmp_path / "run", _stream(), stop_at=STOP, library=transformers)
+    folder = tmp_path / "run/checkpoint-30"
+    assert not (folder / DATA_POSITION_NAME).exists() and not (folder / MANIFEST_NAME).exists()
+    capsys.readouterr()
+    _, reads, _ = _run(tmp_path / "run", _stream(), resume=str(folder), disable_tqdm=False)
+    assert reads >= STEPS * BATCH, "the trained examples are read again"
+    assert "ignore_data_skip=True starts the data over" in capsys.readouterr().err
