@@ -14,12 +14,11 @@ from pathlib import Path
 import pytest
 
 from . import launch, seq2seq_data
+from .support import HFLIGHT_ONLY
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 REPO_ROOT = launch.REPO_ROOT
 TIMINGS = ("_runtime", "_samples_per_second", "_steps_per_second")
-# hflight's own addition to every checkpoint folder (README "Checkpoints you can trust").
-HFLIGHT_ONLY = {"checkpoint_manifest.json"}
 
 
 #: how transformers users start several processes: the script under torchrun, nothing else named

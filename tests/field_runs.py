@@ -15,7 +15,7 @@ import transformers
 
 import hflight
 
-from .support import Factory
+from .support import HFLIGHT_ONLY, Factory
 
 TIMES = ("runtime", "per_second")
 
@@ -27,7 +27,7 @@ def _files(folder: str) -> dict[str, str]:
     for root, dirs, names in os.walk(folder):
         dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("runs", "lightning_logs")]
         for name in names:
-            if (not name.startswith(".") or name == ".metadata") and name != "checkpoint_manifest.json":
+            if (not name.startswith(".") or name == ".metadata") and name not in HFLIGHT_ONLY:
                 path = os.path.join(root, name)
                 found[os.path.relpath(path, folder)] = _content(path, folder)
     return dict(sorted(found.items()))

@@ -11,6 +11,9 @@ import shutil
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+#: what hflight adds to every checkpoint folder of transformers' (docs/checkpoints.md): its manifest and the training
+#: data's position
+HFLIGHT_ONLY = frozenset({"checkpoint_manifest.json", "data_position.pt"})
 
 # Small enough to run in seconds, large enough to exercise every stage (2 epochs: evaluation and a checkpoint each).
 TINY = [

@@ -230,6 +230,18 @@ def test_a_position_that_does_not_fit_is_refused_before_any_step(tmp_path, stopp
         assert all(torch.equal(before[name], tensor) for name, tensor in trainer.model.state_dict().items())
 
 
+def test_a_map_style_position_continues_another_dataset_as_transformers_and_refuses_a_stream(tmp_path):
+    """A map-style dataset's position is transformers' arithmetic, which continues any map-style dataset (a changed
+    preprocessing, as transformers lets it); a stream in its place is another kind of loader, refused."""
+    settings = dict(max_steps=8, save_steps=4, gradient_accumulation_steps=2)
+    _run(tmp_path / "run", CountedWindows(Factory.qa_dataset(64).with_format("torch")), stop_at=4, **settings)
+    resumed, _, _ = _run(tmp_path / "run", CountedWindows(Factory.qa_dataset(80).with_format("torch")),
+                         resume=str(tmp_path / "run/checkpoint-4"), **settings)  # fmt: skip
+    assert resumed.state.global_step == 8
+    _resumes_refused(tmp_path / "again", tmp_path / "run/checkpoint-4", _stream(),
+                     r"saved for a map-style dataset's sampler; this run reads a stream process 0 reads")  # fmt: skip
+
+
 def test_a_position_its_dataset_refuses_is_an_error_naming_it_before_any_step(tmp_path, monkeypatch):
     def refuse(self, state):
         raise KeyError("next_index: not a position of this stream")

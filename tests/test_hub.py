@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from .support import HFLIGHT_ONLY
+
 JOBS = Path(__file__).resolve().parent / "jobs"
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,7 +38,6 @@ def pushed(tmp_path_factory) -> dict[str, dict]:
 
 
 # Files only hflight writes into a checkpoint folder (README "Checkpoints you can trust").
-HFLIGHT_ONLY = {"checkpoint_manifest.json"}
 
 
 def _comparable(files: list[str]) -> list[str]:

@@ -12,13 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from .support import HFLIGHT_ONLY
+
 JOBS = Path(__file__).resolve().parent / "jobs"
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.subprocess
 
 # Files only hflight writes into a checkpoint folder (README "Checkpoints you can trust").
-HFLIGHT_ONLY = {"checkpoint_manifest.json"}
 
 
 def _run(tmp_path: Path, *kinds: str) -> dict[str, dict]:

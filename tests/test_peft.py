@@ -16,6 +16,8 @@ from safetensors.torch import load_file
 import hflight
 from hflight.checkpoints.manifest import verify_checkpoint
 
+from .support import HFLIGHT_ONLY
+
 peft = pytest.importorskip("peft")
 
 LIBRARIES = {"hf": (transformers.Trainer, transformers.TrainingArguments),
@@ -96,7 +98,7 @@ def test_a_lora_run_gives_transformers_losses_grad_norms_adapters_and_files(lora
     for step in (4, 8):
         theirs, ours = files(hf_out / f"checkpoint-{step}"), files(hl_out / f"checkpoint-{step}")
         assert "adapter_model.safetensors" in theirs and "model.safetensors" not in theirs
-        assert ours == sorted([*theirs, "checkpoint_manifest.json"])
+        assert ours == sorted([*theirs, *HFLIGHT_ONLY])
         assert verify_checkpoint(hl_out / f"checkpoint-{step}", full=True) is not None
         saved = [load_file(out / f"checkpoint-{step}" / "adapter_model.safetensors") for out in (hf_out, hl_out)]
         assert_same_weights(*saved)
@@ -175,7 +177,8 @@ def _compare(tmp_path, model_kwargs=None, resume_at=4, **overrides) -> dict[str,
     assert_same_weights(hl_w, hf_w)
     assert_same_weights(hl_rw, hf_rw)
     theirs = files(tmp_path / "hf" / f"checkpoint-{resume_at}")
-    assert files(tmp_path / "hl" / f"checkpoint-{resume_at}") == sorted([*theirs, "checkpoint_manifest.json"])
+    ours = [*HFLIGHT_ONLY] if not overrides.get("save_only_model") else ["checkpoint_manifest.json"]  # no data position
+    assert files(tmp_path / "hl" / f"checkpoint-{resume_at}") == sorted([*theirs, *ours])
     return results
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from . import dropin
+from .support import HFLIGHT_ONLY
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts" / "run_qa"
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -99,7 +100,6 @@ def _files(folder: Path) -> set[str]:
 
 
 # hflight's own addition to every checkpoint folder (README "Checkpoints you can trust").
-HFLIGHT_ONLY = {"checkpoint_manifest.json"}
 
 
 def test_the_same_files(runs):

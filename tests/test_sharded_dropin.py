@@ -92,7 +92,7 @@ def test_hflight_fsdp2_logs_and_writes_transformers_fsdp2_bit_for_bit(runs):
                 if p.is_file()}  # fmt: skip
         theirs = {p.relative_to(both["transformers"]).as_posix()
                   for p in (both["transformers"] / f"checkpoint-{step}").rglob("*") if p.is_file()}  # fmt: skip
-        assert ours - theirs == {f"checkpoint-{step}/checkpoint_manifest.json"} and theirs <= ours
+        assert ours - theirs == {f"checkpoint-{step}/{name}" for name in dropin.HFLIGHT_ONLY} and theirs <= ours
     # 4 distributed folders; scheduler, 2 RNG files and trainer state per checkpoint; the final trainer state
     assert dropin.assert_same_training_state(both) == 4 + 2 * 4 + 1
     # at the end transformers' save_model writes nothing for SHARDED_STATE_DICT; hflight's gathers the whole model,

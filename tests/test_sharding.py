@@ -31,6 +31,7 @@ from hflight.checkpoints.sharded import load_dcp, read_full_model, read_metadata
 from hflight.sharding import plans
 
 from . import durability, launch
+from .support import HFLIGHT_ONLY
 
 JOB = launch.JOBS / "sharded_job.py"
 
@@ -190,9 +191,9 @@ def test_a_sharded_checkpoint_is_transformers_layout_with_every_shard_in_the_man
     expected_shards = {f"{d}/{f}" for d in ("pytorch_model_fsdp_0", "optimizer_0")
                        for f in (".metadata", "__0_0.distcp", "__1_0.distcp")}  # fmt: skip
     assert expected_shards <= names
-    # as transformers' sharded checkpoint: no save_model files (the shards are the model); hflight's manifest added
+    # as transformers' sharded checkpoint: no save_model files (the shards are the model); hflight's own files added
     assert names - expected_shards == {"scheduler.pt", "rng_state_0.pth", "rng_state_1.pth", "trainer_state.json",
-                                       "checkpoint_manifest.json"}  # fmt: skip
+                                       *HFLIGHT_ONLY}  # fmt: skip
     manifest = read_manifest(folder)
     assert expected_shards <= set(manifest["files"]) and manifest["run"]["world_size"] == 2
     assert verify_checkpoint(folder, full=True) == manifest

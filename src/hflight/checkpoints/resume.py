@@ -167,12 +167,14 @@ def _resume_from(facade: TrainerSurface, folder: Path, manifest: dict[str, Any] 
 
 
 def _data_position(facade: TrainerSurface, folder: Path) -> dict[str, Any] | None:
-    """``folder``'s data position, checked against the training dataset before anything is loaded (with
+    """``folder``'s data position; a stream's checked against the training dataset before anything is loaded (a
+    map-style dataset's position is transformers' arithmetic, which continues any dataset, as in transformers; with
     ``ignore_data_skip`` it is not used, nor compared)."""
     if facade.args.ignore_data_skip:
         return None
     position = data_position.read(folder)
-    if position is not None and facade.train_dataset is not None:
+    stream = position is not None and position["dataset"].get("kind") == "iterable"
+    if stream and facade.train_dataset is not None:
         data_position.check_dataset(position, facade.train_dataset, folder / DATA_POSITION_NAME)
     return position
 

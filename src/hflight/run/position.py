@@ -89,9 +89,10 @@ def start_of(saved: dict[str, Any] | None, loader: Any, arithmetic: tuple[int, i
     how = getattr(loader, "how", None)
     if ignore_data_skip:
         return Start(epochs)
+    if saved is not None and how is not None:
+        _check_fits(saved, loader, world, path)
     if how in (None, "sampler") or saved is None:  # the sampler's skip; or a stream without a position: read it
         return Start(epochs, batches, reading=how not in (None, "sampler") and batches > 0)
-    _check_fits(saved, loader, world, path)
     if saved["dataset"].get("shuffle_buffer") and world[1] == 0:
         logger.warning(
             f"{path}: the training stream shuffles through a buffer (IterableDataset.shuffle(buffer_size=...)), whose "
@@ -106,7 +107,8 @@ def start_of(saved: dict[str, Any] | None, loader: Any, arithmetic: tuple[int, i
 
 
 def _check_fits(saved: dict[str, Any], loader: Any, world: tuple[int, int], path: str) -> None:
-    """The saved position continues in this run's loader: the same kind, workers and processes."""
+    """The saved position continues in this run's loader: the same kind; for a stream, the same workers and
+    processes (a map-style dataset's sampler continues on any: transformers' arithmetic)."""
     was, now = saved["loader"], loader_description(loader, world[0])
     kinds = {"sampler": "a map-style dataset's sampler", "dispatched": "a stream process 0 reads and dispatches "
              "(dispatch_batches)", "per_process": "a stream each process reads its own part of"}  # fmt: skip
@@ -116,6 +118,8 @@ def _check_fits(saved: dict[str, Any], loader: Any, world: tuple[int, int], path
             f"{kinds.get(now['how'], now['how'])}. A position continues only in the same kind of loader: use the "
             "checkpoint's dataset and accelerator_config['dispatch_batches'], or set ignore_data_skip=True."
         )
+    if now["how"] == "sampler":
+        return
     if was.get("num_workers") != now["num_workers"]:
         raise ValueError(
             f"{path}: the data position holds the positions of {was.get('num_workers')} loader workers "
