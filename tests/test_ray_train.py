@@ -115,7 +115,9 @@ def test_ray_reports_the_same_metrics_and_checkpoints(runs):
     for (our_checkpoint, our_metrics), (checkpoint, metrics) in zip(ours, theirs):
         assert {"loss", "grad_norm", "learning_rate", "eval_loss"} <= set(metrics)
         assert _untimed([our_metrics]) == _untimed([metrics])
-        assert set(_files(our_checkpoint)) == set(_files(checkpoint)) | dropin.HFLIGHT_ONLY
+        # hflight's manifest beside them, no data position: the loader is Ray's own, over Ray Data's iterator (its
+        # get_train_dataloader of prepare_trainer), which resumes as in transformers
+        assert set(_files(our_checkpoint)) == set(_files(checkpoint)) | {"checkpoint_manifest.json"}
         our_weights, weights = _weights(our_checkpoint), _weights(checkpoint)
         assert our_weights.keys() == weights.keys()
         for key in weights:
