@@ -222,6 +222,12 @@ def _resumes_refused(out: Path, folder: Path, dataset, match: str, **settings):
             r"positions of 0 loader workers .* this run has dataloader_num_workers=1",
             id="other workers",
         ),
+        pytest.param(
+            lambda: _stream(),
+            {"per_device_train_batch_size": 2},
+            r"counts batches of 4 examples read from the stream; this run reads batches of 2",
+            id="another batch size",
+        ),
     ],
 )
 def test_a_position_that_does_not_fit_is_refused_before_any_step(tmp_path, stopped, dataset, settings, match):

@@ -190,6 +190,21 @@ def _format_problem(position: Any) -> str | None:
     return None
 
 
+def check_processes(position: dict[str, Any], processes: int, path: str | os.PathLike) -> None:
+    """A position of a stream each process read its own part of continues only on as many processes, or a
+    ``ValueError`` naming both counts and what to do (checked before the dataset: split by node for another count, the
+    part is another dataset, and this is why)."""
+    saved = len(position["ranks"])
+    if position["loader"].get("how") != "per_process" or saved == processes:
+        return
+    raise ValueError(
+        f"{path}: the data position was saved by {saved} process(es) each reading its own part of a stream, and this "
+        f"run has {processes}: each part's position is its own, and the parts cannot be dealt again without "
+        f"repeating or dropping examples. Resume on {saved} process(es), or set ignore_data_skip=True to start the "
+        "data over (a stream dispatched from process 0, dispatch_batches=True, continues on any number)."
+    )
+
+
 def check_dataset(position: dict[str, Any], dataset: Any, path: str | os.PathLike) -> None:
     """The position was saved for this dataset (the same :func:`describe`), or a ``ValueError`` naming both and what
     to do, before anything is loaded."""

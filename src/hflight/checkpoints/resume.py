@@ -174,6 +174,8 @@ def _data_position(facade: TrainerSurface, folder: Path) -> dict[str, Any] | Non
         return None
     position = data_position.read(folder)
     stream = position is not None and position["dataset"].get("kind") == "iterable"
+    if stream:
+        data_position.check_processes(position, facade.args.world_size, folder / DATA_POSITION_NAME)
     if stream and facade.train_dataset is not None:
         data_position.check_dataset(position, facade.train_dataset, folder / DATA_POSITION_NAME)
     return position

@@ -167,7 +167,7 @@ class AccumulationCycles:
         elif restore_epoch_start is not None and skip > 0:
             restore_epoch_start()
         self.epoch_start_rng = rng_states()
-        if not skip or reading:
+        if reading or not (skip or (start is not None and start.state is not None)):
             return iter(self.loader)
         try:  # a stream's state loaded (by its dataset, as the iterator is created), or the sampler's skip
             self.loader.resume_from(skip, start.state)

@@ -17,8 +17,10 @@ A resumed run (:func:`start_of`) continues from it:
   trained batches, as transformers does, with a progress bar naming ``ignore_data_skip``;
 - ``ignore_data_skip=True``: the epoch's data starts from its beginning, as in transformers.
 
-What does not fit (another kind of loader, another ``dataloader_num_workers``, another number of processes for a
-stream) is refused before any step, naming both sides and ``ignore_data_skip``.
+A dispatched stream continues on another number of processes: process 0 alone reads it, and its position is where
+that reader is in the stream, whatever the processes it dispatched to. What does not fit (another kind of loader,
+another ``dataloader_num_workers`` or batch size for a stream, another number of processes for a stream each process
+reads its own part of) is refused before any step, naming both sides and ``ignore_data_skip``.
 
 May import: ``hflight.checkpoints.data_position``.
 """
@@ -57,6 +59,7 @@ def loader_description(loader: Any, processes: int) -> dict[str, Any]:
         "num_workers": int(getattr(loader, "num_workers", 0) or 0),
         "batch_size": getattr(loader, "batch_size", None),
         "processes": processes,
+        "split_batches": bool(getattr(getattr(loader, "sharding", None), "split_batches", False)),
     }
 
 
@@ -100,15 +103,25 @@ def start_of(saved: dict[str, Any] | None, loader: Any, arithmetic: tuple[int, i
             "of the next buffer come in another order than in the uninterrupted run (docs/checkpoints.md, 'The data "
             "position')."
         )
-    entry = saved["ranks"][world[1]]
+    ranks = saved["ranks"]
+    if len(ranks) == world[0]:
+        entry = ranks[world[1]]
+    else:  # a dispatched stream on another number of processes: process 0's position, the pass's batches anew
+        entry = dict(ranks[0], batches=_global_batches(saved["loader"], ranks[0]["batches"], world[0]))
+        if world[1] == 0:
+            logger.info(
+                f"{path}: the stream was read by process 0 of {len(ranks)} and dispatched; process 0 of {world[0]} "
+                "continues it from the same example (global batches of this run's size from there)."
+            )
     if entry["end_of_pass"]:
         return Start(entry["epoch"] + 1, restored=True, source=path)
     return Start(entry["epoch"], entry["batches"], entry.get("state"), restored=True, source=path)
 
 
 def _check_fits(saved: dict[str, Any], loader: Any, world: tuple[int, int], path: str) -> None:
-    """The saved position continues in this run's loader: the same kind; for a stream, the same workers and
-    processes (a map-style dataset's sampler continues on any: transformers' arithmetic)."""
+    """The saved position continues in this run's loader: the same kind; for a stream, the same workers and batch
+    size, and for a stream each process reads its own part of, the same processes (a map-style dataset's sampler
+    continues on any: transformers' arithmetic; a dispatched stream's reader is process 0 on any)."""
     was, now = saved["loader"], loader_description(loader, world[0])
     kinds = {"sampler": "a map-style dataset's sampler", "dispatched": "a stream process 0 reads and dispatches "
              "(dispatch_batches)", "per_process": "a stream each process reads its own part of"}  # fmt: skip
@@ -127,12 +140,22 @@ def _check_fits(saved: dict[str, Any], loader: Any, world: tuple[int, int], path
             f"has dataloader_num_workers={now['num_workers']}. Set dataloader_num_workers={was.get('num_workers')} "
             "to continue exactly, or ignore_data_skip=True to start the data over."
         )
-    if len(saved["ranks"]) != world[0]:
+    data_position.check_processes(saved, world[0], path)
+    if was.get("batch_size") != now["batch_size"]:
         raise ValueError(
-            f"{path}: the data position was saved by {len(saved['ranks'])} process(es) reading a stream, and this run "
-            f"has {world[0]}: the stream's parts cannot be dealt again without repeating or dropping examples. Resume "
-            f"on {len(saved['ranks'])} process(es), or set ignore_data_skip=True to start the data over."
+            f"{path}: the data position counts batches of {was.get('batch_size')} examples read from the stream; this "
+            f"run reads batches of {now['batch_size']} (per_device_train_batch_size). Resume with "
+            f"per_device_train_batch_size={was.get('batch_size')}, or set ignore_data_skip=True to start the data over."
         )
+
+
+def _global_batches(loader: dict[str, Any], batches: int, processes: int) -> int:
+    """The global batches of a pass of ``processes`` that hold the examples ``batches`` global batches of the saved
+    run held (a dispatched stream: process 0 read ``batch_size`` examples ``processes`` times per global batch, once
+    with ``split_batches``); the count is the epoch's bookkeeping, the stream's state says where its data is."""
+    if loader.get("split_batches"):
+        return batches
+    return batches * loader["processes"] // processes
 
 
 def rejected(start: Start, exc: Exception) -> ValueError:

@@ -1,0 +1,96 @@
+"""The training data's position under torchrun, 2 processes (issue 63, item 2): a stream dispatched from process 0
+(dispatch_batches, the default for an iterable dataset) and a stream each process reads its own part of
+(split_dataset_by_node, dispatch_batches=False), each run for 40 steps with a checkpoint every 10 and resumed from
+its checkpoint-30 (tests/jobs/stream_job.py): the resumed run reads only what its remaining steps need and ends on
+the uninterrupted run's weights and losses, bit for bit. On another number of processes (one, in this process) the
+dispatched stream continues from the same example; the per-process one is refused before any step, naming both
+counts and ignore_data_skip."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from . import launch
+
+pytestmark = launch.needs_torchrun
+
+JOB = launch.JOBS / "stream_job.py"
+HOWS = ("dispatched", "per_process")
+STEPS, RESUMED_AT, BATCH, PROCESSES = 40, 30, 4, 2
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """For each way of reading: ``<how>/full`` (40 steps) and ``<how>/resumed`` (from full/checkpoint-30)."""
+    root = tmp_path_factory.mktemp("stream_ddp")
+    for phase in ("full", "resumed"):
+        jobs = {}
+        for how in HOWS:
+            out = root / how / phase
+            out.mkdir(parents=True)
+            resume = ["--resume", root / how / "full" / f"checkpoint-{RESUMED_AT}"] if phase == "resumed" else []
+            jobs[how] = launch.Job([*launch.torchrun(PROCESSES), JOB, out, "--how", how, *resume], out,
+                                   env=launch.environment(launch.JOBS))  # fmt: skip
+        launch.all_ok(jobs)
+    return root
+
+
+def _result(folder: Path, rank: int) -> dict:
+    return json.loads((folder / f"rank{rank}.json").read_text())
+
+
+@pytest.mark.parametrize("how", HOWS)
+def test_each_process_continues_its_stream_and_ends_on_the_uninterrupted_run(runs, how):
+    full, resumed = runs / how / "full", runs / how / "resumed"
+    weights, resumed_weights = torch.load(full / "final.pt"), torch.load(resumed / "final.pt")
+    assert all(torch.equal(weights[name], resumed_weights[name]) for name in weights)
+    position = torch.load(full / f"checkpoint-{RESUMED_AT}" / "data_position.pt", weights_only=True)
+    assert position["loader"]["how"] == how and len(position["ranks"]) == PROCESSES
+    remaining = (STEPS - RESUMED_AT) * BATCH
+    for rank in range(PROCESSES):
+        before, after = _result(full, rank), _result(resumed, rank)
+        assert after["first_step"] == RESUMED_AT + 1 and after["losses"] == before["losses"]
+        assert after["trained"] == before["trained"][-remaining:], f"rank {rank} trained other examples"
+        if how == "dispatched":  # process 0 reads for both: the remaining global batches, two read ahead
+            read = (remaining * PROCESSES + 2 * BATCH * PROCESSES) if rank == 0 else 0
+            assert after["produced"] == read, f"rank {rank} produced {after['produced']}"
+        else:  # each its own part (100 examples: the checkpoint is in its second pass), one batch read ahead
+            assert after["produced"] == remaining + 2 * BATCH, f"rank {rank} produced {after['produced']}"
+            assert before["produced"] > 3 * after["produced"]
+
+
+@pytest.fixture
+def job(monkeypatch):
+    monkeypatch.syspath_prepend(str(launch.JOBS))
+    import stream_job
+
+    stream_job.PRODUCED = 0
+    return stream_job
+
+
+def test_a_dispatched_stream_continues_from_the_same_example_on_another_number_of_processes(runs, job, tmp_path):
+    """Process 0 alone read the stream; one process continues where it was: the examples after the 30 x 8 trained,
+    in order, none repeated or dropped."""
+    checkpoint = tmp_path / f"checkpoint-{RESUMED_AT}"
+    shutil.copytree(runs / "dispatched" / "full" / checkpoint.name, checkpoint)
+    trainer = job.trainer(str(tmp_path), "dispatched", 0, 1)
+    trainer.train(resume_from_checkpoint=str(checkpoint))
+    order = job.windows()["input_ids"]
+    start = RESUMED_AT * BATCH * PROCESSES
+    assert trainer.trained == order[start : start + (STEPS - RESUMED_AT) * BATCH]
+    assert job.PRODUCED <= (STEPS - RESUMED_AT) * BATCH + 2 * BATCH
+
+
+def test_a_per_process_stream_on_another_number_of_processes_is_refused_before_any_step(runs, job, tmp_path):
+    checkpoint = tmp_path / f"checkpoint-{RESUMED_AT}"
+    shutil.copytree(runs / "per_process" / "full" / checkpoint.name, checkpoint)
+    trainer = job.trainer(str(tmp_path), "per_process", 0, 1)
+    with pytest.raises(ValueError, match=r"saved by 2 process\(es\) each reading its own part .* this run has 1.*"
+                                         r"ignore_data_skip=True"):  # fmt: skip
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+    assert trainer.trained == [] and job.PRODUCED == 0
