@@ -260,6 +260,27 @@ def test_eval_loss_keeps_the_real_rows_of_the_padded_last_batch_as_transformers_
     assert [call.input_shapes["input_ids"][0] for call in calls] == [rows_per_call] * (2 * -(-10 // rows_per_call))
 
 
+@pytest.mark.parametrize(
+    "config, n_ipu",
+    [({"gradient_accumulation_steps": 4, "inference_device_iterations": 2}, None), ({}, 2)],
+    ids=["inference-iterations2", "replicas2"],
+)
+def test_eval_with_dataloader_drop_last_drops_the_incomplete_last_batch_as_transformers(
+    poptorch_double, factory, tmp_path, config, n_ipu
+):
+    """dataloader_drop_last=True: the last, incomplete combined batch (10 rows, 8 a call: 2) is dropped, not padded,
+    as optimum-graphcore's evaluation loader does; transformers on the CPU drops its last batch of 4 (2 rows) too."""
+    evaluation = factory.qa_dataset(10, seed=1)
+    cpu_args = transformers.TrainingArguments(str(tmp_path / "cpu"), per_device_eval_batch_size=4, use_cpu=True,
+                                              report_to="none", disable_tqdm=True,
+                                              dataloader_drop_last=True)  # fmt: skip
+    expected = transformers.Trainer(factory.qa_model(), cpu_args).evaluate(evaluation)["eval_loss"]
+    arguments = args(tmp_path, per_device_eval_batch_size=4, pad_on_batch_axis=True, n_ipu=n_ipu,
+                     dataloader_drop_last=True)  # fmt: skip
+    trainer = IPUTrainer(factory.qa_model(), IPUConfig(**config), arguments)
+    assert trainer.evaluate(evaluation)["eval_loss"] == pytest.approx(expected, rel=1e-6)
+
+
 def test_each_checkpoint_copies_the_weights_to_the_host_once(poptorch_double, factory, tmp_path, monkeypatch):
     """A checkpoint writes its model through save_model (as transformers'); the weights come from the IPU once per
     checkpoint, not again for the model files."""

@@ -173,7 +173,10 @@ class IPUStrategy(SingleDeviceStrategy, HFBackend):
             return loader
         options = self.options(for_inference=not training)
         collate, padded_to = loader.collate_fn, None
-        if not training and self.pad_on_batch_axis and loader.batch_size is not None:
+        # a training executable takes complete combined batches only; evaluation drops the last, incomplete one where
+        # the loader was made to (dataloader_drop_last, as optimum-graphcore's evaluation loader passes it on)
+        drop_last = training or bool(loader.drop_last)
+        if not drop_last and self.pad_on_batch_axis and loader.batch_size is not None:
             padded_to = loader.batch_size * self.ipu_config.batch_size_factor(for_inference=True)
             collate = pad_on_batch_axis(padded_to)(collate)
         kwargs: dict[str, Any] = {
@@ -181,7 +184,7 @@ class IPUStrategy(SingleDeviceStrategy, HFBackend):
             "num_workers": loader.num_workers,
             "pin_memory": loader.pin_memory,
             "worker_init_fn": loader.worker_init_fn,
-            "drop_last": training,  # a training executable takes complete combined batches only
+            "drop_last": drop_last,
             "mode": getattr(poptorch.DataLoaderMode, _DATALOADER_MODES[self.dataloader_mode]),
         }
         if loader.num_workers > 0:
