@@ -136,6 +136,21 @@ def test_a_stream_resumes_reading_only_what_its_remaining_steps_need(tmp_path, p
     assert resumed_losses[-(STEPS - STOP) :] == losses[STOP:]
 
 
+@pytest.mark.parametrize("settings", [{}, {"accelerator_config": {"dispatch_batches": False}}],
+                         ids=["dispatched", "read by the process"])  # fmt: skip
+def test_a_checkpoint_at_the_end_of_a_pass_continues_with_the_next_pass(tmp_path, settings):
+    """A pass of 25 steps, the checkpoint at step 25: the resumed run starts the second pass (the dispatched loader,
+    reading one batch ahead, knew the pass had ended; the per-process one continues its stream's state into the
+    next) and reads only its 15 steps' examples."""
+    settings = {"save_steps": 25, **settings}
+    full, _, losses = _run(tmp_path / "full", _stream("split_dataset_by_node"), **settings)
+    _run(tmp_path / "run", _stream("split_dataset_by_node"), stop_at=25, **settings)
+    resumed, reads, resumed_losses = _run(tmp_path / "run", _stream("split_dataset_by_node"),
+                                          resume=str(tmp_path / "run/checkpoint-25"), **settings)  # fmt: skip
+    assert reads <= (STEPS - 25) * BATCH + 2 * BATCH, f"{reads} examples produced for {(STEPS - 25) * BATCH}"
+    assert _same_weights(full, resumed) and resumed_losses[-(STEPS - 25) :] == losses[25:]
+
+
 def test_a_torch_stream_with_state_dict_is_asked_for_its_position_and_given_it_back(tmp_path):
     full, _, losses = _run(tmp_path / "full", CountedStream())
     stopped = CountedStream()
