@@ -2,9 +2,9 @@
 (dispatch_batches, the default for an iterable dataset) and a stream each process reads its own part of
 (split_dataset_by_node, dispatch_batches=False), each run for 40 steps with a checkpoint every 10 and resumed from
 its checkpoint-30 (tests/jobs/stream_job.py): the resumed run reads only what its remaining steps need and ends on
-the uninterrupted run's weights and losses, bit for bit. On another number of processes (one, in this process) the
-dispatched stream continues from the same example; the per-process one is refused before any step, naming both
-counts and ignore_data_skip."""
+the uninterrupted run's weights and losses, bit for bit. On another number of processes (2 to 1, in this process;
+1 to 2) the dispatched stream continues from the next example; the per-process one is refused before any step,
+naming both counts and ignore_data_skip."""
 
 from __future__ import annotations
 
@@ -84,6 +84,25 @@ def test_a_dispatched_stream_continues_from_the_same_example_on_another_number_o
     start = RESUMED_AT * BATCH * PROCESSES
     assert trainer.trained == order[start : start + (STEPS - RESUMED_AT) * BATCH]
     assert job.PRODUCED <= (STEPS - RESUMED_AT) * BATCH + 2 * BATCH
+
+
+def test_a_dispatched_stream_of_one_process_continues_on_two_from_the_next_example(job, tmp_path):
+    """The other way: one process trains 30 steps of 4; two processes resumed from its checkpoint-30 train the
+    examples after the 120 trained, process 0 the first 4 of each global batch of 8, process 1 the next 4."""
+    job.trainer(str(tmp_path / "one"), "dispatched", 0, 1).train()
+    out = tmp_path / "two"
+    out.mkdir()
+    resume = ["--resume", tmp_path / "one" / f"checkpoint-{RESUMED_AT}"]
+    launch.Job([*launch.torchrun(PROCESSES), JOB, out, "--how", "dispatched", *resume], out,
+               env=launch.environment(launch.JOBS)).ok()  # fmt: skip
+    order, start = job.windows()["input_ids"], RESUMED_AT * BATCH
+    for rank in range(PROCESSES):
+        result = _result(out, rank)
+        assert result["first_step"] == RESUMED_AT + 1
+        expected = [order[start + PROCESSES * BATCH * step + rank * BATCH + row]
+                    for step in range(STEPS - RESUMED_AT) for row in range(BATCH)]  # fmt: skip
+        assert result["trained"] == expected, f"rank {rank} trained other examples"
+    assert _result(out, 0)["produced"] <= (STEPS - RESUMED_AT + 2) * BATCH * PROCESSES
 
 
 def test_a_per_process_stream_on_another_number_of_processes_is_refused_before_any_step(runs, job, tmp_path):
