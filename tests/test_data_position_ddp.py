@@ -113,3 +113,28 @@ def test_a_per_process_stream_on_another_number_of_processes_is_refused_before_a
                                          r"ignore_data_skip=True"):  # fmt: skip
         trainer.train(resume_from_checkpoint=str(checkpoint))
     assert trainer.trained == [] and job.PRODUCED == 0
+
+
+class _Resolved(Exception):
+    """Raised once the resume was resolved: the test stops before Lightning launches anything."""
+
+
+def test_a_per_process_position_is_compared_with_the_processes_lightning_will_launch(runs, job, tmp_path, monkeypatch):
+    """A run whose processes Lightning launches itself (devices=2, no launcher) reads its checkpoint before the launch,
+    where ``args.world_size`` is still 1: the position of 2 processes is compared with the 2 to come, not refused."""
+    from hflight.checkpoints import resume
+
+    checkpoint = tmp_path / f"checkpoint-{RESUMED_AT}"
+    shutil.copytree(runs / "per_process" / "full" / checkpoint.name, checkpoint)
+    real = resume.resolve_resume
+
+    def resolved(*args, **kwargs):
+        raise _Resolved(real(*args, **kwargs))
+
+    monkeypatch.setattr(resume, "resolve_resume", resolved)
+    trainer = job.trainer(str(tmp_path), "per_process", 0, PROCESSES, accelerator="cpu", devices=PROCESSES,
+                          strategy="ddp")  # fmt: skip
+    assert trainer.args.world_size == 1
+    with pytest.raises(_Resolved) as point:
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+    assert len(point.value.args[0].data_position["ranks"]) == PROCESSES

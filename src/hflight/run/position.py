@@ -140,6 +140,8 @@ def _check_fits(saved: dict[str, Any], loader: Any, world: tuple[int, int], path
             f"has dataloader_num_workers={now['num_workers']}. Set dataloader_num_workers={was.get('num_workers')} "
             "to continue exactly, or ignore_data_skip=True to start the data over."
         )
+    # again with the launched processes: the check when the checkpoint was read counted those planned before
+    # Lightning's own launch (hflight.checkpoints.resume), done there so that it comes before the dataset's
     data_position.check_processes(saved, world[0], path)
     if was.get("batch_size") != now["batch_size"]:
         raise ValueError(
