@@ -239,7 +239,7 @@ class CheckpointWriter:
         if not pending:
             return
         start = pending[0].offset
-        buffer = self._host_memory(self._end - start, pinned=False)
+        buffer = _host_memory(self._end - start, pinned=False)  # the process's own: the thread writes its files
         self._overflows.append(buffer)
         self._overflow_bytes += len(buffer)
         for slot in pending:
@@ -335,11 +335,6 @@ class CheckpointWriter:
         for slot in self._slots.values():
             if slot.storage is None:
                 slot.buffer, slot.storage = self._area, _storage_over(self._area, slot.at, slot.nbytes)
-
-    def _host_memory(self, nbytes: int, pinned: bool) -> Any:
-        """An overflow buffer: the process's own memory (the writer thread writes the files of a checkpoint whose
-        tensors are not all in the staging area)."""
-        return _host_memory(nbytes, pinned)
 
     def _release_retired(self) -> None:
         """The buffers replaced by a reallocation of the staging area, once no write reads them any more."""
@@ -592,10 +587,8 @@ def _bytes(storage: Any) -> torch.Tensor:
 def _view(storage: Any, like: torch.Tensor) -> torch.Tensor:
     """``like``'s view (dtype, offset, shape, strides) over ``storage``, a ``Parameter`` where it is one, with its
     ``requires_grad``."""
-    view = torch.empty(0, dtype=like.dtype).set_(storage, like.storage_offset(), like.shape, like.stride())
-    if type(like) is torch.nn.Parameter:
-        return torch.nn.Parameter(view, requires_grad=like.requires_grad)
-    return view.requires_grad_(True) if like.requires_grad else view
+    return writer_process.view_over(storage, like.dtype, like.shape, like.stride(), like.storage_offset(),
+                                    like.requires_grad, type(like) is torch.nn.Parameter)  # fmt: skip
 
 
 def _size(nbytes: int) -> str:

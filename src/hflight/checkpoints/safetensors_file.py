@@ -175,11 +175,7 @@ def _dtype_agrees(dtype: torch.dtype) -> bool:
         theirs = save(probe)
     except Exception:  # noqa: BLE001 - a dtype torch cannot view bytes as, or safetensors refuses: safetensors' own
         return False
-    header = _layout(probe, None)
-    ours = io.BytesIO()
-    if header is not None:
-        _write(probe, ours, header)
-    if ours.getvalue() != theirs:
+    if _in_memory(probe, None) != theirs:
         logger.debug(f"{dtype}: safetensors' header differs from this module's; its save_file writes such tensors.")
         return False
     return True
@@ -193,14 +189,23 @@ def _agrees() -> bool:
     from safetensors.torch import save
 
     probe, metadata = _probe(), {"format": "pt"}  # one key: safetensors orders several keys anew in each call
-    header = _layout(probe, metadata)
-    if header is None:
+    ours = _in_memory(probe, metadata)
+    if ours is None:
         return _differs("its header is serialized otherwise")
-    ours = io.BytesIO()  # in memory: the probe runs inside a run, whose folders nothing else may touch
-    _write(probe, ours, header)
-    if ours.getvalue() != save(probe, metadata=metadata):
+    if ours != save(probe, metadata=metadata):
         return _differs("the bytes of a probe state differ")
     return True
+
+
+def _in_memory(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> bytes | None:
+    """This module's file of ``tensors`` as bytes, in memory (a probe runs inside a run, whose folders nothing else may
+    touch); None where it gives no header for them."""
+    header = _layout(tensors, metadata)
+    if header is None:
+        return None
+    ours = io.BytesIO()
+    _write(tensors, ours, header)
+    return ours.getvalue()
 
 
 def _differs(why: str) -> bool:

@@ -141,15 +141,20 @@ class _Storage:
     nbytes: int
 
 
+def view_over(storage: Any, dtype: torch.dtype, shape: tuple, stride: tuple, offset: int, requires_grad: bool,
+              parameter: bool) -> torch.Tensor:  # fmt: skip
+    """A tensor of a state over ``storage`` as ``torch.save`` writes it: its view (dtype, shape, strides, offset), a
+    ``Parameter`` where it was one, its ``requires_grad`` (a snapshot's copy; the child's rebuilt tensor)."""
+    tensor = torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
+    if parameter:
+        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    return tensor.requires_grad_(True) if requires_grad else tensor
+
+
 def _tensor(storage: Any, dtype: str, shape: tuple, stride: tuple, offset: int, requires_grad: bool, parameter: bool,
             state: Any) -> torch.Tensor:  # fmt: skip
-    """A tensor of the state rebuilt in the child over its storage: its view, ``requires_grad``, whether it is a
-    ``Parameter``, its Python attributes, all as ``torch.save`` writes them."""
-    tensor = torch.empty(0, dtype=getattr(torch, dtype)).set_(storage, offset, shape, stride)
-    if parameter:
-        tensor = torch.nn.Parameter(tensor, requires_grad=requires_grad)
-    elif requires_grad:
-        tensor.requires_grad_(True)
+    """A tensor of the state rebuilt in the child over its storage (:func:`view_over`), with its Python attributes."""
+    tensor = view_over(storage, getattr(torch, dtype), shape, stride, offset, requires_grad, parameter)
     if state:
         tensor.__dict__.update(state)
     return tensor
