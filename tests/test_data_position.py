@@ -9,8 +9,11 @@ examples, a checkpoint every 10, the resumed run from step 30."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing
+import re
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,13 +21,17 @@ import torch
 import transformers
 
 import hflight
-from hflight.checkpoints import parts
-from hflight.checkpoints.files import IncompleteCheckpointError
+from hflight.checkpoints import data_position, parts
+from hflight.checkpoints.files import IncompleteCheckpointError, UnsafeCheckpointFile
 from hflight.checkpoints.manifest import MANIFEST_NAME, verify_checkpoint
 from hflight.checkpoints.names import DATA_POSITION_NAME
 
 from .checkpoint_runs import StopAt
+from .launch import JOBS
 from .support import Factory
+
+sys.path.insert(0, str(JOBS))
+import trained_ids  # noqa: E402
 
 STEPS, STOP, BATCH = 40, 30, 4
 #: the examples each process's map produced (DataLoader workers are forked: a shared counter)
@@ -209,79 +216,61 @@ def test_the_position_is_a_checkpoint_file_in_the_manifest_read_without_running_
     assert position["dataset"]["num_shards"] == 4 and position["dataset"]["kind"] == "iterable"
 
 
-def _resumes_refused(out: Path, folder: Path, dataset, match: str, **settings):
-    """A resume that must fail before any step, naming what is wrong."""
+def _resumed(out: Path, folder: Path, dataset, **settings):
+    """A resume from a copy of ``folder`` in ``out``: (trainer, examples produced, the console's and log's text)."""
     copy = out / folder.name
     shutil.copytree(folder, copy)
-    steps = Steps()
-    values = dict(output_dir=str(out), per_device_train_batch_size=BATCH, max_steps=STEPS, report_to="none",
-                  disable_tqdm=True, use_cpu=True, save_steps=10)  # fmt: skip
-    values.update(settings)
-    trainer = hflight.Trainer(Factory.qa_model(seed=0), hflight.TrainingArguments(**values), train_dataset=dataset,
-                              callbacks=[steps])  # fmt: skip
-    before = {name: tensor.clone() for name, tensor in trainer.model.state_dict().items()}
-    with pytest.raises((ValueError, IncompleteCheckpointError), match=match):
-        trainer.train(resume_from_checkpoint=str(copy))
-    assert steps.begun == 0, "a step was trained"
-    return trainer, before
+    return _run(out, dataset, resume=str(copy), **settings)
 
 
 @pytest.mark.parametrize(
-    "dataset, settings, match",
+    "dataset, settings, why",
     [
-        pytest.param(
-            lambda: _stream(shards=2),
-            {},
-            r"another training dataset \(num_shards 4 where this run's is 2",
-            id="another number of shards",
-        ),  # fmt: skip
+        pytest.param(lambda: _stream(shards=2), {}, r"another training dataset \(num_shards 4 where this run's is 2",
+                     id="another number of shards"),  # fmt: skip
         pytest.param(lambda: _stream(n=120), {}, r"another training dataset", id="another stream"),
-        pytest.param(
-            lambda: _stream(),
-            {"accelerator_config": {"dispatch_batches": False}},
-            r"saved for a stream process 0 reads .*this run reads a stream each process reads",
-            id="another kind of loader",
-        ),  # fmt: skip
-        pytest.param(
-            lambda: _stream(),
-            {"dataloader_num_workers": 1},
-            r"positions of 0 loader workers .* this run has dataloader_num_workers=1",
-            id="other workers",
-        ),
-        pytest.param(
-            lambda: _stream(),
-            {"per_device_train_batch_size": 2},
-            r"counts batches of 4 examples read from the stream; this run reads batches of 2",
-            id="another batch size",
-        ),
+        pytest.param(lambda: _stream(), {"accelerator_config": {"dispatch_batches": False}},
+                     r"saved for a stream process 0 reads .* this run reads a stream each process reads",
+                     id="another kind of loader"),  # fmt: skip
+        pytest.param(lambda: _stream(), {"dataloader_num_workers": 1},
+                     r"states of 0 loader workers .* this run has dataloader_num_workers=1", id="other workers"),
+        pytest.param(lambda: _stream(), {"per_device_train_batch_size": 2},
+                     r"counts batches of 4 examples and this run reads batches of 2", id="another batch size"),
     ],
-)
-def test_a_position_that_does_not_fit_is_refused_before_any_step(tmp_path, stopped, dataset, settings, match):
-    trainer, before = _resumes_refused(tmp_path, stopped, dataset(), match, **settings)
-    if "another training dataset" in match:  # refused before the weights are loaded
-        assert all(torch.equal(before[name], tensor) for name, tensor in trainer.model.state_dict().items())
+)  # fmt: skip
+def test_a_position_that_does_not_fit_is_read_and_dropped_saying_why(tmp_path, stopped, dataset, settings, why, caplog):
+    """transformers resumes each of these runs, reading and dropping the trained batches: so does hflight, with one
+    line saying why the position is not used (the examples trained are then transformers' own: the oracle grid,
+    tests/test_trained_examples.py)."""
+    with caplog.at_level("INFO"):
+        trainer, reads, _ = _resumed(tmp_path, stopped, dataset(), disable_tqdm=False, **settings)
+    assert trainer.state.global_step == STEPS
+    assert reads >= STOP * settings.get("per_device_train_batch_size", BATCH), "the trained batches are not read"
+    assert re.search(r"Reading and dropping the \d+ batches .* as transformers does: .*" + why, caplog.text)
 
 
-def test_a_map_style_position_continues_another_dataset_as_transformers_and_refuses_a_stream(tmp_path):
+def test_a_map_style_position_continues_another_dataset_as_transformers_and_a_stream_in_its_place(tmp_path):
     """A map-style dataset's position is transformers' arithmetic, which continues any map-style dataset (a changed
-    preprocessing, as transformers lets it); a stream in its place is another kind of loader, refused."""
+    preprocessing, as transformers lets it); a stream in its place reads and drops the trained batches."""
     settings = dict(max_steps=8, save_steps=4, gradient_accumulation_steps=2)
     _run(tmp_path / "run", CountedWindows(Factory.qa_dataset(64).with_format("torch")), stop_at=4, **settings)
     resumed, _, _ = _run(tmp_path / "run", CountedWindows(Factory.qa_dataset(80).with_format("torch")),
                          resume=str(tmp_path / "run/checkpoint-4"), **settings)  # fmt: skip
     assert resumed.state.global_step == 8
-    _resumes_refused(tmp_path / "again", tmp_path / "run/checkpoint-4", _stream(),
-                     r"saved for a map-style dataset's sampler; this run reads a stream process 0 reads")  # fmt: skip
+    trainer, reads, _ = _resumed(tmp_path / "again", tmp_path / "run/checkpoint-4", _stream(), **settings)
+    assert trainer.state.global_step == 8 and reads >= 4 * 2 * BATCH
 
 
-def test_a_position_its_dataset_refuses_is_an_error_naming_it_before_any_step(tmp_path, monkeypatch):
+def test_a_position_its_dataset_refuses_is_read_and_dropped_with_a_warning(tmp_path, monkeypatch, caplog):
     def refuse(self, state):
         raise KeyError("next_index: not a position of this stream")
 
+    full, _, losses = _run(tmp_path / "full", CountedStream())
     _run(tmp_path / "run", CountedStream(), stop_at=STOP)
     monkeypatch.setattr(CountedStream, "load_state_dict", refuse)
-    _resumes_refused(tmp_path / "again", tmp_path / "run/checkpoint-30", CountedStream(),
-                     r"data_position.pt: the training loader does not take the data position .*KeyError")  # fmt: skip
+    resumed, reads, resumed_losses = _run(tmp_path / "run", CountedStream(), resume=str(tmp_path / "run/checkpoint-30"))
+    assert "its dataset refused the state saved there (KeyError" in caplog.text
+    assert reads >= STEPS * BATCH and _same_weights(full, resumed) and resumed_losses[-10:] == losses[STOP:]
 
 
 def test_a_damaged_position_is_refused_as_every_checkpoint_file(tmp_path, stopped):
@@ -290,7 +279,38 @@ def test_a_damaged_position_is_refused_as_every_checkpoint_file(tmp_path, stoppe
     data = bytearray((copy / DATA_POSITION_NAME).read_bytes())
     data[-20] ^= 0xFF
     (copy / DATA_POSITION_NAME).write_bytes(bytes(data))
-    _resumes_refused(tmp_path / "out", copy, _stream(), r"data_position.pt")
+    steps = Steps()
+    trainer = hflight.Trainer(Factory.qa_model(seed=0), hflight.TrainingArguments(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=BATCH, max_steps=STEPS, report_to="none",
+        use_cpu=True), train_dataset=_stream(), callbacks=[steps])  # fmt: skip
+    with pytest.raises((ValueError, IncompleteCheckpointError), match=r"data_position.pt"):
+        trainer.train(resume_from_checkpoint=str(copy))
+    assert steps.begun == 0, "a step was trained"
+
+
+def test_a_crafted_position_is_refused_without_running_code(tmp_path, stopped):
+    """A folder without a manifest (hflight resumes transformers' checkpoints): a data_position.pt whose pickle would
+    run code is refused through hflight's own reader, naming the file and ignore_data_skip; nothing runs."""
+    copy = tmp_path / "crafted"
+    shutil.copytree(stopped, copy)
+    (copy / MANIFEST_NAME).unlink()
+    marker = tmp_path / "ran"
+    position = torch.load(copy / DATA_POSITION_NAME, weights_only=True)
+    position["why"] = _RunsCode(marker)
+    torch.save(position, copy / DATA_POSITION_NAME)
+    with pytest.raises(UnsafeCheckpointFile, match=r"data_position.pt cannot be loaded safely.*ignore_data_skip"):
+        data_position.read(copy)
+    assert not marker.exists(), "the file ran code"
+    torch.load(copy / DATA_POSITION_NAME, weights_only=False)  # the file does run code when loaded so
+    assert marker.exists()
+
+
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
 
 
 def test_ignore_data_skip_starts_the_data_over_whatever_the_position(tmp_path, stopped):
@@ -301,12 +321,103 @@ def test_ignore_data_skip_starts_the_data_over_whatever_the_position(tmp_path, s
     assert reads <= (STEPS - STOP) * BATCH + 2 * BATCH
 
 
-def test_a_checkpoint_without_a_position_reads_and_drops_the_trained_batches_with_a_bar(tmp_path, capsys):
-    """transformers' checkpoint: hflight resumes it as transformers does, saying how to start the data over instead."""
-    _run(tmp_path / "run", _stream(), stop_at=STOP, library=transformers)
-    folder = tmp_path / "run/checkpoint-30"
+# ---- through the oracle of trained examples (tests/jobs/trained_ids.py) ---------------------------------------------
+def test_a_transformers_checkpoint_is_read_and_dropped_training_transformers_own_examples(tmp_path, capsys):
+    """transformers' checkpoint (no position): hflight reads and drops the trained batches, with a progress bar naming
+    ignore_data_skip, and trains exactly what transformers' own resume trains (not one batch more or less)."""
+    make = lambda: trained_ids.source("map")  # noqa: E731
+    _, full, _ = trained_ids.run(tmp_path / "run", make(), transformers)
+    folder = tmp_path / "run/checkpoint-8"
     assert not (folder / DATA_POSITION_NAME).exists() and not (folder / MANIFEST_NAME).exists()
+    _, theirs, _ = trained_ids.run(tmp_path / "theirs", make(), transformers, resume=str(folder))
     capsys.readouterr()
-    _, reads, _ = _run(tmp_path / "run", _stream(), resume=str(folder), disable_tqdm=False)
-    assert reads >= STEPS * BATCH, "the trained examples are read again"
+    _, ours, reads = trained_ids.run(tmp_path / "ours", make(), hflight, resume=str(folder), disable_tqdm=False)
     assert "ignore_data_skip=True starts the data over" in capsys.readouterr().err
+    assert ours == theirs and trained_ids.mismatch(full, ours, 8) is None
+    assert reads >= 8 * trained_ids.BATCH
+
+
+@pytest.mark.parametrize("how", ["dispatched", "per_process"])
+def test_an_epoch_end_checkpoint_resumes_in_place_without_running_that_epoch_end_again(tmp_path, how):
+    """Case 3: a stream without a length marks the end of its pass only when it runs out; a checkpoint written at
+    the epoch's end (save_strategy="epoch") resumed in its own run folder starts the next pass: the epoch's
+    evaluation is not run again, the checkpoint not rewritten (its data position kept), and a second resume from the
+    next epoch's checkpoint trains the uninterrupted run's examples (a shuffled stream: each pass its own order)."""
+    settings = dict(save_strategy="epoch", eval_strategy="epoch", eval_dataset=trained_ids.source("map", n=8))
+    if how == "per_process":
+        settings["accelerator_config"] = {"dispatch_batches": False}
+    result = trained_ids.chain(tmp_path, lambda: trained_ids.source("shuffle"), hflight, (16, 32), in_place=True,
+                               **settings)  # fmt: skip
+    assert result.mismatch() is None, result.mismatch()
+    for index, at in enumerate((16, 32)):
+        folder = tmp_path / f"resume{index + 1}"
+        state = json.loads((folder / f"checkpoint-{trained_ids.STEPS}" / "trainer_state.json").read_text())
+        evaluated = [entry["step"] for entry in state["log_history"] if "eval_loss" in entry]
+        assert evaluated == sorted(set(evaluated)), f"an evaluation ran twice: {evaluated}"
+        assert (folder / f"checkpoint-{at}" / DATA_POSITION_NAME).is_file()
+        verify_checkpoint(folder / f"checkpoint-{at}", full=True)
+
+
+@pytest.mark.parametrize("kind", ["json", "json_converted"])
+def test_the_same_files_at_another_path_continue_from_the_position(tmp_path, kind):
+    """Case 8: a job that stages its data to per-job scratch space: the same JSON lines files at another path are the
+    same data, so the resumed run continues from the position (reading only its remaining steps' examples)."""
+    staged = iter(range(10))
+
+    def make():
+        folder = tmp_path / f"scratch-{next(staged)}"
+        trained_ids.write_json_lines(folder)
+        return trained_ids.source(kind, files=folder)
+
+    result = trained_ids.chain(tmp_path, make, hflight, (8, 16))
+    assert result.mismatch() is None, result.mismatch()
+    remaining = (trained_ids.STEPS - 8) * trained_ids.BATCH
+    assert result.resumes[0][3] <= remaining + 3 * trained_ids.BATCH, "the position was not used"
+
+
+@pytest.mark.parametrize("doctored", ["another checkpoint's file", "no stream state"])
+def test_a_position_file_that_is_not_the_checkpoints_is_read_and_dropped(tmp_path, doctored, caplog):
+    """Case 10: a folder without a manifest (hflight resumes those, as transformers') holding checkpoint-16's
+    data_position.pt in checkpoint-8, or a position whose stream state is None: the trained batches are read and
+    dropped (the console says why), and the run trains the uninterrupted run's examples."""
+    make = lambda: trained_ids.source("map")  # noqa: E731
+    _, full, _ = trained_ids.run(tmp_path / "full", make(), hflight)
+    folder = tmp_path / "full/checkpoint-8"
+    (folder / MANIFEST_NAME).unlink()
+    if doctored == "no stream state":
+        position = torch.load(folder / DATA_POSITION_NAME, weights_only=True)
+        position["ranks"][0]["state"] = None
+        torch.save(position, folder / DATA_POSITION_NAME)
+        why = "holds no stream state for process 0"
+    else:
+        shutil.copy(tmp_path / "full/checkpoint-16" / DATA_POSITION_NAME, folder / DATA_POSITION_NAME)
+        why = "records step 16 and the checkpoint is at step 8"
+    with caplog.at_level("INFO"):
+        _, resumed, reads = trained_ids.run(tmp_path / "resumed", make(), hflight, resume=str(folder))
+    assert trained_ids.mismatch(full, resumed, 8) is None
+    assert why in caplog.text and reads >= 8 * trained_ids.BATCH
+
+
+def test_a_tensor_parallel_run_takes_up_its_replicas_position():
+    """Under tensor parallelism a checkpoint holds one position per data-parallel replica (the processes of a group
+    share their batches): a process takes up its replica's entry, compared with the number of replicas, not of
+    processes (4 processes, TP 2: 2 replicas, this process in replica 1)."""
+    from types import SimpleNamespace
+
+    from hflight.run.loop import TrainingLoop
+
+    stream = trained_ids.source("map")
+    entries = [{"epoch": 0, "batches": 6, "end_of_pass": False, "state": {"replica": r}} for r in (0, 1)]
+    described = data_position.describe(stream, stream)
+    saved = {"format": data_position.FORMAT, "version": data_position.VERSION, "global_step": 6,
+             "dataset": described, "datasets": {}, "ranks": entries, "why": None,
+             "loader": {"how": "per_process", "num_workers": 0, "batch_size": 4, "processes": 2}}  # fmt: skip
+    loader = SimpleNamespace(how="per_process", num_workers=0, batch_size=4, sharding=None, positioned=stream)
+    world = SimpleNamespace(size=4, rank=3, data_parallel=(2, 1), gather_objects=lambda values: values)
+    loop = TrainingLoop.__new__(TrainingLoop)
+    loop.facade = SimpleNamespace(state=SimpleNamespace(global_step=6), args=SimpleNamespace(ignore_data_skip=False),
+                                  train_dataset=stream)  # fmt: skip
+    loop.run = SimpleNamespace(world=world, resume=SimpleNamespace(folder="checkpoint-6", data_position=saved))
+    loop.plan = SimpleNamespace(resume_position=lambda step, ignore: (0, step))
+    start = loop._data_start(loader)
+    assert (start.how, start.batches, start.state) == ("position", 6, {"replica": 1})

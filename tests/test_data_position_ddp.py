@@ -1,15 +1,18 @@
-"""The training data's position under torchrun, 2 processes (issue 63, item 2): a stream dispatched from process 0
-(dispatch_batches, the default for an iterable dataset) and a stream each process reads its own part of
+"""The training data's position under torchrun, 2 processes (issue 63, item 2; issue 66): a stream dispatched from
+process 0 (dispatch_batches, the default for an iterable dataset) and a stream each process reads its own part of
 (split_dataset_by_node, dispatch_batches=False), each run for 40 steps with a checkpoint every 10 and resumed from
 its checkpoint-30 (tests/jobs/stream_job.py): the resumed run reads only what its remaining steps need and ends on
-the uninterrupted run's weights and losses, bit for bit. On another number of processes (2 to 1, in this process;
-1 to 2) the dispatched stream continues from the next example; the per-process one is refused before any step,
-naming both counts and ignore_data_skip."""
+the uninterrupted run's weights and losses, bit for bit. The oracle of trained examples (tests/jobs/trained_ids.py)
+runs its chain of three resumes on 2 processes: dispatched, split per process, each process its own files (another
+number of files on each: case 9), a torch stream each process reads (read and dropped). On another number of
+processes (2 to 1, in this process; 1 to 2) the dispatched stream continues from the next example; the per-process
+one reads and drops the trained batches, as transformers does, saying why."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,7 @@ import torch
 from . import launch
 
 pytestmark = launch.needs_torchrun
+sys.path.insert(0, str(launch.JOBS))
 
 JOB = launch.JOBS / "stream_job.py"
 HOWS = ("dispatched", "per_process")
@@ -105,36 +109,45 @@ def test_a_dispatched_stream_of_one_process_continues_on_two_from_the_next_examp
     assert _result(out, 0)["produced"] <= (STEPS - RESUMED_AT + 2) * BATCH * PROCESSES
 
 
-def test_a_per_process_stream_on_another_number_of_processes_is_refused_before_any_step(runs, job, tmp_path):
+def test_a_per_process_stream_on_another_number_of_processes_reads_and_drops_as_transformers(runs, job, tmp_path,
+                                                                                             caplog):  # fmt: skip
+    """Each part's position is its own and the parts cannot be dealt again: the trained batches are read and dropped
+    (transformers' arithmetic: 30 batches of the one process's stream), with one line saying why."""
     checkpoint = tmp_path / f"checkpoint-{RESUMED_AT}"
     shutil.copytree(runs / "per_process" / "full" / checkpoint.name, checkpoint)
     trainer = job.trainer(str(tmp_path), "per_process", 0, 1)
-    with pytest.raises(ValueError, match=r"saved by 2 process\(es\) each reading its own part .* this run has 1.*"
-                                         r"ignore_data_skip=True"):  # fmt: skip
-        trainer.train(resume_from_checkpoint=str(checkpoint))
-    assert trainer.trained == [] and job.PRODUCED == 0
+    trainer.train(resume_from_checkpoint=str(checkpoint))
+    assert "saved by 2 process(es) each reading its own part of the stream and this run has 1" in caplog.text
+    order = job.windows()["input_ids"]
+    start = RESUMED_AT * BATCH
+    assert trainer.trained == order[start : start + (STEPS - RESUMED_AT) * BATCH]
 
 
-class _Resolved(Exception):
-    """Raised once the resume was resolved: the test stops before Lightning launches anything."""
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory) -> Path:
+    """The oracle's chains of every multi-process cell (tests/jobs/trained_ids.py), in one launch."""
+    out = tmp_path_factory.mktemp("oracle")
+    launch.Job([*launch.torchrun(PROCESSES), launch.JOBS / "trained_ids.py", out], out,
+               env=launch.environment(launch.JOBS)).ok()  # fmt: skip
+    return out
 
 
-def test_a_per_process_position_is_compared_with_the_processes_lightning_will_launch(runs, job, tmp_path, monkeypatch):
-    """A run whose processes Lightning launches itself (devices=2, no launcher) reads its checkpoint before the launch,
-    where ``args.world_size`` is still 1: the position of 2 processes is compared with the 2 to come, not refused."""
-    from hflight.checkpoints import resume
+CELLS = {"dispatched": True, "per_process": True, "per_process_own_files": True, "per_process_torch": False}
 
-    checkpoint = tmp_path / f"checkpoint-{RESUMED_AT}"
-    shutil.copytree(runs / "per_process" / "full" / checkpoint.name, checkpoint)
-    real = resume.resolve_resume
 
-    def resolved(*args, **kwargs):
-        raise _Resolved(real(*args, **kwargs))
+@pytest.mark.parametrize("cell", list(CELLS))
+def test_every_resume_on_two_processes_trains_the_uninterrupted_runs_examples(oracle, cell):
+    """Each process's ids, step for step, at each of three chained resumes; from their position (reading only the
+    remaining steps' examples) where the stream has a state, else read and dropped."""
+    import trained_ids
 
-    monkeypatch.setattr(resume, "resolve_resume", resolved)
-    trainer = job.trainer(str(tmp_path), "per_process", 0, PROCESSES, accelerator="cpu", devices=PROCESSES,
-                          strategy="ddp")  # fmt: skip
-    assert trainer.args.world_size == 1
-    with pytest.raises(_Resolved) as point:
-        trainer.train(resume_from_checkpoint=str(checkpoint))
-    assert len(point.value.args[0].data_position["ranks"]) == PROCESSES
+    remaining = [(trained_ids.STEPS - at) * trained_ids.BATCH for at in (8, 16, 24)]
+    for rank in range(PROCESSES):
+        record = json.loads((oracle / cell / f"rank{rank}.json").read_text())
+        full = {int(step): ids for step, ids in record["full"].items()}
+        for (_, at, trained, produced), needed in zip(record["resumes"], remaining):
+            problem = trained_ids.mismatch(full, {int(step): ids for step, ids in trained.items()}, at)
+            assert problem is None, f"rank {rank}: {problem}"
+            if CELLS[cell] and not (cell == "dispatched" and rank == 1):
+                reads = needed * (PROCESSES if cell == "dispatched" else 1)
+                assert produced <= reads + 3 * trained_ids.BATCH * PROCESSES, f"rank {rank} read {produced}"

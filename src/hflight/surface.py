@@ -176,7 +176,7 @@ class RunView(Protocol):
     @property
     def epoch_start_rng(self) -> dict[str, Any] | None: ...  # the RNG streams as the epoch drew its data order
     @property
-    def data_position(self) -> tuple[dict, dict, dict | None] | None: ...  # the training data's, for a checkpoint
+    def data_position(self) -> tuple[dict, dict, dict | None, str | None] | None: ...  # for a checkpoint
 
     train_batch_size: int
 

@@ -33,7 +33,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hflight.checkpoints.files import load_tensors_file
+from hflight.checkpoints.files import UnsafeCheckpointFile, load_tensors_file
 from hflight.checkpoints.names import DATA_POSITION_NAME
 
 FORMAT = "hflight-data-position"
@@ -42,11 +42,13 @@ VERSION = 1
 _ENTRY = {"epoch": int, "batches": int, "end_of_pass": bool}
 
 
-def describe(dataset: Any) -> dict[str, Any]:
+def describe(dataset: Any, iterated: Any = None) -> dict[str, Any]:
     """The training dataset as a position is tied to it: its type, kind (``map``/``iterable``), length or number of
     shards, features, the shape of its own ``state_dict()`` (the keys and node types of a ``datasets`` stream's
     pipeline: another ``map``/``filter``/``batch`` is another shape), what a ``datasets`` stream reads (its source
-    datasets' fingerprints, its files), and a ``fingerprint`` of all of them."""
+    datasets' and files' content, not where they lie), whether it shuffles through a buffer, whether the dataset the
+    loader iterates (``iterated``: the process's part of it, say) has a state of its own, and a ``fingerprint`` of all
+    of them."""
     from torch.utils.data import IterableDataset
 
     kind = "iterable" if isinstance(dataset, IterableDataset) else "map"
@@ -61,10 +63,17 @@ def describe(dataset: Any) -> dict[str, Any]:
     description["features"] = repr(features) if features is not None else None
     description["state_shape"] = _state_shape(dataset) if kind == "iterable" else None
     description["shuffle_buffer"] = _shuffles_in_a_buffer(dataset)
+    description["stateful"] = stateful(iterated if iterated is not None else dataset) if kind == "iterable" else None
     description["source"] = _source(dataset)
     text = json.dumps(description, sort_keys=True, default=str)
     description["fingerprint"] = _digest(text)
     return description
+
+
+def stateful(dataset: Any) -> bool:
+    """Whether ``dataset`` keeps its own position (torchdata's ``Stateful``: ``state_dict()`` and
+    ``load_state_dict()``); a stream without one can only be counted through (torchdata's fast-forward)."""
+    return callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))
 
 
 def _state_shape(dataset: Any) -> Any:
@@ -104,13 +113,38 @@ def _source(dataset: Any) -> list[Any] | None:
 
 
 def _identity(value: Any) -> Any:
-    if hasattr(value, "_fingerprint"):
-        return value._fingerprint
+    """What a pipeline node reads, by content rather than by place: a ``datasets.Dataset`` by its rows (its
+    fingerprint is random where datasets could not hash a ``map`` function, and tied to its files' paths), a local file
+    by its name, size and ends (the same data staged to another folder is the same data)."""
+    if hasattr(value, "_fingerprint") and hasattr(value, "num_rows"):
+        return _rows_identity(value)
     if isinstance(value, (list, tuple)) or type(value).__name__ == "DataFilesList":
         return [_identity(each) for each in list(value)[:1000]]
+    if isinstance(value, str) and os.path.isfile(value):
+        return _file_identity(value)
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     return type(value).__name__
+
+
+def _rows_identity(dataset: Any) -> list[Any]:
+    """A ``datasets.Dataset``: its number of rows, features and a digest of its first, middle and last rows."""
+    rows = dataset.num_rows
+    picked = sorted({0, rows // 2, rows - 1}) if rows else []
+    text = json.dumps([repr(dataset.features), [dataset[index] for index in picked]], sort_keys=True, default=str)
+    return ["rows", rows, _digest(text)]
+
+
+def _file_identity(path: str) -> list[Any]:
+    """A local file: its name, size and a digest of its first and last 64 KiB."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as file:
+        head = file.read(1 << 16)
+        file.seek(max(size - (1 << 16), 0))
+        tail = file.read(1 << 16)
+    import xxhash
+
+    return ["file", os.path.basename(path), size, xxhash.xxh3_64_hexdigest(head + tail)]
 
 
 def _shuffles_in_a_buffer(dataset: Any) -> bool:
@@ -134,27 +168,59 @@ def _digest(text: str) -> str:
     return xxhash.xxh3_128_hexdigest(text.encode("utf-8"))
 
 
-def write(folder: str | os.PathLike, global_step: int, dataset: dict[str, Any], loader: dict[str, Any],
-          ranks: list[dict[str, Any]]) -> None:  # fmt: skip
-    """``folder/data_position.pt``, once it is seen to load without running code (a state that does not, a numpy
-    array or an object of the dataset's own in its ``state_dict()``, is an error naming what to change)."""
+def unstorable(value: Any) -> str | None:
+    """Why ``value`` (a stream's state) cannot be kept in a file read without running code (a numpy value, an object
+    of the dataset's own in its ``state_dict()``), or None: it can."""
+    problem = _serialized(value)[1]
+    return None if problem is None else _unstorable_why(problem)
+
+
+def _unstorable_why(problem: str) -> str:
+    return (
+        f"its stream state holds values a checkpoint file cannot hold without running code when it is read "
+        f"({problem}): a dataset's state_dict() must return dicts, lists, numbers, strings and tensors"
+    )
+
+
+def _serialized(value: Any) -> tuple[bytes, str | None]:
     import torch
 
-    position = {"format": FORMAT, "version": VERSION, "global_step": int(global_step), "dataset": dataset,
-                "loader": loader, "ranks": ranks}  # fmt: skip
     buffer = io.BytesIO()
-    torch.save(position, buffer)
+    torch.save(value, buffer)
     try:
         torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
     except Exception as exc:
-        raise ValueError(
-            f"The training data's position ({dataset['type']}: its loader's state_dict()) holds values a checkpoint "
-            f"file cannot hold without running code when it is read ({type(exc).__name__}: "
-            f"{str(exc).splitlines()[0] if str(exc) else ''}): a dataset's state_dict() must return dicts, lists, "
-            "numbers, strings and tensors."
-        ) from None
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        if "GLOBAL" in str(exc):  # torch's message names the global it refused further down
+            first = next((line.strip() for line in str(exc).splitlines() if "GLOBAL" in line), first)
+        return b"", f"{type(exc).__name__}: {first}"
+    return buffer.getvalue(), None
+
+
+def write(
+    folder: str | os.PathLike,
+    global_step: int,
+    dataset: dict[str, Any],
+    loader: dict[str, Any],
+    ranks: list[dict[str, Any]],
+    datasets: dict[str, Any] | None = None,
+    why: str | None = None,
+) -> str | None:
+    """``folder/data_position.pt``, once it is seen to load without running code. A stream state that does not (a
+    numpy value in a dataset's ``state_dict()``) is left out, the file saying why (``why``), so that a resume reads
+    and drops the trained batches as transformers does; returns that reason (None: every state kept). ``datasets``:
+    each process's dataset description by fingerprint (``ranks[i]["dataset"]`` names one); ``why``: why the states
+    are not to be used, already known."""
+    position = {"format": FORMAT, "version": VERSION, "global_step": int(global_step), "dataset": dataset,
+                "datasets": datasets or {}, "loader": loader, "ranks": ranks, "why": why}  # fmt: skip
+    data, problem = _serialized(position)
+    if problem is not None:
+        why = _unstorable_why(problem)
+        position.update(ranks=[dict(entry, state=None) for entry in ranks], why=why)
+        data, _ = _serialized(position)
     with open(Path(folder) / DATA_POSITION_NAME, "wb") as file:
-        file.write(buffer.getvalue())
+        file.write(data)
+    return why if problem is not None else None
 
 
 def read(folder: str | os.PathLike) -> dict[str, Any] | None:
@@ -163,10 +229,16 @@ def read(folder: str | os.PathLike) -> dict[str, Any] | None:
     path = Path(folder) / DATA_POSITION_NAME
     if not path.is_file():
         return None
-    position = load_tensors_file(path)
+    try:
+        position = load_tensors_file(path)
+    except UnsafeCheckpointFile as exc:
+        raise UnsafeCheckpointFile(f"{exc} Set ignore_data_skip=True to resume without reading it.") from None
     problem = _format_problem(position)
     if problem is not None:
-        raise ValueError(f"Cannot resume from {folder}: {path.name} is not a data position hflight wrote ({problem}).")
+        raise ValueError(
+            f"Cannot resume from {folder}: {path.name} is not a data position hflight wrote ({problem}). Set "
+            "ignore_data_skip=True to resume without reading it."
+        )
     return position
 
 
@@ -178,6 +250,8 @@ def _format_problem(position: Any) -> str | None:
     for key in ("dataset", "loader"):
         if not isinstance(position.get(key), dict):
             return f"'{key}' is not a mapping"
+    if not isinstance(position.get("datasets", {}), dict) or not isinstance(position.get("why") or "", str):
+        return "'datasets' is not a mapping or 'why' not a string"
     ranks = position.get("ranks")
     if not isinstance(ranks, list) or not ranks:
         return "'ranks' is not a list of the replicas' positions"
@@ -187,40 +261,44 @@ def _format_problem(position: Any) -> str | None:
         for key, kind in _ENTRY.items():
             if not isinstance(entry.get(key), kind) or (kind is int and entry[key] < 0):
                 return f"ranks[{index}]['{key}'] is not a {'non-negative integer' if kind is int else kind.__name__}"
+        if not isinstance(entry.get("dataset") or "", str):
+            return f"ranks[{index}]['dataset'] is not a fingerprint"
     return None
 
 
-def check_processes(position: dict[str, Any], processes: int, path: str | os.PathLike) -> None:
-    """A position of a stream each process read its own part of continues only on as many processes, or a
-    ``ValueError`` naming both counts and what to do (checked before the dataset: split by node for another count, the
-    part is another dataset, and this is why)."""
-    saved = len(position["ranks"])
-    if position["loader"].get("how") != "per_process" or saved == processes:
-        return
-    raise ValueError(
-        f"{path}: the data position was saved by {saved} process(es) each reading its own part of a stream, and this "
-        f"run has {processes}: each part's position is its own, and the parts cannot be dealt again without "
-        f"repeating or dropping examples. Resume on {saved} process(es), or set ignore_data_skip=True to start the "
-        "data over (a stream dispatched from process 0, dispatch_batches=True, continues on any number)."
-    )
+def saved_description(position: dict[str, Any], rank: int | None) -> dict[str, Any]:
+    """The description of the dataset process ``rank`` read when the position was saved (each process's own where
+    each read its own data; process 0's for a file that holds only that, or for ``rank`` None)."""
+    ranks = position["ranks"]
+    fingerprint = ranks[rank].get("dataset") if rank is not None and rank < len(ranks) else None
+    return position.get("datasets", {}).get(fingerprint) or position["dataset"]
 
 
-def check_dataset(position: dict[str, Any], dataset: Any, path: str | os.PathLike) -> None:
-    """The position was saved for this dataset (the same :func:`describe`), or a ``ValueError`` naming both and what
-    to do, before anything is loaded."""
-    saved, now = position["dataset"], describe(dataset)
-    if saved.get("fingerprint") == now["fingerprint"]:
-        return
-    differs = [key for key in ("type", "kind", "length", "num_shards", "features", "state_shape", "source")
-               if saved.get(key) != now.get(key)]  # fmt: skip
-    shown = ", ".join(f"{key} {_shown(saved.get(key))} where this run's is {_shown(now.get(key))}" for key in differs)
-    raise ValueError(
-        f"{path}: the data position was saved for another training dataset ({shown or 'another fingerprint'}). "
-        "Resume with the dataset the checkpoint was trained on, or set ignore_data_skip=True to start this dataset's "
-        "data from its beginning (the run then trains on other data than the run that wrote the checkpoint)."
-    )
+def difference(saved: dict[str, Any], now: dict[str, Any]) -> str | None:
+    """Where two dataset descriptions differ, shown at the first place they part (None: the same fingerprint)."""
+    if saved.get("fingerprint") == now.get("fingerprint"):
+        return None
+    keys = ("type", "kind", "length", "num_shards", "features", "state_shape", "shuffle_buffer", "stateful", "source")
+    parts = []
+    for key in keys:
+        if saved.get(key) != now.get(key):
+            was, is_ = _where_they_part(_text(saved.get(key)), _text(now.get(key)))
+            parts.append(f"{key} {was} where this run's is {is_}")
+    return ", ".join(parts) or "another fingerprint"
 
 
-def _shown(value: Any) -> str:
-    text = json.dumps(value, default=str) if not isinstance(value, str) else value
-    return text if len(text) <= 80 else text[:77] + "..."
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, default=str)
+
+
+def _where_they_part(a: str, b: str, context: int = 30) -> tuple[str, str]:
+    """``a`` and ``b`` cut around the first character where they differ (each whole when short)."""
+    if len(a) <= 80 and len(b) <= 80:
+        return a, b
+    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    begin = max(first - context, 0)
+
+    def cut(text: str) -> str:
+        return ("..." if begin else "") + text[begin : first + context] + ("..." if first + context < len(text) else "")
+
+    return cut(a), cut(b)

@@ -171,17 +171,31 @@ def write_training_states(facade: TrainerSurface, run: RunView, job: Any, is_mai
 
 
 def _write_data_position(facade: TrainerSurface, run: RunView, job: Any, is_main: bool) -> None:
-    """``data_position.pt`` (``hflight.checkpoints.data_position``): every process's position gathered (a
-    collective: every process calls this), written by the main process; none where the training loader reports no
-    position (a loader of a backend's own, nothing trained yet in this call)."""
+    """``data_position.pt`` (``hflight.checkpoints.data_position``): every process's position and its dataset's
+    description gathered (a collective: every process calls this), written by the main process; none where the
+    training loader reports no position (a loader of a backend's own, nothing trained yet in this call)."""
     position = run.data_position
     if position is None:
         return
-    dataset, loader, entry = position
-    entries = run.world.gather_objects([entry])
+    dataset, loader, entry, why = position
+    gathered = run.world.gather_objects([(entry, dataset)])
+    entries = [each for each, _ in gathered]
     if is_main and all(each is not None for each in entries):
         step = facade.state.global_step
-        job.write(DATA_POSITION_NAME, lambda: data_position.write(job.folder, step, dataset, loader, entries))
+        datasets = {description["fingerprint"]: description for _, description in gathered}
+        job.write(DATA_POSITION_NAME, lambda: _said(data_position.write(job.folder, step, dataset, loader, entries,
+                                                                        datasets, why)))  # fmt: skip
+
+
+_SAID: set[str] = set()
+
+
+def _said(why: str | None) -> None:
+    """A data position written without its stream states: why, once per reason in a process."""
+    if why is not None and why not in _SAID:
+        _SAID.add(why)
+        logger.warning(f"The training data's position was saved without its stream state: {why}. A run resumed "
+                       "from it reads and drops the trained batches, as transformers does.")  # fmt: skip
 
 
 def write_trainer_state(facade: TrainerSurface, folder: str) -> None:

@@ -37,7 +37,6 @@ from hflight.checkpoints.forms import found_form, resume_refusal
 from hflight.checkpoints.manifest import checkpoint_folders, get_last_checkpoint, verify_checkpoint
 from hflight.checkpoints.names import (
     CHECKPOINT_RE,
-    DATA_POSITION_NAME,
     OPTIMIZER_NAME,
     SCHEDULER_NAME,
     TRAINER_STATE_NAME,
@@ -86,18 +85,14 @@ def requested(resume_from_checkpoint: str | bool | None, args: Any) -> str | boo
     return resume_from_checkpoint
 
 
-def resolve_resume(
-    facade: TrainerSurface, resume: str | bool | None, processes: int | None = None
-) -> ResumePoint | None:
+def resolve_resume(facade: TrainerSurface, resume: str | bool | None) -> ResumePoint | None:
     """The checkpoint to resume from (``True``: the last complete one in ``output_dir``; ``"auto"``: the last one that
     passes every check of its files, or None for a fresh start), checked, with its weights loaded into
-    ``facade.model``. Nothing is copied into the model unless every check passed. ``processes``: those the run will
-    span (called before Lightning launches its own: ``args.world_size`` is not theirs yet), which a stream's data
-    position read by each process is compared with (None: left to the loop)."""
+    ``facade.model``. Nothing is copied into the model unless every check passed."""
     if resume is None:
         return None
     if resume == AUTO and not os.path.isdir(AUTO):
-        return _resolve_auto(facade, processes)
+        return _resolve_auto(facade)
     if resume is True:
         found = get_last_checkpoint(facade.args.output_dir)
         if found is None:
@@ -106,10 +101,10 @@ def resolve_resume(
     folder = Path(resume)
     if not folder.is_dir():
         raise ValueError(f"Can't find a valid checkpoint at {resume}")  # transformers' words: scripts match on them
-    return _resume_from(facade, folder, verify_checkpoint(folder, full=True), processes)
+    return _resume_from(facade, folder, verify_checkpoint(folder, full=True))
 
 
-def _resolve_auto(facade: TrainerSurface, processes: int | None) -> ResumePoint | None:
+def _resolve_auto(facade: TrainerSurface) -> ResumePoint | None:
     """``resume_from_checkpoint="auto"``: the newest ``checkpoint-N`` of ``output_dir`` whose files are complete and
     undamaged (sizes and checksums; the broken ones are skipped, each with a warning naming what is wrong), or None,
     said out loud, when there is none. Other faults of the chosen folder (weights that do not fit the model, say)
@@ -125,7 +120,7 @@ def _resolve_auto(facade: TrainerSurface, processes: int | None) -> ResumePoint 
         logger.warning(
             f"resume_from_checkpoint='auto': resuming from {folder}, the last valid checkpoint of {output_dir}."
         )
-        point = _resume_from(facade, folder, manifest, processes)
+        point = _resume_from(facade, folder, manifest)
         point.continued = True
         return point
     broken = f" ({len(candidates)} checkpoint folder(s) there, none complete and undamaged)" if candidates else ""
@@ -133,9 +128,7 @@ def _resolve_auto(facade: TrainerSurface, processes: int | None) -> ResumePoint 
     return None
 
 
-def _resume_from(
-    facade: TrainerSurface, folder: Path, manifest: dict[str, Any] | None, processes: int | None = None
-) -> ResumePoint:
+def _resume_from(facade: TrainerSurface, folder: Path, manifest: dict[str, Any] | None) -> ResumePoint:
     """The rest of the checks of ``folder`` (its files verified already: ``manifest``), then its weights loaded."""
     state = read_trainer_state(
         regular_file(folder, TRAINER_STATE_NAME) or folder / TRAINER_STATE_NAME, type(facade.state)
@@ -153,7 +146,7 @@ def _resume_from(
     if not engine_reads:  # DeepSpeed's engine restores the weights with the optimizer, once it is built
         checked_weights(facade.model, folder)  # refused here, before anything changes, if they do not fit
     training_states = {} if model_only else read_training_states(facade, folder, manifest, state)
-    position = None if model_only else _data_position(facade, folder, processes)
+    position = None if model_only or facade.args.ignore_data_skip else data_position.read(folder)
     rebuilt = rebuilt_callbacks(facade, state, where)
     callbacks = facade.callback_handler.callbacks
     for callback in weight_hooks(callbacks, "check_checkpoint_state"):
@@ -170,21 +163,6 @@ def _resume_from(
             "guaranteed."
         )
     return ResumePoint(str(folder), state, manifest, model_only, training_states, rebuilt, data_position=position)
-
-
-def _data_position(facade: TrainerSurface, folder: Path, processes: int | None) -> dict[str, Any] | None:
-    """``folder``'s data position; a stream's checked against the run's ``processes`` (where known) and the training
-    dataset before anything is loaded (a map-style dataset's position is transformers' arithmetic, which continues any
-    dataset, as in transformers; with ``ignore_data_skip`` it is not used, nor compared)."""
-    if facade.args.ignore_data_skip:
-        return None
-    position = data_position.read(folder)
-    stream = position is not None and position["dataset"].get("kind") == "iterable"
-    if stream and processes is not None:
-        data_position.check_processes(position, processes, folder / DATA_POSITION_NAME)
-    if stream and facade.train_dataset is not None:
-        data_position.check_dataset(position, facade.train_dataset, folder / DATA_POSITION_NAME)
-    return position
 
 
 def check_best_checkpoint(

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 from collections.abc import Callable, Iterator, Mapping, Sized
 from dataclasses import dataclass
 from typing import Any
@@ -35,13 +36,15 @@ from hflight.checkpoints.parts import rng_states
 from hflight.run.backend import StepGeometry, backend_of
 from hflight.run.distributed import World
 from hflight.run.loaders import shard_loader
-from hflight.run.position import DataTracker, rejected
+from hflight.run.position import DataTracker
 from hflight.run.samplers import (  # noqa: F401 (EpochSeededRandomSampler, ShardedBatchSampler: their former home)
     EpochSeededRandomSampler,
     ShardedBatchSampler,
     check_even_shards,
 )
 from hflight.surface import RunView, TrainerSurface
+
+logger = logging.getLogger(__name__)
 
 
 def set_loader_epoch(loader: Any, epoch: int) -> None:
@@ -124,11 +127,9 @@ class AccumulationCycles:
         epoch = self.epoch_fn()
         set_loader_epoch(self.loader, epoch)
         start, self.start = self.start, None
+        iterator, start = self._positioned(start)
         skip = start.batches if start is not None else 0
-        # a loader that cannot continue from a position (not one hflight prepared) reads and drops the batches
-        reading = bool(skip) and (start.reading or not callable(getattr(self.loader, "resume_from", None)))
-        iterator = self._positioned(start, reading)
-        if reading:
+        if start is not None and start.reading:
             skip_batches(iterator, skip)
         # ... and the checkpoint's streams back for what follows the trained batches, as HF sets them after its skip
         restore, self.restore_rng = self.restore_rng, None
@@ -140,10 +141,12 @@ class AccumulationCycles:
             iterator = _positions_into(iterator, position, positions)
         if not getattr(self.loader, "reads_ahead", False):
             iterator = read_one_ahead(iterator)
-        step = skip - 1
+        step, last = skip - 1, None
         while True:
             cycle, num_items = self.batch_samples(iterator, self.accumulation)
             if not cycle:
+                if last is not None:  # the pass has ended (a stream without a length says so only now)
+                    last["end_of_pass"] = True
                 return
             step += len(cycle)
             last = _cycle_position(positions, len(cycle), epoch, step)
@@ -152,12 +155,14 @@ class AccumulationCycles:
                 yield MicroBatch(inputs, index, len(cycle), num_items, at, self.sync_each_batch,
                                  last if index == len(cycle) - 1 else None)  # fmt: skip
 
-    def _positioned(self, start: Any, reading: bool) -> Iterator[Any]:
-        """The pass's iterator, created where a resumed run's data starts (``start``). A resumed run gets its RNG
-        streams back where the uninterrupted run had them: before the epoch's iterator is created at an epoch
-        boundary; mid-epoch, the iterator is created from the streams the epoch began with, so that it draws the same
-        order (a sampler on torch's global generator, a loader's base seed), when the checkpoint recorded them, and
-        the checkpoint's are set back after the trained batches (:meth:`__iter__`)."""
+    def _positioned(self, start: Any) -> tuple[Iterator[Any], Any]:
+        """The pass's iterator, created where a resumed run's data starts (``start``), and the start as it is taken
+        up. A resumed run gets its RNG streams back where the uninterrupted run had them: before the epoch's iterator
+        is created at an epoch boundary; mid-epoch, the iterator is created from the streams the epoch began with, so
+        that it draws the same order (a sampler on torch's global generator, a loader's base seed), when the
+        checkpoint recorded them, and the checkpoint's are set back after the trained batches (:meth:`__iter__`). A
+        loader that cannot continue from a position (not one hflight prepared), or whose dataset refuses the
+        checkpoint's state, reads and drops the trained batches instead."""
         skip = start.batches if start is not None else 0
         restore, restore_epoch_start = self.restore_rng, self.restore_epoch_start_rng
         self.restore_epoch_start_rng = None
@@ -167,15 +172,20 @@ class AccumulationCycles:
         elif restore_epoch_start is not None and skip > 0:
             restore_epoch_start()
         self.epoch_start_rng = rng_states()
-        if reading or not (skip or (start is not None and start.state is not None)):
-            return iter(self.loader)
+        if start is not None and skip and not callable(getattr(self.loader, "resume_from", None)):
+            start = dataclasses.replace(start, how="read", why="the training loader is not one hflight prepared")
+        if start is None or start.reading or not (skip or start.state is not None):
+            return iter(self.loader), start
         try:  # a stream's state loaded (by its dataset, as the iterator is created), or the sampler's skip
             self.loader.resume_from(skip, start.state)
-            return iter(self.loader)
+            return iter(self.loader), start
         except Exception as exc:
             if not start.restored:
                 raise
-            raise rejected(start, exc) from exc
+            why = f"its dataset refused the state saved there ({type(exc).__name__}: {exc})"
+            logger.warning(f"{start.source}: {why}; reading and dropping the {skip} trained batches instead.")
+            self.loader.forget_position()
+            return iter(self.loader), dataclasses.replace(start, how="read", state=None, why=why)
 
 
 def skip_batches(iterator: Iterator[Any], count: int) -> None:
@@ -256,7 +266,7 @@ class HFDataModule(L.LightningDataModule):
             epoch_fn=lambda: self.run.epochs_offset + self.trainer.current_epoch,
             sync_each_batch=bool(accumulation_setting(facade.args, "sync_each_batch")),
         )
-        self.tracker = DataTracker(self.train_loader, facade.train_dataset, self.run.world.size)
+        self.tracker = DataTracker(self.train_loader, facade.train_dataset, replicas)
         self._check_evaluation_shards()
 
     def _check_evaluation_shards(self) -> None:

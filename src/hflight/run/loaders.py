@@ -26,6 +26,7 @@ configured. Each prepared loader reports to a :class:`LoaderState` while it is i
 from __future__ import annotations
 
 import collections
+import copy
 import math
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
@@ -168,6 +169,15 @@ class _Prepared:
         read."""
         self._skip_next = batches
 
+    def forget_position(self) -> None:
+        """The next pass starts from its beginning (its dataset refused the position :meth:`resume_from` gave)."""
+        self._skip_next = 0
+
+    @property
+    def positioned(self) -> Any:
+        """The dataset whose own state a stream's position holds (None: the position is a batch count)."""
+        return None
+
     def _prepared_from(self, origin: DataLoader, sharding: LoaderSharding, processes: int, rank: int, state: Any):
         self.origin, self.sharding, self.num_processes, self.process_index = origin, sharding, processes, rank
         self.state = state
@@ -258,10 +268,17 @@ class StreamShard(ShardedLoader, StatefulDataLoader):
     how = "per_process"
 
     def position(self) -> tuple[Any, bool]:
-        return self.state_dict(), self.end_of_dataloader
+        return copied(self.state_dict()), self.end_of_dataloader
 
     def resume_from(self, batches: int, state: Any) -> None:
         self.load_state_dict(state)
+
+    def forget_position(self) -> None:
+        _forget_state(self)
+
+    @property
+    def positioned(self) -> Any:
+        return self.dataset
 
 
 class _SkipBatches:
@@ -341,6 +358,15 @@ class DispatchedLoader(_Prepared, DataLoader):
             self._skip_next = batches * (1 if self.split_batches else self.num_processes)
         elif self.process_index == 0 and state is not None:
             self.base.load_state_dict(state)
+
+    def forget_position(self) -> None:
+        self._skip_next = 0
+        if isinstance(self.base, StatefulDataLoader):
+            _forget_state(self.base)
+
+    @property
+    def positioned(self) -> Any:
+        return self.base.dataset if self.how == "dispatched" else None
 
     def __getattr__(self, name: str) -> Any:  # the rest of the DataLoader settings (num_workers, collate_fn, ...)
         if name == "base":
@@ -442,7 +468,7 @@ class DispatchedLoader(_Prepared, DataLoader):
         except StopIteration:
             stopped = True
         if self.how == "dispatched" and batches:
-            self._read_states.append(self.base.state_dict())
+            self._read_states.append(copied(self.base.state_dict()))
         if not batches or (stopped and (self.split_batches or self.drop_last)):
             return None, stopped, None
         try:
@@ -487,6 +513,60 @@ def concatenate(batches: list[Any]) -> Any:
 
 
 # ---- prepare -----------------------------------------------------------------------------------------------------
+def copied(state: Any) -> Any:
+    """A loader's state as it is now: nested dicts, lists and tuples copied (a dataset's ``state_dict()`` may return
+    the dict it keeps updating while the loader reads ahead), tensors cloned, other leaves as they are."""
+    kind = type(state)
+    if kind is dict:
+        return {key: copied(value) for key, value in state.items()}
+    if kind in (list, tuple):
+        return kind(copied(value) for value in state)
+    if isinstance(state, (dict, list)):
+        return copy.deepcopy(state)
+    if torch.is_tensor(state):
+        return state.clone()
+    return state
+
+
+def _forget_state(loader: StatefulDataLoader) -> None:
+    """torchdata's loader without the state its ``load_state_dict`` kept for its next iterator, and a ``datasets``
+    stream without the one it was given (kept for its next iteration)."""
+    loader.next_iter_state = None
+    loader._iterator = None
+    if getattr(loader.dataset, "_starting_state_dict", None) is not None:
+        loader.dataset._starting_state_dict = None
+
+
+def private_stream(dataset: Any) -> Any:
+    """A ``datasets`` stream iterated by the training loader alone: the dataset object and its pipeline's nodes
+    copied (datasets keeps the state of the iteration that started last on them, and a position it is given for its
+    next iteration: an evaluation of the same object, or a user's own loop over it, would move the training's
+    position); what the nodes read and call (tables, files, functions) is shared, not copied. Any other dataset is
+    returned as it is."""
+    if not (type(dataset).__module__.startswith("datasets.") and hasattr(dataset, "_ex_iterable")):
+        return dataset
+    twin = copy.copy(dataset)
+    twin.__dict__ = dict(vars(dataset))  # datasets' __getstate__ hands its own __dict__ to the copy
+    twin._ex_iterable = _node_copy(dataset._ex_iterable, type(dataset._ex_iterable).__mro__[-2])
+    twin._state_dict = None
+    return twin
+
+
+def _node_copy(node: Any, base: type) -> Any:
+    """A pipeline node (a ``datasets`` examples iterable: ``base``) and the nodes under it, each a copy of its own
+    without a state; their other attributes shared."""
+    twin = copy.copy(node)
+    twin.__dict__ = dict(vars(node))
+    for name, value in vars(node).items():
+        if isinstance(value, base):
+            setattr(twin, name, _node_copy(value, base))
+        elif isinstance(value, list) and value and all(isinstance(each, base) for each in value):
+            setattr(twin, name, [_node_copy(each, base) for each in value])
+    if hasattr(twin, "_state_dict"):
+        twin._state_dict = None
+    return twin
+
+
 def _settings(loader: DataLoader, generator: bool = True) -> dict[str, Any]:
     """The worker settings of ``loader`` (what a prepared loader keeps)."""
     names = _WORKER_SETTINGS if generator else tuple(n for n in _WORKER_SETTINGS if n != "generator")
@@ -538,7 +618,7 @@ def prepare_loader(
     if dispatch:
         base_settings = _settings(loader, generator=False)
         if iterable:  # torchdata's: its state_dict() is the stream's position
-            base = StatefulDataLoader(dataset, batch_size=loader.batch_size, drop_last=loader.drop_last,
+            base = StatefulDataLoader(private_stream(dataset), batch_size=loader.batch_size, drop_last=loader.drop_last,
                                       **base_settings)  # fmt: skip
         else:
             base = DataLoader(dataset, batch_sampler=batch_sampler, **base_settings)
@@ -576,7 +656,7 @@ def _iterable_shard(loader: DataLoader, prepared_from: tuple) -> StreamShard:
     """An iterable dataset read by every process: a ``datasets`` stream with enough shards is split by shard (as
     accelerate does), any other through :class:`IterableShard`."""
     _, sharding, processes, rank, _ = prepared_from
-    dataset, size, shared = loader.dataset, loader.batch_size, None
+    dataset, size, shared = private_stream(loader.dataset), loader.batch_size, None
     if processes > 1:
         generator = getattr(dataset, "generator", None)
         shared = generator if isinstance(generator, torch.Generator) else None

@@ -29,6 +29,7 @@ Every HF event goes through :func:`hflight.run.events.dispatch`. The Lightning h
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -127,13 +128,24 @@ class TrainingLoop:
         return -1 if plan.unbounded else plan.num_train_epochs - start.epoch
 
     def _data_start(self, loader: Any) -> Start:
-        """Where the resumed run's data starts (``hflight.run.position``): the checkpoint's data position, else
-        transformers' arithmetic from the global step."""
+        """Where the resumed run's data starts and how it is taken up (``hflight.run.position.start_of``, the one
+        place that decides), for this process's data-parallel replica (the processes of a tensor-parallel group share
+        one position). A stream dispatched from replica 0 is taken up as replica 0 decides: the others read nothing,
+        but they step through its batches with it."""
         facade, run = self.facade, self.run
-        arithmetic = self.plan.resume_position(facade.state.global_step, facade.args.ignore_data_skip)
+        step = facade.state.global_step
+        arithmetic = self.plan.resume_position(step, facade.args.ignore_data_skip)
         where = os.path.join(run.resume.folder, DATA_POSITION_NAME)
-        return start_of(run.resume.data_position, loader, arithmetic, facade.args.ignore_data_skip,
-                        (run.world.size, run.world.rank), where)  # fmt: skip
+        replicas, replica = run.world.data_parallel
+        start = start_of(run.resume.data_position, loader, arithmetic, facade.args.ignore_data_skip,
+                         (replicas, replica), where, step, facade.train_dataset)  # fmt: skip
+        if getattr(loader, "how", None) == "dispatched" and replicas > 1:
+            first = run.world.gather_objects([dataclasses.replace(start, state=None)])[0]
+            start = start if replica == 0 else first
+        if start.how == "read" and run.resume.data_position is not None:
+            process = f" (data-parallel replica {replica})" if replicas > 1 else ""
+            logger.warning(f"{run.resume.folder}{process}: {describe_start(start, run.resume.folder).strip()}")
+        return start
 
     def trained_through(self, position: dict[str, Any] | None) -> None:
         """The optimizer step of a cycle whose last batch left the training loader at ``position`` was taken."""
@@ -336,12 +348,27 @@ class TrainingLoop:
             self._save(model, trial)
 
     def _save(self, model: torch.nn.Module, trial: Any) -> None:
+        if self._would_rewrite_the_resumed_checkpoint(trial):
+            return
         self.facade._save_checkpoint(model, trial)
         self.saved_step = self.facade.state.global_step
         try:
             dispatch(self.facade, "on_save")
         finally:  # save_async: the folder is published after on_save, with what its callbacks wrote into it
             self.run.checkpoint_writer.callbacks_done()
+
+    def _would_rewrite_the_resumed_checkpoint(self, trial: Any) -> bool:
+        """Whether this save would write the very checkpoint the run resumed from, before any step (an epoch end the
+        checkpoint already holds): it is left as it is, with its data position."""
+        point, step = self.run.resume, self.facade.state.global_step
+        if point is None or step != self.initial_global_step:
+            return False
+        folder = os.path.join(self.facade._get_output_dir(trial), f"{PREFIX}-{step}")
+        same = os.path.exists(folder) and os.path.samefile(folder, point.folder)
+        if same:
+            logger.info(f"{folder} is the checkpoint this run resumed from, at the same step: not written again.")
+            self.facade.control.should_save = False
+        return same
 
     def _warn_if_nonfinite(self, logs: dict[str, float]) -> None:
         """Once per ``train()``: the first logged loss or gradient norm that is NaN or infinite."""

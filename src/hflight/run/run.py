@@ -153,13 +153,14 @@ class Run:
         return cycles.epoch_start_rng if cycles is not None else None
 
     @property
-    def data_position(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any] | None] | None:
-        """The training data's position for a checkpoint (``hflight.run.position``): the dataset's and the loader's
-        descriptions and this process's entry (None: the loader reports no position; outside training)."""
+    def data_position(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any] | None, str | None] | None:
+        """The training data's position for a checkpoint (``hflight.run.position``): this process's dataset's and the
+        loader's descriptions, this process's entry, and why its stream states are not kept (None: they are); None:
+        the loader reports no position, or outside training."""
         tracker = self.datamodule.tracker if self.datamodule is not None else None
         if tracker is None or not tracker.tracked:
             return None
-        return tracker.dataset, tracker.loader, tracker.record()
+        return tracker.dataset, tracker.loader, tracker.record(), tracker.why
 
     @property
     def backend(self) -> HFBackend:

@@ -29,7 +29,7 @@ from transformers.trainer_jit_checkpoint import JITCheckpointCallback
 from transformers.trainer_pt_utils import log_metrics, metrics_format, save_metrics, save_state
 from transformers.trainer_utils import EvalLoopOutput, PredictionOutput, TrainOutput, enable_full_determinism, set_seed
 
-from hflight.arguments import cluster, reporting, strategies
+from hflight.arguments import cluster, reporting
 from hflight.arguments.lightning_kwargs import split_callbacks
 from hflight.arguments.training_args import TrainingArguments, coerce_training_args
 from hflight.callbacks.hooks import new_trainer_state
@@ -241,7 +241,7 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
             self._hp_search_setup(trial)  # a search's trial onto self.args, after model_init (transformers' moment)
             if self.hp_search_backend is not None and trial is not None:
                 self._train_batch_size = self.args.train_batch_size  # the trial's batch size
-            point = resume.resolve_resume(self, resume_from_checkpoint, strategies.planned_world_size(self.args))
+            point = resume.resolve_resume(self, resume_from_checkpoint)
             if point is not None and self.args.auto_find_batch_size and point.state.train_batch_size is not None:
                 self._train_batch_size = point.state.train_batch_size  # the size the checkpoint's run found
             with model_hooks.installed(self.model, self.args):
