@@ -23,6 +23,7 @@ default) the CPU time is the work done.
 
     python benchmarks/loop_overhead.py                        # 3 rounds, every mode, batch 1, 2 and 16
     python benchmarks/loop_overhead.py --rounds 5 --modes evaluate predict --batch-sizes 2
+    python benchmarks/loop_overhead.py --modes train --stream   # the rows as a datasets stream (its position kept)
 """
 
 from __future__ import annotations
@@ -221,7 +222,10 @@ class PlainLoop:
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            self.laps.finish() if step == total else self.laps.lap()
+            if step == total:
+                self.laps.finish()
+                break
+            self.laps.lap()
 
     def evaluate(self, data) -> dict:
         """Forward with the loss; loss, logits (preprocessed when evaluating) and labels to the host; concatenated;
@@ -271,7 +275,9 @@ def run_configuration(name: str, opts, mode: str, batch_size: int, laps: Laps, o
     """One configuration of one runner (the baton is held only while timed). Returns the laps of each call (one
     call for training) and the last call's digest."""
     if mode == "train":
-        data = build_data(opts, batch_size * train_steps(opts), seed=1)
+        data = build_data(opts, batch_size * (train_steps(opts) + 2), seed=1)  # + what the loaders read ahead
+        if opts.stream:  # a datasets stream: hflight's loader keeps its position after every batch
+            data = data.to_iterable_dataset(num_shards=4)
         runner = build_runner(name, opts, mode, batch_size, laps, out, data)
         laps.baton.enter_phase(opts.round)
         runner.train(data) if name == "plain" else runner.train()
@@ -379,6 +385,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=32)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--stream", action="store_true", help="train on the rows as a datasets stream")
     opts = parser.parse_args()
     if opts.steps < 2 or opts.warmup < 1 or opts.calls < 1 or opts.rounds < 1:
         parser.error("--steps must be >= 2, --warmup, --calls and --rounds >= 1")
@@ -387,7 +394,7 @@ def main() -> None:
           f"{opts.threads} torch thread(s) per runner; {cpu_description()}")  # fmt: skip
     print(f"model: GPT-2 hidden {opts.hidden}, {opts.layers} layers, vocab {opts.vocab}, {opts.seq_len} tokens a row; "
           f"{opts.steps} timed steps (training: +{opts.warmup} warm-up), {opts.calls} evaluation calls per trainer, "
-          f"runners in lockstep")  # fmt: skip
+          f"runners in lockstep{'; training on a datasets stream' if opts.stream else ''}")  # fmt: skip
     load_start = os.getloadavg()
     ctx = multiprocessing.get_context("spawn")
     baton, results = PhasedBaton(ctx, RUNNERS), ctx.Queue()

@@ -421,3 +421,21 @@ def test_a_tensor_parallel_run_takes_up_its_replicas_position():
     loop.plan = SimpleNamespace(resume_position=lambda step, ignore: (0, step))
     start = loop._data_start(loader)
     assert (start.how, start.batches, start.state) == ("position", 6, {"replica": 1})
+
+
+@pytest.mark.parametrize("kind", ["map", "generator", "torch_state", "torch_live", "torch"])
+def test_the_state_taken_after_each_batch_is_torchdatas_own_and_does_not_move(kind):
+    """hflight reads torchdata's one-process loader state itself (its Stateful checks cached: benchmarks/
+    position_cost.py): the same as torchdata's state_dict() after every batch, and a structure of its own (a dataset
+    whose state_dict() returns its live dict does not move it as the loader reads on)."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from hflight.run.loaders import loader_state
+
+    loader = StatefulDataLoader(trained_ids.source(kind), batch_size=4)
+    taken = []
+    for _ in loader:
+        state = loader_state(loader)
+        assert state == loader.state_dict()
+        taken.append((state, repr(state)))
+    assert all(repr(state) == text for state, text in taken), "a state taken earlier moved"

@@ -10,6 +10,8 @@ from the next one's checkpoint 16 (the pass's end). Under torchrun: tests/test_d
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 
 import pytest
@@ -84,3 +86,27 @@ def test_transformers_resume_is_exact_in_the_first_pass_and_hflight_everywhere(t
     assert trained_ids.mismatch(reference.full, reference.resumes[2][2], 24) is not None  # past the first pass
     assert ours.mismatch() is None, ours.mismatch()
     assert ours.resumes[0][3] <= reference.resumes[0][3] + trained_ids.BATCH
+
+
+class _SigtermAt(transformers.TrainerCallback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.mark.parametrize(
+    "kind, settings", [("map", {}), ("torch", {"save_async": True})], ids=["map", "torch, save_async"]
+)
+def test_a_sigterm_checkpoint_resumes_on_the_uninterrupted_runs_examples(tmp_path, kind, settings):
+    """SIGTERM after step 10 (between the checkpoints of every 8): the stop's checkpoint-10, resumed in the run's own
+    folder, trains the uninterrupted run's examples from step 11 (a position, or read and dropped)."""
+    make = lambda: trained_ids.source(kind)  # noqa: E731
+    _, full, _ = trained_ids.run(tmp_path / "full", make(), hflight, **settings)
+    with pytest.raises(SystemExit):
+        trained_ids.run(tmp_path / "run", make(), hflight, callbacks=[_SigtermAt(10)], **settings)
+    _, resumed, _ = trained_ids.run(tmp_path / "run", make(), hflight, resume=str(tmp_path / "run/checkpoint-10"),
+                                    **settings)  # fmt: skip
+    assert trained_ids.mismatch(full, resumed, 10) is None

@@ -35,12 +35,17 @@ from typing import Any
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
+from torch.utils.data.dataloader import _DatasetKind
 from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader import sampler as torchdata_sampler
+from torchdata.stateful_dataloader import stateful_dataloader as torchdata_loader
 from transformers.trainer_pt_utils import find_batch_size
 
 from hflight.arguments import cluster
 from hflight.run.samplers import EpochSeededRandomSampler, ShardedBatchSampler, split_batches_error
 
+_SINGLE_PROCESS, _ITERABLE = torchdata_loader._StatefulSingleProcessDataLoaderIter, _DatasetKind.Iterable
+_BATCH_SAMPLER_ITERATOR = torchdata_sampler._BatchSamplerIterator
 # torchdata's loader says at each construction that a private switch of torch's it sets is deprecated: not the user's
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
 
@@ -268,7 +273,7 @@ class StreamShard(ShardedLoader, StatefulDataLoader):
     how = "per_process"
 
     def position(self) -> tuple[Any, bool]:
-        return copied(self.state_dict()), self.end_of_dataloader
+        return loader_state(self), self.end_of_dataloader
 
     def resume_from(self, batches: int, state: Any) -> None:
         self.load_state_dict(state)
@@ -468,7 +473,7 @@ class DispatchedLoader(_Prepared, DataLoader):
         except StopIteration:
             stopped = True
         if self.how == "dispatched" and batches:
-            self._read_states.append(copied(self.base.state_dict()))
+            self._read_states.append(loader_state(self.base))
         if not batches or (stopped and (self.split_batches or self.drop_last)):
             return None, stopped, None
         try:
@@ -513,14 +518,74 @@ def concatenate(batches: list[Any]) -> Any:
 
 
 # ---- prepare -----------------------------------------------------------------------------------------------------
+_STATEFUL: dict[type, bool] = {}
+
+
+def _state_of(thing: Any) -> Any:
+    """torchdata's ``try_to_serialize``: ``thing.state_dict()`` where it is ``Stateful`` (checked once per type; the
+    batch sampler's iterator, which checks what it holds at every call, read here as it reads itself)."""
+    kind = type(thing)
+    stateful = _STATEFUL.get(kind)
+    if stateful is None:
+        stateful = _STATEFUL[kind] = isinstance(thing, torchdata_loader.Stateful)
+    if kind is _BATCH_SAMPLER_ITERATOR:
+        state = {kind._SAMPLES_YIELDED: thing.samples_yielded}
+        for key, held in ((kind._SAMPLER_STATE, thing.sampler), (kind._SAMPLER_ITER_STATE, thing.sampler_iter)):
+            held_state = _state_of(held)
+            if _STATEFUL[type(held)]:
+                state[key] = held_state
+        return state
+    return thing.state_dict() if stateful else None
+
+
+def loader_state(loader: StatefulDataLoader) -> Any:
+    """``loader.state_dict()`` as it is after the batch it yielded last, a structure of its own (a dataset's
+    ``state_dict()`` may return the dict it keeps updating while the loader reads ahead; with workers, torchdata builds
+    it afresh from what they sent). torchdata's one-process iterator over a stream is read here as its own
+    ``state_dict()`` reads it (torchdata 0.11, tests/test_data_position.py compares both), with its ``Stateful``
+    checks cached by type: Python 3.11 spends ~30 µs on each check of a runtime protocol, six a batch."""
+    iterator = loader._iterator
+    if type(iterator) is not _SINGLE_PROCESS or iterator._dataset_kind != _ITERABLE:
+        state = loader.state_dict()
+        return state if loader.num_workers > 0 else copied(state)
+    fetcher = iterator._dataset_fetcher
+    dataset_state = None if fetcher.dataset_iter is fetcher.dataset else _state_of(fetcher.dataset)
+    if not _copies_its_state(fetcher.dataset):
+        dataset_state = copied(dataset_state)
+    return {
+        torchdata_loader._INDEX_SAMPLER_STATE: _state_of(iterator._index_sampler),
+        torchdata_loader._SAMPLER_ITER_STATE: _state_of(iterator._sampler_iter),
+        torchdata_loader._SAMPLER_ITER_YIELDED: iterator._sampler_iter_yielded,
+        iterator._NUM_YIELDED: iterator._num_yielded,
+        torchdata_loader._ITERABLEDATASET_LEN_CALLED: iterator._IterableDataset_len_called,
+        torchdata_loader._SHARED_SEED: iterator._shared_seed,
+        torchdata_loader._FETCHER_STATE: {
+            torchdata_loader._DATASET_ITER_STATE: copied(_state_of(fetcher.dataset_iter)),
+            torchdata_loader._FETCHER_ENDED: fetcher.ended,
+        },
+        torchdata_loader._DATASET_STATE: dataset_state,
+        torchdata_loader._ITERATOR_FINISHED: iterator._finished,
+    }
+
+
+_LEAVES = frozenset({int, float, bool, str, bytes, type(None)})
+
+
+def _copies_its_state(dataset: Any) -> bool:
+    """A ``datasets`` stream, whose ``state_dict()`` returns a copy of its state (datasets' ``_fast_copy``)."""
+    return type(dataset).__module__.startswith("datasets.") and hasattr(dataset, "_ex_iterable")
+
+
 def copied(state: Any) -> Any:
     """A loader's state as it is now: nested dicts, lists and tuples copied (a dataset's ``state_dict()`` may return
     the dict it keeps updating while the loader reads ahead), tensors cloned, other leaves as they are."""
     kind = type(state)
+    if kind in _LEAVES:
+        return state
     if kind is dict:
-        return {key: copied(value) for key, value in state.items()}
-    if kind in (list, tuple):
-        return kind(copied(value) for value in state)
+        return {key: value if type(value) in _LEAVES else copied(value) for key, value in state.items()}
+    if kind is list or kind is tuple:
+        return kind(value if type(value) in _LEAVES else copied(value) for value in state)
     if isinstance(state, (dict, list)):
         return copy.deepcopy(state)
     if torch.is_tensor(state):
