@@ -145,15 +145,17 @@ def test_help_lists_only_groups_the_readme_describes():
     assert groups <= table, f"groups --help lists that README's table does not describe: {groups - table}"
 
 
-def test_readme_quickstart_is_examples_quickstart():
-    """The README's quickstart block is examples/quickstart.py's own lines, in its order (indentation aside)."""
-    code = [line.strip() for line in (REPO / "examples" / "quickstart.py").read_text().splitlines()]
-    (shown,) = [lines for _, lines in readme.fenced_blocks(README_TEXT, "python") if "from hflight import" in lines[0]]
+@pytest.mark.parametrize("example, first", [("quickstart", "from hflight import"), ("streaming", "stream = ")])
+def test_readme_examples_are_the_example_files(example, first):
+    """The README's quickstart and streaming blocks are examples/quickstart.py's and examples/streaming.py's own
+    lines, in their order (indentation aside)."""
+    code = [line.strip() for line in (REPO / "examples" / f"{example}.py").read_text().splitlines()]
+    (shown,) = [lines for _, lines in readme.fenced_blocks(README_TEXT, "python") if lines[0].startswith(first)]
     position = 0
     for line in filter(None, (line.strip() for line in shown)):
-        assert line in code[position:], f"README's quickstart line is not in examples/quickstart.py (in order): {line}"
+        assert line in code[position:], f"README's {example} line is not in examples/{example}.py (in order): {line}"
         position = code.index(line, position) + 1
-    assert "python examples/quickstart.py" in RUN
+    assert f"python examples/{example}.py" in RUN
 
 
 # ---- running them -------------------------------------------------------------------------------------------------
@@ -425,6 +427,11 @@ def check_fails_before_data(ran: Ran) -> None:
 
 def check_example(ran: Ran) -> None:
     _succeeded(ran)
+    if "streaming" in ran.step:
+        said = re.search(r"produced (\d+) examples .* uninterrupted run's examples: True", ran.proc.stdout)
+        assert said and int(said.group(1)) < 320 + 160, ran.proc.stdout[-2000:]
+        assert (ran.cwd / "outputs" / "streaming" / "checkpoint-60" / "data_position.pt").is_file()
+        return
     accuracy = re.search(r"eval accuracy: [\d.]+ before training -> ([\d.]+) after", ran.proc.stdout)
     assert accuracy and float(accuracy.group(1)) > 0.6, ran.proc.stdout[-2000:]
     assert (ran.cwd / "outputs" / "quickstart" / "model.safetensors").is_file()
