@@ -108,3 +108,22 @@ def test_the_pools_are_released_when_a_run_s_writer_closes(tmp_path):
     assert len(resources.pools) == 0 and all(each.closed for each in buffers)
     torch_file.save(_state(0, large=True), tmp_path / "b.pt")
     assert len(resources.pools) == 2, "made again at the next use"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_a_process_forked_mid_write_shares_no_staging_buffer_with_the_writer(tmp_path):
+    """Forked while a file is half staged (its buffers out of the pool, which the fork's reset would forget): the
+    child's writes into what it inherited stay its own. Shared (MAP_SHARED) staging buffers put them into the
+    parent's file."""
+    data = bytes(range(256)) * 4096
+    half = len(data) // 2
+    with direct_file.DirectFile(tmp_path / "parent.bin") as file:
+        file.write(data[:half])
+        pid = os.fork()
+        if pid == 0:  # the child scribbles over the buffers it inherited
+            for stage in file._maps:
+                stage[: len(data)] = b"\xff" * len(data)
+            os._exit(0)
+        os.waitpid(pid, 0)
+        file.write(data[half:])
+    assert (tmp_path / "parent.bin").read_bytes() == data, "the child's bytes reached the parent's file"

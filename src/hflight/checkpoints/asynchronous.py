@@ -72,11 +72,12 @@ ALIGNMENT = 64
 #: the writer process takes a state's files from this many bytes of tensors on: starting it costs a second or two of
 #: CPU (its imports), where the writer thread's Python for a smaller state takes milliseconds of the interpreter
 PROCESS_MIN_BYTES = 64 << 20
-#: ... and where the run has this many checkpoints to come (or does not say): its start, a second or two of CPU, is paid
-#: once, and what it saves, the writer thread's Python beside the training loop, at each checkpoint it writes. On a
-#: 2-core CPU (MiniLM, one training thread, benchmarks/checkpoint_run.py) a run of 4 checkpoints paid more for the start
-#: than the child saved it; a loop that launches GPU kernels gains most from it (benchmarks/checkpoint_gil.py)
-PROCESS_MIN_CHECKPOINTS = 8
+#: ... and where the run has this many checkpoints to come that copy the state (its last is written from the state
+#: itself), or does not say: its start, a second or two of CPU, is paid once, and what it saves, the writer thread's
+#: Python beside the training loop, at each checkpoint it writes. On a 2-core CPU (MiniLM, one training thread,
+#: benchmarks/checkpoint_run.py) a run of 4 checkpoints paid more for the start than the child saved it; a loop that
+#: launches GPU kernels gains most from it (benchmarks/checkpoint_gil.py)
+PROCESS_MIN_CHECKPOINTS = 7
 
 
 @dataclasses.dataclass
@@ -153,8 +154,9 @@ class CheckpointWriter:
         last=True)``): with ``save_async`` the state is then not copied (nothing changes it before the write is
         over) and the files are written side by side on the cores the loop leaves free. ``on_save_follows``: a
         checkpoint of the running fit, whose ``on_save`` the loop dispatches next (:meth:`callbacks_done`).
-        ``to_come``: how many checkpoints the run saves after this one (None: not known), which decides whether the
-        writer process is worth starting (:data:`PROCESS_MIN_CHECKPOINTS`). A wait for the previous write just before
+        ``to_come``: how many checkpoints after this one copy the state (None: not known; the run's last is written
+        from the state itself), which decides whether the staging area is made at all and whether the writer process
+        is worth starting (:data:`PROCESS_MIN_CHECKPOINTS`). A wait for the previous write just before
         (``save_checkpoint``'s :meth:`wait`) was this checkpoint's: said now."""
         self._to_come = to_come
         self._say_last_wait()
@@ -199,11 +201,13 @@ class CheckpointWriter:
         each storage once."""
         storages: dict[int, tuple[_Slot, Any]] = {}  # by the source storage's _cdata, as torch.save tells them apart
         views: list[tuple[torch.Tensor, _Slot]] = []
+        own: list[torch.Tensor] = []
         for key, tensor in _tensors(state, (name,)):
             if id(tensor) in memo:
                 continue
             if not _stageable(tensor):  # a sparse, quantized or subclassed tensor: a copy of its own, now
-                memo[id(tensor)] = tensor.detach().to("cpu", copy=True)
+                memo[id(tensor)] = _own_copy(tensor)
+                own.append(tensor)
                 continue
             storage = tensor.untyped_storage()
             if storage._cdata not in storages:
@@ -213,7 +217,7 @@ class CheckpointWriter:
         self._overflow([slot for slot, _ in storages.values() if slot.storage is None])
         for tensor, slot in views:
             memo[id(tensor)] = _view(slot.storage, tensor)
-        for tensor, _ in views:  # attributes last: one may hold another tensor of the state
+        for tensor in [each for each, _ in views] + own:  # attributes last: one may hold another tensor of the state
             if tensor.__dict__:
                 memo[id(tensor)].__dict__.update(copy.deepcopy(tensor.__dict__, memo))
         return [(slot.storage, storage) for slot, storage in storages.values() if slot.nbytes]
@@ -309,6 +313,8 @@ class CheckpointWriter:
         self._slots = {key: _Slot(at, slot.nbytes, None, at, None) for (key, slot), at in zip(kept, offsets)}
         pinned = self._area_pinned = self._pinned
         self._area, self._end, self._overflow_bytes = None, end, 0
+        if self._to_come == 0:  # no checkpoint to come copies the state: no area (one that does makes its buffer)
+            return
         shared = self._process_worth_it(end)
         self._allocating = _Allocation(lambda: self._area_memory(end, pinned, shared), end)  # by the writer thread
 
@@ -360,14 +366,16 @@ class CheckpointWriter:
             self._write = _Write(what, time.monotonic(), self.snapshot_bytes, copied)
             self._callbacks_over = job.callbacks_over
             self._lease.enter_context(deepspeed_left_alone())  # for the job's save_pretrained, until it is reaped
-            self._thread = threading.Thread(target=self._run, args=(job,), name=f"hflight-write-{what}", daemon=False)
+            self._thread = threading.Thread(target=self._run, args=([job],), name=f"hflight-write-{what}", daemon=False)
             self._thread.start()
         if last:  # written from the state itself: over before the loop goes on (a wait by design, not reported)
             self.wait(expected=True)
 
-    def _run(self, job: CheckpointJob) -> None:
-        """The writer thread: the copies from a GPU are made (their events) before the job reads them."""
-        write = self._write
+    def _run(self, holder: list[CheckpointJob]) -> None:
+        """The writer thread: the copies from a GPU are made (their events) before the job reads them. The job (and
+        the snapshot it holds) is let go of once written (``holder``: the thread's only reference to it), before the
+        memory of the next checkpoints is made (:meth:`_after_write`)."""
+        write, job = self._write, holder.pop()
         try:
             for copied in write.copied if write is not None else ():
                 copied.synchronize()
@@ -377,13 +385,16 @@ class CheckpointWriter:
         finally:
             if write is not None:
                 write.ended = time.monotonic()
+        del job
         self._after_write()
 
     def _after_write(self) -> None:
-        """The writer thread, its write over: the staging area laid out at its snapshot allocated, then the writer
-        process started once there is shared memory for it (its start, imports that take a second or two of CPU,
-        beside the training steps rather than beside the write; until it answers, the thread writes the files). A
-        failed allocation is raised where the loop takes the area."""
+        """The writer thread, its write over: the buffers it read that the staging area replaces released (so that
+        the state is never held twice), then the area laid out at its snapshot allocated, then the writer process
+        started once there is shared memory for it (its start, imports that take a second or two of CPU, beside the
+        training steps rather than beside the write; until it answers, the thread writes the files). A failed
+        allocation is raised where the loop takes the area."""
+        self._release_retired()
         allocating = self._allocating
         if allocating is not None:
             with contextlib.suppress(Exception):
@@ -526,6 +537,15 @@ def _stageable(tensor: torch.Tensor) -> bool:
     if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.layout != torch.strided:
         return False
     return not (tensor.is_quantized or tensor.is_conj() or tensor.is_neg() or tensor.device.type == "meta")
+
+
+def _own_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy in host memory of a tensor the staging area does not take (sparse, quantized, a subclass: its type
+    kept), with its ``requires_grad``, as ``torch.save`` writes the tensor (its attributes: :meth:`_stage`)."""
+    copied = tensor.detach().to("cpu", copy=True)
+    if tensor.requires_grad and not copied.requires_grad:
+        copied.requires_grad_(True)
+    return copied
 
 
 def _on_gpu(tensor: torch.Tensor) -> bool:

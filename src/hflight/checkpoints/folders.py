@@ -346,11 +346,12 @@ def _overrides_save_checkpoint(facade: TrainerSurface) -> bool:
 
 
 def _checkpoints_to_come(args: Any, state: Any) -> int | None:
-    """How many checkpoints the run saves after this one at ``save_steps`` (the last at ``max_steps`` among them);
-    None where that is not known ahead (an epoch or best-metric strategy, a callback's ``should_save``)."""
+    """How many checkpoints the run saves after this one at ``save_steps`` before its last step (whose checkpoint,
+    ending training, is written from the state itself); None where that is not known ahead (an epoch or best-metric
+    strategy, a callback's ``should_save``)."""
     if args.save_strategy != "steps" or not state.save_steps or not state.max_steps:
         return None
-    return max(state.max_steps - state.global_step, 0) // state.save_steps
+    return max(state.max_steps - 1 - state.global_step, 0) // state.save_steps
 
 
 def _fit_running(run: RunView) -> bool:

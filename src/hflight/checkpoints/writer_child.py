@@ -1,10 +1,12 @@
-"""The checkpoint writer process (``hflight.checkpoints.writer_process``), started as ``python -I -c BOOT PATHS FD
-PARENT tie|-`` (``writer_process.BOOT``: the paths put first, then :func:`main`).
+"""The checkpoint writer process (``hflight.checkpoints.writer_process``), started as ``python -I -c BOOT PATH FD
+PARENT tie|-`` (``writer_process.BOOT``: ``PATH`` made its ``sys.path``, then :func:`main`).
 
-Isolated (``-I``): neither the working folder nor the user's site nor ``PYTHONPATH`` is on its ``sys.path``, so a
+Isolated (``-I``) and given the training process's import path in its order (``PATH``: the standard library first,
+then the folders ``PYTHONPATH`` and the installation added, as the training process has them) without the working
+folder: every module resolves to the file the training process has it from (a backport of a standard-library module
+in site-packages stays behind the standard library), installs reachable through ``PYTHONPATH`` alone included, and a
 module planted in a shared working folder is never imported in it (``python -m`` would put the working folder
-first); ``PATHS`` are the folders the training process imported this child's own modules from (hflight, torch, numpy,
-safetensors, xxhash), put first.
+first).
 
 It runs in a session of its own, so that the signals sent to the training job's process group (a stop, a requeue)
 are the training process's to handle. The training process kills it when it has nothing left to write (the end of a

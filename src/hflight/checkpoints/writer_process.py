@@ -13,15 +13,17 @@ the child wrote (``hflight.checkpoints.torch_file`` and ``hflight.checkpoints.sa
 past the page cache, hashed as written). The rest of the job (small files, ``save_pretrained``'s own files, the
 manifest, the fsyncs, the publication) stays on the writer thread.
 
-The child is ``python -I -c`` :data:`BOOT` (``hflight.checkpoints.writer_child``, isolated from the working folder and
-the user's site; no ``multiprocessing``: a user's script is never imported again in it), started at the first
-checkpoint by the writer thread, talking over a Unix socket pair (length-prefixed pickles; each shared memory's
+The child is ``python -I -c`` :data:`BOOT` (``hflight.checkpoints.writer_child``: the training process's import path,
+without the working folder; no ``multiprocessing``: a user's script is never imported again in it), started by the
+writer thread, talking over a Unix socket pair (length-prefixed pickles; each shared memory's
 descriptor passed once with ``SCM_RIGHTS``); it imports torch, not hflight's trainer. Until it has answered, the
 writer thread writes the files itself: its start (its imports take a second or two of CPU) never holds a checkpoint
 up. A file the child cannot take (a tensor outside the shared memory, a structure it cannot unpickle) is written by
 the thread as before; an error writing it (a full disk, an I/O error) comes back as the exception, with its
 ``errno`` and file name, and fails the checkpoint as any write error does; a child that dies fails the write in
-progress with an error saying so, and the next file is written by a new child. The child and the shared memory
+progress with an error saying so (with the last line it wrote to its standard error), and the next file is written by
+a new child. A child that ends before it ever answered could not start (an import that fails, say): none is started
+again in the run, and one warning says why (its standard error's last line). The child and the shared memory
 belong to :mod:`hflight.checkpoints.resources`: let go of in a forked process (which never talks to the parent's
 child), released at :meth:`WriterProcess.close` and at exit. Linux only (``memfd_create``); elsewhere the thread
 writes everything.
@@ -49,6 +51,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Any
@@ -61,15 +64,15 @@ from hflight.checkpoints import resources
 logger = logging.getLogger(__name__)
 
 _LENGTH = struct.Struct("<Q")
-#: the child's program, run with ``python -I -c`` (``hflight.checkpoints.writer_child``): the paths first, then its
-#: ``main``
+#: the child's program, run with ``python -I -c`` (``hflight.checkpoints.writer_child``): the training process's
+#: import path in its order (:func:`_child_path`), then its ``main``
 BOOT = (
     "import json, sys\n"
-    "sys.path[:0] = json.loads(sys.argv[1])\n"
+    "sys.path[:] = json.loads(sys.argv[1])\n"
     "from hflight.checkpoints.writer_child import main\n"
     "main(sys.argv[2:])\n"
 )
-#: the packages the child imports: the folders the training process has them from go first on its path
+#: the packages the child imports: the folders the training process has them from are on its path, whatever else
 _CHILD_PACKAGES = ("hflight", "torch", "numpy", "safetensors", "xxhash")
 #: the area of an empty storage (made anew in the child)
 _EMPTY = -1
@@ -187,17 +190,20 @@ class _Outside(Exception):
     """A tensor of the state is not in shared memory: the file is written by the thread."""
 
 
-def _child_paths() -> list[str]:
-    """The folders this process imported the child's packages from, in that order (each once); a package it has not
-    imported is the child's own to find (never looked up here: this process's path may hold its working folder)."""
-    paths: list[str] = []
+def _child_path() -> list[str]:
+    """The child's import path: the training process's, in its order (the standard library before site-packages, the
+    folders ``PYTHONPATH`` added, an installation's own), without the working folder (``""`` or its path: a module
+    planted there never runs in the child), then the folder of each of the child's packages that the training process
+    imported from one of those (each once)."""
+    here = os.path.abspath(os.getcwd())
+    path = [entry for entry in sys.path if entry and os.path.abspath(entry) != here]
     for name in _CHILD_PACKAGES:
         location = getattr(sys.modules.get(name), "__file__", None)
         if location is not None:
             folder = os.path.dirname(os.path.dirname(os.path.abspath(location)))
-            if folder not in paths:
-                paths.append(folder)
-    return paths
+            if folder not in path:
+                path.append(folder)
+    return path
 
 
 #: every writer process of this process: let go of in a forked child, released at close() and at exit
@@ -219,6 +225,7 @@ class WriterProcess:
         self._wanted = False  # start() was called: a child runs, or is started again at the next file
         self._started = 0.0  # when the child was started
         self._cannot_start = False
+        self._stderr: Any = None  # the child's standard error (a file: its last line says why it could not start)
         self._lock = threading.Lock()
 
     # ---- shared memory ---------------------------------------------------------------------------------------------
@@ -328,8 +335,10 @@ class WriterProcess:
                 (status, value), _ = _receive(sock)
             except (EOFError, OSError) as exc:
                 self._stop()
+                said = _last_line(self._stderr)
                 raise WriterProcessDied(
-                    f"The checkpoint writer process ended while it wrote {message[1]} ({type(exc).__name__}: {exc})"
+                    f"The checkpoint writer process ended while it wrote {message[1]} ({type(exc).__name__}: {exc}"
+                    f"{'; it said: ' + said if said else ''})"
                 ) from exc
         if status == "error":
             raise value
@@ -337,19 +346,25 @@ class WriterProcess:
 
     def _spawn(self) -> None:
         """The child started (from whichever thread: it ties itself to this process, see
-        ``hflight.checkpoints.writer_child``), and asked to answer once it is ready; unless one runs."""
+        ``hflight.checkpoints.writer_child``), and asked to answer once it is ready; unless one runs. A child that
+        ended before it ever answered could not start: none is started again in this run (the thread writes)."""
         if not self._wanted or self._cannot_start or (self._process is not None and self._process.poll() is None):
             return  # not started yet (start()), one runs, or one could not start: not again (the thread writes)
+        if self._process is not None and not self._answered:
+            self._stop()
+            self._unavailable(RuntimeError("it ended as it started"))
+            return
         self._stop()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         # the kernel's tie follows the thread that starts the child: only where that thread lives as long as the process
         tie = threading.current_thread() is threading.main_thread()
-        command = [sys.executable, "-I", "-c", BOOT, json.dumps(_child_paths()), str(theirs.fileno()), str(os.getpid()),
+        command = [sys.executable, "-I", "-c", BOOT, json.dumps(_child_path()), str(theirs.fileno()), str(os.getpid()),
                    "tie" if tie else "-"]  # fmt: skip
+        self._stderr = self._stderr or tempfile.TemporaryFile()
         try:
             self._process = subprocess.Popen(
-                command, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, start_new_session=True,
-                env={**os.environ, "OMP_NUM_THREADS": "1"},
+                command, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stderr=self._stderr,
+                start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
             )  # fmt: skip
         except OSError as exc:
             ours.close()
@@ -399,10 +414,14 @@ class WriterProcess:
             return self._ready(wait=True) is not None
 
     def _unavailable(self, exc: BaseException) -> None:
+        """No child is started again in this run: said once, with the last line the child wrote to its standard
+        error (why its start failed: an import, say)."""
         if not self._cannot_start:
             self._cannot_start = True
-            logger.warning(f"The checkpoint writer process could not start ({type(exc).__name__}: {exc}): the "
-                           "background writer thread writes every file.")  # fmt: skip
+            said = _last_line(self._stderr)
+            logger.warning(f"The checkpoint writer process could not start ({type(exc).__name__}: {exc}"
+                           f"{'; it said: ' + said if said else ''}): the background writer thread writes every "
+                           "file.")  # fmt: skip
 
     def _stop(self) -> None:
         """The child ended and reaped, the connection closed. Called with no request in flight (the lock held), so
@@ -426,6 +445,9 @@ class WriterProcess:
         with self._lock:
             self._wanted = False
             self._stop()
+            if self._stderr is not None:
+                self._stderr.close()
+                self._stderr = None
         for area in list(self._areas.values()):
             self.release(area.array)
         self._released.clear()
@@ -435,10 +457,25 @@ class WriterProcess:
         their descriptors closed; nothing sent to the child); a later checkpoint here starts its own."""
         if self._sock is not None:
             self._sock.close()
+        if self._stderr is not None:
+            self._stderr.close()
         for area in self._areas.values():
             resources.close_descriptor(area.fd)
         self._areas, self._released, self._process, self._sock, self._wanted = {}, [], None, None, False
+        self._stderr = None
         self._lock = threading.Lock()
+
+
+def _last_line(file: Any) -> str:
+    """The last line of text written to ``file`` (the child's standard error), "" where none."""
+    if file is None:
+        return ""
+    try:
+        file.seek(max(os.fstat(file.fileno()).st_size - 4096, 0))
+        lines = [line.strip() for line in file.read().decode("utf-8", "replace").splitlines() if line.strip()]
+    except OSError:
+        return ""
+    return lines[-1] if lines else ""
 
 
 def _pin(base: int, nbytes: int) -> bool:

@@ -395,6 +395,7 @@ class TrainingLoop:
         args, name = facade.args, signal_name(signum)
         stopped_by = f"Training stopped by {name} after step {step} of {facade.state.max_steps}"
         folder = None
+        facade.control.should_training_stop = True  # its checkpoint is the run's last: written from the state itself
         if args.save_strategy != SaveStrategy.NO:
             if self.saved_step != step:
                 self._save(facade.model, self.trial)
