@@ -231,6 +231,7 @@ def test_dataloader_getters_return_combined_batches(poptorch_double, factory, tm
         assert [b["input_ids"].shape[0] for b in loader] == [6, 6, 1]
 
 
+@pytest.mark.parametrize("pad", [True, False], ids=["padded", "not padded"])
 @pytest.mark.parametrize(
     "config, n_ipu, rows_per_call",
     [
@@ -240,24 +241,31 @@ def test_dataloader_getters_return_combined_batches(poptorch_double, factory, tm
     ],
     ids=["replicas1-x-GA4", "replicas1-x-GA4-inference-iterations2", "replicas2-x-GA2"],
 )
-def test_eval_loss_keeps_the_real_rows_of_the_padded_last_batch_as_transformers_on_the_cpu(
-    poptorch_double, executors, factory, tmp_path, config, n_ipu, rows_per_call
+def test_eval_loss_counts_the_real_rows_of_the_last_batch_as_transformers_on_the_cpu(
+    poptorch_double, executors, factory, tmp_path, config, n_ipu, rows_per_call, pad
 ):
-    """10 evaluation rows in batches of 4, the last inference call padded on the batch axis: ``eval_loss`` (and
-    ``predict``'s ``test_loss``) of the same model is transformers' Trainer's on the CPU. Each inference call gives
-    one loss for its combined batch (micro-batch x inference replicas x device iterations); it counted
-    ``eval_batch_size`` times, then the last call's was cut to the rows that are not padding (10 % 8 = 2): with 8 rows
-    a call, the first 8 rows weighed as much as 4 and the 2 real rows of the last call as 2 (3.1342 against 3.1438)."""
+    """10 evaluation rows in batches of 4: ``eval_loss`` (and ``predict``'s ``test_loss``) of the same model is
+    transformers' Trainer's on the CPU, each call's loss weighing its real rows (the last call's 10 % rows_per_call).
+    Each inference call gives one loss for its combined batch (micro-batch x inference replicas x device iterations).
+    The last, incomplete batch reaches an executable in a shape it was compiled for: with ``pad_on_batch_axis`` the
+    loader pads it to the combined batch; without (optimum-graphcore's default), a second executable is compiled for
+    its rows (poptorch refused the first with a shape mismatch), and the loss of its 2 rows counted 4 times: 2.7742
+    against the CPU's 2.7578 (issue 67)."""
     evaluation = factory.qa_dataset(10, seed=1)
     cpu_args = transformers.TrainingArguments(str(tmp_path / "cpu"), per_device_eval_batch_size=4, use_cpu=True,
                                               report_to="none", disable_tqdm=True)  # fmt: skip
-    expected = transformers.Trainer(factory.qa_model(), cpu_args).evaluate(evaluation)["eval_loss"]
-    arguments = args(tmp_path, per_device_eval_batch_size=4, pad_on_batch_axis=True, n_ipu=n_ipu)
+    cpu = transformers.Trainer(factory.qa_model(), cpu_args)
+    expected, predicted = cpu.evaluate(evaluation)["eval_loss"], cpu.predict(evaluation)
+    arguments = args(tmp_path, per_device_eval_batch_size=4, pad_on_batch_axis=pad, n_ipu=n_ipu)
     trainer = IPUTrainer(factory.qa_model(), IPUConfig(**config), arguments)
     assert trainer.evaluate(evaluation)["eval_loss"] == pytest.approx(expected, rel=1e-6)
-    assert trainer.predict(evaluation).metrics["test_loss"] == pytest.approx(expected, rel=1e-6)
-    calls = [call for e in executors for call in e.calls if not call.training]  # evaluate's, then predict's
-    assert [call.input_shapes["input_ids"][0] for call in calls] == [rows_per_call] * (2 * -(-10 // rows_per_call))
+    output = trainer.predict(evaluation)
+    assert output.metrics["test_loss"] == pytest.approx(expected, rel=1e-6)
+    for ours, theirs in zip(output.predictions, predicted.predictions, strict=True):
+        assert ours.shape == theirs.shape and abs(ours - theirs).max() < 1e-5
+    calls = [call.input_shapes["input_ids"][0] for e in executors for call in e.calls if not call.training]
+    last = rows_per_call if pad else 10 % rows_per_call
+    assert calls == ([rows_per_call] * (10 // rows_per_call) + [last]) * 2  # evaluate's, then predict's
 
 
 @pytest.mark.parametrize(

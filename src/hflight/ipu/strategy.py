@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -37,6 +38,7 @@ from hflight.checkpoints.names import CONFIG_NAME
 from hflight.ipu.config import IPUConfig
 from hflight.ipu.data import pad_on_batch_axis
 from hflight.ipu.generation import IPUGeneration, check_generation_options
+from hflight.ipu.last_batch import ShapedInference
 from hflight.ipu.precision import IPUPrecision
 from hflight.ipu.runtime import require_poptorch
 from hflight.run.backend import HFBackend, StepGeometry
@@ -88,9 +90,9 @@ class IPUStrategy(SingleDeviceStrategy, HFBackend):
         ipu_config: an :class:`~hflight.ipu.IPUConfig`, a dict of its fields, a folder/JSON file/Hub name holding
             ``ipu_config.json``, or None for the defaults.
         pad_on_batch_axis: pad the last, incomplete evaluation batch to the combined batch size by repeating rows
-            (the compiled executable takes one batch shape); predictions are cut back to the dataset length. On by
-            default here (so every window of a QA evaluation is scored); ``IPUTrainer`` keeps optimum-graphcore's
-            default, off.
+            (the compiled executable takes one batch shape); off: a second inference executable is compiled for its
+            rows (``hflight.ipu.last_batch``). Either way its outputs are cut back to its real rows. On by default
+            here; ``IPUTrainer`` keeps optimum-graphcore's default, off.
         compile_only: compile against an offline IPU target (no hardware needed) and run nothing.
         loss_scaling: the poptorch optimizer's loss scaling (useful in float16).
         dataloader_mode: ``"sync"``, ``"async"`` or ``"async_rebatched"`` (``poptorch.DataLoaderMode``).
@@ -176,9 +178,10 @@ class IPUStrategy(SingleDeviceStrategy, HFBackend):
         # a training executable takes complete combined batches only; evaluation drops the last, incomplete one where
         # the loader was made to (dataloader_drop_last, as optimum-graphcore's evaluation loader passes it on)
         drop_last = training or bool(loader.drop_last)
-        if not drop_last and self.pad_on_batch_axis and loader.batch_size is not None:
+        if not drop_last and loader.batch_size is not None:  # an incomplete last batch: its real rows counted
             padded_to = loader.batch_size * self.ipu_config.batch_size_factor(for_inference=True)
-            collate = pad_on_batch_axis(padded_to)(collate)
+            if self.pad_on_batch_axis:  # padded to the executable's shape; else run by one of its own (last_batch)
+                collate = pad_on_batch_axis(padded_to)(collate)
         kwargs: dict[str, Any] = {
             "collate_fn": collate,
             "num_workers": loader.num_workers,
@@ -198,16 +201,16 @@ class IPUStrategy(SingleDeviceStrategy, HFBackend):
             if not isinstance(loader.dataset, IterableDataset):
                 kwargs["sampler"] = loader.sampler
         made = poptorch.DataLoader(options, loader.dataset, **kwargs)
-        if padded_to is not None:  # the real rows of the padded last batch, which the evaluation keeps (accelerate's
-            with contextlib.suppress(TypeError):  # ``remainder``); a dataset without a length: unknown
+        if padded_to is not None:  # the real rows of the last batch, which the evaluation keeps of what its call gave
+            with contextlib.suppress(TypeError):  # (accelerate's ``remainder``); a dataset without a length: unknown
                 made.remainder = len(loader.dataset) % padded_to
         return made
 
     @override
     def hf_evaluation_rows(self, eval_batch_size: int) -> int:
         # one inference call takes a combined batch (micro-batch x inference replicas x device iterations) and gives
-        # one loss for all of its rows, as optimum-graphcore counts it (its loop repeats the loss by the poptorch
-        # loader's batch size); the last, padded one is then cut to the loader's ``remainder`` of real rows
+        # one loss for all of its rows; the last, incomplete one (padded, or run by an executable of its own) is then
+        # cut to the loader's ``remainder`` of real rows: each call's loss weighs its real rows, as on the CPU
         return eval_batch_size * self.ipu_config.batch_size_factor(for_inference=True)
 
     @override
@@ -278,15 +281,18 @@ class IPUStrategy(SingleDeviceStrategy, HFBackend):
         if reattach:
             training.detachFromDevice()  # frees the IPUs (and brings the weights to the host)
         if self.inference_model is None:
-            self.inference_model = self.poptorch.inferenceModel(model.eval(), options=self.options(True))
+            make = functools.partial(self.poptorch.inferenceModel, model.eval())
+            self.inference_model = ShapedInference(make(options=self.options(True)), lambda options: make(
+                options=options), self.options(True), self.ipu_config.inference_replication_factor)  # fmt: skip
         inference = self.inference_model
         if self.generation is not None:
             self.generation.begin()  # the trained weights reach the generation executables at their next call
         try:
             yield inference
         finally:
-            if inference.isCompiled() and inference.isAttachedToDevice():
-                inference.detachFromDevice()
+            for executable in inference.executables():
+                if executable.isCompiled() and executable.isAttachedToDevice():
+                    executable.detachFromDevice()
             if self.generation is not None:
                 self.generation.detach()
             if reattach:
@@ -368,7 +374,8 @@ class IPUStrategy(SingleDeviceStrategy, HFBackend):
 
     @override
     def teardown(self) -> None:
-        for executable in (self.training_model, self.inference_model):
+        inference = self.inference_model.executables() if self.inference_model is not None else []
+        for executable in (self.training_model, *inference):
             if executable is not None:
                 executable.destroy()  # copies the trained weights back to the host first
         if self.generation is not None:
