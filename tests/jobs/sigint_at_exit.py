@@ -1,9 +1,11 @@
 """A plain script stopped by SIGINT mid-training; a second SIGINT arrives while the interpreter runs its exit callbacks
-(as when a slow library shuts down and the user presses Ctrl-C again), or, with ``--finalizing``, a SIGTERM arrives
-while the interpreter tears its modules down after them (as srun's --kill-on-bad-exit sends it to a task that is still
-exiting; OUT/sigterm_when_collected.txt says it was sent and delivered). Run by test_signals.py.
+(as when a slow library shuts down and the user presses Ctrl-C again), or, with ``--unwinding``, as the stop's
+exception leaves ``train()`` (two Ctrl-C 20 ms apart, the second after the step boundary's checkpoint), or, with
+``--finalizing``, a SIGTERM arrives while the interpreter tears its modules down after them (as srun's
+--kill-on-bad-exit sends it to a task that is still exiting; OUT/sigterm_when_collected.txt says it was sent and
+delivered). Run by test_signals.py.
 
-    python tests/jobs/sigint_at_exit.py OUT [--finalizing]
+    python tests/jobs/sigint_at_exit.py OUT [--finalizing | --unwinding]
 """
 
 import atexit
@@ -62,11 +64,15 @@ class SendSigint(hflight.TrainerCallback):
 if __name__ == "__main__":
     if "--finalizing" in sys.argv:
         collected_last = SigtermWhenCollected(str(Path(sys.argv[1]) / "sigterm_when_collected.txt"))
-    else:
+    elif "--unwinding" not in sys.argv:
         atexit.register(slow_shutdown)
     args = hflight.TrainingArguments(
         output_dir=sys.argv[1], max_steps=4, per_device_train_batch_size=4, gradient_accumulation_steps=2,
         save_steps=10, report_to="none", disable_tqdm=True, dataloader_pin_memory=False,
     )  # fmt: skip
     trainer = hflight.Trainer(Factory.qa_model(), args, train_dataset=Factory.qa_dataset(16), callbacks=[SendSigint()])
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        if "--unwinding" in sys.argv:
+            os.kill(os.getpid(), signal.SIGINT)

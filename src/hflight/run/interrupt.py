@@ -332,8 +332,16 @@ def handed_over_signals(args: Any) -> tuple[int, ...]:
     return (signal.SIGTERM,) if args.enable_jit_checkpoint else ()
 
 
+#: seconds after a stop during which SIGTERM/SIGINT again is taken as a second stop request (then the handler before)
+AFTER_STOP_WINDOW = 10.0
+
+
 @contextlib.contextmanager
 def _handlers(handler: Any, signals: tuple[int, ...] = SIGNALS) -> Iterator[None]:
+    """``handler`` for ``signals`` for the duration (main thread only), the handlers before put back after; left by a
+    stop (:class:`TrainingInterrupted`), each signal's next arrival soon after is that stop's (:class:`_AfterStop`):
+    a second Ctrl-C 20 ms after the first, landing as the stop unwinds, ended the process with Python's raw
+    ``KeyboardInterrupt`` and status -2."""
     if not _main_thread():  # signal handlers can only be set from the main thread
         yield
         return
@@ -343,8 +351,32 @@ def _handlers(handler: Any, signals: tuple[int, ...] = SIGNALS) -> Iterator[None
     try:
         yield
     finally:
+        stop = sys.exc_info()[1]
         for signum, old in previous.items():
-            signal.signal(signum, old if old is not None else signal.SIG_DFL)
+            old = old if old is not None else signal.SIG_DFL
+            signal.signal(signum, _AfterStop(stop, old) if isinstance(stop, TrainingInterrupted) else old)
+
+
+class _AfterStop:
+    """A signal's handler while a stopped run unwinds: within :data:`AFTER_STOP_WINDOW` seconds, the signal again
+    raises the stop once more (its exit status, a line saying so); then, or later, the handler before comes back
+    (a notebook's kernel keeps its own Ctrl-C)."""
+
+    def __init__(self, stop: TrainingInterrupted, previous: Any) -> None:
+        self.stop, self.previous, self.at = stop, previous, time.monotonic()
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        signal.signal(signum, self.previous)
+        if time.monotonic() - self.at > AFTER_STOP_WINDOW:
+            if callable(self.previous):
+                self.previous(signum, frame)
+            elif self.previous == signal.SIG_DFL:
+                os.kill(os.getpid(), signum)
+            return
+        written = f"; {self.stop.checkpoint} was written before" if self.stop.checkpoint else ""
+        step = f" (after step {self.stop.global_step})" if self.stop.global_step is not None else ""
+        logger.warning(f"Training stopped at once by a second {signal_name(signum)}{step}{written}.")
+        raise self.stop
 
 
 @contextlib.contextmanager
