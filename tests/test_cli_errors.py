@@ -137,3 +137,40 @@ def test_a_signal_outside_of_training_is_recorded_and_exits_non_zero(cfg, tmp_pa
     assert stopped.value.code == 128 + signum
     assert (tmp_path / "error.txt").read_text().startswith(f"Terminated by {signal.Signals(signum).name} outside")
     assert signal.getsignal(signum) is before
+
+
+@pytest.mark.subprocess
+def test_ctrl_c_with_the_console_piped_to_a_tee_it_ends_keeps_the_stop_checkpoint(tmp_path):
+    """`python train.py ... | tee main.log`, then Ctrl-C: the terminal's SIGINT ends `tee` too, and the stop's save
+    wrote its progress bar into the dead pipe: the save failed ("writing config.json failed: broken pipe"), no resume
+    line was recorded, the steps since the last checkpoint lost. The console is best effort now: the stop's
+    checkpoint is written, error.txt gives the command that continues the run, and the status is 130."""
+    from .support import TINY
+
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    tiny = [o for o in TINY if not o.startswith(("args.num_train_epochs=", "args.disable_tqdm="))]
+    command = [sys.executable, str(REPO / "train.py"), *tiny, "args.num_train_epochs=200", "args.logging_steps=1",
+               f"hydra.run.dir={tmp_path}"]  # fmt: skip
+    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        seen = b""
+        while b"'loss'" not in seen:  # training has begun
+            line = proc.stdout.readline()
+            assert line, seen[-3000:].decode(errors="replace")
+            seen += line
+        proc.stdout.close()  # `tee` ends: the pipe's reader is gone
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=300) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    error = (tmp_path / "error.txt").read_text()
+    assert "Training stopped by SIGINT" in error and "To continue this run:" in error, error
+    assert "pipe" not in error.lower(), error
+    import re
+
+    from hflight.checkpoints.manifest import verify_checkpoint
+
+    (folder,) = re.findall(r"checkpoint saved in (\S+checkpoint-\d+)", error)
+    verify_checkpoint(folder, full=True)

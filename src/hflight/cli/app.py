@@ -39,6 +39,7 @@ from hflight.cli.jobs import (
 from hflight.cli.loggers import ConfigHyperparameters, ConfigToIntegrations, _close_loggers, logger_environment
 from hflight.cli.report import _draw_curves, format_metrics_table, optimized_value
 from hflight.cli.resume import _resume_from, finished_run, resume_arguments, resume_command, resume_point, resumed_step
+from hflight.cli.streams import best_effort_console
 from hflight.config import PRIMARY_CONFIG, VERSION_BASE, check_args_fields, check_args_overrides, hydra_config_path
 from hflight.run.console import command_line
 from hflight.run.interrupt import TrainingInterrupted, requeue_signal, signal_name, terminate_on_signals
@@ -235,6 +236,7 @@ def main(cfg: DictConfig | None = None) -> float | None:
     :func:`run`)."""
     if cfg is not None:
         return run(cfg)
+    best_effort_console()  # a console that goes (| tee ended by Ctrl-C) never fails the run; its log keeps all
     try:
         sys.argv[1:] = resume_arguments(sys.argv[1:])
         check_args_overrides(sys.argv[1:])  # before Hydra, which would advise adding an unknown field with +
