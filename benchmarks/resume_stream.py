@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -78,8 +79,13 @@ def _charged(cost_ms: float, produced: Produced):
     return produce
 
 
-def _generate(shards, columns, cost_ms, produced):
-    produce = _charged(cost_ms, produced)
+#: the generator's cost and counter, set by the process (not in gen_kwargs: a position is tied to those, and the
+#: training run and the resumed one charge differently)
+_GENERATOR: dict[str, Any] = {}
+
+
+def _generate(shards, columns):
+    produce = _charged(_GENERATOR["cost_ms"], _GENERATOR["produced"])
     for first, end in shards:
         for index in range(first, end):
             yield produce({name: values[index] for name, values in columns.items()})
@@ -106,8 +112,10 @@ def _stream(examples: int, cost_ms: float, source: str, out: str):
         stream = stream.map(_charged(cost_ms, produced))
     elif source == "generator":
         bounds = [(s * examples // SHARDS, (s + 1) * examples // SHARDS) for s in range(SHARDS)]
-        kwargs = {"shards": bounds, "columns": _windows(examples), "cost_ms": cost_ms, "produced": produced}
-        stream = datasets.IterableDataset.from_generator(_generate, gen_kwargs=kwargs)
+        _GENERATOR.update(cost_ms=cost_ms, produced=produced)
+        stream = datasets.IterableDataset.from_generator(
+            _generate, gen_kwargs={"shards": bounds, "columns": _windows(examples)}
+        )
     else:
         stream = datasets.Dataset.from_dict(_windows(examples)).to_iterable_dataset(num_shards=min(SHARDS, examples))
         stream = stream.map(_charged(cost_ms, produced))

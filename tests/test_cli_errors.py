@@ -174,3 +174,21 @@ def test_ctrl_c_with_the_console_piped_to_a_tee_it_ends_keeps_the_stop_checkpoin
 
     (folder,) = re.findall(r"checkpoint saved in (\S+checkpoint-\d+)", error)
     verify_checkpoint(folder, full=True)
+
+
+@pytest.mark.parametrize(
+    "token, said",
+    [
+        ("learning_rate=1e-4", r"learning_rate is not a key of the config: did you mean args.learning_rate=1e-4\?"),
+        ("+experiment=mcr", r"experiment=mcr: experiment has no option 'mcr' \(its options: .*\); did you mean mrc\?"),
+        ("trainer=ddpp", r"trainer=ddpp: trainer has no option .ddpp. .*did you mean ddp or ddp_cpu\?"),
+    ],
+)
+def test_the_command_line_says_what_a_slip_meant_before_hydra(token, said):
+    """A transformers user's reflex (a field without args.) and a misspelt option got Hydra's generic errors ("Key
+    'learning_rate' is not in struct", "Could not find 'experiment/mcr'")."""
+    from hflight.config import check_command_line
+
+    with pytest.raises(ValueError, match=said):
+        check_command_line([token])
+    check_command_line(["+experiment=mrc", "args.learning_rate=1e-4", "cpu_threads=1", "trainer=ddp"])

@@ -246,7 +246,7 @@ def test_a_position_that_does_not_fit_is_read_and_dropped_saying_why(tmp_path, s
         trainer, reads, _ = _resumed(tmp_path, stopped, dataset(), disable_tqdm=False, **settings)
     assert trainer.state.global_step == STEPS
     assert reads >= STOP * settings.get("per_device_train_batch_size", BATCH), "the trained batches are not read"
-    assert re.search(r"Reading and dropping the \d+ batches .* as transformers does: .*" + why, caplog.text)
+    assert re.search(r"reading and dropping the \d+ batches .* as transformers does: .*" + why, caplog.text)
 
 
 def test_a_map_style_position_continues_another_dataset_as_transformers_and_a_stream_in_its_place(tmp_path):

@@ -120,7 +120,10 @@ def test_the_recipe_streams_its_pairs_and_resume_continues_the_stream_without_re
             path.unlink()
     assert (run / "checkpoint-8" / "data_position.pt").is_file()
     done = _run(f"resume={run}", "args.log_level=info", cwd=tmp_path)
-    assert f"Continuing the training data where {run / 'checkpoint-8'} left it" in done.stdout + done.stderr
+    assert (
+        f"Continuing training from {run / 'checkpoint-8'} at global step 8: the training data continues from its "
+        "position" in done.stdout + done.stderr
+    )
     theirs, ours = (
         json.loads((folder / "trainer_state.json").read_text()) for folder in (tmp_path / "uninterrupted", run)
     )

@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import importlib
@@ -53,6 +54,7 @@ __all__ = [
     "ModelArguments",
     "check_args_fields",
     "check_args_overrides",
+    "check_command_line",
     "compose",
     "find_config_dir",
     "register_configs",
@@ -271,6 +273,55 @@ def check_args_overrides(overrides: Iterable[str]) -> None:
     """
     keys = [token.split("=", 1)[0].lstrip("+~") for token in overrides if not token.startswith("-")]
     check_args_fields([key.split(".")[1] for key in keys if key.startswith("args.")])
+
+
+def check_command_line(overrides: Iterable[str], config_dir: str | os.PathLike | None = None) -> None:
+    """:func:`check_args_overrides`, and two slips Hydra's command line answers with its generic errors: a field of
+    ``TrainingArguments`` given without ``args.`` (``learning_rate=1e-4``: "did you mean args.learning_rate?"), and
+    an option a config group does not have (``+experiment=mcr``: "did you mean mrc?").
+
+    Raises:
+        ValueError: naming the slip and what was meant.
+    """
+    overrides = list(overrides)
+    check_args_overrides(overrides)
+    tokens = [token for token in overrides if not token.startswith("-") and "=" in token]
+    try:
+        directory = find_config_dir(config_dir)
+    except FileNotFoundError:
+        return
+    fields = {f.name for f in dataclasses.fields(TrainingArguments) if f.init}
+    top = _top_level_keys(directory)
+    for token in tokens:
+        key, value = token.split("=", 1)
+        key = key.lstrip("+~")
+        if "." not in key and key in fields and key not in top:
+            raise ValueError(f"{key} is not a key of the config: did you mean args.{key}={value}? (TrainingArguments' "
+                             "fields are under args)")  # fmt: skip
+        _check_group_option(directory, key, value)
+
+
+def _top_level_keys(directory: Path) -> set[str]:
+    """The primary config's own keys and its config groups (the folders of the tree)."""
+    from omegaconf import OmegaConf
+
+    keys = {path.name for path in directory.iterdir() if path.is_dir()}
+    with contextlib.suppress(Exception):
+        keys |= set(OmegaConf.load(directory / f"{PRIMARY_CONFIG}.yaml").keys())
+    return keys
+
+
+def _check_group_option(directory: Path, group: str, option: str) -> None:
+    """``group=option`` names a config of the group (a folder of the tree), or a ``ValueError`` with the closest."""
+    folder = directory / group
+    if "." in group or not folder.is_dir() or not option or option in ("null", "None") or "," in option:
+        return
+    options = sorted(path.stem for path in folder.glob("*.yaml"))
+    if option in options or (folder / option).is_dir() or not options:
+        return
+    close = difflib.get_close_matches(option, options, n=2, cutoff=0.5)
+    guess = f"; did you mean {' or '.join(close)}?" if close else ""
+    raise ValueError(f"{group}={option}: {group} has no option {option!r} (its options: {', '.join(options)}){guess}")
 
 
 def compose(

@@ -40,7 +40,7 @@ from hflight.cli.loggers import ConfigHyperparameters, ConfigToIntegrations, _cl
 from hflight.cli.report import _draw_curves, format_metrics_table, optimized_value
 from hflight.cli.resume import _resume_from, finished_run, resume_arguments, resume_command, resume_point, resumed_step
 from hflight.cli.streams import best_effort_console
-from hflight.config import PRIMARY_CONFIG, VERSION_BASE, check_args_fields, check_args_overrides, hydra_config_path
+from hflight.config import PRIMARY_CONFIG, VERSION_BASE, check_args_fields, check_command_line, hydra_config_path
 from hflight.run.console import command_line
 from hflight.run.interrupt import TrainingInterrupted, requeue_signal, signal_name, terminate_on_signals
 from hflight.sweeps.trial import JobPruned, job_in_worker_process
@@ -239,7 +239,7 @@ def main(cfg: DictConfig | None = None) -> float | None:
     best_effort_console()  # a console that goes (| tee ended by Ctrl-C) never fails the run; its log keeps all
     try:
         sys.argv[1:] = resume_arguments(sys.argv[1:])
-        check_args_overrides(sys.argv[1:])  # before Hydra, which would advise adding an unknown field with +
+        check_command_line(sys.argv[1:])  # before Hydra: an unknown field (it would advise +), a slip's meaning
     except ValueError as exc:
         raise SystemExit(f"hflight-train: {exc}") from None
     return _hydra_main()

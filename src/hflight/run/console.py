@@ -53,11 +53,10 @@ def set_process_log_level(args: Any) -> None:
     hf_logging.set_verbosity(args.get_process_log_level())
 
 
-def training_started(
-    args: Any, plan: Any, model: Any, resumed_at: int | None, epochs_trained: int, skipped: int, data: str = ""
-) -> None:
+def training_started(args: Any, plan: Any, model: Any, resumed_at: int | None, data: str = "") -> None:
     """The "***** Running training *****" block, before the first step; ``resumed_at``: the global step a resumed
-    run continues from (None for a fresh run); ``data``: where its data continues, when not transformers' line."""
+    run continues from (None for a fresh run); ``data``: its line (the checkpoint, the step, how the data is taken
+    up: ``hflight.run.position.describe_start``)."""
     logger.info("***** Running training *****")
     logger.info(f"  Num examples = {plan.num_examples:,}")
     logger.info(f"  Num Epochs = {plan.num_train_epochs:,}")
@@ -67,15 +66,8 @@ def training_started(
     logger.info(f"  Gradient Accumulation steps = {args.gradient_accumulation_steps}")
     logger.info(f"  Total optimization steps = {plan.max_steps:,}")
     logger.info(f"  Number of trainable parameters = {get_model_param_count(model, trainable_only=True):,}")
-    if resumed_at is not None:
-        logger.info(f"  Resuming training from checkpoint with epoch {epochs_trained} and global step {resumed_at}")
-        if data:
-            logger.info(data)
-        elif not args.ignore_data_skip:
-            logger.info(
-                f"  Fast-forwarding the dataloader past {epochs_trained} epochs and {skipped} batches to resume from "
-                "the exact training state."
-            )
+    if resumed_at is not None:  # one line: the checkpoint, the step, how the data is taken up
+        logger.info(f"  {data}")
 
 
 def training_completed() -> None:

@@ -256,7 +256,7 @@ class StopRequest:
         self.handed_over = {signum: signal.getsignal(signum) for signum in handed_over} if _main_thread() else {}
         self.requeue_signal = requeue_signal
         extra = (requeue_signal,) if requeue_signal is not None and requeue_signal not in SIGNALS else ()
-        with _handlers(self, (*SIGNALS, *extra)), sigterm_exits_non_zero("Training"):
+        with _handlers(self, (*SIGNALS, *extra), after_stop=True), sigterm_exits_non_zero("Training"):
             yield self
         if self.signum is not None:  # arrived after the last step boundary: training had finished
             message = (
@@ -337,11 +337,11 @@ AFTER_STOP_WINDOW = 10.0
 
 
 @contextlib.contextmanager
-def _handlers(handler: Any, signals: tuple[int, ...] = SIGNALS) -> Iterator[None]:
-    """``handler`` for ``signals`` for the duration (main thread only), the handlers before put back after; left by a
-    stop (:class:`TrainingInterrupted`), each signal's next arrival soon after is that stop's (:class:`_AfterStop`):
-    a second Ctrl-C 20 ms after the first, landing as the stop unwinds, ended the process with Python's raw
-    ``KeyboardInterrupt`` and status -2."""
+def _handlers(handler: Any, signals: tuple[int, ...] = SIGNALS, after_stop: bool = False) -> Iterator[None]:
+    """``handler`` for ``signals`` for the duration (main thread only), the handlers before put back after; with
+    ``after_stop`` (training's), left by a stop (:class:`TrainingInterrupted`), each signal's next arrival soon after is
+    that stop's (:class:`_AfterStop`): a second Ctrl-C 20 ms after the first, landing as the stop unwinds, ended the
+    process with Python's raw ``KeyboardInterrupt`` and status -2."""
     if not _main_thread():  # signal handlers can only be set from the main thread
         yield
         return
@@ -351,7 +351,7 @@ def _handlers(handler: Any, signals: tuple[int, ...] = SIGNALS) -> Iterator[None
     try:
         yield
     finally:
-        stop = sys.exc_info()[1]
+        stop = sys.exc_info()[1] if after_stop else None
         for signum, old in previous.items():
             old = old if old is not None else signal.SIG_DFL
             signal.signal(signum, _AfterStop(stop, old) if isinstance(stop, TrainingInterrupted) else old)

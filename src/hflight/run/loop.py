@@ -122,8 +122,8 @@ class TrainingLoop:
         self._start_bookkeeping()
         self.epochs_offset, self.resumed_batches = start.epoch, start.batches
         resumed_at = facade.state.global_step if run.resume is not None else None
-        data = describe_start(start, run.resume.folder) if run.resume is not None else ""
-        console.training_started(facade.args, plan, facade.model, resumed_at, start.epoch, start.batches, data)
+        data = describe_start(start, run.resume.folder, resumed_at) if run.resume is not None else ""
+        console.training_started(facade.args, plan, facade.model, resumed_at, data)
         folders.clean_output_dir(facade.args, run.resume.folder if run.resume is not None else None)
         return -1 if plan.unbounded else plan.num_train_epochs - start.epoch
 
@@ -144,7 +144,7 @@ class TrainingLoop:
             start = start if replica == 0 else first
         if start.how == "read" and run.resume.data_position is not None:
             process = f" (data-parallel replica {replica})" if replicas > 1 else ""
-            logger.warning(f"{run.resume.folder}{process}: {describe_start(start, run.resume.folder).strip()}")
+            logger.warning(describe_start(start, run.resume.folder, step) + process)
         return start
 
     def trained_through(self, position: dict[str, Any] | None) -> None:

@@ -220,15 +220,24 @@ def rejected(start: Start, exc: Exception) -> ValueError:
     )
 
 
-def describe_start(start: Start, folder: str) -> str:
-    """The console's line for how the data is taken up."""
+def describe_start(start: Start, folder: str, step: int) -> str:
+    """The one line that says what a resumed run continues from: the checkpoint, the step, and how the data is taken
+    up (from its position, read and dropped and why, by the sampler, or started over)."""
+    head = f"Continuing training from {folder} at global step {step}: "
     if start.restored:
-        return (f"  Continuing the training data where {folder} left it (pass {start.epoch}, {start.batches} batches "
-                "in): nothing already trained is read again.")  # fmt: skip
+        where = (
+            f"pass {start.epoch}, {start.batches} batches in" if start.batches else f"the start of pass {start.epoch}"
+        )
+        return head + f"the training data continues from its position ({where}); nothing already trained is read again."
     if start.reading:
-        return (f"  Reading and dropping the {start.batches} batches of pass {start.epoch} trained before the "
-                f"checkpoint, as transformers does: {start.why} (ignore_data_skip=True starts the pass's data over "
-                "instead).")  # fmt: skip
+        return head + (f"reading and dropping the {start.batches} batches of pass {start.epoch} trained before it, as "
+                       f"transformers does: {start.why} (ignore_data_skip=True starts the pass's data over "
+                       "instead).")  # fmt: skip
     if start.how == "read":
-        return f"  The data continues with pass {start.epoch} ({start.why})."
-    return ""
+        return head + f"the data continues with pass {start.epoch} ({start.why})."
+    if start.how == "sampler" and start.batches:
+        return head + (f"the sampler skips the {start.batches} batches of epoch {start.epoch} trained before it (their "
+                       "samples are not read).")  # fmt: skip
+    if start.how == "sampler":
+        return head + f"epoch {start.epoch} begins."
+    return head + f"the data of epoch {start.epoch} starts over (ignore_data_skip=True)."
