@@ -24,6 +24,7 @@ default) the CPU time is the work done.
     python benchmarks/loop_overhead.py                        # 3 rounds, every mode, batch 1, 2 and 16
     python benchmarks/loop_overhead.py --rounds 5 --modes evaluate predict --batch-sizes 2
     python benchmarks/loop_overhead.py --modes train --stream   # the rows as a datasets stream (its position kept)
+    python benchmarks/loop_overhead.py --modes evaluate --batch-sizes 2 16 --busy 1   # a busy neighbour beside
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import math
 import multiprocessing
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -369,6 +371,11 @@ def report(opts, configurations, figures, load_start) -> None:
             cells = [f"{ms[n]:7.2f} ({extra[n]:+5.2f})" for n in ("transformers", "hflight")]
             print(f"{mode:9} {batch_size:>5} {ms['plain']:8.2f} {cells[0]:>14} {cells[1]:>14} "
                   f"{ratio['hflight', 'transformers']:7.3f} {ratio['hflight', 'plain']:9.3f}")  # fmt: skip
+    print("\nhf/tr per round (min-max over the rounds):")
+    for mode, batch_size in configurations:
+        rounds = figures[(mode, batch_size)]
+        each = sorted(r["hflight"][0] / r["transformers"][0] for r in rounds)
+        print(f"{mode:9} {batch_size:>5}  wall-clock {each[0]:.3f}-{each[-1]:.3f}")
     print("\ntargets: hflight <= transformers (hf/tr <= 1.00) and within 1 ms per step of the plain loop")
 
 
@@ -386,6 +393,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--stream", action="store_true", help="train on the rows as a datasets stream")
+    parser.add_argument("--busy", type=int, default=0, help="processes that keep a core busy beside the runners")
     opts = parser.parse_args()
     if opts.steps < 2 or opts.warmup < 1 or opts.calls < 1 or opts.rounds < 1:
         parser.error("--steps must be >= 2, --warmup, --calls and --rounds >= 1")
@@ -395,6 +403,17 @@ def main() -> None:
     print(f"model: GPT-2 hidden {opts.hidden}, {opts.layers} layers, vocab {opts.vocab}, {opts.seq_len} tokens a row; "
           f"{opts.steps} timed steps (training: +{opts.warmup} warm-up), {opts.calls} evaluation calls per trainer, "
           f"runners in lockstep{'; training on a datasets stream' if opts.stream else ''}")  # fmt: skip
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(opts.busy)]
+    if busy:
+        print(f"{opts.busy} busy process(es) beside the runners (a neighbour on a shared machine)")
+    try:
+        _measure(opts, configurations)
+    finally:
+        for process in busy:
+            process.kill()
+
+
+def _measure(opts, configurations) -> None:
     load_start = os.getloadavg()
     ctx = multiprocessing.get_context("spawn")
     baton, results = PhasedBaton(ctx, RUNNERS), ctx.Queue()
