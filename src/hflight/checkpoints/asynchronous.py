@@ -166,6 +166,29 @@ class CheckpointWriter:
                              on_save_follows=on_save_follows, process=self._process)  # fmt: skip
 
     # ---- the snapshot ----------------------------------------------------------------------------------------------
+    def prepare(self, tensors: Any, to_come: int | None) -> None:
+        """Before the run's first checkpoint (the loop calls it once the state exists, after its first optimizer step):
+        the staging area made for ``tensors`` (the model's and optimizer's, each storage once, 64-byte aligned) by a
+        thread of its own, its pages present, so that the first checkpoint copies into it as the later ones do
+        rather than into fresh memory, faulting its pages in on the loop's thread. ``to_come``: the checkpoints that
+        will copy the state (none: no area). A state that turns out larger overflows as before."""
+        if not self.asynchronous or self._area is not None or self._allocating is not None or to_come == 0:
+            return
+        storages, pinned = {}, False
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor) and _stageable(tensor):
+                storage = tensor.untyped_storage()
+                storages[storage._cdata] = storage.nbytes()
+                pinned = pinned or _on_gpu(tensor)
+        end = sum(storages.values()) + ALIGNMENT * len(storages)  # whatever order the snapshots lay them out in
+        if not storages:
+            return
+        self._to_come = to_come
+        shared = self._process_worth_it(end)
+        self._area_pinned = self._pinned = pinned
+        self._allocating = allocation = _Allocation(lambda: self._area_memory(end, pinned, shared), end)
+        threading.Thread(target=allocation.prepare, name="hflight-staging-area", daemon=True).start()
+
     @property
     def snapshot_bytes(self) -> int:
         """The host memory the snapshots hold: the staging area, and the overflow buffers of a checkpoint whose
@@ -590,6 +613,11 @@ class _Allocation:
             if self._memory is None:
                 self._memory = self._allocate()
             return self._memory
+
+    def prepare(self) -> None:
+        """:meth:`result`, on a thread of its own (a failure is raised where the area is taken)."""
+        with contextlib.suppress(Exception):
+            self.result()
 
 
 def _storage_over(buffer: Any, at: int, nbytes: int) -> Any:

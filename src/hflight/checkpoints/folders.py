@@ -43,7 +43,7 @@ from transformers.utils import logging as hf_logging
 from hflight import durable
 from hflight._util import sharded_at_load
 from hflight.checkpoints.files import IncompleteCheckpointError
-from hflight.checkpoints.forms import NotGathered, background_refusal
+from hflight.checkpoints.forms import NotGathered, ProcessZeroState, background_refusal
 from hflight.checkpoints.job import CheckpointJob, CheckpointWriteError, write_error
 from hflight.checkpoints.manifest import (
     MANIFEST_FORMAT,
@@ -345,13 +345,30 @@ def _overrides_save_checkpoint(facade: TrainerSurface) -> bool:
     return not getattr(getattr(method, "__func__", method), "__module__", "").startswith("hflight.")
 
 
+def prepare_staging(facade: TrainerSurface, run: RunView) -> None:
+    """``save_async``, once the run's state exists (its first optimizer step): the staging area made before the first
+    checkpoint (``CheckpointWriter.prepare``), for the model's and optimizer's tensors, where the state is the
+    process's own (a sharded or engine-held state is laid out by its first checkpoint)."""
+    writer, args = run.checkpoint_writer, facade.args
+    if not writer.asynchronous or args.save_strategy == "no" or not args.should_save:
+        return
+    if not isinstance(run.backend.hf_checkpoint_state(), ProcessZeroState):
+        return
+    to_come = _checkpoints_to_come(args, facade.state)
+    tensors = [*facade.model.state_dict().values()]
+    optimizer = facade.optimizer
+    if optimizer is not None:
+        tensors += [value for entry in optimizer.state.values() for value in entry.values()]
+    writer.prepare(tensors, to_come)
+
+
 def _checkpoints_to_come(args: Any, state: Any) -> int | None:
     """How many checkpoints the run saves after this one at ``save_steps`` before its last step (whose checkpoint,
     ending training, is written from the state itself); None where that is not known ahead (an epoch or best-metric
     strategy, a callback's ``should_save``)."""
     if args.save_strategy != "steps" or not state.save_steps or not state.max_steps:
         return None
-    return max(state.max_steps - 1 - state.global_step, 0) // state.save_steps
+    return max((state.max_steps - 1) // state.save_steps - state.global_step // state.save_steps, 0)
 
 
 def _fit_running(run: RunView) -> bool:

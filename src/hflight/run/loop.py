@@ -290,6 +290,8 @@ class TrainingLoop:
         # it runs it first: :meth:`_finish_pending_epoch`).
         self.epoch_end_pending = step_in_epoch + 1 >= self.plan.steps_in_epoch or facade.control.should_epoch_stop
         dispatch(facade, "on_step_end")
+        if facade.state.global_step == self.initial_global_step + 1:  # the state exists: save_async's area made
+            folders.prepare_staging(facade, self.run)
         self.epoch_end_pending = self.epoch_end_pending or facade.control.should_epoch_stop
         self.maybe_log_save_evaluate()
         if not facade.control.should_training_stop:  # training ends after this epoch's end: the stop waits for it
