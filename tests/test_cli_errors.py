@@ -182,6 +182,7 @@ def test_ctrl_c_with_the_console_piped_to_a_tee_it_ends_keeps_the_stop_checkpoin
         ("learning_rate=1e-4", r"learning_rate is not a key of the config: did you mean args.learning_rate=1e-4\?"),
         ("+experiment=mcr", r"experiment=mcr: experiment has no option 'mcr' \(its options: .*\); did you mean mrc\?"),
         ("trainer=ddpp", r"trainer=ddpp: trainer has no option .ddpp. .*did you mean ddp or ddp_cpu\?"),
+        ("hydra/launcher=joblb", r"hydra/launcher has no option 'joblb' \(its options: .*joblib.*\); did you mean joblib"),
     ],
 )
 def test_the_command_line_says_what_a_slip_meant_before_hydra(token, said):
@@ -192,3 +193,18 @@ def test_the_command_line_says_what_a_slip_meant_before_hydra(token, said):
     with pytest.raises(ValueError, match=said):
         check_command_line([token])
     check_command_line(["+experiment=mrc", "args.learning_rate=1e-4", "cpu_threads=1", "trainer=ddp"])
+
+
+def test_the_command_line_check_knows_the_options_hydra_finds(tmp_path):
+    """Options that are not files of hflight's tree are options all the same: plugins' configs (the joblib launcher,
+    Optuna's pruners) and a user's ``--config-dir`` (CI's README sweep and the wheel's own config dir were refused)."""
+    from hflight.config import check_command_line
+
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "mine.yaml").write_text("# @package _global_\n", encoding="utf-8")
+    check_command_line(["+experiment=mrc", "hydra/launcher=joblib", "+hydra/sweeper/pruner=median"])
+    check_command_line(["hydra/launcher=submitit_local"])
+    check_command_line(["--config-dir", str(tmp_path), "+experiment=mine"])
+    check_command_line([f"--config-dir={tmp_path}", "+experiment=mine"])
+    with pytest.raises(ValueError, match="did you mean mine"):
+        check_command_line(["--config-dir", str(tmp_path), "+experiment=mien"])

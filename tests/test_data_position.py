@@ -269,7 +269,7 @@ def test_a_position_its_dataset_refuses_is_read_and_dropped_with_a_warning(tmp_p
     _run(tmp_path / "run", CountedStream(), stop_at=STOP)
     monkeypatch.setattr(CountedStream, "load_state_dict", refuse)
     resumed, reads, resumed_losses = _run(tmp_path / "run", CountedStream(), resume=str(tmp_path / "run/checkpoint-30"))
-    assert "its dataset refused the state saved there (KeyError" in caplog.text
+    assert "dataset refused the checkpoint's data position (KeyError" in caplog.text
     assert reads >= STEPS * BATCH and _same_weights(full, resumed) and resumed_losses[-10:] == losses[STOP:]
 
 
@@ -419,6 +419,7 @@ def test_a_tensor_parallel_run_takes_up_its_replicas_position():
                                   train_dataset=stream)  # fmt: skip
     loop.run = SimpleNamespace(world=world, resume=SimpleNamespace(folder="checkpoint-6", data_position=saved))
     loop.plan = SimpleNamespace(resume_position=lambda step, ignore: (0, step))
+    loop.tracker = SimpleNamespace(dataset=described)
     start = loop._data_start(loader)
     assert (start.how, start.batches, start.state) == ("position", 6, {"replica": 1})
 

@@ -132,13 +132,16 @@ def oracle(tmp_path_factory) -> Path:
     return out
 
 
-CELLS = {"dispatched": True, "per_process": True, "per_process_own_files": True, "per_process_torch": False}
+CELLS = {"dispatched": True, "per_process": True, "per_process_own_files": True, "per_process_torch": False,
+         "dispatched_refusing": False}  # fmt: skip
 
 
 @pytest.mark.parametrize("cell", list(CELLS))
 def test_every_resume_on_two_processes_trains_the_uninterrupted_runs_examples(oracle, cell):
     """Each process's ids, step for step, at each of three chained resumes; from their position (reading only the
-    remaining steps' examples) where the stream has a state, else read and dropped."""
+    remaining steps' examples) where the stream has a state, else read and dropped; a dispatched stream whose dataset
+    refuses the position (at its first example) is read and dropped by process 0 alone (the other process took the
+    dropped batches for its own and the run hung)."""
     import trained_ids
 
     remaining = [(trained_ids.STEPS - at) * trained_ids.BATCH for at in (8, 16, 24)]

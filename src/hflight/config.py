@@ -35,7 +35,7 @@ import difflib
 import importlib
 import os
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -278,7 +278,8 @@ def check_args_overrides(overrides: Iterable[str]) -> None:
 def check_command_line(overrides: Iterable[str], config_dir: str | os.PathLike | None = None) -> None:
     """:func:`check_args_overrides`, and two slips Hydra's command line answers with its generic errors: a field of
     ``TrainingArguments`` given without ``args.`` (``learning_rate=1e-4``: "did you mean args.learning_rate?"), and
-    an option a config group does not have (``+experiment=mcr``: "did you mean mrc?").
+    an option a config group does not have (``+experiment=mcr``: "did you mean mrc?"). A group's options are the ones
+    Hydra itself would find: the config tree, ``--config-dir`` folders, and plugins' configs (``hydra/launcher=joblib``).
 
     Raises:
         ValueError: naming the slip and what was meant.
@@ -298,7 +299,53 @@ def check_command_line(overrides: Iterable[str], config_dir: str | os.PathLike |
         if "." not in key and key in fields and key not in top:
             raise ValueError(f"{key} is not a key of the config: did you mean args.{key}={value}? (TrainingArguments' "
                              "fields are under args)")  # fmt: skip
-        _check_group_option(directory, key, value)
+    if any(token.split("=", 1)[0].lstrip("+~") == "hydra.searchpath" for token in tokens):
+        return  # folders added by an override: Hydra's own error is the only reliable one
+    options = _group_options(directory, _config_dir_arguments(overrides))
+    if options is None:
+        return
+    for token in tokens:
+        key, value = token.split("=", 1)
+        _check_group_option(options, key.lstrip("+~"), value)
+
+
+def _config_dir_arguments(arguments: Sequence[str]) -> list[str]:
+    """The folders named by ``--config-dir``/``-cd`` (``--config-dir X`` or ``--config-dir=X``)."""
+    found = []
+    for index, argument in enumerate(arguments):
+        name, _, value = argument.partition("=")
+        if name in ("--config-dir", "-cd"):
+            if value:
+                found.append(value)
+            elif index + 1 < len(arguments):
+                found.append(arguments[index + 1])
+    return found
+
+
+def _group_options(directory: Path, extra: Sequence[str]) -> Callable[[str], list[str] | None] | None:
+    """A function giving a config group's options as Hydra finds them (``None``: not a group), or ``None`` when
+    Hydra's loader cannot be asked (then nothing is checked here and Hydra's own error stands)."""
+    try:
+        from hydra._internal.config_loader_impl import ConfigLoaderImpl
+        from hydra._internal.utils import create_config_search_path
+        from hydra.core.object_type import ObjectType
+
+        search_path = create_config_search_path(str(directory))
+        for folder in extra:
+            search_path.prepend("command-line", f"file://{os.path.abspath(folder)}")
+        loader = ConfigLoaderImpl(config_search_path=search_path)
+    except Exception:  # noqa: BLE001 - a check before Hydra; Hydra reports whatever stops it here
+        return None
+
+    def options(group: str) -> list[str] | None:
+        try:
+            if not loader.repository.group_exists(group):
+                return None
+            return sorted(loader.get_group_options(group, results_filter=ObjectType.CONFIG))
+        except Exception:  # noqa: BLE001
+            return None
+
+    return options
 
 
 def _top_level_keys(directory: Path) -> set[str]:
@@ -311,17 +358,18 @@ def _top_level_keys(directory: Path) -> set[str]:
     return keys
 
 
-def _check_group_option(directory: Path, group: str, option: str) -> None:
-    """``group=option`` names a config of the group (a folder of the tree), or a ``ValueError`` with the closest."""
-    folder = directory / group
-    if "." in group or not folder.is_dir() or not option or option in ("null", "None") or "," in option:
+def _check_group_option(options: Callable[[str], list[str] | None], group: str, option: str) -> None:
+    """``group=option`` names a config of the group, or a ``ValueError`` with the closest."""
+    if "." in group or not option or option in ("null", "None") or "," in option or "(" in option:
         return
-    options = sorted(path.stem for path in folder.glob("*.yaml"))
-    if option in options or (folder / option).is_dir() or not options:
+    known = options(group)
+    if not known or option in known or any(name.startswith(f"{option}/") for name in known):
         return
-    close = difflib.get_close_matches(option, options, n=2, cutoff=0.5)
+    if options(f"{group}/{option}") is not None:
+        return  # a folder of the group
+    close = difflib.get_close_matches(option, known, n=2, cutoff=0.5)
     guess = f"; did you mean {' or '.join(close)}?" if close else ""
-    raise ValueError(f"{group}={option}: {group} has no option {option!r} (its options: {', '.join(options)}){guess}")
+    raise ValueError(f"{group}={option}: {group} has no option {option!r} (its options: {', '.join(known)}){guess}")
 
 
 def compose(

@@ -120,6 +120,26 @@ class StatefulStream(PlainStream):
         self.position = dict(state)
 
 
+class RefusingStream(StatefulStream):
+    """A stream whose dataset refuses every saved position (its data changed, say): in ``load_state_dict``, or
+    ``lazy``: at its first example, keeping the state for its next iteration as a ``datasets`` stream does (in its
+    ``_starting_state_dict``)."""
+
+    def __init__(self, n: int = N, lazy: bool = False) -> None:
+        super().__init__(n)
+        self.lazy, self._starting_state_dict = lazy, None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not self.lazy:
+            raise ValueError("this position is not one of this stream's")
+        self._starting_state_dict = state
+
+    def __iter__(self):
+        if self._starting_state_dict is not None:
+            raise ValueError("this position is not one of this stream's")
+        yield from super().__iter__()
+
+
 class Unhashable:
     """A ``map`` function datasets cannot hash (a lock inside): the mapped dataset gets a random fingerprint."""
 
@@ -160,8 +180,9 @@ def source(kind: str, n: int = N, shards: int = 4, files: Path | None = None) ->
 
     ``generator`` (``IterableDataset.from_generator``, its shards in gen_kwargs), ``torch`` (no state),
     ``torch_state``, ``torch_live`` (``state_dict()`` returns its live dict), ``torch_numpy`` (a numpy integer in its
-    state), ``map`` (``Dataset.to_iterable_dataset().map()``), ``unhashable_map`` (``Dataset.map`` with a function
-    datasets cannot hash, then ``to_iterable_dataset``), ``json`` (``load_dataset("json", streaming=True)`` of the
+    state), ``torch_refusing`` and ``torch_refusing_lazy`` (every position refused: :class:`RefusingStream`), ``map``
+    (``Dataset.to_iterable_dataset().map()``), ``unhashable_map`` (``Dataset.map`` with a function datasets cannot
+    hash, then ``to_iterable_dataset``), ``json`` (``load_dataset("json", streaming=True)`` of the
     files in ``files``), ``json_converted`` (``load_dataset("json")`` of them, then ``to_iterable_dataset``),
     ``shuffle`` (``shuffle(seed, buffer_size=32)``), ``interleave`` (``interleave_datasets`` of two halves),
     ``filter`` (ids that are multiples of 5 dropped), ``batch`` (pairs: :func:`pairs` collates them), ``skip_take``."""
@@ -171,6 +192,8 @@ def source(kind: str, n: int = N, shards: int = 4, files: Path | None = None) ->
         return PlainStream(n)
     if kind in ("torch_state", "torch_live", "torch_numpy"):
         return StatefulStream(n, live=kind == "torch_live", numpy=kind == "torch_numpy")
+    if kind in ("torch_refusing", "torch_refusing_lazy"):
+        return RefusingStream(n, lazy=kind == "torch_refusing_lazy")
     if kind == "generator":
         parts = [list(range(s * n // shards, (s + 1) * n // shards)) for s in range(shards)]
         stream = datasets.IterableDataset.from_generator(_generate, gen_kwargs={"shards": parts})
@@ -308,6 +331,7 @@ CELLS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "per_process": ("map", "split", {"accelerator_config": {"dispatch_batches": False}}),
     "per_process_own_files": ("json", "own", {"accelerator_config": {"dispatch_batches": False}}),
     "per_process_torch": ("torch_state", "shared", {"accelerator_config": {"dispatch_batches": False}}),
+    "dispatched_refusing": ("torch_refusing_lazy", "shared", {}),
 }
 
 

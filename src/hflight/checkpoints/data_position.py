@@ -112,36 +112,55 @@ def _source(dataset: Any) -> list[Any] | None:
     return found
 
 
-def _identity(value: Any) -> Any:
+#: of a list of source datasets or files, how many have their content read (the first, the last, evenly between):
+#: the others are told by their size (a resume and a training start read a few rows, not every shard's)
+_CONTENT_SAMPLES = 8
+
+
+def _identity(value: Any, content: bool = True) -> Any:
     """What a pipeline node reads, by content rather than by place: a ``datasets.Dataset`` by its rows (its
     fingerprint is random where datasets could not hash a ``map`` function, and tied to its files' paths), a local file
-    by its name, size and ends (the same data staged to another folder is the same data)."""
+    by its name, size and ends (the same data staged to another folder is the same data); ``content``: read (else
+    its size alone: in a list, :data:`_CONTENT_SAMPLES` of the items are read)."""
     if hasattr(value, "_fingerprint") and hasattr(value, "num_rows"):
-        return _rows_identity(value)
+        return _rows_identity(value) if content else ["rows", value.num_rows]
     if isinstance(value, (list, tuple)) or type(value).__name__ == "DataFilesList":
-        return [_identity(each) for each in list(value)[:1000]]
+        items = list(value)[:1000]
+        read = {round(i * (len(items) - 1) / max(_CONTENT_SAMPLES - 1, 1)) for i in range(_CONTENT_SAMPLES)}
+        return [_identity(each, content and index in read) for index, each in enumerate(items)]
     if isinstance(value, str) and os.path.isfile(value):
-        return _file_identity(value)
+        return _file_identity(value, content)
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     return type(value).__name__
 
 
 def _rows_identity(dataset: Any) -> list[Any]:
-    """A ``datasets.Dataset``: its number of rows, features and a digest of its first, middle and last rows."""
+    """A ``datasets.Dataset``: its number of rows, features and a digest of its first, middle and last rows as Arrow
+    stores them (decoded values, an image's, say, may print differently each time)."""
     rows = dataset.num_rows
     picked = sorted({0, rows // 2, rows - 1}) if rows else []
-    text = json.dumps([repr(dataset.features), [dataset[index] for index in picked]], sort_keys=True, default=str)
-    return ["rows", rows, _digest(text)]
+    digest = _digest(repr(dataset.features))
+    if picked:
+        import pyarrow as pa
+
+        table = dataset.with_format("arrow")[picked]
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+        digest = _digest(digest + sink.getvalue().to_pybytes().hex())
+    return ["rows", rows, digest]
 
 
-def _file_identity(path: str) -> list[Any]:
-    """A local file: its name, size and a digest of its first and last 64 KiB."""
+def _file_identity(path: str, content: bool = True) -> list[Any]:
+    """A local file: its name, size and (``content``) a digest of its first and last 4 KiB."""
     size = os.path.getsize(path)
+    if not content:
+        return ["file", os.path.basename(path), size]
     with open(path, "rb") as file:
-        head = file.read(1 << 16)
-        file.seek(max(size - (1 << 16), 0))
-        tail = file.read(1 << 16)
+        head = file.read(1 << 12)
+        file.seek(max(size - (1 << 12), 0))
+        tail = file.read(1 << 12)
     import xxhash
 
     return ["file", os.path.basename(path), size, xxhash.xxh3_64_hexdigest(head + tail)]

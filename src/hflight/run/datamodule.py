@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import logging
 from collections.abc import Callable, Iterator, Mapping, Sized
 from dataclasses import dataclass
 from typing import Any
@@ -43,8 +42,6 @@ from hflight.run.samplers import (  # noqa: F401 (EpochSeededRandomSampler, Shar
     check_even_shards,
 )
 from hflight.surface import RunView, TrainerSurface
-
-logger = logging.getLogger(__name__)
 
 
 def set_loader_epoch(loader: Any, epoch: int) -> None:
@@ -161,8 +158,8 @@ class AccumulationCycles:
         is created at an epoch boundary; mid-epoch, the iterator is created from the streams the epoch began with, so
         that it draws the same order (a sampler on torch's global generator, a loader's base seed), when the
         checkpoint recorded them, and the checkpoint's are set back after the trained batches (:meth:`__iter__`). A
-        loader that cannot continue from a position (not one hflight prepared), or whose dataset refuses the
-        checkpoint's state, reads and drops the trained batches instead."""
+        loader that cannot continue from a position (not one hflight prepared) reads and drops the trained batches
+        instead (as a prepared one does where its dataset refuses the state: ``hflight.run.loaders``)."""
         skip = start.batches if start is not None else 0
         restore, restore_epoch_start = self.restore_rng, self.restore_epoch_start_rng
         self.restore_epoch_start_rng = None
@@ -176,16 +173,10 @@ class AccumulationCycles:
             start = dataclasses.replace(start, how="read", why="the training loader is not one hflight prepared")
         if start is None or start.reading or not (skip or start.state is not None):
             return iter(self.loader), start
-        try:  # a stream's state loaded (by its dataset, as the iterator is created), or the sampler's skip
-            self.loader.resume_from(skip, start.state)
-            return iter(self.loader), start
-        except Exception as exc:
-            if not start.restored:
-                raise
-            why = f"its dataset refused the state saved there ({type(exc).__name__}: {exc})"
-            logger.warning(f"{start.source}: {why}; reading and dropping the {skip} trained batches instead.")
-            self.loader.forget_position()
-            return iter(self.loader), dataclasses.replace(start, how="read", state=None, why=why)
+        # a stream's state loaded (where its dataset refuses it, the loader reads and drops instead), or the sampler's
+        # skip
+        self.loader.resume_from(skip, start.state)
+        return iter(self.loader), start
 
 
 def skip_batches(iterator: Iterator[Any], count: int) -> None:

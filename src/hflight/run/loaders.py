@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import collections
 import copy
+import itertools
+import logging
 import math
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -46,6 +48,9 @@ from hflight.run.samplers import EpochSeededRandomSampler, ShardedBatchSampler, 
 
 _SINGLE_PROCESS, _ITERABLE = torchdata_loader._StatefulSingleProcessDataLoaderIter, _DatasetKind.Iterable
 _BATCH_SAMPLER_ITERATOR = torchdata_sampler._BatchSamplerIterator
+logger = logging.getLogger(__name__)
+_END = object()
+
 # torchdata's loader says at each construction that a private switch of torch's it sets is deprecated: not the user's
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
 
@@ -162,6 +167,7 @@ class _Prepared:
     #: process's own stream
     how = "sampler"
     _skip_next = 0  # micro-batches the next pass skips by its sampler (a resumed map-style run)
+    _restoring = 0  # a stream's position given: the batches it stands for (read and dropped if the dataset refuses it)
 
     def position(self) -> tuple[Any, bool]:
         """Where this loader is after the batch it yielded last: (its state, or None where the batch count says it,
@@ -177,6 +183,36 @@ class _Prepared:
     def forget_position(self) -> None:
         """The next pass starts from its beginning (its dataset refused the position :meth:`resume_from` gave)."""
         self._skip_next = 0
+
+    def _restored(self, start: Callable[[], Iterator[Any]]) -> Iterator[Any]:
+        """The iterator ``start()`` makes from the stream's position :meth:`resume_from` gave, its first batch read
+        already: where the dataset refuses the position (in its ``load_state_dict``, at its first batch, in a loader
+        worker), the pass from its beginning with the batches the position stands for read and dropped, as
+        transformers resumes, and a warning naming the error. Here, in the loader, so that a dispatched stream's
+        other processes see nothing of it."""
+        restoring, self._restoring = self._restoring, 0
+        try:
+            inner = start()
+            first = next(inner, _END)
+        except Exception as exc:  # noqa: BLE001 - the dataset's own error, said, then transformers' way
+            logger.warning(
+                f"The training stream's dataset refused the checkpoint's data position ({type(exc).__name__}: {exc}); "
+                f"reading and dropping the {restoring} batches it stands for instead, as transformers does."
+            )
+            self.forget_position()
+            try:
+                inner = start()
+                for _ in range(restoring):
+                    if next(inner, _END) is _END:
+                        break
+            except Exception as again:  # noqa: BLE001 - a dataset that keeps the state it refused
+                raise ValueError(
+                    f"The training stream's dataset refused the checkpoint's data position ({type(exc).__name__}: "
+                    f"{exc}) and then its own start ({type(again).__name__}: {again}): set ignore_data_skip=True to "
+                    "start the data over."
+                ) from again
+            return inner
+        return inner if first is _END else itertools.chain([first], inner)
 
     @property
     def positioned(self) -> Any:
@@ -245,7 +281,12 @@ class ShardedLoader(_Prepared, DataLoader):
         skip, self._skip_next = self._skip_next, 0
         self._begin(self.origin.drop_last, self.total_batch_size)
         try:
-            inner = _skipping(self, self.batch_sampler, skip) if skip else super().__iter__()
+            if skip:
+                inner = _skipping(self, self.batch_sampler, skip)
+            elif self._restoring:
+                inner = self._restored(lambda: StatefulDataLoader.__iter__(self))
+            else:
+                inner = super().__iter__()
         except BaseException:
             self._end()
             raise
@@ -277,6 +318,7 @@ class StreamShard(ShardedLoader, StatefulDataLoader):
 
     def resume_from(self, batches: int, state: Any) -> None:
         self.load_state_dict(state)
+        self._restoring = max(batches, 1)
 
     def forget_position(self) -> None:
         _forget_state(self)
@@ -363,6 +405,7 @@ class DispatchedLoader(_Prepared, DataLoader):
             self._skip_next = batches * (1 if self.split_batches else self.num_processes)
         elif self.process_index == 0 and state is not None:
             self.base.load_state_dict(state)
+            self._restoring = max(batches * (1 if self.split_batches else self.num_processes), 1)
 
     def forget_position(self) -> None:
         self._skip_next = 0
@@ -407,7 +450,12 @@ class DispatchedLoader(_Prepared, DataLoader):
         try:
             # every process creates the iterator (it draws the loader's base seed, on each as in accelerate); only
             # process 0 reads from it
-            reader = _skipping(self.base, self.base.batch_sampler, skip) if skip else iter(self.base)
+            if skip:
+                reader = _skipping(self.base, self.base.batch_sampler, skip)
+            elif self._restoring:  # process 0 (the others read nothing): a refused position read and dropped here
+                reader = self._restored(lambda: iter(self.base))
+            else:
+                reader = iter(self.base)
         except BaseException:
             self._end()
             raise
@@ -521,21 +569,29 @@ def concatenate(batches: list[Any]) -> Any:
 _STATEFUL: dict[type, bool] = {}
 
 
-def _state_of(thing: Any) -> Any:
-    """torchdata's ``try_to_serialize``: ``thing.state_dict()`` where it is ``Stateful`` (checked once per type; the
-    batch sampler's iterator, which checks what it holds at every call, read here as it reads itself)."""
+def _stateful(thing: Any) -> bool:
+    """torchdata's ``isinstance(thing, Stateful)``, checked once per type (a type that forwards attributes,
+    ``__getattr__``, object by object: it is Stateful over a stateful source only)."""
     kind = type(thing)
     stateful = _STATEFUL.get(kind)
     if stateful is None:
-        stateful = _STATEFUL[kind] = isinstance(thing, torchdata_loader.Stateful)
+        stateful = isinstance(thing, torchdata_loader.Stateful)
+        if not hasattr(kind, "__getattr__"):
+            _STATEFUL[kind] = stateful
+    return stateful
+
+
+def _state_of(thing: Any) -> Any:
+    """torchdata's ``try_to_serialize``: ``thing.state_dict()`` where it is ``Stateful`` (:func:`_stateful`; the
+    batch sampler's iterator, which checks what it holds at every call, read here as it reads itself)."""
+    kind = type(thing)
     if kind is _BATCH_SAMPLER_ITERATOR:
         state = {kind._SAMPLES_YIELDED: thing.samples_yielded}
         for key, held in ((kind._SAMPLER_STATE, thing.sampler), (kind._SAMPLER_ITER_STATE, thing.sampler_iter)):
-            held_state = _state_of(held)
-            if _STATEFUL[type(held)]:
-                state[key] = held_state
+            if _stateful(held):
+                state[key] = _state_of(held)
         return state
-    return thing.state_dict() if stateful else None
+    return thing.state_dict() if _stateful(thing) else None
 
 
 def loader_state(loader: StatefulDataLoader) -> Any:
@@ -595,7 +651,7 @@ def copied(state: Any) -> Any:
 
 def _forget_state(loader: StatefulDataLoader) -> None:
     """torchdata's loader without the state its ``load_state_dict`` kept for its next iterator, and a ``datasets``
-    stream without the one it was given (kept for its next iteration)."""
+    stream without the one it was given (kept for its next iteration, in its ``_starting_state_dict``)."""
     loader.next_iter_state = None
     loader._iterator = None
     if getattr(loader.dataset, "_starting_state_dict", None) is not None:
@@ -603,17 +659,20 @@ def _forget_state(loader: StatefulDataLoader) -> None:
 
 
 def private_stream(dataset: Any) -> Any:
-    """A ``datasets`` stream iterated by the training loader alone: the dataset object and its pipeline's nodes
-    copied (datasets keeps the state of the iteration that started last on them, and a position it is given for its
-    next iteration: an evaluation of the same object, or a user's own loop over it, would move the training's
-    position); what the nodes read and call (tables, files, functions) is shared, not copied. Any other dataset is
-    returned as it is."""
+    """A ``datasets`` stream for an evaluation of the training stream object: the dataset object and its pipeline's
+    nodes copied (datasets keeps the state of the iteration that started last on them, and a position it was given
+    for its next iteration: evaluating the object itself moved the training's position, and a resumed run's position
+    made it evaluate from there); what the nodes read and call (tables, files, functions) is shared, not copied. The
+    training iterates the object itself, as transformers does (a callback's ``train_dataset.state_dict()`` is the
+    training's). Any other dataset is returned as it is."""
     if not (type(dataset).__module__.startswith("datasets.") and hasattr(dataset, "_ex_iterable")):
         return dataset
     twin = copy.copy(dataset)
     twin.__dict__ = dict(vars(dataset))  # datasets' __getstate__ hands its own __dict__ to the copy
     twin._ex_iterable = _node_copy(dataset._ex_iterable, type(dataset._ex_iterable).__mro__[-2])
     twin._state_dict = None
+    if hasattr(twin, "_starting_state_dict"):
+        twin._starting_state_dict = None
     return twin
 
 
@@ -683,7 +742,7 @@ def prepare_loader(
     if dispatch:
         base_settings = _settings(loader, generator=False)
         if iterable:  # torchdata's: its state_dict() is the stream's position
-            base = StatefulDataLoader(private_stream(dataset), batch_size=loader.batch_size, drop_last=loader.drop_last,
+            base = StatefulDataLoader(dataset, batch_size=loader.batch_size, drop_last=loader.drop_last,
                                       **base_settings)  # fmt: skip
         else:
             base = DataLoader(dataset, batch_sampler=batch_sampler, **base_settings)
@@ -721,7 +780,7 @@ def _iterable_shard(loader: DataLoader, prepared_from: tuple) -> StreamShard:
     """An iterable dataset read by every process: a ``datasets`` stream with enough shards is split by shard (as
     accelerate does), any other through :class:`IterableShard`."""
     _, sharding, processes, rank, _ = prepared_from
-    dataset, size, shared = private_stream(loader.dataset), loader.batch_size, None
+    dataset, size, shared = loader.dataset, loader.batch_size, None
     if processes > 1:
         generator = getattr(dataset, "generator", None)
         shared = generator if isinstance(generator, torch.Generator) else None

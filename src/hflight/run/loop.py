@@ -137,8 +137,9 @@ class TrainingLoop:
         arithmetic = self.plan.resume_position(step, facade.args.ignore_data_skip)
         where = os.path.join(run.resume.folder, DATA_POSITION_NAME)
         replicas, replica = run.world.data_parallel
+        described = self.tracker.dataset if self.tracker is not None else None
         start = start_of(run.resume.data_position, loader, arithmetic, facade.args.ignore_data_skip,
-                         (replicas, replica), where, step, facade.train_dataset)  # fmt: skip
+                         (replicas, replica), where, step, described)  # fmt: skip
         if getattr(loader, "how", None) == "dispatched" and replicas > 1:
             first = run.world.gather_objects([dataclasses.replace(start, state=None)])[0]
             start = start if replica == 0 else first

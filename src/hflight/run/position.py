@@ -108,11 +108,12 @@ class DataTracker:
 
 
 def start_of(saved: dict[str, Any] | None, loader: Any, arithmetic: tuple[int, int], ignore_data_skip: bool,
-             world: tuple[int, int], path: str, global_step: int, dataset: Any) -> Start:  # fmt: skip
+             world: tuple[int, int], path: str, global_step: int,
+             described: dict[str, Any] | None) -> Start:  # fmt: skip
     """Where a resumed run's data starts, and how it is taken up (the module's rule). ``saved``: the checkpoint's data
     position (None: it has none); ``arithmetic``: (epochs trained, batches to skip) as transformers computes them from
-    ``global_step``, the checkpoint's; ``world``: (processes, this process's rank); ``dataset``: this run's training
-    dataset."""
+    ``global_step``, the checkpoint's; ``world``: (data-parallel replicas, this process's replica); ``described``:
+    this run's training dataset as :func:`hflight.checkpoints.data_position.describe` gives it (its tracker's)."""
     epochs, batches = arithmetic
     how = getattr(loader, "how", None)
     if ignore_data_skip:
@@ -127,7 +128,7 @@ def start_of(saved: dict[str, Any] | None, loader: Any, arithmetic: tuple[int, i
         return Start(epochs, batches, how="read", why=why)
     entry = _entry(saved, world, path)
     misfit = _misfit(saved, loader, world)
-    problem = misfit or _inexact(saved, loader, dataset, world, entry)
+    problem = misfit or _inexact(saved, loader, described, world, entry)
     if problem is None:
         if entry["end_of_pass"]:
             return Start(entry["epoch"] + 1, how="position", source=path)
@@ -174,15 +175,18 @@ def _misfit(saved: dict[str, Any], loader: Any, world: tuple[int, int]) -> str |
     return None
 
 
-def _inexact(saved: dict[str, Any], loader: Any, dataset: Any, world: tuple[int, int],
+def _inexact(saved: dict[str, Any], loader: Any, described: dict[str, Any] | None, world: tuple[int, int],
              entry: dict[str, Any] | None) -> str | None:  # fmt: skip
     """Why continuing from the saved state would not train the uninterrupted run's examples, or None."""
     was, now = saved["loader"], loader_description(loader, world[0])
     reads = now["how"] == "per_process" or world[1] == 0
     description = data_position.saved_description(saved, world[1] if now["how"] == "per_process" else 0)
-    if reads:
-        differs = data_position.difference(description, data_position.describe(dataset, getattr(loader, "positioned",
-                                                                                                  None)))  # fmt: skip
+    if reads and described is not None:
+        if "stateful" not in description:
+            return (
+                "the position was saved by an earlier hflight, whose description of the dataset this one does not read"
+            )
+        differs = data_position.difference(description, described)
         if differs is not None:
             return f"the position was saved for another training dataset ({differs})"
     if was.get("num_workers") != now["num_workers"]:
@@ -208,16 +212,6 @@ def _global_batches(loader: dict[str, Any], batches: int, processes: int) -> int
     if loader.get("split_batches"):
         return batches
     return batches * loader["processes"] // processes
-
-
-def rejected(start: Start, exc: Exception) -> ValueError:
-    """The error of a loader that does not take the checkpoint's position (its dataset's ``load_state_dict`` refused
-    it in a loader worker), before any step."""
-    return ValueError(
-        f"{start.source}: the training loader does not take the data position saved there: its dataset refused it "
-        f"({type(exc).__name__}: {exc}). Resume with the dataset and loader settings of the checkpoint, or set "
-        "ignore_data_skip=True to start the data over."
-    )
 
 
 def describe_start(start: Start, folder: str, step: int) -> str:

@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
 from hflight.run import console
+from hflight.run.loaders import private_stream
 from hflight.run.samplers import check_even
 
 
@@ -169,6 +170,8 @@ class DataLoadersMixin:
         ``accelerator_config`` says)."""
         if dataset is None:
             raise ValueError(f"Trainer: {description.lower()} requires a dataset.")
+        if not is_training and dataset is getattr(self, "train_dataset", None):  # the training stream, evaluated too:
+            dataset = private_stream(dataset)  # on a copy, so that the training's position stays the training's
         dataset = self._remove_unused_columns(dataset, description)
         sampler = None
         if not isinstance(dataset, IterableDataset) and sampler_fn is not None:
