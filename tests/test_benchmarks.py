@@ -282,6 +282,19 @@ def test_checkpoint_run_prints_each_kind_s_cost_per_checkpoint_against_the_synch
     assert not list(tmp_path.iterdir()), "the runs' folders are removed"
 
 
+def test_eval_load_prints_both_libraries_eval_runtime_with_a_busy_neighbour():
+    """benchmarks/eval_load.py on 8 blocks, one round, with one busy neighbour: run_clm.py as written and with hflight's
+    Trainer, each library's eval_runtime (median, min-max) over the same rows and their ratio (issue 67's table)."""
+    script = str(ROOT / "benchmarks" / "eval_load.py")
+    command = [sys.executable, script, "--batch-sizes", "2", "--busy", "1", "--rounds", "1", "--rows", "8"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    row = re.search(r"^\| 2 \| 1 \| (\d+) \| (\S+) s \(\S+\) \| (\S+) s \(\S+\) \| (\S+)x \|$", done.stdout, re.M)
+    assert row is not None, done.stdout
+    rows, tr, hf, ratio = int(row.group(1)), float(row.group(2)), float(row.group(3)), float(row.group(4))
+    assert rows > 0 and tr > 0 and hf > 0 and ratio == pytest.approx(hf / tr, rel=0.05, abs=0.01), done.stdout
+
+
 def test_checkpoint_cost_prints_the_three_modes_with_their_ratios(tmp_path):
     """benchmarks/checkpoint_cost.py on a tiny BERT: save_async's blocked time against the synchronous one, the
     background write's time and the snapshot's host memory. Its checkpoints go to ``--dir`` (here not the checkout,

@@ -139,12 +139,39 @@ def _structured_state() -> dict:
     weight = torch.nn.Parameter(torch.full((2, 2), 0.5))
     scaled = torch.arange(4.0).as_subclass(_Scaled).requires_grad_()
     scaled.scale = 0.25
+    master = _Master(torch.ones(2), requires_grad=False, kind="fp32 master")
+    plain = torch.arange(3.0).as_subclass(_Plain)
+    plain.kind = "plain"
+    slotted = torch.arange(2.0).as_subclass(_Slotted)
+    slotted.factor = 2.5
     return {"buf": buf, "window": buf[2:5], "tagged": tagged, "weight": weight, "leaf": torch.zeros(2).requires_grad_(),
-            "scaled": scaled}  # fmt: skip
+            "scaled": scaled, "master": master, "plain": plain, "slotted": slotted}  # fmt: skip
 
 
 class _Scaled(torch.Tensor):
     """A tensor subclass with an attribute (the staging area does not take it: a copy of its own)."""
+
+
+class _Master(torch.nn.Parameter):
+    """A Parameter subclass whose own ``__new__`` wants more (as bitsandbytes' ``Params4bit``): detach() gives a plain
+    tensor; torch.save writes it as a Parameter with its attributes."""
+
+    def __new__(cls, data, requires_grad=True, kind=None):
+        made = torch.Tensor._make_subclass(cls, data, requires_grad)
+        made.kind = kind
+        return made
+
+
+class _Plain(torch.Tensor):
+    """A subclass with torch_function disabled: detach() gives a plain tensor."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+
+class _Slotted(torch.Tensor):
+    """A subclass keeping its attribute in ``__slots__``, which torch.save writes."""
+
+    __slots__ = ("factor",)
 
 
 def _assert_loads_alike(original: dict, loaded: dict) -> None:
@@ -155,6 +182,10 @@ def _assert_loads_alike(original: dict, loaded: dict) -> None:
     assert loaded["leaf"].requires_grad and not loaded["buf"].requires_grad
     scaled = loaded["scaled"]
     assert type(scaled) is _Scaled and scaled.scale == 0.25 and scaled.requires_grad, "the subclass's kept"
+    master, plain, slotted = loaded["master"], loaded["plain"], loaded["slotted"]  # fault read of issue 67
+    assert type(master) is torch.nn.Parameter and master.kind == "fp32 master" and not master.requires_grad
+    assert type(plain) is _Plain and plain.kind == "plain" and torch.equal(plain, original["plain"])
+    assert type(slotted) is _Slotted and slotted.factor == 2.5
 
 
 def test_a_snapshot_keeps_the_state_s_structure_as_torch_save_writes_it(tmp_path):

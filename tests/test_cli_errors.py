@@ -208,3 +208,15 @@ def test_the_command_line_check_knows_the_options_hydra_finds(tmp_path):
     check_command_line([f"--config-dir={tmp_path}", "+experiment=mine"])
     with pytest.raises(ValueError, match="did you mean mine"):
         check_command_line(["--config-dir", str(tmp_path), "+experiment=mien"])
+    # a key Hydra accepts, from the fault read: added with +, set by a _global_ experiment, or another primary's own;
+    # an option of a folder the primary config's hydra.searchpath adds
+    (tmp_path / "experiment" / "seeded.yaml").write_text("# @package _global_\nseed: 1\n", encoding="utf-8")
+    (tmp_path / "extra" / "model").mkdir(parents=True)
+    (tmp_path / "extra" / "model" / "my_tiny.yaml").write_text("{}\n", encoding="utf-8")
+    primary = f"defaults:\n  - train\n  - _self_\nseed: 3\nhydra:\n  searchpath:\n    - file://{tmp_path / 'extra'}\n"
+    (tmp_path / "mytrain.yaml").write_text(primary, encoding="utf-8")
+    check_command_line(["+seed=42"])
+    check_command_line(["--config-dir", str(tmp_path), "+experiment=seeded", "seed=7"])
+    check_command_line(["--config-dir", str(tmp_path), "--config-name", "mytrain", "seed=7", "model=my_tiny"])
+    with pytest.raises(ValueError, match="did you mean args.seed=7"):
+        check_command_line(["+experiment=mrc", "seed=7"])

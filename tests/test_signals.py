@@ -185,6 +185,21 @@ def test_a_second_sigint_as_the_stop_leaves_train_says_so_and_exits_130(tmp_path
 
 
 @pytest.mark.subprocess
+def test_a_second_sigint_as_a_stop_after_the_last_step_leaves_train_says_so_and_exits_130(tmp_path):
+    """The first Ctrl-C after the last step boundary (training over), the second as that stop leaves train(): the stop
+    was raised after the handlers were put back, none of them the stop's, so the second was Python's raw
+    KeyboardInterrupt (-2; fault read of issue 67)."""
+    job = Path(__file__).parent / "jobs" / "sigint_at_exit.py"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, str(job), str(tmp_path), "--after-last-boundary"], capture_output=True,
+                          text=True, env=env, timeout=300)  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert "SIGINT arrived as training finished (step 4)" in output, output[-3000:]
+    assert "Training stopped at once by a second SIGINT (after step 4)" in output, output[-3000:]
+    assert "KeyboardInterrupt" not in output and proc.returncode == 130, (proc.returncode, output[-3000:])
+
+
+@pytest.mark.subprocess
 def test_a_sigterm_while_the_stopped_process_tears_down_its_modules_keeps_the_stop_status(tmp_path):
     """Python gives signals their default action back after the exit callbacks, before its slow module teardown: a
     SIGTERM then killed the process (-15), so a requeued task that srun's --kill-on-bad-exit reached there ended 143

@@ -256,6 +256,18 @@ def test_the_child_resolves_each_module_to_the_training_processs_file(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+def test_a_path_object_on_sys_path_does_not_stop_the_child(monkeypatch, tmp_path):
+    """Scripts append ``pathlib.Path`` objects to ``sys.path`` (Python's imports ignore them): the child's path went
+    to it as JSON and the checkpoint's write failed with a TypeError (fault read of issue 67)."""
+    import json
+    from pathlib import Path
+
+    monkeypatch.setattr(sys, "path", [*sys.path, Path(tmp_path), b"/bytes"])
+    path = writer_process._child_path()
+    assert json.loads(json.dumps(path)) == path and all(isinstance(entry, str) for entry in path)
+    assert str(tmp_path) not in path
+
+
 def test_a_child_that_cannot_start_is_tried_once_and_says_why(tmp_path, factory, children, monkeypatch, caplog):
     """A child that dies as it starts (an import that fails) was started again for every file and after every write,
     silently; now once per run, one warning with its standard error's last line, and the thread writes the files."""

@@ -292,21 +292,42 @@ def check_command_line(overrides: Iterable[str], config_dir: str | os.PathLike |
     except FileNotFoundError:
         return
     fields = {f.name for f in dataclasses.fields(TrainingArguments) if f.init}
-    top = _top_level_keys(directory)
-    for token in tokens:
-        key, value = token.split("=", 1)
-        key = key.lstrip("+~")
-        if "." not in key and key in fields and key not in top:
-            raise ValueError(f"{key} is not a key of the config: did you mean args.{key}={value}? (TrainingArguments' "
-                             "fields are under args)")  # fmt: skip
-    if any(token.split("=", 1)[0].lstrip("+~") == "hydra.searchpath" for token in tokens):
-        return  # folders added by an override: Hydra's own error is the only reliable one
+    named = {argument.split("=", 1)[0] for argument in overrides if argument.startswith("-")}
+    tree_of_its_own = bool(named & set(_TREE_OPTIONS))
+    suspects = [token for token in tokens if not token.startswith(("+", "~")) and "." not in token.split("=", 1)[0]
+                and token.split("=", 1)[0] in fields]  # fmt: skip
+    if suspects and not tree_of_its_own and not named & {"--config-dir", "-cd"}:
+        # a field without args.: unless the config composed from the other overrides has such a key
+        keys = _composed_keys([token for token in tokens if token not in suspects], directory)
+        for token in suspects:
+            key, value = token.split("=", 1)
+            if keys is not None and key not in keys:
+                raise ValueError(f"{key} is not a key of the config: did you mean args.{key}={value}? "
+                                 "(TrainingArguments' fields are under args)")  # fmt: skip
+    if tree_of_its_own or any(token.split("=", 1)[0].lstrip("+~") == "hydra.searchpath" for token in tokens):
+        return  # another primary config, or folders added by an override: Hydra's own error is the reliable one
     options = _group_options(directory, _config_dir_arguments(overrides))
     if options is None:
         return
     for token in tokens:
         key, value = token.split("=", 1)
         _check_group_option(options, key.lstrip("+~"), value)
+
+
+#: Hydra's options that name another primary config (its own keys, its own search path)
+_TREE_OPTIONS = ("--config-name", "-cn", "--config-path", "-cp")
+
+
+def _composed_keys(overrides: Sequence[str], directory: Path) -> set[str] | None:
+    """The top-level keys of the config composed from ``overrides`` (a ``_global_`` experiment may add some), or
+    ``None`` when it does not compose (Hydra then says why)."""
+    keys = _top_level_keys(directory)
+    try:
+        with initialize_config_dir(config_dir=str(directory), version_base=VERSION_BASE, job_name=PRIMARY_CONFIG):
+            cfg = hydra_compose(config_name=PRIMARY_CONFIG, overrides=list(overrides))
+    except Exception:  # noqa: BLE001 - a check before Hydra; Hydra reports whatever stops it here
+        return None
+    return keys | set(cfg.keys())
 
 
 def _config_dir_arguments(arguments: Sequence[str]) -> list[str]:
@@ -333,6 +354,12 @@ def _group_options(directory: Path, extra: Sequence[str]) -> Callable[[str], lis
         search_path = create_config_search_path(str(directory))
         for folder in extra:
             search_path.prepend("command-line", f"file://{os.path.abspath(folder)}")
+        for folder in [*extra, directory]:  # the primary config's own search path (hydra.searchpath in it)
+            primary = Path(folder) / f"{PRIMARY_CONFIG}.yaml"
+            if primary.is_file():
+                listed = OmegaConf.select(OmegaConf.load(primary), "hydra.searchpath") or []
+                for entry in listed:
+                    search_path.append("main", str(entry))
         loader = ConfigLoaderImpl(config_search_path=search_path)
     except Exception:  # noqa: BLE001 - a check before Hydra; Hydra reports whatever stops it here
         return None

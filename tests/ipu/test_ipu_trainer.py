@@ -268,6 +268,24 @@ def test_eval_loss_counts_the_real_rows_of_the_last_batch_as_transformers_on_the
     assert calls == ([rows_per_call] * (10 // rows_per_call) + [last]) * 2  # evaluate's, then predict's
 
 
+@pytest.mark.parametrize("rows", [11, 13])
+def test_a_last_batch_whose_rows_do_not_divide_the_replicas_runs_on_one_without_repeating_rows(
+    poptorch_double, executors, factory, tmp_path, rows
+):
+    """Two inference replicas, 8 rows a call, 11 or 13 rows: the last call's 3 or 5 rows were rounded up to 4 or 6 by
+    repeating rows, whose losses entered the call's (3.20771 against the CPU's 3.20494 at 11 rows; fault read of issue
+    67). They now run on an executable of one replica compiled for them: the CPU's eval_loss."""
+    evaluation = factory.qa_dataset(rows, seed=1)
+    cpu_args = transformers.TrainingArguments(str(tmp_path / "cpu"), per_device_eval_batch_size=4, use_cpu=True,
+                                              report_to="none", disable_tqdm=True)  # fmt: skip
+    expected = transformers.Trainer(factory.qa_model(), cpu_args).evaluate(evaluation)["eval_loss"]
+    arguments = args(tmp_path, per_device_eval_batch_size=4, pad_on_batch_axis=False, n_ipu=2)
+    trainer = IPUTrainer(factory.qa_model(), IPUConfig(gradient_accumulation_steps=2), arguments)
+    assert trainer.evaluate(evaluation)["eval_loss"] == pytest.approx(expected, rel=1e-6)
+    calls = [call.input_shapes["input_ids"][0] for e in executors for call in e.calls if not call.training]
+    assert calls == [8, rows - 8]
+
+
 @pytest.mark.parametrize(
     "config, n_ipu",
     [({"gradient_accumulation_steps": 4, "inference_device_iterations": 2}, None), ({}, 2)],

@@ -3,9 +3,11 @@
 exception leaves ``train()`` (two Ctrl-C 20 ms apart, the second after the step boundary's checkpoint), or, with
 ``--finalizing``, a SIGTERM arrives while the interpreter tears its modules down after them (as srun's
 --kill-on-bad-exit sends it to a task that is still exiting; OUT/sigterm_when_collected.txt says it was sent and
-delivered). Run by test_signals.py.
+delivered), or, with ``--after-last-boundary``, the first SIGINT lands after the last step boundary's stop check
+(training over, Lightning winding down) and the second the moment train()'s handler is put back. Run by
+test_signals.py.
 
-    python tests/jobs/sigint_at_exit.py OUT [--finalizing | --unwinding]
+    python tests/jobs/sigint_at_exit.py OUT [--finalizing | --unwinding | --after-last-boundary]
 """
 
 import atexit
@@ -61,16 +63,44 @@ class SendSigint(hflight.TrainerCallback):
             os.kill(os.getpid(), signal.SIGINT)
 
 
+def first_after_the_last_boundary() -> None:
+    """The last epoch end's stop check wrapped: once it found no stop and training is over, SIGINT; a watcher sends the
+    second as soon as SIGINT's handler is no longer training's request (the stop leaving train())."""
+    from hflight.run.interrupt import StopRequest
+    from hflight.run.loop import TrainingLoop
+
+    def watch():
+        while isinstance(signal.getsignal(signal.SIGINT), StopRequest):
+            time.sleep(0.0002)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    checked = TrainingLoop.epoch_end
+
+    def epoch_end(self, counts_batches):
+        stops = checked(self, counts_batches)
+        if stops:
+            os.kill(os.getpid(), signal.SIGINT)
+            threading.Thread(target=watch, daemon=True).start()
+            time.sleep(0.05)
+        return stops
+
+    TrainingLoop.epoch_end = epoch_end
+
+
 if __name__ == "__main__":
+    last_boundary = "--after-last-boundary" in sys.argv
+    if last_boundary:
+        first_after_the_last_boundary()
     if "--finalizing" in sys.argv:
         collected_last = SigtermWhenCollected(str(Path(sys.argv[1]) / "sigterm_when_collected.txt"))
-    elif "--unwinding" not in sys.argv:
+    elif "--unwinding" not in sys.argv and not last_boundary:
         atexit.register(slow_shutdown)
     args = hflight.TrainingArguments(
         output_dir=sys.argv[1], max_steps=4, per_device_train_batch_size=4, gradient_accumulation_steps=2,
         save_steps=10, report_to="none", disable_tqdm=True, dataloader_pin_memory=False,
     )  # fmt: skip
-    trainer = hflight.Trainer(Factory.qa_model(), args, train_dataset=Factory.qa_dataset(16), callbacks=[SendSigint()])
+    callbacks = [] if last_boundary else [SendSigint()]
+    trainer = hflight.Trainer(Factory.qa_model(), args, train_dataset=Factory.qa_dataset(16), callbacks=callbacks)
     try:
         trainer.train()
     finally:

@@ -241,8 +241,9 @@ class CheckpointWriter:
         for tensor, slot in views:
             memo[id(tensor)] = _view(slot.storage, tensor)
         for tensor in [each for each, _ in views] + own:  # attributes last: one may hold another tensor of the state
-            if tensor.__dict__:
-                memo[id(tensor)].__dict__.update(copy.deepcopy(tensor.__dict__, memo))
+            state = torch._utils._get_obj_state(tensor)  # what torch.save keeps of it: __dict__, and __slots__
+            if state if not isinstance(state, tuple) else any(state):
+                torch._utils._set_obj_state(memo[id(tensor)], copy.deepcopy(state, memo))
         return [(slot.storage, storage) for slot, storage in storages.values() if slot.nbytes]
 
     def _slot(self, key: tuple[Any, ...], nbytes: int) -> _Slot:
@@ -566,6 +567,12 @@ def _own_copy(tensor: torch.Tensor) -> torch.Tensor:
     """A copy in host memory of a tensor the staging area does not take (sparse, quantized, a subclass: its type
     kept), with its ``requires_grad``, as ``torch.save`` writes the tensor (its attributes: :meth:`_stage`)."""
     copied = tensor.detach().to("cpu", copy=True)
+    kind = type(tensor)
+    if type(copied) is not kind:  # detach() gives a plain tensor for parameters and subclasses without torch_function
+        if isinstance(tensor, torch.nn.Parameter):  # the subclass's own __new__ may want more: Parameter's makes it
+            copied = torch.nn.Parameter.__new__(kind, copied, tensor.requires_grad)
+        else:
+            copied = copied.as_subclass(kind)
     if tensor.requires_grad and not copied.requires_grad:
         copied.requires_grad_(True)
     return copied

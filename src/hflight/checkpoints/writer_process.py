@@ -194,9 +194,10 @@ def _child_path() -> list[str]:
     """The child's import path: the training process's, in its order (the standard library before site-packages, the
     folders ``PYTHONPATH`` added, an installation's own), without the working folder (``""`` or its path: a module
     planted there never runs in the child), then the folder of each of the child's packages that the training process
-    imported from one of those (each once)."""
+    imported from one of those (each once). Entries that are not strings (a ``pathlib.Path`` a script appended) are
+    left out, as Python's own imports ignore them."""
     here = os.path.abspath(os.getcwd())
-    path = [entry for entry in sys.path if entry and os.path.abspath(entry) != here]
+    path = [entry for entry in sys.path if isinstance(entry, str) and entry and os.path.abspath(entry) != here]
     for name in _CHILD_PACKAGES:
         location = getattr(sys.modules.get(name), "__file__", None)
         if location is not None:

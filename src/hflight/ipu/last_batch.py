@@ -4,14 +4,16 @@ A poptorch executable runs only the input shapes it was compiled for (poptorch r
 inferenceModel", its message says). :class:`ShapedInference` is what the evaluation calls: the inference executable of
 the combined batch (micro-batch x inference replicas x device iterations) for every full batch, and for a batch of
 another number of rows (the last one of a set that the combined batch does not divide) a second executable compiled
-for it, with one device iteration and the rows spread over the same replicas (rounded up to a multiple of them by
-repeating rows, whose outputs the evaluation cuts away with the loader's ``remainder``). One executable is attached
-to the IPUs at a time. With ``pad_on_batch_axis=True`` the loader pads that batch to the combined size instead, and
-only the first executable runs.
+for it, with one device iteration, its rows spread over the same replicas where they divide them, else on one
+replica: no row is repeated, so each replica's loss is the mean over real rows only and the call's loss, weighed by
+its rows, is the CPU's (repeating rows to fill the replicas put the repeated rows' losses into it). One executable
+is attached to the IPUs at a time. With ``pad_on_batch_axis=True`` the loader pads that batch to the combined size
+instead (repeating rows), and only the first executable runs: the outputs are cut to the real rows, the loss of that
+call counts the repeated rows where the real ones do not divide the combined batch (as optimum-graphcore's padding).
 
 Written against poptorch's documented API; verified against the test stand-in of it.
 
-May import: ``hflight.ipu.data``.
+May import: nothing of hflight.
 """
 
 from __future__ import annotations
@@ -19,8 +21,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
-from hflight.ipu.data import repeat_rows
 
 
 class ShapedInference:
@@ -40,12 +40,12 @@ class ShapedInference:
             self.rows = rows
         if rows is None or rows == self.rows:
             return self._run(self.main, args, kwargs)
-        padded = -(-rows // self.replicas) * self.replicas
-        executable = self.others.get(padded)
+        executable = self.others.get(rows)
         if executable is None:
-            executable = self.others[padded] = self._make(self._options.clone().deviceIterations(1))
-        if padded != rows:
-            args, kwargs = _padded(args, padded), {k: _padded(v, padded) for k, v in kwargs.items()}
+            options = self._options.clone().deviceIterations(1)
+            if rows % self.replicas:  # rows that do not divide the replicas: one replica takes them all
+                options = options.replicationFactor(1)
+            executable = self.others[rows] = self._make(options)
         return self._run(executable, args, kwargs)
 
     def _run(self, executable: Any, args: tuple, kwargs: dict) -> Any:
@@ -69,6 +69,3 @@ def _rows(args: tuple, kwargs: dict) -> int | None:
             return int(value.shape[0])
     return None
 
-
-def _padded(value: Any, rows: int) -> Any:
-    return repeat_rows(value, rows) if torch.is_tensor(value) and value.dim() > 0 else value

@@ -258,17 +258,18 @@ class StopRequest:
         extra = (requeue_signal,) if requeue_signal is not None and requeue_signal not in SIGNALS else ()
         with _handlers(self, (*SIGNALS, *extra), after_stop=True), sigterm_exits_non_zero("Training"):
             yield self
-        if self.signum is not None:  # arrived after the last step boundary: training had finished
-            message = (
-                f"{signal_name(self.signum)} arrived as training finished (step {self.global_step}); the run stops "
-                "before its remaining work."
-            )
-            if self.requeue:  # the ranks agree on no step any more: global rank 0 requeues, the others say so
-                from hflight.run.requeue import requeue_job, requeue_message
+            if self.signum is not None:  # arrived after the last step boundary: training had finished
+                # raised inside the handlers' block, so that a second signal as it unwinds is this stop's
+                message = (
+                    f"{signal_name(self.signum)} arrived as training finished (step {self.global_step}); the run "
+                    "stops before its remaining work."
+                )
+                if self.requeue:  # the ranks agree on no step any more: global rank 0 requeues, the others say so
+                    from hflight.run.requeue import requeue_job, requeue_message
 
-                where = "the run folder's last checkpoint"
-                message += " " + requeue_message(requeue_job(), where, kept=False)
-            raise stopped(self.signum, message, self.global_step)
+                    where = "the run folder's last checkpoint"
+                    message += " " + requeue_message(requeue_job(), where, kept=False)
+                raise stopped(self.signum, message, self.global_step)
 
 
 def exit_together(launcher: Any) -> None:
