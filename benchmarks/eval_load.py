@@ -3,8 +3,8 @@ neighbour (issue 67).
 
 The script is tests/scripts/run_clm (written as transformers' run_clm.py is) run twice per round: once as written,
 once with ``from transformers import Trainer`` changed to hflight's, alternating, each in a fresh process, on the
-tiny GPT-2 and random-word text of tests/test_run_clm_dropin.py with the validation file repeated (about
-``--rows`` blocks of 16 tokens). The figure is what each run reports as ``eval_runtime`` in ``eval_results.json`` (the whole
+tiny GPT-2 and random-word text of tests/test_run_clm_dropin.py, the validation file about ``--rows`` blocks of 16
+tokens long. The figure is what each run reports as ``eval_runtime`` in ``eval_results.json`` (the whole
 ``evaluate()`` call). With ``--busy N``, N processes spinning on a core run beside both (one other process sharing a
 2-core machine, as a build or a notebook kernel does). Printed per batch size and load: each library's median, min
 and max over the rounds, and hflight's median over transformers'.
@@ -34,30 +34,11 @@ ORIGINAL, CHANGED = "from transformers import Trainer\n", "from hflight import T
 
 
 def _inputs(root: Path, rows: int) -> dict[str, Path]:
-    """tests/dropin.py's clm_inputs (a tiny GPT-2 with the WordPiece tokenizer, random-word lines), the validation
-    file about ``rows`` blocks long."""
-    import random
-
+    """tests/test_run_clm_dropin.py's model and text, the validation file about ``rows`` blocks long (two lines a
+    block of 16 tokens)."""
     import seq2seq_data
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
 
-    rng = random.Random(11)
-    root.mkdir(parents=True)
-    paths = {}
-    for name, lines in (("train", 50), ("validation", rows * 2)):  # about two lines a block of 16 tokens
-        text = "\n".join(" ".join(rng.choice(seq2seq_data.WORDS) for _ in range(rng.randint(4, 10)))
-                         for _ in range(lines))  # fmt: skip
-        paths[name] = root / f"{name}.txt"
-        paths[name].write_text(text + "\n", encoding="utf-8")
-    tokenizer = seq2seq_data.tokenizer(root / "tokenizer")
-    torch.manual_seed(0)
-    config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2, n_positions=64,
-                        bos_token_id=2, eos_token_id=3, pad_token_id=0)  # fmt: skip
-    paths["model"] = root / "model"
-    GPT2LMHeadModel(config).save_pretrained(paths["model"])
-    tokenizer.save_pretrained(paths["model"])
-    return paths
+    return seq2seq_data.clm_inputs(root, validation_lines=rows * 2)
 
 
 def _scripts(root: Path) -> dict[str, Path]:

@@ -80,27 +80,8 @@ def crossed(job, root: Path, args: list[str], outs: dict[str, Path], checkpoint:
 
 
 def clm_inputs(root: Path) -> dict[str, Path]:
-    """What run_clm.py reads: text files of random word sentences and a tiny GPT-2 (dropout 0.1) saved with the
-    WordPiece tokenizer."""
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    root.mkdir(parents=True)
-    rng = random.Random(11)
-    paths = {}
-    for name, lines in (("train", 50), ("validation", 16)):
-        text = "\n".join(" ".join(rng.choice(seq2seq_data.WORDS) for _ in range(rng.randint(4, 10)))
-                         for _ in range(lines))  # fmt: skip
-        paths[name] = root / f"{name}.txt"
-        paths[name].write_text(text + "\n", encoding="utf-8")
-    tokenizer = seq2seq_data.tokenizer(root / "tokenizer")
-    torch.manual_seed(0)
-    config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2, n_positions=64,
-                        bos_token_id=2, eos_token_id=3, pad_token_id=0)  # fmt: skip
-    paths["model"] = root / "model"
-    GPT2LMHeadModel(config).save_pretrained(paths["model"])
-    tokenizer.save_pretrained(paths["model"])
-    return paths
+    """What run_clm.py reads: :func:`seq2seq_data.clm_inputs`."""
+    return seq2seq_data.clm_inputs(root)
 
 
 def _glue_records(n: int, seed: int) -> list[dict]:

@@ -81,3 +81,27 @@ def summarization_inputs(root: Path, n_train: int = 48, n_eval: int = 20, dropou
     bart_model(len(tok), dropout).save_pretrained(paths["model"])
     tok.save_pretrained(paths["model"])
     return paths
+
+
+def clm_inputs(root: Path, validation_lines: int = 16) -> dict[str, Path]:
+    """What run_clm.py reads: text files of random word sentences and a tiny GPT-2 (dropout 0.1) saved with the
+    WordPiece tokenizer (run by tests/dropin.py's users and benchmarks/eval_load.py)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    root.mkdir(parents=True)
+    rng = random.Random(11)
+    paths = {}
+    for name, lines in (("train", 50), ("validation", validation_lines)):
+        text = "\n".join(" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 10)))
+                         for _ in range(lines))  # fmt: skip
+        paths[name] = root / f"{name}.txt"
+        paths[name].write_text(text + "\n", encoding="utf-8")
+    made = tokenizer(root / "tokenizer")
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(made), n_embd=32, n_layer=2, n_head=2, n_positions=64,
+                        bos_token_id=2, eos_token_id=3, pad_token_id=0)  # fmt: skip
+    paths["model"] = root / "model"
+    GPT2LMHeadModel(config).save_pretrained(paths["model"])
+    made.save_pretrained(paths["model"])
+    return paths

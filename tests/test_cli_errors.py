@@ -182,7 +182,10 @@ def test_ctrl_c_with_the_console_piped_to_a_tee_it_ends_keeps_the_stop_checkpoin
         ("learning_rate=1e-4", r"learning_rate is not a key of the config: did you mean args.learning_rate=1e-4\?"),
         ("+experiment=mcr", r"experiment=mcr: experiment has no option 'mcr' \(its options: .*\); did you mean mrc\?"),
         ("trainer=ddpp", r"trainer=ddpp: trainer has no option .ddpp. .*did you mean ddp or ddp_cpu\?"),
-        ("hydra/launcher=joblb", r"hydra/launcher has no option 'joblb' \(its options: .*joblib.*\); did you mean joblib"),
+        (
+            "hydra/launcher=joblb",
+            r"hydra/launcher has no option 'joblb' \(its options: .*joblib.*\); did you mean joblib",
+        ),
     ],
 )
 def test_the_command_line_says_what_a_slip_meant_before_hydra(token, said):

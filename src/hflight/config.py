@@ -279,7 +279,8 @@ def check_command_line(overrides: Iterable[str], config_dir: str | os.PathLike |
     """:func:`check_args_overrides`, and two slips Hydra's command line answers with its generic errors: a field of
     ``TrainingArguments`` given without ``args.`` (``learning_rate=1e-4``: "did you mean args.learning_rate?"), and
     an option a config group does not have (``+experiment=mcr``: "did you mean mrc?"). A group's options are the ones
-    Hydra itself would find: the config tree, ``--config-dir`` folders, and plugins' configs (``hydra/launcher=joblib``).
+    Hydra itself would find: the config tree, ``--config-dir`` folders, the primary config's ``hydra.searchpath`` and
+    plugins' configs (``hydra/launcher=joblib``).
 
     Raises:
         ValueError: naming the slip and what was meant.

@@ -68,4 +68,3 @@ def _rows(args: tuple, kwargs: dict) -> int | None:
         if torch.is_tensor(value) and value.dim() > 0:
             return int(value.shape[0])
     return None
-
