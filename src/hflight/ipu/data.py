@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 
-def repeat_rows(value: Any, batch_size: int) -> Any:
+def _repeat_rows(value: Any, batch_size: int) -> Any:
     """``value`` (a tensor) with ``batch_size`` rows: its first rows repeated after its own (other values as they
     are)."""
     if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.size(0) == batch_size:
@@ -36,11 +36,11 @@ def pad_on_batch_axis(batch_size: int) -> Callable[[Callable[..., Any]], Callabl
             batch = collator(*args, **kwargs)
             if isinstance(batch, Mapping):
                 for key in list(batch.keys()):
-                    batch[key] = repeat_rows(batch[key], batch_size)
+                    batch[key] = _repeat_rows(batch[key], batch_size)
                 return batch
             if isinstance(batch, (list, tuple)):
-                return type(batch)(repeat_rows(value, batch_size) for value in batch)
-            return repeat_rows(batch, batch_size)
+                return type(batch)(_repeat_rows(value, batch_size) for value in batch)
+            return _repeat_rows(batch, batch_size)
 
         return padded
 

@@ -8,8 +8,8 @@ for it, with one device iteration, its rows spread over the same replicas where 
 replica: no row is repeated, so each replica's loss is the mean over real rows only and the call's loss, weighed by
 its rows, is the CPU's (repeating rows to fill the replicas put the repeated rows' losses into it). One executable
 is attached to the IPUs at a time. With ``pad_on_batch_axis=True`` the loader pads that batch to the combined size
-instead (repeating rows), and only the first executable runs: the outputs are cut to the real rows, the loss of that
-call counts the repeated rows where the real ones do not divide the combined batch (as optimum-graphcore's padding).
+instead (repeating rows), and only the first executable runs: the outputs are cut to the real rows, and the loss of
+that call counts the repeated rows too (the CPU's only where each real row is repeated equally often).
 
 Written against poptorch's documented API; verified against the test stand-in of it.
 
