@@ -47,7 +47,8 @@ RESULT_FILES = (
 
 def torch_file_records(path: Path) -> dict[str, bytes]:
     """A ``torch.save`` archive's records by name (the archive's folder left out), each CRC-checked as it is read:
-    ``save_async`` writes torch's records in its own zip framing (hflight.checkpoints.torch_file), so its files equal
+    ``save_async`` writes torch's records in its own zip framing (hflight.checkpoints.writers.torch_file), so its files
+    equal
     a synchronous save's record for record (torch's random serialization id apart), not byte for byte."""
     import zipfile
 

@@ -23,8 +23,9 @@ import torch
 
 from hflight import durable
 from hflight.checkpoints import folders as checkpoint
-from hflight.checkpoints import job, parts, torch_file
+from hflight.checkpoints import job, parts
 from hflight.checkpoints.manifest import MANIFEST_NAME, get_last_checkpoint, verify_checkpoint
+from hflight.checkpoints.writers import torch_file
 
 from .checkpoint_runs import assert_same, digest, make_trainer
 

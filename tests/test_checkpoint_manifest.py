@@ -110,7 +110,7 @@ def test_a_weights_file_linked_from_outside_the_folder_is_refused(saved, tmp_pat
     (folder / "model.safetensors").unlink()
     shutil.copy(elsewhere, folder / "weights-copy")
     (folder / "model.safetensors").symlink_to("weights-copy")  # a link inside the folder is only another name
-    from hflight.checkpoints.files import regular_file
+    from hflight.checkpoints.writers.files import regular_file
 
     assert regular_file(folder, "model.safetensors") == folder / "model.safetensors"
 

@@ -65,7 +65,7 @@ def test_weights_in_pytorch_bin_load_with_weights_only_and_a_crafted_one_is_refu
 
 def test_a_crafted_ema_state_is_refused_as_unsafe(saved, tmp_path, factory):
     from hflight.callbacks.ema import STATE_FILE, EMACallback
-    from hflight.checkpoints.files import UnsafeCheckpointFile
+    from hflight.checkpoints.writers.files import UnsafeCheckpointFile
 
     folder = copy_checkpoint(saved, tmp_path)
     marker = tmp_path / "pwned"

@@ -19,7 +19,8 @@ import pytest
 import torch
 import transformers
 
-from hflight.checkpoints import asynchronous, writer_process
+from hflight.checkpoints import asynchronous
+from hflight.checkpoints.writers import writer_process
 
 from .support import torch_file_records
 

@@ -22,9 +22,9 @@ import transformers
 
 import hflight
 from hflight.checkpoints import data_position, parts
-from hflight.checkpoints.files import IncompleteCheckpointError, UnsafeCheckpointFile
 from hflight.checkpoints.manifest import MANIFEST_NAME, verify_checkpoint
 from hflight.checkpoints.names import DATA_POSITION_NAME
+from hflight.checkpoints.writers.files import IncompleteCheckpointError, UnsafeCheckpointFile
 
 from .checkpoint_runs import StopAt
 from .launch import JOBS

@@ -1,4 +1,5 @@
-"""hflight.checkpoints.direct_file: a file written front to back through an aligned staging buffer, past the page
+"""hflight.checkpoints.writers.direct_file: a file written front to back through an aligned staging buffer, past the
+page
 cache where the file system allows it, else through it; the bytes and the length exactly what was written."""
 
 from __future__ import annotations
@@ -9,8 +10,8 @@ import os
 import pytest
 import xxhash
 
-from hflight.checkpoints import direct_file
-from hflight.checkpoints.direct_file import BLOCK, DirectFile
+from hflight.checkpoints.writers import direct_file
+from hflight.checkpoints.writers.direct_file import BLOCK, DirectFile
 
 
 def _pieces() -> list[bytes]:

@@ -27,8 +27,9 @@ import transformers
 
 import hflight
 from hflight import durable
-from hflight.checkpoints import asynchronous, folders, job, torch_file, writer_process
+from hflight.checkpoints import asynchronous, folders, job
 from hflight.checkpoints.manifest import Checksums, get_last_checkpoint, verify_checkpoint
+from hflight.checkpoints.writers import torch_file, writer_process
 
 from .checkpoint_runs import make_trainer
 from .durability import CHECKPOINT, Recorder, violations
@@ -256,7 +257,7 @@ def test_save_async_writes_the_synchronous_checkpoint_byte_for_byte(tmp_path, fa
         a, b = (folders_written[flag] / name for flag in (False, True))
         differ = [p.name for p in sorted(a.iterdir()) if p.read_bytes() != (b / p.name).read_bytes()]
         # training_args.bin holds output_dir, so does the manifest through its checksum; optimizer.pt is written in
-        # the background by hflight.checkpoints.torch_file: torch.save's records in another zip framing
+        # the background by hflight.checkpoints.writers.torch_file: torch.save's records in another zip framing
         assert differ == ["checkpoint_manifest.json", "optimizer.pt", "training_args.bin"], differ
         assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir())
         records = [torch_file_records(folder / "optimizer.pt") for folder in (a, b)]

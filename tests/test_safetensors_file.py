@@ -1,4 +1,4 @@
-"""hflight.checkpoints.safetensors_file: inside a checkpoint's steps, the model's safetensors files written as
+"""hflight.checkpoints.writers.safetensors_file: inside a checkpoint's steps, the model's safetensors files written as
 safetensors writes them, byte for byte, past the page cache and hashed as they are written; everywhere else, and for
 what safetensors refuses or treats its own way, safetensors' own ``save_file``. And a checkpoint's large files
 (``model.safetensors``, ``optimizer.pt``) are hashed as they are written, not read back (issue 56, item 4)."""
@@ -17,8 +17,9 @@ from safetensors.torch import save as safetensors_bytes
 from safetensors.torch import save_file as safetensors_save_file
 from transformers import BertConfig, BertForQuestionAnswering, GPT2Config, GPT2LMHeadModel
 
-from hflight.checkpoints import manifest, safetensors_file
+from hflight.checkpoints import manifest
 from hflight.checkpoints.manifest import Checksums, file_digest, verify_checkpoint
+from hflight.checkpoints.writers import safetensors_file
 
 from .checkpoint_runs import make_trainer
 

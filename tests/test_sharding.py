@@ -25,9 +25,9 @@ import torch
 
 import hflight
 from hflight.arguments import lightning_kwargs
-from hflight.checkpoints.files import IncompleteCheckpointError, UnsafeCheckpointFile
 from hflight.checkpoints.manifest import get_last_checkpoint, read_manifest, verify_checkpoint
 from hflight.checkpoints.sharded import load_dcp, read_full_model, read_metadata, tensor_shapes
+from hflight.checkpoints.writers.files import IncompleteCheckpointError, UnsafeCheckpointFile
 from hflight.sharding import plans
 
 from . import durability, launch

@@ -1,4 +1,5 @@
-"""hflight.checkpoints.torch_file: torch.save's archive, written by the background checkpoint writer without holding
+"""hflight.checkpoints.writers.torch_file: torch.save's archive, written by the background checkpoint writer without
+holding
 the interpreter lock; the same records as torch.save, read by torch.load in every mode."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import zlib
 import pytest
 import torch
 
-from hflight.checkpoints import torch_file
+from hflight.checkpoints.writers import torch_file
 
 from .support import torch_file_records
 
@@ -162,7 +163,7 @@ def test_a_writer_whose_records_differ_from_torch_save_s_on_the_probe_gives_way_
         real(self, name, data, size)
 
     monkeypatch.setattr(torch_file._ZipRecords, "write_record", write_record)
-    with caplog.at_level(logging.WARNING, logger="hflight.checkpoints.torch_file"):
+    with caplog.at_level(logging.WARNING, logger="hflight.checkpoints.writers.torch_file"):
         assert torch_file.save({"x": torch.ones(2)}, tmp_path / "written.pt") is False
     assert "the bytes of ['byteorder'] differ" in caplog.text
     assert torch_file_records(tmp_path / "written.pt")["byteorder"] == b"little"  # torch.save's file

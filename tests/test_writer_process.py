@@ -1,5 +1,5 @@
-"""hflight.checkpoints.writer_process: save_async's large files (optimizer.pt, model.safetensors) written by a child
-process from shared memory, off the training process's interpreter lock (issue 56, item 4): the same files as a
+"""hflight.checkpoints.writers.writer_process: save_async's large files (optimizer.pt, model.safetensors) written by a
+child process from shared memory, off the training process's interpreter lock (issue 56, item 4): the same files as a
 synchronous save's, a write error in the child failing the checkpoint naming its file, a child that dies replaced
 without losing the checkpoint, a child in a session of its own that ends with the training process."""
 
@@ -18,8 +18,9 @@ import time
 import pytest
 import transformers
 
-from hflight.checkpoints import asynchronous, folders, job, writer_process
+from hflight.checkpoints import asynchronous, folders, job
 from hflight.checkpoints.manifest import get_last_checkpoint, verify_checkpoint
+from hflight.checkpoints.writers import writer_process
 
 from .checkpoint_runs import make_trainer
 from .support import torch_file_records
@@ -138,7 +139,7 @@ def test_the_child_has_a_session_of_its_own_and_ends_with_its_training_process(t
         """
         import os, sys, threading, time
         import torch
-        from hflight.checkpoints import writer_process
+        from hflight.checkpoints.writers import writer_process
         started, fifo = sys.argv[1], sys.argv[2]
         process, area = writer_process.WriterProcess(), None
         def start():
@@ -182,7 +183,7 @@ _CHILD_SCRIPT = """
 import sys
 import torch
 import hflight.checkpoints.manifest
-from hflight.checkpoints import writer_process
+from hflight.checkpoints.writers import writer_process
 process = writer_process.WriterProcess()
 area = process.allocate(4096, pinned=False)
 assert process.ready(), "the writer process did not start"

@@ -1,5 +1,5 @@
-"""The checkpoint writers' operating-system resources (hflight.checkpoints.resources, issue 62): after a fork, at
-close() and at exit. A process forked after a checkpoint (Ray, joblib, a data loader's worker, a user's pool) writes
+"""The checkpoint writers' operating-system resources (hflight.checkpoints.writers.resources, issue 62): after a fork,
+at close() and at exit. A process forked after a checkpoint (Ray, joblib, a data loader's worker, a user's pool) writes
 its own files with its own buffers and threads; the staging memory of save_async is gone when train() returns.
 
 In-process, and processes forked from it; tiny states."""
@@ -13,8 +13,8 @@ import queue
 import pytest
 import torch
 
-from hflight.checkpoints import direct_file, resources, torch_file
 from hflight.checkpoints.manifest import new_digest
+from hflight.checkpoints.writers import direct_file, resources, torch_file
 
 #: a record this large has its CRC computed in parts on the CRC pool's threads (torch_file._PARALLEL_CRC_BYTES)
 _LARGE = 9 << 20

@@ -65,11 +65,11 @@ if TYPE_CHECKING:
 
     from hflight.arguments.seq2seq_args import Seq2SeqTrainingArguments
     from hflight.arguments.training_args import TrainingArguments
-    from hflight.checkpoints.files import IncompleteCheckpointError, UnsafeCheckpointFile
     from hflight.checkpoints.folders import CheckpointWriteError
     from hflight.checkpoints.manifest import get_last_checkpoint, verify_checkpoint
     from hflight.checkpoints.optim_state import IncompatibleTrainingState
     from hflight.checkpoints.writelock import OutputDirInUse
+    from hflight.checkpoints.writers.files import IncompleteCheckpointError, UnsafeCheckpointFile
     from hflight.trainer.facade import Trainer
     from hflight.trainer.seq2seq import Seq2SeqTrainer
 

@@ -107,9 +107,9 @@ def report_gloo_threads_at_exit(out):
 
 def failed_background_write(out):
     """Test code: a save_async training whose background write of checkpoint-4 finds the disk full on rank 0 (the
-    background writer thread writes torch.save's files with hflight.checkpoints.torch_file.save where no writer
+    background writer thread writes torch.save's files with hflight.checkpoints.writers.torch_file.save where no writer
     process runs, as here: how every rank learns of the failure does not depend on who wrote the file)."""
-    from hflight.checkpoints import torch_file, writer_process
+    from hflight.checkpoints.writers import torch_file, writer_process
 
     writer_process.available = lambda: False
     real = torch_file.save

@@ -21,8 +21,8 @@ from collections.abc import Iterator
 import torch
 from transformers.trainer_callback import TrainerCallback
 
-from hflight.checkpoints.files import regular_file
 from hflight.checkpoints.weights import refused_pickle
+from hflight.checkpoints.writers.files import regular_file
 
 STATE_FILE = "ema_state.pt"
 

@@ -13,7 +13,7 @@ the model before anything changes: the file's keys and shapes are those the mode
 come with its ``adapter_config.json`` (PEFT adds it from there, as ``load_adapter`` does). A file that does not fit
 raises a ``ValueError`` naming it, the model left as it was.
 
-May import: ``hflight.checkpoints.files``, ``hflight.checkpoints.names``.
+May import: ``hflight.checkpoints.writers.files``, ``hflight.checkpoints.names``.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from hflight.checkpoints.files import regular_file
 from hflight.checkpoints.names import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHT_FILES
+from hflight.checkpoints.writers.files import regular_file
 
 logger = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ before it reads the copies. Tensors in host memory are copied there and then.
 
 Where it can run (Linux), for a state of :data:`PROCESS_MIN_BYTES` or more, the staging area is shared memory and
 the largest files, ``optimizer.pt`` and the model's safetensors files, are written by a child process
-(:mod:`hflight.checkpoints.writer_process`), so that their serialization, hashing and writing take nothing of the
-training process's interpreter lock; the background thread sends it each file's structure and waits for its
+(:mod:`hflight.checkpoints.writers.writer_process`), so that their serialization, hashing and writing take nothing of
+the training process's interpreter lock; the background thread sends it each file's structure and waits for its
 checksum, and writes the rest itself. Buffers the staging area replaces are released once the write reading them is
 over.
 
@@ -59,9 +59,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from hflight.checkpoints import resources, writer_process
 from hflight.checkpoints.job import CheckpointJob, CheckpointWriteError
 from hflight.checkpoints.weights import deepspeed_left_alone
+from hflight.checkpoints.writers import resources, writer_process
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ transformers ignores the file (and resumes as it always did). A checkpoint witho
 hflight's, ``save_only_model``) resumes by skipping the trained batches. The run side (what a loader saves and how it
 continues) is ``hflight.run.position``.
 
-May import: ``hflight.checkpoints.files``, ``hflight.checkpoints.names``.
+May import: ``hflight.checkpoints.writers.files``, ``hflight.checkpoints.names``.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hflight.checkpoints.files import UnsafeCheckpointFile, load_tensors_file
 from hflight.checkpoints.names import DATA_POSITION_NAME
+from hflight.checkpoints.writers.files import UnsafeCheckpointFile, load_tensors_file
 
 FORMAT = "hflight-data-position"
 VERSION = 1

@@ -42,7 +42,6 @@ from transformers.utils import logging as hf_logging
 
 from hflight import durable
 from hflight._util import sharded_at_load
-from hflight.checkpoints.files import IncompleteCheckpointError
 from hflight.checkpoints.forms import NotGathered, ProcessZeroState, background_refusal
 from hflight.checkpoints.job import CheckpointJob, CheckpointWriteError, write_error
 from hflight.checkpoints.manifest import (
@@ -64,6 +63,7 @@ from hflight.checkpoints.names import (
 )
 from hflight.checkpoints.parts import write_trainer_state, write_training_states
 from hflight.checkpoints.weights import deepspeed_left_alone, saves_off_rank_zero
+from hflight.checkpoints.writers.files import IncompleteCheckpointError
 from hflight.surface import RunView, TrainerSurface
 
 logger = logging.getLogger(__name__)

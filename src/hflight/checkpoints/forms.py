@@ -39,7 +39,6 @@ from torch import nn
 
 from hflight._util import model_tp_size
 from hflight.checkpoints.adapters import is_peft_model, sharded_adapter_state
-from hflight.checkpoints.files import load_tensors_file, regular_file
 from hflight.checkpoints.names import (
     DEEPSPEED_LATEST,
     DEEPSPEED_OPTIMIZER_FILES,
@@ -75,6 +74,7 @@ from hflight.checkpoints.sharded import (
     set_named_optimizer_state,
     tensor_shapes,
 )
+from hflight.checkpoints.writers.files import load_tensors_file, regular_file
 
 logger = logging.getLogger(__name__)
 

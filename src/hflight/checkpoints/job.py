@@ -32,10 +32,10 @@ from typing import Any
 
 from hflight import durable
 from hflight._util import exception_chain
-from hflight.checkpoints import safetensors_file, torch_file
 from hflight.checkpoints.manifest import Checksums, new_digest, write_manifest
 from hflight.checkpoints.names import DELETING_SUFFIX, MANIFEST_NAME, REPLACED_SUFFIX, TMP_PREFIX
-from hflight.checkpoints.writer_process import WriterProcessDied
+from hflight.checkpoints.writers import safetensors_file, torch_file
+from hflight.checkpoints.writers.writer_process import WriterProcessDied
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ class CheckpointJob:
         process: Any = None,
     ) -> None:
         self.folder, self.final_dir, self.main, self.last = folder, final_dir, main, last
-        self._process = process  # the writer process of the large files (hflight.checkpoints.writer_process), if any
+        self._process = process  # the writer process of the large files (checkpoints.writers.writer_process), if any
         self.what = f"checkpoint {final_dir}"
         self._snapshot = snapshot
         self._entries_made_durable = entries_made_durable
@@ -190,8 +190,8 @@ class CheckpointJob:
 
     def save(self, obj: Any, path: str) -> None:
         """``torch.save(obj, path)``'s file, now, or later from a snapshot of ``obj`` taken now; either way written by
-        :func:`hflight.checkpoints.torch_file.save` (the same records; front to back, past the page cache where the
-        file system allows it, so that its fsync is cheap; hashed as it is written, so that it is not read back;
+        :func:`hflight.checkpoints.writers.torch_file.save` (the same records; front to back, past the page cache where
+        the file system allows it, so that its fsync is cheap; hashed as it is written, so that it is not read back;
         the interpreter lock released while the bytes are copied, so that a training loop runs beside it)."""
         if self._snapshot is None:
             self._save_hashed(obj, path, self._checksums)
@@ -211,7 +211,7 @@ class CheckpointJob:
 
     @staticmethod
     def _save_hashed(obj: Any, path: str, checksums: Checksums | None) -> None:
-        """``obj`` written by :func:`~hflight.checkpoints.torch_file.save` and hashed as it is written, for
+        """``obj`` written by :func:`~hflight.checkpoints.writers.torch_file.save` and hashed as it is written, for
         ``checksums`` (None: this process keeps none); where it could not be (``torch.save`` wrote it), the checksums'
         thread hashes the file, as every other."""
         hasher = new_digest() if checksums is not None else None
@@ -413,7 +413,8 @@ def _in_writer_process(write: Callable[[], str | None]) -> str | None:
 
 
 class _Hashing:
-    """Where a step's safetensors files go (``hflight.checkpoints.safetensors_file.hashed_into``): their checksums to
+    """Where a step's safetensors files go (``hflight.checkpoints.writers.safetensors_file.hashed_into``): their
+    checksums to
     ``checksums``; written by ``process`` (the writer process) where there is one and it takes them."""
 
     def __init__(self, checksums: Checksums | None, process: Any = None) -> None:

@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 from hflight import durable
-from hflight.checkpoints.files import IncompleteCheckpointError, UnsafeCheckpointFile, regular_file, relative_name
 from hflight.checkpoints.names import (
     ADAPTER_WEIGHT_FILES,
     CHECKPOINT_RE,
@@ -46,6 +45,12 @@ from hflight.checkpoints.names import (
 )
 from hflight.checkpoints.parts import part_of
 from hflight.checkpoints.weights import WEIGHT_FILES, is_weight_file, weights_in_use
+from hflight.checkpoints.writers.files import (
+    IncompleteCheckpointError,
+    UnsafeCheckpointFile,
+    regular_file,
+    relative_name,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -44,13 +44,6 @@ from transformers.trainer_callback import ExportableState, TrainerState
 
 from hflight.checkpoints import data_position
 from hflight.checkpoints.adapters import is_adapter_file
-from hflight.checkpoints.files import (
-    UnsafeCheckpointFile,
-    load_failure,
-    load_tensors_file,
-    refused_pickle,
-    regular_file,
-)
 from hflight.checkpoints.forms import found_form, part_of_form
 from hflight.checkpoints.names import (
     CONFIG_FILES,
@@ -72,6 +65,13 @@ from hflight.checkpoints.optim_state import (
     regrouped_scheduler,
 )
 from hflight.checkpoints.weights import is_weight_file
+from hflight.checkpoints.writers.files import (
+    UnsafeCheckpointFile,
+    load_failure,
+    load_tensors_file,
+    refused_pickle,
+    regular_file,
+)
 from hflight.surface import RunView, TrainerSurface
 
 logger = logging.getLogger(__name__)

@@ -10,8 +10,8 @@ rebuilt from their saved arguments; only then are weights copied in. Once Lightn
 positions the run (:func:`resumed_state`) (and warns about every argument that changes the data position or the step
 arithmetic), ``parts.restore_optimizer`` and
 ``parts.load_rng_state`` restore the rest. Every error names the file (and the key) at fault. Files are read only
-through ``hflight.checkpoints.files.regular_file`` (no path outside the folder, no named pipe or device), RNG files only
-by the names the run that wrote the checkpoint used.
+through ``hflight.checkpoints.writers.files.regular_file`` (no path outside the folder, no named pipe or device), RNG
+files only by the names the run that wrote the checkpoint used.
 
 Security: checkpoints are shared and downloaded, so no file in one may run code. ``optimizer.pt``, ``scheduler.pt``,
 ``scaler.pt`` and ``.bin`` weights load with ``torch.load(weights_only=True)``; ``rng_state*.pth`` does too, with
@@ -31,7 +31,6 @@ from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import compare_trainer_and_checkpoint_args
 
 from hflight.checkpoints import data_position
-from hflight.checkpoints.files import IncompleteCheckpointError, UnsafeCheckpointFile, inside, regular_file
 from hflight.checkpoints.folders import RUN_ARGUMENTS, run_arguments
 from hflight.checkpoints.forms import found_form, resume_refusal
 from hflight.checkpoints.manifest import checkpoint_folders, get_last_checkpoint, verify_checkpoint
@@ -43,6 +42,7 @@ from hflight.checkpoints.names import (
 )
 from hflight.checkpoints.parts import read_trainer_state, read_training_states, rebuilt_callbacks
 from hflight.checkpoints.weights import checked_weights, load_model_weights
+from hflight.checkpoints.writers.files import IncompleteCheckpointError, UnsafeCheckpointFile, inside, regular_file
 from hflight.surface import RunView, TrainerSurface, weight_hooks
 
 logger = logging.getLogger(__name__)

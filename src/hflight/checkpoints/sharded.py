@@ -25,8 +25,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from hflight.checkpoints.files import UnsafeCheckpointFile, regular_file
 from hflight.checkpoints.names import DCP_METADATA, DCP_SHARDS
+from hflight.checkpoints.writers.files import UnsafeCheckpointFile, regular_file
 
 logger = logging.getLogger(__name__)
 

@@ -11,9 +11,10 @@ loaded for the check); only when every file, key and shape matches are the weigh
 checkpoint therefore leaves the model exactly as it was, and the error names the file. Single files
 (``model.safetensors``, ``pytorch_model.bin``) and shards with their index (``model.safetensors.index.json``,
 ``pytorch_model.bin.index.json``) are supported, in transformers' order of preference; ``.bin`` files are read with
-``weights_only=True``. Every file is reached through ``hflight.checkpoints.files.regular_file``: a shard index naming a
-path outside the folder, a symbolic link leading out of it or a file that is not a regular one is refused before it is
-opened. The tensors then go in through the model's own ``load_state_dict`` (``strict=False``, one shard at a time, as
+``weights_only=True``. Every file is reached through ``hflight.checkpoints.writers.files.regular_file``: a shard index
+naming a path outside the folder, a symbolic link leading out of it or a file that is not a regular one is refused
+before it is opened. The tensors then go in through the model's own ``load_state_dict`` (``strict=False``, one shard at
+a time, as
 transformers loads them), so a model that overrides it is not bypassed.
 
 Keys the file leaves out because the model ties them to another parameter (``save_pretrained`` writes a tied
@@ -44,13 +45,6 @@ from hflight.checkpoints.adapters import (
     is_adapter_file,
     is_peft_model,
 )
-from hflight.checkpoints.files import (
-    IncompleteCheckpointError,
-    UnsafeCheckpointFile,
-    refused_pickle,
-    regular_file,
-    relative_name,
-)
 from hflight.checkpoints.forms import own_weight_files, part_of_form
 from hflight.checkpoints.names import (
     ADAPTER_WEIGHT_FILES,
@@ -69,6 +63,13 @@ from hflight.checkpoints.sharded import (
     read_full_model,
     set_full_model_state,
     tensor_shapes,
+)
+from hflight.checkpoints.writers.files import (
+    IncompleteCheckpointError,
+    UnsafeCheckpointFile,
+    refused_pickle,
+    regular_file,
+    relative_name,
 )
 
 __all__ = [
@@ -161,7 +162,7 @@ def save_model_files(
         with _writing_on_this_process(model):
             model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True, is_main_process=writes)
     elif writes:
-        from hflight.checkpoints.safetensors_file import save_file
+        from hflight.checkpoints.writers.safetensors_file import save_file
 
         state = {k: v.contiguous() for k, v in (state_dict or model.state_dict()).items()}
         save_file(state, os.path.join(output_dir, SAFE_WEIGHTS_NAME), metadata={"format": "pt"})

@@ -9,12 +9,12 @@ copied into is shared memory (``memfd_create``; pinned with ``cudaHostRegister``
 files that hold most of the bytes, ``torch.save``'s (``optimizer.pt``) and the model's safetensors files, are
 written by a child process from that memory: the writer thread sends it the state's structure, each tensor as its
 place in the shared memory (a few kilobytes, pickled), and waits, its lock released, for the checksum of the file
-the child wrote (``hflight.checkpoints.torch_file`` and ``hflight.checkpoints.safetensors_file``, the same files,
-past the page cache, hashed as written). The rest of the job (small files, ``save_pretrained``'s own files, the
-manifest, the fsyncs, the publication) stays on the writer thread.
+the child wrote (``hflight.checkpoints.writers.torch_file`` and ``hflight.checkpoints.writers.safetensors_file``, the
+same files, past the page cache, hashed as written). The rest of the job (small files, ``save_pretrained``'s own files,
+the manifest, the fsyncs, the publication) stays on the writer thread.
 
-The child is ``python -I -c`` :data:`BOOT` (``hflight.checkpoints.writer_child``: the training process's import path,
-without the working folder; no ``multiprocessing``: a user's script is never imported again in it), started by the
+The child is ``python -I -c`` :data:`BOOT` (``hflight.checkpoints.writers.writer_child``: the training process's import
+path, without the working folder; no ``multiprocessing``: a user's script is never imported again in it), started by the
 writer thread, talking over a Unix socket pair (length-prefixed pickles; each shared memory's
 descriptor passed once with ``SCM_RIGHTS``); it imports torch, not hflight's trainer. Until it has answered, the
 writer thread writes the files itself: its start (its imports take a second or two of CPU) never holds a checkpoint
@@ -24,7 +24,7 @@ the thread as before; an error writing it (a full disk, an I/O error) comes back
 progress with an error saying so (with the last line it wrote to its standard error), and the next file is written by
 a new child. A child that ends before it ever answered could not start (an import that fails, say): none is started
 again in the run, and one warning says why (its standard error's last line). The child and the shared memory
-belong to :mod:`hflight.checkpoints.resources`: let go of in a forked process (which never talks to the parent's
+belong to :mod:`hflight.checkpoints.writers.resources`: let go of in a forked process (which never talks to the parent's
 child), released at :meth:`WriterProcess.close` and at exit. Linux only (``memfd_create``); elsewhere the thread
 writes everything.
 
@@ -33,8 +33,9 @@ write its own format (a folder of ``.distcp`` files and a ``.metadata``), need a
 process of ``multiprocessing``'s that imports the user's script again; a checkpoint here must be transformers'
 files (``optimizer.pt`` as ``torch.save`` writes it, ``model.safetensors`` as safetensors does), hashed as written.
 
-May import: ``hflight.checkpoints.torch_file``, ``hflight.checkpoints.safetensors_file`` (the child's imports: torch,
-not transformers), ``hflight.checkpoints.resources``.
+May import: ``hflight.checkpoints.writers.torch_file``, ``hflight.checkpoints.writers.safetensors_file`` (the child's
+imports: torch,
+not transformers), ``hflight.checkpoints.writers.resources``.
 """
 
 from __future__ import annotations
@@ -59,17 +60,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from hflight.checkpoints import resources
+from hflight.checkpoints.writers import resources
 
 logger = logging.getLogger(__name__)
 
 _LENGTH = struct.Struct("<Q")
-#: the child's program, run with ``python -I -c`` (``hflight.checkpoints.writer_child``): the training process's
+#: the child's program, run with ``python -I -c`` (``hflight.checkpoints.writers.writer_child``): the training process's
 #: import path in its order (:func:`_child_path`), then its ``main``
 BOOT = (
     "import json, sys\n"
     "sys.path[:] = json.loads(sys.argv[1])\n"
-    "from hflight.checkpoints.writer_child import main\n"
+    "from hflight.checkpoints.writers.writer_child import main\n"
     "main(sys.argv[2:])\n"
 )
 #: the packages the child imports: the folders the training process has them from are on its path, whatever else
@@ -347,7 +348,8 @@ class WriterProcess:
 
     def _spawn(self) -> None:
         """The child started (from whichever thread: it ties itself to this process, see
-        ``hflight.checkpoints.writer_child``), and asked to answer once it is ready; unless one runs. A child that
+        ``hflight.checkpoints.writers.writer_child``), and asked to answer once it is ready; unless one runs. A child
+        that
         ended before it ever answered could not start: none is started again in this run (the thread writes)."""
         if not self._wanted or self._cannot_start or (self._process is not None and self._process.poll() is None):
             return  # not started yet (start()), one runs, or one could not start: not again (the thread writes)
@@ -525,7 +527,7 @@ class _Unpickler(pickle.Unpickler):
 def _serve(sock: socket.socket) -> None:
     import xxhash
 
-    from hflight.checkpoints import safetensors_file, torch_file
+    from hflight.checkpoints.writers import safetensors_file, torch_file
 
     new_digest = xxhash.xxh3_128  # the manifest's (manifest.new_digest), without importing what the manifest imports
 
@@ -575,7 +577,7 @@ def _write(message: tuple, areas: dict[int, Any], torch_file: Any, safetensors_f
 
 
 def serve(descriptor: int) -> None:
-    """The child's loop on its end of the connection (``hflight.checkpoints.writer_child`` calls it)."""
+    """The child's loop on its end of the connection (``hflight.checkpoints.writers.writer_child`` calls it)."""
     sock = socket.socket(fileno=descriptor)
     try:
         _serve(sock)

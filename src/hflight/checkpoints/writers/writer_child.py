@@ -1,5 +1,5 @@
-"""The checkpoint writer process (``hflight.checkpoints.writer_process``), started as ``python -I -c BOOT PATH FD
-PARENT tie|-`` (``writer_process.BOOT``: ``PATH`` made its ``sys.path``, then :func:`main`).
+"""The checkpoint writer process (``hflight.checkpoints.writers.writer_process``), started as ``python -I -c BOOT PATH
+FD PARENT tie|-`` (``writer_process.BOOT``: ``PATH`` made its ``sys.path``, then :func:`main`).
 
 Isolated (``-I``) and given the training process's import path in its order (``PATH``: the standard library first,
 then the folders ``PYTHONPATH`` and the installation added, as the training process has them) without the working
@@ -18,7 +18,7 @@ thread of the training process started it. Started by the training process's mai
 the child, so it is set only where that thread's life is the process's). Both are set before the imports that take
 seconds.
 
-May import: ``hflight.checkpoints.writer_process``.
+May import: ``hflight.checkpoints.writers.writer_process``.
 """
 
 from __future__ import annotations
@@ -66,6 +66,6 @@ def main(argv: list[str]) -> None:
     if tie:
         _kernel_tie()
     _watch(parent)
-    from hflight.checkpoints.writer_process import serve
+    from hflight.checkpoints.writers.writer_process import serve
 
     serve(descriptor)

@@ -6,9 +6,9 @@ file to ``safetensors.torch.save_file``: the bytes go into the page cache, and t
 file and reads it back to hash it (on a machine whose page cache fills faster than its disk writes, the fsync is most
 of a durable save's cost). While a step of a checkpoint job runs with a digest sink (:func:`hashed_into`), the
 ``save_file`` that transformers' ``modeling_utils`` calls on that thread writes the same file through
-:class:`~hflight.checkpoints.direct_file.DirectFile` instead (``O_DIRECT`` where the file system takes it), hashing
-every byte on the way: the job's fsync then has only the metadata left, and nothing is read back. Any other caller,
-and any other thread, gets safetensors' own ``save_file``.
+:class:`~hflight.checkpoints.writers.direct_file.DirectFile` instead (``O_DIRECT`` where the file system takes it),
+hashing every byte on the way: the job's fsync then has only the metadata left, and nothing is read back. Any other
+caller, and any other thread, gets safetensors' own ``save_file``.
 
 The file is one safetensors could have written, byte for byte. The header (names, dtypes, shapes, offsets, metadata,
 padding) is laid out in the order safetensors gives it, read from the header safetensors writes for the same names,
@@ -19,7 +19,7 @@ each call: two of its own files of the same tensors may differ there; transforme
 safetensors would refuse or treat specially (sharing storage, not contiguous, sparse, a subclass) and big-endian hosts
 go to safetensors' ``save_file``, which refuses or writes them as it does.
 
-May import: ``hflight.checkpoints.direct_file``, ``hflight.checkpoints.manifest``.
+May import: ``hflight.checkpoints.writers.direct_file``, ``hflight.checkpoints.manifest``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from hflight.checkpoints.direct_file import DirectFile
+from hflight.checkpoints.writers.direct_file import DirectFile
 
 logger = logging.getLogger(__name__)
 

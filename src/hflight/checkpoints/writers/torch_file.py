@@ -7,9 +7,9 @@ model's bytes take to copy into the page cache (measured: a MiniLM-L6 step of 31
 ``optimizer.pt`` of 180 MB was written beside it). :func:`save` writes the same archive itself: each record stored,
 its data aligned to 64 bytes as torch aligns it, its CRC-32 computed (``zlib.crc32``, which releases the lock) before
 its header is written, so the file is written front to back, once, through
-:class:`~hflight.checkpoints.direct_file.DirectFile` (``O_DIRECT`` where the file system takes it; the lock released
-for every large copy and write). Zip64 records and directories where sizes or offsets need them, as ``zipfile`` and
-torch's reader expect.
+:class:`~hflight.checkpoints.writers.direct_file.DirectFile` (``O_DIRECT`` where the file system takes it; the lock
+released for every large copy and write). Zip64 records and directories where sizes or offsets need them, as ``zipfile``
+and torch's reader expect.
 
 The records are torch's own: the pickle, the storages and their keys come from ``torch.serialization._save`` (the
 function ``torch.save`` calls), given this module's zip writer in place of torch's; the records torch's own writer
@@ -19,7 +19,7 @@ torch's private function: at first use a probe state is written both ways, and w
 the function this module was written against, or the records differ in any name, order or byte (the random
 serialization id apart), :func:`save` is ``torch.save`` (and says so once in the log).
 
-May import: ``hflight.checkpoints.direct_file``, ``hflight.checkpoints.resources``.
+May import: ``hflight.checkpoints.writers.direct_file``, ``hflight.checkpoints.writers.resources``.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 
-from hflight.checkpoints import resources
-from hflight.checkpoints.direct_file import DirectFile
+from hflight.checkpoints.writers import resources
+from hflight.checkpoints.writers.direct_file import DirectFile
 
 logger = logging.getLogger(__name__)
 
@@ -206,7 +206,7 @@ def _crc32(view: memoryview) -> int:
 class _ZipRecords:
     """The writer ``torch.serialization._save`` writes its records to: each record stored, its data aligned to
     ``alignment`` bytes in the file, written once, front to back, into ``out`` (a
-    :class:`~hflight.checkpoints.direct_file.DirectFile`; the probe's: a ``BytesIO``); the central directory at
+    :class:`~hflight.checkpoints.writers.direct_file.DirectFile`; the probe's: a ``BytesIO``); the central directory at
     :meth:`close`."""
 
     def __init__(self, out: DirectFile, archive: str, alignment: int) -> None:

@@ -14,10 +14,10 @@ the first write) or the platform has none (macOS, Windows), the same bytes are w
 Every byte also passes through ``hasher`` (``update``), so the file's checksum comes without reading it back.
 
 The staging buffers are private memory (a forked process gets its own copy of a buffer, never the parent's pages),
-kept for the next file in a pool of :mod:`hflight.checkpoints.resources`: let go of in a forked child, released when
-no checkpoint writer is open and at exit.
+kept for the next file in a pool of :mod:`hflight.checkpoints.writers.resources`: let go of in a forked child, released
+when no checkpoint writer is open and at exit.
 
-May import: ``hflight.checkpoints.resources``.
+May import: ``hflight.checkpoints.writers.resources``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from hflight.checkpoints import resources
+from hflight.checkpoints.writers import resources
 
 try:
     import fcntl
