@@ -1,6 +1,6 @@
-"""Small helpers any layer may use: lazy package exports (PEP 562), walking an exception's chain, a model's
-tensor-parallel size, and the last exit callback of a process a signal stopped (registered when ``hflight`` is
-imported, see :data:`IGNORE_WHILE_FINALIZING`)."""
+"""Small helpers any layer may use: lazy package exports (PEP 562), walking an exception's chain, a model's tensor-
+parallel size, whether a path is an object store's URL, and the last exit callback of a process a signal stopped
+(registered when ``hflight`` is imported, see :data:`IGNORE_WHILE_FINALIZING`)."""
 
 from __future__ import annotations
 
@@ -38,6 +38,19 @@ def exception_chain(error: BaseException | None) -> Iterator[BaseException]:
         seen.add(id(error))
         yield error
         error = error.__cause__ or error.__context__
+
+
+#: the fsspec protocols that are the local disk itself (``file:///scratch/run`` is a local folder)
+LOCAL_PROTOCOLS = ("file", "local")
+
+
+def is_remote(path: Any) -> bool:
+    """Whether ``path`` is the URL of a filesystem other than the local disk (``s3://b/run``; not ``/x``,
+    ``file:///x``)."""
+    if not isinstance(path, str) or "://" not in path:
+        return False
+    protocol = path.split("://", 1)[0]
+    return protocol.replace("+", "").replace("-", "").isalnum() and protocol not in LOCAL_PROTOCOLS
 
 
 def model_tp_size(model: Any) -> int:

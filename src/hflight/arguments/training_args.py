@@ -42,6 +42,7 @@ from transformers.debug_utils import DebugOption
 from transformers.trainer_utils import HubStrategy, IntervalStrategy, SaveStrategy, SchedulerType
 from transformers.training_args import OptimizerNames, ParallelMode, trainer_log_levels
 
+from hflight._util import is_remote
 from hflight.arguments import cluster, launcher_env, process_group
 from hflight.arguments.deepspeed import load_deepspeed_config
 from hflight.arguments.registry import CHECKPOINTS, register_backends
@@ -88,7 +89,12 @@ EVALUATION_FIELDS: tuple[str, ...] = ("int8_eval",)
 HFLIGHT_FIELDS: tuple[str, ...] = (*LIGHTNING_FIELDS, *CLUSTER_FIELDS, *CHECKPOINT_FIELDS, *EVALUATION_FIELDS)
 #: Dict fields that only take a dict or a JSON object string (transformers also reads a file path for its
 #: accelerate/FSDP/DeepSpeed configs; for these a path means nothing).
-_JSON_ONLY_DICT_FIELDS = ("lr_scheduler_kwargs", "activation_checkpointing_kwargs", "gradient_checkpointing_kwargs")
+_JSON_ONLY_DICT_FIELDS = (
+    "lr_scheduler_kwargs",
+    "activation_checkpointing_kwargs",
+    "gradient_checkpointing_kwargs",
+    "storage_options",
+)
 _TRUE_STRINGS = ("true", "yes", "y", "t", "1")
 _FALSE_STRINGS = ("false", "no", "n", "f", "0")
 
@@ -165,6 +171,23 @@ class TrainingArguments(HFTrainingArguments):
             "False (default): written before training goes on, as transformers."
         },
     )
+    remote_output_dir: Optional[str] = dataclasses.field(  # noqa: UP045 - HfArgumentParser reads the annotation
+        default=None,
+        metadata={
+            "help": "An fsspec URL (s3://bucket/run, gs://..., az://..., memory://...) where checkpoints, the model "
+            "and the results files are stored, each written into output_dir (the local staging folder) first and "
+            "uploaded from there; a checkpoint counts once its manifest object is stored. output_dir='s3://...' "
+            "sets this and puts output_dir under HFLIGHT_STAGING_DIR (default ~/.cache/hflight/staging)."
+        },
+    )
+    storage_options: Optional[Union[dict, str]] = dataclasses.field(  # noqa: UP007, UP045 - HfArgumentParser
+        default=None,
+        metadata={
+            "help": "Options of remote_output_dir's filesystem (fsspec's storage_options, as datasets takes them), "
+            'e.g. {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}; a dict or a JSON object string. '
+            "Credentials are otherwise read where the filesystem reads them (the environment, ~/.aws, ...)."
+        },
+    )
     int8_eval: bool = dataclasses.field(
         default=False,
         metadata={
@@ -178,6 +201,7 @@ class TrainingArguments(HFTrainingArguments):
         _coerce_field_types(self)
         launcher_env.apply(self, lambda: resolved_device_type(self))  # accelerate launch's variables
         _normalise_hflight_values(self)
+        _split_remote_output_dir(self)
         for name, (enum_cls, choices) in _CHOICES.items():
             setattr(self, name, _check_choice(name, getattr(self, name), enum_cls, choices()))
         _check_lower_bounds(self)
@@ -469,6 +493,49 @@ def _normalise_hflight_values(args: TrainingArguments) -> None:
         args.warmup_steps = int(args.warmup_steps)
     if args.use_cpu and args.accelerator == "auto":
         args.accelerator = "cpu"
+
+
+#: where a remote output_dir's staging folders go by default (HFLIGHT_STAGING_DIR overrides it)
+DEFAULT_STAGING_ROOT = os.path.join("~", ".cache", "hflight", "staging")
+
+
+def staging_folder(url: str) -> str:
+    """The local staging folder of ``url`` when ``output_dir`` names the URL itself: ``$HFLIGHT_STAGING_DIR`` (else
+    ``~/.cache/hflight/staging``) / protocol / the URL's path (``s3://bucket/run`` -> ``.../s3/bucket/run``)."""
+    protocol, _, rest = url.partition("://")
+    root = os.path.expanduser(os.environ.get("HFLIGHT_STAGING_DIR") or DEFAULT_STAGING_ROOT)
+    parts = [part for part in rest.split("/") if part not in ("", ".", "..")]
+    return os.path.join(os.path.abspath(root), protocol, *parts)
+
+
+def _split_remote_output_dir(args: TrainingArguments) -> None:
+    """``output_dir`` given as a URL of an object store: the URL becomes ``remote_output_dir`` and ``output_dir`` its
+    local staging folder (:func:`staging_folder`), where every file is written before it is uploaded
+    (``hflight.checkpoints.storage``). A ``file://`` URL is the local folder it names."""
+    output_dir = args.output_dir
+    if isinstance(output_dir, str) and output_dir.startswith("file://"):
+        args.output_dir = output_dir = output_dir[len("file://") :]
+    if is_remote(output_dir):
+        if args.remote_output_dir not in (None, output_dir):
+            raise ValueError(
+                f"output_dir={output_dir!r} and remote_output_dir={args.remote_output_dir!r} name two places: give "
+                "the URL once (as output_dir, or as remote_output_dir with output_dir the local staging folder)."
+            )
+        args.remote_output_dir, args.output_dir = output_dir, staging_folder(output_dir)
+    if args.remote_output_dir is not None:
+        if not is_remote(args.remote_output_dir):
+            raise ValueError(
+                f"remote_output_dir={args.remote_output_dir!r} is not the URL of an object store (s3://bucket/path, "
+                "gs://..., az://..., memory://...); a local folder is output_dir."
+            )
+        if is_remote(args.output_dir):
+            raise ValueError(f"output_dir={args.output_dir!r}: the staging folder of remote_output_dir is local.")
+        args.remote_output_dir = args.remote_output_dir.rstrip("/")
+    elif args.storage_options:
+        raise ValueError(
+            "storage_options are the options of remote_output_dir's filesystem, and no remote_output_dir (or "
+            f"output_dir URL) is set: output_dir={args.output_dir!r} is a local folder."
+        )
 
 
 def _check_lower_bounds(args: TrainingArguments) -> None:

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from transformers.trainer_callback import TrainerState
-from transformers.trainer_utils import SaveStrategy, sort_checkpoints
+from transformers.trainer_utils import SaveStrategy
 from transformers.utils import logging as hf_logging
 
 from hflight import durable
@@ -54,7 +54,6 @@ from hflight.checkpoints.manifest import (
 )
 from hflight.checkpoints.names import (
     CHECKPOINT_RE,
-    DELETING_SUFFIX,
     MANIFEST_NAME,
     PREFIX,
     TMP_PREFIX,
@@ -62,6 +61,8 @@ from hflight.checkpoints.names import (
     WEIGHT_FILES,
 )
 from hflight.checkpoints.parts import write_trainer_state, write_training_states
+from hflight.checkpoints.storage import storage_for
+from hflight.checkpoints.storage.local import remove_checkpoint
 from hflight.checkpoints.weights import deepspeed_left_alone, saves_off_rank_zero
 from hflight.checkpoints.writers.files import IncompleteCheckpointError
 from hflight.surface import RunView, TrainerSurface
@@ -92,19 +93,6 @@ RUN_ARGUMENTS = (
 # ---- removing ------------------------------------------------------------------------------------------------------
 def _saving_checkpoint(folder: str) -> None:
     _hf_logger.info(f"Saving model checkpoint to {folder}")
-
-
-def remove_checkpoint(folder: str | os.PathLike) -> None:
-    """Delete a checkpoint folder so that no reader sees it half-deleted: it leaves its ``checkpoint-N`` name
-    (renamed to ``.tmp-checkpoint-N.deleting``) before anything in it is deleted."""
-    folder = Path(folder)
-    aside = folder.with_name(f"{TMP_PREFIX}{folder.name}{DELETING_SUFFIX}")
-    shutil.rmtree(aside, ignore_errors=True)  # left by a deletion that was interrupted
-    try:
-        os.replace(folder, aside)
-    except FileNotFoundError:
-        return
-    shutil.rmtree(aside, ignore_errors=True)
 
 
 def remove_stale_folders(output_dir: str | os.PathLike, keep: str | None = None) -> list[str]:
@@ -149,24 +137,17 @@ def clean_output_dir(args: Any, resume_folder: str | None) -> None:
         remove_stale_folders(args.output_dir, keep=resume_folder)
 
 
-def rotate_checkpoints(output_dir: str, save_total_limit: int | None, best_model_checkpoint: str | None) -> None:
-    """transformers' rotation (keep at most ``save_total_limit`` checkpoints, never the newest nor the best),
-    removing each folder with :func:`remove_checkpoint`."""
-    if save_total_limit is None or save_total_limit <= 0:
-        return
-    checkpoints = sort_checkpoints(output_dir, PREFIX, use_mtime=False)
-    if len(checkpoints) <= save_total_limit:
-        return
-    protected = {os.path.realpath(checkpoints[-1])}  # the newest, to resume from
-    if best_model_checkpoint is not None:
-        protected.add(os.path.realpath(best_model_checkpoint))
-    remaining = len(checkpoints)
-    for folder in checkpoints:
-        if remaining <= max(save_total_limit, len(protected)):
-            break
-        if os.path.realpath(folder) not in protected:
-            remove_checkpoint(folder)
-            remaining -= 1
+# ---- the storage --------------------------------------------------------------------------------------------------
+def probe_storage(args: Any) -> None:
+    """When training starts, on the processes that write checkpoints: an object store that cannot take them is an
+    error naming its URL and the cause, before anything is trained (``hflight.checkpoints.storage``)."""
+    if args.should_save:
+        storage_for(args).probe()
+
+
+def settle_storage(args: Any) -> list[str]:
+    """When training ends: what could not be stored yet is tried again; returns what is still only local."""
+    return storage_for(args).settle() if args.should_save else []
 
 
 # ---- write errors --------------------------------------------------------------------------------------------------
@@ -218,7 +199,8 @@ def save_model(facade: TrainerSurface, output_dir: str, backend: Any) -> None:
             return
     if facade.args.should_save:
         _saving_checkpoint(output_dir)
-        with _model_writes(output_dir, outer), durable_writes(output_dir, outer), deepspeed_left_alone():
+        with _model_writes(output_dir, outer), stored_writes(facade.args, output_dir, outer), \
+                durable_writes(output_dir, outer), deepspeed_left_alone():  # fmt: skip
             if state_dict is None:
                 facade._save(output_dir)
             else:
@@ -244,13 +226,31 @@ def durable_writes(folder: str, enabled: bool = True) -> Iterator[None]:
     durable.sync_new_files(folder, before)
 
 
+@contextlib.contextmanager
+def stored_writes(args: Any, folder: str, enabled: bool = True) -> Iterator[None]:
+    """The files written into ``folder`` (directly) during the block are stored when it ends, where the run's
+    storage is an object store (``hflight.checkpoints.storage``; a file outside its staging folder stays local):
+    ``save_model``, ``save_metrics``, ``save_state``."""
+    storage = storage_for(args)
+    if not enabled or not storage.remote:
+        yield
+        return
+    before = durable.stamps(folder) or {}
+    yield
+    changed = [path for path, stamp in (durable.stamps(folder) or {}).items() if before.get(path) != stamp]
+    if changed:
+        storage.put_files(folder, changed)
+
+
 def on_disk_when_returned(write: Callable[..., Any]) -> Callable[..., Any]:
-    """transformers' ``save_metrics``/``save_state`` (``write(trainer, ...)``), whose files are durable when it
-    returns (:func:`durable_writes` of ``trainer.args.output_dir`` on the process that writes them)."""
+    """transformers' ``save_metrics``/``save_state`` (``write(trainer, ...)``), whose files are durable
+    (:func:`durable_writes` of ``trainer.args.output_dir`` on the process that writes them) and stored
+    (:func:`stored_writes`) when it returns."""
 
     @functools.wraps(write)
     def written(trainer: Any, *args: Any, **kwargs: Any) -> Any:
-        with durable_writes(trainer.args.output_dir, trainer.is_world_process_zero()):
+        main, folder = trainer.is_world_process_zero(), trainer.args.output_dir
+        with stored_writes(trainer.args, folder, main), durable_writes(folder, main):
             return write(trainer, *args, **kwargs)
 
     return written
@@ -327,8 +327,8 @@ def save_checkpoint(facade: TrainerSurface, run: RunView, trial: Any = None) -> 
     if is_main:
         run_args = run_arguments(args, world.size, run.plan, run.lightning_trainer.num_nodes)
         job.publish_with((state.global_step, bool(args.save_only_model), run_args, progress),
-                         functools.partial(rotate_checkpoints, run_dir, args.save_total_limit,
-                                           state.best_model_checkpoint))  # fmt: skip
+                         functools.partial(_store_and_rotate, storage_for(args), final_dir, run_dir,
+                                           args.save_total_limit, state.best_model_checkpoint))  # fmt: skip
     if is_main and _overrides_save_checkpoint(facade):  # it writes into checkpoint-N after super(), as TRL's do
         job.open_final_dir()
     writer.submit(job if is_main else None, name, last=last)
@@ -336,6 +336,14 @@ def save_checkpoint(facade: TrainerSurface, run: RunView, trial: Any = None) -> 
         writer.wait()
     world.barrier()
     return final_dir
+
+
+def _store_and_rotate(storage: Any, folder: str, run_dir: str, limit: int | None, best: str | None) -> None:
+    """After a checkpoint is published on the local disk (on the thread that finished it): stored (an object store's
+    upload: ``hflight.checkpoints.storage``), then transformers' rotation, of the stored checkpoints and of the local
+    ones (a local copy not stored yet is kept)."""
+    storage.publish(folder)
+    storage.rotate(run_dir, limit, best)
 
 
 def _overrides_save_checkpoint(facade: TrainerSurface) -> bool:
@@ -499,6 +507,10 @@ def finalize_rotation(args: Any, state: TrainerState, run_dir: str) -> None:
     process)."""
     if not (args.should_save and state.best_model_checkpoint and args.save_total_limit == 1):
         return
+    storage = storage_for(args)
+    for name in storage.complete(run_dir) if storage.remote else []:
+        if name != os.path.basename(state.best_model_checkpoint):
+            storage.remove(os.path.join(run_dir, name))
     for folder in Path(run_dir).glob(f"{PREFIX}-*"):
         if folder.is_dir() and not os.path.samefile(folder, state.best_model_checkpoint):
             remove_checkpoint(folder)

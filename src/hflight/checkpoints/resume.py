@@ -30,6 +30,7 @@ from typing import Any
 from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import compare_trainer_and_checkpoint_args
 
+from hflight._util import is_remote
 from hflight.checkpoints import data_position
 from hflight.checkpoints.folders import RUN_ARGUMENTS, run_arguments
 from hflight.checkpoints.forms import found_form, resume_refusal
@@ -41,11 +42,15 @@ from hflight.checkpoints.names import (
     TRAINER_STATE_NAME,
 )
 from hflight.checkpoints.parts import read_trainer_state, read_training_states, rebuilt_callbacks
+from hflight.checkpoints.storage import ObjectStorage, storage_for
 from hflight.checkpoints.weights import checked_weights, load_model_weights
 from hflight.checkpoints.writers.files import IncompleteCheckpointError, UnsafeCheckpointFile, inside, regular_file
 from hflight.surface import RunView, TrainerSurface, weight_hooks
 
 logger = logging.getLogger(__name__)
+
+#: where a checkpoint named by a URL outside the run's own remote_output_dir is downloaded, inside output_dir
+FETCHED = ".hflight-fetched"
 
 
 @dataclass
@@ -91,17 +96,43 @@ def resolve_resume(facade: TrainerSurface, resume: str | bool | None) -> ResumeP
     ``facade.model``. Nothing is copied into the model unless every check passed."""
     if resume is None:
         return None
-    if resume == AUTO and not os.path.isdir(AUTO):
+    storage = storage_for(facade.args)
+    if is_remote(resume):  # a stored checkpoint named by its URL: downloaded, then checked as a local one
+        resume = fetch_url(facade.args, resume)
+    elif resume == AUTO and not os.path.isdir(AUTO):
         return _resolve_auto(facade)
     if resume is True:
-        found = get_last_checkpoint(facade.args.output_dir)
+        found = _stored_last(facade.args) if storage.remote else get_last_checkpoint(facade.args.output_dir)
         if found is None:
-            raise ValueError(f"No valid checkpoint found in output directory ({facade.args.output_dir})")
+            where = storage.where(facade.args.output_dir)
+            raise ValueError(f"No valid checkpoint found in output directory ({where})")
         resume = found
     folder = Path(resume)
     if not folder.is_dir():
         raise ValueError(f"Can't find a valid checkpoint at {resume}")  # transformers' words: scripts match on them
     return _resume_from(facade, folder, verify_checkpoint(folder, full=True))
+
+
+def _stored_last(args: Any) -> str | None:
+    """The newest complete checkpoint of an object store's run folder (its manifest stored), downloaded."""
+    storage, output_dir = storage_for(args), args.output_dir
+    names = storage.complete(output_dir)
+    return storage.fetch(os.path.join(output_dir, names[0])) if names else None
+
+
+def fetch_url(args: Any, url: str) -> str:
+    """A checkpoint named by its URL (``s3://bucket/run/checkpoint-40``), downloaded: into the run's staging folder
+    when it is one of the run's own (under ``remote_output_dir``), else into ``output_dir/.hflight-fetched/``."""
+    url = url.rstrip("/")
+    storage = storage_for(args)
+    if storage.remote and url.startswith(f"{args.remote_output_dir}/"):
+        relative = url[len(args.remote_output_dir) + 1 :]
+        return storage.fetch(os.path.join(args.output_dir, *relative.split("/")))
+    parent, _, name = url.rpartition("/")
+    protocol, _, path = parent.partition("://")
+    staging = os.path.join(args.output_dir, FETCHED, protocol, *[p for p in path.split("/") if p not in ("", "..")])
+    options = getattr(args, "storage_options", None) or {}
+    return ObjectStorage(parent, staging, options).fetch(os.path.join(staging, name))
 
 
 def _resolve_auto(facade: TrainerSurface) -> ResumePoint | None:
@@ -110,9 +141,15 @@ def _resolve_auto(facade: TrainerSurface) -> ResumePoint | None:
     said out loud, when there is none. Other faults of the chosen folder (weights that do not fit the model, say)
     raise as for an explicit path: an older checkpoint would not fit either."""
     output_dir = facade.args.output_dir
-    candidates = checkpoint_folders(output_dir)
+    storage = storage_for(facade.args)
+    if storage.remote:
+        candidates = [Path(output_dir, name) for name in storage.complete(output_dir)]
+        output_dir = storage.where(output_dir)
+    else:
+        candidates = checkpoint_folders(output_dir)
     for folder in candidates:
         try:
+            storage.fetch(str(folder))
             manifest = verify_checkpoint(folder, full=True)
         except (IncompleteCheckpointError, UnsafeCheckpointFile) as exc:
             logger.warning(f"resume_from_checkpoint='auto': skipping {folder.name}: {exc}")
@@ -134,6 +171,11 @@ def _resume_from(facade: TrainerSurface, folder: Path, manifest: dict[str, Any] 
         regular_file(folder, TRAINER_STATE_NAME) or folder / TRAINER_STATE_NAME, type(facade.state)
     )
     where = folder / TRAINER_STATE_NAME
+    best = state.best_model_checkpoint
+    if best is not None and storage_for(facade.args).remote and not inside(best, facade.args.output_dir):
+        name = os.path.basename(os.path.normpath(best))  # recorded by a machine whose staging folder was elsewhere
+        if CHECKPOINT_RE.match(name):
+            state.best_model_checkpoint = os.path.join(os.path.dirname(os.path.normpath(folder)), name)
     state.best_model_checkpoint = check_best_checkpoint(
         state.best_model_checkpoint, facade.args.output_dir, where, folder
     )
@@ -288,6 +330,9 @@ def load_best_model(facade: TrainerSurface, run: RunView | None = None) -> None:
     resumed = run.resume.folder if run is not None and run.resume is not None else None
     state = facade.state
     best = check_best_checkpoint(state.best_model_checkpoint, facade.args.output_dir, "TrainerState", resumed)
+    storage = storage_for(facade.args)
+    if storage.remote and best is not None and not os.path.isdir(best) and inside(best, facade.args.output_dir):
+        storage.fetch(best)  # resumed on a machine that never had it: downloaded from the store
     verify_checkpoint(best, full=True, model_files_only=True)
     form = found_form(best) if run is not None else None
     if form is not None and form.engine is not None:  # the engine reads its own, as transformers'

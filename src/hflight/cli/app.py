@@ -26,6 +26,9 @@ from omegaconf import DictConfig, OmegaConf
 from hflight import durable
 from hflight.arguments.hardware import check_hardware, describe_backend
 from hflight.arguments.training_args import TrainingArguments
+from hflight.checkpoints.folders import probe_storage
+from hflight.checkpoints.manifest import get_last_checkpoint
+from hflight.checkpoints.storage import StorageError, storage_for
 from hflight.cli.failures import USER_ERRORS, RunFailed, _clear_failure, _describe, _record_failure, _run_dir
 from hflight.cli.jobs import (
     PRUNED_FILE,
@@ -99,6 +102,7 @@ def _train(cfg: DictConfig, args: TrainingArguments) -> tuple[dict[str, float], 
     # message, not after the data has been generated and tokenized.
     check_gpu(args.accelerator)
     check_hardware(args)
+    probe_storage(args)  # an object store that cannot take the checkpoints: said before the data is made
     args.resume_from_checkpoint = resume_point(args)  # before the task reads the run folder (it reuses its data)
     set_seed(args.seed)  # before the model is initialised, as run_qa.py
     log.info(f"Instantiating task <{cfg.task._target_}>")
@@ -120,8 +124,26 @@ def _train(cfg: DictConfig, args: TrainingArguments) -> tuple[dict[str, float], 
         ran = "Evaluated" if args.do_eval or args.do_predict else "Trained"
         title = f"Final metrics ({args.output_dir})\n{ran} with {describe_backend(trainer.lightning_trainer)}"
         print(format_metrics_table(metrics_format(metrics), title))
+    _check_stored(trainer, args)
     objects = dict(args=args, callbacks=callbacks, task=task, trainer=trainer, **built.objects)
     return metrics, objects
+
+
+def _check_stored(trainer: Any, args: TrainingArguments) -> None:
+    """With a ``remote_output_dir``: the run's own files (predictions, results) stored beside its checkpoints, and
+    the command fails when its last checkpoint could not be stored (it is kept in the staging folder)."""
+    storage = storage_for(args)
+    if not storage.remote or not trainer.is_world_process_zero():
+        return
+    storage.put_files(args.output_dir, [entry.path for entry in os.scandir(args.output_dir) if entry.is_file()])
+    missing = storage.settle()
+    last = get_last_checkpoint(args.output_dir)
+    if last is not None and os.path.abspath(last) in missing:
+        raise StorageError(
+            f"The run's last checkpoint {last} could not be stored in {storage.where(last)}; it is kept in the "
+            f"staging folder {args.output_dir}. Upload it (or run again with the same output_dir once the store "
+            "answers) before relying on the bucket."
+        )
 
 
 def _train_evaluate_predict(

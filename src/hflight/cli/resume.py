@@ -15,6 +15,7 @@ from typing import Any
 from hflight.arguments import cluster
 from hflight.arguments.training_args import TrainingArguments
 from hflight.checkpoints.manifest import TRAINER_STATE_NAME, get_last_checkpoint
+from hflight.checkpoints.storage import storage_for
 
 __all__ = ["AUTO", "OPTUNA_SWEEPER", "RESUME_KEY", "SWEEP_CONFIG", "finished_run", "resume_arguments", "resume_command",
            "resume_point", "resumed_step", "sweep_resume_arguments"]  # fmt: skip
@@ -187,6 +188,8 @@ def resume_point(args: TrainingArguments) -> str | None:
         value = AUTO
     if value != AUTO:
         return args.resume_from_checkpoint if value is not None else None
+    if storage_for(args).remote:
+        return AUTO  # train() lists the store's complete checkpoints (and starts fresh, saying so, if there is none)
     if get_last_checkpoint(args.output_dir) is None:
         log.warning(f"resume=auto: {args.output_dir} holds no complete checkpoint; starting fresh.")
         return None

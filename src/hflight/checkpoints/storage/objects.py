@@ -1,0 +1,362 @@
+"""Checkpoints on object storage: any fsspec URL (``s3://``, ``gs://``, ``az://``, ``memory://``) as a run's
+``remote_output_dir``, with a local staging folder (``output_dir``) where everything is written first.
+
+An object store has no rename and no directories: a partly uploaded ``checkpoint-8/`` already "exists". So a stored
+checkpoint counts only once its manifest object (``checkpoint_manifest.json``) is there, and the manifest is uploaded
+last, after every other file of the folder is uploaded and confirmed (listed with its size); removal (rotation, a
+stale copy replaced) deletes the manifest first. Listings are never taken from a cache (fsspec filesystems cache them
+per instance; another process's upload would stay unseen).
+
+- **Publish** (:meth:`ObjectStorage.publish`, on the thread that finishes the checkpoint: the training loop's, or
+  ``save_async``'s writer thread): the folder's files in one batch (s3fs: several at once, large ones in parts), each
+  call retried with backoff (:data:`ATTEMPTS`); a failure after that is warned once per checkpoint, the local copy is
+  kept, and the upload is tried again at the next checkpoint and at the end of training (:meth:`settle`).
+- **Fetch** (a resume, on a machine whose disk may be empty): the stored manifest first; a local copy with the same
+  manifest that passes its checks is used as it is; otherwise the listed files are downloaded (several at once) into
+  ``.tmp-checkpoint-N.fetching`` beside the folder, the manifest last, and the folder renamed into place. The resume
+  then checks every file against the manifest (sizes and checksums) as for any local checkpoint, and refuses what a
+  local checkpoint would be refused for. A key that would land outside the folder (``..``, an absolute name) is
+  refused before anything is written.
+- **Probe** (:meth:`ObjectStorage.probe`, when training starts): a small object written, listed and removed, so that a
+  missing filesystem package, an unreachable endpoint, wrong credentials or a missing bucket is an error naming the
+  URL and its cause before the first step.
+
+May import: ``hflight.checkpoints`` (its own modules), ``hflight.durable``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import posixpath
+import random
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from hflight import durable
+from hflight.checkpoints.manifest import verify_checkpoint
+from hflight.checkpoints.names import CHECKPOINT_RE, MANIFEST_NAME, TMP_PREFIX
+from hflight.checkpoints.storage.local import remove_checkpoint, rotate_checkpoints, rotation
+from hflight.checkpoints.writers.files import IncompleteCheckpointError, UnsafeCheckpointFile
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: each call to the store is tried this many times, waiting :data:`BACKOFF_S` x 2^attempt (with jitter) between (on
+#: top of the filesystem's own retries: s3fs's and botocore's)
+ATTEMPTS = 3
+BACKOFF_S = 0.5
+FETCHING_SUFFIX = ".fetching"
+
+
+class StorageError(OSError):
+    """The object store cannot be used (no filesystem package, endpoint, credentials, bucket), named with the URL."""
+
+
+def _cause(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return f"{type(exc).__name__}: {text}"
+
+
+class ObjectStorage:
+    """A run's checkpoints in an object store at ``url``; ``staging``: the local ``output_dir`` they are written in
+    first; ``options``: the filesystem's options (``storage_options``, as fsspec and ``datasets`` take them)."""
+
+    remote = True
+
+    def __init__(self, url: str, staging: str, options: dict[str, Any] | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.staging = os.path.abspath(staging)
+        self.options = dict(options or {})
+        self._fs: Any = None
+        self._root = ""
+        self._probed = False
+        self._lock = threading.RLock()
+        #: local checkpoint folders (and files) not stored yet -> the cause of the last failure
+        self._pending: dict[str, str] = {}
+
+    # ---- the filesystem -----------------------------------------------------------------------------------------
+    @property
+    def fs(self) -> Any:
+        if self._fs is None:
+            import fsspec
+
+            protocol = self.url.split("://", 1)[0]
+            try:
+                self._fs, self._root = fsspec.core.url_to_fs(self.url, **self.options)
+            except ImportError as exc:
+                raise StorageError(
+                    f"output_dir {self.url}: the filesystem for {protocol}:// is not installed ({exc}). Install it "
+                    "(s3fs for s3://, gcsfs for gs://, adlfs for az://) or choose a local output_dir."
+                ) from exc
+            except (ValueError, TypeError) as exc:
+                raise StorageError(f"output_dir {self.url}: {_cause(exc)} (check storage_options).") from exc
+            self._root = self._root.rstrip("/")
+        return self._fs
+
+    def _key(self, local: str) -> str:
+        """The object key of ``local`` (a path under the staging folder)."""
+        relative = os.path.relpath(os.path.abspath(local), self.staging)
+        if relative == os.curdir:
+            return self._root
+        if relative.startswith(os.pardir):
+            raise ValueError(f"{local} is not inside the staging folder {self.staging} of {self.url}")
+        return posixpath.join(self._root, *Path(relative).parts)
+
+    def where(self, folder: str) -> str:
+        relative = os.path.relpath(os.path.abspath(folder), self.staging)
+        if relative == os.curdir or relative.startswith(os.pardir):
+            return self.url if relative == os.curdir else folder
+        return posixpath.join(self.url, *Path(relative).parts)
+
+    def _retried(self, what: str, call: Callable[[], T]) -> T:
+        for attempt in range(ATTEMPTS):
+            try:
+                return call()
+            except (FileNotFoundError, PermissionError, StorageError):
+                raise  # a missing bucket or key, refused credentials: no retry makes them work
+            except Exception as exc:  # a server error, a dropped connection, a timeout
+                if attempt == ATTEMPTS - 1:
+                    raise
+                wait = BACKOFF_S * 2**attempt * (0.5 + random.random())
+                logger.info(f"{what} failed ({_cause(exc)}); trying again in {wait:.1f} s.")
+                time.sleep(wait)
+        raise AssertionError("unreachable")
+
+    def _fresh(self, key: str) -> None:
+        self.fs.invalidate_cache(key)
+
+    # ---- before training ----------------------------------------------------------------------------------------
+    def probe(self) -> None:
+        if self._probed:
+            return
+        try:
+            fs = self.fs
+            key = posixpath.join(self._root, f".hflight-probe-{uuid.uuid4().hex}")
+            fs.pipe_file(key, b"hflight checks it can write checkpoints here\n")
+            self._fresh(self._root)
+            if not fs.exists(key):
+                raise StorageError("an object written there cannot be found again")
+            fs.rm(key)  # (s3fs's rm_file never awaits its removal)
+        except StorageError as exc:
+            if str(exc).startswith(f"output_dir {self.url}"):
+                raise
+            raise StorageError(f"Cannot store checkpoints in {self.url}: {exc}. Nothing was trained.") from exc
+        except Exception as exc:
+            raise StorageError(
+                f"Cannot store checkpoints in {self.url}: {_cause(exc)}. Nothing was trained. Check the URL (bucket "
+                "and path), the credentials (the environment, ~/.aws, or storage_options) and the endpoint."
+            ) from exc
+        self._probed = True
+
+    # ---- storing ---------------------------------------------------------------------------------------------------
+    def publish(self, folder: str) -> bool:
+        """Upload ``folder``, then, once the store answers again, what an earlier upload left behind (oldest first,
+        until one fails: a store that is gone costs one failed upload a checkpoint, not one for each left behind);
+        False when ``folder`` could not be stored."""
+        with self._lock:
+            if not self._store(folder):
+                return False
+            self._retry_pending()
+            return True
+
+    def _retry_pending(self) -> None:
+        for earlier in list(self._pending):
+            if not self._store(earlier):
+                return
+
+    def _store(self, local: str) -> bool:
+        try:
+            if os.path.isdir(local):
+                if not os.path.isfile(os.path.join(local, MANIFEST_NAME)):
+                    self._pending.pop(local, None)  # rotated away (or never finished) meanwhile
+                    return True
+                self._upload_checkpoint(local)
+            elif os.path.isfile(local):
+                self._upload_files([local])
+            else:
+                self._pending.pop(local, None)
+                return True
+        except Exception as exc:  # noqa: BLE001 - kept locally, said once, tried again later
+            if local not in self._pending:
+                logger.warning(
+                    f"{local} is saved locally, but storing it in {self.where(local)} failed ({_cause(exc)}). The "
+                    "local copy is kept; the upload is tried again at the next checkpoint and at the end of training."
+                )
+            self._pending[local] = _cause(exc)
+            return False
+        if self._pending.pop(local, None) is not None:
+            logger.warning(f"{local} is now stored in {self.where(local)}.")
+        return True
+
+    def _upload_checkpoint(self, folder: str) -> None:
+        fs, key = self.fs, self._key(folder)
+        self._remove_key(key)  # a copy left by an earlier run (partial or not) must not mix with this one
+        files = sorted(p for p in Path(folder).rglob("*") if p.is_file() and not p.is_symlink())
+        body = [p for p in files if p.relative_to(folder).as_posix() != MANIFEST_NAME]
+        sizes = {p.relative_to(folder).as_posix(): p.stat().st_size for p in body}
+        if body:
+            local_paths = [str(p) for p in body]
+            keys = [posixpath.join(key, name) for name in sizes]
+            self._retried(f"Uploading {folder}", lambda: fs.put(local_paths, keys))
+        self._confirm(key, sizes)
+        manifest = os.path.join(folder, MANIFEST_NAME)
+        self._retried(f"Uploading {manifest}", lambda: fs.put_file(manifest, posixpath.join(key, MANIFEST_NAME)))
+        self._confirm(key, {MANIFEST_NAME: os.path.getsize(manifest)})
+
+    def _confirm(self, key: str, sizes: dict[str, int]) -> None:
+        """Every uploaded file is in the store with its size (a listing, never a cached one)."""
+        self._fresh(key)
+        found = self._retried(f"Listing {key}", lambda: self.fs.find(key, detail=True))
+        stored = {posixpath.relpath(path, key): info.get("size") for path, info in found.items()}
+        wrong = [name for name, size in sizes.items() if stored.get(name) != size]
+        if wrong:
+            raise OSError(f"{len(wrong)} uploaded file(s) not found with their size in the store: {wrong[:3]}")
+
+    def _upload_files(self, paths: list[str]) -> None:
+        fs = self.fs
+        keys = [self._key(path) for path in paths]
+        self._retried(f"Uploading {', '.join(paths)}", lambda: fs.put(list(paths), keys))
+
+    def put_files(self, folder: str, paths: list[str]) -> None:
+        inside = os.path.join(self.staging, "")
+        paths = [path for path in map(os.path.abspath, paths) if path.startswith(inside)]  # the run's own files
+        with self._lock:
+            if paths:
+                self._upload_or_keep(paths)
+
+    def _upload_or_keep(self, paths: list[str]) -> None:
+        """The run's own files in one batch; when it fails, each is kept for :meth:`settle` (warned once)."""
+        try:
+            self._upload_files(paths)
+        except Exception as exc:  # noqa: BLE001 - kept locally, said once, tried again at the end
+            logger.warning(f"Storing {', '.join(paths)} in {self.url} failed ({_cause(exc)}); tried again at the end.")
+            for path in paths:
+                self._pending[path] = _cause(exc)
+            return
+        for path in paths:
+            self._pending.pop(path, None)
+
+    # ---- listing, fetching, removing --------------------------------------------------------------------------------
+    def complete(self, run_dir: str) -> list[str]:
+        fs, key = self.fs, self._key(run_dir)
+        self._fresh(key)
+        try:
+            found = self._retried(
+                f"Listing {self.where(run_dir)}", lambda: fs.glob(f"{key}/checkpoint-*/{MANIFEST_NAME}")
+            )
+        except FileNotFoundError:
+            return []
+        steps = []
+        for path in found:
+            name = posixpath.basename(posixpath.dirname(path))
+            match = CHECKPOINT_RE.match(name)
+            if match and posixpath.dirname(posixpath.dirname(path)).rstrip("/") == key:
+                steps.append((int(match.group(1)), name))
+        return [name for _, name in sorted(steps, reverse=True)]
+
+    def fetch(self, folder: str) -> str:
+        """The stored checkpoint ``folder`` into the local ``folder`` (kept as it is when the local copy has the same
+        manifest and passes its size checks)."""
+        fs, key = self.fs, self._key(folder)
+        manifest_key = posixpath.join(key, MANIFEST_NAME)
+        self._fresh(key)
+        try:
+            manifest = self._retried(f"Reading {manifest_key}", lambda: fs.cat_file(manifest_key))
+        except FileNotFoundError:
+            raise IncompleteCheckpointError(
+                f"{self.where(folder)} is not a complete checkpoint: it has no {MANIFEST_NAME} (an upload that was "
+                "interrupted, or not a checkpoint)."
+            ) from None
+        local_manifest = Path(folder, MANIFEST_NAME)
+        if local_manifest.is_file() and local_manifest.read_bytes() == manifest:
+            try:
+                verify_checkpoint(folder)
+                return folder
+            except (IncompleteCheckpointError, UnsafeCheckpointFile):
+                pass
+        found = self._retried(f"Listing {self.where(folder)}", lambda: fs.find(key))
+        names = [self._relative_name(folder, key, path) for path in found]
+        names = [name for name in names if name != MANIFEST_NAME]
+        tmp = Path(folder).with_name(f"{TMP_PREFIX}{Path(folder).name}{FETCHING_SUFFIX}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        if names:
+            local_paths = [str(tmp.joinpath(*name.split("/"))) for name in names]
+            for path in local_paths:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+            keys = [posixpath.join(key, name) for name in names]
+            self._retried(f"Downloading {self.where(folder)}", lambda: fs.get(keys, local_paths))
+        (tmp / MANIFEST_NAME).write_bytes(manifest)
+        durable.sync_tree(tmp)
+        remove_checkpoint(folder)
+        os.makedirs(os.path.dirname(os.path.abspath(folder)), exist_ok=True)
+        os.replace(tmp, folder)
+        durable.fsync_dir(os.path.dirname(os.path.abspath(folder)))
+        logger.info(f"Downloaded {self.where(folder)} into {folder}.")
+        return folder
+
+    def _relative_name(self, folder: str, key: str, path: str) -> str:
+        """The name of stored object ``path`` inside checkpoint ``key``; refused when it would land outside the local
+        ``folder`` (``..``, an absolute part), before anything is written."""
+        name = posixpath.relpath(path, key)
+        parts = name.split("/")
+        if name.startswith("/") or any(part in ("", ".", "..") for part in parts) or "\\" in name:
+            raise UnsafeCheckpointFile(
+                f"{self.where(folder)}: the stored object {path!r} would be written outside the checkpoint folder; "
+                "the checkpoint is refused."
+            )
+        return name
+
+    def remove(self, folder: str) -> None:
+        self._remove_key(self._key(folder))
+
+    def _remove_key(self, key: str) -> None:
+        """Remove a stored checkpoint: its manifest first (from then on it is not complete), then the rest."""
+        fs = self.fs
+        try:
+            self._retried(f"Removing {key}/{MANIFEST_NAME}", lambda: fs.rm(posixpath.join(key, MANIFEST_NAME)))
+        except FileNotFoundError:
+            pass
+        self._fresh(key)
+        try:
+            found = self._retried(f"Listing {key}", lambda: fs.find(key))
+        except FileNotFoundError:
+            return
+        if found:
+            try:
+                self._retried(f"Removing {key}", lambda: fs.rm(found))
+            except FileNotFoundError:
+                pass
+        self._fresh(key)
+
+    def rotate(self, run_dir: str, save_total_limit: int | None, best: str | None) -> None:
+        """transformers' rotation in the store, then of the local copies: a local checkpoint not stored yet is kept."""
+        best_name = os.path.basename(best) if best else None
+        stored = list(reversed(self.complete(run_dir)))  # oldest first
+        for name in rotation(stored, save_total_limit, best_name):
+            self.remove(os.path.join(run_dir, name))
+        keep = {os.path.basename(path) for path in self._pending if os.path.dirname(path) == os.path.abspath(run_dir)}
+        rotate_checkpoints(run_dir, save_total_limit, best, keep=keep)
+
+    def settle(self) -> list[str]:
+        with self._lock:
+            self._retry_pending()
+            missing = list(self._pending)
+        if missing:
+            logger.warning(
+                f"Not stored in {self.url}: {', '.join(missing)} (last cause: {self._pending[missing[-1]]}). They are "
+                "kept in the local staging folder (output_dir)."
+            )
+        return missing
+
+    def not_stored(self) -> list[str]:
+        """The local folders and files not stored yet."""
+        with self._lock:
+            return list(self._pending)

@@ -1,0 +1,309 @@
+"""Checkpoints on object storage (issue 68): ``output_dir="s3://bucket/run"`` against a real S3 server process
+(``moto_server``, tests/s3_server.py), through s3fs with the server's address as the endpoint.
+
+What each step trained is the oracle (tests/jobs/trained_ids.py): a run stored in the bucket, killed mid-upload and
+resumed on an empty disk trains the uninterrupted run's examples from its checkpoint on and ends on its weights."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from fsspec.registry import known_implementations
+
+import hflight
+from hflight.checkpoints.storage import ObjectStorage, StorageError, objects
+
+from . import s3_server
+from .launch import JOBS
+
+pytest.importorskip("s3fs")
+pytest.importorskip("moto")
+sys.path.insert(0, str(JOBS))
+import trained_ids  # noqa: E402
+
+BUCKET = "hflight-runs"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> str:
+    with s3_server.moto_server(tmp_path_factory.mktemp("moto") / "server.log") as endpoint:
+        yield endpoint
+
+
+@pytest.fixture
+def s3(server, monkeypatch, tmp_path):
+    """A fresh bucket on the server; credentials in the environment; the staging folders under ``tmp_path``."""
+    s3_server.reset(server)
+    for name, value in s3_server.CREDENTIALS.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("HFLIGHT_STAGING_DIR", str(tmp_path / "staging"))
+    fs = s3_server.filesystem(server)
+    fs.mkdir(BUCKET)
+    return fs
+
+
+def _digest(model: torch.nn.Module) -> str:
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().to(torch.float32).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _stored(fs, prefix: str) -> dict[str, list[str]]:
+    """checkpoint name -> the files stored under it."""
+    fs.invalidate_cache()
+    found: dict[str, list[str]] = {}
+    for path in fs.find(prefix):
+        relative = path[len(prefix) + 1 :]
+        if "/" in relative:
+            name, rest = relative.split("/", 1)
+            found.setdefault(name, []).append(rest)
+    return found
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The script's uninterrupted run on the local disk: the ids per step and the final weights."""
+    trainer, trained, _ = trained_ids.run(tmp_path_factory.mktemp("full"), trained_ids.source("map"), hflight)
+    return trained, _digest(trainer.model)
+
+
+# ---- the whole story -------------------------------------------------------------------------------------------
+def test_sigkill_mid_upload_then_a_resume_on_an_empty_disk_ends_as_the_uninterrupted_run(
+    s3, server, tmp_path, uninterrupted
+):
+    """save_async uploads in the background; SIGKILL while checkpoint-16's files go up: the bucket holds
+    checkpoint-8 complete and a checkpoint-16 without its manifest. A resume on another (empty) staging folder takes
+    checkpoint-8, trains the uninterrupted run's examples from step 9 and ends on its weights; its own checkpoint-16
+    replaces the partial one."""
+    url, full = f"s3://{BUCKET}/run", uninterrupted
+    env = {**os.environ, "AWS_ENDPOINT_URL": server}
+    killed = subprocess.run([sys.executable, str(JOBS / "remote_job.py"), str(tmp_path / "killed.json"), "--url", url,
+                             "--staging", str(tmp_path / "machine1"), "--save-async", "--kill-at-upload", "16"],
+                            env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    stored = _stored(s3, f"{BUCKET}/run")
+    assert "checkpoint_manifest.json" in stored["checkpoint-8"]
+    assert stored["checkpoint-16"] and "checkpoint_manifest.json" not in stored["checkpoint-16"]
+
+    resumed = subprocess.run([sys.executable, str(JOBS / "remote_job.py"), str(tmp_path / "resumed.json"), "--url",
+                              url, "--staging", str(tmp_path / "machine2"), "--save-async", "--resume", "true"],
+                             env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    record = json.loads((tmp_path / "resumed.json").read_text())
+    trained = {int(step): ids for step, ids in record["trained"].items()}
+    assert trained_ids.mismatch(full[0], trained, 8) is None, trained_ids.mismatch(full[0], trained, 8)
+    assert min(trained) == 9
+    assert record["weights"] == full[1]
+    stored = _stored(s3, f"{BUCKET}/run")
+    assert sorted(stored) == ["checkpoint-16", "checkpoint-24", "checkpoint-32", "checkpoint-40", "checkpoint-8"]
+    local = Path(record["staging"], "checkpoint-16")
+    assert sorted(stored["checkpoint-16"]) == sorted(p.relative_to(local).as_posix() for p in local.rglob("*")
+                                                     if p.is_file())  # fmt: skip
+
+
+def test_the_bucket_holds_what_the_run_keeps_and_a_named_checkpoint_resumes_on_an_empty_disk(
+    s3, server, tmp_path, monkeypatch, uninterrupted
+):
+    """save_total_limit=2 in the bucket and in the staging folder, the manifest of a rotated checkpoint removed
+    before its other files; save_model() and save_metrics() stored when they return; a resume from
+    ``s3://.../checkpoint-32`` on another staging folder trains the uninterrupted run's last 8 steps."""
+    removed: list[str] = []
+    remove_key = ObjectStorage._remove_key
+
+    def recording(self, key):
+        removed.append(key)
+        rm = self.fs.rm
+        self.fs.rm = lambda paths, *a, **k: (removed.append(paths), rm(paths, *a, **k))[1]
+        try:
+            return remove_key(self, key)
+        finally:
+            del self.fs.rm
+
+    monkeypatch.setattr(ObjectStorage, "_remove_key", recording)
+    options = s3_server.options(server)
+    trainer, _, _ = trained_ids.run(f"s3://{BUCKET}/run", trained_ids.source("map"), hflight, save_total_limit=2,
+                                    storage_options=options)  # fmt: skip
+    assert trainer.args.remote_output_dir == f"s3://{BUCKET}/run"
+    assert trainer.args.output_dir == str(tmp_path / "staging" / "s3" / BUCKET / "run")
+    stored = _stored(s3, f"{BUCKET}/run")
+    assert sorted(stored) == ["checkpoint-32", "checkpoint-40"]
+    assert sorted(p.name for p in Path(trainer.args.output_dir).glob("checkpoint-*")) == sorted(stored)
+    rotated = f"{BUCKET}/run/checkpoint-8"
+    first = len(removed) - 1 - removed[::-1].index(rotated)  # the rotation (the upload cleared the key first)
+    manifest_first, the_rest = removed[first + 1], removed[first + 2]
+    assert manifest_first == f"{rotated}/checkpoint_manifest.json" and f"{rotated}/model.safetensors" in the_rest
+    trainer.save_model()
+    trainer.save_metrics("train", {"train_loss": 1.0})
+    s3.invalidate_cache()
+    top = {p.rsplit("/", 1)[1] for p in s3.ls(f"{BUCKET}/run", detail=False)}
+    assert {"model.safetensors", "config.json", "train_results.json", "all_results.json"} <= top
+
+    monkeypatch.setenv("HFLIGHT_STAGING_DIR", str(tmp_path / "another-machine"))
+    resumed, trained, _ = trained_ids.run(f"s3://{BUCKET}/run", trained_ids.source("map"), hflight,
+                                          resume=f"s3://{BUCKET}/run/checkpoint-32", save_total_limit=2,
+                                          storage_options=options)  # fmt: skip
+    assert trained_ids.mismatch(uninterrupted[0], trained, 32) is None
+    assert _digest(resumed.model) == uninterrupted[1]
+
+
+# ---- faults ------------------------------------------------------------------------------------------------------
+def test_server_errors_are_retried_and_training_goes_on(s3, server, caplog):
+    """The server answers 503 to six uploads in a row: each is retried (botocore's attempts, then hflight's with
+    backoff), every checkpoint is stored, nothing is said to be missing."""
+    proxy = s3_server.FaultProxy(server)
+    try:
+        proxy.fail("PUT", 6)
+        with caplog.at_level(logging.WARNING):
+            trainer, _, _ = trained_ids.run(f"s3://{BUCKET}/run", trained_ids.source("map"), hflight, max_steps=16,
+                                            storage_options=s3_server.options(proxy.endpoint, attempts=2))  # fmt: skip
+    finally:
+        proxy.close()
+    assert proxy.refused["PUT"] == 6
+    stored = _stored(s3, f"{BUCKET}/run")
+    assert all("checkpoint_manifest.json" in stored[name] for name in ("checkpoint-8", "checkpoint-16"))
+    assert not [r for r in caplog.records if "failed" in r.getMessage() or "Not stored" in r.getMessage()]
+
+
+class _ServerGoesAway(transformers.TrainerCallback):
+    def __init__(self, proxy, down_at: int, back_at: int | None) -> None:
+        self.proxy, self.down_at, self.back_at = proxy, down_at, back_at
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.down_at:
+            self.proxy.down = True
+        if state.global_step == self.back_at:
+            self.proxy.down = False
+
+
+@pytest.mark.parametrize("back_at", [30, None], ids=["back before the end", "gone to the end"])
+def test_a_server_gone_mid_run_keeps_the_local_checkpoints_and_says_what_is_not_stored(
+    s3, server, caplog, monkeypatch, back_at
+):
+    """The server answers 500 to everything from step 12: checkpoints 16 and 24 fail to upload, each warned once,
+    and their local copies are kept although save_total_limit=1. Back at step 30: both go up before checkpoint 32
+    (then rotated away in the bucket as in the staging folder). Gone to the end: train() ends saying which are not
+    stored (the last one among them), and every one of them is still on the local disk."""
+    monkeypatch.setattr(objects, "BACKOFF_S", 0.05)  # hflight's own retries, quick (s3fs's own still wait)
+    proxy = s3_server.FaultProxy(server)
+    try:
+        with caplog.at_level(logging.WARNING):
+            trainer, _, _ = trained_ids.run(f"s3://{BUCKET}/run", trained_ids.source("map"), hflight,
+                                            save_total_limit=1, callbacks=[_ServerGoesAway(proxy, 12, back_at)],
+                                            storage_options=s3_server.options(proxy.endpoint, attempts=1))  # fmt: skip
+    finally:
+        proxy.close()
+    staging = Path(trainer.args.output_dir)
+    failed = [r.getMessage() for r in caplog.records if "is saved locally, but storing it in" in r.getMessage()]
+    stored = _stored(s3, f"{BUCKET}/run")
+    local = sorted(p.name for p in staging.glob("checkpoint-*"))
+    if back_at is not None:
+        assert [m.split(" is saved")[0].rsplit("/", 1)[1] for m in failed] == ["checkpoint-16", "checkpoint-24"]
+        assert sorted(stored) == ["checkpoint-40"] and local == ["checkpoint-40"]
+        assert not [r for r in caplog.records if "Not stored in" in r.getMessage()]
+    else:
+        assert [m.split(" is saved")[0].rsplit("/", 1)[1] for m in failed] == [
+            "checkpoint-16", "checkpoint-24", "checkpoint-32", "checkpoint-40"]  # fmt: skip
+        assert sorted(stored) == ["checkpoint-8"]
+        assert local == ["checkpoint-16", "checkpoint-24", "checkpoint-32", "checkpoint-40", "checkpoint-8"]
+        said = [r.getMessage() for r in caplog.records if "Not stored in" in r.getMessage()]
+        assert len(said) == 1 and str(staging / "checkpoint-40") in said[0]
+
+
+def _never_trains(*args, **kwargs):
+    raise AssertionError("a step ran")
+
+
+@pytest.mark.parametrize("case", ["no bucket", "no server", "wrong credentials", "no filesystem"])
+def test_a_url_that_cannot_take_checkpoints_is_refused_before_the_first_step(s3, server, tmp_path, case):
+    """The probe write names the URL and the cause (the bucket, the endpoint, the credentials, the package to
+    install) before the model trains a step."""
+    options = s3_server.options(server)
+    url = f"s3://{BUCKET}/run"
+    missing = next(p for p in ("oss", "gs", "az", "oci", "box") if _absent(known_implementations[p]))
+    expected = {"no bucket": "bucket does not exist", "no server": "Could not connect",
+                "wrong credentials": "Access Key Id you provided does not exist",
+                "no filesystem": "is not installed"}[case]  # fmt: skip
+    if case == "no bucket":
+        url = "s3://no-such-bucket/run"
+    elif case == "no server":
+        options = s3_server.options(f"http://127.0.0.1:{s3_server.free_port()}", attempts=1)
+    elif case == "no filesystem":
+        url, options = f"{missing}://bucket/run", None
+    if case == "wrong credentials":
+        with s3_server.moto_server(tmp_path / "auth.log", check_credentials=True) as checking:
+            error = _refusal(url, s3_server.options(checking))
+    else:
+        error = _refusal(url, options)
+    assert url in str(error) and expected in str(error), str(error)
+    assert not any(Path(tmp_path / "staging").rglob("checkpoint-*"))
+
+
+def _absent(implementation: dict) -> bool:
+    return importlib.util.find_spec(implementation["class"].split(".")[0]) is None
+
+
+def _refusal(url: str, options: dict | None) -> BaseException:
+    dataset = trained_ids.source("map")
+    trainer_class = trained_ids.spying(hflight)
+    args = hflight.TrainingArguments(**trained_ids.arguments(url, storage_options=options))
+    trainer = trainer_class(trained_ids.model(), args, train_dataset=dataset)
+    trainer.compute_loss = _never_trains
+    with pytest.raises(StorageError) as refused:
+        trainer.train()
+    assert trainer.state.global_step == 0
+    return refused.value
+
+
+def test_a_crafted_or_damaged_stored_checkpoint_is_refused_as_a_local_one(s3, server, tmp_path, monkeypatch):
+    """A stored object whose key climbs out of the checkpoint (``../``) is refused before anything is written; a
+    stored file that differs from its manifest's checksum is refused by the resume's checks, naming the file."""
+    options = s3_server.options(server)
+    trained_ids.run(f"s3://{BUCKET}/run", trained_ids.source("map"), hflight, max_steps=8, storage_options=options)
+    s3.pipe_file(f"{BUCKET}/run/checkpoint-8/../escape.txt", b"outside")  # a key S3 takes as it is
+    monkeypatch.setenv("HFLIGHT_STAGING_DIR", str(tmp_path / "fresh"))
+    with pytest.raises(hflight.UnsafeCheckpointFile, match="outside the checkpoint folder"):
+        trained_ids.run(f"s3://{BUCKET}/run", trained_ids.source("map"), hflight, max_steps=16, resume=True,
+                        storage_options=options)  # fmt: skip
+    assert not list((tmp_path / "fresh").rglob("escape.txt"))
+    s3.rm_file(f"{BUCKET}/run/checkpoint-8/../escape.txt")
+    scheduler = s3.cat_file(f"{BUCKET}/run/checkpoint-8/scheduler.pt")
+    s3.pipe_file(f"{BUCKET}/run/checkpoint-8/scheduler.pt", scheduler[:-1] + bytes([scheduler[-1] ^ 1]))
+    monkeypatch.setenv("HFLIGHT_STAGING_DIR", str(tmp_path / "fresh2"))
+    with pytest.raises(hflight.IncompleteCheckpointError, match="scheduler.pt"):
+        trained_ids.run(f"s3://{BUCKET}/run", trained_ids.source("map"), hflight, max_steps=16, resume=True,
+                        storage_options=options)  # fmt: skip
+
+
+# ---- the command line ---------------------------------------------------------------------------------------------
+def test_the_command_line_trains_into_the_bucket_and_resumes_from_it(s3, server, tmp_path, monkeypatch, command_line):
+    """``hflight-train +experiment=mrc args.output_dir=s3://bucket/mrc`` with the endpoint in AWS_ENDPOINT_URL: the
+    checkpoints, the model and the results files in the bucket; ``resume=auto`` on an empty staging folder continues
+    from the bucket's last checkpoint."""
+    from .support import TINY
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", server)
+    monkeypatch.chdir(tmp_path)
+    url = f"s3://{BUCKET}/mrc"
+    assert command_line(*TINY, f"args.output_dir={url}", f"hydra.run.dir={tmp_path / 'run1'}") == 0
+    names = {p.rsplit("/", 1)[1] for p in s3.find(f"{BUCKET}/mrc")}
+    assert {"all_results.json", "model.safetensors", "eval_predictions.json", "checkpoint_manifest.json"} <= names
+    first = json.loads(s3.cat_file(f"{BUCKET}/mrc/trainer_state.json"))["global_step"]
+    monkeypatch.setenv("HFLIGHT_STAGING_DIR", str(tmp_path / "empty"))
+    code = command_line(*[o for o in TINY if not o.startswith("args.num_train_epochs")], "args.num_train_epochs=3",
+                        f"args.output_dir={url}", "args.resume_from_checkpoint=auto",
+                        f"hydra.run.dir={tmp_path / 'run2'}")  # fmt: skip
+    assert code == 0
+    assert (tmp_path / "empty" / "s3" / BUCKET / "mrc" / f"checkpoint-{first}" / "checkpoint_manifest.json").is_file()
+    assert json.loads(s3.cat_file(f"{BUCKET}/mrc/trainer_state.json"))["global_step"] == first * 3 // 2
