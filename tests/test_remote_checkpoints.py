@@ -143,7 +143,7 @@ def test_the_bucket_holds_what_the_run_keeps_and_a_named_checkpoint_resumes_on_a
     rotated = f"{BUCKET}/run/checkpoint-8"
     first = len(removed) - 1 - removed[::-1].index(rotated)  # the rotation (the upload cleared the key first)
     manifest_first, the_rest = removed[first + 1], removed[first + 2]
-    assert manifest_first == f"{rotated}/checkpoint_manifest.json" and f"{rotated}/model.safetensors" in the_rest
+    assert manifest_first == [f"{rotated}/checkpoint_manifest.json"] and f"{rotated}/model.safetensors" in the_rest
     trainer.save_model()
     trainer.save_metrics("train", {"train_loss": 1.0})
     s3.invalidate_cache()
@@ -307,3 +307,26 @@ def test_the_command_line_trains_into_the_bucket_and_resumes_from_it(s3, server,
     assert code == 0
     assert (tmp_path / "empty" / "s3" / BUCKET / "mrc" / f"checkpoint-{first}" / "checkpoint_manifest.json").is_file()
     assert json.loads(s3.cat_file(f"{BUCKET}/mrc/trainer_state.json"))["global_step"] == first * 3 // 2
+
+
+# ---- the arguments -----------------------------------------------------------------------------------------------
+def test_the_url_becomes_remote_output_dir_and_output_dir_its_staging_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("HFLIGHT_STAGING_DIR", str(tmp_path))
+    args = hflight.TrainingArguments(output_dir="s3://bucket/run/", storage_options='{"anon": false}')
+    assert (args.remote_output_dir, args.output_dir) == (
+        "s3://bucket/run/".rstrip("/"),
+        str(tmp_path / "s3/bucket/run"),
+    )
+    assert args.storage_options == {"anon": False}
+    chosen = hflight.TrainingArguments(output_dir=str(tmp_path / "mine"), remote_output_dir="gs://b/r")
+    assert (chosen.remote_output_dir, chosen.output_dir) == ("gs://b/r", str(tmp_path / "mine"))
+    assert hflight.TrainingArguments(output_dir=f"file://{tmp_path}/x").output_dir == f"{tmp_path}/x"
+    refused = {
+        "name two places": dict(output_dir="s3://a/r", remote_output_dir="s3://b/r"),
+        "is not the URL of an object store": dict(output_dir="x", remote_output_dir="/local/folder"),
+        "no remote_output_dir": dict(output_dir="x", storage_options={"anon": True}),
+        "save_on_each_node=True": dict(output_dir="s3://a/r", save_on_each_node=True),
+    }
+    for message, values in refused.items():
+        with pytest.raises(ValueError, match=message):
+            hflight.TrainingArguments(**values)

@@ -530,6 +530,12 @@ def _split_remote_output_dir(args: TrainingArguments) -> None:
             )
         if is_remote(args.output_dir):
             raise ValueError(f"output_dir={args.output_dir!r}: the staging folder of remote_output_dir is local.")
+        if args.save_on_each_node:
+            raise ValueError(
+                f"save_on_each_node=True with remote_output_dir={args.remote_output_dir!r} is not supported yet: "
+                "every node would upload its own copy of each checkpoint into the one URL. Save on the main process "
+                "only (save_on_each_node=False)."
+            )
         args.remote_output_dir = args.remote_output_dir.rstrip("/")
     elif args.storage_options:
         raise ValueError(

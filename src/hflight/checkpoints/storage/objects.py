@@ -318,22 +318,21 @@ class ObjectStorage:
         self._remove_key(self._key(folder))
 
     def _remove_key(self, key: str) -> None:
-        """Remove a stored checkpoint: its manifest first (from then on it is not complete), then the rest."""
+        """Remove a stored checkpoint: its manifest first (from then on it is not complete), then the rest (one
+        listing when there is nothing to remove)."""
         fs = self.fs
-        try:
-            self._retried(f"Removing {key}/{MANIFEST_NAME}", lambda: fs.rm(posixpath.join(key, MANIFEST_NAME)))
-        except FileNotFoundError:
-            pass
         self._fresh(key)
         try:
             found = self._retried(f"Listing {key}", lambda: fs.find(key))
         except FileNotFoundError:
             return
-        if found:
-            try:
-                self._retried(f"Removing {key}", lambda: fs.rm(found))
-            except FileNotFoundError:
-                pass
+        manifest = posixpath.join(key, MANIFEST_NAME)
+        for batch in ([manifest] if manifest in found else [], [path for path in found if path != manifest]):
+            if batch:
+                try:
+                    self._retried(f"Removing {key}", lambda batch=batch: fs.rm(batch))
+                except FileNotFoundError:
+                    pass
         self._fresh(key)
 
     def rotate(self, run_dir: str, save_total_limit: int | None, best: str | None) -> None:
