@@ -4,7 +4,8 @@ both only through s3fs, with the server's address as the endpoint, as a user's r
 
 A support module (tests import it). :class:`FaultProxy` forwards each HTTP request to the server unchanged, unless a
 fault is set: the next ``fail`` requests of a method answered 503 (S3's "SlowDown"/"ServiceUnavailable"), every
-request answered 500 (``down``: the server gone while the process still listens) or each request delayed."""
+request answered 500 (``down``: the server gone while the process still listens), each request delayed, or the
+requests for some keys held until released (an upload that takes as long as the test wants)."""
 
 from __future__ import annotations
 
@@ -102,6 +103,10 @@ class FaultProxy:
         self.requests: dict[str, int] = {}
         self.refused: dict[str, int] = {}
         self._fail: dict[str, list[int]] = {}
+        self._held: tuple[str, str, float] | None = None
+        self._released = threading.Event()
+        #: requests that were held (:meth:`hold`)
+        self.holding = 0
         self._lock = threading.Lock()
         proxy = self
 
@@ -114,6 +119,7 @@ class FaultProxy:
             def _any(self):
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
+                proxy._wait_if_held(self.command, self.path)
                 status = proxy._fault(self.command)
                 if status is not None:
                     payload = (f"<Error><Code>{'SlowDown' if status == 503 else 'InternalError'}</Code>"
@@ -146,6 +152,19 @@ class FaultProxy:
         self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
+
+    def hold(self, method: str, part: str, limit_s: float = 30.0) -> None:
+        """Requests of ``method`` whose path contains ``part`` wait until :meth:`release` (or ``limit_s``)."""
+        self._held, self._released = (method, part, limit_s), threading.Event()
+
+    def release(self) -> None:
+        self._released.set()
+
+    def _wait_if_held(self, method: str, path: str) -> None:
+        held = self._held
+        if held is not None and method == held[0] and held[1] in path:
+            self.holding += 1
+            self._released.wait(held[2])
 
     def fail(self, method: str, count: int, status: int = 503) -> None:
         with self._lock:

@@ -330,3 +330,14 @@ def test_resume_stream_prints_what_each_library_reads_to_resume_a_stream():
         assert found[f"{source} hflight 3"]["examples"] == found[f"{source} hflight 9"]["examples"] <= 3 * 4 + 2, found
         assert found[f"{source} transformers 3"]["examples"] >= 4 * 4, found
         assert found[f"{source} transformers 9"]["examples"] >= 10 * 4, found
+
+
+def test_remote_checkpoint_prints_transfers_and_stalls_against_the_same_server():
+    """Against its own moto_server: the upload and download beside s3fs's put and get, the save_async stall of a
+    local and a remote output_dir, each with its ratio."""
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto")
+    out = _run_script("remote_checkpoint.py", "--model", "tiny", "--rounds", "1", "--steps", "4", "--save-steps", "2")
+    for line in ("hflight upload", "s3fs put", "hflight download", "s3fs get", "local   blocked", "remote  blocked"):
+        assert line in out, out
+    assert re.search(r"upload   hflight/s3fs \d+\.\d\dx", out) and re.search(r"stall remote/local \d+\.\d\dx", out)

@@ -13,6 +13,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -176,6 +177,41 @@ def test_server_errors_are_retried_and_training_goes_on(s3, server, caplog):
     assert not [r for r in caplog.records if "failed" in r.getMessage() or "Not stored" in r.getMessage()]
 
 
+class _AtSave(transformers.TrainerCallback):
+    def __init__(self, step: int, seen) -> None:
+        self.step, self.seen, self.said = step, seen, None
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            self.said = self.seen()
+
+
+def test_with_save_async_the_next_checkpoint_does_not_wait_for_the_previous_upload(s3, server):
+    """checkpoint-8's upload held at the server: the run saves checkpoint-16 (locally) while it is held, and every
+    checkpoint is stored once it is let go; the run's last checkpoint is in the bucket when train() returns."""
+    proxy = s3_server.FaultProxy(server)
+    proxy.hold("PUT", "/run/checkpoint-8/")
+
+    def seen():
+        deadline = time.monotonic() + 20
+        while not proxy.holding and time.monotonic() < deadline:  # the upload thread reaches its first file
+            time.sleep(0.05)
+        s3.invalidate_cache()
+        return proxy.holding, s3.exists(f"{BUCKET}/run/checkpoint-8/checkpoint_manifest.json"), proxy.release()
+
+    at_16 = _AtSave(16, seen)
+    try:
+        trained_ids.run(f"s3://{BUCKET}/run", trained_ids.source("map"), hflight, max_steps=24, save_async=True,
+                        callbacks=[at_16], storage_options=s3_server.options(proxy.endpoint))  # fmt: skip
+    finally:
+        proxy.release()
+        proxy.close()
+    held, stored_8, _ = at_16.said
+    assert held >= 1 and not stored_8  # checkpoint 16 saved while 8's upload was held
+    stored = _stored(s3, f"{BUCKET}/run")
+    assert all("checkpoint_manifest.json" in stored[f"checkpoint-{step}"] for step in (8, 16, 24))
+
+
 class _ServerGoesAway(transformers.TrainerCallback):
     def __init__(self, proxy, down_at: int, back_at: int | None) -> None:
         self.proxy, self.down_at, self.back_at = proxy, down_at, back_at
@@ -286,6 +322,125 @@ def test_a_crafted_or_damaged_stored_checkpoint_is_refused_as_a_local_one(s3, se
                         storage_options=options)  # fmt: skip
 
 
+# ---- found by the fault read ----------------------------------------------------------------------------------------
+class _StopAt(transformers.TrainerCallback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_save = control.should_training_stop = True
+
+
+def test_a_resume_on_a_new_machine_keeps_the_best_checkpoint_in_the_bucket_and_loads_it(s3, server, monkeypatch):
+    """load_best_model_at_end with save_total_limit=2: the best checkpoint (an early one) recorded by the stopped run
+    is downloaded by the resume on an empty disk, protected from rotation in the bucket, and loaded at the end."""
+    from safetensors.torch import load
+
+    options = s3_server.options(server)
+    best = dict(
+        eval_dataset="train",
+        eval_strategy="steps",
+        eval_steps=8,
+        load_best_model_at_end=True,
+        metric_for_best_model="loss",
+        greater_is_better=True,
+        save_total_limit=2,
+    )  # an early checkpoint best
+    trained_ids.run(f"s3://{BUCKET}/run", trained_ids.source("map"), hflight, storage_options=options,
+                    callbacks=[_StopAt(24)], **best)  # fmt: skip
+    recorded = json.loads(s3.cat_file(f"{BUCKET}/run/checkpoint-24/trainer_state.json"))["best_model_checkpoint"]
+    name = os.path.basename(recorded)
+    monkeypatch.setenv("HFLIGHT_STAGING_DIR", str(Path(os.environ["HFLIGHT_STAGING_DIR"]) / "another-machine"))
+    trainer, _, _ = trained_ids.run(f"s3://{BUCKET}/run", trained_ids.source("map"), hflight, storage_options=options,
+                                    resume=True, **best)  # fmt: skip
+    assert os.path.basename(trainer.state.best_model_checkpoint) == name
+    assert name in _stored(s3, f"{BUCKET}/run")
+    weights = load(s3.cat_file(f"{BUCKET}/run/{name}/model.safetensors"))
+    model = trainer.model.state_dict()
+    assert all(torch.equal(model[key], value) for key, value in weights.items())
+
+
+def test_local_checkpoints_the_store_lacks_are_resumed_from_and_uploaded(s3, server, monkeypatch):
+    """The store fails after checkpoint 8: 16 and 24 stay in the staging folder. Run again once it answers, with
+    resume_from_checkpoint=True: the run resumes from the local checkpoint-24 (as transformers would from its folder)
+    and uploads it, before its own checkpoints."""
+    monkeypatch.setattr(objects, "BACKOFF_S", 0.01)
+    proxy = s3_server.FaultProxy(server)
+
+    class Down(transformers.TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            proxy.down = proxy.down or state.global_step == 8
+
+    try:
+        trained_ids.run(f"s3://{BUCKET}/run", trained_ids.source("map"), hflight, max_steps=24, callbacks=[Down()],
+                        storage_options=s3_server.options(proxy.endpoint, attempts=1))  # fmt: skip
+    finally:
+        proxy.close()
+    assert sorted(_stored(s3, f"{BUCKET}/run")) == ["checkpoint-8"]
+    _, trained, _ = trained_ids.run(f"s3://{BUCKET}/run", trained_ids.source("map"), hflight, max_steps=32,
+                                    resume=True, storage_options=s3_server.options(server))  # fmt: skip
+    assert min(trained) == 25
+    stored = _stored(s3, f"{BUCKET}/run")
+    assert all("checkpoint_manifest.json" in stored[f"checkpoint-{step}"] for step in (8, 16, 24, 32))
+
+
+def test_a_damaged_local_copy_is_replaced_by_the_stored_one_and_a_url_resumes_into_a_local_folder(s3, server, tmp_path):
+    """A local copy whose manifest matches the bucket's but whose file is damaged is downloaded again (checksums,
+    not only sizes); ``resume_from_checkpoint=URL`` with a local output_dir takes its storage_options."""
+    options = s3_server.options(server)
+    trainer, _, _ = trained_ids.run(f"s3://{BUCKET}/run", trained_ids.source("map"), hflight, max_steps=16,
+                                    storage_options=options)  # fmt: skip
+    scheduler = Path(trainer.args.output_dir, "checkpoint-16", "scheduler.pt")
+    data = bytearray(scheduler.read_bytes())
+    data[-1] ^= 1
+    scheduler.write_bytes(bytes(data))
+    _, trained, _ = trained_ids.run(f"s3://{BUCKET}/run", trained_ids.source("map"), hflight, max_steps=24,
+                                    resume=True, storage_options=options)  # fmt: skip
+    assert min(trained) == 17
+    _, trained, _ = trained_ids.run(tmp_path / "local", trained_ids.source("map"), hflight, max_steps=24,
+                                    resume=f"s3://{BUCKET}/run/checkpoint-8", storage_options=options)  # fmt: skip
+    assert min(trained) == 9
+
+
+def test_a_store_that_never_answers_fails_the_upload_and_training_goes_on(s3, server, monkeypatch, caplog):
+    """Requests accepted and never answered from checkpoint 16 on: each upload gives up after its deadline (fsspec's
+    timeout; 1 s here, 60 s plus the transfer at 2 MB/s by default), is warned once, and training goes on to the end;
+    partial copies older than the newest stored checkpoint are removed by the next rotation."""
+    monkeypatch.setattr(objects, "CALL_TIMEOUT_S", 1.0)
+    s3.pipe_file(f"{BUCKET}/run/checkpoint-4/model.safetensors", b"left by a process killed mid-upload")
+    proxy = s3_server.FaultProxy(server)
+
+    class Stall(transformers.TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            if state.global_step == 8:
+                proxy.hold("PUT", "/run/", limit_s=60)
+
+    try:
+        with caplog.at_level(logging.WARNING):
+            trainer, trained, _ = trained_ids.run(f"s3://{BUCKET}/run", trained_ids.source("map"), hflight,
+                                                  max_steps=24, callbacks=[Stall()],
+                                                  storage_options=s3_server.options(proxy.endpoint))  # fmt: skip
+    finally:
+        proxy.release()
+        proxy.close()
+    assert max(trained) == 24
+    failed = [r.getMessage() for r in caplog.records if "is saved locally, but storing it in" in r.getMessage()]
+    assert len(failed) == 2 and "Timeout" in failed[0], failed  # checkpoints 16 and 24, once each
+    assert not [r for r in caplog.records if "removing older checkpoints" in r.getMessage()]
+    stored = _stored(s3, f"{BUCKET}/run")
+    assert "checkpoint-4" not in stored and "checkpoint_manifest.json" in stored["checkpoint-8"]
+
+
+def test_storage_options_are_hidden_where_the_arguments_are_shown(tmp_path, monkeypatch):
+    monkeypatch.setenv("HFLIGHT_STAGING_DIR", str(tmp_path))
+    secret = {"key": "AKIA-hflight", "secret": "s3cr3t-hflight"}
+    args = hflight.TrainingArguments(output_dir="s3://bucket/run", storage_options=secret)
+    for shown in (str(args), repr(args), json.dumps(args.to_dict()), args.to_json_string()):
+        assert "s3cr3t-hflight" not in shown and "AKIA-hflight" not in shown
+    assert args.storage_options == secret
+
+
 # ---- the command line ---------------------------------------------------------------------------------------------
 def test_the_command_line_trains_into_the_bucket_and_resumes_from_it(s3, server, tmp_path, monkeypatch, command_line):
     """``hflight-train +experiment=mrc args.output_dir=s3://bucket/mrc`` with the endpoint in AWS_ENDPOINT_URL: the
@@ -324,7 +479,7 @@ def test_the_url_becomes_remote_output_dir_and_output_dir_its_staging_folder(tmp
     refused = {
         "name two places": dict(output_dir="s3://a/r", remote_output_dir="s3://b/r"),
         "is not the URL of an object store": dict(output_dir="x", remote_output_dir="/local/folder"),
-        "no remote_output_dir": dict(output_dir="x", storage_options={"anon": True}),
+        "'..' parts": dict(output_dir="s3://bucket/a/../run"),
         "save_on_each_node=True": dict(output_dir="s3://a/r", save_on_each_node=True),
     }
     for message, values in refused.items():

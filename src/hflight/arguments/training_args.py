@@ -183,7 +183,8 @@ class TrainingArguments(HFTrainingArguments):
     storage_options: Optional[Union[dict, str]] = dataclasses.field(  # noqa: UP007, UP045 - HfArgumentParser
         default=None,
         metadata={
-            "help": "Options of remote_output_dir's filesystem (fsspec's storage_options, as datasets takes them), "
+            "help": "Options of the filesystem of remote_output_dir and of a resume_from_checkpoint URL (fsspec's "
+            "storage_options, as datasets takes them), "
             'e.g. {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}; a dict or a JSON object string. '
             "Credentials are otherwise read where the filesystem reads them (the environment, ~/.aws, ...)."
         },
@@ -323,6 +324,8 @@ class TrainingArguments(HFTrainingArguments):
         for name in ("accelerator", "strategy"):
             if name in d and not isinstance(d[name], str):
                 d[name] = type(d[name]).__name__
+        if d.get("storage_options"):  # credentials often: hidden as transformers hides its tokens
+            d["storage_options"] = "<STORAGE_OPTIONS>"
         return d
 
     def __str__(self) -> str:
@@ -515,6 +518,9 @@ def _split_remote_output_dir(args: TrainingArguments) -> None:
     output_dir = args.output_dir
     if isinstance(output_dir, str) and output_dir.startswith("file://"):
         args.output_dir = output_dir = output_dir[len("file://") :]
+    for url in (output_dir, args.remote_output_dir):
+        if is_remote(url) and any(part in (".", "..") for part in url.split("://", 1)[1].split("/")):
+            raise ValueError(f"{url!r}: a URL with '.' or '..' parts names other keys than it seems to; write it out.")
     if is_remote(output_dir):
         if args.remote_output_dir not in (None, output_dir):
             raise ValueError(
@@ -537,11 +543,6 @@ def _split_remote_output_dir(args: TrainingArguments) -> None:
                 "only (save_on_each_node=False)."
             )
         args.remote_output_dir = args.remote_output_dir.rstrip("/")
-    elif args.storage_options:
-        raise ValueError(
-            "storage_options are the options of remote_output_dir's filesystem, and no remote_output_dir (or "
-            f"output_dir URL) is set: output_dir={args.output_dir!r} is a local folder."
-        )
 
 
 def _check_lower_bounds(args: TrainingArguments) -> None:

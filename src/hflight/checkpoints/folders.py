@@ -327,8 +327,8 @@ def save_checkpoint(facade: TrainerSurface, run: RunView, trial: Any = None) -> 
     if is_main:
         run_args = run_arguments(args, world.size, run.plan, run.lightning_trainer.num_nodes)
         job.publish_with((state.global_step, bool(args.save_only_model), run_args, progress),
-                         functools.partial(_store_and_rotate, storage_for(args), final_dir, run_dir,
-                                           args.save_total_limit, state.best_model_checkpoint))  # fmt: skip
+                         functools.partial(storage_for(args).store, final_dir, run_dir, args.save_total_limit,
+                                           state.best_model_checkpoint, writer.asynchronous and not last))  # fmt: skip
     if is_main and _overrides_save_checkpoint(facade):  # it writes into checkpoint-N after super(), as TRL's do
         job.open_final_dir()
     writer.submit(job if is_main else None, name, last=last)
@@ -336,14 +336,6 @@ def save_checkpoint(facade: TrainerSurface, run: RunView, trial: Any = None) -> 
         writer.wait()
     world.barrier()
     return final_dir
-
-
-def _store_and_rotate(storage: Any, folder: str, run_dir: str, limit: int | None, best: str | None) -> None:
-    """After a checkpoint is published on the local disk (on the thread that finished it): stored (an object store's
-    upload: ``hflight.checkpoints.storage``), then transformers' rotation, of the stored checkpoints and of the local
-    ones (a local copy not stored yet is kept)."""
-    storage.publish(folder)
-    storage.rotate(run_dir, limit, best)
 
 
 def _overrides_save_checkpoint(facade: TrainerSurface) -> bool:
@@ -508,6 +500,7 @@ def finalize_rotation(args: Any, state: TrainerState, run_dir: str) -> None:
     if not (args.should_save and state.best_model_checkpoint and args.save_total_limit == 1):
         return
     storage = storage_for(args)
+    storage.wait()
     for name in storage.complete(run_dir) if storage.remote else []:
         if name != os.path.basename(state.best_model_checkpoint):
             storage.remove(os.path.join(run_dir, name))

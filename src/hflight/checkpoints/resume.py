@@ -37,6 +37,7 @@ from hflight.checkpoints.forms import found_form, resume_refusal
 from hflight.checkpoints.manifest import checkpoint_folders, get_last_checkpoint, verify_checkpoint
 from hflight.checkpoints.names import (
     CHECKPOINT_RE,
+    MANIFEST_NAME,
     OPTIMIZER_NAME,
     SCHEDULER_NAME,
     TRAINER_STATE_NAME,
@@ -114,10 +115,48 @@ def resolve_resume(facade: TrainerSurface, resume: str | bool | None) -> ResumeP
 
 
 def _stored_last(args: Any) -> str | None:
-    """The newest complete checkpoint of an object store's run folder (its manifest stored), downloaded."""
+    """The newest checkpoint of a run whose output_dir is an object store's staging folder (:func:`_remote_candidates`),
+    made ready to load (downloaded, or a local copy the store lacks, adopted for its upload)."""
+    candidates = _remote_candidates(args)
+    return _take(args, *candidates[0], candidates) if candidates else None
+
+
+def _remote_candidates(args: Any) -> list[tuple[Path, bool]]:
+    """The checkpoints a run on an object store can resume from, newest first, each with whether it is stored: the
+    store's complete ones (their manifest stored), and the complete local ones of the staging folder that the store
+    lacks (a run that could not upload them: they are as good as transformers' local checkpoints)."""
     storage, output_dir = storage_for(args), args.output_dir
-    names = storage.complete(output_dir)
-    return storage.fetch(os.path.join(output_dir, names[0])) if names else None
+    stored = set(storage.complete(output_dir))
+    local = {path.name for path in checkpoint_folders(output_dir) if (path / MANIFEST_NAME).is_file()}
+    names = sorted(stored | local, key=lambda name: int(CHECKPOINT_RE.match(name).group(1)), reverse=True)
+    return [(Path(output_dir, name), name in stored) for name in names]
+
+
+def _take(args: Any, folder: Path, stored: bool, candidates: list[tuple[Path, bool]]) -> str:
+    """``folder`` ready to load: downloaded when stored (a local copy that passes every check is kept), else the local
+    copy, checked. The complete local checkpoints up to it that the store lacks are adopted by the storage (uploaded
+    with the run's next checkpoint, kept locally until then)."""
+    storage = storage_for(args)
+    if stored:
+        storage.fetch(str(folder))
+    else:
+        verify_checkpoint(folder, full=True)
+        logger.warning(f"{folder} is not in {storage.where(str(folder))}; resuming from the local copy, which is "
+                       "uploaded with the run's next checkpoint.")  # fmt: skip
+    step = _step(folder)
+    for other, other_stored in reversed(candidates):  # oldest first, as they are uploaded
+        if not other_stored and _step(other) <= step:
+            try:
+                verify_checkpoint(other)
+            except (IncompleteCheckpointError, UnsafeCheckpointFile) as exc:
+                logger.warning(f"{other} is not in {storage.where(str(other))} and is not uploaded: {exc}")
+                continue
+            storage.adopt(str(other))
+    return str(folder)
+
+
+def _step(folder: Path) -> int:
+    return int(CHECKPOINT_RE.match(folder.name).group(1))
 
 
 def fetch_url(args: Any, url: str) -> str:
@@ -143,13 +182,15 @@ def _resolve_auto(facade: TrainerSurface) -> ResumePoint | None:
     output_dir = facade.args.output_dir
     storage = storage_for(facade.args)
     if storage.remote:
-        candidates = [Path(output_dir, name) for name in storage.complete(output_dir)]
+        found = _remote_candidates(facade.args)
+        candidates, stored = [folder for folder, _ in found], dict(found)
         output_dir = storage.where(output_dir)
     else:
-        candidates = checkpoint_folders(output_dir)
+        candidates, stored = checkpoint_folders(output_dir), {}
     for folder in candidates:
         try:
-            storage.fetch(str(folder))
+            if storage.remote:
+                _take(facade.args, folder, stored[folder], found)
             manifest = verify_checkpoint(folder, full=True)
         except (IncompleteCheckpointError, UnsafeCheckpointFile) as exc:
             logger.warning(f"resume_from_checkpoint='auto': skipping {folder.name}: {exc}")
@@ -176,6 +217,7 @@ def _resume_from(facade: TrainerSurface, folder: Path, manifest: dict[str, Any] 
         name = os.path.basename(os.path.normpath(best))  # recorded by a machine whose staging folder was elsewhere
         if CHECKPOINT_RE.match(name):
             state.best_model_checkpoint = os.path.join(os.path.dirname(os.path.normpath(folder)), name)
+    _fetch_best(facade.args, state.best_model_checkpoint)
     state.best_model_checkpoint = check_best_checkpoint(
         state.best_model_checkpoint, facade.args.output_dir, where, folder
     )
@@ -205,6 +247,16 @@ def _resume_from(facade: TrainerSurface, folder: Path, manifest: dict[str, Any] 
             "guaranteed."
         )
     return ResumePoint(str(folder), state, manifest, model_only, training_states, rebuilt, data_position=position)
+
+
+def _fetch_best(args: Any, best: str | None) -> None:
+    """On a machine that never had it, the resumed run's best checkpoint, downloaded from the store (the resumed run
+    protects it from rotation and loads it at the end, as on the machine that wrote it)."""
+    storage = storage_for(args)
+    if not storage.remote or best is None or os.path.isdir(best) or not inside(best, args.output_dir):
+        return
+    if os.path.basename(os.path.normpath(best)) in storage.complete(os.path.dirname(os.path.normpath(best))):
+        storage.fetch(best)
 
 
 def check_best_checkpoint(

@@ -65,6 +65,15 @@ class Storage(Protocol):
     def rotate(self, run_dir: str, save_total_limit: int | None, best: str | None) -> None:
         """transformers' rotation, of the stored checkpoints and of the local copies the storage no longer needs."""
 
+    def store(self, folder: str, run_dir: str, limit: int | None, best: str | None, background: bool = False) -> None:
+        """Once checkpoint ``folder`` is published on the local disk (on the thread that finished it): publish it,
+        then rotate ``run_dir``'s checkpoints; ``background`` (``save_async``, not the run's last checkpoint): on a
+        thread of the storage's own, after the previous one's (the next checkpoint's local write does not wait for
+        this upload)."""
+
+    def wait(self) -> None:
+        """The background upload in flight, if any, finished."""
+
     def settle(self) -> list[str]:
         """At the end of training: try again what is not stored yet; returns the local folders and files still not
         stored (said in one warning)."""

@@ -98,5 +98,11 @@ class LocalStorage:
     def rotate(self, run_dir: str, save_total_limit: int | None, best: str | None) -> None:
         rotate_checkpoints(run_dir, save_total_limit, best)
 
+    def store(self, folder: str, run_dir: str, limit: int | None, best: str | None, background: bool = False) -> None:
+        self.rotate(run_dir, limit, best)
+
+    def wait(self) -> None:
+        return None
+
     def settle(self) -> list[str]:
         return []

@@ -38,6 +38,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from fsspec.exceptions import FSTimeoutError
+
 from hflight import durable
 from hflight.checkpoints.manifest import verify_checkpoint
 from hflight.checkpoints.names import CHECKPOINT_RE, MANIFEST_NAME, TMP_PREFIX
@@ -52,6 +54,12 @@ T = TypeVar("T")
 #: top of the filesystem's own retries: s3fs's and botocore's)
 ATTEMPTS = 3
 BACKOFF_S = 0.5
+#: a call to an asynchronous filesystem (s3fs, gcsfs, adlfs) that has not answered after this many seconds, plus one
+#: for each :data:`SLOWEST_BYTES_PER_S` it moves, has failed (fsspec's ``timeout``): a store that accepts requests and
+#: never answers stops the upload (not retried: waiting again would only hold the run longer), which is kept locally
+#: and tried again at the next checkpoint
+CALL_TIMEOUT_S = 60.0
+SLOWEST_BYTES_PER_S = 2 << 20
 FETCHING_SUFFIX = ".fetching"
 
 
@@ -80,6 +88,8 @@ class ObjectStorage:
         self._lock = threading.RLock()
         #: local checkpoint folders (and files) not stored yet -> the cause of the last failure
         self._pending: dict[str, str] = {}
+        #: the background upload in flight (``save_async``), if any
+        self._uploading: threading.Thread | None = None
 
     # ---- the filesystem -----------------------------------------------------------------------------------------
     @property
@@ -119,8 +129,8 @@ class ObjectStorage:
         for attempt in range(ATTEMPTS):
             try:
                 return call()
-            except (FileNotFoundError, PermissionError, StorageError):
-                raise  # a missing bucket or key, refused credentials: no retry makes them work
+            except (FileNotFoundError, PermissionError, StorageError, FSTimeoutError):
+                raise  # a missing bucket or key, refused credentials, no answer at all: no retry makes them work
             except Exception as exc:  # a server error, a dropped connection, a timeout
                 if attempt == ATTEMPTS - 1:
                     raise
@@ -128,6 +138,14 @@ class ObjectStorage:
                 logger.info(f"{what} failed ({_cause(exc)}); trying again in {wait:.1f} s.")
                 time.sleep(wait)
         raise AssertionError("unreachable")
+
+    def _deadline(self, nbytes: int = 0) -> dict[str, float]:
+        """fsspec's ``timeout`` for a call moving ``nbytes`` (asynchronous filesystems only take it)."""
+        from fsspec.asyn import AsyncFileSystem
+
+        if not isinstance(self.fs, AsyncFileSystem):
+            return {}
+        return {"timeout": CALL_TIMEOUT_S + nbytes / SLOWEST_BYTES_PER_S}
 
     def _fresh(self, key: str) -> None:
         self.fs.invalidate_cache(key)
@@ -160,6 +178,7 @@ class ObjectStorage:
         """Upload ``folder``, then, once the store answers again, what an earlier upload left behind (oldest first,
         until one fails: a store that is gone costs one failed upload a checkpoint, not one for each left behind);
         False when ``folder`` could not be stored."""
+        folder = os.path.abspath(folder)
         with self._lock:
             if not self._store(folder):
                 return False
@@ -204,16 +223,18 @@ class ObjectStorage:
         if body:
             local_paths = [str(p) for p in body]
             keys = [posixpath.join(key, name) for name in sizes]
-            self._retried(f"Uploading {folder}", lambda: fs.put(local_paths, keys))
+            limit = self._deadline(sum(sizes.values()))
+            self._retried(f"Uploading {folder}", lambda: fs.put(local_paths, keys, **limit))
         self._confirm(key, sizes)
         manifest = os.path.join(folder, MANIFEST_NAME)
-        self._retried(f"Uploading {manifest}", lambda: fs.put_file(manifest, posixpath.join(key, MANIFEST_NAME)))
+        target, limit = posixpath.join(key, MANIFEST_NAME), self._deadline(os.path.getsize(manifest))
+        self._retried(f"Uploading {manifest}", lambda: fs.put([manifest], [target], **limit))
         self._confirm(key, {MANIFEST_NAME: os.path.getsize(manifest)})
 
     def _confirm(self, key: str, sizes: dict[str, int]) -> None:
         """Every uploaded file is in the store with its size (a listing, never a cached one)."""
         self._fresh(key)
-        found = self._retried(f"Listing {key}", lambda: self.fs.find(key, detail=True))
+        found = self._retried(f"Listing {key}", lambda: self.fs.find(key, detail=True, **self._deadline()))
         stored = {posixpath.relpath(path, key): info.get("size") for path, info in found.items()}
         wrong = [name for name, size in sizes.items() if stored.get(name) != size]
         if wrong:
@@ -222,7 +243,8 @@ class ObjectStorage:
     def _upload_files(self, paths: list[str]) -> None:
         fs = self.fs
         keys = [self._key(path) for path in paths]
-        self._retried(f"Uploading {', '.join(paths)}", lambda: fs.put(list(paths), keys))
+        limit = self._deadline(sum(os.path.getsize(path) for path in paths))
+        self._retried(f"Uploading {', '.join(paths)}", lambda: fs.put(list(paths), keys, **limit))
 
     def put_files(self, folder: str, paths: list[str]) -> None:
         inside = os.path.join(self.staging, "")
@@ -245,21 +267,26 @@ class ObjectStorage:
 
     # ---- listing, fetching, removing --------------------------------------------------------------------------------
     def complete(self, run_dir: str) -> list[str]:
+        return [name for name, complete in self._stored(run_dir) if complete]
+
+    def _stored(self, run_dir: str) -> list[tuple[str, bool]]:
+        """The ``checkpoint-N`` folders stored for ``run_dir``, newest first, each with whether its manifest is
+        there (a listing of the run's objects, never a cached one)."""
         fs, key = self.fs, self._key(run_dir)
         self._fresh(key)
+        pattern = f"{key}/checkpoint-*/*"
         try:
-            found = self._retried(
-                f"Listing {self.where(run_dir)}", lambda: fs.glob(f"{key}/checkpoint-*/{MANIFEST_NAME}")
-            )
+            found = self._retried(f"Listing {self.where(run_dir)}", lambda: fs.glob(pattern, **self._deadline()))
         except FileNotFoundError:
             return []
-        steps = []
+        folders: dict[str, bool] = {}
         for path in found:
-            name = posixpath.basename(posixpath.dirname(path))
-            match = CHECKPOINT_RE.match(name)
-            if match and posixpath.dirname(posixpath.dirname(path)).rstrip("/") == key:
-                steps.append((int(match.group(1)), name))
-        return [name for _, name in sorted(steps, reverse=True)]
+            parent = posixpath.dirname(path)
+            name = posixpath.basename(parent)
+            if CHECKPOINT_RE.match(name) and posixpath.dirname(parent).rstrip("/") == key:
+                folders[name] = folders.get(name, False) or posixpath.basename(path) == MANIFEST_NAME
+        steps = sorted(((int(CHECKPOINT_RE.match(name).group(1)), name) for name in folders), reverse=True)
+        return [(name, folders[name]) for _, name in steps]
 
     def fetch(self, folder: str) -> str:
         """The stored checkpoint ``folder`` into the local ``folder`` (kept as it is when the local copy has the same
@@ -268,7 +295,7 @@ class ObjectStorage:
         manifest_key = posixpath.join(key, MANIFEST_NAME)
         self._fresh(key)
         try:
-            manifest = self._retried(f"Reading {manifest_key}", lambda: fs.cat_file(manifest_key))
+            manifest = self._retried(f"Reading {manifest_key}", lambda: fs.cat_file(manifest_key, **self._deadline()))
         except FileNotFoundError:
             raise IncompleteCheckpointError(
                 f"{self.where(folder)} is not a complete checkpoint: it has no {MANIFEST_NAME} (an upload that was "
@@ -277,11 +304,12 @@ class ObjectStorage:
         local_manifest = Path(folder, MANIFEST_NAME)
         if local_manifest.is_file() and local_manifest.read_bytes() == manifest:
             try:
-                verify_checkpoint(folder)
+                verify_checkpoint(folder, full=True)  # checksums too: a damaged local copy is replaced
                 return folder
             except (IncompleteCheckpointError, UnsafeCheckpointFile):
                 pass
-        found = self._retried(f"Listing {self.where(folder)}", lambda: fs.find(key))
+        listed = self._retried(f"Listing {self.where(folder)}", lambda: fs.find(key, detail=True, **self._deadline()))
+        found, total = list(listed), sum(int(info.get("size") or 0) for info in listed.values())
         names = [self._relative_name(folder, key, path) for path in found]
         names = [name for name in names if name != MANIFEST_NAME]
         tmp = Path(folder).with_name(f"{TMP_PREFIX}{Path(folder).name}{FETCHING_SUFFIX}")
@@ -292,7 +320,8 @@ class ObjectStorage:
             for path in local_paths:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
             keys = [posixpath.join(key, name) for name in names]
-            self._retried(f"Downloading {self.where(folder)}", lambda: fs.get(keys, local_paths))
+            limit = self._deadline(total)
+            self._retried(f"Downloading {self.where(folder)}", lambda: fs.get(keys, local_paths, **limit))
         (tmp / MANIFEST_NAME).write_bytes(manifest)
         durable.sync_tree(tmp)
         remove_checkpoint(folder)
@@ -323,14 +352,14 @@ class ObjectStorage:
         fs = self.fs
         self._fresh(key)
         try:
-            found = self._retried(f"Listing {key}", lambda: fs.find(key))
+            found = self._retried(f"Listing {key}", lambda: fs.find(key, **self._deadline()))
         except FileNotFoundError:
             return
         manifest = posixpath.join(key, MANIFEST_NAME)
         for batch in ([manifest] if manifest in found else [], [path for path in found if path != manifest]):
             if batch:
                 try:
-                    self._retried(f"Removing {key}", lambda batch=batch: fs.rm(batch))
+                    self._retried(f"Removing {key}", lambda batch=batch: fs.rm(batch, **self._deadline()))
                 except FileNotFoundError:
                     pass
         self._fresh(key)
@@ -338,13 +367,57 @@ class ObjectStorage:
     def rotate(self, run_dir: str, save_total_limit: int | None, best: str | None) -> None:
         """transformers' rotation in the store, then of the local copies: a local checkpoint not stored yet is kept."""
         best_name = os.path.basename(best) if best else None
-        stored = list(reversed(self.complete(run_dir)))  # oldest first
+        found = self._stored(run_dir)
+        stored = [name for name, complete in reversed(found) if complete]  # oldest first
         for name in rotation(stored, save_total_limit, best_name):
             self.remove(os.path.join(run_dir, name))
-        keep = {os.path.basename(path) for path in self._pending if os.path.dirname(path) == os.path.abspath(run_dir)}
-        rotate_checkpoints(run_dir, save_total_limit, best, keep=keep)
+        if stored:  # what a process killed mid-upload or mid-removal left: no manifest, older than the newest stored
+            newest = int(CHECKPOINT_RE.match(stored[-1]).group(1))
+            for name, complete in found:
+                if not complete and int(CHECKPOINT_RE.match(name).group(1)) < newest:
+                    logger.info(f"Removing {self.where(os.path.join(run_dir, name))}: an incomplete stored copy.")
+                    self.remove(os.path.join(run_dir, name))
+        rotate_checkpoints(run_dir, save_total_limit, best, keep=self._pending_names(run_dir))
+
+    def store(self, folder: str, run_dir: str, limit: int | None, best: str | None, background: bool = False) -> None:
+        """Upload ``folder``, then rotate (in the store, then the local copies): the rotation never runs before the
+        new checkpoint is stored, so the store always holds the newest checkpoints it can. ``background``: on the
+        upload thread, once the previous upload is over (at most one in flight)."""
+        self.wait()
+        if not background:
+            self._store_and_rotate(folder, run_dir, limit, best)
+            return
+        self._uploading = threading.Thread(target=self._store_and_rotate, args=(folder, run_dir, limit, best),
+                                           name="hflight-checkpoint-upload")  # fmt: skip
+        self._uploading.start()
+
+    def _store_and_rotate(self, folder: str, run_dir: str, limit: int | None, best: str | None) -> None:
+        if not self.publish(folder):  # said once; the stored checkpoints stay as they are, the local copies too
+            rotate_checkpoints(run_dir, limit, best, keep=self._pending_names(run_dir))
+            return
+        try:
+            self.rotate(run_dir, limit, best)
+        except Exception as exc:  # noqa: BLE001 - the checkpoint is stored; the run goes on
+            logger.warning(f"{folder} is stored, but removing older checkpoints after it failed ({_cause(exc)}).")
+
+    def _pending_names(self, run_dir: str) -> set[str]:
+        return {os.path.basename(path) for path in self._pending if os.path.dirname(path) == os.path.abspath(run_dir)}
+
+    def adopt(self, folder: str) -> None:
+        """A complete local checkpoint that is not stored (an earlier run could not upload it): uploaded with the
+        next checkpoint, kept locally until then."""
+        with self._lock:
+            self._pending.setdefault(os.path.abspath(folder), "not stored by the run that wrote it")
+
+    def wait(self) -> None:
+        """The upload in flight (``save_async``), finished."""
+        uploading = self._uploading
+        if uploading is not None and uploading is not threading.current_thread():
+            uploading.join()
+        self._uploading = None
 
     def settle(self) -> list[str]:
+        self.wait()
         with self._lock:
             self._retry_pending()
             missing = list(self._pending)
