@@ -34,7 +34,7 @@ from torch.utils.data import IterableDataset
 from hflight.checkpoints.parts import rng_states
 from hflight.run.backend import StepGeometry, backend_of
 from hflight.run.distributed import World
-from hflight.run.loaders import shard_loader
+from hflight.run.loaders import release_workers, shard_loader
 from hflight.run.position import DataTracker
 from hflight.run.samplers import (  # noqa: F401 (EpochSeededRandomSampler, ShardedBatchSampler: their former home)
     EpochSeededRandomSampler,
@@ -293,6 +293,11 @@ class HFDataModule(L.LightningDataModule):
         if self.cycles is None:
             raise RuntimeError("HFDataModule.setup('fit') must run before train_dataloader()")
         return self.cycles
+
+    def release_workers(self) -> None:
+        """At the end of ``fit``: the training loader's worker processes shut down (``loaders.release_workers``)."""
+        if self.cycles is not None:
+            release_workers(self.cycles.loader)
 
 
 def loader_length(loader: Any) -> int | None:

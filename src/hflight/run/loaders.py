@@ -649,6 +649,22 @@ def copied(state: Any) -> Any:
     return state
 
 
+def release_workers(loader: Any) -> None:
+    """The worker processes of ``loader``'s live iterator (and of the loaders it wraps: ``base``) shut down now, at
+    the end of training. torchdata's loader keeps its iterator (for ``state_dict``), and persistent workers are kept
+    by torch's: left to the trainer's reference cycles, the workers lived on until a garbage collection, which then
+    waited out each one's 5-second join timeout (transformers' own loop drops its iterator when training ends)."""
+    seen: set[int] = set()
+    while loader is not None and id(loader) not in seen:
+        seen.add(id(loader))
+        iterator = getattr(loader, "_iterator", None)
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if callable(shutdown):
+            shutdown()
+            loader._iterator = None
+        loader = getattr(loader, "base", None)
+
+
 def _forget_state(loader: StatefulDataLoader) -> None:
     """torchdata's loader without the state its ``load_state_dict`` kept for its next iterator, and a ``datasets``
     stream without the one it was given (kept for its next iteration, in its ``_starting_state_dict``)."""

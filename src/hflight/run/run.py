@@ -207,6 +207,7 @@ class Run:
             raising = False
         finally:  # save_async: the write in flight is published (or fails) before fit is over, also when it raised
             self.checkpoint_writer.close(raising)
+            self.datamodule.release_workers()
 
     def finish_training(self, measure_memory: Any = None) -> TrainOutput:
         """After ``fit``: train metrics, best model, final rotation, ``on_train_end`` (see the loop);
