@@ -135,7 +135,8 @@ def _check_stored(trainer: Any, args: TrainingArguments) -> None:
     storage = storage_for(args)
     if not storage.remote or not trainer.is_world_process_zero():
         return
-    storage.put_files(args.output_dir, [entry.path for entry in os.scandir(args.output_dir) if entry.is_file()])
+    own = [e.path for e in os.scandir(args.output_dir) if e.is_file() and not e.name.startswith(".")]  # no locks
+    storage.put_files(args.output_dir, own)
     missing = storage.settle()
     last = get_last_checkpoint(args.output_dir)
     if last is not None and os.path.abspath(last) in missing:

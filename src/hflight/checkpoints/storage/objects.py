@@ -40,7 +40,6 @@ from typing import Any, TypeVar
 
 from fsspec.exceptions import FSTimeoutError
 
-from hflight import durable
 from hflight.checkpoints.manifest import verify_checkpoint
 from hflight.checkpoints.names import CHECKPOINT_RE, MANIFEST_NAME, TMP_PREFIX
 from hflight.checkpoints.storage.local import remove_checkpoint, rotate_checkpoints, rotation
@@ -290,7 +289,20 @@ class ObjectStorage:
 
     def fetch(self, folder: str) -> str:
         """The stored checkpoint ``folder`` into the local ``folder`` (kept as it is when the local copy has the same
-        manifest and passes its size checks)."""
+        manifest and passes its checks). The processes of a job on one machine share the staging folder: one downloads
+        while the others wait for it (a lock file beside the folder), then find the copy in place."""
+        os.makedirs(os.path.dirname(os.path.abspath(folder)), exist_ok=True)
+        lock = os.path.join(os.path.dirname(os.path.abspath(folder)), f"{TMP_PREFIX}{Path(folder).name}.fetch.lock")
+        with open(lock, "a+b") as held:
+            try:
+                import fcntl
+
+                fcntl.flock(held, fcntl.LOCK_EX)
+            except ImportError:  # not POSIX: one process a machine
+                pass
+            return self._fetch(folder)
+
+    def _fetch(self, folder: str) -> str:
         fs, key = self.fs, self._key(folder)
         manifest_key = posixpath.join(key, MANIFEST_NAME)
         self._fresh(key)
@@ -323,11 +335,11 @@ class ObjectStorage:
             limit = self._deadline(total)
             self._retried(f"Downloading {self.where(folder)}", lambda: fs.get(keys, local_paths, **limit))
         (tmp / MANIFEST_NAME).write_bytes(manifest)
-        durable.sync_tree(tmp)
+        # not fsynced: the local copy is a cache of the stored checkpoint, checked against its manifest's checksums
+        # before it is loaded (and downloaded again when it fails them), so a power loss costs a download, not a run
         remove_checkpoint(folder)
         os.makedirs(os.path.dirname(os.path.abspath(folder)), exist_ok=True)
         os.replace(tmp, folder)
-        durable.fsync_dir(os.path.dirname(os.path.abspath(folder)))
         logger.info(f"Downloaded {self.where(folder)} into {folder}.")
         return folder
 
