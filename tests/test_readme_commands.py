@@ -83,10 +83,10 @@ SKIPPED: dict[str, str] = {
         "TRL's own tests (not here); tests/test_trl_upstream.py runs the harness on a TRL-style test file"
     ),
     "moto_server -p 5000": "tests/test_remote_checkpoints.py starts moto_server on a free port for its tests",
-    'AWS_ACCESS_KEY_ID=test AWS_SECRET_ACCESS_KEY=test AWS_ENDPOINT_URL=http://127.0.0.1:5000 python -c "import '
-    "s3fs; s3fs.S3FileSystem().mkdir('my-bucket')\"": "tests/test_remote_checkpoints.py makes its buckets so",
-    "AWS_ACCESS_KEY_ID=test AWS_SECRET_ACCESS_KEY=test AWS_ENDPOINT_URL=http://127.0.0.1:5000 python train.py "
-    "+experiment=mrc args.output_dir=s3://my-bucket/mrc": (
+    "python -c \"import s3fs; s3fs.S3FileSystem().mkdir('my-bucket')\"": (
+        "tests/test_remote_checkpoints.py makes its buckets so, on the moto_server it starts"
+    ),
+    "python train.py +experiment=mrc args.output_dir=s3://my-bucket/mrc": (
         "a running S3 server: tests/test_remote_checkpoints.py runs this command line (credentials and "
         "AWS_ENDPOINT_URL in the environment) against moto_server and resumes it from the bucket"
     ),

@@ -110,6 +110,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "hflight.run.console",
         "hflight.arguments",
         "hflight.checkpoints.manifest",
+        "hflight.checkpoints.storage",
         "hflight.sweeps.trial",
         "hflight.sweeps.launchers",
         *BOTTOM,

@@ -150,6 +150,15 @@ def settle_storage(args: Any) -> list[str]:
     return storage_for(args).settle() if args.should_save else []
 
 
+@contextlib.contextmanager
+def storing(args: Any) -> Iterator[None]:
+    """A ``train()``: :func:`probe_storage` when it starts (an object store that cannot take checkpoints is an error
+    before anything is read or trained), :func:`settle_storage` when it returns."""
+    probe_storage(args)
+    yield
+    settle_storage(args)
+
+
 # ---- write errors --------------------------------------------------------------------------------------------------
 #: set while the training loop's thread writes a checkpoint: ``save_model`` called by it (or by an override of it)
 #: leaves its failures to the checkpoint's step that called it, and its fsyncs to the checkpoint's publication

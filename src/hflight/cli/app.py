@@ -26,7 +26,6 @@ from omegaconf import DictConfig, OmegaConf
 from hflight import durable
 from hflight.arguments.hardware import check_hardware, describe_backend
 from hflight.arguments.training_args import TrainingArguments
-from hflight.checkpoints.folders import probe_storage
 from hflight.checkpoints.manifest import get_last_checkpoint
 from hflight.checkpoints.storage import StorageError, storage_for
 from hflight.cli.failures import USER_ERRORS, RunFailed, _clear_failure, _describe, _record_failure, _run_dir
@@ -102,7 +101,8 @@ def _train(cfg: DictConfig, args: TrainingArguments) -> tuple[dict[str, float], 
     # message, not after the data has been generated and tokenized.
     check_gpu(args.accelerator)
     check_hardware(args)
-    probe_storage(args)  # an object store that cannot take the checkpoints: said before the data is made
+    if args.should_save:  # an object store that cannot take the checkpoints: said before the data is made
+        storage_for(args).probe()
     args.resume_from_checkpoint = resume_point(args)  # before the task reads the run folder (it reuses its data)
     set_seed(args.seed)  # before the model is initialised, as run_qa.py
     log.info(f"Instantiating task <{cfg.task._target_}>")

@@ -235,8 +235,7 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
         # One writer per run folder (a trial's: run-{id}), from before the folder is read until the last checkpoint.
         job, rank = cluster.job_identity(), self.args.process_index  # the lock tells ranks of a job from other runs
         folder = self.args.output_dir if trial is None else self._get_output_dir(trial)
-        with output_dir_lock(folder, enabled=self.args.should_save, job=job, rank=rank):
-            folders.probe_storage(self.args)  # an object store that cannot take checkpoints: an error now
+        with output_dir_lock(folder, enabled=self.args.should_save, job=job, rank=rank), folders.storing(self.args):
             self._trial = trial
             self._prepare_model_for_training()
             self._hp_search_setup(trial)  # a search's trial onto self.args, after model_init (transformers' moment)
@@ -246,13 +245,11 @@ class Trainer(DataLoadersMixin, StepsMixin, OptimizerMixin, HyperparameterSearch
             if point is not None and self.args.auto_find_batch_size and point.state.train_batch_size is not None:
                 self._train_batch_size = point.state.train_batch_size  # the size the checkpoint's run found
             with model_hooks.installed(self.model, self.args):
-                output = memory.find_executable_batch_size(
+                return memory.find_executable_batch_size(
                     lambda batch_size: self._train_once(batch_size, point, trial, ignore_keys_for_eval),
                     self._train_batch_size,
                     self.args.auto_find_batch_size,
                 )
-            folders.settle_storage(self.args)  # uploads that failed, tried again; what is still local, said
-            return output
 
     def _train_once(self, batch_size: int, point: Any, trial: Any, ignore_keys: list[str] | None) -> TrainOutput:
         """One Lightning run of ``train()`` with training batches of ``batch_size``."""
