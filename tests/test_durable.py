@@ -29,6 +29,7 @@ import hflight
 from hflight import durable
 from hflight.checkpoints import asynchronous, folders, job
 from hflight.checkpoints.manifest import Checksums, get_last_checkpoint, verify_checkpoint
+from hflight.checkpoints.storage import local as storage_local
 from hflight.checkpoints.writers import torch_file, writer_process
 
 from .checkpoint_runs import make_trainer
@@ -560,7 +561,7 @@ def test_a_failed_rotation_is_logged_and_the_run_goes_on(tmp_path, factory, monk
     def refused(folder):
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(folder))
 
-    monkeypatch.setattr(folders, "remove_checkpoint", refused)
+    monkeypatch.setattr(storage_local, "remove_checkpoint", refused)  # the local storage removes checkpoints
     out = tmp_path / "run"
     trainer = make_trainer(out, factory, max_steps=6, save_steps=2, save_async=save_async, save_total_limit=1)
     with caplog.at_level(logging.WARNING, logger="hflight.checkpoints.job"):

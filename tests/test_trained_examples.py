@@ -119,8 +119,10 @@ def test_no_loader_worker_outlives_train(tmp_path, persistent):
     """As with transformers, the training loader's worker processes are gone when train() returns (torchdata's loader
     keeps its iterator: they lived on until a garbage collection, which then waited 5 s for each)."""
     psutil = pytest.importorskip("psutil")
+    before = {p.pid for p in psutil.Process().children(recursive=True)}  # e.g. multiprocessing's resource tracker
     trainer, _, _ = trained_ids.run(tmp_path, trained_ids.source("torch"), hflight, max_steps=8,
                                     dataloader_num_workers=2, dataloader_persistent_workers=persistent)  # fmt: skip
-    alive = [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
+    alive = [p for p in psutil.Process().children(recursive=True)
+             if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE]  # fmt: skip
     assert not alive, [p.cmdline() for p in alive]
     assert trainer.state.global_step == 8

@@ -83,7 +83,7 @@ def test_a_subclass_of_transformers_with_lightnings_four_fields_the_requeue_sign
     ``save_async`` (background checkpoint writes, off by default) and ``int8_eval`` (evaluation on an int8 copy of
     the model, off by default)."""
     ours = {f.name: f for f in dataclasses.fields(TrainingArguments)}
-    added = [*LIGHTNING_FIELDS, "requeue_signal", "save_async", "int8_eval"]
+    added = [*LIGHTNING_FIELDS, "requeue_signal", "save_async", "remote_output_dir", "storage_options", "int8_eval"]
     assert issubclass(TrainingArguments, transformers.TrainingArguments)
     assert [name for name in ours if name not in HF_FIELDS] == added
     assert list(HFLIGHT_FIELDS) == added

@@ -18,6 +18,7 @@ import time
 import pytest
 import transformers
 
+import hflight
 from hflight.checkpoints import asynchronous, folders, job
 from hflight.checkpoints.manifest import get_last_checkpoint, verify_checkpoint
 from hflight.checkpoints.writers import writer_process
@@ -232,7 +233,7 @@ def test_the_child_starts_where_the_training_process_imports_through_pythonpath_
     base, pkgs, deps = _spread_install(tmp_path)
     script = tmp_path / "train.py"
     script.write_text(_CHILD_SCRIPT)
-    src = os.path.dirname(os.path.dirname(os.path.dirname(writer_process.__file__)))
+    src = os.path.dirname(os.path.dirname(hflight.__file__))  # the folder that holds the hflight package
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, str(pkgs), str(deps)])}
     done = subprocess.run([base, str(script), str(tmp_path / "out.pt")], cwd=tmp_path, capture_output=True, text=True,
                           timeout=120, env=env)  # fmt: skip
@@ -248,7 +249,7 @@ def test_the_child_resolves_each_module_to_the_training_processs_file(tmp_path):
     marker = tmp_path / "backport-ran"
     (pkgs / "dataclasses.py").write_text(f"open({str(marker)!r}, 'w').close()\nraise ImportError('the backport')\n")
     script = tmp_path / "train.py"
-    src = os.path.dirname(os.path.dirname(os.path.dirname(writer_process.__file__)))
+    src = os.path.dirname(os.path.dirname(hflight.__file__))  # the folder that holds the hflight package
     script.write_text(f"import sys\nsys.path += {[src, str(pkgs), str(deps)]!r}\n" + _CHILD_SCRIPT)
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     done = subprocess.run([base, str(script), str(tmp_path / "out.pt")], cwd=tmp_path, capture_output=True, text=True,

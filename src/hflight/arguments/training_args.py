@@ -81,8 +81,9 @@ SUPPORTED_ACCELERATORS: tuple[str, ...] = ("auto", "cpu", "gpu", "cuda", "mps", 
 LIGHTNING_FIELDS: tuple[str, ...] = ("accelerator", "devices", "strategy", "num_nodes")
 #: Fields for runs a cluster scheduler launches (Lightning's ``SLURMEnvironment(requeue_signal=...)``).
 CLUSTER_FIELDS: tuple[str, ...] = ("requeue_signal",)
-#: Checkpoint fields transformers lacks (``save_async``: background checkpoint writes, docs/checkpoints.md).
-CHECKPOINT_FIELDS: tuple[str, ...] = ("save_async",)
+#: Checkpoint fields transformers lacks (``save_async``: background checkpoint writes; ``remote_output_dir`` and
+#: ``storage_options``: checkpoints on object storage; docs/checkpoints.md).
+CHECKPOINT_FIELDS: tuple[str, ...] = ("save_async", "remote_output_dir", "storage_options")
 #: Evaluation fields transformers lacks (``int8_eval``: evaluation on an int8 copy of the model, docs/benchmarks.md).
 EVALUATION_FIELDS: tuple[str, ...] = ("int8_eval",)
 #: Every field hflight adds to transformers', in order.
