@@ -45,6 +45,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 MODELS = {
     # the MRC recipe with a pretrained MiniLM (all-MiniLM-L6-v2's shape): ~22.7M parameters, ~270 MB of state
@@ -63,10 +64,43 @@ MODES = ("sync", "sync+fsync", "async+fsync")
 MIB = 1 << 20
 
 
-def worker(model_name: str, mode: str, out: str, checkpoints: int) -> dict:
+def qa_model_and_data(model_name: str, rows: int) -> tuple[Any, list[dict[str, Any]]]:
+    """A BERT QA model of ``model_name``'s shape (random weights, seed 0) and ``rows`` random examples of 64 tokens:
+    a checkpoint's cost does not depend on their values."""
     import torch
     from transformers import BertConfig, BertForQuestionAnswering
 
+    torch.manual_seed(0)
+    model = BertForQuestionAnswering(BertConfig(vocab_size=30522, max_position_embeddings=512, **MODELS[model_name]))
+    generator = torch.Generator().manual_seed(0)
+    data = [
+        {
+            "input_ids": torch.randint(1000, 30000, (64,), generator=generator),
+            "attention_mask": torch.ones(64, dtype=torch.long),
+            "start_positions": torch.tensor(3),
+            "end_positions": torch.tensor(5),
+        }
+        for _ in range(rows)
+    ]
+    return model, data
+
+
+def time_saves(trainer: Any) -> list[float]:
+    """The seconds each of ``trainer``'s ``_save_checkpoint`` calls takes (what the training loop waits for), filled
+    in as the run saves."""
+    blocked: list[float] = []
+    real_save = trainer._save_checkpoint
+
+    def timed(*a, **kw):
+        start = time.perf_counter()
+        real_save(*a, **kw)
+        blocked.append(time.perf_counter() - start)
+
+    trainer._save_checkpoint = timed
+    return blocked
+
+
+def worker(model_name: str, mode: str, out: str, checkpoints: int) -> dict:
     import hflight
 
     if mode == "sync":
@@ -76,19 +110,7 @@ def worker(model_name: str, mode: str, out: str, checkpoints: int) -> dict:
             durable = None
         if durable is not None:
             durable.fsync_file = durable.fsync_dir = lambda path: None
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=30522, max_position_embeddings=512, **MODELS[model_name])
-    model = BertForQuestionAnswering(config)
-    generator = torch.Generator().manual_seed(0)
-    data = [
-        {
-            "input_ids": torch.randint(1000, 30000, (64,), generator=generator),
-            "attention_mask": torch.ones(64, dtype=torch.long),
-            "start_positions": torch.tensor(3),
-            "end_positions": torch.tensor(5),
-        }
-        for _ in range(64)
-    ]
+    model, data = qa_model_and_data(model_name, 64)
     save_steps = int(os.environ.get("CHECKPOINT_COST_SAVE_STEPS", "8"))
     extra = {"save_async": True} if mode.startswith("async") else {}
     args = hflight.TrainingArguments(
@@ -161,15 +183,7 @@ def compare_worker(kind: str, model_name: str, out: str, checkpoints: int) -> di
         use_cpu=os.environ.get("CHECKPOINT_COST_DEVICE", "cpu") == "cpu",
     )  # fmt: skip
     trainer = Trainer(model=model, args=args, train_dataset=data)
-    blocked: list[float] = []
-    real_save = trainer._save_checkpoint
-
-    def timed(*a, **kw):
-        start = time.perf_counter()
-        real_save(*a, **kw)
-        blocked.append(time.perf_counter() - start)
-
-    trainer._save_checkpoint = timed
+    blocked = time_saves(trainer)
     trainer.train()
     last = Path(out, f"checkpoint-{save_steps * checkpoints}")
     import hflight

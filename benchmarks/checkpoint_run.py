@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from checkpoint_cost import MODELS  # noqa: E402
+from checkpoint_cost import MODELS, qa_model_and_data  # noqa: E402
 from references import missing_references  # noqa: E402
 
 KINDS = ("transformers", "hflight sync", "hflight save_async", "hflight save_async thread")
@@ -48,23 +48,11 @@ KINDS = ("transformers", "hflight sync", "hflight save_async", "hflight save_asy
 def worker(kind: str, checkpoints: bool, threads: int, model_name: str, steps: int, save_steps: int, out: str) -> dict:
     import torch
     import transformers
-    from transformers import BertConfig, BertForQuestionAnswering
 
     import hflight
 
     torch.set_num_threads(threads)
-    torch.manual_seed(0)
-    model = BertForQuestionAnswering(BertConfig(vocab_size=30522, max_position_embeddings=512, **MODELS[model_name]))
-    generator = torch.Generator().manual_seed(0)
-    data = [
-        {
-            "input_ids": torch.randint(1000, 30000, (64,), generator=generator),
-            "attention_mask": torch.ones(64, dtype=torch.long),
-            "start_positions": torch.tensor(3),
-            "end_positions": torch.tensor(5),
-        }
-        for _ in range(2 * steps)
-    ]
+    model, data = qa_model_and_data(model_name, 2 * steps)
     library = transformers if kind == "transformers" else hflight
     fields = dict(
         output_dir=out, per_device_train_batch_size=2, max_steps=steps, logging_steps=1000, report_to="none",

@@ -33,7 +33,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "benchmarks"), str(REPO)]
-from checkpoint_cost import MODELS  # noqa: E402
+from checkpoint_cost import MODELS, qa_model_and_data, time_saves  # noqa: E402
 
 from tests import s3_server  # noqa: E402
 
@@ -43,31 +43,17 @@ BUCKET = "bench"
 def _train(model_name: str, out: str, steps: int, save_steps: int, threads: int, options: dict | None) -> dict:
     """One training run (in this process): the seconds each checkpoint's save call blocked, and the wall time."""
     import torch
-    from transformers import BertConfig, BertForQuestionAnswering
 
     import hflight
 
     torch.set_num_threads(threads)
-    torch.manual_seed(0)
-    model = BertForQuestionAnswering(BertConfig(vocab_size=30522, max_position_embeddings=512, **MODELS[model_name]))
-    generator = torch.Generator().manual_seed(0)
-    data = [{"input_ids": torch.randint(1000, 30000, (64,), generator=generator),
-             "attention_mask": torch.ones(64, dtype=torch.long), "start_positions": torch.tensor(3),
-             "end_positions": torch.tensor(5)} for _ in range(64)]  # fmt: skip
+    model, data = qa_model_and_data(model_name, 64)
     args = hflight.TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=steps,
                                      save_steps=save_steps, save_total_limit=2, logging_steps=1000, report_to="none",
                                      disable_tqdm=True, use_cpu=True, save_async=True,
                                      **({"storage_options": options} if options else {}))  # fmt: skip
     trainer = hflight.Trainer(model, args, train_dataset=data)
-    blocked: list[float] = []
-    real_save = trainer._save_checkpoint
-
-    def timed(*a, **kw):
-        start = time.perf_counter()
-        real_save(*a, **kw)
-        blocked.append(time.perf_counter() - start)
-
-    trainer._save_checkpoint = timed
+    blocked = time_saves(trainer)
     start = time.perf_counter()
     trainer.train()
     return {"blocked": blocked, "wall": time.perf_counter() - start, "staging": trainer.args.output_dir}

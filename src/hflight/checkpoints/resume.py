@@ -128,14 +128,15 @@ def _remote_candidates(args: Any) -> list[tuple[Path, bool]]:
     storage, output_dir = storage_for(args), args.output_dir
     stored = set(storage.complete(output_dir))
     local = {path.name for path in checkpoint_folders(output_dir) if (path / MANIFEST_NAME).is_file()}
-    names = sorted(stored | local, key=lambda name: int(CHECKPOINT_RE.match(name).group(1)), reverse=True)
+    names = sorted(stored | local, key=lambda name: _step(Path(name)), reverse=True)
     return [(Path(output_dir, name), name in stored) for name in names]
 
 
 def _take(args: Any, folder: Path, stored: bool, candidates: list[tuple[Path, bool]]) -> str:
     """``folder`` ready to load: downloaded when stored (a local copy that passes every check is kept), else the local
-    copy, checked. The complete local checkpoints up to it that the store lacks are adopted by the storage (uploaded
-    with the run's next checkpoint, kept locally until then)."""
+    copy, checked (before anything is adopted: a damaged copy is never uploaded). The complete local checkpoints up to
+    it that the store lacks are adopted by the storage (uploaded with the run's next checkpoint, kept locally until
+    then)."""
     storage = storage_for(args)
     if stored:
         storage.fetch(str(folder))

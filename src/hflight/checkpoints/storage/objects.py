@@ -226,8 +226,7 @@ class ObjectStorage:
             self._retried(f"Uploading {folder}", lambda: fs.put(local_paths, keys, **limit))
         self._confirm(key, sizes)
         manifest = os.path.join(folder, MANIFEST_NAME)
-        target, limit = posixpath.join(key, MANIFEST_NAME), self._deadline(os.path.getsize(manifest))
-        self._retried(f"Uploading {manifest}", lambda: fs.put([manifest], [target], **limit))
+        self._upload_files([manifest])
         self._confirm(key, {MANIFEST_NAME: os.path.getsize(manifest)})
 
     def _confirm(self, key: str, sizes: dict[str, int]) -> None:
@@ -338,7 +337,6 @@ class ObjectStorage:
         # not fsynced: the local copy is a cache of the stored checkpoint, checked against its manifest's checksums
         # before it is loaded (and downloaded again when it fails them), so a power loss costs a download, not a run
         remove_checkpoint(folder)
-        os.makedirs(os.path.dirname(os.path.abspath(folder)), exist_ok=True)
         os.replace(tmp, folder)
         logger.info(f"Downloaded {self.where(folder)} into {folder}.")
         return folder
@@ -439,8 +437,3 @@ class ObjectStorage:
                 "kept in the local staging folder (output_dir)."
             )
         return missing
-
-    def not_stored(self) -> list[str]:
-        """The local folders and files not stored yet."""
-        with self._lock:
-            return list(self._pending)
