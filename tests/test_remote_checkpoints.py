@@ -11,6 +11,7 @@ import importlib.util
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -24,7 +25,7 @@ from fsspec.registry import known_implementations
 import hflight
 from hflight.checkpoints.storage import ObjectStorage, StorageError, objects
 
-from . import s3_server
+from . import launch, s3_server
 from .launch import JOBS
 
 pytest.importorskip("s3fs")
@@ -159,7 +160,116 @@ def test_the_bucket_holds_what_the_run_keeps_and_a_named_checkpoint_resumes_on_a
     assert _digest(resumed.model) == uninterrupted[1]
 
 
+def _torchrun_job(name: str, tmp_path: Path, server: str, url: str, staging: str, *options: str) -> launch.Job:
+    """tests/jobs/remote_job.py under ``torchrun --nproc_per_node=2`` with FSDP2's sharded checkpoints."""
+    env = launch.environment(**s3_server.CREDENTIALS, AWS_ENDPOINT_URL=server)
+    return launch.Job([*launch.torchrun(2), JOBS / "remote_job.py", tmp_path / name, "--url", url, "--staging",
+                       tmp_path / staging, "--fsdp", *options], tmp_path, env, console=tmp_path / f"{name}.txt",
+                      timeout=420, name=name)  # fmt: skip
+
+
+def _records(tmp_path: Path, name: str) -> list[dict]:
+    return [json.loads((tmp_path / f"{name}.rank{rank}").read_text()) for rank in range(2)]
+
+
+def _uploads(tmp_path: Path, name: str, rank: int) -> list[str]:
+    return (tmp_path / f"{name}.uploads{rank}").read_text().split()
+
+
+@launch.needs_torchrun
+def test_under_torchrun_each_process_uploads_its_shards_and_a_kill_mid_upload_resumes_on_an_empty_disk(
+    s3, server, tmp_path
+):
+    """FSDP2 on 2 processes, sharded checkpoints: each process uploads the shards and the RNG state it wrote, process 0
+    the rest and, once process 1's answer is in, the manifest. Process 1 SIGKILLed while it uploads checkpoint-16's
+    shards: process 0 writes no manifest for it. A torchrun on another, empty staging folder resumes from
+    checkpoint-8 (downloaded once for both processes) and trains, on each process, the uninterrupted run's examples
+    step for step, ending on its weights."""
+    full = _torchrun_job("full", tmp_path, server, f"s3://{BUCKET}/full", "machine0")
+    killed = _torchrun_job("killed", tmp_path, server, f"s3://{BUCKET}/run", "machine1", "--kill-at-upload", "16",
+                           "--kill-rank", "1")  # fmt: skip
+    full.ok()
+    ended = killed.wait()
+    assert ended.returncode != 0 and "Signal 9 (SIGKILL) received by PID" in ended.output, ended.tail()
+    stored = _stored(s3, f"{BUCKET}/full")
+    shards = {f"{part}/__{rank}_0.distcp" for part in ("pytorch_model_fsdp_0", "optimizer_0") for rank in (0, 1)}
+    assert shards | {"rng_state_0.pth", "rng_state_1.pth", "checkpoint_manifest.json"} <= set(stored["checkpoint-40"])
+    last = set(stored["checkpoint-40"])
+    theirs = {name for name in last if "__1_" in name or name == "rng_state_1.pth"}
+    uploaded = [[p.split("/checkpoint-40/")[1] for p in _uploads(tmp_path, "full", r) if "/checkpoint-40/" in p]
+                for r in range(2)]  # fmt: skip
+    assert sorted(uploaded[1]) == sorted(theirs) and sorted(uploaded[0]) == sorted(last - theirs)
+    assert uploaded[0][-1] == "checkpoint_manifest.json"  # last, once process 1 answered
+
+    stored = _stored(s3, f"{BUCKET}/run")
+    assert "checkpoint_manifest.json" in stored["checkpoint-8"]
+    assert "checkpoint_manifest.json" not in stored["checkpoint-16"], stored["checkpoint-16"]
+
+    _torchrun_job("resumed", tmp_path, server, f"s3://{BUCKET}/run", "machine2", "--resume", "true").ok()
+    reference = _records(tmp_path, "full")
+    for rank, record in enumerate(_records(tmp_path, "resumed")):
+        trained = {int(step): ids for step, ids in record["trained"].items()}
+        expected = {int(step): ids for step, ids in reference[rank]["trained"].items()}
+        assert min(trained) == 9 and trained_ids.mismatch(expected, trained, 8) is None, (rank, trained)
+        assert record["weights"] == reference[rank]["weights"]
+    assert "checkpoint_manifest.json" in _stored(s3, f"{BUCKET}/run")["checkpoint-16"]
+
+
+class _RequeueSignalAt(transformers.TrainerCallback):
+    """SIGUSR1 (SLURM's requeue signal, ``--signal=USR1@90``) to this process during optimizer step ``step``."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step + 1 == self.step:
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+
+def test_a_slurm_requeue_continues_on_a_fresh_node_from_the_bucket(s3, server, tmp_path, monkeypatch, uninterrupted):
+    """A SLURM task (srun's variables, the stand-in scontrol) requeued by SIGUSR1 during step 13: checkpoint-13 is in
+    the bucket when the stop is reported and ``scontrol requeue`` runs; the requeued job on another node (an empty
+    staging folder, ``SLURM_RESTART_COUNT=1``) resumes "auto" from the bucket and trains the uninterrupted run's
+    examples from step 14 on, ending on its weights."""
+    from hflight.run.interrupt import TrainingInterrupted
+
+    from .cluster_runs import requeues, slurm_task
+
+    log = slurm_task(monkeypatch, tmp_path)
+    monkeypatch.setenv("HFLIGHT_STAGING_DIR", str(tmp_path / "node1"))
+    url, options = f"s3://{BUCKET}/14242", s3_server.options(server)
+    with pytest.raises(TrainingInterrupted) as stopped:
+        trained_ids.run(url, trained_ids.source("map"), hflight, callbacks=[_RequeueSignalAt(13)],
+                        storage_options=options)  # fmt: skip
+    assert stopped.value.code == 138 and stopped.value.global_step == 13
+    assert requeues(log) == [["requeue", "4242"]]
+    assert "checkpoint_manifest.json" in _stored(s3, f"{BUCKET}/14242")["checkpoint-13"]
+
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    monkeypatch.setenv("HFLIGHT_STAGING_DIR", str(tmp_path / "node2"))
+    resumed, trained, _ = trained_ids.run(url, trained_ids.source("map"), hflight, resume="auto",
+                                          storage_options=options)  # fmt: skip
+    assert min(trained) == 14 and trained_ids.mismatch(uninterrupted[0], trained, 13) is None
+    assert _digest(resumed.model) == uninterrupted[1]
+    assert requeues(log) == [["requeue", "4242"]]
+
+
 # ---- faults ------------------------------------------------------------------------------------------------------
+def test_multipart_uploads_a_killed_run_left_are_aborted_when_the_next_starts(s3, server, tmp_path, caplog):
+    """A process killed mid-upload of a large file leaves an unfinished multipart upload (no object; its parts kept and
+    billed): the run's start aborts those under its own prefix, never another run's."""
+    mine = s3.call_s3("create_multipart_upload", Bucket=BUCKET, Key="run/checkpoint-8/model.safetensors")
+    other = s3.call_s3("create_multipart_upload", Bucket=BUCKET, Key="run2/checkpoint-8/model.safetensors")
+    for upload in (mine, other):
+        s3.call_s3("upload_part", Bucket=BUCKET, Key=upload["Key"], UploadId=upload["UploadId"], PartNumber=1,
+                   Body=b"x" * 1024)  # fmt: skip
+    with caplog.at_level(logging.WARNING):
+        ObjectStorage(f"s3://{BUCKET}/run", str(tmp_path / "staging"), s3_server.options(server)).probe()
+    left = s3.call_s3("list_multipart_uploads", Bucket=BUCKET).get("Uploads", [])
+    assert [upload["Key"] for upload in left] == ["run2/checkpoint-8/model.safetensors"]
+    assert f"Aborted 1 unfinished multipart upload(s) under s3://{BUCKET}/run" in caplog.text
+
+
 def test_server_errors_are_retried_and_training_goes_on(s3, server, caplog):
     """The server answers 503 to six uploads in a row: each is retried (botocore's attempts, then hflight's with
     backoff), every checkpoint is stored, nothing is said to be missing."""

@@ -28,27 +28,10 @@ from hflight.checkpoints.manifest import get_last_checkpoint, verify_checkpoint
 from hflight.run.interrupt import StopRequest, TrainingInterrupted
 
 from . import launch
-from .cluster_runs import SIZES, Reference, finish, outcome, start
+from .cluster_runs import SIZES, STANDIN, Reference, finish, outcome, requeues, slurm_task, start
 
 REPO = Path(__file__).resolve().parents[1]
-STANDIN = Path(__file__).parent / "slurm_standin"
 SBATCH = REPO / "examples" / "slurm" / "train.sbatch"
-
-
-def slurm_task(monkeypatch, tmp_path: Path, job: str = "4242", **more: str) -> Path:
-    """srun's variables for one task of job ``job`` and the stand-in scontrol on PATH; returns scontrol's log."""
-    log = tmp_path / "scontrol.log"
-    values = dict(SLURM_NTASKS="1", SLURM_NTASKS_PER_NODE="1", SLURM_NNODES="1", SLURM_JOB_NAME="train",
-                  SLURM_JOB_ID=job, SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0", SLURM_NODELIST="localhost",
-                  SCONTROL_LOG=str(log), PATH=f"{STANDIN}{os.pathsep}{os.environ['PATH']}")  # fmt: skip
-    values.update(more)
-    for name, value in values.items():
-        monkeypatch.setenv(name, value)
-    return log
-
-
-def requeues(log: Path) -> list[list[str]]:
-    return [json.loads(line)["argv"] for line in log.read_text().splitlines()] if log.exists() else []
 
 
 class SignalAt(hflight.TrainerCallback):

@@ -63,6 +63,7 @@ from hflight.checkpoints.names import (
 from hflight.checkpoints.parts import write_trainer_state, write_training_states
 from hflight.checkpoints.storage import storage_for
 from hflight.checkpoints.storage.local import remove_checkpoint
+from hflight.checkpoints.storage.peers import Peers
 from hflight.checkpoints.weights import deepspeed_left_alone, saves_off_rank_zero
 from hflight.checkpoints.writers.files import IncompleteCheckpointError
 from hflight.surface import RunView, TrainerSurface
@@ -146,8 +147,12 @@ def probe_storage(args: Any) -> None:
 
 
 def settle_storage(args: Any) -> list[str]:
-    """When training ends: what could not be stored yet is tried again; returns what is still only local."""
-    return storage_for(args).settle() if args.should_save else []
+    """When training ends: what could not be stored yet is tried again; returns what is still only local (the other
+    processes of a job: their own files' uploads finished)."""
+    if not args.should_save:
+        storage_for(args).wait()
+        return []
+    return storage_for(args).settle()
 
 
 @contextlib.contextmanager
@@ -333,14 +338,22 @@ def save_checkpoint(facade: TrainerSurface, run: RunView, trial: Any = None) -> 
     except BaseException:
         job.abandon()
         raise
+    # the processes' uploads of this checkpoint (an object store): each its own files, process 0 the manifest last
+    storage, background = storage_for(args), writer.asynchronous and not last
+    round = storage.round()
+    peers = Peers.of(world.rank, world.size) if round is not None else None
     if is_main:
         run_args = run_arguments(args, world.size, run.plan, run.lightning_trainer.num_nodes)
         job.publish_with((state.global_step, bool(args.save_only_model), run_args, progress),
-                         functools.partial(storage_for(args).store, final_dir, run_dir, args.save_total_limit,
-                                           state.best_model_checkpoint, writer.asynchronous and not last))  # fmt: skip
+                         functools.partial(storage.store, final_dir, run_dir, args.save_total_limit,
+                                           state.best_model_checkpoint, background, peers, round),
+                         lambda failed: storage.release(peers, round, f"{type(failed).__name__}: {failed}"),
+                         )  # fmt: skip
     if is_main and _overrides_save_checkpoint(facade):  # it writes into checkpoint-N after super(), as TRL's do
         job.open_final_dir()
     writer.submit(job if is_main else None, name, last=last)
+    if not is_main and peers is not None:
+        storage.store_part(final_dir, peers, round, background)
     if args.push_to_hub:  # the push reads the published folder
         writer.wait()
     world.barrier()

@@ -155,6 +155,7 @@ class CheckpointJob:
         self._finishing: Checksums | None = None  # the checksums of the thread finishing the job
         self._manifest: tuple[Any, ...] = ()
         self._rotate: Step = _nothing
+        self._failed: Callable[[BaseException], Any] = _ignore
         # synchronous: the loop's thread finishes the job, so it hashes each file as soon as it is written
         self._checksums = Checksums() if main and snapshot is None else None
         # In the background (the last checkpoint apart, published before the loop goes on), the loop's on_save comes
@@ -234,10 +235,13 @@ class CheckpointJob:
         else:
             self._later.append((file, step))
 
-    def publish_with(self, manifest: tuple[Any, ...], rotate: Step) -> None:
-        """The manifest's fields (global step, ``save_only_model``, the run's arguments, the loop's bookkeeping) and
-        the rotation of older checkpoints that follows the publication."""
+    def publish_with(self, manifest: tuple[Any, ...], rotate: Step,
+                     failed: Callable[[BaseException], Any] | None = None) -> None:  # fmt: skip
+        """The manifest's fields (global step, ``save_only_model``, the run's arguments, the loop's bookkeeping), the
+        storing and rotation that follow the publication, and what to do instead when the write fails (``failed``,
+        given the failure: the job's other processes stop waiting for an upload that will not come)."""
         self._manifest, self._rotate = manifest, rotate
+        self._failed = failed or _ignore
 
     def open_final_dir(self) -> None:
         """Once the loop's part is written, before the background write (a job whose publication waits for
@@ -268,9 +272,10 @@ class CheckpointJob:
                 self._retire_older()
             else:
                 self._remove_placeholder()
+                self._failed(failure)
             return failure
         finally:  # the steps hold the snapshot and this job: dropped, its memory goes now, not at a collection
-            self._later, self._rotate, self._manifest = [], _nothing, ()
+            self._later, self._rotate, self._manifest, self._failed = [], _nothing, (), _ignore
 
     def _finish(self) -> BaseException | None:
         checksums = self._checksums or Checksums()  # in the background: opened (and closed) by this thread
@@ -396,6 +401,10 @@ class CheckpointJob:
         if taken:
             logger.info(f"{', '.join(taken)}, written into {self.final_dir} after its save (by _save_checkpoint or "
                         "on_save) while it was written in the background, kept in it.")  # fmt: skip
+
+
+def _ignore(failure: BaseException) -> None:
+    return None
 
 
 def _nothing() -> None:

@@ -58,6 +58,11 @@ FSDP_OPTIMIZER_DIR = "optimizer_0"
 #: a ``torch.distributed.checkpoint`` folder's metadata (written last, by the coordinating process) and its shards
 DCP_METADATA = ".metadata"
 DCP_SHARDS = "__*_*.distcp"
+#: a file that one process of several writes into a checkpoint, with its rank in its name: its RNG state, its shard of
+#: a distributed checkpoint, DeepSpeed's partitions of it (``hflight.checkpoints.storage.peers.owner``)
+PROCESS_FILE_RE = re.compile(
+    r"(?:^|/)(?:rng_state_(\d+)\.pth|__(\d+)_\d+\.distcp|(?:[A-Za-z0-9]+_)?zero_pp_rank_(\d+)_mp_rank_\d+_[A-Za-z_]+\.pt)$"
+)
 
 # ---- DeepSpeed's own checkpoint (``engine.save_checkpoint``) -----------------------------------------------------
 #: the file naming the latest tag, the script that rebuilds whole fp32 weights, the tag folder's prefix

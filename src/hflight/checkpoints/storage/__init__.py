@@ -65,11 +65,24 @@ class Storage(Protocol):
     def rotate(self, run_dir: str, save_total_limit: int | None, best: str | None) -> None:
         """transformers' rotation, of the stored checkpoints and of the local copies the storage no longer needs."""
 
-    def store(self, folder: str, run_dir: str, limit: int | None, best: str | None, background: bool = False) -> None:
+    def round(self) -> str | None:
+        """A new checkpoint's round of the job's processes (every process, on the training loop's thread, when the
+        checkpoint's save begins); None where the processes have nothing to upload together."""
+
+    def store(self, folder: str, run_dir: str, limit: int | None, best: str | None, background: bool = False,
+              peers: Any = None, round: str | None = None) -> None:  # fmt: skip
         """Once checkpoint ``folder`` is published on the local disk (on the thread that finished it): publish it,
         then rotate ``run_dir``'s checkpoints; ``background`` (``save_async``, not the run's last checkpoint): on a
         thread of the storage's own, after the previous one's (the next checkpoint's local write does not wait for
-        this upload)."""
+        this upload). ``peers`` (``hflight.checkpoints.storage.peers.Peers``) and ``round``: process 0 of a job whose
+        other processes upload their own files of ``folder`` (:meth:`store_part`)."""
+
+    def release(self, peers: Any, round: str | None, cause: str) -> None:
+        """Process 0's checkpoint of ``round`` failed before it could be stored: the other processes stop waiting."""
+
+    def store_part(self, folder: str, peers: Any, round: str | None, background: bool = False) -> None:
+        """A process other than 0: its own files of checkpoint ``folder`` (its shards, its RNG state), uploaded once
+        process 0 says so."""
 
     def wait(self) -> None:
         """The background upload in flight, if any, finished."""

@@ -11,6 +11,7 @@ import os
 import shutil
 from collections.abc import Collection
 from pathlib import Path
+from typing import Any
 
 from transformers.trainer_utils import sort_checkpoints
 
@@ -98,8 +99,18 @@ class LocalStorage:
     def rotate(self, run_dir: str, save_total_limit: int | None, best: str | None) -> None:
         rotate_checkpoints(run_dir, save_total_limit, best)
 
-    def store(self, folder: str, run_dir: str, limit: int | None, best: str | None, background: bool = False) -> None:
+    def round(self) -> str | None:
+        return None  # the processes share the folder: nothing to upload together
+
+    def store(self, folder: str, run_dir: str, limit: int | None, best: str | None, background: bool = False,
+              peers: Any = None, round: str | None = None) -> None:  # fmt: skip
         self.rotate(run_dir, limit, best)
+
+    def release(self, peers: Any, round: str | None, cause: str) -> None:
+        return None
+
+    def store_part(self, folder: str, peers: Any, round: str | None, background: bool = False) -> None:
+        return None
 
     def wait(self) -> None:
         return None

@@ -17,6 +17,12 @@ per instance; another process's upload would stay unseen).
   then checks every file against the manifest (sizes and checksums) as for any local checkpoint, and refuses what a
   local checkpoint would be refused for. A key that would land outside the folder (``..``, an absolute name) is
   refused before anything is written.
+- **Several processes** (``hflight.checkpoints.storage.peers``): process 0 removes the stale copy, says "go", uploads
+  the files no other process wrote, waits for every other process's word that its own files (its shards, its RNG
+  state) are uploaded, confirms the whole folder by a listing and only then uploads the manifest. A process that fails
+  or does not answer leaves the checkpoint not stored: process 0 uploads the whole folder itself at the next
+  checkpoint and at the end (the staging folder is shared by the processes whose files a checkpoint holds, as
+  transformers' ``output_dir`` is).
 - **Probe** (:meth:`ObjectStorage.probe`, when training starts): a small object written, listed and removed, so that a
   missing filesystem package, an unreachable endpoint, wrong credentials or a missing bucket is an error naming the
   URL and its cause before the first step.
@@ -43,6 +49,7 @@ from fsspec.exceptions import FSTimeoutError
 from hflight.checkpoints.manifest import verify_checkpoint
 from hflight.checkpoints.names import CHECKPOINT_RE, MANIFEST_NAME, TMP_PREFIX
 from hflight.checkpoints.storage.local import remove_checkpoint, rotate_checkpoints, rotation
+from hflight.checkpoints.storage.peers import Peers, owner
 from hflight.checkpoints.writers.files import IncompleteCheckpointError, UnsafeCheckpointFile
 
 logger = logging.getLogger(__name__)
@@ -59,6 +66,9 @@ BACKOFF_S = 0.5
 #: and tried again at the next checkpoint
 CALL_TIMEOUT_S = 60.0
 SLOWEST_BYTES_PER_S = 2 << 20
+#: how long another process of the job waits for process 0's word that a checkpoint can be uploaded (process 0 says it
+#: once the checkpoint is written and the upload before it is over; a process 0 that died says nothing)
+READY_WAIT_S = 1800.0
 FETCHING_SUFFIX = ".fetching"
 
 
@@ -87,8 +97,10 @@ class ObjectStorage:
         self._lock = threading.RLock()
         #: local checkpoint folders (and files) not stored yet -> the cause of the last failure
         self._pending: dict[str, str] = {}
-        #: the background upload in flight (``save_async``), if any
+        #: the background upload in flight (``save_async``), if any; another process's uploads of its own files
         self._uploading: threading.Thread | None = None
+        self._parts: list[threading.Thread] = []
+        self._rounds = 0
 
     # ---- the filesystem -----------------------------------------------------------------------------------------
     @property
@@ -111,6 +123,7 @@ class ObjectStorage:
 
     def _key(self, local: str) -> str:
         """The object key of ``local`` (a path under the staging folder)."""
+        self.fs  # noqa: B018 - the root is known once the filesystem is made
         relative = os.path.relpath(os.path.abspath(local), self.staging)
         if relative == os.curdir:
             return self._root
@@ -161,6 +174,7 @@ class ObjectStorage:
             if not fs.exists(key):
                 raise StorageError("an object written there cannot be found again")
             fs.rm(key)  # (s3fs's rm_file never awaits its removal)
+            self._abort_orphaned_uploads()
         except StorageError as exc:
             if str(exc).startswith(f"output_dir {self.url}"):
                 raise
@@ -172,14 +186,40 @@ class ObjectStorage:
             ) from exc
         self._probed = True
 
+    def _abort_orphaned_uploads(self) -> None:
+        """S3's multipart uploads under the run's prefix that a killed process left unfinished (no object, but their
+        parts are kept, and billed, until aborted): aborted when the run starts, before it uploads anything. Other
+        filesystems have none to abort (a GCS resumable upload expires by itself)."""
+        fs = self.fs
+        call, split = getattr(fs, "call_s3", None), getattr(fs, "split_path", None)
+        if call is None or split is None:
+            return
+        bucket, prefix, _ = split(self._root)
+        prefix = f"{prefix.rstrip('/')}/" if prefix else ""
+        markers: dict[str, str] = {}
+        aborted = 0
+        while True:
+            listed = call("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **markers)
+            for upload in listed.get("Uploads", []):
+                if upload["Key"].startswith(prefix):
+                    call("abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+                    aborted += 1
+            if not listed.get("IsTruncated"):
+                break
+            markers = {"KeyMarker": listed["NextKeyMarker"], "UploadIdMarker": listed["NextUploadIdMarker"]}
+        if aborted:
+            logger.warning(f"Aborted {aborted} unfinished multipart upload(s) under {self.url} (left by a process "
+                           "killed while it uploaded; never part of a stored checkpoint).")  # fmt: skip
+
     # ---- storing ---------------------------------------------------------------------------------------------------
-    def publish(self, folder: str) -> bool:
+    def publish(self, folder: str, together: _Together | None = None) -> bool:
         """Upload ``folder``, then, once the store answers again, what an earlier upload left behind (oldest first,
         until one fails: a store that is gone costs one failed upload a checkpoint, not one for each left behind);
-        False when ``folder`` could not be stored."""
+        False when ``folder`` could not be stored. ``together``: with the job's other processes, each uploading its
+        own files of ``folder``."""
         folder = os.path.abspath(folder)
         with self._lock:
-            if not self._store(folder):
+            if not self._store(folder, together):
                 return False
             self._retry_pending()
             return True
@@ -189,13 +229,13 @@ class ObjectStorage:
             if not self._store(earlier):
                 return
 
-    def _store(self, local: str) -> bool:
+    def _store(self, local: str, together: _Together | None = None) -> bool:
         try:
             if os.path.isdir(local):
                 if not os.path.isfile(os.path.join(local, MANIFEST_NAME)):
                     self._pending.pop(local, None)  # rotated away (or never finished) meanwhile
                     return True
-                self._upload_checkpoint(local)
+                self._upload_checkpoint(local, together)
             elif os.path.isfile(local):
                 self._upload_files([local])
             else:
@@ -213,21 +253,44 @@ class ObjectStorage:
             logger.warning(f"{local} is now stored in {self.where(local)}.")
         return True
 
-    def _upload_checkpoint(self, folder: str) -> None:
-        fs, key = self.fs, self._key(folder)
-        self._remove_key(key)  # a copy left by an earlier run (partial or not) must not mix with this one
+    def _upload_checkpoint(self, folder: str, together: _Together | None = None) -> None:
+        key = self._key(folder)
         files = sorted(p for p in Path(folder).rglob("*") if p.is_file() and not p.is_symlink())
         body = [p for p in files if p.relative_to(folder).as_posix() != MANIFEST_NAME]
         sizes = {p.relative_to(folder).as_posix(): p.stat().st_size for p in body}
-        if body:
-            local_paths = [str(p) for p in body]
-            keys = [posixpath.join(key, name) for name in sizes]
-            limit = self._deadline(sum(sizes.values()))
-            self._retried(f"Uploading {folder}", lambda: fs.put(local_paths, keys, **limit))
+        others = {name: owner(name, together.peers.size) for name in sizes} if together else {}
+        others = {name: rank for name, rank in others.items() if rank}
+        try:
+            self._remove_key(key)  # a copy left by an earlier run (partial or not) must not mix with this one
+        except BaseException as exc:
+            if together:
+                together.skip(_cause(exc))
+            raise
+        if together:
+            together.go()
+        mine = [p for p in body if p.relative_to(folder).as_posix() not in others]
+        if mine:
+            self._put_files(folder, key, {p.relative_to(folder).as_posix(): str(p) for p in mine})
+        if together:
+            for rank in sorted(set(others.values())):
+                theirs = sum(sizes[name] for name, of in others.items() if of == rank)
+                wait = ATTEMPTS * (CALL_TIMEOUT_S + theirs / SLOWEST_BYTES_PER_S) + 2 * BACKOFF_S * 2**ATTEMPTS
+                answer = together.answer(rank, wait)
+                if answer != "ok":
+                    raise OSError(f"process {rank} did not store its files of {folder}: "
+                                  f"{answer or f'no answer within {wait:.0f} s'}")  # fmt: skip
         self._confirm(key, sizes)
         manifest = os.path.join(folder, MANIFEST_NAME)
         self._upload_files([manifest])
         self._confirm(key, {MANIFEST_NAME: os.path.getsize(manifest)})
+
+    def _put_files(self, folder: str, key: str, paths: dict[str, str]) -> None:
+        """The files ``paths`` (name in the checkpoint -> local path) of checkpoint ``folder`` under ``key``, in one
+        batch."""
+        fs = self.fs
+        local_paths, keys = list(paths.values()), [posixpath.join(key, name) for name in paths]
+        limit = self._deadline(sum(os.path.getsize(path) for path in local_paths))
+        self._retried(f"Uploading {folder}", lambda: fs.put(local_paths, keys, **limit))
 
     def _confirm(self, key: str, sizes: dict[str, int]) -> None:
         """Every uploaded file is in the store with its size (a listing, never a cached one)."""
@@ -389,20 +452,72 @@ class ObjectStorage:
                     self.remove(os.path.join(run_dir, name))
         rotate_checkpoints(run_dir, save_total_limit, best, keep=self._pending_names(run_dir))
 
-    def store(self, folder: str, run_dir: str, limit: int | None, best: str | None, background: bool = False) -> None:
+    def round(self) -> str:
+        """A new checkpoint's round of the job's processes (``hflight.checkpoints.storage.peers``): taken by every
+        process on the training loop's thread when the checkpoint's save begins."""
+        self._rounds += 1
+        return f"hflight-upload/{self.url}/{self._rounds}"
+
+    def store(self, folder: str, run_dir: str, limit: int | None, best: str | None, background: bool = False,
+              peers: Peers | None = None, round: str | None = None) -> None:  # fmt: skip
         """Upload ``folder``, then rotate (in the store, then the local copies): the rotation never runs before the
         new checkpoint is stored, so the store always holds the newest checkpoints it can. ``background``: on the
-        upload thread, once the previous upload is over (at most one in flight)."""
+        upload thread, once the previous upload is over (at most one in flight). ``peers`` and ``round``: process 0
+        of several, each uploading its own files of ``folder`` (:meth:`store_part`)."""
+        together = _Together(peers, round) if peers is not None and round is not None else None
         self.wait()
         if not background:
-            self._store_and_rotate(folder, run_dir, limit, best)
+            self._store_and_rotate(folder, run_dir, limit, best, together)
             return
-        self._uploading = threading.Thread(target=self._store_and_rotate, args=(folder, run_dir, limit, best),
+        self._uploading = threading.Thread(target=self._store_and_rotate,
+                                           args=(folder, run_dir, limit, best, together),
                                            name="hflight-checkpoint-upload")  # fmt: skip
         self._uploading.start()
 
-    def _store_and_rotate(self, folder: str, run_dir: str, limit: int | None, best: str | None) -> None:
-        if not self.publish(folder):  # said once; the stored checkpoints stay as they are, the local copies too
+    def release(self, peers: Peers | None, round: str | None, cause: str) -> None:
+        """Process 0 will not upload the checkpoint of ``round`` (its write failed): the other processes do not wait
+        for it."""
+        if peers is not None and round is not None:
+            _Together(peers, round).skip(cause)
+
+    def store_part(self, folder: str, peers: Peers, round: str, background: bool = False) -> None:
+        """On a process other than 0: once process 0 says checkpoint ``folder`` is ready, upload this process's own
+        files of it (``hflight.checkpoints.storage.peers.owner``) and tell process 0 how it went. ``background``:
+        on a thread of its own."""
+        if not background:
+            self._store_part(folder, peers, round)
+            return
+        part = threading.Thread(target=self._store_part, args=(folder, peers, round), daemon=True,
+                                name="hflight-checkpoint-upload-part")  # fmt: skip
+        self._parts = [thread for thread in self._parts if thread.is_alive()] + [part]
+        part.start()
+
+    def _store_part(self, folder: str, peers: Peers, round: str) -> None:
+        together = _Together(peers, round)
+        ready = peers.hear(together.ready_key, READY_WAIT_S)
+        if ready != "go":  # process 0 uploads the whole folder itself later (or the job is over)
+            logger.info(f"{folder}: process 0 did not ask for this process's files ({ready or 'no answer'}).")
+            return
+        folder = os.path.abspath(folder)
+        files = sorted(p for p in Path(folder).rglob("*") if p.is_file() and not p.is_symlink())
+        mine = {p.relative_to(folder).as_posix(): str(p) for p in files}
+        mine = {name: path for name, path in mine.items() if owner(name, peers.size) == peers.rank}
+        try:
+            if mine:
+                self._put_files(folder, self._key(folder), mine)
+        except Exception as exc:  # noqa: BLE001 - process 0 says it (and uploads the whole folder later)
+            peers.tell(together.answer_key(peers.rank), f"failed: {_cause(exc)}")
+            return
+        peers.tell(together.answer_key(peers.rank), "ok")
+
+    def _store_and_rotate(self, folder: str, run_dir: str, limit: int | None, best: str | None,
+                          together: _Together | None = None) -> None:  # fmt: skip
+        try:
+            stored = self.publish(folder, together)
+        finally:
+            if together:
+                together.skip("not uploaded")  # (nothing when it said "go" already)
+        if not stored:  # said once; the stored checkpoints stay as they are, the local copies too
             rotate_checkpoints(run_dir, limit, best, keep=self._pending_names(run_dir))
             return
         try:
@@ -420,11 +535,14 @@ class ObjectStorage:
             self._pending.setdefault(os.path.abspath(folder), "not stored by the run that wrote it")
 
     def wait(self) -> None:
-        """The upload in flight (``save_async``), finished."""
+        """The upload in flight (``save_async``), finished; on a process other than 0, its own files' uploads too."""
         uploading = self._uploading
         if uploading is not None and uploading is not threading.current_thread():
             uploading.join()
         self._uploading = None
+        parts, self._parts = self._parts, []
+        for part in parts:
+            part.join()
 
     def settle(self) -> list[str]:
         self.wait()
@@ -437,3 +555,33 @@ class ObjectStorage:
                 "kept in the local staging folder (output_dir)."
             )
         return missing
+
+
+class _Together:
+    """Process 0's side of a checkpoint's round with the job's other processes (``hflight.checkpoints.storage.peers``):
+    its one word that they may upload (``go``) or should not (``skip``), and their answers."""
+
+    def __init__(self, peers: Peers, round: str) -> None:
+        self.peers, self.round = peers, round
+        self.ready_key = f"{round}/ready"
+        self._said = False
+
+    def answer_key(self, rank: int) -> str:
+        return f"{self.round}/{rank}"
+
+    def go(self) -> None:
+        self._say("go")
+
+    def skip(self, cause: str) -> None:
+        self._say(f"skip: {cause}")
+
+    def _say(self, word: str) -> None:
+        if not self._said:
+            self._said = True
+            try:
+                self.peers.tell(self.ready_key, word)
+            except Exception as exc:  # noqa: BLE001 - the job's store is gone (it is ending): nobody waits
+                logger.info(f"Could not tell the other processes {word!r} ({_cause(exc)}).")
+
+    def answer(self, rank: int, timeout_s: float) -> str | None:
+        return self.peers.hear(self.answer_key(rank), timeout_s)
