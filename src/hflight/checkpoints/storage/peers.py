@@ -21,7 +21,6 @@ May import: ``hflight.checkpoints`` (its own modules).
 
 from __future__ import annotations
 
-import datetime
 from typing import Any
 
 from hflight.checkpoints.names import PROCESS_FILE_RE
@@ -35,6 +34,10 @@ def owner(name: str, size: int) -> int:
         return 0
     rank = int(next(group for group in found.groups() if group is not None))
     return rank if rank < size else 0
+
+
+#: the longest pause between two looks at the store while waiting for another process's word
+POLL_S = 0.25
 
 
 class Peers:
@@ -62,11 +65,23 @@ class Peers:
         self.store.set(key, value)
 
     def hear(self, key: str, timeout_s: float) -> str | None:
-        """The value of ``key`` once it is set; None when it is not within ``timeout_s`` (or the store is gone: the
-        job is ending)."""
-        try:
-            self.store.wait([key], datetime.timedelta(seconds=timeout_s))
-            value = self.store.get(key)
-        except Exception:  # noqa: BLE001 - torch's DistStoreError (a timeout), a store whose server is gone
-            return None
-        return value.decode() if isinstance(value, bytes) else str(value)
+        """The value of ``key`` once it is set; None when it is not within ``timeout_s``, when the store is gone, or
+        once this process's main thread has ended (the process is exiting: training failed, a peer died, and the
+        launcher is ending the job), so that a wait on a thread never holds the process's exit. (Polled: the store's
+        own ``wait`` logs a warning for every timeout.)"""
+        import threading
+        import time
+
+        deadline, pause = time.monotonic() + timeout_s, 0.005
+        while True:
+            try:
+                if self.store.check([key]):
+                    value = self.store.get(key)
+                    return value.decode() if isinstance(value, bytes) else str(value)
+            except Exception:  # noqa: BLE001 - the store's server is gone: the job is ending
+                return None
+            left = deadline - time.monotonic()
+            if left <= 0 or not threading.main_thread().is_alive():
+                return None
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, POLL_S)
