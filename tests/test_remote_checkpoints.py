@@ -161,10 +161,10 @@ def test_the_bucket_holds_what_the_run_keeps_and_a_named_checkpoint_resumes_on_a
 
 
 def _torchrun_job(name: str, tmp_path: Path, server: str, url: str, staging: str, *options: str) -> launch.Job:
-    """tests/jobs/remote_job.py under ``torchrun --nproc_per_node=2`` with FSDP2's sharded checkpoints."""
+    """tests/jobs/remote_job.py under ``torchrun --nproc_per_node=2`` (``--fsdp``: FSDP2's sharded checkpoints)."""
     env = launch.environment(**s3_server.CREDENTIALS, AWS_ENDPOINT_URL=server)
     return launch.Job([*launch.torchrun(2), JOBS / "remote_job.py", tmp_path / name, "--url", url, "--staging",
-                       tmp_path / staging, "--fsdp", *options], tmp_path, env, console=tmp_path / f"{name}.txt",
+                       tmp_path / staging, *options], tmp_path, env, console=tmp_path / f"{name}.txt",
                       timeout=420, name=name)  # fmt: skip
 
 
@@ -184,11 +184,19 @@ def test_under_torchrun_each_process_uploads_its_shards_and_a_kill_mid_upload_re
     the rest and, once process 1's answer is in, the manifest. Process 1 SIGKILLed while it uploads checkpoint-16's
     shards: process 0 writes no manifest for it. A torchrun on another, empty staging folder resumes from
     checkpoint-8 (downloaded once for both processes) and trains, on each process, the uninterrupted run's examples
-    step for step, ending on its weights."""
-    full = _torchrun_job("full", tmp_path, server, f"s3://{BUCKET}/full", "machine0")
-    killed = _torchrun_job("killed", tmp_path, server, f"s3://{BUCKET}/run", "machine1", "--kill-at-upload", "16",
-                           "--kill-rank", "1")  # fmt: skip
+    step for step, ending on its weights. Beside them, DDP with save_async: process 1 uploads its RNG state from a
+    thread of its own (the last checkpoint's too, whose write ends in a collective process 0 reaches after the
+    upload), every checkpoint stored."""
+    full = _torchrun_job("full", tmp_path, server, f"s3://{BUCKET}/full", "machine0", "--fsdp")
+    killed = _torchrun_job("killed", tmp_path, server, f"s3://{BUCKET}/run", "machine1", "--fsdp", "--kill-at-upload",
+                           "16", "--kill-rank", "1")  # fmt: skip
+    ddp_async = _torchrun_job("ddp_async", tmp_path, server, f"s3://{BUCKET}/ddp", "machine3", "--save-async")
     full.ok()
+    assert "storing it in" not in ddp_async.ok().output
+    stored = _stored(s3, f"{BUCKET}/ddp")
+    assert all("checkpoint_manifest.json" in stored[f"checkpoint-{step}"] for step in (8, 16, 24, 32, 40)), stored
+    assert sorted(_uploads(tmp_path, "ddp_async", 1)) == sorted(f"{BUCKET}/ddp/checkpoint-{step}/rng_state_1.pth"
+                                                                for step in (8, 16, 24, 32, 40))  # fmt: skip
     ended = killed.wait()
     assert ended.returncode != 0 and "Signal 9 (SIGKILL) received by PID" in ended.output, ended.tail()
     stored = _stored(s3, f"{BUCKET}/full")
@@ -205,7 +213,7 @@ def test_under_torchrun_each_process_uploads_its_shards_and_a_kill_mid_upload_re
     assert "checkpoint_manifest.json" in stored["checkpoint-8"]
     assert "checkpoint_manifest.json" not in stored["checkpoint-16"], stored["checkpoint-16"]
 
-    _torchrun_job("resumed", tmp_path, server, f"s3://{BUCKET}/run", "machine2", "--resume", "true").ok()
+    _torchrun_job("resumed", tmp_path, server, f"s3://{BUCKET}/run", "machine2", "--fsdp", "--resume", "true").ok()
     reference = _records(tmp_path, "full")
     for rank, record in enumerate(_records(tmp_path, "resumed")):
         trained = {int(step): ids for step, ids in record["trained"].items()}
