@@ -186,12 +186,18 @@ def test_under_torchrun_each_process_uploads_its_shards_and_a_kill_mid_upload_re
     checkpoint-8 (downloaded once for both processes) and trains, on each process, the uninterrupted run's examples
     step for step, ending on its weights. Beside them, DDP with save_async: process 1 uploads its RNG state from a
     thread of its own (the last checkpoint's too, whose write ends in a collective process 0 reaches after the
-    upload), every checkpoint stored."""
+    upload), every checkpoint stored; and a run that fails while process 1 uploads checkpoint-8 stores it before its
+    processes exit, as one process does."""
     full = _torchrun_job("full", tmp_path, server, f"s3://{BUCKET}/full", "machine0", "--fsdp")
     killed = _torchrun_job("killed", tmp_path, server, f"s3://{BUCKET}/run", "machine1", "--fsdp", "--kill-at-upload",
                            "16", "--kill-rank", "1")  # fmt: skip
     ddp_async = _torchrun_job("ddp_async", tmp_path, server, f"s3://{BUCKET}/ddp", "machine3", "--save-async")
+    crashed = _torchrun_job("crashed", tmp_path, server, f"s3://{BUCKET}/crashed", "machine4", "--save-async",
+                            "--crash-at", "10", "--slow-put-rank", "1")  # fmt: skip
     full.ok()
+    # training fails at step 10 while process 1 still uploads checkpoint-8: both processes finish that upload first
+    assert crashed.wait().returncode != 0
+    assert "checkpoint_manifest.json" in _stored(s3, f"{BUCKET}/crashed")["checkpoint-8"]
     assert "storing it in" not in ddp_async.ok().output
     stored = _stored(s3, f"{BUCKET}/ddp")
     assert all("checkpoint_manifest.json" in stored[f"checkpoint-{step}"] for step in (8, 16, 24, 32, 40)), stored
@@ -263,19 +269,32 @@ def test_a_slurm_requeue_continues_on_a_fresh_node_from_the_bucket(s3, server, t
 
 
 # ---- faults ------------------------------------------------------------------------------------------------------
-def test_multipart_uploads_a_killed_run_left_are_aborted_when_the_next_starts(s3, server, tmp_path, caplog):
+@pytest.mark.parametrize("run", ["run", ""], ids=["a run folder", "the bucket's root"])
+def test_multipart_uploads_a_killed_run_left_are_aborted_when_the_next_starts(s3, server, tmp_path, caplog, run):
     """A process killed mid-upload of a large file leaves an unfinished multipart upload (no object; its parts kept and
-    billed): the run's start aborts those under its own prefix, never another run's."""
-    mine = s3.call_s3("create_multipart_upload", Bucket=BUCKET, Key="run/checkpoint-8/model.safetensors")
-    other = s3.call_s3("create_multipart_upload", Bucket=BUCKET, Key="run2/checkpoint-8/model.safetensors")
-    for upload in (mine, other):
-        s3.call_s3("upload_part", Bucket=BUCKET, Key=upload["Key"], UploadId=upload["UploadId"], PartNumber=1,
+    billed): the run's start aborts those of its own checkpoints and files, never another run's (beside it, or inside
+    its prefix: a run at the bucket's root)."""
+    prefix = f"{run}/" if run else ""
+    own = [f"{prefix}checkpoint-8/model.safetensors", f"{prefix}model.safetensors"]
+    others = ["run2/checkpoint-8/model.safetensors", f"{prefix}other/checkpoint-16/model.safetensors"]
+    for key in own + others:
+        upload = s3.call_s3("create_multipart_upload", Bucket=BUCKET, Key=key)
+        s3.call_s3("upload_part", Bucket=BUCKET, Key=key, UploadId=upload["UploadId"], PartNumber=1,
                    Body=b"x" * 1024)  # fmt: skip
+    url = f"s3://{BUCKET}/{run}".rstrip("/")
     with caplog.at_level(logging.WARNING):
-        ObjectStorage(f"s3://{BUCKET}/run", str(tmp_path / "staging"), s3_server.options(server)).probe()
+        ObjectStorage(url, str(tmp_path / "staging"), s3_server.options(server)).probe()
     left = s3.call_s3("list_multipart_uploads", Bucket=BUCKET).get("Uploads", [])
-    assert [upload["Key"] for upload in left] == ["run2/checkpoint-8/model.safetensors"]
-    assert f"Aborted 1 unfinished multipart upload(s) under s3://{BUCKET}/run" in caplog.text
+    assert sorted(upload["Key"] for upload in left) == sorted(others)
+    assert f"Aborted 2 unfinished multipart upload(s) under {url}" in caplog.text
+
+
+def test_a_second_storage_of_the_same_url_never_reuses_a_checkpoint_round():
+    """The processes' words about a checkpoint's upload are keyed by its round: a second Trainer writing the same URL
+    (from another staging folder, or with other options) must not find the first one's "go" and "ok" there."""
+    first, second = (ObjectStorage("memory://hflight-rounds/run", staging) for staging in ("/tmp/a", "/tmp/b"))
+    rounds = [first.round(), first.round(), second.round(), first.round()]
+    assert len(set(rounds)) == 4, rounds
 
 
 def test_server_errors_are_retried_and_training_goes_on(s3, server, caplog):

@@ -158,10 +158,20 @@ def settle_storage(args: Any) -> list[str]:
 @contextlib.contextmanager
 def storing(args: Any) -> Iterator[None]:
     """A ``train()``: :func:`probe_storage` when it starts (an object store that cannot take checkpoints is an error
-    before anything is read or trained), :func:`settle_storage` when it returns."""
+    before anything is read or trained), :func:`settle_storage` when it returns. A ``train()`` that fails lets the
+    uploads in flight finish first (at most :data:`FAILED_RUN_UPLOAD_S`), on every process, while the process can still
+    open connections: the checkpoint saved before the failure is in the store, as its local copy is on disk."""
     probe_storage(args)
-    yield
+    try:
+        yield
+    except Exception:
+        storage_for(args).wait(FAILED_RUN_UPLOAD_S)
+        raise
     settle_storage(args)
+
+
+#: how long a failed ``train()`` waits for the uploads in flight before it raises
+FAILED_RUN_UPLOAD_S = 120.0
 
 
 # ---- write errors --------------------------------------------------------------------------------------------------

@@ -84,8 +84,8 @@ class Storage(Protocol):
         """A process other than 0: its own files of checkpoint ``folder`` (its shards, its RNG state), uploaded once
         process 0 says so."""
 
-    def wait(self) -> None:
-        """The background upload in flight, if any, finished."""
+    def wait(self, timeout_s: float | None = None) -> None:
+        """The background upload in flight, if any, finished (``timeout_s``: at most that long)."""
 
     def settle(self) -> list[str]:
         """At the end of training: try again what is not stored yet; returns the local folders and files still not

@@ -112,7 +112,7 @@ class LocalStorage:
     def store_part(self, folder: str, peers: Any, round: str | None, background: bool = False) -> None:
         return None
 
-    def wait(self) -> None:
+    def wait(self, timeout_s: float | None = None) -> None:
         return None
 
     def settle(self) -> list[str]:

@@ -36,6 +36,7 @@ import logging
 import os
 import posixpath
 import random
+import re
 import shutil
 import threading
 import time
@@ -70,6 +71,12 @@ SLOWEST_BYTES_PER_S = 2 << 20
 #: once the checkpoint is written and the upload before it is over; a process 0 that died says nothing)
 READY_WAIT_S = 1800.0
 FETCHING_SUFFIX = ".fetching"
+#: an object of a run, its key inside the run's prefix: a checkpoint's file, or a file at the run's top (save_model's,
+#: the results); another run's objects under the same prefix (a bucket's root, a sweep's folder) are neither
+_RUN_OBJECT = re.compile(r"^(?:(?:run-[^/]+/)?checkpoint-\d+/.+|[^/]+)$")
+#: the checkpoint rounds counted per URL in this process (:meth:`ObjectStorage.round`)
+_ROUNDS: dict[str, int] = {}
+_ROUNDS_LOCK = threading.Lock()
 
 
 class StorageError(OSError):
@@ -100,7 +107,6 @@ class ObjectStorage:
         #: the background upload in flight (``save_async``), if any; another process's uploads of its own files
         self._uploading: threading.Thread | None = None
         self._parts: list[threading.Thread] = []
-        self._rounds = 0
 
     # ---- the filesystem -----------------------------------------------------------------------------------------
     @property
@@ -187,7 +193,8 @@ class ObjectStorage:
         self._probed = True
 
     def _abort_orphaned_uploads(self) -> None:
-        """S3's multipart uploads under the run's prefix that a killed process left unfinished (no object, but their
+        """S3's multipart uploads of the run's own objects (:data:`_RUN_OBJECT`: its checkpoints' files and its top
+        files, not another run's under the same prefix) that a killed process left unfinished (no object, but their
         parts are kept, and billed, until aborted): aborted when the run starts, before it uploads anything. Other
         filesystems have none to abort (a GCS resumable upload expires by itself)."""
         fs = self.fs
@@ -201,7 +208,7 @@ class ObjectStorage:
         while True:
             listed = call("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **markers)
             for upload in listed.get("Uploads", []):
-                if upload["Key"].startswith(prefix):
+                if _RUN_OBJECT.match(upload["Key"][len(prefix) :]) and upload["Key"].startswith(prefix):
                     call("abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
                     aborted += 1
             if not listed.get("IsTruncated"):
@@ -454,9 +461,11 @@ class ObjectStorage:
 
     def round(self) -> str:
         """A new checkpoint's round of the job's processes (``hflight.checkpoints.storage.peers``): taken by every
-        process on the training loop's thread when the checkpoint's save begins."""
-        self._rounds += 1
-        return f"hflight-upload/{self.url}/{self._rounds}"
+        process on the training loop's thread when the checkpoint's save begins, numbered per URL in the process (a
+        second storage of the same URL, another staging folder or other options, never reuses a round's keys)."""
+        with _ROUNDS_LOCK:
+            _ROUNDS[self.url] = number = _ROUNDS.get(self.url, 0) + 1
+        return f"hflight-upload/{self.url}/{number}"
 
     def store(self, folder: str, run_dir: str, limit: int | None, best: str | None, background: bool = False,
               peers: Peers | None = None, round: str | None = None) -> None:  # fmt: skip
@@ -487,7 +496,8 @@ class ObjectStorage:
         if not background:
             self._store_part(folder, peers, round)
             return
-        part = threading.Thread(target=self._store_part, args=(folder, peers, round), daemon=True,
+        # not a daemon: a process that ends (a failed run) finishes the upload its process 0 waits for
+        part = threading.Thread(target=self._store_part, args=(folder, peers, round),
                                 name="hflight-checkpoint-upload-part")  # fmt: skip
         self._parts = [thread for thread in self._parts if thread.is_alive()] + [part]
         part.start()
@@ -507,8 +517,11 @@ class ObjectStorage:
                 self._put_files(folder, self._key(folder), mine)
         except Exception as exc:  # noqa: BLE001 - process 0 says it (and uploads the whole folder later)
             peers.tell(together.answer_key(peers.rank), f"failed: {_cause(exc)}")
-            return
-        peers.tell(together.answer_key(peers.rank), "ok")
+        else:
+            peers.tell(together.answer_key(peers.rank), "ok")
+        # held until process 0 is done with the checkpoint: a process whose run failed meanwhile does not exit (and
+        # have its launcher end process 0) before the manifest is up
+        peers.hear(together.end_key, READY_WAIT_S)
 
     def _store_and_rotate(self, folder: str, run_dir: str, limit: int | None, best: str | None,
                           together: _Together | None = None) -> None:  # fmt: skip
@@ -517,6 +530,7 @@ class ObjectStorage:
         finally:
             if together:
                 together.skip("not uploaded")  # (nothing when it said "go" already)
+                together.end()
         if not stored:  # said once; the stored checkpoints stay as they are, the local copies too
             rotate_checkpoints(run_dir, limit, best, keep=self._pending_names(run_dir))
             return
@@ -534,15 +548,16 @@ class ObjectStorage:
         with self._lock:
             self._pending.setdefault(os.path.abspath(folder), "not stored by the run that wrote it")
 
-    def wait(self) -> None:
-        """The upload in flight (``save_async``), finished; on a process other than 0, its own files' uploads too."""
-        uploading = self._uploading
-        if uploading is not None and uploading is not threading.current_thread():
-            uploading.join()
-        self._uploading = None
-        parts, self._parts = self._parts, []
-        for part in parts:
-            part.join()
+    def wait(self, timeout_s: float | None = None) -> None:
+        """The upload in flight (``save_async``), finished; on a process other than 0, its own files' uploads too.
+        ``timeout_s``: at most that long in all (a failed run's last wait: what is still running then is left)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        threads = [self._uploading, *self._parts]
+        for thread in threads:
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(None if deadline is None else max(deadline - time.monotonic(), 0))
+        if all(thread is None or not thread.is_alive() for thread in threads):
+            self._uploading, self._parts = None, []
 
     def settle(self) -> list[str]:
         self.wait()
@@ -559,11 +574,12 @@ class ObjectStorage:
 
 class _Together:
     """Process 0's side of a checkpoint's round with the job's other processes (``hflight.checkpoints.storage.peers``):
-    its one word that they may upload (``go``) or should not (``skip``), and their answers."""
+    its one word that they may upload (``go``) or should not (``skip``), their answers, and its word that it is done
+    with the checkpoint (``end``)."""
 
     def __init__(self, peers: Peers, round: str) -> None:
         self.peers, self.round = peers, round
-        self.ready_key = f"{round}/ready"
+        self.ready_key, self.end_key = f"{round}/ready", f"{round}/end"
         self._said = False
 
     def answer_key(self, rank: int) -> str:
@@ -575,13 +591,20 @@ class _Together:
     def skip(self, cause: str) -> None:
         self._say(f"skip: {cause}")
 
+    def end(self) -> None:
+        """Process 0 is done with the checkpoint (stored or not): the other processes' uploads of it end."""
+        self._tell(self.end_key, "end")
+
     def _say(self, word: str) -> None:
         if not self._said:
             self._said = True
-            try:
-                self.peers.tell(self.ready_key, word)
-            except Exception as exc:  # noqa: BLE001 - the job's store is gone (it is ending): nobody waits
-                logger.info(f"Could not tell the other processes {word!r} ({_cause(exc)}).")
+            self._tell(self.ready_key, word)
+
+    def _tell(self, key: str, word: str) -> None:
+        try:
+            self.peers.tell(key, word)
+        except Exception as exc:  # noqa: BLE001 - the job's store is gone (it is ending): nobody waits
+            logger.info(f"Could not tell the other processes {word!r} ({_cause(exc)}).")
 
     def answer(self, rank: int, timeout_s: float) -> str | None:
         return self.peers.hear(self.answer_key(rank), timeout_s)

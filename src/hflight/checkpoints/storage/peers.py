@@ -5,13 +5,17 @@ The processes tell each other how far each upload is through the job's key-value
 one they met through: torchrun's agent store, or the TCP store of process 0), never through a collective: uploads run
 beside training (``save_async``), on threads of their own, while the training loop's thread runs the collectives.
 
-Each checkpoint is one *round*, numbered on the training loop's thread of every process when its save begins (every
+Each checkpoint is one *round*, numbered per URL in the process (every Trainer writing that URL counts on: a round's
+keys are never used twice in a job) on the training loop's thread of every process when its save begins (every
 process saves the same checkpoints in the same order), so the rounds agree even where a write failed on one process:
 
 - ``<round>/ready``: process 0's word that the checkpoint's folder is published and the stale copy of it in the store
   removed (``go``), or that the other processes should not upload (``skip: <cause>``; process 0 uploads the whole
   folder itself later);
-- ``<round>/<rank>``: process ``rank``'s answer once its files are uploaded (``ok``) or given up (``failed: <cause>``).
+- ``<round>/<rank>``: process ``rank``'s answer once its files are uploaded (``ok``) or given up (``failed: <cause>``);
+- ``<round>/end``: process 0 is done with the checkpoint (its manifest uploaded, or given up). A process's upload of
+  its files ends only then, so that a process whose run fails meanwhile does not exit (and have torchrun or srun end
+  the others) while process 0 still uploads the manifest.
 
 Which process wrote a file is read from its name (:func:`owner`): ``rng_state_<rank>.pth``, a distributed checkpoint's
 ``__<rank>_<n>.distcp`` shard, DeepSpeed's ``*zero_pp_rank_<rank>_*`` partitions; every other file is process 0's.
@@ -38,6 +42,8 @@ def owner(name: str, size: int) -> int:
 
 #: the longest pause between two looks at the store while waiting for another process's word
 POLL_S = 0.25
+#: how long a wait for another process's word goes on once this process's main thread has ended
+EXIT_GRACE_S = 120.0
 
 
 class Peers:
@@ -66,9 +72,9 @@ class Peers:
 
     def hear(self, key: str, timeout_s: float) -> str | None:
         """The value of ``key`` once it is set; None when it is not within ``timeout_s``, when the store is gone, or
-        once this process's main thread has ended (the process is exiting: training failed, a peer died, and the
-        launcher is ending the job), so that a wait on a thread never holds the process's exit. (Polled: the store's
-        own ``wait`` logs a warning for every timeout.)"""
+        :data:`EXIT_GRACE_S` after this process's main thread has ended (the process is exiting: an upload in flight
+        still finishes when its peers answer, and a peer that died never holds the exit for long). (Polled: the
+        store's own ``wait`` logs a warning for every timeout.)"""
         import threading
         import time
 
@@ -80,8 +86,10 @@ class Peers:
                     return value.decode() if isinstance(value, bytes) else str(value)
             except Exception:  # noqa: BLE001 - the store's server is gone: the job is ending
                 return None
-            left = deadline - time.monotonic()
-            if left <= 0 or not threading.main_thread().is_alive():
+            now = time.monotonic()
+            if not threading.main_thread().is_alive():
+                deadline = min(deadline, now + EXIT_GRACE_S)
+            if now >= deadline:
                 return None
-            time.sleep(min(pause, left))
+            time.sleep(min(pause, deadline - now))
             pause = min(pause * 2, POLL_S)
