@@ -196,7 +196,8 @@ def test_under_torchrun_each_process_uploads_its_shards_and_a_kill_mid_upload_re
                             "--crash-at", "10", "--slow-put-rank", "1")  # fmt: skip
     full.ok()
     # training fails at step 10 while process 1 still uploads checkpoint-8: both processes finish that upload first
-    assert crashed.wait().returncode != 0
+    ended = crashed.wait()
+    assert ended.returncode != 0 and "Finishing the checkpoint upload in flight to s3://" in ended.output
     assert "checkpoint_manifest.json" in _stored(s3, f"{BUCKET}/crashed")["checkpoint-8"]
     assert "storing it in" not in ddp_async.ok().output
     stored = _stored(s3, f"{BUCKET}/ddp")
@@ -272,11 +273,12 @@ def test_a_slurm_requeue_continues_on_a_fresh_node_from_the_bucket(s3, server, t
 @pytest.mark.parametrize("run", ["run", ""], ids=["a run folder", "the bucket's root"])
 def test_multipart_uploads_a_killed_run_left_are_aborted_when_the_next_starts(s3, server, tmp_path, caplog, run):
     """A process killed mid-upload of a large file leaves an unfinished multipart upload (no object; its parts kept and
-    billed): the run's start aborts those of its own checkpoints and files, never another run's (beside it, or inside
-    its prefix: a run at the bucket's root)."""
+    billed): the run's start aborts those of its own checkpoints, never another run's or another tool's (beside it, or
+    inside its prefix: a run at the bucket's root)."""
     prefix = f"{run}/" if run else ""
-    own = [f"{prefix}checkpoint-8/model.safetensors", f"{prefix}model.safetensors"]
-    others = ["run2/checkpoint-8/model.safetensors", f"{prefix}other/checkpoint-16/model.safetensors"]
+    own = [f"{prefix}checkpoint-8/model.safetensors", f"{prefix}checkpoint-16/optimizer_0/__1_0.distcp"]
+    others = ["run2/checkpoint-8/model.safetensors", f"{prefix}other/checkpoint-16/model.safetensors",
+              f"{prefix}run-7/checkpoint-3/model.safetensors", f"{prefix}dataset.tar"]  # fmt: skip
     for key in own + others:
         upload = s3.call_s3("create_multipart_upload", Bucket=BUCKET, Key=key)
         s3.call_s3("upload_part", Bucket=BUCKET, Key=key, UploadId=upload["UploadId"], PartNumber=1,

@@ -71,9 +71,9 @@ SLOWEST_BYTES_PER_S = 2 << 20
 #: once the checkpoint is written and the upload before it is over; a process 0 that died says nothing)
 READY_WAIT_S = 1800.0
 FETCHING_SUFFIX = ".fetching"
-#: an object of a run, its key inside the run's prefix: a checkpoint's file, or a file at the run's top (save_model's,
-#: the results); another run's objects under the same prefix (a bucket's root, a sweep's folder) are neither
-_RUN_OBJECT = re.compile(r"^(?:(?:run-[^/]+/)?checkpoint-\d+/.+|[^/]+)$")
+#: a checkpoint's object, its key inside the run's prefix (another run's objects under the same prefix, a bucket's root
+#: or a sweep's folder, are not: they lie in folders of their own)
+_RUN_OBJECT = re.compile(r"^checkpoint-\d+/.+$")
 #: the checkpoint rounds counted per URL in this process (:meth:`ObjectStorage.round`)
 _ROUNDS: dict[str, int] = {}
 _ROUNDS_LOCK = threading.Lock()
@@ -193,10 +193,10 @@ class ObjectStorage:
         self._probed = True
 
     def _abort_orphaned_uploads(self) -> None:
-        """S3's multipart uploads of the run's own objects (:data:`_RUN_OBJECT`: its checkpoints' files and its top
-        files, not another run's under the same prefix) that a killed process left unfinished (no object, but their
-        parts are kept, and billed, until aborted): aborted when the run starts, before it uploads anything. Other
-        filesystems have none to abort (a GCS resumable upload expires by itself)."""
+        """S3's multipart uploads of the run's checkpoints (:data:`_RUN_OBJECT`: ``checkpoint-N/`` under its URL, never
+        another run's or another tool's objects under the same prefix) that a killed process left unfinished (no
+        object, but their parts are kept, and billed, until aborted): aborted when the run starts, before it uploads
+        anything. Other filesystems have none to abort (a GCS resumable upload expires by itself)."""
         fs = self.fs
         call, split = getattr(fs, "call_s3", None), getattr(fs, "split_path", None)
         if call is None or split is None:
@@ -553,6 +553,9 @@ class ObjectStorage:
         ``timeout_s``: at most that long in all (a failed run's last wait: what is still running then is left)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         threads = [self._uploading, *self._parts]
+        if timeout_s is not None and any(thread is not None and thread.is_alive() for thread in threads):
+            logger.warning(f"Finishing the checkpoint upload in flight to {self.url} first (at most "
+                           f"{timeout_s:.0f} s), then the error is raised.")  # fmt: skip
         for thread in threads:
             if thread is not None and thread is not threading.current_thread():
                 thread.join(None if deadline is None else max(deadline - time.monotonic(), 0))

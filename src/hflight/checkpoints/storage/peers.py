@@ -44,6 +44,8 @@ def owner(name: str, size: int) -> int:
 POLL_S = 0.25
 #: how long a wait for another process's word goes on once this process's main thread has ended
 EXIT_GRACE_S = 120.0
+#: when this process's waits first saw its main thread ended
+_EXIT: dict[str, float] = {}
 
 
 class Peers:
@@ -87,8 +89,9 @@ class Peers:
             except Exception:  # noqa: BLE001 - the store's server is gone: the job is ending
                 return None
             now = time.monotonic()
-            if not threading.main_thread().is_alive():
-                deadline = min(deadline, now + EXIT_GRACE_S)
+            if not threading.main_thread().is_alive():  # one grace for the whole exit, however many waits
+                _EXIT.setdefault("since", now)
+                deadline = min(deadline, _EXIT["since"] + EXIT_GRACE_S)
             if now >= deadline:
                 return None
             time.sleep(min(pause, deadline - now))
