@@ -362,7 +362,7 @@ def save_checkpoint(facade: TrainerSurface, run: RunView, trial: Any = None) -> 
     if is_main and _overrides_save_checkpoint(facade):  # it writes into checkpoint-N after super(), as TRL's do
         job.open_final_dir()
     if not is_main and peers is not None:  # waits for process 0's word on a thread: the writer's wait below may be a
-        storage.store_part(final_dir, peers, round, background=True)  # collective that process 0 reaches after it
+        storage.store_part(final_dir, peers, round)  # collective that process 0 reaches after it
     writer.submit(job if is_main else None, name, last=last)
     if not is_main and peers is not None and not background:
         storage.wait()  # this process's files are stored before training goes on, as process 0's are

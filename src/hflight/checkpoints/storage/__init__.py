@@ -80,9 +80,9 @@ class Storage(Protocol):
     def release(self, peers: Any, round: str | None, cause: str) -> None:
         """Process 0's checkpoint of ``round`` failed before it could be stored: the other processes stop waiting."""
 
-    def store_part(self, folder: str, peers: Any, round: str | None, background: bool = False) -> None:
-        """A process other than 0: its own files of checkpoint ``folder`` (its shards, its RNG state), uploaded once
-        process 0 says so."""
+    def store_part(self, folder: str, peers: Any, round: str | None) -> None:
+        """A process other than 0: its own files of checkpoint ``folder`` (its shards, its RNG state), uploaded on a
+        thread once process 0 says so (:meth:`wait` joins it)."""
 
     def wait(self, timeout_s: float | None = None) -> None:
         """The background upload in flight, if any, finished (``timeout_s``: at most that long)."""

@@ -109,7 +109,7 @@ class LocalStorage:
     def release(self, peers: Any, round: str | None, cause: str) -> None:
         return None
 
-    def store_part(self, folder: str, peers: Any, round: str | None, background: bool = False) -> None:
+    def store_part(self, folder: str, peers: Any, round: str | None) -> None:
         return None
 
     def wait(self, timeout_s: float | None = None) -> None:

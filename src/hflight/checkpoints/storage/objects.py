@@ -262,9 +262,8 @@ class ObjectStorage:
 
     def _upload_checkpoint(self, folder: str, together: _Together | None = None) -> None:
         key = self._key(folder)
-        files = sorted(p for p in Path(folder).rglob("*") if p.is_file() and not p.is_symlink())
-        body = [p for p in files if p.relative_to(folder).as_posix() != MANIFEST_NAME]
-        sizes = {p.relative_to(folder).as_posix(): p.stat().st_size for p in body}
+        body = {name: path for name, path in _checkpoint_files(folder).items() if name != MANIFEST_NAME}
+        sizes = {name: path.stat().st_size for name, path in body.items()}
         others = {name: owner(name, together.peers.size) for name in sizes} if together else {}
         others = {name: rank for name, rank in others.items() if rank}
         try:
@@ -275,9 +274,9 @@ class ObjectStorage:
             raise
         if together:
             together.go()
-        mine = [p for p in body if p.relative_to(folder).as_posix() not in others]
+        mine = {name: str(path) for name, path in body.items() if name not in others}
         if mine:
-            self._put_files(folder, key, {p.relative_to(folder).as_posix(): str(p) for p in mine})
+            self._put_files(folder, key, mine)
         if together:
             for rank in sorted(set(others.values())):
                 theirs = sum(sizes[name] for name, of in others.items() if of == rank)
@@ -489,13 +488,10 @@ class ObjectStorage:
         if peers is not None and round is not None:
             _Together(peers, round).skip(cause)
 
-    def store_part(self, folder: str, peers: Peers, round: str, background: bool = False) -> None:
-        """On a process other than 0: once process 0 says checkpoint ``folder`` is ready, upload this process's own
-        files of it (``hflight.checkpoints.storage.peers.owner``) and tell process 0 how it went. ``background``:
-        on a thread of its own."""
-        if not background:
-            self._store_part(folder, peers, round)
-            return
+    def store_part(self, folder: str, peers: Peers, round: str) -> None:
+        """On a process other than 0, on a thread of its own (:meth:`wait` joins it): once process 0 says checkpoint
+        ``folder`` is ready, upload this process's own files of it (``hflight.checkpoints.storage.peers.owner``) and
+        tell process 0 how it went."""
         # not a daemon: a process that ends (a failed run) finishes the upload its process 0 waits for
         part = threading.Thread(target=self._store_part, args=(folder, peers, round),
                                 name="hflight-checkpoint-upload-part")  # fmt: skip
@@ -508,10 +504,8 @@ class ObjectStorage:
         if ready != "go":  # process 0 uploads the whole folder itself later (or the job is over)
             logger.info(f"{folder}: process 0 did not ask for this process's files ({ready or 'no answer'}).")
             return
-        folder = os.path.abspath(folder)
-        files = sorted(p for p in Path(folder).rglob("*") if p.is_file() and not p.is_symlink())
-        mine = {p.relative_to(folder).as_posix(): str(p) for p in files}
-        mine = {name: path for name, path in mine.items() if owner(name, peers.size) == peers.rank}
+        files = _checkpoint_files(os.path.abspath(folder))
+        mine = {name: str(path) for name, path in files.items() if owner(name, peers.size) == peers.rank}
         try:
             if mine:
                 self._put_files(folder, self._key(folder), mine)
@@ -573,6 +567,12 @@ class ObjectStorage:
                 "kept in the local staging folder (output_dir)."
             )
         return missing
+
+
+def _checkpoint_files(folder: str) -> dict[str, Path]:
+    """The regular files of checkpoint ``folder``, by their name inside it (``optimizer_0/__1_0.distcp``), sorted."""
+    files = sorted(p for p in Path(folder).rglob("*") if p.is_file() and not p.is_symlink())
+    return {path.relative_to(folder).as_posix(): path for path in files}
 
 
 class _Together:

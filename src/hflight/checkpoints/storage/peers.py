@@ -25,6 +25,8 @@ May import: ``hflight.checkpoints`` (its own modules).
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 from hflight.checkpoints.names import PROCESS_FILE_RE
@@ -77,9 +79,6 @@ class Peers:
         :data:`EXIT_GRACE_S` after this process's main thread has ended (the process is exiting: an upload in flight
         still finishes when its peers answer, and a peer that died never holds the exit for long). (Polled: the
         store's own ``wait`` logs a warning for every timeout.)"""
-        import threading
-        import time
-
         deadline, pause = time.monotonic() + timeout_s, 0.005
         while True:
             try:
