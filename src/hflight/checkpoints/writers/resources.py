@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import mmap
 import os
 import threading
 import weakref
@@ -126,6 +127,14 @@ def close_descriptor(fd: int) -> None:
         os.close(fd)
     except OSError:
         pass
+
+
+def populate(array: Any) -> None:
+    """The pages of ``array`` (a numpy array of bytes over fresh memory) made present: a zero written into each, by
+    numpy, which releases the interpreter lock while it runs. (``mmap``'s ``MAP_POPULATE`` holds the lock for the
+    whole mapping: 0.09 s for 270 MB, which the training loop waited out whenever another thread allocated.)"""
+    if len(array):
+        array[:: mmap.PAGESIZE] = 0
 
 
 def _forget_all() -> None:

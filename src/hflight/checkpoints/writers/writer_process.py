@@ -243,12 +243,13 @@ class WriterProcess:
         fd = os.memfd_create("hflight-checkpoint", getattr(os, "MFD_CLOEXEC", 0))
         try:
             os.ftruncate(fd, max(nbytes, 1))
-            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
-            mapped = mmap.mmap(fd, max(nbytes, 1), flags=flags)
+            mapped = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED)
         except BaseException:
             os.close(fd)
             raise
         array = np.frombuffer(mapped, dtype=np.uint8, count=nbytes)
+        if populate:
+            resources.populate(array)
         pinned = bool(pinned and nbytes) and _pin(array.ctypes.data, nbytes)
         with self._lock:
             area = _Area(self._next_key, array.ctypes.data, nbytes, fd, array, pinned=pinned)
