@@ -143,9 +143,9 @@ def worker(model_name: str, mode: str, out: str, checkpoints: int) -> dict:
 
         asynchronous.CheckpointWriter.wait = wait
 
-        def run(self, job):
+        def run(self, *args):
             start = time.perf_counter()
-            real_run(self, job)
+            real_run(self, *args)
             writes.append(time.perf_counter() - start)
             writer_state["snapshot"] = self.snapshot_bytes
 
