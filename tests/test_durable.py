@@ -148,15 +148,17 @@ def test_a_run_folder_made_again_at_the_same_path_gets_its_entry_fsynced_again(t
 
 @pytest.mark.parametrize(
     "save_async, max_steps, threads",
-    [(False, 2, 1), (True, 2, 3), (True, 3, 1 + 2 + 3)],
+    [(False, 2, 1), (True, 2, 3), (True, 3, 1 + 2 + 3 + 1)],
     ids=["synchronous", "save_async-last-checkpoint", "save_async-one-before"],
 )
 def test_a_checkpoint_uses_the_threads_it_needs(tmp_path, factory, monkeypatch, save_async, max_steps, threads):
     """One thread that hashes and fsyncs each file as it is complete; with save_async, the one that writes in the
     background besides, and for the run's last checkpoint (the loop waits for it) one more, so that the model and
     the optimizer state are written side by side; where a checkpoint before the last copies the state, the one that
-    makes its staging area after the first step. The checksums' thread is started and stopped by one thread: the
-    one that finishes the job. (The files of this tiny model are too small for DirectFile's helper thread.)"""
+    makes its staging area after the first step and the helper that copies the optimizer's state beside the next
+    step (once per run: the threads of a process's pools end with the run). The checksums' thread is started and
+    stopped by one thread: the one that finishes the job. (The files of this tiny model are too small for DirectFile's
+    helper thread.)"""
     started, checksums = [], []
     real_start, real_init, real_close = threading.Thread.start, Checksums.__init__, Checksums.close
     monkeypatch.setattr(threading.Thread, "start", lambda self: (started.append(self.name), real_start(self))[1])
@@ -309,9 +311,9 @@ def test_the_last_checkpoint_is_written_from_the_state_itself_before_training_en
     copied, seen, out = [], {}, tmp_path / "run"
     real = asynchronous.CheckpointWriter.snapshot
 
-    def snapshot(self, name, state):
+    def snapshot(self, name, state, **until):
         copied.append(trainer.state.global_step)
-        return real(self, name, state)
+        return real(self, name, state, **until)
 
     def look():
         seen["published at on_save"] = (out / "checkpoint-4").exists()

@@ -445,7 +445,7 @@ def test_a_stop_by_signal_writes_from_the_state_making_no_area_and_starting_no_c
     monkeypatch.setattr(
         asynchronous.CheckpointWriter,
         "snapshot",
-        lambda self, name, state: snapshots.append(name) or real_snapshot(self, name, state),
+        lambda self, name, state, **until: snapshots.append(name) or real_snapshot(self, name, state, **until),
     )
     monkeypatch.setattr(asynchronous, "_host_memory", lambda *a, **k: made.append(a) or real_memory(*a, **k))
     real_allocate = writer_process.WriterProcess.allocate

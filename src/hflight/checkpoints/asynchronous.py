@@ -61,6 +61,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from hflight.checkpoints.job import CheckpointJob, CheckpointWriteError
 from hflight.checkpoints.weights import deepspeed_left_alone
@@ -146,6 +147,9 @@ class CheckpointWriter:
         self._area_pinned = False  # the area was allocated pinned (asked: a failed pinning is not asked again)
         self._streams: dict[torch.device, Any] = {}  # the side stream of each GPU
         self._copied: list[Any] = []  # the events of the copies queued since the last submit
+        self._later: list[tuple[np.ndarray, np.ndarray]] = []  # host copies left to the next step (snapshot(until=))
+        self._copying: concurrent.futures.Future | None = None  # those copies, being made beside the step
+        self._step_hook: Any = None  # torch's optimizer-step pre-hook that waits for them
         self._write: _Write | None = None  # the write in flight, or the last one
         self._waited: float | None = None  # when the last wait() began to wait for a write still in flight
         self._wait_said = False
@@ -171,6 +175,7 @@ class CheckpointWriter:
         is worth starting (:data:`PROCESS_MIN_CHECKPOINTS`). A wait for the previous write just before
         (``save_checkpoint``'s :meth:`wait`) was this checkpoint's: said now."""
         self._to_come = to_come
+        self._later = []  # an abandoned checkpoint's copies left for later: not made
         self._say_last_wait()
         if not self.asynchronous:
             return CheckpointJob(folder, final_dir, None, main, self.entries_made_durable)
@@ -213,18 +218,23 @@ class CheckpointWriter:
             return self._allocating.nbytes
         return 0 if self._area is None else len(self._area)
 
-    def snapshot(self, name: str, state: Any) -> Any:
+    def snapshot(self, name: str, state: Any, until: Any = None) -> Any:
         """``state`` (a state dict, nested) with every tensor copied into this writer's staging area, at the slot of
-        its key under ``name`` (tensors that share storage still do); unchanged when the writer is synchronous."""
+        its key under ``name`` (tensors that share storage still do); unchanged when the writer is synchronous.
+        ``until``: nothing changes ``state``'s tensors before the next ``step()`` of a torch optimizer (an optimizer's
+        own state, in a run where nothing else touches it: ``hflight.checkpoints.folders``), so its copies from host
+        memory are made beside the next step's forward and backward, by a helper thread, and that step waits for them
+        before it changes anything (:meth:`snapshot_done`); the copy that is returned is complete once they are."""
         if not self.asynchronous:
             return state
         self._say_wait(self._join())  # the staging area belongs to the write in flight until it is done
         self._release_retired()
         self._take_area()
+        self._drop_step_hook()
         # deepcopy with every tensor already mapped to its copy: the copy has the original's structure exactly
         # (shared objects stay shared, so torch.save writes the same bytes)
         memo: dict[int, Any] = {}
-        self._copy(self._stage(name, state, memo))
+        self._copy(self._stage(name, state, memo), later=until is not None)
         return copy.deepcopy(state, memo)
 
     def _stage(self, name: str, state: Any, memo: dict[int, Any]) -> list[tuple[Any, Any]]:
@@ -286,9 +296,9 @@ class CheckpointWriter:
             slot.buffer, slot.at = buffer, slot.offset - start
             slot.storage = _storage_over(buffer, slot.at, slot.nbytes)
 
-    def _copy(self, copies: list[tuple[Any, Any]]) -> None:
-        """Each (copy, source) of storages, their bytes: from host memory now; from a GPU queued on the side stream of
-        its device."""
+    def _copy(self, copies: list[tuple[Any, Any]], later: bool = False) -> None:
+        """Each (copy, source) of storages, their bytes: from host memory now (``later``: at :meth:`snapshot_done`,
+        beside the next step); from a GPU queued on the side stream of its device."""
         on_gpu: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         on_host: list[tuple[np.ndarray, np.ndarray]] = []
         for target_storage, source_storage in copies:
@@ -297,7 +307,10 @@ class CheckpointWriter:
                 on_gpu.setdefault(source.device, []).append((target, source))
             else:
                 on_host.append((target.numpy(), source.numpy()))
-        _copy_on_host(on_host)
+        if later:
+            self._later += on_host
+        else:
+            _copy_on_host(on_host)
         for device, pairs in on_gpu.items():
             self._pinned = True
             self._copied.append(self._copy_on_side_stream(device, pairs))
@@ -329,9 +342,42 @@ class CheckpointWriter:
         copies into it without allocating; the copies just made stay where they are until written."""
         if not self.asynchronous:
             return
+        self._copy_beside_next_step()
         if self._overflow_bytes or self._pinned > self._area_pinned:
             self._reallocate_area()
         self._used.clear()
+
+    def _copy_beside_next_step(self) -> None:
+        """The copies of the snapshots taken ``until`` the next optimizer step, started on the helper thread: the loop
+        goes on into the next step's forward and backward meanwhile, and every torch optimizer's ``step()`` waits for
+        them first (a pre-hook of torch's, for any optimizer of the process: layer-wise ones step during the
+        backward); the writer thread waits for them before it reads the copies."""
+        pairs, self._later = self._later, []
+        if not pairs:
+            return
+        try:
+            copying = _copy_helper().submit(_copy_pieces, pairs)
+        except RuntimeError:  # the helper was released meanwhile (another run's writer closed): made now
+            _copy_pieces(pairs)
+            return
+        self._copying = copying
+        if self._step_hook is None:
+            self._step_hook = register_optimizer_step_pre_hook(self._before_a_step)
+        self._copied.append(_Copying(copying))
+
+    def _before_a_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """Before any torch optimizer's ``step()``: the copies made beside the step are over (their failure is the
+        write's, raised by it)."""
+        copying = self._copying
+        if copying is not None:
+            concurrent.futures.wait([copying])
+
+    def _drop_step_hook(self) -> None:
+        """The step hook removed once the copies it waits for are over (on the loop's thread, never inside a step,
+        whose loop over the hooks a removal would break)."""
+        if self._step_hook is not None and (self._copying is None or self._copying.done()):
+            self._step_hook.remove()
+            self._step_hook, self._copying = None, None
 
     def _reallocate_area(self) -> None:
         """The staging area laid out anew for the slots used since the last checkpoint, packed in their order (the
@@ -542,7 +588,8 @@ class CheckpointWriter:
         try:
             self._close(raising)
         finally:  # the copies dropped first: the shared memory is unmapped with the last tensor over it
-            self._allocating = None
+            self._drop_step_hook()  # the write was waited for: the copies beside the step are over
+            self._allocating, self._later = None, []
             self._slots, self._area, self._end, self._overflows, self._retired = {}, None, 0, [], []
             self._overflow_bytes, self._area_pinned, self._write, self._copied = 0, False, None, []
             if self._process is not None:
@@ -678,12 +725,8 @@ def _copy_on_host(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
     while mine < len(pieces) and taken < total / 2:
         taken += len(pieces[mine][0])
         mine += 1
-    helper = resources.pools.get(
-        "asynchronous.copy", lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hflight-copy"),
-        lambda executor: executor.shutdown(wait=False),
-    )  # fmt: skip
     try:
-        theirs = helper.submit(_copy_pieces, pieces[mine:])
+        theirs = _copy_helper().submit(_copy_pieces, pieces[mine:])
     except RuntimeError:  # the pool was released meanwhile (a writer of another run closed): all of it here
         theirs = None
         mine = len(pieces)
@@ -692,6 +735,24 @@ def _copy_on_host(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
     finally:
         if theirs is not None:
             theirs.result()  # never left copying into the area after the loop went on (its error raised here)
+
+
+def _copy_helper() -> concurrent.futures.ThreadPoolExecutor:
+    """The process's helper thread for copies (made by the training loop's thread, at its priority)."""
+    return resources.pools.get(
+        "asynchronous.copy", lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hflight-copy"),
+        lambda executor: executor.shutdown(wait=False),
+    )  # fmt: skip
+
+
+class _Copying:
+    """Host copies being made by the helper thread, as the writer thread waits for them (as for a GPU's event)."""
+
+    def __init__(self, future: concurrent.futures.Future) -> None:
+        self.future = future
+
+    def synchronize(self) -> None:
+        self.future.result()
 
 
 def _copy_pieces(pieces: list[tuple[np.ndarray, np.ndarray]]) -> None:

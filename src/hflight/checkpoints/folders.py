@@ -427,7 +427,8 @@ def _write_files(facade: TrainerSurface, run: RunView, job: CheckpointJob, run_d
             world.barrier()  # the folder exists for every process
             if not args.save_only_model:
                 # The largest file first: its checksum is computed (in the background) while the model is written.
-                write_training_states(facade, run, job, is_main)
+                until = _optimizer_alone_changes_its_state(facade, run) if job.background else None
+                write_training_states(facade, run, job, is_main, until=until)
             if args.save_only_model or run.backend.hf_checkpoint_state().with_model_files:
                 # every process: sharded models gather (save_only_model: the whole model in place of a form's shards,
                 # as transformers writes a tensor-parallel model's checkpoints)
@@ -445,6 +446,65 @@ def _write_files(facade: TrainerSurface, run: RunView, job: CheckpointJob, run_d
     finally:
         _WRITING_CHECKPOINT.reset(writing_checkpoint)
     return progress
+
+
+#: the events the loop dispatches between a checkpoint and the next optimizer step (an epoch may begin between)
+_BEFORE_THE_NEXT_STEP = ("on_save", "on_epoch_begin", "on_step_begin", "on_substep_end", "on_pre_optimizer_step")
+#: the trainer's methods that run between a checkpoint and the next optimizer step
+_TRAINER_STEP_METHODS = ("training_step", "compute_loss", "_save_checkpoint")
+#: whose callbacks and trainer methods are known to leave the optimizer's state alone
+_KNOWN = ("hflight.", "transformers.", "lightning.")
+
+
+def _optimizer_alone_changes_its_state(facade: TrainerSurface, run: RunView) -> Any:
+    """With ``save_async``: the run's optimizer where nothing but a torch optimizer's ``step()`` can change its state
+    before the next step (its copy is then made beside that step's forward and backward, and the step waits for it:
+    ``CheckpointWriter.snapshot(until=)``); None where something else might, and the copy is made now, as before:
+
+    - the state is one process's own torch optimizer, stepped through torch's ``Optimizer.step`` (whose pre-hooks
+      run): not a sharded form's, nor one whose step runs elsewhere (the IPU's replaces it);
+    - every callback that runs before that step (``on_save``, ``on_step_begin``, ...) and the trainer's
+      ``training_step``, ``compute_loss`` and ``_save_checkpoint`` are transformers', Lightning's or hflight's: a
+      user's callback or subclass may change the state in place (a reset of the moments), and is not second-guessed.
+    """
+    optimizer = facade.optimizer
+    if not isinstance(run.backend.hf_checkpoint_state(), ProcessZeroState) or not _steps_with_hooks(optimizer):
+        return None
+    for callback in facade.callback_handler.callbacks:
+        if _foreign(type(callback)) and any(_overrides(callback, event) for event in _BEFORE_THE_NEXT_STEP):
+            return None
+    if any(_foreign(type(callback)) for callback in run.lightning_trainer.callbacks):
+        return None
+    for name in _TRAINER_STEP_METHODS:
+        method = getattr(type(facade), name, None)
+        if method is not None and not getattr(method, "__module__", "").startswith(_KNOWN):
+            return None
+    return optimizer
+
+
+def _steps_with_hooks(optimizer: Any) -> bool:
+    """Whether ``optimizer.step()`` runs torch's hooked ``Optimizer.step`` of its class (its pre-hooks run first):
+    the class's own, or torch's LR schedulers' wrapper of it (which notes the call and calls it); not a step the
+    instance was given in its place (the IPU's, which runs on the device)."""
+    import torch
+
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return False
+    hooked = type(optimizer).step
+    if not getattr(hooked, "hooked", False):
+        return False
+    own = vars(optimizer).get("step")
+    return own is None or (getattr(own, "_wrapped_by_lr_sched", False) and getattr(own, "__wrapped__", None) is hooked)
+
+
+def _foreign(kind: type) -> bool:
+    return not kind.__module__.startswith(_KNOWN)
+
+
+def _overrides(callback: Any, event: str) -> bool:
+    from transformers import TrainerCallback
+
+    return getattr(type(callback), event, None) is not getattr(TrainerCallback, event, None)
 
 
 class _FinalPathInLogs(logging.Filter):

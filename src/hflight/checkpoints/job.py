@@ -189,16 +189,17 @@ class CheckpointJob:
             self._checksums.add_new(self.folder)
         return result
 
-    def save(self, obj: Any, path: str) -> None:
+    def save(self, obj: Any, path: str, until: Any = None) -> None:
         """``torch.save(obj, path)``'s file, now, or later from a snapshot of ``obj`` taken now; either way written by
         :func:`hflight.checkpoints.writers.torch_file.save` (the same records; front to back, past the page cache where
         the file system allows it, so that its fsync is cheap; hashed as it is written, so that it is not read back;
-        the interpreter lock released while the bytes are copied, so that a training loop runs beside it)."""
+        the interpreter lock released while the bytes are copied, so that a training loop runs beside it). ``until``:
+        ``obj`` changes only at the next step of this optimizer (:meth:`snapshot`)."""
         if self._snapshot is None:
             self._save_hashed(obj, path, self._checksums)
             return
         name = os.path.basename(path)
-        copy = self.snapshot(name, obj)
+        copy = self.snapshot(name, obj, until=until)
         self._later.append((name, lambda: self._save_later(copy, path)))
 
     def _save_later(self, obj: Any, path: str) -> None:
@@ -219,13 +220,16 @@ class CheckpointJob:
         if torch_file.save(obj, path, hasher) and checksums is not None:
             checksums.add_hashed(path, hasher.hexdigest())
 
-    def snapshot(self, name: str, state: Any, transient: bool = False) -> Any:
+    def snapshot(self, name: str, state: Any, transient: bool = False, until: Any = None) -> Any:
         """``state`` as the job writes it later: a copy taken now (``save_async``), or itself (synchronous; the run's
         last checkpoint, which nothing changes before it is written). ``transient``: the loop changes ``state``
         before the job runs even so (the weights evaluation uses, swapped in for the save and out after it): copied
-        for the last checkpoint too."""
+        for the last checkpoint too. ``until``: nothing changes ``state`` before the next step of this optimizer, so
+        its copy may be made beside that step's forward and backward (``CheckpointWriter.snapshot``)."""
         if self._snapshot is None or (self.last and not transient):
             return state
+        if until is not None:
+            return self._snapshot(name, state, until=until)
         return self._snapshot(name, state)
 
     def later(self, file: str | None, step: Step) -> None:

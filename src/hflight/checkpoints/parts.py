@@ -27,6 +27,7 @@ are those of the checkpoint forms (``hflight.checkpoints.forms``), each part ask
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -147,13 +148,15 @@ def _check_rng_states(states: Any) -> None:
     torch.Generator().set_state(states["cpu"])
 
 
-def write_training_states(facade: TrainerSurface, run: RunView, job: Any, is_main: bool) -> None:
+def write_training_states(facade: TrainerSurface, run: RunView, job: Any, is_main: bool, until: Any = None) -> None:
     """The optimizer in the run's form (``optimizer.pt``; a sharded run's forms write model files too: every process
     takes part, see ``hflight.checkpoints.forms``), scheduler and scaler (main process), and this process's RNG
     states, each a step of ``job`` (``hflight.checkpoints.job.CheckpointJob``: a failure names its file); the form's
-    tensor files through the job's ``save`` (now, or from a snapshot in the background with ``save_async``)."""
+    tensor files through the job's ``save`` (now, or from a snapshot in the background with ``save_async``;
+    ``until``: the optimizer's state changes only at its next step, so its copy may be made beside that step)."""
     form, folder = run.backend.hf_checkpoint_state(), job.folder
-    job.write(form.optimizer_name, lambda: form.write(folder, facade.model, facade.optimizer, is_main, save=job.save))
+    save = job.save if until is None else functools.partial(job.save, until=until)
+    job.write(form.optimizer_name, lambda: form.write(folder, facade.model, facade.optimizer, is_main, save=save))
     files = {}
     if is_main:
         files[SCHEDULER_NAME] = facade.lr_scheduler.state_dict
