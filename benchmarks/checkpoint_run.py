@@ -7,8 +7,9 @@ time of ``trainer.train()`` (the last checkpoint's write, its fsyncs and its pub
 
 - ``transformers``: ``transformers.Trainer``, its checkpoints written before training goes on (no fsync);
 - ``hflight sync``: hflight's default, each checkpoint written and made durable before training goes on;
-- ``hflight save_async``: ``save_async=True``, the state copied at the step boundary, written in the background (on
-  Linux its large files by the writer process, ``hflight.checkpoints.writers.writer_process``);
+- ``hflight save_async``: ``save_async=True``, the model's tensors copied at the step boundary and the optimizer's
+  beside the next step's forward and backward, written in the background (on Linux its large files by the writer
+  process, ``hflight.checkpoints.writers.writer_process``, where 7 or more checkpoints are to come);
 - ``hflight save_async thread``: the same, its files all written by the background thread (the writer process's
   threshold, ``asynchronous.PROCESS_MIN_BYTES``, raised above the state);
 
