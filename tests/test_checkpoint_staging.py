@@ -504,11 +504,13 @@ def test_the_staging_area_s_pages_are_made_present_without_holding_the_interpret
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own nice value is Linux's")
-def test_a_write_beside_training_yields_the_cpu_and_the_run_s_last_write_does_not(tmp_path, factory, monkeypatch):
-    """On a 2-core CPU the background write's threads (its own, the CRC threads, the page-cache copies) took a share of
-    the loop's core: the steps after a checkpoint ran a third slower. Now the thread of a write beside training runs
-    below the loop's priority (``BACKGROUND_NICE``), and so do the threads it starts; the run's last write, which the
-    loop waits for, and the loop itself keep theirs."""
+def test_every_thread_of_a_background_write_keeps_the_loop_s_priority(tmp_path, factory, monkeypatch):
+    """A write beside training once lowered its threads' priority (nice +10) so that the loop got the cores first. But
+    the loop waits for such writes too (the next checkpoint's snapshot, the end of a fit that ends between two
+    checkpoints, a push, a stop by signal, the uploads they start), and a lowered thread cannot be raised back: with two
+    busy processes beside it the loop waited 3.61 s instead of 0.55 s (the fault read of issue 67). Every thread of a
+    write, and every thread it starts, runs at the loop's priority; the run here ends between two checkpoints, so its
+    end waits for a write beside training."""
     from hflight.checkpoints.job import CheckpointJob
 
     from .checkpoint_runs import make_trainer
@@ -519,49 +521,16 @@ def test_a_write_beside_training_yields_the_cpu_and_the_run_s_last_write_does_no
     base, seen, real = nice(), [], CheckpointJob.finish
 
     def finish(self):
-        helper = threading.Thread(target=lambda: seen.append(("started by it", nice())))
+        helper = threading.Thread(target=lambda: seen.append(nice()))
         helper.start()
         helper.join()
-        seen.append((os.path.basename(self.final_dir), nice()))
+        seen.append(nice())
         return real(self)
 
     monkeypatch.setattr(CheckpointJob, "finish", finish)
-    make_trainer(tmp_path, factory, max_steps=6, save_steps=2, save_async=True).train()
-    lower = min(19, base + asynchronous.BACKGROUND_NICE)
-    assert seen == [("started by it", lower), ("checkpoint-2", lower), ("started by it", lower),
-                    ("checkpoint-4", lower), ("started by it", base), ("checkpoint-6", base)], seen  # fmt: skip
-    assert nice() == base
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own nice value is Linux's")
-def test_the_crc_threads_of_a_write_beside_training_are_its_own(monkeypatch):
-    """The CRC threads are a pool of the process, made by the first thread that needs them, and a thread keeps the nice
-    value it was made with: a pool made by a write beside training would have slowed every synchronous save after it.
-    Each priority has its own pool: a lowered thread's CRCs run at its priority, the loop's at the loop's."""
-    import zlib
-
-    from hflight.checkpoints.writers import resources, torch_file
-
-    seen, real = [], zlib.crc32
-    monkeypatch.setattr(zlib, "crc32", lambda data, *more: (
-        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())), real(data, *more))[1])  # fmt: skip
-    data = memoryview(os.urandom(3 * torch_file._PARALLEL_CRC_BYTES))
-    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    lowered = []
-
-    def beside_training():
-        asynchronous._yield_to_training()
-        lowered.append(torch_file._crc32(data))
-
-    try:
-        thread = threading.Thread(target=beside_training)
-        thread.start()
-        thread.join()
-        assert lowered == [real(data)] and set(seen) == {min(19, base + asynchronous.BACKGROUND_NICE)}, seen
-        seen.clear()
-        assert torch_file._crc32(data) == real(data) and len(seen) > 1 and set(seen) == {base}
-    finally:
-        resources.pools.close()
+    make_trainer(tmp_path, factory, max_steps=5, save_steps=2, save_async=True).train()
+    assert seen == [base] * 6, seen  # checkpoints 2, 4 (the end of the fit waits for it) and 5: a thread each, and one
+    assert nice() == base  # that each started
 
 
 def test_a_large_snapshot_is_copied_by_two_threads_byte_for_byte(monkeypatch):

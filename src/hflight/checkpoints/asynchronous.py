@@ -54,7 +54,6 @@ import dataclasses
 import logging
 import mmap
 import os
-import sys
 import threading
 import time
 from typing import Any
@@ -82,11 +81,6 @@ PROCESS_MIN_BYTES = 64 << 20
 #: benchmarks/checkpoint_run.py) a run of 4 checkpoints paid more for the start than the child saved it; a loop that
 #: launches GPU kernels gains most from it (benchmarks/checkpoint_gil.py)
 PROCESS_MIN_CHECKPOINTS = 7
-#: how much lower than the training loop's the priority of a background write runs (its threads' nice value raised by
-#: it, on Linux): where its threads and the loop want more cores than the machine has, the loop gets them first. On a
-#: 2-core CPU the write's threads (serialization, CRC, page-cache copies, hashing) took a share of the loop's core and
-#: slowed the steps after a checkpoint by a third (benchmarks/checkpoint_run.py)
-BACKGROUND_NICE = 10
 #: a snapshot of this many bytes in host memory or more is copied by two threads side by side (:func:`_copy_on_host`)
 PARALLEL_COPY_BYTES = 32 << 20
 #: ... in pieces of at most this many bytes
@@ -204,7 +198,7 @@ class CheckpointWriter:
         shared = self._process_worth_it(end)
         self._area_pinned = self._pinned = pinned
         self._allocating = allocation = _Allocation(lambda: self._area_memory(end, pinned, shared), end)
-        threading.Thread(target=allocation.prepare, args=(True,), name="hflight-staging-area", daemon=True).start()
+        threading.Thread(target=allocation.prepare, name="hflight-staging-area", daemon=True).start()
 
     @property
     def snapshot_bytes(self) -> int:
@@ -298,15 +292,18 @@ class CheckpointWriter:
 
     def _copy(self, copies: list[tuple[Any, Any]], later: bool = False) -> None:
         """Each (copy, source) of storages, their bytes: from host memory now (``later``: at :meth:`snapshot_done`,
-        beside the next step); from a GPU queued on the side stream of its device."""
+        beside the next step); from a GPU queued on the side stream of its device; from another device by torch,
+        now."""
         on_gpu: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         on_host: list[tuple[np.ndarray, np.ndarray]] = []
         for target_storage, source_storage in copies:
             target, source = _bytes(target_storage), _bytes(source_storage)
             if _on_gpu(source):
                 on_gpu.setdefault(source.device, []).append((target, source))
-            else:
+            elif source.device.type == "cpu":
                 on_host.append((target.numpy(), source.numpy()))
+            else:  # another accelerator's memory (MPS, XPU, ...): torch's copy, there and then, as before
+                target.copy_(source)
         if later:
             self._later += on_host
         else:
@@ -450,20 +447,18 @@ class CheckpointWriter:
             self._write = _Write(what, time.monotonic(), self.snapshot_bytes, copied)
             self._callbacks_over = job.callbacks_over
             self._lease.enter_context(deepspeed_left_alone())  # for the job's save_pretrained, until it is reaped
-            self._thread = threading.Thread(target=self._run, args=([job], not last), name=f"hflight-write-{what}",
-                                            daemon=False)  # fmt: skip
+            self._thread = threading.Thread(target=self._run, args=([job],), name=f"hflight-write-{what}", daemon=False)
             self._thread.start()
         if last:  # written from the state itself: over before the loop goes on (a wait by design, not reported)
             self.wait(expected=True)
 
-    def _run(self, holder: list[CheckpointJob], beside_training: bool) -> None:
-        """The writer thread: the copies from a GPU are made (their events) before the job reads them. The job (and
-        the snapshot it holds) is let go of once written (``holder``: the thread's only reference to it), before the
-        memory of the next checkpoints is made (:meth:`_after_write`). ``beside_training``: the loop goes on while it
-        runs, so the thread (and every thread it starts) yields the CPU to it (:func:`_yield_to_training`); the last
-        checkpoint's write, which the loop waits for, does not."""
-        if beside_training:
-            _yield_to_training()
+    def _run(self, holder: list[CheckpointJob]) -> None:
+        """The writer thread: the copies from a GPU and those made beside the step are made (their events) before
+        the job reads them. The job (and the snapshot it holds) is let go of once written (``holder``: the thread's
+        only reference to it), before the memory of the next checkpoints is made (:meth:`_after_write`). It runs at
+        the loop's priority: the loop waits for it at times (the next checkpoint, the end of a fit, a push, a stop),
+        and a thread's lowered priority cannot be raised back (a write at nice +10 beside two busy processes made
+        the loop wait 3.61 s instead of 0.55 s)."""
         write, job = self._write, holder.pop()
         try:
             for copied in write.copied if write is not None else ():
@@ -689,25 +684,10 @@ class _Allocation:
                 self._memory = self._allocate()
             return self._memory
 
-    def prepare(self, beside_training: bool = False) -> None:
-        """:meth:`result`, on a thread of its own (a failure is raised where the area is taken); ``beside_training``:
-        the thread yields the CPU to the training loop (:func:`_yield_to_training`)."""
-        if beside_training:
-            _yield_to_training()
+    def prepare(self) -> None:
+        """:meth:`result`, on a thread of its own (a failure is raised where the area is taken)."""
         with contextlib.suppress(Exception):
             self.result()
-
-
-def _yield_to_training() -> None:
-    """The calling thread, and the threads it starts from now on (they inherit it), run :data:`BACKGROUND_NICE` below
-    the training loop's priority. Linux only: there a thread has a nice value of its own (elsewhere ``setpriority``
-    would lower the whole process's). A thread's priority is never raised back (that needs privileges), so only
-    threads of a write beside training take it: the thread of that one write and what it starts."""
-    if not sys.platform.startswith("linux"):
-        return
-    with contextlib.suppress(OSError):
-        thread = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + BACKGROUND_NICE))
 
 
 def _copy_on_host(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:

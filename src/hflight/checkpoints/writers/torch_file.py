@@ -32,8 +32,6 @@ import logging
 import os
 import pickle
 import struct
-import sys
-import threading
 import uuid
 import zipfile
 import zlib
@@ -182,25 +180,15 @@ def _crc32_combine(first: int, second: int, second_length: int) -> int:
     return _gf2_times(_zeros_operator(second_length), first) ^ second
 
 
-def _priority() -> int:
-    """The calling thread's nice value (Linux: a thread's own), 0 where it cannot be read."""
-    try:
-        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) if sys.platform.startswith("linux") else 0
-    except OSError:
-        return 0
-
-
 def _crc32(view: memoryview) -> int:
     """``zlib.crc32(view)``; a large record in equal parts side by side (``zlib.crc32`` releases the interpreter lock),
     their CRCs combined, on as many threads as the machine has cores (at most 8)."""
     parts = min(8, os.cpu_count() or 1, len(view) // _PARALLEL_CRC_BYTES)
     if parts < 2:
         return zlib.crc32(view)
-    # the pool's threads, one fewer than the parts (this thread takes the first); a forked process makes its own. Its
-    # threads run at the priority of the thread that made them: a write beside training (a lower one) has its own
+    # the pool's threads, one fewer than the parts (this thread takes the first); a forked process makes its own
     pool = resources.pools.get(
-        f"torch_file.crc.{_priority()}",
-        lambda: concurrent.futures.ThreadPoolExecutor(7, thread_name_prefix="hflight-crc32"),
+        "torch_file.crc", lambda: concurrent.futures.ThreadPoolExecutor(7, thread_name_prefix="hflight-crc32"),
         lambda executor: executor.shutdown(wait=False),
     )  # fmt: skip
     step = -(-len(view) // parts)
