@@ -36,7 +36,8 @@ SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 LONGEST_FIRST = (
     "test_benchmarks.py", "test_sweeps.py", "test_accelerate_launch.py", "test_sharding.py", "test_ray_train.py",
     "test_field_sweep.py", "test_signals.py", "test_readme_commands.py", "test_slurm.py", "test_resume.py",
-    "test_sharded_dropin.py", "test_tensor_parallel.py", "test_run_qa_dropin.py", "test_arguments_on_lightning.py",
+    "test_sharded_dropin.py", "test_remote_checkpoints.py", "test_data_position_ddp.py", "test_tensor_parallel.py",
+    "test_run_qa_dropin.py", "test_arguments_on_lightning.py",
     "test_distributed.py", "test_hpsearch.py", "test_install.py", "test_deepspeed.py", "test_torchrun_dropin.py",
     "test_sft_recipe.py", "test_elastic.py", "test_finetune_torchrun.py", "test_notebooks.py", "test_cli.py",
     "test_tracking.py",
