@@ -632,21 +632,48 @@ def test_the_optimizer_s_state_is_copied_beside_the_next_step_which_waits_for_it
     assert not _global_optimizer_pre_hooks, "the step hook outlived the run"
 
 
-@pytest.mark.parametrize("change", ["callback", "trainer subclass"])
-def test_a_user_s_code_before_the_next_step_has_the_optimizer_s_state_copied_at_the_boundary(
+class _ResetMomentsAtEpochEnd(transformers.TrainerCallback):
+    """A warm restart: the moments zeroed at each epoch's end, after the checkpoint of its last step."""
+
+    def on_epoch_end(self, args, state, control, optimizer=None, **kwargs):
+        for entry in optimizer.state.values():
+            entry["exp_avg"].zero_()
+
+
+class _HalveMomentsOnEvaluation(transformers.TrainerCallback):
+    """The moments halved when an evaluation is logged (at an epoch's end, after the checkpoint of its last step)."""
+
+    def on_log(self, args, state, control, logs=None, optimizer=None, **kwargs):
+        if logs and "eval_loss" in logs:
+            for entry in optimizer.state.values():
+                entry["exp_avg"].mul_(0.5)
+
+
+_USER_CODE = {
+    "on_step_begin callback": [_HalveMoments()],
+    "on_epoch_end callback": [_ResetMomentsAtEpochEnd()],
+    "on_log callback": [_HalveMomentsOnEvaluation()],
+    "trainer subclass": [],
+}
+
+
+@pytest.mark.parametrize("change", list(_USER_CODE))
+def test_a_user_s_code_after_a_checkpoint_has_the_optimizer_s_state_copied_at_the_boundary(
     tmp_path, factory, monkeypatch, change
 ):
-    """A user's callback of the events before the next step (on_step_begin here), or a trainer subclass's
-    training_step, may change the optimizer's state in place before that step: copied beside it, the checkpoint would
-    hold the changed state. There the copy is made at the step boundary, as before: optimizer.pt is the synchronous
-    run's (the same code in both runs), and the helper copies nothing."""
+    """User code that runs between a checkpoint and the next step may change the optimizer's state in place: a
+    callback of the step's events, or, where the checkpoint is an epoch's last step, of the epoch's end, its evaluation
+    and logs (the fault read of issue 67: a warm restart at on_epoch_end went half into the copy made beside the step),
+    or a trainer subclass's methods. Copied beside the step, the checkpoint would hold the change. With any such code
+    the copy is made at the boundary, as before: optimizer.pt is the synchronous run's (the same code in both runs),
+    and the helper copies nothing. A checkpoint at step 5, an epoch's last, evaluated at the epoch's end."""
     import hflight
 
     from .checkpoint_runs import make_trainer
 
     def run(out, **overrides):
-        trainer = make_trainer(out, factory, max_steps=6, save_steps=2,
-                               callbacks=[_HalveMoments()] if change == "callback" else [], **overrides)  # fmt: skip
+        trainer = make_trainer(out, factory, max_steps=8, save_steps=5, eval_strategy="epoch",
+                               callbacks=_USER_CODE[change], **overrides)  # fmt: skip
         if change == "trainer subclass":
             trainer.__class__ = type("Halving", (_HalvingTrainer, hflight.Trainer), {})
         trainer.train()
@@ -655,7 +682,74 @@ def test_a_user_s_code_before_the_next_step_has_the_optimizer_s_state_copied_at_
     seen = _slow_helper_copies(monkeypatch)
     run(tmp_path / "async", save_async=True)
     assert seen["helper bytes"] == 0, seen
-    _assert_same_optimizer_states(_optimizer_files(tmp_path / "async"), _optimizer_files(tmp_path / "sync"))
+    files = {
+        out: torch.load(tmp_path / out / "checkpoint-5" / "optimizer.pt", weights_only=True)
+        for out in ("sync", "async")
+    }
+    _assert_same_optimizer_states({5: files["async"]}, {5: files["sync"]})
+
+
+def test_a_learning_rate_a_scheduler_fills_after_a_checkpoint_s_evaluation_is_copied_at_the_boundary(
+    tmp_path, factory, monkeypatch
+):
+    """A learning rate held as a tensor, and a scheduler that steps on the epoch's evaluation (ReduceLROnPlateau fills
+    the tensor in place) after the checkpoint of the epoch's last step: copied beside the next step, optimizer.pt held
+    the reduced rate (0.0005 against 0.001: the fault read of issue 67), and a resume reduced it twice. Only the
+    optimizer's per-parameter state is copied beside the step; its param_groups are copied at the boundary."""
+    import hflight
+
+    def run(out, **overrides):
+        model = factory.qa_model(seed=0, dropout=0.1)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3))
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", factor=0.5, patience=0)
+        args = hflight.TrainingArguments(
+            output_dir=str(out), per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=12,
+            save_steps=10, eval_strategy="epoch", metric_for_best_model="eval_loss", seed=7, report_to="none",
+            disable_tqdm=True, dataloader_pin_memory=False, **overrides,
+        )  # fmt: skip
+        hflight.Trainer(model, args, train_dataset=factory.qa_dataset(40), eval_dataset=factory.qa_dataset(8, seed=1),
+                        optimizers=(optimizer, scheduler)).train()  # fmt: skip
+        return torch.load(out / "checkpoint-10" / "optimizer.pt", weights_only=True)
+
+    theirs = run(tmp_path / "sync")
+    seen = _slow_helper_copies(monkeypatch)
+    ours = run(tmp_path / "async", save_async=True)
+    assert seen["helper bytes"] > 0, seen  # the moments were copied beside the step
+    assert torch.equal(ours["param_groups"][0]["lr"], theirs["param_groups"][0]["lr"]), (ours, theirs)
+    assert float(theirs["param_groups"][0]["lr"]) == pytest.approx(1e-3)  # not reduced yet when the checkpoint came
+    _assert_same_optimizer_states({10: ours}, {10: theirs})
+
+
+def test_a_forked_process_s_optimizer_step_does_not_wait_for_the_parent_s_copy(monkeypatch):
+    """torch's step pre-hook is the process's: a forked child inherits it with the copy in flight, but not the helper
+    thread that makes it, and its first optimizer step waited forever (the fault read of issue 67). The child's steps
+    change nothing of the parent's: they do not wait."""
+    gate = threading.Event()
+    real = asynchronous._copy_pieces
+    monkeypatch.setattr(asynchronous, "_copy_pieces", lambda pieces: (gate.wait(30), real(pieces))[1])
+    writer = asynchronous.CheckpointWriter(asynchronous=True)
+    writer.job("unused", "unused", main=True)
+    writer.snapshot("optimizer.pt", _optimizer_state(), until=object())
+    writer.snapshot_done()
+    assert writer._copying is not None and not writer._copying.done()
+    child = os.fork()
+    if child == 0:  # the child: a plain SGD step
+        weight = torch.nn.Parameter(torch.ones(3))
+        weight.grad = torch.ones(3)
+        torch.optim.SGD([weight], lr=0.1).step()
+        os._exit(0)
+    stepped, deadline = False, time.monotonic() + 20
+    try:
+        while not stepped and time.monotonic() < deadline:
+            stepped = os.waitpid(child, os.WNOHANG) != (0, 0)
+            time.sleep(0.05)
+    finally:
+        if not stepped:
+            os.kill(child, 9)
+            os.waitpid(child, 0)
+        gate.set()
+        writer.close(raising=False)
+    assert stepped, "the child's optimizer step waited for the parent's copy"
 
 
 def test_only_an_optimizer_stepped_through_torch_s_hooked_step_has_its_copy_made_beside_the_step():

@@ -143,6 +143,7 @@ class CheckpointWriter:
         self._copied: list[Any] = []  # the events of the copies queued since the last submit
         self._later: list[tuple[np.ndarray, np.ndarray]] = []  # host copies left to the next step (snapshot(until=))
         self._copying: concurrent.futures.Future | None = None  # those copies, being made beside the step
+        self._copying_in = 0  # ... by the helper thread of this process
         self._step_hook: Any = None  # torch's optimizer-step pre-hook that waits for them
         self._write: _Write | None = None  # the write in flight, or the last one
         self._waited: float | None = None  # when the last wait() began to wait for a write still in flight
@@ -228,17 +229,24 @@ class CheckpointWriter:
         # deepcopy with every tensor already mapped to its copy: the copy has the original's structure exactly
         # (shared objects stay shared, so torch.save writes the same bytes)
         memo: dict[int, Any] = {}
-        self._copy(self._stage(name, state, memo), later=until is not None)
+        staged = self._stage(name, state, memo)
+        # an optimizer's per-parameter state (its "state" entries: the moments) changes only in its step; its
+        # param_groups (a learning rate held as a tensor, which a scheduler stepping on a metric fills in place after
+        # an evaluation) are copied now
+        later = {id(pair) for pair, keys in staged if until is not None and all(key[1:2] == ("state",) for key in keys)}
+        self._copy([pair for pair, _ in staged if id(pair) not in later])
+        self._copy([pair for pair, _ in staged if id(pair) in later], later=True)
         return copy.deepcopy(state, memo)
 
-    def _stage(self, name: str, state: Any, memo: dict[int, Any]) -> list[tuple[Any, Any]]:
+    def _stage(self, name: str, state: Any, memo: dict[int, Any]) -> list[tuple[tuple[Any, Any], list[Any]]]:
         """Every tensor of ``state`` mapped in ``memo`` to its copy: the same view (offset, shape, strides, dtype) of
         its storage's copy in the staging area (those past its end: in one overflow buffer), with the tensor's
         ``requires_grad``, ``Parameter`` type and Python attributes, as ``torch.save`` writes it. Tensors over one
         storage (tied weights, views) share its copy, as they share the storage: ``torch.save`` writes each storage
         once, ``save_pretrained`` finds tied weights by their storage. Returns the copies to make, (copy, source),
-        each storage once."""
+        each storage once, with the keys of the tensors over it."""
         storages: dict[int, tuple[_Slot, Any]] = {}  # by the source storage's _cdata, as torch.save tells them apart
+        keys: dict[int, list[Any]] = {}
         views: list[tuple[torch.Tensor, _Slot]] = []
         own: list[torch.Tensor] = []
         for key, tensor in _tensors(state, (name,)):
@@ -251,6 +259,7 @@ class CheckpointWriter:
             storage = tensor.untyped_storage()
             if storage._cdata not in storages:
                 storages[storage._cdata] = (self._slot(key, storage.nbytes()), storage)
+            keys.setdefault(storage._cdata, []).append(key)
             views.append((tensor, storages[storage._cdata][0]))
             memo[id(tensor)] = None  # made below, once every storage has its copy
         self._overflow([slot for slot, _ in storages.values() if slot.storage is None])
@@ -260,7 +269,7 @@ class CheckpointWriter:
             state = torch._utils._get_obj_state(tensor)  # what torch.save keeps of it: __dict__, and __slots__
             if state if not isinstance(state, tuple) else any(state):
                 torch._utils._set_obj_state(memo[id(tensor)], copy.deepcopy(state, memo))
-        return [(slot.storage, storage) for slot, storage in storages.values() if slot.nbytes]
+        return [((slot.storage, storage), keys[cdata]) for cdata, (slot, storage) in storages.items() if slot.nbytes]
 
     def _slot(self, key: tuple[Any, ...], nbytes: int) -> _Slot:
         """The slot of ``key`` (a storage of ``nbytes`` first met at it): the last checkpoint's (the same bytes), or a
@@ -357,22 +366,27 @@ class CheckpointWriter:
         except RuntimeError:  # the helper was released meanwhile (another run's writer closed): made now
             _copy_pieces(pairs)
             return
-        self._copying = copying
+        self._copying, self._copying_in = copying, os.getpid()
         if self._step_hook is None:
             self._step_hook = register_optimizer_step_pre_hook(self._before_a_step)
         self._copied.append(_Copying(copying))
 
     def _before_a_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """Before any torch optimizer's ``step()``: the copies made beside the step are over (their failure is the
-        write's, raised by it)."""
+        write's, raised by it). Not in a forked process, which inherits the hook but not the helper thread (its copy
+        of the copies would never end) and whose steps change nothing of this process's."""
         copying = self._copying
-        if copying is not None:
+        if copying is not None and os.getpid() == self._copying_in:
             concurrent.futures.wait([copying])
 
-    def _drop_step_hook(self) -> None:
-        """The step hook removed once the copies it waits for are over (on the loop's thread, never inside a step,
-        whose loop over the hooks a removal would break)."""
-        if self._step_hook is not None and (self._copying is None or self._copying.done()):
+    def _drop_step_hook(self, wait: bool = False) -> None:
+        """The step hook removed once the copies it waits for are over (``wait``: waited for first), on the loop's
+        thread, never inside a step, whose loop over the hooks a removal would break."""
+        if self._step_hook is None:
+            return
+        if wait and self._copying is not None:
+            concurrent.futures.wait([self._copying])
+        if self._copying is None or self._copying.done():
             self._step_hook.remove()
             self._step_hook, self._copying = None, None
 
@@ -583,7 +597,8 @@ class CheckpointWriter:
         try:
             self._close(raising)
         finally:  # the copies dropped first: the shared memory is unmapped with the last tensor over it
-            self._drop_step_hook()  # the write was waited for: the copies beside the step are over
+            self._drop_step_hook(wait=True)  # no step comes: the copies beside the step are waited for (a write
+            # not submitted, as a checkpoint that failed half-way, did not wait for them)
             self._allocating, self._later = None, []
             self._slots, self._area, self._end, self._overflows, self._retired = {}, None, 0, [], []
             self._overflow_bytes, self._area_pinned, self._write, self._copied = 0, False, None, []

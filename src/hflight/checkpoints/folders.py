@@ -448,10 +448,9 @@ def _write_files(facade: TrainerSurface, run: RunView, job: CheckpointJob, run_d
     return progress
 
 
-#: the events the loop dispatches between a checkpoint and the next optimizer step (an epoch may begin between)
-_BEFORE_THE_NEXT_STEP = ("on_save", "on_epoch_begin", "on_step_begin", "on_substep_end", "on_pre_optimizer_step")
-#: the trainer's methods that run between a checkpoint and the next optimizer step
-_TRAINER_STEP_METHODS = ("training_step", "compute_loss", "_save_checkpoint")
+#: the events a callback may override and still have the optimizer's copy made beside the next step: those that never
+#: come between a checkpoint and the next step (an epoch's end, its evaluation and its logs, the end of training may)
+_BEFORE_ANY_CHECKPOINT = ("on_init_end", "on_train_begin")
 #: whose callbacks and trainer methods are known to leave the optimizer's state alone
 _KNOWN = ("hflight.", "transformers.", "lightning.")
 
@@ -463,22 +462,24 @@ def _optimizer_alone_changes_its_state(facade: TrainerSurface, run: RunView) -> 
 
     - the state is one process's own torch optimizer, stepped through torch's ``Optimizer.step`` (whose pre-hooks
       run): not a sharded form's, nor one whose step runs elsewhere (the IPU's replaces it);
-    - every callback that runs before that step (``on_save``, ``on_step_begin``, ...) and the trainer's
-      ``training_step``, ``compute_loss`` and ``_save_checkpoint`` are transformers', Lightning's or hflight's: a
-      user's callback or subclass may change the state in place (a reset of the moments), and is not second-guessed.
-    """
+    - every callback whose events may come between a checkpoint and the next step (``on_save``, ``on_step_begin``,
+      an epoch's ``on_epoch_end``, ``on_evaluate`` and ``on_log``, ``on_train_end``, ...: all but ``on_init_end`` and
+      ``on_train_begin``) and every class of the trainer are transformers', Lightning's or hflight's: a user's
+      callback, or a subclass's ``training_step``, ``compute_loss``, ``evaluate``, ``log``, ..., may change the state
+      in place (a reset of the moments at an epoch's end), and is not second-guessed.
+
+    Only the state's per-parameter entries are copied beside the step; its ``param_groups`` are copied at the boundary
+    (a scheduler stepping on a metric may fill a learning rate held as a tensor after an evaluation)."""
     optimizer = facade.optimizer
     if not isinstance(run.backend.hf_checkpoint_state(), ProcessZeroState) or not _steps_with_hooks(optimizer):
         return None
     for callback in facade.callback_handler.callbacks:
-        if _foreign(type(callback)) and any(_overrides(callback, event) for event in _BEFORE_THE_NEXT_STEP):
+        if _foreign(type(callback)) and _overrides_events_after_a_checkpoint(callback):
             return None
     if any(_foreign(type(callback)) for callback in run.lightning_trainer.callbacks):
         return None
-    for name in _TRAINER_STEP_METHODS:
-        method = getattr(type(facade), name, None)
-        if method is not None and not getattr(method, "__module__", "").startswith(_KNOWN):
-            return None
+    if any(_foreign(kind) for kind in type(facade).__mro__ if kind is not object):
+        return None
     return optimizer
 
 
@@ -501,10 +502,12 @@ def _foreign(kind: type) -> bool:
     return not kind.__module__.startswith(_KNOWN)
 
 
-def _overrides(callback: Any, event: str) -> bool:
+def _overrides_events_after_a_checkpoint(callback: Any) -> bool:
+    """Whether ``callback`` overrides an event of ``TrainerCallback`` other than :data:`_BEFORE_ANY_CHECKPOINT`."""
     from transformers import TrainerCallback
 
-    return getattr(type(callback), event, None) is not getattr(TrainerCallback, event, None)
+    events = [name for name in vars(TrainerCallback) if name.startswith("on_") and name not in _BEFORE_ANY_CHECKPOINT]
+    return any(getattr(type(callback), name, None) is not getattr(TrainerCallback, name) for name in events)
 
 
 class _FinalPathInLogs(logging.Filter):
