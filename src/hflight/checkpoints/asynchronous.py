@@ -229,13 +229,15 @@ class CheckpointWriter:
         # deepcopy with every tensor already mapped to its copy: the copy has the original's structure exactly
         # (shared objects stay shared, so torch.save writes the same bytes)
         memo: dict[int, Any] = {}
-        staged = self._stage(name, state, memo)
         # an optimizer's per-parameter state (its "state" entries: the moments) changes only in its step; its
         # param_groups (a learning rate held as a tensor, which a scheduler stepping on a metric fills in place after
         # an evaluation) are copied now
-        later = {id(pair) for pair, keys in staged if until is not None and all(key[1:2] == ("state",) for key in keys)}
-        self._copy([pair for pair, _ in staged if id(pair) not in later])
-        self._copy([pair for pair, _ in staged if id(pair) in later], later=True)
+        now, beside_the_step = [], []
+        for pair, keys in self._stage(name, state, memo):
+            deferred = until is not None and all(key[1:2] == ("state",) for key in keys)
+            (beside_the_step if deferred else now).append(pair)
+        self._copy(now)
+        self._copy(beside_the_step, later=True)
         return copy.deepcopy(state, memo)
 
     def _stage(self, name: str, state: Any, memo: dict[int, Any]) -> list[tuple[tuple[Any, Any], list[Any]]]:
@@ -359,12 +361,8 @@ class CheckpointWriter:
         them first (a pre-hook of torch's, for any optimizer of the process: layer-wise ones step during the
         backward); the writer thread waits for them before it reads the copies."""
         pairs, self._later = self._later, []
-        if not pairs:
-            return
-        try:
-            copying = _copy_helper().submit(_copy_pieces, pairs)
-        except RuntimeError:  # the helper was released meanwhile (another run's writer closed): made now
-            _copy_pieces(pairs)
+        copying = _copy_on_helper(pairs) if pairs else None
+        if copying is None:
             return
         self._copying, self._copying_in = copying, os.getpid()
         if self._step_hook is None:
@@ -722,11 +720,7 @@ def _copy_on_host(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
     while mine < len(pieces) and taken < total / 2:
         taken += len(pieces[mine][0])
         mine += 1
-    try:
-        theirs = _copy_helper().submit(_copy_pieces, pieces[mine:])
-    except RuntimeError:  # the pool was released meanwhile (a writer of another run closed): all of it here
-        theirs = None
-        mine = len(pieces)
+    theirs = _copy_on_helper(pieces[mine:])
     try:
         _copy_pieces(pieces[:mine])
     finally:
@@ -734,12 +728,19 @@ def _copy_on_host(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
             theirs.result()  # never left copying into the area after the loop went on (its error raised here)
 
 
-def _copy_helper() -> concurrent.futures.ThreadPoolExecutor:
-    """The process's helper thread for copies (made by the training loop's thread, at its priority)."""
-    return resources.pools.get(
+def _copy_on_helper(pieces: list[tuple[np.ndarray, np.ndarray]]) -> concurrent.futures.Future | None:
+    """``pieces`` copied by the process's helper thread for copies (made at its first use, by the training loop's
+    thread): the copy's future; None where the helper was released meanwhile (a writer of another run closed), and the
+    pieces were copied here."""
+    helper = resources.pools.get(
         "asynchronous.copy", lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hflight-copy"),
         lambda executor: executor.shutdown(wait=False),
     )  # fmt: skip
+    try:
+        return helper.submit(_copy_pieces, pieces)
+    except RuntimeError:
+        _copy_pieces(pieces)
+        return None
 
 
 class _Copying:

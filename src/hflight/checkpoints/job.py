@@ -139,7 +139,7 @@ class CheckpointJob:
         self,
         folder: str,
         final_dir: str,
-        snapshot: Callable[[str, Any], Any] | None,
+        snapshot: Callable[..., Any] | None,
         main: bool,
         entries_made_durable: set[tuple[int, int]],
         last: bool = False,
@@ -228,9 +228,7 @@ class CheckpointJob:
         its copy may be made beside that step's forward and backward (``CheckpointWriter.snapshot``)."""
         if self._snapshot is None or (self.last and not transient):
             return state
-        if until is not None:
-            return self._snapshot(name, state, until=until)
-        return self._snapshot(name, state)
+        return self._snapshot(name, state, until=until)
 
     def later(self, file: str | None, step: Step) -> None:
         """Run ``step`` (writing ``file``) when the job is finished; now when it is finished on this thread."""
