@@ -267,7 +267,7 @@ def test_checkpoint_run_prints_each_kind_s_cost_per_checkpoint_against_the_synch
                "--rounds", "1", "--kinds", "hflight sync", "hflight save_async", "--dir", str(tmp_path)]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    row = re.compile(r"^(transformers|hflight sync|hflight save_async)\s+(\S+\s+\S+\s+\S+\s+\S+)", re.M)
+    row = re.compile(r"^(transformers|hflight sync|hflight save_async)[ \t]+(\S+[ \t]+\S+[ \t]+\S+[ \t]+\S+)", re.M)
     rows = {m.group(1): m.group(2).split() for m in row.finditer(done.stdout)}
     assert set(rows) == {"hflight sync", "hflight save_async"}, done.stdout
     assert all(float(row[0]) > 0 and float(row[1]) > 0 for row in rows.values()), done.stdout
@@ -279,6 +279,15 @@ def test_checkpoint_run_prints_each_kind_s_cost_per_checkpoint_against_the_synch
         assert float(per) == pytest.approx(found[kind]["per_checkpoint"], abs=1e-3), done.stdout
         assert ratio == (f"{found[kind]['per_checkpoint'] / sync:.2f}" if sync > 0 else "-"), done.stdout
     assert rows["hflight sync"][3] in ("1.00", "-"), done.stdout
+    # the second table: each run against its own median step, the median over the rounds (one here) and its spread
+    against = json.loads(done.stdout.strip().splitlines()[-1])["1 against each run's steps"]
+    medians = re.findall(
+        r"^(hflight sync|hflight save_async)[ \t]+(\S+)[ \t]+(\S+)\.\.(\S+)[ \t]+(\S+)$", done.stdout, re.M
+    )
+    assert [kind for kind, *_ in medians] == ["hflight sync", "hflight save_async"], done.stdout
+    for kind, middle, low, high, _ratio in medians:
+        assert float(middle) == pytest.approx(against[kind]["per_checkpoint"], abs=1e-3), done.stdout
+        assert float(low) == float(middle) == float(high), "one round: its own median, min and max"
     assert not list(tmp_path.iterdir()), "the runs' folders are removed"
 
 

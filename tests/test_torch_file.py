@@ -13,7 +13,7 @@ import zlib
 import pytest
 import torch
 
-from hflight.checkpoints.writers import torch_file
+from hflight.checkpoints.writers import resources, torch_file
 
 from .support import torch_file_records
 
@@ -107,9 +107,15 @@ def test_the_hasher_sees_every_byte_of_the_file(tmp_path):
     assert hasher.hexdigest() == file_digest(tmp_path / "written.pt")
 
 
-def test_the_crc_of_a_record_checksummed_in_parts_checks(tmp_path, monkeypatch):
-    """A large record's CRC-32 is computed in parts side by side (from 4 MiB): the threshold lowered so that the
-    larger storages are, each record's CRC still checks and the records are torch.save's."""
+@pytest.fixture
+def zlib_crc(monkeypatch):
+    """The CRC-32 of an install without ``isal``: zlib's, in parts side by side."""
+    monkeypatch.setattr(torch_file, "_fast_crc32", None)
+
+
+def test_the_crc_of_a_record_checksummed_in_parts_checks(tmp_path, monkeypatch, zlib_crc):
+    """Without ``isal``, a large record's CRC-32 is computed in parts side by side (from 4 MiB): the threshold lowered
+    so that the larger storages are, each record's CRC still checks and the records are torch.save's."""
     monkeypatch.setattr(torch_file, "_PARALLEL_CRC_BYTES", 1000)  # the 64x32 float weight: 4 parts
     monkeypatch.setattr(torch_file.os, "cpu_count", lambda: 4)
     state = _state()
@@ -170,8 +176,9 @@ def test_a_writer_whose_records_differ_from_torch_save_s_on_the_probe_gives_way_
 
 
 @pytest.mark.parametrize("size", [0, 5, 4 << 20, (8 << 20) + 3, (17 << 20) + 11])
-def test_a_large_record_s_crc_computed_in_parts_is_zlib_s(size, monkeypatch):
-    """Records of 4 MiB and more are checksummed in parts side by side and the parts' CRCs combined."""
+def test_a_large_record_s_crc_computed_in_parts_is_zlib_s(size, monkeypatch, zlib_crc):
+    """Without ``isal``, records of 4 MiB and more are checksummed in parts side by side and the parts' CRCs
+    combined."""
     monkeypatch.setattr(torch_file.os, "cpu_count", lambda: 4)
     data = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(size)).numpy()
     view = memoryview(data)
@@ -180,3 +187,17 @@ def test_a_large_record_s_crc_computed_in_parts_is_zlib_s(size, monkeypatch):
         whole = zlib.crc32
         monkeypatch.setattr(torch_file.zlib, "crc32", lambda piece, *a: whole(piece, *a) if len(piece) < size else 0)
         assert torch_file._crc32(view) == whole(view)
+
+
+@pytest.mark.parametrize("size", [0, 1, 63, 4097, (9 << 20) + 5])
+def test_the_crc_is_isa_l_s_on_one_thread_and_equals_zlib_s(size, monkeypatch):
+    """``isal`` (a dependency) computes every record's CRC-32, the whole record on the writing thread: no CRC threads
+    beside it (a background write's parallel CRC took the training loop's core), and zlib's value, from any offset of
+    a storage's bytes."""
+    assert torch_file._fast_crc32 is not None, "isal is a dependency of hflight: its CRC-32 is used"
+    monkeypatch.setattr(torch_file.os, "cpu_count", lambda: 4)
+    pools = len(resources.pools)
+    data = torch.randint(0, 256, (size + 3,), dtype=torch.uint8, generator=torch.Generator().manual_seed(size)).numpy()
+    view = memoryview(data)[3:]
+    assert torch_file._crc32(view) == zlib.crc32(view)
+    assert len(resources.pools) == pools, "no CRC pool made"

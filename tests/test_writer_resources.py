@@ -38,9 +38,15 @@ def _write_files(folder: str, seed: int, large: bool, barrier, results) -> None:
         results.put((path, hasher.hexdigest()))
 
 
+@pytest.fixture
+def zlib_crc(monkeypatch):
+    """The CRC-32 of an install without ``isal``: zlib's, large records in parts on the CRC pool's threads."""
+    monkeypatch.setattr(torch_file, "_fast_crc32", None)
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
 @pytest.mark.parametrize("large", [False, True], ids=["buffers", "crc threads"])
-def test_processes_forked_after_a_checkpoint_write_their_own_files(tmp_path, large):
+def test_processes_forked_after_a_checkpoint_write_their_own_files(tmp_path, large, zlib_crc):
     """The parent writes a file first (its staging buffers kept for the next, its CRC threads started); two workers
     forked after it write at the same time. Shared staging buffers gave each worker the other's bytes (files that
     verified against their own checksum, as written, and loaded without complaint); the inherited CRC pool, without
@@ -96,7 +102,7 @@ def test_a_forked_child_lets_go_of_what_it_inherited_and_releases_nothing_of_the
     owner.close()
 
 
-def test_the_pools_are_released_when_a_run_s_writer_closes(tmp_path):
+def test_the_pools_are_released_when_a_run_s_writer_closes(tmp_path, zlib_crc):
     from hflight.checkpoints.asynchronous import CheckpointWriter
 
     writer = CheckpointWriter(asynchronous=False)

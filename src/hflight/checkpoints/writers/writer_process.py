@@ -74,7 +74,7 @@ BOOT = (
     "main(sys.argv[2:])\n"
 )
 #: the packages the child imports: the folders the training process has them from are on its path, whatever else
-_CHILD_PACKAGES = ("hflight", "torch", "numpy", "safetensors", "xxhash")
+_CHILD_PACKAGES = ("hflight", "torch", "numpy", "safetensors", "xxhash", "isal")
 #: the area of an empty storage (made anew in the child)
 _EMPTY = -1
 #: how long the writer thread waits for the child to start and answer its first message, seconds
