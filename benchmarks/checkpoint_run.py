@@ -50,7 +50,6 @@ KINDS = ("transformers", "hflight sync", "hflight save_async", "hflight save_asy
 def worker(kind: str, checkpoints: bool, threads: int, model_name: str, steps: int, save_steps: int, out: str) -> dict:
     import torch
     import transformers
-    from torch.optim.optimizer import register_optimizer_step_post_hook
 
     import hflight
 
@@ -68,22 +67,11 @@ def worker(kind: str, checkpoints: bool, threads: int, model_name: str, steps: i
 
         asynchronous.PROCESS_MIN_BYTES = 1 << 62  # the writer thread writes every file
     trainer = library.Trainer(model, library.TrainingArguments(**fields), train_dataset=data)
-    ends: list[float] = []  # every optimizer step's end (torch's global hook: no callback, which save_async would see)
-    handle = register_optimizer_step_post_hook(lambda *_: ends.append(time.perf_counter()))
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start
-    handle.remove()
     written = sorted(p.name for p in Path(out).iterdir() if p.name.startswith("checkpoint-"))
-    return {"wall": wall, "checkpoints": written, "excess": _excess(wall, ends)}
-
-
-def _excess(wall: float, ends: list[float]) -> float:
-    """The run's wall time beyond its own typical step: ``wall`` less the steps after the first at their median
-    duration. A checkpoint's cost is then measured against the same run's steps, which a machine shared with other
-    work slows or speeds up as a whole (whole runs of the same kind differed by 1-2 s here)."""
-    steps = [b - a for a, b in zip(ends, ends[1:])]
-    return wall - len(steps) * statistics.median(steps) if steps else wall
+    return {"wall": wall, "checkpoints": written}
 
 
 def run_once(kind: str, checkpoints: bool, threads: int, opts: argparse.Namespace, folder: Path) -> dict:
@@ -126,15 +114,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="checkpoint_run-", dir=opts.dir) as folder:
         for threads in opts.threads:
             walls: dict[tuple[str, bool], list[float]] = {}
-            excess: dict[tuple[str, bool], list[float]] = {}
             for _ in range(opts.rounds):
                 for kind in opts.kinds:
                     for checkpoints in (False, True):
                         found = run_once(kind, checkpoints, threads, opts, Path(folder))
                         walls.setdefault((kind, checkpoints), []).append(found["wall"])
-                        excess.setdefault((kind, checkpoints), []).append(found["excess"])
             results[str(threads)] = _report(threads, walls, opts.kinds, count)
-            results[str(threads) + " against each run's steps"] = _report_excess(excess, opts.kinds, count)
+            results[str(threads) + " by round"] = _report_rounds(walls, opts.kinds, count)
     print(json.dumps(results))
 
 
@@ -155,16 +141,17 @@ def _report(threads: int, walls: dict, kinds: list[str], count: int) -> dict:
     return {kind: {"per_checkpoint": per[kind], "walls": [walls[kind, False], walls[kind, True]]} for kind in kinds}
 
 
-def _report_excess(excess: dict, kinds: list[str], count: int) -> dict:
-    """Per checkpoint, each round: (the run with checkpoints' excess over its own median step - the median excess of
-    the runs without) / checkpoints; the median over the rounds, and their spread."""
-    print("against each run's own steps (wall - steps x the run's median step), per checkpoint over the rounds:")
+def _report_rounds(walls: dict, kinds: list[str], count: int) -> dict:
+    """Per checkpoint, each round: (the run with checkpoints - the same round's run without, hflight's two kinds'
+    mean) / checkpoints, from runs next to each other in time (a machine shared with other work slows whole runs:
+    they differed by 1-2 s here); the median over the rounds, and their spread."""
+    print("by round (each run with checkpoints against its round's runs without), per checkpoint:")
     print(f"{'kind':<20} {'median s':>9} {'min..max s':>16} {'x sync':>7}")
     same = [kind for kind in kinds if kind.startswith("hflight")]
     per = {}
     for kind in kinds:
-        plain = statistics.median(e for k in (same if kind in same else [kind]) for e in excess[k, False])
-        per[kind] = [(each - plain) / count for each in excess[kind, True]]
+        plain = [statistics.mean(runs) for runs in zip(*(walls[k, False] for k in (same if kind in same else [kind])))]
+        per[kind] = [(saving - base) / count for saving, base in zip(walls[kind, True], plain)]
     sync = statistics.median(per["hflight sync"]) if "hflight sync" in per else None
     for kind in kinds:
         middle = statistics.median(per[kind])
