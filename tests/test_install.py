@@ -88,3 +88,19 @@ def test_wheel_installs_and_runs_from_an_empty_folder(tmp_path):
     assert sweepers.split().count("OptunaSweeper") == 1, info
     job = info.split("\nConfig\n******\n")[1]
     assert "task_name: mine" in job and "num_train_articles: 600" in job  # the user's file over the package's mrc
+
+
+def test_the_ortmodule_lock_holds_every_runtime_dependency_of_hflight():
+    """requirements/ortmodule.txt installs with ``--no-deps`` and hflight on top without dependencies: a dependency
+    added to pyproject.toml and not to the lock fails CI's ORTModule environment at its ``pip check`` (isal did)."""
+    import re
+
+    import tomllib
+
+    def name(requirement: str) -> str:
+        return re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0].strip().lower().replace("_", "-")
+
+    needed = {name(each) for each in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]}
+    lines = (REPO / "requirements" / "ortmodule.txt").read_text().splitlines()
+    locked = {name(line) for line in lines if line.strip() and not line.startswith("#")}
+    assert needed - locked == set(), "pyproject.toml's dependencies missing from requirements/ortmodule.txt"
