@@ -127,10 +127,7 @@ def main() -> None:
 def _report(threads: int, walls: dict, kinds: list[str], count: int) -> dict:
     print(f"\n{threads} training thread{'s' if threads > 1 else ''}:")
     print(f"{'kind':<20} {'no ckpt s':>9} {'ckpt s':>8} {'per ckpt s':>10} {'x sync':>7}   all runs (no ckpt | ckpt)")
-    # hflight's two kinds without checkpoints are the same run (save_async does nothing without a checkpoint): both
-    # count towards each one's baseline, which halves the noise of the subtraction
-    same = [kind for kind in kinds if kind.startswith("hflight")]
-    plain = {kind: min(w for k in (same if kind in same else [kind]) for w in walls[k, False]) for kind in kinds}
+    plain = {kind: min(w for k in _baseline(kind, kinds) for w in walls[k, False]) for kind in kinds}
     best = {kind: (plain[kind], min(walls[kind, True])) for kind in kinds}
     per = {kind: (saving - plain) / count for kind, (plain, saving) in best.items()}
     sync = per.get("hflight sync")
@@ -141,16 +138,22 @@ def _report(threads: int, walls: dict, kinds: list[str], count: int) -> dict:
     return {kind: {"per_checkpoint": per[kind], "walls": [walls[kind, False], walls[kind, True]]} for kind in kinds}
 
 
+def _baseline(kind: str, kinds: list[str]) -> list[str]:
+    """The kinds whose runs without checkpoints are ``kind``'s baseline: hflight's kinds without checkpoints are the
+    same run (save_async does nothing without a checkpoint), so all of them count towards each one's, which halves the
+    noise of the subtraction."""
+    return [each for each in kinds if each.startswith("hflight")] if kind.startswith("hflight") else [kind]
+
+
 def _report_rounds(walls: dict, kinds: list[str], count: int) -> dict:
     """Per checkpoint, each round: (the run with checkpoints - the same round's run without, hflight's two kinds'
     mean) / checkpoints, from runs next to each other in time (a machine shared with other work slows whole runs:
     they differed by 1-2 s here); the median over the rounds, and their spread."""
     print("by round (each run with checkpoints against its round's runs without), per checkpoint:")
     print(f"{'kind':<20} {'median s':>9} {'min..max s':>16} {'x sync':>7}")
-    same = [kind for kind in kinds if kind.startswith("hflight")]
     per = {}
     for kind in kinds:
-        plain = [statistics.mean(runs) for runs in zip(*(walls[k, False] for k in (same if kind in same else [kind])))]
+        plain = [statistics.mean(runs) for runs in zip(*(walls[k, False] for k in _baseline(kind, kinds)))]
         per[kind] = [(saving - base) / count for saving, base in zip(walls[kind, True], plain)]
     sync = statistics.median(per["hflight sync"]) if "hflight sync" in per else None
     for kind in kinds:

@@ -121,6 +121,15 @@ def one_torch_thread():
     torch.set_num_threads(1)
 
 
+@pytest.fixture
+def zlib_crc(monkeypatch):
+    """The CRC-32 of an install without ``isal``: zlib's, a large record in parts on the CRC pool's threads
+    (hflight.checkpoints.writers.torch_file._crc32)."""
+    from hflight.checkpoints.writers import torch_file
+
+    monkeypatch.setattr(torch_file, "_fast_crc32", None)
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     """The folder of real SQuAD-format data sets; skips the test when a fresh clone has none beside it."""

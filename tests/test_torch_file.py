@@ -107,12 +107,6 @@ def test_the_hasher_sees_every_byte_of_the_file(tmp_path):
     assert hasher.hexdigest() == file_digest(tmp_path / "written.pt")
 
 
-@pytest.fixture
-def zlib_crc(monkeypatch):
-    """The CRC-32 of an install without ``isal``: zlib's, in parts side by side."""
-    monkeypatch.setattr(torch_file, "_fast_crc32", None)
-
-
 def test_the_crc_of_a_record_checksummed_in_parts_checks(tmp_path, monkeypatch, zlib_crc):
     """Without ``isal``, a large record's CRC-32 is computed in parts side by side (from 4 MiB): the threshold lowered
     so that the larger storages are, each record's CRC still checks and the records are torch.save's."""

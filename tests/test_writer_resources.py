@@ -38,12 +38,6 @@ def _write_files(folder: str, seed: int, large: bool, barrier, results) -> None:
         results.put((path, hasher.hexdigest()))
 
 
-@pytest.fixture
-def zlib_crc(monkeypatch):
-    """The CRC-32 of an install without ``isal``: zlib's, large records in parts on the CRC pool's threads."""
-    monkeypatch.setattr(torch_file, "_fast_crc32", None)
-
-
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
 @pytest.mark.parametrize("large", [False, True], ids=["buffers", "crc threads"])
 def test_processes_forked_after_a_checkpoint_write_their_own_files(tmp_path, large, zlib_crc):
