@@ -93,12 +93,12 @@ def test_wheel_installs_and_runs_from_an_empty_folder(tmp_path):
 def test_the_ortmodule_lock_holds_every_runtime_dependency_of_hflight():
     """requirements/ortmodule.txt installs with ``--no-deps`` and hflight on top without dependencies: a dependency
     added to pyproject.toml and not to the lock fails CI's ORTModule environment at its ``pip check`` (isal did)."""
-    import re
-
     import tomllib
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
 
     def name(requirement: str) -> str:
-        return re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0].strip().lower().replace("_", "-")
+        return canonicalize_name(Requirement(requirement).name)
 
     needed = {name(each) for each in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]}
     lines = (REPO / "requirements" / "ortmodule.txt").read_text().splitlines()
